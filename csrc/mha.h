@@ -1,0 +1,128 @@
+/*
+ * mha.h - the public API of mhattn's C core.
+ *
+ * The core is plain C11: it knows nothing of Python or NumPy. The only file
+ * that includes Python.h is mhattn_module.c (the glue).
+ *
+ * Letters used in every shape comment of the core:
+ *   B    batch size
+ *   Tq   number of queries (rows of x)
+ *   Tk   number of keys and values (rows of key / value)
+ *   Din  width of x            (d_in)
+ *   Dkin width of key          (rows of w_k)
+ *   Dvin width of value        (rows of w_v)
+ *   Dout width of the output   (columns of w_o, or Svq when w_o is absent)
+ *   H    number of query heads
+ *   G    number of key/value heads (H % G == 0; query head h uses kv head
+ *        h / (H / G)). G == H is ordinary multi-head attention.
+ *   dk[g], dv[g]  key (== query) width and value width of kv head g; heads
+ *        may be ragged, so every width is per head.
+ *   Sq   = sum over query heads h of dk[h / (H/G)]  (fused query width)
+ *   Sk   = sum over kv heads g of dk[g]             (fused key width)
+ *   Sv   = sum over kv heads g of dv[g]             (fused value width)
+ *   Svq  = sum over query heads h of dv[h / (H/G)]  (concatenation width)
+ *
+ * Every buffer is row-major and contiguous unless a stride says otherwise.
+ * Head h's block of a fused buffer starts at the sum of the widths of the
+ * heads before it (see mha_layout).
+ *
+ * Conventions: outputs come first, then inputs, then sizes and options.
+ * Every function returns an mha_status; none prints, exits or asserts on
+ * anything a caller can pass.
+ */
+#ifndef MHA_H
+#define MHA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum {
+    MHA_OK = 0,
+    MHA_ERR_NOMEM,       /* an allocation failed */
+    MHA_ERR_SIZE,        /* a size product overflows size_t */
+    MHA_ERR_ARG,         /* inconsistent sizes or a NULL required buffer */
+    MHA_ERR_INTERRUPTED, /* the caller's interrupt flag was raised */
+} mha_status;
+
+/* A static, human-readable name for a status ("MHA_OK", ...). */
+const char *mha_status_name(mha_status s);
+
+typedef enum {
+    MHA_MASK_NONE = 0,
+    MHA_MASK_BOOL, /* uint8: nonzero = may attend (SDPA / JAX / Keras) */
+    MHA_MASK_ADD,  /* real, added to the scaled scores; -inf allowed   */
+} mha_mask_kind;
+
+/*
+ * Sizes and options of one call. The head-width arrays are borrowed: they
+ * must outlive the call.
+ */
+typedef struct {
+    size_t B, Tq, Tk;
+    size_t Din, Dkin, Dvin, Dout;
+    size_t H, G;
+    const size_t *dk;     /* (G,) */
+    const size_t *dv;     /* (G,) */
+    const double *scale;  /* (H,) multiplier of q.k for each query head */
+    int causal;           /* query i sees keys j <= i + (Tk - Tq)       */
+    mha_mask_kind mask_kind;
+    const void *mask;     /* uint8 or real, see mask_stride              */
+    ptrdiff_t mask_stride[4]; /* element strides over (B, H, Tq, Tk); 0 broadcasts */
+    const int64_t *key_lengths; /* (B,) or NULL: keys j >= len[b] ignored */
+    int has_wo;           /* 0: out is the concatenation (Dout == Svq)  */
+    /* Optional flag polled between work items; when it becomes nonzero the
+       call stops early with MHA_ERR_INTERRUPTED. May be NULL. */
+    volatile const int *interrupt;
+} mha_config;
+
+/* Derived sizes of a config, checked for overflow. */
+typedef struct {
+    size_t Sq, Sk, Sv, Svq;
+} mha_layout;
+
+/* Fills *lay and checks that every size product the core allocates fits in
+   size_t and that the config is self-consistent. */
+mha_status mha_check_config(mha_layout *lay, const mha_config *cfg);
+
+/*
+ * Forward pass, float32 and float64 (one templated source).
+ *
+ * Outputs (NULL where optional and not wanted):
+ *   out      (B, Tq, Dout)           required
+ *   weights  (B, H, Tq, Tk)          optional: post-softmax probabilities
+ *   q        (B, Tq, Sq)             optional: kept projections (else scratch)
+ *   k        (B, Tk, Sk)             optional
+ *   v        (B, Tk, Sv)             optional
+ *   concat   (B, Tq, Svq)            optional: heads side by side, pre-W^O
+ *   lse      (B, H, Tq)              optional: each row's log-sum-exp of the
+ *                                    masked, scaled scores (-inf when the row
+ *                                    is fully masked)
+ * Inputs:
+ *   x (B, Tq, Din), key (B, Tk, Dkin), value (B, Tk, Dvin)
+ *   wq (Din, Sq), wk (Dkin, Sk), wv (Dvin, Sv), wo (Svq, Dout) or NULL
+ *   bq (Sq,), bk (Sk,), bv (Sv,), bo (Dout,): each may be NULL (zero)
+ *
+ * A query row whose keys are all masked gets zero attention: its head
+ * output is 0, its weights are 0 and its lse is -inf. No NaN is made.
+ */
+#define MHA_DECLARE_FORWARD(real, sfx)                                        \
+    mha_status mha_forward_##sfx(                                             \
+        real *out, real *weights, real *q, real *k, real *v, real *concat,    \
+        real *lse,                                                            \
+        const real *x, const real *key, const real *value,                    \
+        const real *wq, const real *wk, const real *wv, const real *wo,       \
+        const real *bq, const real *bk, const real *bv, const real *bo,       \
+        const mha_config *cfg);
+
+MHA_DECLARE_FORWARD(float, f32)
+MHA_DECLARE_FORWARD(double, f64)
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MHA_H */

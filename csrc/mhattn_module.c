@@ -1,0 +1,506 @@
+/*
+ * mhattn_module.c - the CPython / NumPy glue of mhattn._C.
+ *
+ * This is the only file that includes Python.h and the NumPy headers. It
+ * parses and converts the arguments, re-checks every shape and dtype the
+ * core relies on, allocates the outputs, releases the GIL around the core
+ * call and turns a core status into a Python exception. The friendly,
+ * documented validation lives in the Python layer; this file must still
+ * never crash whatever it is given, since _C can be imported alone.
+ *
+ * Letters: see mha.h.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#define PY_ARRAY_UNIQUE_SYMBOL mhattn_ARRAY_API
+#include <numpy/arrayobject.h>
+
+#include <stdint.h>
+#include <string.h>
+
+#include "mha.h"
+
+/* Limit on head widths and fused widths, matching the core's bound on
+   element counts (mha_check_config rechecks every product). */
+#define WIDTH_MAX ((size_t)PTRDIFF_MAX / sizeof(double))
+
+static const char *dtype_name(int typenum)
+{
+    return typenum == NPY_FLOAT ? "float32" : "float64";
+}
+
+/* A new tuple (d0, d1, ...) of nd sizes, for error messages. */
+static PyObject *dims_tuple(int nd, const npy_intp *dims)
+{
+    PyObject *t = PyTuple_New(nd);
+    if (t == NULL)
+        return NULL;
+    for (int d = 0; d < nd; d++) {
+        PyObject *n = PyLong_FromSsize_t((Py_ssize_t)dims[d]);
+        if (n == NULL) {
+            Py_DECREF(t);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(t, d, n);
+    }
+    return t;
+}
+
+/*
+ * Raises ValueError "name: expected shape (..) letters, got (..)" and
+ * returns -1 unless a has exactly the shape `want`.
+ */
+static int check_shape(PyArrayObject *a, const char *name, int nd,
+                       const npy_intp *want, const char *letters)
+{
+    int same = PyArray_NDIM(a) == nd;
+    for (int d = 0; same && d < nd; d++)
+        same = PyArray_DIM(a, d) == want[d];
+    if (same)
+        return 0;
+    PyObject *w = dims_tuple(nd, want);
+    PyObject *g = dims_tuple(PyArray_NDIM(a), PyArray_DIMS(a));
+    if (w != NULL && g != NULL)
+        PyErr_Format(PyExc_ValueError, "%s: expected shape %R %s, got %R",
+                     name, w, letters, g);
+    Py_XDECREF(w);
+    Py_XDECREF(g);
+    return -1;
+}
+
+/* Puts "name: " in front of a pending TypeError / ValueError message. */
+static void prefix_error(const char *name)
+{
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (value != NULL && (PyErr_GivenExceptionMatches(type, PyExc_TypeError) ||
+                          PyErr_GivenExceptionMatches(type, PyExc_ValueError))) {
+        PyErr_Format(type, "%s: %S", name, value);
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(tb);
+    } else {
+        PyErr_Restore(type, value, tb);
+    }
+}
+
+/*
+ * *res = a C-contiguous, aligned, native copy or view of the float array
+ * obj (dtype typenum, nd dimensions), or NULL for None when allow_none.
+ * Returns -1 with an exception set on failure.
+ */
+static int as_float(PyArrayObject **res, PyObject *obj, const char *name,
+                    int typenum, int nd, int allow_none)
+{
+    *res = NULL;
+    if (obj == Py_None && allow_none)
+        return 0;
+    if (!PyArray_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s: expected a numpy.ndarray%s, got %s",
+                     name, allow_none ? " or None" : "", Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    PyArrayObject *a = (PyArrayObject *)obj;
+    if (PyArray_TYPE(a) != typenum) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s: expected dtype %s (the dtype of x), got %R", name,
+                     dtype_name(typenum), (PyObject *)PyArray_DESCR(a));
+        return -1;
+    }
+    if (PyArray_NDIM(a) != nd) {
+        PyObject *g = dims_tuple(PyArray_NDIM(a), PyArray_DIMS(a));
+        if (g != NULL)
+            PyErr_Format(PyExc_ValueError,
+                         "%s: expected a %d-D array, got shape %R", name, nd, g);
+        Py_XDECREF(g);
+        return -1;
+    }
+    *res = (PyArrayObject *)PyArray_FROMANY(obj, typenum, nd, nd,
+                                            NPY_ARRAY_IN_ARRAY);
+    if (*res == NULL) {
+        prefix_error(name);
+        return -1;
+    }
+    return 0;
+}
+
+/* *res = a 1-D C-contiguous copy or view of obj as typenum (int64 or
+   float64), converted with NumPy's safe casting. */
+static int as_vector(PyArrayObject **res, PyObject *obj, const char *name,
+                     int typenum)
+{
+    *res = (PyArrayObject *)PyArray_FROMANY(obj, typenum, 1, 1,
+                                            NPY_ARRAY_IN_ARRAY);
+    if (*res == NULL) {
+        prefix_error(name);
+        return -1;
+    }
+    return 0;
+}
+
+/* Turns a core status into a Python exception. */
+static void raise_status(mha_status st)
+{
+    switch (st) {
+    case MHA_ERR_NOMEM:
+        PyErr_NoMemory();
+        break;
+    case MHA_ERR_SIZE:
+        PyErr_SetString(PyExc_ValueError,
+                        "mhattn: sizes overflow (MHA_ERR_SIZE)");
+        break;
+    case MHA_ERR_INTERRUPTED:
+        PyErr_SetNone(PyExc_KeyboardInterrupt);
+        break;
+    default:
+        PyErr_Format(PyExc_ValueError,
+                     "mhattn: inconsistent arguments (%s)", mha_status_name(st));
+        break;
+    }
+}
+
+#define DATA(a) ((a) != NULL ? PyArray_DATA(a) : NULL)
+
+PyDoc_STRVAR(forward_doc,
+"forward(x, key, value, wq, wk, wv, wo, bq, bk, bv, bo, dk, dv, scales,\n"
+"        mask, causal, key_lengths, want_weights, keep)\n"
+"--\n\n"
+"Multi-head attention forward pass (low level; see mhattn for the public\n"
+"API). x (B,Tq,Din), key (B,Tk,Dkin), value (B,Tk,Dvin), wq (Din,Sq),\n"
+"wk (Dkin,Sk), wv (Dvin,Sv), wo (Svq,Dout) or None, biases 1-D or None,\n"
+"all of one dtype (float32 or float64). dk, dv: int64 (G,); scales:\n"
+"float64 (H,); mask: None or (B,H,Tq,Tk) bool or float, any strides;\n"
+"key_lengths: None or int64 (B,).\n\n"
+"Returns (out, weights or None, (q, k, v, concat, lse) or None).");
+
+static PyObject *forward(PyObject *self, PyObject *args, PyObject *kwds)
+{
+    (void)self;
+    static char *kwlist[] = {
+        "x", "key", "value", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo",
+        "dk", "dv", "scales", "mask", "causal", "key_lengths", "want_weights",
+        "keep", NULL};
+    PyObject *x_o, *key_o, *value_o, *wq_o, *wk_o, *wv_o, *wo_o;
+    PyObject *bq_o, *bk_o, *bv_o, *bo_o, *dk_o, *dv_o, *scales_o, *mask_o;
+    PyObject *key_lengths_o;
+    int causal, want_weights, keep;
+    if (!PyArg_ParseTupleAndKeywords(
+            args, kwds, "OOOOOOOOOOOOOOOpOpp:forward", kwlist, &x_o, &key_o,
+            &value_o, &wq_o, &wk_o, &wv_o, &wo_o, &bq_o, &bk_o, &bv_o, &bo_o,
+            &dk_o, &dv_o, &scales_o, &mask_o, &causal, &key_lengths_o,
+            &want_weights, &keep))
+        return NULL;
+
+    PyObject *result = NULL;
+    // inputs
+    PyArrayObject *x = NULL, *key = NULL, *value = NULL;
+    PyArrayObject *wq = NULL, *wk = NULL, *wv = NULL, *wo = NULL;
+    PyArrayObject *bq = NULL, *bk = NULL, *bv = NULL, *bo = NULL;
+    PyArrayObject *dk_a = NULL, *dv_a = NULL, *scales = NULL, *mask = NULL;
+    PyArrayObject *key_lengths = NULL;
+    // outputs
+    PyArrayObject *out = NULL, *weights = NULL, *q = NULL, *k = NULL;
+    PyArrayObject *v = NULL, *concat = NULL, *lse = NULL;
+    size_t *widths = NULL;   // (2G,): dk then dv, as size_t
+
+    // The dtype of x is the compute dtype.
+    if (!PyArray_Check(x_o)) {
+        PyErr_Format(PyExc_TypeError, "x: expected a numpy.ndarray, got %s",
+                     Py_TYPE(x_o)->tp_name);
+        goto fail;
+    }
+    const int typenum = PyArray_TYPE((PyArrayObject *)x_o);
+    if (typenum != NPY_FLOAT && typenum != NPY_DOUBLE) {
+        PyErr_Format(PyExc_TypeError,
+                     "x: expected dtype float32 or float64, got %R",
+                     (PyObject *)PyArray_DESCR((PyArrayObject *)x_o));
+        goto fail;
+    }
+    if (as_float(&x, x_o, "x", typenum, 3, 0) < 0 ||
+        as_float(&key, key_o, "key", typenum, 3, 0) < 0 ||
+        as_float(&value, value_o, "value", typenum, 3, 0) < 0 ||
+        as_float(&wq, wq_o, "wq", typenum, 2, 0) < 0 ||
+        as_float(&wk, wk_o, "wk", typenum, 2, 0) < 0 ||
+        as_float(&wv, wv_o, "wv", typenum, 2, 0) < 0 ||
+        as_float(&wo, wo_o, "wo", typenum, 2, 1) < 0 ||
+        as_float(&bq, bq_o, "bq", typenum, 1, 1) < 0 ||
+        as_float(&bk, bk_o, "bk", typenum, 1, 1) < 0 ||
+        as_float(&bv, bv_o, "bv", typenum, 1, 1) < 0 ||
+        as_float(&bo, bo_o, "bo", typenum, 1, 1) < 0 ||
+        as_vector(&dk_a, dk_o, "dk", NPY_INT64) < 0 ||
+        as_vector(&dv_a, dv_o, "dv", NPY_INT64) < 0 ||
+        as_vector(&scales, scales_o, "scales", NPY_DOUBLE) < 0)
+        goto fail;
+
+    // Sizes from x, key, value, dk and scales.
+    const npy_intp B = PyArray_DIM(x, 0), Tq = PyArray_DIM(x, 1);
+    const npy_intp Din = PyArray_DIM(x, 2);
+    const npy_intp Tk = PyArray_DIM(key, 1), Dkin = PyArray_DIM(key, 2);
+    const npy_intp Dvin = PyArray_DIM(value, 2);
+    const npy_intp G = PyArray_DIM(dk_a, 0), H = PyArray_DIM(scales, 0);
+    {
+        const npy_intp want_key[3] = {B, Tk, Dkin};
+        const npy_intp want_value[3] = {B, Tk, Dvin};
+        if (check_shape(key, "key", 3, want_key, "(B, Tk, Dkin)") < 0 ||
+            check_shape(value, "value", 3, want_value, "(B, Tk, Dvin)") < 0)
+            goto fail;
+    }
+    if (G == 0 || H == 0 || H % G != 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "dk, scales: the number of query heads H = len(scales) = %zd "
+                     "must be a positive multiple of the number of kv heads "
+                     "G = len(dk) = %zd", (Py_ssize_t)H, (Py_ssize_t)G);
+        goto fail;
+    }
+    if (PyArray_DIM(dv_a, 0) != G) {
+        PyErr_Format(PyExc_ValueError,
+                     "dv: expected length %zd (G = len(dk)), got %zd",
+                     (Py_ssize_t)G, (Py_ssize_t)PyArray_DIM(dv_a, 0));
+        goto fail;
+    }
+
+    // Head widths as size_t, and the fused widths (checked sums).
+    widths = PyMem_Malloc(2 * (size_t)G * sizeof *widths);
+    if (widths == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    size_t *dk = widths, *dv = widths + G;
+    const int64_t *dk64 = PyArray_DATA(dk_a), *dv64 = PyArray_DATA(dv_a);
+    for (npy_intp g = 0; g < G; g++) {
+        if (dk64[g] <= 0 || dv64[g] <= 0 || (uint64_t)dk64[g] > WIDTH_MAX ||
+            (uint64_t)dv64[g] > WIDTH_MAX) {
+            PyErr_Format(PyExc_ValueError,
+                         "dk, dv: head widths must be between 1 and %zu, got "
+                         "dk[%zd] = %lld, dv[%zd] = %lld", WIDTH_MAX,
+                         (Py_ssize_t)g, (long long)dk64[g], (Py_ssize_t)g,
+                         (long long)dv64[g]);
+            goto fail;
+        }
+        dk[g] = (size_t)dk64[g];
+        dv[g] = (size_t)dv64[g];
+    }
+    size_t Sq = 0, Sk = 0, Sv = 0, Svq = 0;
+    for (npy_intp g = 0; g < G; g++) {
+        Sk += dk[g];
+        Sv += dv[g];
+        if (Sk > WIDTH_MAX || Sv > WIDTH_MAX)
+            goto overflow;
+    }
+    for (npy_intp h = 0; h < H; h++) {
+        Sq += dk[h / (H / G)];
+        Svq += dv[h / (H / G)];
+        if (Sq > WIDTH_MAX || Svq > WIDTH_MAX)
+            goto overflow;
+    }
+
+    // Weights and biases against the fused widths.
+    const npy_intp Dout = wo != NULL ? PyArray_DIM(wo, 1) : (npy_intp)Svq;
+    {
+        const npy_intp want_wq[2] = {Din, (npy_intp)Sq};
+        const npy_intp want_wk[2] = {Dkin, (npy_intp)Sk};
+        const npy_intp want_wv[2] = {Dvin, (npy_intp)Sv};
+        const npy_intp want_wo[2] = {(npy_intp)Svq, Dout};
+        const npy_intp want_bq = (npy_intp)Sq, want_bk = (npy_intp)Sk;
+        const npy_intp want_bv = (npy_intp)Sv, want_bo = Dout;
+        if (check_shape(wq, "wq", 2, want_wq, "(Din, Sq)") < 0 ||
+            check_shape(wk, "wk", 2, want_wk, "(Dkin, Sk)") < 0 ||
+            check_shape(wv, "wv", 2, want_wv, "(Dvin, Sv)") < 0 ||
+            (wo && check_shape(wo, "wo", 2, want_wo, "(Svq, Dout)") < 0) ||
+            (bq && check_shape(bq, "bq", 1, &want_bq, "(Sq,)") < 0) ||
+            (bk && check_shape(bk, "bk", 1, &want_bk, "(Sk,)") < 0) ||
+            (bv && check_shape(bv, "bv", 1, &want_bv, "(Sv,)") < 0) ||
+            (bo && check_shape(bo, "bo", 1, &want_bo, "(Dout,)") < 0))
+            goto fail;
+    }
+
+    // Key lengths: int64 (B,), each in [0, Tk].
+    if (key_lengths_o != Py_None) {
+        if (as_vector(&key_lengths, key_lengths_o, "key_lengths", NPY_INT64) < 0)
+            goto fail;
+        const npy_intp want = B;
+        if (check_shape(key_lengths, "key_lengths", 1, &want, "(B,)") < 0)
+            goto fail;
+        const int64_t *len = PyArray_DATA(key_lengths);
+        for (npy_intp b = 0; b < B; b++) {
+            if (len[b] < 0 || len[b] > (int64_t)Tk) {
+                PyErr_Format(PyExc_ValueError,
+                             "key_lengths: expected 0 <= key_lengths[b] <= Tk = %zd, "
+                             "got key_lengths[%zd] = %lld", (Py_ssize_t)Tk,
+                             (Py_ssize_t)b, (long long)len[b]);
+                goto fail;
+            }
+        }
+    }
+
+    // Mask: (B, H, Tq, Tk), bool or the compute dtype, any strides. Kept as
+    // a view when aligned and native (broadcast views are not copied).
+    mha_mask_kind mask_kind = MHA_MASK_NONE;
+    ptrdiff_t mask_stride[4] = {0, 0, 0, 0};
+    if (mask_o != Py_None) {
+        if (!PyArray_Check(mask_o)) {
+            PyErr_Format(PyExc_TypeError,
+                         "mask: expected a numpy.ndarray or None, got %s",
+                         Py_TYPE(mask_o)->tp_name);
+            goto fail;
+        }
+        const int mt = PyArray_TYPE((PyArrayObject *)mask_o);
+        if (mt != NPY_BOOL && mt != typenum) {
+            PyErr_Format(PyExc_TypeError,
+                         "mask: expected dtype bool or %s (the dtype of x), got %R",
+                         dtype_name(typenum),
+                         (PyObject *)PyArray_DESCR((PyArrayObject *)mask_o));
+            goto fail;
+        }
+        const npy_intp want[4] = {B, H, Tq, Tk};
+        if (check_shape((PyArrayObject *)mask_o, "mask", 4, want,
+                        "(B, H, Tq, Tk)") < 0)
+            goto fail;
+        mask = (PyArrayObject *)PyArray_FROMANY(
+            mask_o, mt, 4, 4, NPY_ARRAY_ALIGNED | NPY_ARRAY_NOTSWAPPED);
+        if (mask == NULL) {
+            prefix_error("mask");
+            goto fail;
+        }
+        const npy_intp item = PyArray_ITEMSIZE(mask);
+        int copy = 0;
+        for (int d = 0; d < 4; d++)
+            copy |= PyArray_STRIDE(mask, d) % item != 0;
+        if (copy) {
+            PyArrayObject *c = (PyArrayObject *)PyArray_NewCopy(mask, NPY_CORDER);
+            Py_DECREF(mask);
+            mask = c;
+            if (mask == NULL)
+                goto fail;
+        }
+        for (int d = 0; d < 4; d++)
+            mask_stride[d] = (ptrdiff_t)(PyArray_STRIDE(mask, d) / item);
+        mask_kind = mt == NPY_BOOL ? MHA_MASK_BOOL : MHA_MASK_ADD;
+    }
+
+    mha_config cfg = {
+        .B = (size_t)B, .Tq = (size_t)Tq, .Tk = (size_t)Tk,
+        .Din = (size_t)Din, .Dkin = (size_t)Dkin, .Dvin = (size_t)Dvin,
+        .Dout = (size_t)Dout, .H = (size_t)H, .G = (size_t)G,
+        .dk = dk, .dv = dv, .scale = PyArray_DATA(scales),
+        .causal = causal, .mask_kind = mask_kind, .mask = DATA(mask),
+        .mask_stride = {mask_stride[0], mask_stride[1], mask_stride[2],
+                        mask_stride[3]},
+        .key_lengths = key_lengths ? PyArray_DATA(key_lengths) : NULL,
+        .has_wo = wo != NULL, .interrupt = NULL,
+    };
+    mha_layout lay;
+    mha_status st = mha_check_config(&lay, &cfg);
+    if (st != MHA_OK) {
+        raise_status(st);
+        goto fail;
+    }
+
+    // Outputs, new C-contiguous arrays (sizes checked by mha_check_config).
+    {
+        const npy_intp d_out[3] = {B, Tq, Dout};
+        const npy_intp d_w[4] = {B, H, Tq, Tk};
+        const npy_intp d_q[3] = {B, Tq, (npy_intp)Sq};
+        const npy_intp d_k[3] = {B, Tk, (npy_intp)Sk};
+        const npy_intp d_v[3] = {B, Tk, (npy_intp)Sv};
+        const npy_intp d_c[3] = {B, Tq, (npy_intp)Svq};
+        const npy_intp d_l[3] = {B, H, Tq};
+        if ((out = (PyArrayObject *)PyArray_EMPTY(3, d_out, typenum, 0)) == NULL)
+            goto fail;
+        if (want_weights &&
+            (weights = (PyArrayObject *)PyArray_EMPTY(4, d_w, typenum, 0)) == NULL)
+            goto fail;
+        if (keep &&
+            ((q = (PyArrayObject *)PyArray_EMPTY(3, d_q, typenum, 0)) == NULL ||
+             (k = (PyArrayObject *)PyArray_EMPTY(3, d_k, typenum, 0)) == NULL ||
+             (v = (PyArrayObject *)PyArray_EMPTY(3, d_v, typenum, 0)) == NULL ||
+             (concat = (PyArrayObject *)PyArray_EMPTY(3, d_c, typenum, 0)) == NULL ||
+             (lse = (PyArrayObject *)PyArray_EMPTY(3, d_l, typenum, 0)) == NULL))
+            goto fail;
+    }
+
+    Py_BEGIN_ALLOW_THREADS
+    if (typenum == NPY_FLOAT)
+        st = mha_forward_f32(DATA(out), DATA(weights), DATA(q), DATA(k),
+                             DATA(v), DATA(concat), DATA(lse), DATA(x),
+                             DATA(key), DATA(value), DATA(wq), DATA(wk),
+                             DATA(wv), DATA(wo), DATA(bq), DATA(bk), DATA(bv),
+                             DATA(bo), &cfg);
+    else
+        st = mha_forward_f64(DATA(out), DATA(weights), DATA(q), DATA(k),
+                             DATA(v), DATA(concat), DATA(lse), DATA(x),
+                             DATA(key), DATA(value), DATA(wq), DATA(wk),
+                             DATA(wv), DATA(wo), DATA(bq), DATA(bk), DATA(bv),
+                             DATA(bo), &cfg);
+    Py_END_ALLOW_THREADS
+    if (st != MHA_OK) {
+        raise_status(st);
+        goto fail;
+    }
+
+    {
+        PyObject *extras = Py_None;
+        Py_INCREF(extras);
+        if (keep) {
+            Py_DECREF(extras);
+            extras = PyTuple_Pack(5, q, k, v, concat, lse);
+            if (extras == NULL)
+                goto fail;
+        }
+        result = PyTuple_Pack(3, (PyObject *)out,
+                              weights ? (PyObject *)weights : Py_None, extras);
+        Py_DECREF(extras);
+    }
+    goto fail;   // success falls through the common cleanup with result set
+
+overflow:
+    PyErr_SetString(PyExc_ValueError, "dk, dv: sizes overflow");
+fail:
+    PyMem_Free(widths);
+    Py_XDECREF(x);
+    Py_XDECREF(key);
+    Py_XDECREF(value);
+    Py_XDECREF(wq);
+    Py_XDECREF(wk);
+    Py_XDECREF(wv);
+    Py_XDECREF(wo);
+    Py_XDECREF(bq);
+    Py_XDECREF(bk);
+    Py_XDECREF(bv);
+    Py_XDECREF(bo);
+    Py_XDECREF(dk_a);
+    Py_XDECREF(dv_a);
+    Py_XDECREF(scales);
+    Py_XDECREF(mask);
+    Py_XDECREF(key_lengths);
+    Py_XDECREF(out);
+    Py_XDECREF(weights);
+    Py_XDECREF(q);
+    Py_XDECREF(k);
+    Py_XDECREF(v);
+    Py_XDECREF(concat);
+    Py_XDECREF(lse);
+    return result;
+}
+
+static PyMethodDef mhattn_methods[] = {
+    {"forward", (PyCFunction)(void (*)(void))forward,
+     METH_VARARGS | METH_KEYWORDS, forward_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef mhattn_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "mhattn._C",
+    .m_doc = "C core of mhattn (multi-head attention).",
+    .m_size = -1,
+    .m_methods = mhattn_methods,
+};
+
+PyMODINIT_FUNC PyInit__C(void)
+{
+    import_array();
+    return PyModule_Create(&mhattn_module);
+}

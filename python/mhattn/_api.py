@@ -1,0 +1,108 @@
+"""mhattn.multi_head_attention: checks arguments in Python, computes in C."""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _C
+from ._args import Call, normalize
+
+__all__ = ["multi_head_attention", "run_core"]
+
+
+def _fused_bias(parts):
+    """Per-head biases side by side, matching the fused weights' columns."""
+    if parts is None:
+        return None
+    return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+
+def run_core(call: Call, *, want_weights: bool = False, keep: bool = False):
+    """Hand a checked Call to the C core.
+
+    Returns (out, weights, extras), batched: out (B, Tq, Dout), weights
+    (B, H, Tq, Tk) or None, extras (q, k, v, concat, lse) or None.
+    """
+    # Fused query weights must hold head h's block at sum of the widths before
+    # it; with ragged or grouped heads that is exactly the concatenation.
+    wq = call.wq.fused()
+    wk = call.wk.fused()
+    wv = call.wv.fused()
+    dk = np.asarray(call.dk, dtype=np.int64)
+    dv = np.asarray(call.dv, dtype=np.int64)
+    scales = np.asarray(call.scales, dtype=np.float64)
+    return _C.forward(
+        call.x, call.key, call.value, wq, wk, wv, call.w_o,
+        _fused_bias(call.bq), _fused_bias(call.bk), _fused_bias(call.bv),
+        call.b_o, dk, dv, scales, call.mask, call.causal, call.key_lengths,
+        bool(want_weights), bool(keep))
+
+
+def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None,
+                         value=None, scale=None, return_weights=False, mask=None,
+                         causal=False, key_lengths=None, num_kv_heads=None,
+                         b_q=None, b_k=None, b_v=None, b_o=None):
+    """Multi-head attention, computed by mhattn's C core.
+
+    multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None,
+                         key=None, value=None, scale=None, return_weights=False,
+                         mask=None, causal=False, key_lengths=None,
+                         num_kv_heads=None, b_q=None, b_k=None, b_v=None,
+                         b_o=None) -> out | (out, weights)
+
+    Row-vector convention, as in the document: Q = X W^Q.  For each head i,
+    head_i = softmax(Q_i K_i^T * scale_i) V_i, and the result is
+    Concat(head_1, ..., head_h) W^O (+ b_o).
+
+    Parameters
+    ----------
+    x : (T_q, d_in) or (B, T_q, d_in)
+        The queries' source.
+    w_q, w_k, w_v : weights, each in one of three forms
+        fused 2-D (d_in, h*d_k), head i owning columns [i*d_k, (i+1)*d_k)
+        (``num_heads`` required); stacked 3-D (h, d_in, d_k); or a list of h
+        2-D arrays, whose widths may differ between heads and which may
+        repeat one array (the document's shared W_V).
+    w_o : (sum d_v, d_out) or None
+        The output projection; None is the identity (returns the concat).
+    num_heads : int
+        Number of query heads; required for fused weights.
+    key, value : arrays, optional
+        Sources of keys and values for cross-attention: (T_k, d) or
+        (B, T_k, d).  ``key`` defaults to ``x``, ``value`` to ``key``.
+    scale : float, optional
+        Multiplier of Q K^T; defaults to 1/sqrt(d_k) of each head.
+    return_weights : bool
+        Also return the post-softmax weights, (h, T_q, T_k) or (B, h, T_q, T_k).
+    mask : bool or float array, optional
+        Broadcastable to (B, h, T_q, T_k) (or (h, T_q, T_k) unbatched).
+        Boolean: True means *may attend*.  Float: added to the scaled scores;
+        -inf blocks.
+    causal : bool
+        Query i sees keys j <= i + (T_k - T_q): the triangle is aligned
+        bottom-right, as in FlashAttention.  PyTorch SDPA's ``is_causal``
+        aligns it top-left (j <= i); the two agree when T_q == T_k.
+    key_lengths : int array (B,) or int
+        Keys at positions >= length are padding and ignored.
+    num_kv_heads : int, optional
+        Grouped-query attention: w_k and w_v hold this many heads, and query
+        head i uses kv head i // (num_heads // num_kv_heads).
+    b_q, b_k, b_v : biases in the form of their weights; b_o : (d_out,)
+
+    Returns
+    -------
+    out : (T_q, d_out) or (B, T_q, d_out), a new C-contiguous array
+        float32 for float32 inputs, else float64.
+    weights : returned too when ``return_weights``.
+
+    A query row that may attend to no key at all is *fully masked*: its
+    weights are 0 and each head contributes zeros, so its output is b_o (or
+    0).  No NaN is produced for it.
+    """
+    call = normalize(x, w_q, w_k, w_v, w_o, num_heads=num_heads, key=key, value=value,
+                     scale=scale, mask=mask, causal=causal, key_lengths=key_lengths,
+                     num_kv_heads=num_kv_heads, b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o)
+    out, weights, _ = run_core(call, want_weights=return_weights)
+    out = call.unbatch(out)
+    if return_weights:
+        return out, call.unbatch(weights)
+    return out

@@ -1,0 +1,485 @@
+"""Argument checking and normalisation shared by the C path and the reference.
+
+Every public entry point (``mhattn.multi_head_attention``, the reference, the
+trace, the layer class) turns its arguments into one :class:`Call` through
+:func:`normalize`.  This is where the user-facing errors are raised: each one
+names the argument and the shapes it saw.  The C glue re-checks what the core
+relies on, but a user should never reach those messages.
+
+Letters follow the C core (``csrc/mha.h``): B batch, Tq queries, Tk keys,
+H query heads, G key/value heads, dk[g] / dv[g] the widths of kv head g.
+"""
+from __future__ import annotations
+
+import numbers
+import warnings
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence
+
+import numpy as np
+
+__all__ = ["Call", "normalize", "compute_dtype"]
+
+
+
+def _shape(a: Any) -> str:
+    s = getattr(a, "shape", None)
+    if s is not None:
+        return str(tuple(s))
+    return type(a).__name__
+
+
+def _to_array(name: str, obj: Any) -> np.ndarray:
+    """np.asarray with errors that name the argument; never copies arrays."""
+    if obj is None:
+        raise TypeError(f"{name}: expected an array, got None")
+    if isinstance(obj, np.ndarray):
+        return obj
+    if isinstance(obj, (str, bytes, dict, set)):
+        raise TypeError(f"{name}: expected an array of numbers, got {type(obj).__name__}")
+    try:
+        arr = np.asarray(obj)
+    except (ValueError, TypeError) as exc:
+        raise TypeError(f"{name}: cannot be read as an array of numbers ({exc})") from None
+    return arr
+
+
+def _check_numeric(name: str, arr: np.ndarray) -> None:
+    kind = arr.dtype.kind
+    if kind in "iuf":
+        if kind == "f" and arr.dtype.itemsize > 8:
+            raise TypeError(
+                f"{name}: dtype {arr.dtype} is not supported; mhattn computes in "
+                "float32 or float64 (cast with .astype(np.float64))")
+        return
+    what = {"b": "bool", "c": "complex", "O": "object", "U": "string", "S": "bytes",
+            "V": "structured", "M": "datetime", "m": "timedelta"}.get(kind, str(arr.dtype))
+    raise TypeError(
+        f"{name}: dtype {arr.dtype} ({what}) is not supported; pass real numbers "
+        "(float32 or float64; integers are promoted to float64)")
+
+
+def compute_dtype(arrays: Sequence[np.ndarray]) -> np.dtype:
+    """NumPy promotion with a float32 floor: integers count as float64."""
+    kinds = []
+    for a in arrays:
+        if a.dtype.kind == "f":
+            kinds.append(a.dtype)
+        else:  # integers: NumPy's own int-with-float promotion gives float64
+            kinds.append(np.dtype(np.float64))
+    dt = np.result_type(np.float32, *kinds)
+    return np.dtype(np.float64) if dt.itemsize > 4 else np.dtype(np.float32)
+
+
+def _int_arg(name: str, value: Any, *, allow_none: bool = True) -> Optional[int]:
+    if value is None:
+        if allow_none:
+            return None
+        raise TypeError(f"{name}: expected a positive integer, got None")
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: expected a positive integer, got {value!r} "
+                        f"({type(value).__name__})")
+    value = int(value)
+    if value <= 0:
+        raise ValueError(f"{name}: expected a positive integer, got {value}")
+    return value
+
+
+def _is_head_list(w: Any) -> bool:
+    """A list/tuple whose items are 2-D matrices is the per-head form.
+
+    A nested list of numbers ([[1, 0], [0, 1]]) is one 2-D array instead."""
+    if not isinstance(w, (list, tuple)):
+        return False
+    if len(w) == 0:
+        return True
+    first = w[0]
+    if isinstance(first, np.ndarray):
+        return True
+    try:
+        return np.ndim(first) == 2
+    except Exception:  # ragged or odd items: let _heads report it
+        return True
+
+
+@dataclass
+class _Heads:
+    """One weight argument split per head: the views, and the form it came in."""
+    form: str                 # "fused" | "stacked" | "list"
+    heads: List[np.ndarray]   # per head, (d_rows, width_i), original dtype, views
+    widths: List[int]
+    rows: int
+    array: Optional[np.ndarray]  # the whole fused (2-D) or stacked (3-D) array; None for lists
+
+    def fused(self) -> np.ndarray:
+        """(rows, sum widths): head i owns the i-th block of columns."""
+        if self.form == "fused":
+            return self.array
+        if self.form == "stacked":
+            h, rows, width = self.array.shape
+            return self.array.transpose(1, 0, 2).reshape(rows, h * width)
+        return np.concatenate(self.heads, axis=1)
+
+
+def _split_weight(name: str, w: Any, count: Optional[int], count_name: str) -> _Heads:
+    if _is_head_list(w):
+        if len(w) == 0:
+            raise ValueError(f"{name}: the per-head list is empty")
+        heads = []
+        for i, item in enumerate(w):
+            a = _to_array(f"{name}[{i}]", item)
+            _check_numeric(f"{name}[{i}]", a)
+            if a.ndim != 2:
+                raise ValueError(f"{name}[{i}]: each head's matrix must be 2-D "
+                                 f"(d_in, d_head), got shape {a.shape}")
+            heads.append(a)
+        rows = heads[0].shape[0]
+        for i, a in enumerate(heads):
+            if a.shape[0] != rows:
+                raise ValueError(
+                    f"{name}: heads disagree on the input width: {name}[0] has shape "
+                    f"{heads[0].shape}, {name}[{i}] has shape {a.shape}")
+        if count is not None and len(heads) != count:
+            raise ValueError(f"{name}: the list has {len(heads)} heads but "
+                             f"{count_name}={count}")
+        return _Heads("list", heads, [a.shape[1] for a in heads], rows, None)
+
+    a = _to_array(name, w)
+    _check_numeric(name, a)
+    if a.ndim == 3:
+        h, rows, width = a.shape
+        if h == 0:
+            raise ValueError(f"{name}: stacked weights of shape {a.shape} have no heads")
+        if count is not None and h != count:
+            raise ValueError(f"{name}: stacked weights of shape {a.shape} have {h} heads "
+                             f"but {count_name}={count}")
+        return _Heads("stacked", [a[i] for i in range(h)], [width] * h, rows, a)
+    if a.ndim == 2:
+        rows, total = a.shape
+        if count is None:
+            raise ValueError(
+                f"{name}: fused 2-D weights of shape {a.shape} need {count_name} "
+                "to know how to split the columns into heads")
+        if total % count != 0 or total == 0:
+            raise ValueError(
+                f"{name}: {count_name}={count} does not divide the fused width "
+                f"{total} of shape {a.shape}")
+        width = total // count
+        heads = [a[:, i * width:(i + 1) * width] for i in range(count)]
+        return _Heads("fused", heads, [width] * count, rows, a)
+    raise ValueError(
+        f"{name}: expected fused 2-D (d_in, h*d_head), stacked 3-D (h, d_in, d_head) "
+        f"or a list of per-head 2-D arrays, got an array of shape {a.shape}")
+
+
+def _split_bias(name: str, b: Any, widths: List[int]) -> Optional[List[np.ndarray]]:
+    """Biases come fused (sum widths,), stacked (h, width) or as a per-head list."""
+    if b is None:
+        return None
+    h = len(widths)
+    if isinstance(b, (list, tuple)) and len(b) > 0 and np.ndim(b[0]) == 1:
+        if len(b) != h:
+            raise ValueError(f"{name}: the list has {len(b)} biases but there are {h} heads")
+        out = []
+        for i, item in enumerate(b):
+            a = _to_array(f"{name}[{i}]", item)
+            _check_numeric(f"{name}[{i}]", a)
+            if a.shape != (widths[i],):
+                raise ValueError(f"{name}[{i}]: expected shape ({widths[i]},) to match "
+                                 f"head {i}'s weight, got {a.shape}")
+            out.append(a)
+        return out
+    a = _to_array(name, b)
+    _check_numeric(name, a)
+    total = sum(widths)
+    if a.ndim == 1:
+        if a.shape[0] != total:
+            raise ValueError(f"{name}: expected shape ({total},) (the fused width of "
+                             f"{h} heads), got {a.shape}")
+        offs = np.cumsum([0] + widths)
+        return [a[offs[i]:offs[i + 1]] for i in range(h)]
+    if a.ndim == 2 and len(set(widths)) == 1:
+        if a.shape != (h, widths[0]):
+            raise ValueError(f"{name}: expected shape ({h}, {widths[0]}) (heads, width), "
+                             f"got {a.shape}")
+        return [a[i] for i in range(h)]
+    raise ValueError(f"{name}: expected shape ({total},) or a per-head list, got {a.shape}")
+
+
+@dataclass
+class Call:
+    """A fully checked call, in the letters of csrc/mha.h.
+
+    Arrays are already in the compute dtype and always batched: x (B, Tq, Din),
+    key (B, Tk, Dkin), value (B, Tk, Dvin).  Per-head weights are views.
+    """
+    dtype: np.dtype
+    batched: bool
+    x: np.ndarray
+    key: np.ndarray
+    value: np.ndarray
+    key_given: bool
+    value_given: bool
+    wq: _Heads
+    wk: _Heads
+    wv: _Heads
+    w_o: Optional[np.ndarray]       # (Svq, Dout)
+    bq: Optional[List[np.ndarray]]  # per query head
+    bk: Optional[List[np.ndarray]]  # per kv head
+    bv: Optional[List[np.ndarray]]  # per kv head
+    b_o: Optional[np.ndarray]       # (Dout,)
+    H: int
+    G: int
+    dk: List[int]                   # per kv head
+    dv: List[int]                   # per kv head
+    scales: List[float]             # per query head
+    causal: bool
+    mask: Optional[np.ndarray]      # broadcast view (B, H, Tq, Tk): bool or dtype
+    key_lengths: Optional[np.ndarray]  # (B,) int64
+
+    @property
+    def B(self) -> int:
+        return self.x.shape[0]
+
+    @property
+    def Tq(self) -> int:
+        return self.x.shape[1]
+
+    @property
+    def Tk(self) -> int:
+        return self.key.shape[1]
+
+    @property
+    def group(self) -> int:
+        return self.H // self.G
+
+    def kv_head(self, h: int) -> int:
+        return h // (self.H // self.G)
+
+    @property
+    def d_out(self) -> int:
+        return self.w_o.shape[1] if self.w_o is not None else sum(
+            self.dv[self.kv_head(h)] for h in range(self.H))
+
+    # Where each head lives in the core's fused buffers (csrc/mha.h):
+    # q (B, Tq, Sq), k (B, Tk, Sk), v (B, Tk, Sv), concat (B, Tq, Svq).
+    def q_cols(self, h: int) -> slice:
+        start = sum(self.dk[self.kv_head(i)] for i in range(h))
+        return slice(start, start + self.dk[self.kv_head(h)])
+
+    def k_cols(self, g: int) -> slice:
+        start = sum(self.dk[:g])
+        return slice(start, start + self.dk[g])
+
+    def v_cols(self, g: int) -> slice:
+        start = sum(self.dv[:g])
+        return slice(start, start + self.dv[g])
+
+    def concat_cols(self, h: int) -> slice:
+        start = sum(self.dv[self.kv_head(i)] for i in range(h))
+        return slice(start, start + self.dv[self.kv_head(h)])
+
+    def unbatch(self, a: np.ndarray) -> np.ndarray:
+        return a if self.batched else a[0]
+
+
+def _cast(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    return a if a.dtype == dtype else a.astype(dtype)
+
+
+def _seq(name: str, obj: Any, batched: bool, like: str) -> np.ndarray:
+    a = _to_array(name, obj)
+    _check_numeric(name, a)
+    want = 3 if batched else 2
+    if a.ndim != want:
+        form = "(B, T, d)" if batched else "(T, d)"
+        raise ValueError(f"{name}: expected a {want}-D array {form} because {like}, "
+                         f"got shape {a.shape}")
+    return a
+
+
+def _normalize_mask(mask: Any, batched: bool, B: int, H: int, Tq: int, Tk: int,
+                    dtype: np.dtype) -> Optional[np.ndarray]:
+    if mask is None:
+        return None
+    m = _to_array("mask", mask)
+    kind = m.dtype.kind
+    if kind not in "bf" or (kind == "f" and m.dtype.itemsize > 8):
+        raise TypeError(f"mask: dtype {m.dtype} is not supported; pass a bool mask "
+                        "(True = may attend) or a float mask added to the scores")
+    target = (B, H, Tq, Tk) if batched else (H, Tq, Tk)
+    if m.ndim > len(target):
+        raise ValueError(f"mask: shape {m.shape} has more dimensions than "
+                         f"{'(B, h, T_q, T_k)' if batched else '(h, T_q, T_k)'} = {target}")
+    try:
+        view = np.broadcast_to(m, target)
+    except ValueError:
+        raise ValueError(f"mask: shape {m.shape} does not broadcast to "
+                         f"{'(B, h, T_q, T_k)' if batched else '(h, T_q, T_k)'} = {target}"
+                         ) from None
+    if kind == "b":
+        if m.size and not m.any():
+            warnings.warn("mask allows no key for any query, so every output row is "
+                          "fully masked; mhattn's boolean masks use True = may attend, "
+                          "the opposite of nn.MultiheadAttention's: is it inverted?",
+                          UserWarning, stacklevel=4)
+    elif m.dtype != dtype:
+        view = np.broadcast_to(m.astype(dtype), target)
+    if not batched:
+        view = view[np.newaxis]
+    return view
+
+
+def _normalize_lengths(key_lengths: Any, batched: bool, B: int, Tk: int) -> Optional[np.ndarray]:
+    if key_lengths is None:
+        return None
+    kl = _to_array("key_lengths", key_lengths)
+    if kl.dtype.kind not in "iu":
+        raise TypeError(f"key_lengths: expected integers, got dtype {kl.dtype}")
+    want = (B,) if batched else ()
+    if kl.shape != want:
+        raise ValueError(f"key_lengths: expected shape {want} "
+                         f"({'one length per batch item' if batched else 'a scalar'}), "
+                         f"got {kl.shape}")
+    kl = kl.reshape(-1).astype(np.int64)
+    if kl.size and (kl.min() < 0 or kl.max() > Tk):
+        raise ValueError(f"key_lengths: every length must lie in [0, T_k={Tk}], "
+                         f"got {kl.tolist()}")
+    return kl
+
+
+def normalize(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=None,
+              scale=None, mask=None, causal=False, key_lengths=None,
+              num_kv_heads=None, b_q=None, b_k=None, b_v=None, b_o=None) -> Call:
+    """Check every argument and return the canonical :class:`Call`."""
+    num_heads = _int_arg("num_heads", num_heads)
+    num_kv_heads = _int_arg("num_kv_heads", num_kv_heads)
+
+    xa = _to_array("x", x)
+    _check_numeric("x", xa)
+    if xa.ndim not in (2, 3):
+        raise ValueError(f"x: expected (T_q, d_in) or (B, T_q, d_in), got shape {xa.shape}")
+    batched = xa.ndim == 3
+    like = f"x has shape {xa.shape}"
+    ka = xa if key is None else _seq("key", key, batched, like)
+    va = ka if value is None else _seq("value", value, batched, like)
+    if batched and ka.shape[0] != xa.shape[0]:
+        raise ValueError(f"key: batch size {ka.shape[0]} disagrees with x's "
+                         f"{xa.shape[0]} (x {xa.shape}, key {ka.shape})")
+    if batched and va.shape[0] != xa.shape[0]:
+        raise ValueError(f"value: batch size {va.shape[0]} disagrees with x's "
+                         f"{xa.shape[0]} (x {xa.shape}, value {va.shape})")
+    if va.shape[-2] != ka.shape[-2]:
+        raise ValueError(f"value: has {va.shape[-2]} rows but key has {ka.shape[-2]} "
+                         f"(key {ka.shape}, value {va.shape}); they must share T_k")
+
+    wq = _split_weight("w_q", w_q, num_heads, "num_heads")
+    H = len(wq.heads)
+    if num_kv_heads is not None:
+        if H % num_kv_heads != 0:
+            raise ValueError(f"num_kv_heads: {num_kv_heads} does not divide "
+                             f"num_heads={H}")
+        G = num_kv_heads
+    else:
+        G = H
+    kv_name = "num_kv_heads" if num_kv_heads is not None else "num_heads"
+    wk = _split_weight("w_k", w_k, G, kv_name)
+    wv = _split_weight("w_v", w_v, G, kv_name)
+
+    d_in, d_kin, d_vin = xa.shape[-1], ka.shape[-1], va.shape[-1]
+    if wq.rows != d_in:
+        raise ValueError(f"w_q: its heads read {wq.rows} input features but x has "
+                         f"{d_in} (x {xa.shape}, w_q head shape {wq.heads[0].shape})")
+    if wk.rows != d_kin:
+        raise ValueError(f"w_k: its heads read {wk.rows} input features but "
+                         f"{'key' if key is not None else 'x'} has {d_kin} "
+                         f"({_shape(ka)}, w_k head shape {wk.heads[0].shape})")
+    if wv.rows != d_vin:
+        src = "value" if value is not None else ("key" if key is not None else "x")
+        raise ValueError(f"w_v: its heads read {wv.rows} input features but {src} "
+                         f"has {d_vin} ({_shape(va)}, w_v head shape {wv.heads[0].shape})")
+    group = H // G
+    for h in range(H):
+        g = h // group
+        if wq.widths[h] != wk.widths[g]:
+            raise ValueError(
+                f"w_q / w_k: query head {h} has width {wq.widths[h]} but its key head "
+                f"{g} has width {wk.widths[g]} (w_q[{h}] {wq.heads[h].shape}, "
+                f"w_k[{g}] {wk.heads[g].shape}); q and k must match within a head")
+    dk = list(wk.widths)
+    dv = list(wv.widths)
+    svq = sum(dv[h // group] for h in range(H))
+
+    floats = [xa, ka, va] + wq.heads + wk.heads + wv.heads
+    wo = None
+    if w_o is not None:
+        wo = _to_array("w_o", w_o)
+        _check_numeric("w_o", wo)
+        if wo.ndim != 2 or wo.shape[0] != svq:
+            raise ValueError(f"w_o: expected shape ({svq}, d_out) — its rows must equal "
+                             f"the concatenated head width sum(d_v) = {svq} — got {wo.shape}")
+        floats.append(wo)
+    bq = _split_bias("b_q", b_q, wq.widths)
+    bk = _split_bias("b_k", b_k, wk.widths)
+    bv = _split_bias("b_v", b_v, wv.widths)
+    for bl in (bq, bk, bv):
+        if bl is not None:
+            floats.extend(bl)
+    d_out = wo.shape[1] if wo is not None else svq
+    bo = None
+    if b_o is not None:
+        bo = _to_array("b_o", b_o)
+        _check_numeric("b_o", bo)
+        if bo.shape != (d_out,):
+            raise ValueError(f"b_o: expected shape ({d_out},) (d_out), got {bo.shape}")
+        floats.append(bo)
+
+    dtype = compute_dtype(floats)
+
+    if scale is None:
+        scales = [1.0 / float(np.sqrt(d)) for d in (dk[h // group] for h in range(H))]
+    else:
+        if isinstance(scale, (bool, np.bool_)) or not isinstance(
+                scale, (numbers.Real, np.floating, np.integer)):
+            if not (isinstance(scale, np.ndarray) and scale.ndim == 0
+                    and scale.dtype.kind in "iuf"):
+                raise TypeError(f"scale: expected a real number or None, got {scale!r} "
+                                f"({type(scale).__name__})")
+        scales = [float(scale)] * H
+
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal: expected True or False, got {causal!r} "
+                        f"({type(causal).__name__})")
+
+    xb = xa if batched else xa[np.newaxis]
+    kb = ka if batched else ka[np.newaxis]
+    vb = va if batched else va[np.newaxis]
+    B, Tq, Tk = xb.shape[0], xb.shape[1], kb.shape[1]
+    mask_v = _normalize_mask(mask, batched, B, H, Tq, Tk, dtype)
+    kl = _normalize_lengths(key_lengths, batched, B, Tk)
+
+    def cast_heads(hs: _Heads) -> _Heads:
+        if hs.array is None:
+            return _Heads(hs.form, [_cast(a, dtype) for a in hs.heads], hs.widths,
+                          hs.rows, None)
+        arr = _cast(hs.array, dtype)
+        if hs.form == "stacked":
+            heads = [arr[i] for i in range(arr.shape[0])]
+        else:
+            w = hs.widths[0]
+            heads = [arr[:, i * w:(i + 1) * w] for i in range(len(hs.widths))]
+        return _Heads(hs.form, heads, hs.widths, hs.rows, arr)
+
+    def cast_list(bl):
+        return None if bl is None else [_cast(a, dtype) for a in bl]
+
+    return Call(
+        dtype=dtype, batched=batched,
+        x=_cast(xb, dtype), key=_cast(kb, dtype), value=_cast(vb, dtype),
+        key_given=key is not None, value_given=value is not None,
+        wq=cast_heads(wq), wk=cast_heads(wk), wv=cast_heads(wv),
+        w_o=None if wo is None else _cast(wo, dtype),
+        bq=cast_list(bq), bk=cast_list(bk), bv=cast_list(bv),
+        b_o=None if bo is None else _cast(bo, dtype),
+        H=H, G=G, dk=dk, dv=dv, scales=scales, causal=bool(causal),
+        mask=mask_v, key_lengths=kl)

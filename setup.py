@@ -1,0 +1,42 @@
+"""Build of mhattn: the pure-Python package under python/ and the C core.
+
+Project metadata lives in pyproject.toml; this file only describes the
+extension. Flags are portable on purpose: no -ffast-math / -Ofast (masked
+softmax relies on infinities) and no -march=native (wheels must run
+anywhere). Set MHATTN_SANITIZE=1 to build with AddressSanitizer and
+UndefinedBehaviorSanitizer.
+"""
+import glob
+import os
+
+import numpy
+from setuptools import Extension, setup
+
+compile_args = ["-std=c11", "-O3", "-Wall", "-Wextra", "-fvisibility=hidden"]
+link_args = []
+if os.environ.get("MHATTN_SANITIZE") == "1":
+    sanitize = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer",
+                "-O1", "-g"]
+    compile_args += sanitize  # the later -O1 overrides -O3
+    link_args += sanitize
+
+ext = Extension(
+    "mhattn._C",
+    sources=sorted(glob.glob(os.path.join("csrc", "*.c"))),
+    depends=sorted(glob.glob(os.path.join("csrc", "*.h"))),
+    include_dirs=[numpy.get_include(), "csrc"],
+    define_macros=[
+        ("NPY_NO_DEPRECATED_API", "NPY_1_23_API_VERSION"),
+        # Built against NumPy 2, run against NumPy >= 1.23.5.
+        ("NPY_TARGET_VERSION", "NPY_1_23_API_VERSION"),
+    ],
+    extra_compile_args=compile_args,
+    extra_link_args=link_args,
+)
+
+setup(
+    package_dir={"": "python"},
+    packages=["mhattn"],
+    package_data={"mhattn": ["*.pyi", "py.typed"]},
+    ext_modules=[ext],
+)
