@@ -324,7 +324,8 @@ def _normalize_mask(mask: Any, batched: bool, B: int, H: int, Tq: int, Tk: int,
                           "the opposite of nn.MultiheadAttention's: is it inverted?",
                           UserWarning, stacklevel=4)
     elif m.dtype != dtype:
-        view = np.broadcast_to(m.astype(dtype), target)
+        with np.errstate(over="ignore"):  # -1e300 in float32 is -inf, as meant
+            view = np.broadcast_to(m.astype(dtype), target)
     if not batched:
         view = view[np.newaxis]
     return view

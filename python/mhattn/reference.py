@@ -33,7 +33,7 @@ def softmax(scores: np.ndarray) -> np.ndarray:
     -inf is *fully masked*: its weights are all 0 (not NaN), so the head
     attends to nothing and contributes a zero vector.
     """
-    m = scores.max(axis=-1, keepdims=True)
+    m = scores.max(axis=-1, keepdims=True, initial=-np.inf)
     # A fully masked row has max -inf; subtracting 0 instead keeps exp(-inf) = 0
     # rather than exp(-inf - -inf) = exp(nan).
     m = np.where(np.isneginf(m), 0, m)

@@ -1,0 +1,427 @@
+"""MultiHeadAttention: a layer that owns its weights and calls the C core.
+
+The layer is a thin holder of arrays.  Its weights are stored *stacked*, one
+slice per head, in the document's row-vector convention (Q = X W^Q):
+
+    w_q (h, d_model, d_k)   w_k (g, kdim, d_k)   w_v (g, vdim, d_v)
+    w_o (h*d_v, d_out)      b_q (h, d_k)  b_k (g, d_k)  b_v (g, d_v)  b_o (d_out,)
+
+with h = num_heads and g = num_kv_heads (grouped-query attention when g < h:
+query head i uses kv head i // (h // g)).  Calling the layer is exactly
+
+    mhattn.multi_head_attention(x, w_q, w_k, w_v, w_o, key=key, value=value,
+                                num_kv_heads=g, b_q=b_q, ..., **options)
+
+and ``layer.arguments()`` gives those keyword arguments, so the same layer can
+be run through :mod:`mhattn.reference` too.
+
+PyTorch interoperability (PyTorch is never imported unless you ask for it):
+``MultiHeadAttention.from_torch(module)``, ``layer.to_torch()``,
+``layer.state_dict()`` and ``layer.load_state_dict(d)``, which use the key
+names and layout of ``torch.nn.MultiheadAttention``.  PyTorch stores a linear
+map as W (out_features, in_features) and computes x @ W.T + b, so mhattn's
+fused W^Q is PyTorch's W_q transposed, and head i owns columns
+[i*d_k, (i+1)*d_k) of it.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+from typing import Any, Dict, Optional
+
+import numpy as np
+
+from ._args import _int_arg
+
+__all__ = ["MultiHeadAttention"]
+
+# Keywords of multi_head_attention that the layer sets itself from its weights.
+_OWNED = frozenset({"x", "w_q", "w_k", "w_v", "w_o", "num_heads", "num_kv_heads",
+                    "key", "value", "b_q", "b_k", "b_v", "b_o"})
+
+
+@functools.lru_cache(maxsize=None)
+def _call_options() -> frozenset:
+    """multi_head_attention's keywords that a layer call may pass on."""
+    from ._api import multi_head_attention
+    return frozenset(inspect.signature(multi_head_attention).parameters) - _OWNED
+
+
+def _layer_dtype(dtype: Any) -> np.dtype:
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"dtype: expected np.float32 or np.float64, got {dtype!r}") from None
+    if dt not in (np.dtype(np.float32), np.dtype(np.float64)):
+        raise TypeError(f"dtype: mhattn layers hold float32 or float64 weights, got {dt}")
+    return dt
+
+
+def _stack(fused: np.ndarray, heads: int) -> np.ndarray:
+    """(rows, heads*width) with head i in the i-th block of columns -> (heads, rows, width)."""
+    rows, total = fused.shape
+    return fused.reshape(rows, heads, total // heads).transpose(1, 0, 2)
+
+
+def _fuse(stacked: np.ndarray) -> np.ndarray:
+    """(heads, rows, width) -> (rows, heads*width): the inverse of _stack."""
+    h, rows, width = stacked.shape
+    return stacked.transpose(1, 0, 2).reshape(rows, h * width)
+
+
+def _xavier_uniform(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
+    """torch.nn.init.xavier_uniform_ on a (rows, cols) matrix: U(-a, a) with
+    a = sqrt(6 / (fan_in + fan_out)); the bound is symmetric in the two fans."""
+    a = np.sqrt(6.0 / (rows + cols))
+    return rng.uniform(-a, a, size=(rows, cols))
+
+
+def _to_numpy(name: str, t: Any) -> np.ndarray:
+    """A torch tensor (or anything array-like) as a NumPy float array."""
+    if hasattr(t, "detach"):  # torch.Tensor, without importing torch
+        t = t.detach().cpu()
+        if not t.is_floating_point():
+            raise TypeError(f"{name}: expected a floating-point tensor, got {t.dtype}")
+        if str(t.dtype) not in ("torch.float32", "torch.float64"):
+            t = t.float()  # float16 / bfloat16 have no exact NumPy twin here
+        return t.numpy()
+    return np.asarray(t)
+
+
+class MultiHeadAttention:
+    """Multi-head attention with its own weights; calls the C core.
+
+    MultiHeadAttention(d_model, num_heads, *, num_kv_heads=None, d_k=None,
+                       d_v=None, d_out=None, kdim=None, vdim=None, bias=False,
+                       dtype=np.float32, seed=None)
+
+    Parameters
+    ----------
+    d_model : int
+        Width of the queries' source x (and of key/value unless kdim/vdim).
+    num_heads : int
+        h, the number of query heads.
+    num_kv_heads : int, optional
+        g, the number of key/value heads; must divide num_heads.  Default h.
+    d_k, d_v : int, optional
+        Head widths.  Default d_k = d_model // num_heads (which must then
+        divide d_model) and d_v = d_k.
+    d_out : int, optional
+        Output width; default d_model.
+    kdim, vdim : int, optional
+        Widths of the key and value inputs (as in nn.MultiheadAttention);
+        default d_model.
+    bias : bool
+        Give every projection a bias (b_q, b_k, b_v and b_o), initialised to 0.
+    dtype : np.float32 or np.float64
+    seed : int, np.random.Generator or None
+        Passed to np.random.default_rng.
+
+    Initialisation follows nn.MultiheadAttention._reset_parameters in
+    distribution: when kdim == vdim == d_model, Xavier-uniform over the packed
+    in-projection (W_q; W_k; W_v stacked as PyTorch's (rows, d_model)
+    ``in_proj_weight``), otherwise Xavier-uniform over each of W_q, W_k, W_v;
+    W^O keeps nn.Linear's default, kaiming_uniform(a=sqrt(5)), which is
+    U(-1/sqrt(h*d_v), 1/sqrt(h*d_v)); biases are 0.
+
+    Attributes ``w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o`` are plain NumPy
+    arrays (biases None without ``bias``) and may be modified or replaced
+    with arrays of the same shape.
+    """
+
+    def __init__(self, d_model: int, num_heads: int, *, num_kv_heads: Optional[int] = None,
+                 d_k: Optional[int] = None, d_v: Optional[int] = None,
+                 d_out: Optional[int] = None, kdim: Optional[int] = None,
+                 vdim: Optional[int] = None, bias: bool = False, dtype: Any = np.float32,
+                 seed: Any = None):
+        self._configure(d_model, num_heads, num_kv_heads=num_kv_heads, d_k=d_k, d_v=d_v,
+                        d_out=d_out, kdim=kdim, vdim=vdim, bias=bias, dtype=dtype)
+        self.reset_parameters(seed)
+
+    # -- construction ---------------------------------------------------------
+
+    def _configure(self, d_model, num_heads, *, num_kv_heads, d_k, d_v, d_out, kdim,
+                   vdim, bias, dtype) -> None:
+        self.d_model = _int_arg("d_model", d_model, allow_none=False)
+        self.num_heads = _int_arg("num_heads", num_heads, allow_none=False)
+        g = _int_arg("num_kv_heads", num_kv_heads)
+        self.num_kv_heads = self.num_heads if g is None else g
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_kv_heads: {self.num_kv_heads} does not divide "
+                             f"num_heads={self.num_heads}")
+        d_k = _int_arg("d_k", d_k)
+        d_v = _int_arg("d_v", d_v)
+        if d_k is None:
+            if self.d_model % self.num_heads:
+                raise ValueError(f"num_heads: {self.num_heads} does not divide "
+                                 f"d_model={self.d_model}; pass d_k (and d_v) explicitly")
+            d_k = self.d_model // self.num_heads
+        self.d_k = d_k
+        self.d_v = d_k if d_v is None else d_v
+        self.d_out = self.d_model if d_out is None else _int_arg("d_out", d_out)
+        self.kdim = self.d_model if kdim is None else _int_arg("kdim", kdim)
+        self.vdim = self.d_model if vdim is None else _int_arg("vdim", vdim)
+        if not isinstance(bias, (bool, np.bool_)):
+            raise TypeError(f"bias: expected True or False, got {bias!r}")
+        self.bias = bool(bias)
+        self.dtype = _layer_dtype(dtype)
+
+    @property
+    def _packed(self) -> bool:
+        """PyTorch's _qkv_same_embed_dim: one in_proj_weight for q, k and v."""
+        return self.kdim == self.d_model and self.vdim == self.d_model
+
+    def _shapes(self) -> Dict[str, tuple]:
+        h, g = self.num_heads, self.num_kv_heads
+        shapes = dict(w_q=(h, self.d_model, self.d_k), w_k=(g, self.kdim, self.d_k),
+                      w_v=(g, self.vdim, self.d_v), w_o=(h * self.d_v, self.d_out))
+        if self.bias:
+            shapes.update(b_q=(h, self.d_k), b_k=(g, self.d_k), b_v=(g, self.d_v),
+                          b_o=(self.d_out,))
+        return shapes
+
+    def reset_parameters(self, seed: Any = None) -> None:
+        """Draw fresh weights (see the class docstring for the distributions)."""
+        rng = np.random.default_rng(seed)
+        h, g = self.num_heads, self.num_kv_heads
+        nq, nk, nv = h * self.d_k, g * self.d_k, g * self.d_v
+        # PyTorch layout: (out_features, in_features); ours is its transpose.
+        if self._packed:
+            packed = _xavier_uniform(rng, nq + nk + nv, self.d_model)
+            wq, wk, wv = packed[:nq], packed[nq:nq + nk], packed[nq + nk:]
+        else:
+            wq = _xavier_uniform(rng, nq, self.d_model)
+            wk = _xavier_uniform(rng, nk, self.kdim)
+            wv = _xavier_uniform(rng, nv, self.vdim)
+        bound = 1.0 / np.sqrt(h * self.d_v)  # kaiming_uniform(a=sqrt(5)) of nn.Linear
+        wo = rng.uniform(-bound, bound, size=(self.d_out, h * self.d_v))
+        dt = self.dtype
+        self.w_q = np.ascontiguousarray(_stack(wq.T, h), dtype=dt)
+        self.w_k = np.ascontiguousarray(_stack(wk.T, g), dtype=dt)
+        self.w_v = np.ascontiguousarray(_stack(wv.T, g), dtype=dt)
+        self.w_o = np.ascontiguousarray(wo.T, dtype=dt)
+        if self.bias:
+            self.b_q = np.zeros((h, self.d_k), dt)
+            self.b_k = np.zeros((g, self.d_k), dt)
+            self.b_v = np.zeros((g, self.d_v), dt)
+            self.b_o = np.zeros(self.d_out, dt)
+        else:
+            self.b_q = self.b_k = self.b_v = self.b_o = None
+
+    # -- the forward pass -----------------------------------------------------
+
+    def weights(self) -> Dict[str, np.ndarray]:
+        """The layer's arrays by name (w_q, w_k, w_v, w_o, then biases if any)."""
+        return {name: getattr(self, name) for name in self._shapes()}
+
+    def arguments(self) -> Dict[str, Any]:
+        """Keyword arguments that make multi_head_attention compute this layer:
+        ``mhattn.reference.multi_head_attention(x, **layer.arguments())``."""
+        kw: Dict[str, Any] = dict(self.weights())
+        kw["num_kv_heads"] = self.num_kv_heads
+        return kw
+
+    def __call__(self, x, key=None, value=None, **options):
+        """Attend from x to key/value (both default to x); returns out, or
+        (out, weights) with ``return_weights=True``.
+
+        ``options`` are multi_head_attention's: mask, causal, key_lengths,
+        scale, return_weights.  Anything else raises TypeError.
+        """
+        from ._api import multi_head_attention
+        allowed = _call_options()
+        for name in options:
+            if name in _OWNED:
+                raise TypeError(f"MultiHeadAttention.__call__: {name!r} is set by the "
+                                "layer itself and cannot be passed")
+            if name not in allowed:
+                raise TypeError(f"MultiHeadAttention.__call__ got an unexpected keyword "
+                                f"argument {name!r}; accepted: {', '.join(sorted(allowed))}")
+        return multi_head_attention(x, key=key, value=value, **self.arguments(), **options)
+
+    @property
+    def param_count(self) -> int:
+        """Number of scalars in all weights and biases."""
+        return int(sum(a.size for a in self.weights().values()))
+
+    def __repr__(self) -> str:
+        extra = ""
+        if self.kdim != self.d_model:
+            extra += f", kdim={self.kdim}"
+        if self.vdim != self.d_model:
+            extra += f", vdim={self.vdim}"
+        return (f"MultiHeadAttention(d_model={self.d_model}, num_heads={self.num_heads}, "
+                f"num_kv_heads={self.num_kv_heads}, d_k={self.d_k}, d_v={self.d_v}, "
+                f"d_out={self.d_out}{extra}, bias={self.bias}, dtype={self.dtype.name})")
+
+    # -- PyTorch layout -------------------------------------------------------
+
+    def state_dict(self) -> Dict[str, np.ndarray]:
+        """The weights under nn.MultiheadAttention's names and layout (new arrays).
+
+        ``in_proj_weight`` (rows, d_model) when kdim == vdim == d_model, else
+        ``q_proj_weight`` (h*d_k, d_model), ``k_proj_weight`` (g*d_k, kdim) and
+        ``v_proj_weight`` (g*d_v, vdim); ``out_proj.weight`` (d_out, h*d_v);
+        with bias, ``in_proj_bias`` (rows,) and ``out_proj.bias`` (d_out,).
+        Here rows = h*d_k + g*d_k + g*d_v, which is PyTorch's 3*embed_dim when
+        :meth:`to_torch` is possible; other shapes generalise the layout and
+        round-trip through :meth:`load_state_dict` only.
+        """
+        wq, wk, wv = (np.ascontiguousarray(_fuse(w).T) for w in (self.w_q, self.w_k, self.w_v))
+        sd: Dict[str, np.ndarray] = {}
+        if self._packed:
+            sd["in_proj_weight"] = np.concatenate([wq, wk, wv], axis=0)
+        else:
+            sd.update(q_proj_weight=wq, k_proj_weight=wk, v_proj_weight=wv)
+        if self.bias:
+            sd["in_proj_bias"] = np.concatenate([self.b_q.reshape(-1), self.b_k.reshape(-1),
+                                                 self.b_v.reshape(-1)])
+        sd["out_proj.weight"] = np.ascontiguousarray(self.w_o.T)
+        if self.bias:
+            sd["out_proj.bias"] = self.b_o.copy()
+        return sd
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Set the weights from a :meth:`state_dict`-style mapping (NumPy arrays
+        or torch tensors), checking every key and shape; the inverse of
+        :meth:`state_dict`.  Values are copied and cast to the layer's dtype."""
+        want = self._state_shapes()
+        got = set(state)
+        missing, unexpected = sorted(set(want) - got), sorted(got - set(want))
+        if missing or unexpected:
+            raise ValueError(f"load_state_dict: keys do not match {self!r}: "
+                             f"missing {missing}, unexpected {unexpected}")
+        arrays = {}
+        for k, shape in want.items():
+            a = _to_numpy(k, state[k])
+            if a.shape != shape:
+                raise ValueError(f"load_state_dict: {k} has shape {a.shape}, "
+                                 f"expected {shape} for {self!r}")
+            arrays[k] = np.asarray(a, dtype=self.dtype)
+        h, g = self.num_heads, self.num_kv_heads
+        nq, nk = h * self.d_k, g * self.d_k
+        if self._packed:
+            w = arrays["in_proj_weight"]
+            wq, wk, wv = w[:nq], w[nq:nq + nk], w[nq + nk:]
+        else:
+            wq, wk, wv = (arrays[k] for k in ("q_proj_weight", "k_proj_weight",
+                                              "v_proj_weight"))
+        self.w_q = np.ascontiguousarray(_stack(wq.T, h))
+        self.w_k = np.ascontiguousarray(_stack(wk.T, g))
+        self.w_v = np.ascontiguousarray(_stack(wv.T, g))
+        self.w_o = np.ascontiguousarray(arrays["out_proj.weight"].T)
+        if self.bias:
+            b = arrays["in_proj_bias"]
+            self.b_q = b[:nq].reshape(h, self.d_k).copy()
+            self.b_k = b[nq:nq + nk].reshape(g, self.d_k).copy()
+            self.b_v = b[nq + nk:].reshape(g, self.d_v).copy()
+            self.b_o = arrays["out_proj.bias"].copy()
+
+    def _state_shapes(self) -> Dict[str, tuple]:
+        """The shape of every state_dict entry, by key."""
+        h, g = self.num_heads, self.num_kv_heads
+        nq, nk, nv = h * self.d_k, g * self.d_k, g * self.d_v
+        shapes = {}
+        if self._packed:
+            shapes["in_proj_weight"] = (nq + nk + nv, self.d_model)
+        else:
+            shapes.update(q_proj_weight=(nq, self.d_model), k_proj_weight=(nk, self.kdim),
+                          v_proj_weight=(nv, self.vdim))
+        shapes["out_proj.weight"] = (self.d_out, h * self.d_v)
+        if self.bias:
+            shapes["in_proj_bias"] = (nq + nk + nv,)
+            shapes["out_proj.bias"] = (self.d_out,)
+        return shapes
+
+    @classmethod
+    def from_torch(cls, module, *, dtype: Any = None) -> "MultiHeadAttention":
+        """A layer computing what ``module`` (a torch.nn.MultiheadAttention)
+        computes in eval mode, with copies of its weights.
+
+        Packed ``in_proj_weight`` and separate q/k/v_proj_weight (kdim/vdim)
+        are both read; so are ``in_proj_bias`` and ``out_proj.bias``.
+        ``batch_first`` does not affect the weights: mhattn inputs are always
+        batch-first, (B, T, d).  ``add_bias_kv`` and ``add_zero_attn`` have no
+        mhattn equivalent and raise ValueError.  Dropout is not applied by
+        mhattn: a module with dropout > 0 warns, and matches in eval mode only.
+        ``dtype`` defaults to the module's (float64 stays float64, anything
+        else becomes float32).
+        """
+        for attr in ("embed_dim", "num_heads", "in_proj_weight", "out_proj"):
+            if not hasattr(module, attr):
+                raise TypeError(f"from_torch: expected a torch.nn.MultiheadAttention, got "
+                                f"{type(module).__name__} (no attribute {attr!r})")
+        if getattr(module, "bias_k", None) is not None or getattr(module, "bias_v", None) \
+                is not None:
+            raise ValueError("from_torch: the module was built with add_bias_kv=True; its "
+                             "learned extra key/value row (bias_k, bias_v) has no mhattn "
+                             "equivalent")
+        if getattr(module, "add_zero_attn", False):
+            raise ValueError("from_torch: the module was built with add_zero_attn=True; "
+                             "the extra all-zero key/value row has no mhattn equivalent")
+        if getattr(module, "dropout", 0.0):
+            warnings.warn(f"from_torch: the module has dropout={module.dropout}; mhattn "
+                          "applies no dropout, so the layer matches the module in eval "
+                          "mode only", UserWarning, stacklevel=2)
+        if dtype is None:
+            pdt = str(module.out_proj.weight.dtype)
+            dtype = np.float64 if pdt == "torch.float64" else np.float32
+        E = int(module.embed_dim)
+        has_bias = module.in_proj_bias is not None
+        out_bias = getattr(module.out_proj, "bias", None) is not None
+        if has_bias != out_bias:
+            raise ValueError("from_torch: the module has in_proj_bias "
+                             f"{'but no' if has_bias else 'missing but'} out_proj.bias; "
+                             "mhattn layers have all biases or none")
+        layer = cls.__new__(cls)
+        layer._configure(E, int(module.num_heads), num_kv_heads=None, d_k=None, d_v=None,
+                         d_out=E, kdim=int(module.kdim), vdim=int(module.vdim),
+                         bias=has_bias, dtype=dtype)
+        sd = {}
+        if module.in_proj_weight is not None:
+            sd["in_proj_weight"] = module.in_proj_weight
+        else:
+            for k in ("q_proj_weight", "k_proj_weight", "v_proj_weight"):
+                sd[k] = getattr(module, k)
+        sd["out_proj.weight"] = module.out_proj.weight
+        if has_bias:
+            sd["in_proj_bias"] = module.in_proj_bias
+            sd["out_proj.bias"] = module.out_proj.bias
+        if (module.in_proj_weight is not None) != layer._packed:
+            raise ValueError("from_torch: the module's packing (in_proj_weight vs separate "
+                             "q/k/v_proj_weight) disagrees with its kdim/vdim")
+        layer.load_state_dict(sd)
+        return layer
+
+    def to_torch(self):
+        """An equivalent torch.nn.MultiheadAttention(batch_first=True), in eval
+        mode, with copies of the weights.
+
+        Only possible when the layer has nn.MultiheadAttention's shape:
+        num_kv_heads == num_heads, d_k == d_v == d_model / num_heads and
+        d_out == d_model; otherwise ValueError says which condition fails.
+        """
+        reasons = []
+        if self.num_kv_heads != self.num_heads:
+            reasons.append(f"num_kv_heads={self.num_kv_heads} != num_heads="
+                           f"{self.num_heads} (nn.MultiheadAttention has no grouped-query "
+                           "attention)")
+        if self.d_k * self.num_heads != self.d_model or self.d_v != self.d_k:
+            reasons.append(f"d_k={self.d_k}, d_v={self.d_v} but nn.MultiheadAttention needs "
+                           f"both equal to d_model / num_heads = "
+                           f"{self.d_model / self.num_heads:g}")
+        if self.d_out != self.d_model:
+            reasons.append(f"d_out={self.d_out} != d_model={self.d_model}")
+        if reasons:
+            raise ValueError("to_torch: " + "; ".join(reasons))
+        import torch
+        tdt = torch.float64 if self.dtype == np.float64 else torch.float32
+        module = torch.nn.MultiheadAttention(
+            self.d_model, self.num_heads, bias=self.bias, kdim=self.kdim, vdim=self.vdim,
+            batch_first=True, dtype=tdt)
+        state = {k: torch.from_numpy(np.ascontiguousarray(v))
+                 for k, v in self.state_dict().items()}
+        module.load_state_dict(state)
+        return module.eval()
+
