@@ -1,0 +1,53 @@
+"""Type stubs for mhattn._C, the NumPy extension around the C core.
+
+Low level: the public API is :func:`mhattn.multi_head_attention`, which checks
+the arguments (:func:`mhattn._args.normalize`) and calls
+:func:`forward` through :func:`mhattn._api.run_core`.
+
+Letters (csrc/mha.h): B batch, Tq queries, Tk keys, H query heads, G key/value
+heads, dk[g] / dv[g] the widths of kv head g, Sq / Sk / Sv the fused widths of
+q / k / v, Svq the concatenation width, Dout the output width.
+"""
+from typing import Optional, Tuple
+
+import numpy as np
+import numpy.typing as npt
+
+_Float = npt.NDArray[np.floating]
+
+def forward(
+    x: _Float,                        # (B, Tq, Din)
+    key: _Float,                      # (B, Tk, Dkin)
+    value: _Float,                    # (B, Tk, Dvin)
+    wq: _Float,                       # (Din, Sq), head h's block after the heads before it
+    wk: _Float,                       # (Dkin, Sk)
+    wv: _Float,                       # (Dvin, Sv)
+    wo: Optional[_Float],             # (Svq, Dout) or None: out is the concatenation
+    bq: Optional[_Float],             # (Sq,) or None
+    bk: Optional[_Float],             # (Sk,) or None
+    bv: Optional[_Float],             # (Sv,) or None
+    bo: Optional[_Float],             # (Dout,) or None
+    dk: npt.NDArray[np.int64],        # (G,)
+    dv: npt.NDArray[np.int64],        # (G,)
+    scales: npt.NDArray[np.float64],  # (H,) multiplier of q.k per query head
+    mask: Optional[npt.NDArray[np.generic]],  # (B, H, Tq, Tk) bool or float, any strides
+    causal: bool,                     # query i sees keys j <= i + (Tk - Tq)
+    key_lengths: Optional[npt.NDArray[np.int64]],  # (B,) or None
+    want_weights: bool,
+    keep: bool,
+) -> Tuple[
+    _Float,                           # out (B, Tq, Dout)
+    Optional[_Float],                 # weights (B, H, Tq, Tk) when want_weights
+    Optional[Tuple[_Float, _Float, _Float, _Float, _Float]],
+    # (q (B, Tq, Sq), k (B, Tk, Sk), v (B, Tk, Sv), concat (B, Tq, Svq),
+    #  lse (B, H, Tq)) when keep
+]:
+    """forward(x, key, value, wq, wk, wv, wo, bq, bk, bv, bo, dk, dv, scales,
+    mask, causal, key_lengths, want_weights, keep)
+    -> (out, weights or None, (q, k, v, concat, lse) or None)
+
+    All float arrays share one dtype, float32 or float64.  Outputs are new
+    C-contiguous arrays of that dtype.  A fully masked query row gets zero
+    weights, a zero head output and lse -inf.
+    """
+    ...

@@ -1,0 +1,655 @@
+"""mhattn.trace: every step of multi-head attention, per head, for inspection.
+
+A :class:`Trace` holds the intermediates of one call, named after the
+document's equations::
+
+    q, k, v      Q_i = X W_i^Q,  K_i = X W_i^K,  V_i = X W_i^V
+    raw_scores   Q_i K_i^T
+    scores       Q_i K_i^T * scale_i, masked (-inf where a key is blocked)
+    row_max      the maximum of each row of scores
+    lse          log sum_j exp(scores_ij), each row's log-sum-exp
+    weights      softmax(scores) along the keys
+    heads        head_i = weights_i V_i
+    concat       Concat(head_1, ..., head_h)
+    output       Concat(...) W^O (+ b_o)
+
+The projections, weights, lse, concat and output come from mhattn's C core
+(the same numbers :func:`mhattn.multi_head_attention` computes); the raw and
+scaled scores and the row maximum are recomputed in NumPy from the core's q
+and k with the reference's own masking code (:func:`mhattn.reference.attention`
+and :func:`mhattn.reference.allowed_keys`).
+
+Layout of the per-head stages: when every head has the same width, a stage
+is one array, ``(h, T, d)`` for an unbatched call and ``(B, h, T, d)`` for a
+batched one.  When the widths are ragged (per-head lists of weights of
+different widths), ``q``/``k`` (or ``v``/``heads``) is a list of h arrays,
+``(T, d_i)`` or ``(B, T, d_i)``.  ``k`` and ``v`` are indexed by *query* head:
+with grouped-query attention, the query heads sharing one key/value head see
+the same keys.  Scores, weights are always ``(h, T_q, T_k)`` (or
+``(B, h, T_q, T_k)``), row_max and lse ``(h, T_q)`` (or ``(B, h, T_q)``).
+"""
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from . import reference
+from ._api import run_core
+from ._args import Call, normalize
+
+__all__ = ["trace", "Trace", "CompareReport", "StageDiff", "STAGES"]
+
+#: The stages :meth:`Trace.compare` checks, in the order they are computed.
+STAGES = ("q", "k", "v", "raw_scores", "scores", "weights", "heads", "concat", "output")
+
+#: Every array a Trace holds (``to_dict`` keys), in computing order.
+KEYS = ("q", "k", "v", "raw_scores", "scores", "row_max", "lse", "weights",
+        "heads", "concat", "output")
+
+_PER_HEAD = ("q", "k", "v", "heads")  # (h, T, d) or a ragged list
+
+# What each step is, in the document's notation (shown by _repr_html_).
+_FORMULA = {
+    "q": "Q<sub>i</sub> = X W<sub>i</sub><sup>Q</sup>",
+    "k": "K<sub>i</sub> = X W<sub>i</sub><sup>K</sup>",
+    "v": "V<sub>i</sub> = X W<sub>i</sub><sup>V</sup>",
+    "raw_scores": "Q<sub>i</sub> K<sub>i</sub><sup>T</sup>",
+    "scores": "Q<sub>i</sub> K<sub>i</sub><sup>T</sup> &middot; scale, masked (&minus;&infin;)",
+    "row_max": "max<sub>j</sub> scores<sub>ij</sub>",
+    "lse": "log &sum;<sub>j</sub> exp(scores<sub>ij</sub>)",
+    "weights": "softmax(scores) over the keys",
+    "heads": "head<sub>i</sub> = weights<sub>i</sub> V<sub>i</sub>",
+    "concat": "Concat(head<sub>1</sub>, &hellip;, head<sub>h</sub>)",
+    "output": "Concat(&hellip;) W<sup>O</sup>",
+}
+
+# Aliases accepted by Trace.compare for the keys of a user's dict.
+_ALIASES = {
+    "out": "output", "y": "output", "result": "output",
+    "raw": "raw_scores", "qk": "raw_scores", "logits": "scores",
+    "scaled_scores": "scores", "attn": "weights", "attention": "weights",
+    "attn_weights": "weights", "attention_weights": "weights", "probs": "weights",
+    "head": "heads", "head_outputs": "heads", "z": "concat", "concatenated": "concat",
+}
+
+PerHead = Union[np.ndarray, List[np.ndarray]]
+
+
+def canonical_key(name: str) -> Optional[str]:
+    """The Trace key a user's dict key stands for, or None (case-insensitive)."""
+    low = str(name).lower()
+    if low in KEYS:
+        return low
+    return _ALIASES.get(low)
+
+
+def trace(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=None,
+          scale=None, mask=None, causal=False, key_lengths=None, num_kv_heads=None,
+          b_q=None, b_k=None, b_v=None, b_o=None, tokens=None, key_tokens=None
+          ) -> "Trace":
+    """Every intermediate step of multi-head attention, per head.
+
+    trace(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=None,
+          scale=None, mask=None, causal=False, key_lengths=None,
+          num_kv_heads=None, b_q=None, b_k=None, b_v=None, b_o=None,
+          tokens=None, key_tokens=None) -> Trace
+
+    Takes exactly the arguments of :func:`mhattn.multi_head_attention` (there
+    is no ``return_weights``: the trace holds the weights), plus optional
+    ``tokens`` (one label per query row) and ``key_tokens`` (one per key row;
+    defaults to ``tokens`` for self-attention), used by the HTML display and
+    by :func:`mhattn.plot_attention`.
+
+    The result holds, per head, ``q``, ``k``, ``v``, ``raw_scores`` (Q K^T),
+    ``scores`` (scaled and masked: -inf where blocked), ``row_max``, ``lse``,
+    ``weights`` and ``heads`` (each head's output), then ``concat`` and
+    ``output``.  A batched call (x of shape (B, T_q, d_in)) keeps the batch
+    axis first.  Per-head stages are stacked (h, T, d) / (B, h, T, d) when
+    all heads have one width, and a list of h arrays when widths differ.
+
+    Examples
+    --------
+    >>> tokens, X, w_q, w_k, w_v, w_o = mhattn.worked_example()
+    >>> t = mhattn.trace(X, w_q, w_k, w_v, w_o, tokens=tokens)
+    >>> t.weights[0, 2].round(4)          # head 1, query "it"
+    array([0.7337, 0.0879, 0.1784])
+    """
+    call = normalize(x, w_q, w_k, w_v, w_o, num_heads=num_heads, key=key, value=value,
+                     scale=scale, mask=mask, causal=causal, key_lengths=key_lengths,
+                     num_kv_heads=num_kv_heads, b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o)
+    return Trace.from_call(call, tokens=tokens, key_tokens=key_tokens)
+
+
+def _labels(name: str, labels: Any, n: int) -> Optional[List[str]]:
+    if labels is None:
+        return None
+    out = [str(t) for t in labels]
+    if len(out) != n:
+        raise ValueError(f"{name}: expected {n} labels, got {len(out)}")
+    return out
+
+
+class Trace:
+    """The intermediates of one multi-head attention call (see :func:`trace`).
+
+    Attributes: ``q``, ``k``, ``v``, ``raw_scores``, ``scores``, ``row_max``,
+    ``lse``, ``weights``, ``heads``, ``concat``, ``output`` (arrays, or lists
+    of per-head arrays when head widths differ), and the configuration:
+    ``num_heads``, ``num_kv_heads``, ``d_k`` and ``d_v`` (per query head),
+    ``scales`` (per query head), ``batched``, ``dtype``, ``causal``,
+    ``masked``, ``tokens``, ``key_tokens``.
+
+    Methods: ``to_dict()``, ``head(i, b=None)``, ``compare(other)``; the
+    HTML display (``_repr_html_``) shows every step with its shape, and the
+    values when the matrices are small.
+    """
+
+    q: PerHead
+    k: PerHead
+    v: PerHead
+    raw_scores: np.ndarray
+    scores: np.ndarray
+    row_max: np.ndarray
+    lse: np.ndarray
+    weights: np.ndarray
+    heads: PerHead
+    concat: np.ndarray
+    output: np.ndarray
+
+    def __init__(self, arrays: Mapping[str, Any], *, num_heads: int, num_kv_heads: int,
+                 d_k: Sequence[int], d_v: Sequence[int], scales: Sequence[float],
+                 batched: bool, dtype, causal: bool = False, masked: bool = False,
+                 tokens: Optional[Sequence[str]] = None,
+                 key_tokens: Optional[Sequence[str]] = None):
+        missing = [k for k in KEYS if k not in arrays]
+        if missing:
+            raise ValueError(f"Trace: missing arrays {missing}")
+        self.q, self.k, self.v = arrays["q"], arrays["k"], arrays["v"]
+        self.raw_scores, self.scores = arrays["raw_scores"], arrays["scores"]
+        self.row_max, self.lse = arrays["row_max"], arrays["lse"]
+        self.weights, self.heads = arrays["weights"], arrays["heads"]
+        self.concat, self.output = arrays["concat"], arrays["output"]
+        self.num_heads = int(num_heads)
+        self.num_kv_heads = int(num_kv_heads)
+        self.d_k = tuple(int(d) for d in d_k)
+        self.d_v = tuple(int(d) for d in d_v)
+        self.scales = tuple(float(s) for s in scales)
+        self.batched = bool(batched)
+        self.dtype = np.dtype(dtype)
+        self.causal = bool(causal)
+        self.masked = bool(masked)
+        self.tokens = None if tokens is None else list(tokens)
+        self.key_tokens = None if key_tokens is None else list(key_tokens)
+
+    # ------------------------------------------------------------------ build
+    @classmethod
+    def from_call(cls, call: Call, *, tokens=None, key_tokens=None) -> "Trace":
+        """Run the C core on a checked :class:`mhattn._args.Call` and trace it."""
+        out, weights, (q, k, v, concat, lse) = run_core(call, want_weights=True, keep=True)
+        B, H, Tq, Tk = call.B, call.H, call.Tq, call.Tk
+        tokens = _labels("tokens", tokens, Tq)
+        if key_tokens is None and tokens is not None and Tk == Tq:
+            key_tokens = tokens
+        key_tokens = _labels("key_tokens", key_tokens, Tk)
+
+        # Scores are not kept by the core: recompute them from its q and k
+        # with the reference's own scaling and masking (one visible step each).
+        raw = np.empty((B, H, Tq, Tk), dtype=call.dtype)
+        scores = np.empty((B, H, Tq, Tk), dtype=call.dtype)
+        mask = call.mask
+        float_mask = mask is not None and mask.dtype != bool
+        # With no keys at all (T_k == 0) there is nothing to score; the
+        # reference's softmax cannot reduce an empty row, so skip it.
+        for b in range(B if Tk else 0):
+            for h in range(H):
+                g = call.kv_head(h)
+                additive = mask[b, h] if mask is not None and float_mask else None
+                r, s, _, _ = reference.attention(
+                    q[b, :, call.q_cols(h)], k[b, :, call.k_cols(g)],
+                    v[b, :, call.v_cols(g)], call.scales[h],
+                    reference.allowed_keys(call, b, h), additive)
+                raw[b, h] = r
+                scores[b, h] = s
+        if Tk:
+            row_max = scores.max(axis=-1)
+        else:
+            row_max = np.full((B, H, Tq), -np.inf, dtype=call.dtype)
+
+        dk = [call.dk[call.kv_head(h)] for h in range(H)]
+        dv = [call.dv[call.kv_head(h)] for h in range(H)]
+
+        def per_head(buf: np.ndarray, cols) -> PerHead:
+            parts = [buf[:, :, cols(h)] for h in range(H)]
+            if len({p.shape[-1] for p in parts}) == 1:
+                stacked = np.stack(parts, axis=1)  # (B, H, T, d)
+                return call.unbatch(stacked)
+            return [np.ascontiguousarray(call.unbatch(p)) for p in parts]
+
+        arrays = dict(
+            q=per_head(q, call.q_cols),
+            k=per_head(k, lambda h: call.k_cols(call.kv_head(h))),
+            v=per_head(v, lambda h: call.v_cols(call.kv_head(h))),
+            raw_scores=call.unbatch(raw), scores=call.unbatch(scores),
+            row_max=call.unbatch(row_max), lse=call.unbatch(lse),
+            weights=call.unbatch(weights),
+            heads=per_head(concat, call.concat_cols),
+            concat=call.unbatch(concat), output=call.unbatch(out))
+        return cls(arrays, num_heads=H, num_kv_heads=call.G, d_k=dk, d_v=dv,
+                   scales=call.scales, batched=call.batched, dtype=call.dtype,
+                   causal=call.causal,
+                   masked=call.mask is not None or call.key_lengths is not None,
+                   tokens=tokens, key_tokens=key_tokens)
+
+    # ------------------------------------------------------------- accessors
+    def to_dict(self) -> Dict[str, PerHead]:
+        """{'q', 'k', 'v', 'raw_scores', 'scores', 'row_max', 'lse', 'weights',
+        'heads', 'concat', 'output'} -> plain NumPy arrays (a list of per-head
+        arrays for a ragged stage).  The arrays are the trace's own."""
+        return {k: getattr(self, k) for k in KEYS}
+
+    def __getitem__(self, name: str) -> PerHead:
+        key = canonical_key(name)
+        if key is None:
+            raise KeyError(f"{name!r}: a Trace holds {', '.join(KEYS)}")
+        return getattr(self, key)
+
+    def keys(self):
+        return KEYS
+
+    @property
+    def ragged(self) -> bool:
+        """True when some per-head stage is a list (head widths differ)."""
+        return any(isinstance(getattr(self, k), list) for k in _PER_HEAD)
+
+    def head(self, i: int, b: Optional[int] = None) -> Dict[str, np.ndarray]:
+        """head(i, b=None) -> dict: head i's steps, keyed like
+        :func:`mhattn.reference.head_intermediates` (q, k, v, raw_scores,
+        scores, weights, head) plus row_max and lse.  ``b`` picks a batch
+        item of a batched trace (required there)."""
+        H = self.num_heads
+        if not -H <= i < H:
+            raise IndexError(f"head {i} out of range for {H} heads")
+        i %= H
+        if self.batched and b is None:
+            raise ValueError("head(): this trace is batched; pass b=")
+        if not self.batched and b not in (None, 0):
+            raise ValueError("head(): this trace is unbatched; b must be None")
+
+        def pick(name: str) -> np.ndarray:
+            a = getattr(self, name)
+            if isinstance(a, list):
+                a = a[i]
+                return a[b] if self.batched else a
+            return a[b, i] if self.batched else a[i]
+
+        out = {k: pick(k) for k in ("q", "k", "v", "raw_scores", "scores", "weights")}
+        out["head"] = pick("heads")
+        out["row_max"] = pick("row_max")
+        out["lse"] = pick("lse")
+        return out
+
+    def shape_of(self, name: str) -> str:
+        """A stage's shape as text; ragged stages read '[h x (T, d_i)]'."""
+        a = getattr(self, name)
+        if isinstance(a, list):
+            return "[" + ", ".join(str(p.shape) for p in a) + "]"
+        return str(a.shape)
+
+    # --------------------------------------------------------------- compare
+    def compare(self, other: Union["Trace", Mapping[str, Any]], *,
+                rtol: Optional[float] = None, atol: Optional[float] = None
+                ) -> "CompareReport":
+        """compare(other, *, rtol=None, atol=None) -> CompareReport
+
+        Stage by stage (q, k, v, raw_scores, scores, weights, heads, concat,
+        output), the maximum absolute and relative error of ``other`` against
+        this trace, and the first stage where they diverge.  ``other`` is a
+        Trace or a dict of arrays (keys as in :meth:`to_dict`; 'out' is read
+        as 'output'); stages missing from a dict are skipped.  A per-head
+        stage of a dict may also be given fused, (T, h*d) — the layout of
+        ``X @ w_q`` — or as a list of per-head arrays.
+
+        A stage diverges when some element fails |a - b| <= atol + rtol*|b|
+        (b = this trace; -inf matches -inf).  The defaults follow the lower
+        precision of the two: rtol 1e-7, atol 1e-9 for float64; rtol 1e-4,
+        atol 1e-5 for float32.
+        """
+        if isinstance(other, Trace):
+            theirs = other.to_dict()
+        elif isinstance(other, Mapping):
+            theirs = {}
+            for name, val in other.items():
+                key = canonical_key(name)
+                if key is not None and key not in theirs:
+                    theirs[key] = val
+        else:
+            raise TypeError(f"compare: expected a Trace or a dict of arrays, got "
+                            f"{type(other).__name__}")
+        dtypes = [self.dtype]
+        for val in theirs.values():
+            for part in (val if isinstance(val, (list, tuple)) else [val]):
+                dt = getattr(part, "dtype", None)
+                if dt is not None and dt.kind == "f":
+                    dtypes.append(dt)
+        low32 = min(dt.itemsize for dt in dtypes) <= 4
+        if rtol is None:
+            rtol = 1e-4 if low32 else 1e-7
+        if atol is None:
+            atol = 1e-5 if low32 else 1e-9
+
+        rows = []
+        for stage in STAGES:
+            mine = getattr(self, stage)
+            if stage not in theirs or theirs[stage] is None:
+                rows.append(StageDiff(stage, self.shape_of(stage), None, None, None,
+                                      None, "not given"))
+                continue
+            rows.append(self._diff(stage, mine, theirs[stage], rtol, atol))
+        return CompareReport(rows, rtol=rtol, atol=atol)
+
+    def _coerce(self, stage: str, mine: PerHead, theirs: Any) -> Optional[PerHead]:
+        """Bring another layout of a stage to this trace's; None if impossible."""
+        H = self.num_heads
+        if isinstance(theirs, (list, tuple)) and not isinstance(mine, list):
+            try:
+                parts = [np.asarray(p) for p in theirs]
+                if len(parts) == H and len({p.shape for p in parts}) == 1:
+                    theirs = np.stack(parts, axis=1 if self.batched else 0)
+                else:
+                    theirs = np.asarray(theirs)
+            except (ValueError, TypeError):
+                return None
+        if isinstance(mine, list):
+            if isinstance(theirs, (list, tuple)):
+                parts = [np.asarray(p) for p in theirs]
+                return parts if len(parts) == H else None
+            a = np.asarray(theirs)
+            widths = [p.shape[-1] for p in mine]
+            if a.ndim >= 1 and a.shape[-1] == sum(widths):  # fused columns
+                offs = np.cumsum([0] + widths)
+                return [a[..., offs[i]:offs[i + 1]] for i in range(H)]
+            return None
+        a = np.asarray(theirs)
+        if a.dtype.kind not in "biuf":
+            return None
+        if a.shape == mine.shape:
+            return a
+        if stage in _PER_HEAD and a.ndim == mine.ndim - 1:
+            # fused (..., T, h*d) -> (..., h, T, d)
+            *lead, T, width = a.shape
+            d = mine.shape[-1]
+            if width == H * d and T == mine.shape[-2]:
+                a = a.reshape(*lead, T, H, d)
+                return np.moveaxis(a, -2, -3)
+        if a.size == mine.size and a.shape == tuple(s for s in mine.shape if s != 1):
+            return a.reshape(mine.shape)  # e.g. a single head without its axis
+        if self.batched and mine.shape[0] == 1 and a.shape == mine.shape[1:]:
+            return a[np.newaxis]
+        return None
+
+    def _diff(self, stage: str, mine: PerHead, theirs: Any, rtol: float,
+              atol: float) -> "StageDiff":
+        coerced = self._coerce(stage, mine, theirs)
+        their_shape = _shape_text(theirs)
+        if coerced is None:
+            return StageDiff(stage, self.shape_of(stage), their_shape, np.inf, np.inf,
+                             False, "shapes differ")
+        pairs: List[Tuple[np.ndarray, np.ndarray]] = (
+            list(zip(mine, coerced)) if isinstance(mine, list)
+            else [(mine, np.asarray(coerced))])
+        max_abs, max_rel, ok = 0.0, 0.0, True
+        for ref, got in pairs:
+            if ref.shape != got.shape:
+                return StageDiff(stage, self.shape_of(stage), their_shape, np.inf,
+                                 np.inf, False, "shapes differ")
+            a, r, good = _errors(np.asarray(got, dtype=np.float64),
+                                 np.asarray(ref, dtype=np.float64), rtol, atol)
+            max_abs, max_rel, ok = max(max_abs, a), max(max_rel, r), ok and good
+        return StageDiff(stage, self.shape_of(stage), their_shape, max_abs, max_rel, ok,
+                         "" if ok else "differs")
+
+    # --------------------------------------------------------------- display
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{k} {self.shape_of(k)}" for k in KEYS)
+        return f"<mhattn.Trace {self._config_text()}: {parts}>"
+
+    def _config_text(self) -> str:
+        tq = self.weights.shape[-2]
+        tk = self.weights.shape[-1]
+        bits = []
+        if self.batched:
+            bits.append(f"B={self.weights.shape[0]}")
+        bits.append(f"h={self.num_heads}")
+        if self.num_kv_heads != self.num_heads:
+            bits.append(f"kv heads={self.num_kv_heads}")
+        bits += [f"T_q={tq}", f"T_k={tk}", "d_k=" + _widths(self.d_k),
+                 "d_v=" + _widths(self.d_v), str(self.dtype)]
+        if self.causal:
+            bits.append("causal")
+        if self.masked:
+            bits.append("masked")
+        return ", ".join(bits)
+
+    def _small(self) -> bool:
+        tq, tk = self.weights.shape[-2:]
+        return (self.num_heads <= 4 and tq <= 8 and tk <= 8
+                and max(self.d_k + self.d_v) <= 8 and self.output.shape[-1] <= 16
+                and self.concat.shape[-1] <= 16)
+
+    def _repr_html_(self) -> str:
+        esc = html.escape
+        out = ['<div class="mhattn-trace">',
+               f"<p><b>mhattn.Trace</b> &mdash; {esc(self._config_text())}; "
+               f"scale {_scales_text(self.scales, self.d_k)}</p>",
+               '<table><thead><tr><th style="text-align:left">step</th>'
+               '<th style="text-align:left">equation</th>'
+               '<th style="text-align:left">shape</th></tr></thead><tbody>']
+        for k in KEYS:
+            out.append(f'<tr><td style="text-align:left"><code>{k}</code></td>'
+                       f'<td style="text-align:left">{_FORMULA[k]}</td>'
+                       f'<td style="text-align:left"><code>{esc(self.shape_of(k))}'
+                       f"</code></td></tr>")
+        out.append("</tbody></table>")
+        if self._small():
+            b = 0 if self.batched else None
+            if self.batched:
+                out.append(f"<p>Values of batch item 0 (of {self.weights.shape[0]}):</p>")
+            qlab = self.tokens or [str(i) for i in range(self.weights.shape[-2])]
+            klab = self.key_tokens or [str(j) for j in range(self.weights.shape[-1])]
+            for i in range(self.num_heads):
+                st = self.head(i, b)
+                out.append(f"<p><b>Head {i + 1}</b> (d_k = {self.d_k[i]}, "
+                           f"d_v = {self.d_v[i]}, scale {self.scales[i]:.4g})</p>")
+                out.append('<div style="display:flex;flex-wrap:wrap;gap:1.2em">')
+                out.append(_matrix_html("q", st["q"], qlab))
+                out.append(_matrix_html("k", st["k"], klab))
+                out.append(_matrix_html("v", st["v"], klab))
+                out.append(_matrix_html("raw_scores = q k\u1d40", st["raw_scores"],
+                                        qlab, klab))
+                out.append(_matrix_html("scores", st["scores"], qlab, klab))
+                out.append(_matrix_html("weights", st["weights"], qlab, klab))
+                out.append(_matrix_html("head", st["head"], qlab))
+                out.append("</div>")
+            concat = self.concat[b] if self.batched else self.concat
+            output = self.output[b] if self.batched else self.output
+            out.append('<div style="display:flex;flex-wrap:wrap;gap:1.2em">')
+            out.append(_matrix_html("concat", concat, qlab))
+            out.append(_matrix_html("output", output, qlab))
+            out.append("</div>")
+        else:
+            out.append("<p>(Matrices too large to show: read them from the trace's "
+                       "attributes or <code>to_dict()</code>.)</p>")
+        out.append("</div>")
+        return "\n".join(out)
+
+
+def _widths(ws: Sequence[int]) -> str:
+    return str(ws[0]) if len(set(ws)) == 1 else "(" + ", ".join(map(str, ws)) + ")"
+
+
+def _scales_text(scales: Sequence[float], dk: Sequence[int]) -> str:
+    if all(abs(s - 1 / np.sqrt(d)) <= 1e-12 * abs(s) for s, d in zip(scales, dk)):
+        return "1/&radic;d<sub>k</sub>" + (
+            f" = {scales[0]:.4f}" if len(set(scales)) == 1 else "")
+    return ", ".join(f"{s:.4g}" for s in sorted(set(scales)))
+
+
+def _fmt(x: float) -> str:
+    if np.isneginf(x):
+        return "&minus;&infin;"
+    if np.isposinf(x):
+        return "&infin;"
+    if np.isnan(x):
+        return "nan"
+    return f"{x:.4f}"
+
+
+def _matrix_html(title: str, a: np.ndarray, rows: Sequence[str],
+                 cols: Optional[Sequence[str]] = None) -> str:
+    a = np.atleast_2d(np.asarray(a, dtype=np.float64))
+    esc = html.escape
+    head = ""
+    if cols is not None:
+        head = ("<tr><th></th>" + "".join(f"<th>{esc(c)}</th>" for c in cols)
+                + "</tr>")
+    body = "".join(
+        f'<tr><th style="text-align:right">{esc(rows[i])}</th>'
+        + "".join(f'<td style="text-align:right">{_fmt(x)}</td>' for x in row) + "</tr>"
+        for i, row in enumerate(a))
+    return (f'<div><div style="font-weight:bold;text-align:center">{esc(title)} '
+            f'<span style="font-weight:normal">{a.shape}</span></div>'
+            f'<table style="font-family:monospace">{head}{body}</table></div>')
+
+
+def _shape_text(x: Any) -> str:
+    if isinstance(x, (list, tuple)):
+        try:
+            return "[" + ", ".join(str(np.shape(p)) for p in x) + "]"
+        except Exception:
+            return type(x).__name__
+    try:
+        return str(np.shape(x))
+    except Exception:
+        return type(x).__name__
+
+
+def _errors(got: np.ndarray, ref: np.ndarray, rtol: float, atol: float):
+    """(max abs error, max relative error, all close) as numpy.testing does it.
+
+    Entries that are equal (including -inf == -inf and nan == nan) count as
+    exact; any other non-finite mismatch is an infinite error.
+    """
+    if got.size == 0:
+        return 0.0, 0.0, True
+    same = (got == ref) | (np.isnan(got) & np.isnan(ref))
+    close = np.isclose(got, ref, rtol=rtol, atol=atol, equal_nan=True)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        diff = np.where(same, 0.0, np.abs(got - ref))
+        diff = np.where(np.isnan(diff), np.inf, diff)
+        rel = np.where(same, 0.0, diff / np.abs(ref))
+        rel = np.where(np.isnan(rel), np.inf, rel)
+    return float(diff.max()), float(rel.max()), bool(close.all())
+
+
+@dataclass
+class StageDiff:
+    """One stage of a comparison: shapes, max abs / rel error, and whether
+    it agrees (None when the other side did not give this stage)."""
+    stage: str
+    shape: str
+    other_shape: Optional[str]
+    max_abs: Optional[float]
+    max_rel: Optional[float]
+    ok: Optional[bool]
+    note: str = ""
+
+
+class CompareReport:
+    """The result of :meth:`Trace.compare`.
+
+    ``stages`` lists a :class:`StageDiff` per stage; ``first_divergence`` is
+    the name of the first stage that differs (None if none does); ``ok`` is
+    True when every stage given agrees.  ``str()`` is a plain-text table and
+    ``_repr_html_`` an HTML one.
+    """
+
+    def __init__(self, stages: List[StageDiff], *, rtol: float, atol: float):
+        self.stages = stages
+        self.rtol = rtol
+        self.atol = atol
+        self.first_divergence = next((s.stage for s in stages if s.ok is False), None)
+
+    @property
+    def ok(self) -> bool:
+        return self.first_divergence is None
+
+    def __getitem__(self, stage: str) -> StageDiff:
+        for s in self.stages:
+            if s.stage == stage:
+                return s
+        raise KeyError(stage)
+
+    def summary(self) -> str:
+        compared = [s for s in self.stages if s.ok is not None]
+        if not compared:
+            return "No stage in common to compare."
+        if self.ok:
+            return (f"All {len(compared)} stages compared agree "
+                    f"(rtol={self.rtol:g}, atol={self.atol:g}).")
+        s = self[str(self.first_divergence)]
+        later = [t.stage for t in self.stages
+                 if t.ok is False and t.stage != s.stage]
+        why = ("shapes differ: expected " + s.shape + ", got " + str(s.other_shape)
+               if s.note == "shapes differ" else
+               f"max abs error {_num(s.max_abs)}, max rel error {_num(s.max_rel)}")
+        text = f"First divergence at '{s.stage}' ({why})."
+        if later:
+            text += " Later stages that differ too: " + ", ".join(later) + "."
+        return text
+
+    def __str__(self) -> str:
+        lines = [self.summary(), "",
+                 f"  {'stage':<11} {'shape':<16} {'max abs err':>12} {'max rel err':>12}  status"]
+        for s in self.stages:
+            if s.ok is None:
+                status, a, r = "not given", "", ""
+            else:
+                status = "ok" if s.ok else ("DIFFERS" if s.note != "shapes differ"
+                                            else f"SHAPE {s.other_shape}")
+                a, r = _num(s.max_abs), _num(s.max_rel)
+            mark = " <- first" if s.stage == self.first_divergence else ""
+            lines.append(f"  {s.stage:<11} {s.shape:<16} {a:>12} {r:>12}  {status}{mark}")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        esc = html.escape
+        rows = []
+        for s in self.stages:
+            style = ""
+            if s.stage == self.first_divergence:
+                style = ' style="background:#fdd;font-weight:bold"'
+            if s.ok is None:
+                status, a, r = "not given", "", ""
+            else:
+                status = "ok" if s.ok else esc(s.note or "differs")
+                a, r = _num(s.max_abs), _num(s.max_rel)
+            rows.append(f"<tr{style}><td><code>{s.stage}</code></td>"
+                        f"<td><code>{esc(s.shape)}</code></td><td>{a}</td><td>{r}</td>"
+                        f"<td>{status}</td></tr>")
+        return ('<div class="mhattn-compare"><p>' + esc(self.summary()) + "</p>"
+                "<table><thead><tr><th>stage</th><th>shape</th><th>max abs err</th>"
+                "<th>max rel err</th><th>status</th></tr></thead><tbody>"
+                + "".join(rows) + "</tbody></table></div>")
+
+
+def _num(x: Optional[float]) -> str:
+    if x is None:
+        return ""
+    if np.isinf(x):
+        return "inf"
+    return f"{x:.3g}"

@@ -1,0 +1,424 @@
+"""mhattn.check_prototype: a learner's prototype, checked and diagnosed.
+
+Each buggy prototype below is written the way a learner would write it, from
+the document's code, with exactly one mistake; the checker must name it.
+They are written independently of the checker's own re-enactments.
+"""
+import numpy as np
+import pytest
+
+import mhattn
+from mhattn.checker import MISTAKES, VARIANTS, PrototypeReport
+
+
+# ------------------------------------------------------------ correct ones
+
+def proto_correct(x, w_q, w_k, w_v, w_o, num_heads):
+    """The document's head() generalised to every query row, one head at a time."""
+    d_k = w_q.shape[1] // num_heads
+    d_v = w_v.shape[1] // num_heads
+    heads = []
+    for i in range(num_heads):
+        Q = x @ w_q[:, i * d_k:(i + 1) * d_k]
+        K = x @ w_k[:, i * d_k:(i + 1) * d_k]
+        V = x @ w_v[:, i * d_v:(i + 1) * d_v]
+        scores = (Q @ K.T) / np.sqrt(d_k)
+        w = np.exp(scores - scores.max(axis=1, keepdims=True))
+        w = w / w.sum(axis=1, keepdims=True)
+        heads.append(w @ V)
+    z = np.concatenate(heads, axis=1)
+    return z @ w_o
+
+
+def proto_correct_vectorised(x, w_q, w_k, w_v, w_o, num_heads):
+    T = x.shape[0]
+    h = num_heads
+    Q = (x @ w_q).reshape(T, h, -1).transpose(1, 0, 2)   # (h, T, d_k)
+    K = (x @ w_k).reshape(T, h, -1).transpose(1, 0, 2)
+    V = (x @ w_v).reshape(T, h, -1).transpose(1, 0, 2)   # (h, T, d_v)
+    s = Q @ K.transpose(0, 2, 1) / np.sqrt(Q.shape[-1])
+    s = s - s.max(axis=-1, keepdims=True)
+    a = np.exp(s) / np.exp(s).sum(axis=-1, keepdims=True)
+    o = a @ V
+    return o.transpose(1, 0, 2).reshape(T, -1) @ w_o
+
+
+# ------------------------------------------------------------ one bug each
+
+def _per_head(x, w_q, w_k, w_v, num_heads, i):
+    d_k = w_q.shape[1] // num_heads
+    d_v = w_v.shape[1] // num_heads
+    return (x @ w_q[:, i * d_k:(i + 1) * d_k], x @ w_k[:, i * d_k:(i + 1) * d_k],
+            x @ w_v[:, i * d_v:(i + 1) * d_v])
+
+
+def _softmax_rows(s):
+    e = np.exp(s - s.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def proto_no_scaling(x, w_q, w_k, w_v, w_o, num_heads):
+    heads = []
+    for i in range(num_heads):
+        Q, K, V = _per_head(x, w_q, w_k, w_v, num_heads, i)
+        scores = Q @ K.T                                   # BUG: no / sqrt(d_k)
+        heads.append(_softmax_rows(scores) @ V)
+    return np.concatenate(heads, axis=-1) @ w_o
+
+
+def proto_scale_by_dk(x, w_q, w_k, w_v, w_o, num_heads):
+    d_k = w_q.shape[1] // num_heads
+    heads = []
+    for i in range(num_heads):
+        Q, K, V = _per_head(x, w_q, w_k, w_v, num_heads, i)
+        scores = Q @ K.T / d_k                             # BUG: d_k, not sqrt(d_k)
+        heads.append(_softmax_rows(scores) @ V)
+    return np.concatenate(heads, axis=-1) @ w_o
+
+
+def proto_scale_by_sqrt_dmodel(x, w_q, w_k, w_v, w_o, num_heads):
+    d_model = x.shape[-1]
+    heads = []
+    for i in range(num_heads):
+        Q, K, V = _per_head(x, w_q, w_k, w_v, num_heads, i)
+        scores = Q @ K.T / np.sqrt(d_model)                # BUG: d_model, not d_k
+        heads.append(_softmax_rows(scores) @ V)
+    return np.concatenate(heads, axis=-1) @ w_o
+
+
+def proto_softmax_wrong_axis(x, w_q, w_k, w_v, w_o, num_heads):
+    d_k = w_q.shape[1] // num_heads
+    heads = []
+    for i in range(num_heads):
+        Q, K, V = _per_head(x, w_q, w_k, w_v, num_heads, i)
+        scores = Q @ K.T / np.sqrt(d_k)
+        w = np.exp(scores - scores.max(axis=0))            # BUG: axis 0 (queries)
+        w = w / w.sum(axis=0)
+        heads.append(w @ V)
+    return np.concatenate(heads, axis=-1) @ w_o
+
+
+def proto_heads_averaged(x, w_q, w_k, w_v, w_o, num_heads):
+    # "run h times to get h answers, then average them" (active recall 6)
+    d_k = w_q.shape[1] // num_heads
+    d_v = w_v.shape[1] // num_heads
+    answers = []
+    for i in range(num_heads):
+        Q, K, V = _per_head(x, w_q, w_k, w_v, num_heads, i)
+        head = _softmax_rows(Q @ K.T / np.sqrt(d_k)) @ V
+        answers.append(head @ w_o[i * d_v:(i + 1) * d_v])
+    return np.mean(answers, axis=0)                        # BUG: mean, not sum/concat
+
+
+def proto_heads_averaged_no_wo(x, w_q, w_k, w_v, w_o, num_heads):
+    d_k = w_q.shape[1] // num_heads
+    heads = []
+    for i in range(num_heads):
+        Q, K, V = _per_head(x, w_q, w_k, w_v, num_heads, i)
+        heads.append(_softmax_rows(Q @ K.T / np.sqrt(d_k)) @ V)
+    return sum(heads) / len(heads)                         # BUG: the average of heads
+
+
+def proto_heads_summed(x, w_q, w_k, w_v, w_o, num_heads):
+    d_k = w_q.shape[1] // num_heads
+    d_v = w_v.shape[1] // num_heads
+    z = 0
+    for i in range(num_heads):
+        Q, K, V = _per_head(x, w_q, w_k, w_v, num_heads, i)
+        z = z + _softmax_rows(Q @ K.T / np.sqrt(d_k)) @ V  # BUG: summed, not concatenated
+    return z @ w_o[:d_v]
+
+
+def proto_heads_summed_no_wo(x, w_q, w_k, w_v, w_o, num_heads):
+    d_k = w_q.shape[1] // num_heads
+    heads = [_softmax_rows(Q @ K.T / np.sqrt(d_k)) @ V
+             for Q, K, V in (_per_head(x, w_q, w_k, w_v, num_heads, i)
+                             for i in range(num_heads))]
+    return np.stack(heads).sum(axis=0)                     # BUG: the sum of heads
+
+
+def proto_wo_skipped(x, w_q, w_k, w_v, w_o, num_heads):
+    d_k = w_q.shape[1] // num_heads
+    heads = []
+    for i in range(num_heads):
+        Q, K, V = _per_head(x, w_q, w_k, w_v, num_heads, i)
+        heads.append(_softmax_rows(Q @ K.T / np.sqrt(d_k)) @ V)
+    return np.concatenate(heads, axis=-1)                  # BUG: forgot @ w_o
+
+
+def proto_wo_transposed(x, w_q, w_k, w_v, w_o, num_heads):
+    d_k = w_q.shape[1] // num_heads
+    heads = []
+    for i in range(num_heads):
+        Q, K, V = _per_head(x, w_q, w_k, w_v, num_heads, i)
+        heads.append(_softmax_rows(Q @ K.T / np.sqrt(d_k)) @ V)
+    z = np.concatenate(heads, axis=-1)
+    return (w_o @ z.T).T                                   # BUG: W^O transposed
+
+
+def proto_projections_transposed(x, w_q, w_k, w_v, w_o, num_heads):
+    # nn.Linear habit: y = x W^T
+    T, h = x.shape[0], num_heads
+    Q = (x @ w_q.T).reshape(T, h, -1).transpose(1, 0, 2)   # BUG: .T on every projection
+    K = (x @ w_k.T).reshape(T, h, -1).transpose(1, 0, 2)
+    V = (x @ w_v.T).reshape(T, h, -1).transpose(1, 0, 2)
+    s = Q @ K.transpose(0, 2, 1) / np.sqrt(w_q.shape[1] // h)
+    o = _softmax_rows(s) @ V
+    return o.transpose(1, 0, 2).reshape(T, -1) @ w_o
+
+
+def proto_no_max_subtraction(x, w_q, w_k, w_v, w_o, num_heads):
+    d_k = w_q.shape[1] // num_heads
+    heads = []
+    for i in range(num_heads):
+        Q, K, V = _per_head(x, w_q, w_k, w_v, num_heads, i)
+        scores = Q @ K.T / np.sqrt(d_k)
+        w = np.exp(scores)                                 # BUG: no max subtraction
+        w /= w.sum(axis=-1, keepdims=True)
+        heads.append(w @ V)
+    return np.concatenate(heads, axis=-1) @ w_o
+
+
+def proto_heads_split_sequence(x, w_q, w_k, w_v, w_o, num_heads):
+    d_k = w_q.shape[1] // num_heads
+    Qs = np.split(x @ w_q, num_heads)                      # BUG: np.split's axis=0 = tokens
+    Ks = np.split(x @ w_k, num_heads)
+    Vs = np.split(x @ w_v, num_heads)
+    heads = [_softmax_rows(Q @ K.T / np.sqrt(d_k)) @ V for Q, K, V in zip(Qs, Ks, Vs)]
+    return np.concatenate(heads) @ w_o
+
+
+def proto_heads_split_sequence_reshape(x, w_q, w_k, w_v, w_o, num_heads):
+    T, h = x.shape[0], num_heads
+    Q = (x @ w_q).reshape(h, T, -1)                        # BUG: no transpose
+    K = (x @ w_k).reshape(h, T, -1)
+    V = (x @ w_v).reshape(h, T, -1)
+    s = Q @ np.swapaxes(K, 1, 2) / np.sqrt(Q.shape[2])
+    return (_softmax_rows(s) @ V).reshape(T, -1) @ w_o
+
+
+def proto_same_projection_every_head(x, w_q, w_k, w_v, w_o, num_heads):
+    d_k = w_q.shape[1] // num_heads
+    d_v = w_v.shape[1] // num_heads
+    heads = []
+    for i in range(num_heads):  # noqa: B007 (the learner never uses i: that's the bug)
+        Q = x @ w_q[:, :d_k]                               # BUG: forgot the head index
+        K = x @ w_k[:, :d_k]
+        V = x @ w_v[:, :d_v]
+        heads.append(_softmax_rows(Q @ K.T / np.sqrt(d_k)) @ V)
+    return np.concatenate(heads, axis=-1) @ w_o
+
+
+BUGGY = [
+    ("no_scaling", proto_no_scaling),
+    ("scale_by_dk", proto_scale_by_dk),
+    ("scale_by_sqrt_dmodel", proto_scale_by_sqrt_dmodel),
+    ("softmax_wrong_axis", proto_softmax_wrong_axis),
+    ("heads_averaged", proto_heads_averaged),
+    ("heads_averaged", proto_heads_averaged_no_wo),
+    ("heads_summed", proto_heads_summed),
+    ("heads_summed", proto_heads_summed_no_wo),
+    ("wo_skipped", proto_wo_skipped),
+    ("wo_transposed", proto_wo_transposed),
+    ("projections_transposed", proto_projections_transposed),
+    ("no_max_subtraction", proto_no_max_subtraction),
+    ("heads_split_sequence", proto_heads_split_sequence),
+    ("heads_split_sequence", proto_heads_split_sequence_reshape),
+    ("same_projection_every_head", proto_same_projection_every_head),
+]
+
+
+def test_every_mistake_has_a_buggy_prototype():
+    assert {m for m, _ in BUGGY} == set(MISTAKES)
+    assert {m for m, _, _ in VARIANTS} == set(MISTAKES)
+
+
+@pytest.mark.parametrize("fn", [proto_correct, proto_correct_vectorised])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_correct_prototype_is_ok(fn, dtype):
+    rep = mhattn.check_prototype(fn, dtype=dtype)
+    assert isinstance(rep, PrototypeReport)
+    assert rep.ok, str(rep)
+    assert rep.mistake is None
+    assert all(t.ok for t in rep.trials)
+    assert "OK" in str(rep) and "agrees with mhattn" in rep.explanation
+    assert "OK" in rep._repr_html_()
+
+
+@pytest.mark.parametrize("mistake,fn", BUGGY, ids=[f.__name__[6:] for _, f in BUGGY])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_buggy_prototype_is_diagnosed(mistake, fn, dtype):
+    rep = mhattn.check_prototype(fn, dtype=dtype)
+    assert not rep.ok
+    assert rep.mistake == mistake, str(rep)
+    assert rep.exact and rep.candidates == [mistake], str(rep)
+    text = str(rep)
+    assert mistake in text and MISTAKES[mistake][0] in text
+    assert rep.explanation in text
+    assert mistake in rep._repr_html_() and "<table" in rep._repr_html_()
+    assert repr(rep) == text
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("mistake,fn", BUGGY[:6] + BUGGY[9:13],
+                         ids=[f.__name__[6:] for _, f in BUGGY[:6] + BUGGY[9:13]])
+def test_diagnosis_holds_for_other_seeds_and_trials(mistake, fn, seed):
+    rep = mhattn.check_prototype(fn, seed=seed, trials=seed * 2)
+    assert rep.mistake == mistake, str(rep)
+    assert len(rep.trials) == 5 + seed * 2
+
+
+def test_variants_are_pairwise_distinguishable():
+    """On the designed trials alone, no two mistakes give the same outputs."""
+    from mhattn.checker import _distance, _run, _trials
+    for dtype, tol in ((np.float64, 1e-7), (np.float32, 2e-4)):
+        cases = _trials(0, np.dtype(dtype), 0)
+        outs = {}
+        for mistake, form, vfn in VARIANTS + [("correct", "", mhattn.checker._correct)]:
+            outs[(mistake, form)] = [_run(vfn, t.args)[0] for t in cases]
+        keys = list(outs)
+        for i, a in enumerate(keys):
+            for b in keys[i + 1:]:
+                if a[0] == b[0]:
+                    continue
+                same = all(_distance(x, y, tol)[0] for x, y in zip(outs[a], outs[b]))
+                assert not same, (dtype, a, b)
+
+
+def test_trial_set_covers_the_shapes_where_bugs_show():
+    from mhattn.checker import _trials, _no_max_subtraction
+    cases = _trials(0, np.dtype(np.float64), 0)
+    names = [t.name for t in cases]
+    assert names[0] == "worked_example"
+    dims = [t.dims for t in cases]
+    assert any(d["d_k"] != d["d_v"] for d in dims)
+    assert any(d["h"] > 2 for d in dims)
+    assert all(d["T"] >= 3 for d in dims)
+    assert any(d["h"] * d["d_v"] != d["d_out"] for d in dims)       # non-square W^O
+    assert any(d["h"] * d["d_v"] == d["d_out"] for d in dims)       # square W^O
+    assert any(d["d_model"] == d["h"] * d["d_k"] == d["h"] * d["d_v"] for d in dims)
+    big = [t for t in cases if t.large]
+    assert len(big) == 1
+    with np.errstate(all="ignore"):
+        assert not np.isfinite(_no_max_subtraction(*big[0].args)).all()
+    assert np.isfinite(mhattn.multi_head_attention(*big[0].args[:5], num_heads=2)).all()
+    # the worked example is the document's, fused
+    we = cases[0]
+    tokens, X, w_q, w_k, w_v, w_o = mhattn.worked_example()
+    np.testing.assert_array_equal(we.x, X)
+    np.testing.assert_array_equal(we.w_q, np.concatenate(w_q, axis=1))
+    np.testing.assert_array_equal(we.w_o, np.eye(4))
+
+
+def test_raising_prototype_records_the_exception():
+    def assumes_dk_equals_dv(x, w_q, w_k, w_v, w_o, num_heads):
+        d_k = w_q.shape[1] // num_heads
+        heads = []
+        for i in range(num_heads):
+            Q = x @ w_q[:, i * d_k:(i + 1) * d_k]
+            K = x @ w_k[:, i * d_k:(i + 1) * d_k]
+            V = x @ w_v[:, i * d_k:(i + 1) * d_k]        # d_k used for V too
+            heads.append(_softmax_rows(Q @ K.T / np.sqrt(d_k)) @ V)
+        return np.concatenate(heads, axis=-1) @ w_o
+
+    rep = mhattn.check_prototype(assumes_dk_equals_dv)
+    assert not rep.ok and rep.mistake is None
+    raised = [t for t in rep.trials if t.status == "raised"]
+    assert raised and all("ValueError" in t.error for t in raised)
+    dims = {t.name: t for t in rep.trials}
+    assert dims["worked_example"].ok
+    text = str(rep)
+    assert "raised ValueError" in text
+    assert "transposed" in text                   # shape errors hint at transposes
+    assert "d_k != d_v" in text                   # it fails exactly there
+
+
+def test_prototype_raising_everywhere():
+    def broken(x, w_q, w_k, w_v, w_o, num_heads):
+        return undefined_name  # noqa: F821
+
+    rep = mhattn.check_prototype(broken)
+    assert not rep.ok and rep.mistake is None
+    assert all(t.status == "raised" and t.error.startswith("NameError") for t in rep.trials)
+    assert "NameError" in str(rep)
+
+
+def test_bad_returns():
+    rep = mhattn.check_prototype(lambda *a: None)
+    assert not rep.ok and "returned None" in str(rep)
+    rep = mhattn.check_prototype(lambda *a: {"weights": 1})
+    assert not rep.ok and "'output'" in str(rep)
+
+
+def test_dict_of_intermediates_names_first_differing_stage():
+    def with_steps(x, w_q, w_k, w_v, w_o, num_heads, scale_bug=True):
+        h = num_heads
+        d_k = w_q.shape[1] // h
+        Q = x @ w_q                                      # fused (T, h*d_k)
+        scores, weights, heads = [], [], []
+        for i in range(h):
+            q, k, v = _per_head(x, w_q, w_k, w_v, h, i)
+            s = q @ k.T if scale_bug else q @ k.T / np.sqrt(d_k)
+            a = _softmax_rows(s)
+            scores.append(s)
+            weights.append(a)
+            heads.append(a @ v)
+        z = np.concatenate(heads, axis=-1)
+        return {"q": Q, "scores": np.stack(scores), "weights": np.stack(weights),
+                "heads": heads, "z": z, "out": z @ w_o}
+
+    rep = mhattn.check_prototype(with_steps)
+    assert rep.mistake == "no_scaling"
+    assert rep.first_divergent_stage == "scores"
+    first = rep.trials[0].stages
+    assert first.first_divergence == "scores"
+    assert first["q"].ok and first["raw_scores"].ok is None
+    assert "'scores'" in str(rep)
+
+    rep = mhattn.check_prototype(lambda *a: with_steps(*a, scale_bug=False))
+    assert rep.ok and rep.first_divergent_stage is None
+
+
+def test_dict_output_right_but_intermediate_named_differently():
+    def scores_are_raw(x, w_q, w_k, w_v, w_o, num_heads):
+        d_k = w_q.shape[1] // num_heads
+        raw = [q @ k.T for q, k, _ in (_per_head(x, w_q, w_k, w_v, num_heads, i)
+                                       for i in range(num_heads))]
+        return {"scores": np.stack(raw),
+                "output": proto_correct(x, w_q, w_k, w_v, w_o, num_heads) + 0 * d_k}
+
+    rep = mhattn.check_prototype(scores_are_raw)
+    assert rep.ok
+    assert rep.first_divergent_stage == "scores"
+    assert "intermediates" in rep.explanation
+
+
+def test_tuple_return_output_and_weights():
+    def returns_pair(x, w_q, w_k, w_v, w_o, num_heads):
+        return proto_correct(x, w_q, w_k, w_v, w_o, num_heads), None
+
+    assert mhattn.check_prototype(returns_pair).ok
+
+
+def test_prototype_cannot_mutate_the_checkers_data():
+    def mutates(x, w_q, w_k, w_v, w_o, num_heads):
+        out = proto_correct(x, w_q, w_k, w_v, w_o, num_heads)
+        x[...] = 0
+        w_o[...] = 0
+        return out
+
+    assert mhattn.check_prototype(mutates).ok
+
+
+def test_argument_checks():
+    with pytest.raises(TypeError):
+        mhattn.check_prototype(42)
+    with pytest.raises(TypeError):
+        mhattn.check_prototype(proto_correct, dtype=np.int64)
+    with pytest.raises(ValueError):
+        mhattn.check_prototype(proto_correct, trials=-1)
+
+
+def test_docstring_carries_signature():
+    assert "check_prototype(fn, *, trials=4, dtype=np.float64, seed=0)" in \
+        mhattn.check_prototype.__doc__
