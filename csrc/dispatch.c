@@ -1,0 +1,112 @@
+/*
+ * dispatch.c - run-time choice of the SIMD kernels (see dispatch.h).
+ *
+ * Detection is cpuid for what the CPU implements plus xgetbv for what the
+ * OS saves on a context switch: a CPU may have AVX-512 while the kernel (or
+ * a hypervisor) does not enable zmm state, and then the instructions fault.
+ */
+#include "dispatch.h"
+
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#define MHA_X86 1
+#endif
+
+#ifdef MHA_X86
+/* XCR0, the mask of register state the OS saves. Inline asm rather than
+   _xgetbv() so this file needs no -mxsave / target attribute. */
+static unsigned long long read_xcr0(void)
+{
+    unsigned int lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    return ((unsigned long long)hi << 32) | lo;
+}
+#endif
+
+mha_isa mha_isa_detect(void)
+{
+#ifdef MHA_X86
+    unsigned int a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d))
+        return MHA_ISA_SCALAR;
+    const int osxsave = (c >> 27) & 1, avx = (c >> 28) & 1, fma = (c >> 12) & 1;
+    if (!osxsave || !avx || !fma)
+        return MHA_ISA_SCALAR;
+    const unsigned long long xcr0 = read_xcr0();
+    /* bit 1 SSE (xmm), bit 2 AVX (upper ymm) */
+    if ((xcr0 & 0x6) != 0x6)
+        return MHA_ISA_SCALAR;
+    if (__get_cpuid_max(0, NULL) < 7)
+        return MHA_ISA_SCALAR;
+    __cpuid_count(7, 0, a, b, c, d);
+    const int avx2 = (b >> 5) & 1, avx512f = (b >> 16) & 1;
+    if (!avx2)
+        return MHA_ISA_SCALAR;
+    /* bits 5-7: opmask, upper halves of zmm0-15, zmm16-31 */
+    if (avx512f && (xcr0 & 0xe6) == 0xe6)
+        return MHA_ISA_AVX512;
+    return MHA_ISA_AVX2;
+#else
+    return MHA_ISA_SCALAR;
+#endif
+}
+
+/* -1: not yet decided. Written once at first use (a benign race: every
+   thread that races computes the same value) or by mha_set_isa. */
+static atomic_int g_isa = -1;
+
+static mha_isa isa_from_env(mha_isa detected)
+{
+    const char *s = getenv("MHATTN_ISA");
+    mha_isa want = detected;
+    if (s != NULL) {
+        if (strcmp(s, "scalar") == 0)
+            want = MHA_ISA_SCALAR;
+        else if (strcmp(s, "avx2") == 0)
+            want = MHA_ISA_AVX2;
+        else if (strcmp(s, "avx512") == 0)
+            want = MHA_ISA_AVX512;
+        /* anything else (empty, misspelt) leaves the detected ISA */
+    }
+    return want < detected ? want : detected;
+}
+
+mha_isa mha_get_isa(void)
+{
+    int isa = atomic_load_explicit(&g_isa, memory_order_relaxed);
+    if (isa < 0) {
+        int expected = -1;
+        const int v = (int)isa_from_env(mha_isa_detect());
+        /* if mha_set_isa got in first, keep its value */
+        if (!atomic_compare_exchange_strong(&g_isa, &expected, v))
+            return (mha_isa)expected;
+        isa = v;
+    }
+    return (mha_isa)isa;
+}
+
+int mha_set_isa(mha_isa isa)
+{
+    const mha_isa detected = mha_isa_detect();
+    int v = (int)isa;
+    if (v < (int)MHA_ISA_SCALAR)
+        v = MHA_ISA_SCALAR;
+    if (v > (int)detected)
+        v = (int)detected;
+    atomic_store(&g_isa, v);
+    return v;
+}
+
+const char *mha_isa_name(mha_isa isa)
+{
+    switch (isa) {
+    case MHA_ISA_SCALAR: return "scalar";
+    case MHA_ISA_AVX2: return "avx2";
+    case MHA_ISA_AVX512: return "avx512";
+    }
+    return "unknown";
+}

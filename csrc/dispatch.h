@@ -1,0 +1,41 @@
+/*
+ * dispatch.h - which SIMD kernels the core runs.
+ *
+ * The instruction set is detected once (cpuid + xgetbv), then capped once by
+ * the environment variable MHATTN_ISA=scalar|avx2|avx512 at first use. A cap
+ * above what the CPU (and the OS, for the wide register state) supports is
+ * lowered to what it supports, so forcing is only ever downward.
+ */
+#ifndef MHA_DISPATCH_H
+#define MHA_DISPATCH_H
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum {
+    MHA_ISA_SCALAR = 0, /* portable C, always compiled and always tested */
+    MHA_ISA_AVX2 = 1,   /* AVX2 + FMA, with OS support for ymm state     */
+    MHA_ISA_AVX512 = 2, /* AVX-512F (+ AVX2, FMA), OS support for zmm    */
+} mha_isa;
+
+/* The best ISA this CPU and OS support (ignores the environment). */
+mha_isa mha_isa_detect(void);
+
+/* The ISA in force: detected, capped by MHATTN_ISA (read once, at the
+   first call), or by the last mha_set_isa. Cheap: one atomic load. */
+mha_isa mha_get_isa(void);
+
+/* Caps the ISA at run time (for tests): the ISA in force becomes
+   min(isa, mha_isa_detect()); the environment cap is replaced, so a test
+   may go back up to the detected ISA. Returns the ISA now in force. */
+int mha_set_isa(mha_isa isa);
+
+/* "scalar", "avx2", "avx512" ("unknown" for anything else). */
+const char *mha_isa_name(mha_isa isa);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MHA_DISPATCH_H */

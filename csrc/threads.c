@@ -1,0 +1,327 @@
+/*
+ * threads.c - a small persistent pthread pool (see threads.h).
+ *
+ * One pool per process, used by one caller at a time. Whoever wins the
+ * g_busy flag (a compare-and-swap, never a blocking lock) owns the pool for
+ * the call: it grows the worker set if needed, publishes the job under the
+ * pool mutex, bumps the generation counter and broadcasts. Workers wait for
+ * a new generation (a short spin, then the condition variable), grab task
+ * indices from an atomic counter, and count themselves out through
+ * `pending`; the caller works too and then waits for pending == 0.
+ * A caller that loses the flag runs its tasks inline.
+ *
+ * Because workers can only be released by the owner of g_busy, a worker
+ * taking part in generation g cannot miss it: g + 1 is published only after
+ * every participant of g has counted itself out.
+ *
+ * Fork: the child inherits the memory of the pool but none of its threads
+ * (and maybe a mutex held by a thread that no longer exists), so the
+ * pthread_atfork child handler forgets the pool (leaking it, deliberately)
+ * and clears g_busy; the next call builds a fresh one. Nothing is locked
+ * around fork, so the parent can never deadlock on it.
+ */
+#define _GNU_SOURCE /* sched_getaffinity, CPU_COUNT */
+
+#include "threads.h"
+
+#include <pthread.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <time.h>
+#include <unistd.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#define cpu_relax() __builtin_ia32_pause()
+#else
+#define cpu_relax() ((void)0)
+#endif
+
+/* How long a worker (or the waiting caller) spins before sleeping: long
+   enough to bridge back-to-back calls such as the pack and compute phases
+   of one GEMM, short enough not to hold a core hostage. */
+#define SPIN_NS 50000L
+
+typedef struct {
+    pthread_mutex_t lock;
+    pthread_cond_t wake; /* workers: a new generation was published */
+    pthread_cond_t done; /* caller: pending reached 0               */
+    int nworkers;        /* spawned workers, ith 1..nworkers; owner only */
+    /* The job; written under lock before gen moves, read under lock. */
+    mha_task_fn fn;
+    void *ctx;
+    size_t ntasks;
+    int nactive; /* workers 1..nactive take part */
+    atomic_size_t next;
+    atomic_uint gen;
+    atomic_int pending;
+} pool_t;
+
+typedef struct {
+    pool_t *p;
+    int ith;
+    unsigned gen0; /* generation before the worker's first job */
+} worker_arg;
+
+static pool_t *g_pool;            /* touched only by the g_busy owner */
+static atomic_int g_busy;         /* 1 while some caller owns the pool */
+static int g_atfork_registered;   /* idem                             */
+static atomic_int g_nth_set;      /* 0: default                       */
+static atomic_int g_nth_default;  /* 0: not yet computed              */
+static _Thread_local int tls_in_task;
+
+static long now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long)ts.tv_sec * 1000000000L + ts.tv_nsec;
+}
+
+static void run_tasks(pool_t *p, mha_task_fn fn, void *ctx, size_t ntasks,
+                      int ith)
+{
+    for (;;) {
+        const size_t t =
+            atomic_fetch_add_explicit(&p->next, 1, memory_order_relaxed);
+        if (t >= ntasks)
+            break;
+        fn(ctx, t, ith);
+    }
+}
+
+static void *worker_main(void *argp)
+{
+    worker_arg arg = *(worker_arg *)argp;
+    free(argp);
+    pool_t *p = arg.p;
+    unsigned seen = arg.gen0;
+    tls_in_task = 1; /* anything a task calls runs inline */
+    for (;;) {
+        /* 1. wait for a new generation: spin a little, then sleep */
+        const long t0 = now_ns();
+        for (unsigned i = 1;
+             atomic_load_explicit(&p->gen, memory_order_acquire) == seen; i++) {
+            cpu_relax();
+            if ((i & 255) == 0 && now_ns() - t0 > SPIN_NS)
+                break;
+        }
+        pthread_mutex_lock(&p->lock);
+        while (atomic_load_explicit(&p->gen, memory_order_relaxed) == seen)
+            pthread_cond_wait(&p->wake, &p->lock);
+        seen = atomic_load_explicit(&p->gen, memory_order_relaxed);
+        const int active = arg.ith <= p->nactive;
+        const mha_task_fn fn = p->fn;
+        void *const ctx = p->ctx;
+        const size_t ntasks = p->ntasks;
+        pthread_mutex_unlock(&p->lock);
+        if (!active)
+            continue;
+        /* 2. work, then count out; the last one out wakes the caller */
+        run_tasks(p, fn, ctx, ntasks, arg.ith);
+        if (atomic_fetch_sub(&p->pending, 1) == 1) {
+            pthread_mutex_lock(&p->lock);
+            pthread_cond_signal(&p->done);
+            pthread_mutex_unlock(&p->lock);
+        }
+    }
+    return NULL;
+}
+
+static void atfork_child(void)
+{
+    g_pool = NULL; /* leaked: its mutex may be held by a vanished thread */
+    atomic_store(&g_busy, 0);
+}
+
+/* The pool with as many workers as we could get, up to nwant; NULL if even
+   the pool itself could not be made. Called by the g_busy owner only. */
+static pool_t *pool_get(int nwant)
+{
+    pool_t *p = g_pool;
+    if (p == NULL) {
+        if (!g_atfork_registered) {
+            if (pthread_atfork(NULL, NULL, atfork_child) != 0)
+                return NULL; /* unsafe across fork: stay single-threaded */
+            g_atfork_registered = 1;
+        }
+        p = calloc(1, sizeof *p);
+        if (p == NULL)
+            return NULL;
+        if (pthread_mutex_init(&p->lock, NULL) != 0) {
+            free(p);
+            return NULL;
+        }
+        if (pthread_cond_init(&p->wake, NULL) != 0) {
+            pthread_mutex_destroy(&p->lock);
+            free(p);
+            return NULL;
+        }
+        if (pthread_cond_init(&p->done, NULL) != 0) {
+            pthread_cond_destroy(&p->wake);
+            pthread_mutex_destroy(&p->lock);
+            free(p);
+            return NULL;
+        }
+        atomic_init(&p->next, 0);
+        atomic_init(&p->gen, 0);
+        atomic_init(&p->pending, 0);
+        g_pool = p;
+    }
+    if (p->nworkers >= nwant)
+        return p;
+
+    /* Workers block every signal, so that signals (SIGINT for Python's
+       KeyboardInterrupt) go to the threads that expect them. */
+    pthread_attr_t attr;
+    if (pthread_attr_init(&attr) != 0)
+        return p;
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    while (p->nworkers < nwant) {
+        worker_arg *arg = malloc(sizeof *arg);
+        if (arg == NULL)
+            break;
+        arg->p = p;
+        arg->ith = p->nworkers + 1;
+        arg->gen0 = atomic_load(&p->gen);
+        pthread_t tid;
+        if (pthread_create(&tid, &attr, worker_main, arg) != 0) {
+            free(arg);
+            break; /* run with fewer workers: results do not change */
+        }
+        p->nworkers++;
+    }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    pthread_attr_destroy(&attr);
+    return p;
+}
+
+static void run_inline(size_t ntasks, mha_task_fn fn, void *ctx)
+{
+    const int saved = tls_in_task;
+    tls_in_task = 1;
+    for (size_t t = 0; t < ntasks; t++)
+        fn(ctx, t, 0);
+    tls_in_task = saved;
+}
+
+mha_status mha_parallel_for_n(size_t ntasks, int nth, mha_task_fn fn,
+                              void *ctx)
+{
+    if (ntasks == 0)
+        return MHA_OK;
+    if (fn == NULL)
+        return MHA_ERR_ARG;
+    if (nth <= 0)
+        nth = mha_get_num_threads();
+    if (nth > MHA_MAX_THREADS)
+        nth = MHA_MAX_THREADS;
+    if ((size_t)nth > ntasks)
+        nth = (int)ntasks;
+    if (nth <= 1 || tls_in_task) {
+        run_inline(ntasks, fn, ctx);
+        return MHA_OK;
+    }
+    int expected = 0;
+    if (!atomic_compare_exchange_strong(&g_busy, &expected, 1)) {
+        run_inline(ntasks, fn, ctx); /* another OS thread has the pool */
+        return MHA_OK;
+    }
+    pool_t *p = pool_get(nth - 1);
+    if (p == NULL || p->nworkers == 0) {
+        atomic_store(&g_busy, 0);
+        run_inline(ntasks, fn, ctx);
+        return MHA_OK;
+    }
+    const int nactive = nth - 1 < p->nworkers ? nth - 1 : p->nworkers;
+
+    /* 1. publish the job */
+    pthread_mutex_lock(&p->lock);
+    p->fn = fn;
+    p->ctx = ctx;
+    p->ntasks = ntasks;
+    p->nactive = nactive;
+    atomic_store(&p->next, 0);
+    atomic_store(&p->pending, nactive);
+    atomic_fetch_add_explicit(&p->gen, 1, memory_order_release);
+    pthread_cond_broadcast(&p->wake);
+    pthread_mutex_unlock(&p->lock);
+
+    /* 2. work alongside */
+    tls_in_task = 1;
+    run_tasks(p, fn, ctx, ntasks, 0);
+    tls_in_task = 0;
+
+    /* 3. wait for the workers: spin a little, then sleep */
+    const long t0 = now_ns();
+    for (unsigned i = 1; atomic_load(&p->pending) != 0; i++) {
+        cpu_relax();
+        if ((i & 255) == 0 && now_ns() - t0 > SPIN_NS)
+            break;
+    }
+    if (atomic_load(&p->pending) != 0) {
+        pthread_mutex_lock(&p->lock);
+        while (atomic_load(&p->pending) != 0)
+            pthread_cond_wait(&p->done, &p->lock);
+        pthread_mutex_unlock(&p->lock);
+    }
+    atomic_store(&g_busy, 0);
+    return MHA_OK;
+}
+
+mha_status mha_parallel_for(size_t ntasks, mha_task_fn fn, void *ctx)
+{
+    return mha_parallel_for_n(ntasks, 0, fn, ctx);
+}
+
+static int default_threads(void)
+{
+    int v = atomic_load_explicit(&g_nth_default, memory_order_relaxed);
+    if (v > 0)
+        return v;
+    v = 0;
+    const char *s = getenv("MHATTN_NUM_THREADS");
+    if (s != NULL && *s != '\0') {
+        char *end;
+        const long n = strtol(s, &end, 10);
+        while (*end == ' ' || *end == '\t' || *end == '\n')
+            end++;
+        if (*end == '\0' && n > 0)
+            v = n > MHA_MAX_THREADS ? MHA_MAX_THREADS : (int)n;
+    }
+    if (v == 0) {
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        if (sched_getaffinity(0, sizeof set, &set) == 0)
+            v = CPU_COUNT(&set);
+    }
+    if (v <= 0) {
+        const long n = sysconf(_SC_NPROCESSORS_ONLN);
+        v = n > 0 ? (n > MHA_MAX_THREADS ? MHA_MAX_THREADS : (int)n) : 1;
+    }
+    if (v > MHA_MAX_THREADS)
+        v = MHA_MAX_THREADS;
+    atomic_store(&g_nth_default, v);
+    return v;
+}
+
+void mha_set_num_threads(int n)
+{
+    if (n > MHA_MAX_THREADS)
+        n = MHA_MAX_THREADS;
+    atomic_store(&g_nth_set, n > 0 ? n : 0);
+}
+
+int mha_get_num_threads(void)
+{
+    const int n = atomic_load(&g_nth_set);
+    return n > 0 ? n : default_threads();
+}
+
+int mha_in_parallel(void)
+{
+    return tls_in_task;
+}
