@@ -12,8 +12,8 @@ import os
 import numpy
 from setuptools import Extension, setup
 
-compile_args = ["-std=c11", "-O3", "-Wall", "-Wextra", "-fvisibility=hidden"]
-link_args = []
+compile_args = ["-std=c11", "-O3", "-Wall", "-Wextra", "-fvisibility=hidden", "-pthread"]
+link_args = ["-pthread"]
 if os.environ.get("MHATTN_SANITIZE") == "1":
     sanitize = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer",
                 "-O1", "-g"]

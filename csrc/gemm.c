@@ -1,29 +1,28 @@
 /*
- * gemm.c - the plain, portable matrix multiply of the core (see gemm.h).
+ * gemm.c - the core's matrix multiply (contract in gemm.h).
  *
- *   C (M, N) = op(A) (M, K) @ op(B) (K, N) [+ bias (N,)]
- *
- * This is the reference kernel: row-major, i-k-j loop order so that the
- * innermost loop streams one row of B and one row of C. Faster packed SIMD
- * kernels may sit beside it later; this one stays as the tested baseline.
- *
- * float32 and float64 come from one source, gemm_impl.h, included twice.
+ * Every caller in the core goes through mha_gemm_*; the work is done by the
+ * packed, threaded GEMM of gemm_packed.c, whose own scalar micro-kernel is
+ * the portable path (MHATTN_ISA=scalar) and whose plain loop handles small
+ * problems.
  */
-#include <stddef.h>
-
 #include "gemm.h"
+#include "gemm_packed.h"
 
-#define MHA_CAT_(a, b) a##_##b
-#define MHA_CAT(a, b) MHA_CAT_(a, b)
+mha_status mha_gemm_f32(float *C, size_t ldc, const float *A, size_t lda,
+                        int transA, const float *B, size_t ldb, int transB,
+                        const float *bias, size_t M, size_t N, size_t K,
+                        int accumulate)
+{
+    return mha_gemm_packed_f32(C, ldc, A, lda, transA, B, ldb, transB, bias,
+                               M, N, K, accumulate);
+}
 
-#define real float
-#define sfx f32
-#include "gemm_impl.h"
-#undef real
-#undef sfx
-
-#define real double
-#define sfx f64
-#include "gemm_impl.h"
-#undef real
-#undef sfx
+mha_status mha_gemm_f64(double *C, size_t ldc, const double *A, size_t lda,
+                        int transA, const double *B, size_t ldb, int transB,
+                        const double *bias, size_t M, size_t N, size_t K,
+                        int accumulate)
+{
+    return mha_gemm_packed_f64(C, ldc, A, lda, transA, B, ldb, transB, bias,
+                               M, N, K, accumulate);
+}

@@ -1,0 +1,164 @@
+/*
+ * gemm_packed.c - the packed, threaded GEMM (contract in gemm_packed.h).
+ *
+ * The driver is one template, gemm_packed_impl.h, instantiated below for
+ * float32 and float64. Micro-kernels and transposing packers: the portable
+ * _ref ones live in the template; the SIMD ones in gemm_kernel_avx2.c /
+ * gemm_kernel_avx512.c (AVX-512 reuses the AVX2 packers).
+ *
+ * Blocking (Zen3-sized: 32 KiB L1d, 512 KiB L2 per core, large shared L3):
+ *   KC x NR   B panel, stays in L1 while it meets every A panel of a block
+ *   MC x KC   A block, stays in L2 while it meets every B panel
+ *   KC x NC   B block, stays in L3, shared by all threads
+ * Only KC changes results (it sets where partial sums are rounded into C);
+ * the others and the thread split are free to tune.
+ */
+#include "gemm_packed.h"
+
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "dispatch.h"
+#include "gemm_kernels.h"
+#include "threads.h"
+
+#ifdef __GNUC__
+#define MHA_INLINE inline __attribute__((always_inline))
+#else
+#define MHA_INLINE inline
+#endif
+#define MHA_ALIGN64 _Alignas(64)
+/* A hint only: prefetching past the end of a row cannot fault. */
+#ifdef __GNUC__
+#define MHA_PREFETCH(p) __builtin_prefetch((p), 0, 3)
+#else
+#define MHA_PREFETCH(p) ((void)0)
+#endif
+#define MHA_MAX_MR 6
+#define MHA_MAX_NR 32
+
+/* The only setting of this file (see mha_gemm_packed_set_grain). */
+static atomic_size_t g_grain = MHA_GEMM_GRAIN;
+
+size_t mha_gemm_packed_set_grain(size_t grain)
+{
+    return atomic_exchange(&g_grain, grain > 0 ? grain : MHA_GEMM_GRAIN);
+}
+
+/* *out = a * b, or 0 when that overflows size_t. */
+static int mul_ok(size_t a, size_t b, size_t *out)
+{
+    if (a != 0 && b > SIZE_MAX / a)
+        return 0;
+    *out = a * b;
+    return 1;
+}
+
+static int add_ok(size_t a, size_t b, size_t *out)
+{
+    if (b > SIZE_MAX - a)
+        return 0;
+    *out = a + b;
+    return 1;
+}
+
+/* Start of part b when `total` items are cut into `nparts` near-equal
+   contiguous parts (b == nparts gives total). No product can overflow. */
+static size_t part_start(size_t total, size_t nparts, size_t b)
+{
+    const size_t q = total / nparts, r = total % nparts;
+    return b * q + (b < r ? b : r);
+}
+
+static void *alloc64(size_t bytes)
+{
+    /* aligned_alloc wants a multiple of the alignment */
+    if (bytes > SIZE_MAX - 63)
+        return NULL;
+    return aligned_alloc(64, (bytes + 63) / 64 * 64);
+}
+
+/* A matrix stored as (rows, cols) with row stride ld, in elements of
+   `elem` bytes: non-NULL, ld >= cols, and its last element addressable. */
+static mha_status check_matrix(const void *p, size_t ld, size_t rows,
+                               size_t cols, size_t elem)
+{
+    if (rows == 0 || cols == 0)
+        return MHA_OK;
+    if (p == NULL || ld < cols)
+        return MHA_ERR_ARG;
+    size_t span, n;
+    if (!mul_ok(rows - 1, ld, &span) || !add_ok(span, cols, &n) ||
+        !mul_ok(n, elem, &n))
+        return MHA_ERR_SIZE;
+    return MHA_OK;
+}
+
+static mha_status gemm_check(size_t elem, const void *C, size_t ldc,
+                             const void *A, size_t lda, int transA,
+                             const void *B, size_t ldb, int transB,
+                             size_t M, size_t N, size_t K)
+{
+    mha_status st = check_matrix(C, ldc, M, N, elem);
+    if (st == MHA_OK)
+        st = transA ? check_matrix(A, lda, K, M, elem)
+                    : check_matrix(A, lda, M, K, elem);
+    if (st == MHA_OK)
+        st = transB ? check_matrix(B, ldb, N, K, elem)
+                    : check_matrix(B, ldb, K, N, elem);
+    return st;
+}
+
+/* Portable kernel: 4 x 4 tile. */
+#define REF_KC 256
+#define REF_MC 64
+#define REF_NC 1024
+
+/* float32 */
+#define REAL float
+#define SFX f32
+#define UKR_AVX2 mha_gemm_ukr_avx2_f32
+#define TPACK_AVX2 mha_gemm_tpack_avx2_f32
+#define TPACK_ROWS 8
+#define AVX2_NR MHA_AVX2_NR_F32 /* 6 x 16 */
+#define AVX2_KC 256             /* B panel 16 KiB   */
+#define AVX2_MC 144             /* A block 144 KiB  */
+#define AVX2_NC 3072            /* B block 3 MiB    */
+#define UKR_AVX512 mha_gemm_ukr_avx512_f32
+#define AVX512_NR MHA_AVX512_NR_F32 /* 6 x 32 */
+#define AVX512_KC 256
+#define AVX512_MC 144
+#define AVX512_NC 3072
+#include "gemm_packed_impl.h"
+#undef REAL
+#undef SFX
+#undef UKR_AVX2
+#undef TPACK_AVX2
+#undef TPACK_ROWS
+#undef AVX2_NR
+#undef AVX2_KC
+#undef AVX2_MC
+#undef AVX2_NC
+#undef UKR_AVX512
+#undef AVX512_NR
+#undef AVX512_KC
+#undef AVX512_MC
+#undef AVX512_NC
+
+/* float64 */
+#define REAL double
+#define SFX f64
+#define UKR_AVX2 mha_gemm_ukr_avx2_f64
+#define TPACK_AVX2 mha_gemm_tpack_avx2_f64
+#define TPACK_ROWS 4
+#define AVX2_NR MHA_AVX2_NR_F64 /* 6 x 8 */
+#define AVX2_KC 256             /* B panel 16 KiB   */
+#define AVX2_MC 72              /* A block 144 KiB  */
+#define AVX2_NC 2048            /* B block 4 MiB    */
+#define UKR_AVX512 mha_gemm_ukr_avx512_f64
+#define AVX512_NR MHA_AVX512_NR_F64 /* 6 x 16 */
+#define AVX512_KC 256
+#define AVX512_MC 72
+#define AVX512_NC 2048
+#include "gemm_packed_impl.h"

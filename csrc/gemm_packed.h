@@ -1,0 +1,57 @@
+/*
+ * gemm_packed.h - the core's fast matrix multiply, internal to csrc/.
+ *
+ * Same contract and signature as mha_gemm_* in gemm.h:
+ *
+ *   C (M, N) = [C +] op(A) (M, K) @ op(B) (K, N) [+ bias (N,)]
+ *
+ * computed BLIS-style: C is cut into (MC x NC) blocks, K into KC blocks;
+ * A and B slivers are packed into aligned scratch and fed to register-tiled
+ * micro-kernels (gemm_kernels.h) chosen by mha_get_isa(). Threads split the
+ * (row block, column block) tiles of C and never K, so each element's sum
+ * has one fixed order whatever the thread count:
+ *
+ *   C[i][j] = ((init + s_0) + s_1) + ... + s_{nk-1}
+ *   init    = (accumulate ? C[i][j] : 0) + bias[j]    (terms that are absent
+ *             are skipped, not added as zero)
+ *   s_b     = sum over k in K block b, in increasing k, from zero
+ *
+ * K blocks depend only on K and the ISA, so the result is bitwise identical
+ * for any thread count with one ISA (ISAs may differ in rounding: the SIMD
+ * kernels fuse multiply-adds). Problems with M*N*K < MHA_GEMM_SMALL use a
+ * plain loop instead (no packing, no threads); that choice depends on the
+ * sizes only.
+ *
+ * Returns MHA_OK, MHA_ERR_ARG (NULL buffer or leading dimension too small
+ * for a non-empty matrix), MHA_ERR_SIZE (an index or scratch size overflows
+ * size_t) or MHA_ERR_NOMEM (scratch). K == 0 gives C = init.
+ */
+#ifndef MHA_GEMM_PACKED_H
+#define MHA_GEMM_PACKED_H
+
+#include <stddef.h>
+
+#include "mha.h"
+
+#define MHA_GEMM_SMALL 32768u
+/* Multiply-adds per thread below which fewer threads are used (this only
+   changes speed, never results). */
+#define MHA_GEMM_GRAIN 4194304u
+
+#define MHA_DECLARE_GEMM_PACKED(real, sfx)                                    \
+    mha_status mha_gemm_packed_##sfx(real *C, size_t ldc,                     \
+                                     const real *A, size_t lda, int transA,   \
+                                     const real *B, size_t ldb, int transB,   \
+                                     const real *bias,                        \
+                                     size_t M, size_t N, size_t K,            \
+                                     int accumulate);
+
+/* Sets the multiply-adds per thread below which fewer threads are used
+   (0 restores MHA_GEMM_GRAIN). For tests, which set 1 so that even small
+   problems are split, and for tuning. Returns the previous value. */
+size_t mha_gemm_packed_set_grain(size_t grain);
+
+MHA_DECLARE_GEMM_PACKED(float, f32)
+MHA_DECLARE_GEMM_PACKED(double, f64)
+
+#endif /* MHA_GEMM_PACKED_H */

@@ -1,0 +1,494 @@
+/*
+ * gemm_packed_impl.h - template of the packed GEMM driver (gemm_packed.h).
+ *
+ * Included once per type by gemm_packed.c, which defines REAL, SFX and the
+ * per-ISA blocking constants (UKR_*, *_NR, *_KC, *_MC, *_NC).
+ *
+ * Letters: M, N, K sizes of op(A) (M, K), op(B) (K, N), C (M, N);
+ *   MR x NR register tile, MC x KC packed A block, KC x NC packed B block;
+ *   a "panel" is an MR-row sliver of A or an NR-column sliver of B.
+ *
+ * Passes of one call:
+ *   1. checks; M or N == 0 returns, K == 0 writes init (gemm_packed.h);
+ *   2. M*N*K < MHA_GEMM_SMALL: a plain loop, one thread;
+ *   3. otherwise, for each NC column block jc, for each KC block pc in order:
+ *      a. pack op(B)[pc, jc] into panels (parallel over panel ranges);
+ *      b. for each tile (row block, column part) of C (parallel): pack that
+ *         row block of op(A)[., pc], write init at the first K block, and run
+ *         the micro-kernel over its NR x MR grid, B panel outer.
+ *   The K loop is outside the parallel regions, so every C element gets its
+ *   K blocks one after another, always in the same order.
+ */
+#define MHA_CAT2_(a, b) a##_##b
+#define MHA_CAT2(a, b) MHA_CAT2_(a, b)
+#define FN(name) MHA_CAT2(name, SFX)
+
+typedef void (*FN(ukr_t))(size_t kc, const REAL *a, const REAL *b, REAL *c,
+                          size_t ldc, int add);
+
+typedef void (*FN(tpack_t))(REAL *dst, size_t ldd, const REAL *src,
+                            size_t lds, size_t rows, size_t kc,
+                            const REAL *next);
+
+typedef struct {
+    size_t mr, nr; /* register tile                     */
+    size_t kc;     /* largest K block                   */
+    size_t mcp;    /* largest A block, in panels of mr  */
+    size_t nc;     /* largest B block, multiple of nr   */
+    FN(ukr_t) ukr;
+    FN(tpack_t) tpack; /* transposing copy of up to tpr rows */
+    size_t tpr;
+} FN(blocking);
+
+/* 1. The portable micro-kernel (contract in gemm_kernels.h). */
+static void FN(ukr_ref)(size_t kc, const REAL *a, const REAL *b, REAL *c,
+                        size_t ldc, int add)
+{
+    /* a: (kc, 4) packed; b: (kc, 4) packed; c: (4, 4) row stride ldc */
+    REAL acc[MHA_REF_MR][MHA_REF_NR] = {{0}};
+    for (size_t p = 0; p < kc; p++) {
+        const REAL *a_p = a + p * MHA_REF_MR;
+        const REAL *b_p = b + p * MHA_REF_NR;
+        for (int r = 0; r < MHA_REF_MR; r++)
+            for (int j = 0; j < MHA_REF_NR; j++)
+                acc[r][j] += a_p[r] * b_p[j];
+    }
+    for (int r = 0; r < MHA_REF_MR; r++) {
+        REAL *c_r = c + (size_t)r * ldc;
+        for (int j = 0; j < MHA_REF_NR; j++)
+            c_r[j] = add ? c_r[j] + acc[r][j] : acc[r][j];
+    }
+}
+
+/* The portable transposing copy (contract in gemm_kernels.h). */
+static void FN(tpack_ref)(REAL *dst, size_t ldd, const REAL *src, size_t lds,
+                          size_t rows, size_t kc, const REAL *next)
+{
+    /* src: (rows, kc) row stride lds; dst: (kc, rows) row stride ldd */
+    for (size_t p = 0; p < kc; p++) {
+        if ((p & 15) == 0)
+            for (size_t r = 0; r < rows; r++)
+                MHA_PREFETCH(next + r * lds + p);
+        for (size_t r = 0; r < rows; r++)
+            dst[p * ldd + r] = src[r * lds + p];
+    }
+}
+
+static const FN(blocking) FN(blk_ref) = {
+    MHA_REF_MR, MHA_REF_NR, REF_KC, REF_MC / MHA_REF_MR, REF_NC,
+    FN(ukr_ref), FN(tpack_ref), 8};
+#ifdef MHA_HAVE_X86_KERNELS
+static const FN(blocking) FN(blk_avx2) = {
+    MHA_AVX2_MR, AVX2_NR, AVX2_KC, AVX2_MC / MHA_AVX2_MR, AVX2_NC, UKR_AVX2,
+    TPACK_AVX2, TPACK_ROWS};
+static const FN(blocking) FN(blk_avx512) = {
+    MHA_AVX512_MR, AVX512_NR, AVX512_KC, AVX512_MC / MHA_AVX512_MR,
+    AVX512_NC, UKR_AVX512, TPACK_AVX2, TPACK_ROWS};
+#endif
+
+static const FN(blocking) *FN(blocking_for)(mha_isa isa)
+{
+#ifdef MHA_HAVE_X86_KERNELS
+    if (isa == MHA_ISA_AVX512)
+        return &FN(blk_avx512);
+    if (isa == MHA_ISA_AVX2)
+        return &FN(blk_avx2);
+#endif
+    (void)isa;
+    return &FN(blk_ref);
+}
+
+/* 2. Packing. transA / transB are handled here and nowhere else.
+   Stored rows are always walked along their length: short pieces of many
+   rows of a large power-of-two stride alias in L1 and starve the hardware
+   prefetcher, hence also the explicit prefetches of the next rows. */
+
+/* ap: panels of (kc, MR), rows i0 .. i0+mc-1 and columns k0 .. k0+kc-1 of
+   op(A); rows past mc are zero. MR is a constant at each call site. */
+static MHA_INLINE void FN(pack_a_body)(REAL *ap, const FN(blocking) *bk,
+                                       const REAL *A, size_t lda, int transA,
+                                       size_t i0, size_t mc, size_t k0,
+                                       size_t kc, const size_t MR)
+{
+    if (!transA) {
+        /* op(A)(i, k) = A[i*lda + k]: a panel is MR stored rows, copied
+           transposed; the last, partial panel goes one by one */
+        for (size_t ir = 0; ir < mc; ir += MR) {
+            const size_t mr = mc - ir < MR ? mc - ir : MR;
+            REAL *ap_i = ap + ir * kc; /* (kc, MR) */
+            const REAL *a_i = A + (i0 + ir) * lda + k0;
+            /* prefetch the next panel if it is full, else this one */
+            const REAL *a_next = ir + 2 * MR <= mc ? a_i + MR * lda : a_i;
+            if (mr == MR) {
+                for (size_t r = 0; r < MR; r += bk->tpr) {
+                    const size_t nr = MR - r < bk->tpr ? MR - r : bk->tpr;
+                    bk->tpack(ap_i + r, MR, a_i + r * lda, lda, nr, kc,
+                              a_next + r * lda);
+                }
+            } else {
+                for (size_t p = 0; p < kc; p++)
+                    for (size_t r = 0; r < MR; r++)
+                        ap_i[p * MR + r] = r < mr ? a_i[r * lda + p] : (REAL)0;
+            }
+        }
+    } else {
+        /* op(A)(i, k) = A[k*lda + i]: stored row k holds every i, so walk
+           it once and deal MR values to each panel */
+        for (size_t p = 0; p < kc; p++) {
+            const REAL *src = A + (k0 + p) * lda + i0;
+            if (p + 4 < kc) /* a few rows ahead, as rows are short */
+                for (size_t l = 0; l < mc; l += 64 / sizeof(REAL))
+                    MHA_PREFETCH(src + 4 * lda + l);
+            for (size_t ir = 0; ir < mc; ir += MR) {
+                const size_t mr = mc - ir < MR ? mc - ir : MR;
+                REAL *dst = ap + ir * kc + p * MR;
+                if (mr == MR)
+                    for (size_t r = 0; r < MR; r++)
+                        dst[r] = src[ir + r];
+                else
+                    for (size_t r = 0; r < MR; r++)
+                        dst[r] = r < mr ? src[ir + r] : (REAL)0;
+            }
+        }
+    }
+}
+
+static void FN(pack_a)(REAL *ap, const FN(blocking) *bk, const REAL *A,
+                       size_t lda, int transA, size_t i0, size_t mc,
+                       size_t k0, size_t kc)
+{
+    if (bk->mr == 6)
+        FN(pack_a_body)(ap, bk, A, lda, transA, i0, mc, k0, kc, 6);
+    else if (bk->mr == 4)
+        FN(pack_a_body)(ap, bk, A, lda, transA, i0, mc, k0, kc, 4);
+    else
+        FN(pack_a_body)(ap, bk, A, lda, transA, i0, mc, k0, kc, bk->mr);
+}
+
+/* bp: panels of (kc, NR), columns j0 .. j0+nc-1 and rows k0 .. k0+kc-1 of
+   op(B); columns past nc are zero. */
+static MHA_INLINE void FN(pack_b_body)(REAL *bp, const FN(blocking) *bk,
+                                       const REAL *B, size_t ldb, int transB,
+                                       size_t k0, size_t kc, size_t j0,
+                                       size_t nc, const size_t NR)
+{
+    if (!transB) {
+        /* op(B)(k, j) = B[k*ldb + j]: stored row k holds every j */
+        for (size_t p = 0; p < kc; p++) {
+            const REAL *src = B + (k0 + p) * ldb + j0;
+            for (size_t jr = 0; jr < nc; jr += NR) {
+                const size_t nr = nc - jr < NR ? nc - jr : NR;
+                REAL *dst = bp + jr * kc + p * NR;
+                if (nr == NR)
+                    for (size_t j = 0; j < NR; j++)
+                        dst[j] = src[jr + j];
+                else
+                    for (size_t j = 0; j < NR; j++)
+                        dst[j] = j < nr ? src[jr + j] : (REAL)0;
+            }
+        }
+    } else {
+        /* op(B)(k, j) = B[j*ldb + k]: a panel is NR stored rows, copied
+           transposed; the last, partial panel goes one by one */
+        for (size_t jr = 0; jr < nc; jr += NR) {
+            const size_t nr = nc - jr < NR ? nc - jr : NR;
+            REAL *bp_j = bp + jr * kc; /* (kc, NR) */
+            const REAL *b_j = B + (j0 + jr) * ldb + k0;
+            const REAL *b_next = jr + 2 * NR <= nc ? b_j + NR * ldb : b_j;
+            if (nr == NR) {
+                for (size_t j = 0; j < NR; j += bk->tpr) {
+                    const size_t nj = NR - j < bk->tpr ? NR - j : bk->tpr;
+                    bk->tpack(bp_j + j, NR, b_j + j * ldb, ldb, nj, kc,
+                              b_next + j * ldb);
+                }
+            } else {
+                for (size_t p = 0; p < kc; p++)
+                    for (size_t j = 0; j < NR; j++)
+                        bp_j[p * NR + j] = j < nr ? b_j[j * ldb + p] : (REAL)0;
+            }
+        }
+    }
+}
+
+static void FN(pack_b)(REAL *bp, const FN(blocking) *bk, const REAL *B,
+                       size_t ldb, int transB, size_t k0, size_t kc,
+                       size_t j0, size_t nc)
+{
+    switch (bk->nr) {
+    case 4: FN(pack_b_body)(bp, bk, B, ldb, transB, k0, kc, j0, nc, 4); break;
+    case 8: FN(pack_b_body)(bp, bk, B, ldb, transB, k0, kc, j0, nc, 8); break;
+    case 16: FN(pack_b_body)(bp, bk, B, ldb, transB, k0, kc, j0, nc, 16); break;
+    case 32: FN(pack_b_body)(bp, bk, B, ldb, transB, k0, kc, j0, nc, 32); break;
+    default: FN(pack_b_body)(bp, bk, B, ldb, transB, k0, kc, j0, nc, bk->nr); break;
+    }
+}
+
+/* 3. init = (accumulate ? C : 0) + bias over rows i0..i1-1, columns
+   j0..j1-1 of C; only called with bias != NULL, or for K == 0. */
+static void FN(write_init)(REAL *C, size_t ldc, const REAL *bias,
+                           int accumulate, size_t i0, size_t i1, size_t j0,
+                           size_t j1)
+{
+    for (size_t i = i0; i < i1; i++) {
+        REAL *c_i = C + i * ldc;
+        for (size_t j = j0; j < j1; j++) {
+            if (bias != NULL)
+                c_i[j] = accumulate ? c_i[j] + bias[j] : bias[j];
+            else if (!accumulate)
+                c_i[j] = 0;
+        }
+    }
+}
+
+/* 4. Small problems: a plain loop, one thread. Each C element is still
+   init + (sum over k in increasing order, from zero). */
+#define SMALL_NB 256
+static void FN(gemm_small)(REAL *C, size_t ldc, const REAL *A, size_t lda,
+                           int transA, const REAL *B, size_t ldb, int transB,
+                           const REAL *bias, size_t M, size_t N, size_t K,
+                           int accumulate)
+{
+    REAL acc[SMALL_NB]; /* (nb,) running sums of one row of C */
+    const size_t sa_i = transA ? 1 : lda, sa_k = transA ? lda : 1;
+    for (size_t i = 0; i < M; i++) {
+        REAL *c_i = C + i * ldc;
+        for (size_t j0 = 0; j0 < N; j0 += SMALL_NB) {
+            const size_t nb = N - j0 < SMALL_NB ? N - j0 : SMALL_NB;
+            for (size_t j = 0; j < nb; j++)
+                acc[j] = 0;
+            for (size_t k = 0; k < K; k++) {
+                const REAL a_ik = A[i * sa_i + k * sa_k];
+                if (!transB) {
+                    const REAL *b_k = B + k * ldb + j0;
+                    for (size_t j = 0; j < nb; j++)
+                        acc[j] += a_ik * b_k[j];
+                } else {
+                    const REAL *b_k = B + j0 * ldb + k;
+                    for (size_t j = 0; j < nb; j++)
+                        acc[j] += a_ik * b_k[j * ldb];
+                }
+            }
+            REAL *c_ij = c_i + j0;
+            const REAL *bias_j = bias != NULL ? bias + j0 : NULL;
+            for (size_t j = 0; j < nb; j++) {
+                REAL init;
+                if (bias_j != NULL)
+                    init = accumulate ? c_ij[j] + bias_j[j] : bias_j[j];
+                else if (accumulate)
+                    init = c_ij[j];
+                else {
+                    c_ij[j] = acc[j];
+                    continue;
+                }
+                c_ij[j] = init + acc[j];
+            }
+        }
+    }
+}
+#undef SMALL_NB
+
+/* 5. The parallel passes. */
+typedef struct {
+    REAL *C;
+    size_t ldc;
+    const REAL *A;
+    size_t lda;
+    int transA;
+    const REAL *B;
+    size_t ldb;
+    int transB;
+    const REAL *bias;
+    int accumulate;
+    size_t M;
+    const FN(blocking) *bk;
+    REAL *bp;         /* (np panels of (kc, nr)) packed B block          */
+    REAL *ap;         /* (nth, ap_stride) per-thread packed A blocks      */
+    size_t ap_stride; /* elements, a multiple of a cache line             */
+    size_t jc, nc;    /* column block: columns jc .. jc+nc-1               */
+    size_t pc, kc;    /* K block: k = pc .. pc+kc-1                        */
+    int first;        /* pc == 0                                           */
+    size_t mp, nmb;   /* row panels of C; row blocks (tasks along M)      */
+    size_t np, nnb;   /* column panels of the block; column parts         */
+    size_t nbt;       /* pack-B tasks                                     */
+} FN(ctx);
+
+/* Pack-B task t: panels [q0, q1) of the current B block. */
+static void FN(task_pack_b)(void *ctxp, size_t t, int ith)
+{
+    const FN(ctx) *x = ctxp;
+    (void)ith;
+    const size_t nr = x->bk->nr;
+    const size_t q0 = part_start(x->np, x->nbt, t);
+    const size_t q1 = part_start(x->np, x->nbt, t + 1);
+    if (q0 >= q1)
+        return;
+    const size_t j0 = q0 * nr;
+    const size_t j1 = q1 * nr < x->nc ? q1 * nr : x->nc;
+    FN(pack_b)(x->bp + j0 * x->kc, x->bk, x->B, x->ldb, x->transB, x->pc,
+               x->kc, x->jc + j0, j1 - j0);
+}
+
+/* Compute task t: row block t / nnb, column part t % nnb. It alone writes
+   that tile of C during this K block. */
+static void FN(task_compute)(void *ctxp, size_t t, int ith)
+{
+    const FN(ctx) *x = ctxp;
+    const FN(blocking) *bk = x->bk;
+    const size_t MR = bk->mr, NR = bk->nr, kc = x->kc;
+    const size_t mb = t / x->nnb, nb = t % x->nnb;
+    const size_t p0 = part_start(x->mp, x->nmb, mb);
+    const size_t p1 = part_start(x->mp, x->nmb, mb + 1);
+    const size_t q0 = part_start(x->np, x->nnb, nb);
+    const size_t q1 = part_start(x->np, x->nnb, nb + 1);
+    if (p0 >= p1 || q0 >= q1)
+        return;
+    const size_t i0 = p0 * MR, i1 = p1 * MR < x->M ? p1 * MR : x->M;
+    const size_t jj0 = q0 * NR, jj1 = q1 * NR < x->nc ? q1 * NR : x->nc;
+
+    /* ap: (p1 - p0) panels of (kc, MR), this thread's */
+    REAL *ap = x->ap + (size_t)ith * x->ap_stride;
+    FN(pack_a)(ap, bk, x->A, x->lda, x->transA, i0, i1 - i0, x->pc, kc);
+
+    if (x->first && x->bias != NULL)
+        FN(write_init)(x->C, x->ldc, x->bias, x->accumulate, i0, i1,
+                       x->jc + jj0, x->jc + jj1);
+    const int add = !x->first || x->bias != NULL || x->accumulate;
+
+    MHA_ALIGN64 REAL tmp[MHA_MAX_MR * MHA_MAX_NR]; /* (MR, NR) edge tile */
+    for (size_t q = q0; q < q1; q++) {
+        const REAL *bp_q = x->bp + q * NR * kc;                /* (kc, NR) */
+        const size_t nr = x->nc - q * NR < NR ? x->nc - q * NR : NR;
+        for (size_t p = p0; p < p1; p++) {
+            const REAL *ap_p = ap + (p - p0) * MR * kc;        /* (kc, MR) */
+            const size_t mr = x->M - p * MR < MR ? x->M - p * MR : MR;
+            REAL *c_pq = x->C + p * MR * x->ldc + x->jc + q * NR;
+            if (mr == MR && nr == NR) {
+                bk->ukr(kc, ap_p, bp_q, c_pq, x->ldc, add);
+            } else {
+                /* leftovers: full tile into tmp, then the valid corner */
+                bk->ukr(kc, ap_p, bp_q, tmp, NR, 0);
+                for (size_t r = 0; r < mr; r++)
+                    for (size_t j = 0; j < nr; j++)
+                        c_pq[r * x->ldc + j] = add
+                            ? c_pq[r * x->ldc + j] + tmp[r * NR + j]
+                            : tmp[r * NR + j];
+            }
+        }
+    }
+}
+
+mha_status FN(mha_gemm_packed)(REAL *C, size_t ldc,
+                               const REAL *A, size_t lda, int transA,
+                               const REAL *B, size_t ldb, int transB,
+                               const REAL *bias,
+                               size_t M, size_t N, size_t K, int accumulate)
+{
+    /* C: (M, N) row stride ldc; op(A): (M, K); op(B): (K, N); bias: (N,) */
+    mha_status st = MHA_OK;
+    REAL *buf = NULL;
+
+    /* 1. checks */
+    st = gemm_check(sizeof(REAL), C, ldc, A, lda, transA, B, ldb, transB, M,
+                    N, K);
+    if (st != MHA_OK)
+        return st;
+    if (M == 0 || N == 0)
+        return MHA_OK;
+    if (K == 0) {
+        FN(write_init)(C, ldc, bias, accumulate, 0, M, 0, N);
+        return MHA_OK;
+    }
+
+    /* 2. small problems */
+    size_t mn, mnk;
+    if (!mul_ok(M, N, &mn) || !mul_ok(mn, K, &mnk))
+        mnk = SIZE_MAX;
+    if (mnk < MHA_GEMM_SMALL) {
+        FN(gemm_small)(C, ldc, A, lda, transA, B, ldb, transB, bias, M, N, K,
+                       accumulate);
+        return MHA_OK;
+    }
+
+    /* 3. blocking: K blocks depend on K and the ISA only (determinism);
+       everything else may depend on the thread count. */
+    const FN(blocking) *bk = FN(blocking_for)(mha_get_isa());
+    const size_t MR = bk->mr, NR = bk->nr;
+    /* Threads: none inside another parallel task (it would run inline
+       anyway), and none beyond one per `grain` multiply-adds: waking
+       a sleeping worker costs tens of microseconds. */
+    int nth = mha_in_parallel() ? 1 : mha_get_num_threads();
+    const size_t grain = atomic_load_explicit(&g_grain, memory_order_relaxed);
+    if ((size_t)nth > mnk / grain)
+        nth = mnk / grain > 1 ? (int)(mnk / grain) : 1;
+    const size_t nkb = (K + bk->kc - 1) / bk->kc;
+    const size_t kcb = (K + nkb - 1) / nkb; /* balanced K blocks */
+
+    const size_t mp = M / MR + (M % MR != 0);
+    size_t nmb = (mp + bk->mcp - 1) / bk->mcp;
+    if (nth > 1 && (nmb >= (size_t)nth || mp >= 4 * (size_t)nth)) {
+        /* a multiple of nth row blocks of near-equal size */
+        nmb = (nmb + (size_t)nth - 1) / (size_t)nth * (size_t)nth;
+        if (nmb > mp)
+            nmb = mp;
+    }
+    const size_t mcp_max = (mp + nmb - 1) / nmb; /* panels per row block */
+
+    FN(ctx) x;
+    x.C = C; x.ldc = ldc; x.A = A; x.lda = lda; x.transA = transA;
+    x.B = B; x.ldb = ldb; x.transB = transB; x.bias = bias;
+    x.accumulate = accumulate; x.M = M; x.bk = bk;
+    x.mp = mp; x.nmb = nmb;
+
+    /* scratch: one packed B block, then one packed A block per thread,
+       each starting on a cache line */
+    const size_t line = 64 / sizeof(REAL);
+    const size_t nc_max = N < bk->nc ? (N + NR - 1) / NR * NR : bk->nc;
+    size_t bp_elems, ap_elems, ap_all, total, bytes;
+    if (!mul_ok(kcb, nc_max, &bp_elems) ||
+        !mul_ok(mcp_max * MR, kcb, &ap_elems))
+        return MHA_ERR_SIZE;
+    bp_elems = (bp_elems + line - 1) / line * line;
+    x.ap_stride = (ap_elems + line - 1) / line * line;
+    if (!mul_ok(x.ap_stride, (size_t)nth, &ap_all) ||
+        !add_ok(bp_elems, ap_all, &total) ||
+        !mul_ok(total, sizeof(REAL), &bytes))
+        return MHA_ERR_SIZE;
+    buf = alloc64(bytes);
+    if (buf == NULL) {
+        st = MHA_ERR_NOMEM;
+        goto fail;
+    }
+    x.bp = buf;
+    x.ap = buf + bp_elems;
+
+    for (size_t jc = 0; jc < N; jc += bk->nc) {
+        x.jc = jc;
+        x.nc = N - jc < bk->nc ? N - jc : bk->nc;
+        x.np = (x.nc + NR - 1) / NR;
+        /* too few row blocks to share out: split the columns as well */
+        x.nnb = nmb < (size_t)nth ? (x.np < (size_t)nth ? x.np : (size_t)nth)
+                                  : 1;
+        x.nbt = x.np < (size_t)nth ? x.np : (size_t)nth;
+        for (size_t kb = 0; kb < nkb; kb++) {
+            x.pc = kb * kcb;
+            if (x.pc >= K)
+                break;
+            x.kc = K - x.pc < kcb ? K - x.pc : kcb;
+            x.first = kb == 0;
+            st = mha_parallel_for_n(x.nbt, nth, FN(task_pack_b), &x);
+            if (st != MHA_OK)
+                goto fail;
+            st = mha_parallel_for_n(nmb * x.nnb, nth, FN(task_compute), &x);
+            if (st != MHA_OK)
+                goto fail;
+        }
+    }
+
+fail:
+    free(buf);
+    return st;
+}
+
+#undef FN
+#undef MHA_CAT2
+#undef MHA_CAT2_

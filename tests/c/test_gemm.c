@@ -1,0 +1,673 @@
+/*
+ * test_gemm.c - tests and micro-benchmark of the packed GEMM, the thread
+ * pool and the ISA dispatch (csrc/gemm_packed.c, threads.c, dispatch.c).
+ *
+ * Build and run (see the Makefile beside this file):
+ *   make -C tests/c check      # optimised build + ASan/UBSan build, both run
+ *   make -C tests/c bench      # GFLOP/s against a measured FMA peak
+ * or by hand, from the repository root:
+ *   gcc -std=c11 -O3 -Wall -Wextra -fvisibility=hidden -pthread -Icsrc \
+ *       -o /tmp/test_gemm tests/c/test_gemm.c csrc/gemm_packed.c \
+ *       csrc/gemm_kernel_avx2.c csrc/gemm_kernel_avx512.c csrc/dispatch.c \
+ *       csrc/threads.c csrc/status.c -lm
+ *
+ *   ./test_gemm            correctness (exit status 1 on any failure)
+ *   ./test_gemm bench [reps]   timings (median of reps, default 7)
+ *   ./test_gemm env        prints the ISA and thread count in force, to
+ *                          check MHATTN_ISA / MHATTN_NUM_THREADS
+ *
+ * What is checked, for every ISA this machine runs (scalar, avx2, avx512)
+ * and thread counts 1, 2, 3, 8:
+ *   - C against a naive triple loop summed in long double, within
+ *     1e-5 * sqrt(K) (float32) / 1e-12 (float64) of sum_k |a b| + |init|;
+ *   - bitwise equality of C across thread counts;
+ *   - all four transA / transB, bias or not, accumulate or not, padded
+ *     leading dimensions, C's padding and the inputs left untouched;
+ *   - sizes 0, 1, primes, non-multiples of MR / NR / KC / NC, both paths
+ *     (small loop and packed), and random shapes;
+ *   - bad arguments return MHA_ERR_ARG / MHA_ERR_SIZE;
+ *   - the pool: every task exactly once, ith < nth, nesting, two OS threads
+ *     calling at once, resizing during calls, and fork().
+ */
+#define _GNU_SOURCE /* for clock_gettime in c11 mode, fork, waitpid */
+
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "dispatch.h"
+#include "gemm_packed.h"
+#include "mha.h"
+#include "threads.h"
+
+static int g_failures;
+static long g_checks;
+
+#define CHECK(cond, ...)                                                      \
+    do {                                                                      \
+        g_checks++;                                                           \
+        if (!(cond)) {                                                        \
+            g_failures++;                                                     \
+            if (g_failures <= 30) {                                           \
+                fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);          \
+                fprintf(stderr, __VA_ARGS__);                                 \
+                fprintf(stderr, "\n");                                        \
+            }                                                                 \
+        }                                                                     \
+    } while (0)
+
+/* xorshift64*: reproducible inputs in [-1, 1) */
+static uint64_t g_rng = 0x9e3779b97f4a7c15ull;
+static uint64_t rng_u64(void)
+{
+    g_rng ^= g_rng >> 12;
+    g_rng ^= g_rng << 25;
+    g_rng ^= g_rng >> 27;
+    return g_rng * 2685821657736338717ull;
+}
+static double rng_unit(void) { return (double)(rng_u64() >> 11) * 0x1p-53 * 2.0 - 1.0; }
+static size_t rng_below(size_t n) { return n ? (size_t)(rng_u64() % n) : 0; }
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static const int k_threads[] = {1, 2, 3, 8};
+#define N_THREADS ((int)(sizeof k_threads / sizeof k_threads[0]))
+
+/* ------------------------------------------------------------------ */
+/* GEMM correctness, one template for float and double                 */
+/* ------------------------------------------------------------------ */
+
+#define DEFINE_GEMM_TEST(real, sfx, TOL)                                      \
+    static void test_case_##sfx(size_t M, size_t N, size_t K, int tA, int tB, \
+                                int use_bias, int acc, size_t pad)            \
+    {                                                                         \
+        /* op(A) (M, K) stored (M, K) or (K, M) with row stride lda, etc. */  \
+        const size_t a_rows = tA ? K : M, a_cols = tA ? M : K;                \
+        const size_t b_rows = tB ? N : K, b_cols = tB ? K : N;                \
+        const size_t lda = a_cols + pad, ldb = b_cols + pad, ldc = N + pad;   \
+        const size_t na = a_rows * lda + 1, nb = b_rows * ldb + 1;            \
+        const size_t nc = M * ldc + 1;                                        \
+        real *A = malloc(na * sizeof(real)), *B = malloc(nb * sizeof(real));  \
+        real *A0 = malloc(na * sizeof(real)), *B0 = malloc(nb * sizeof(real));\
+        real *C0 = malloc(nc * sizeof(real));                                 \
+        real *C1 = malloc(nc * sizeof(real)), *Ct = malloc(nc * sizeof(real));\
+        real *bias = malloc((N + 1) * sizeof(real));                          \
+        long double *ref = malloc((M * N + 1) * sizeof(long double));         \
+        double *scale = malloc((M * N + 1) * sizeof(double));                 \
+        if (!A || !B || !A0 || !B0 || !C0 || !C1 || !Ct || !bias || !ref ||   \
+            !scale) {                                                         \
+            fprintf(stderr, "out of memory in test\n");                       \
+            exit(2);                                                          \
+        }                                                                     \
+        for (size_t i = 0; i < na; i++) A[i] = A0[i] = (real)rng_unit();     \
+        for (size_t i = 0; i < nb; i++) B[i] = B0[i] = (real)rng_unit();     \
+        for (size_t i = 0; i < nc; i++) C0[i] = (real)rng_unit();            \
+        for (size_t j = 0; j <= N; j++) bias[j] = (real)rng_unit();          \
+        const real *bias_p = use_bias ? bias : NULL;                          \
+        for (size_t i = 0; i < M; i++)                                        \
+            for (size_t j = 0; j < N; j++) {                                  \
+                long double s = 0, sa = 0;                                    \
+                for (size_t k = 0; k < K; k++) {                              \
+                    const real a = tA ? A[k * lda + i] : A[i * lda + k];      \
+                    const real b = tB ? B[j * ldb + k] : B[k * ldb + j];      \
+                    s += (long double)a * b;                                  \
+                    sa += fabsl((long double)a * b);                          \
+                }                                                             \
+                long double init = acc ? C0[i * ldc + j] : 0;                 \
+                if (bias_p) init += bias_p[j];                                \
+                ref[i * N + j] = init + s;                                    \
+                scale[i * N + j] = (double)(sa + fabsl(init));                \
+            }                                                                 \
+        const double tol = TOL;                                               \
+        for (int t = 0; t < N_THREADS; t++) {                                 \
+            mha_set_num_threads(k_threads[t]);                                \
+            real *C = t == 0 ? C1 : Ct;                                       \
+            memcpy(C, C0, nc * sizeof(real));                                 \
+            mha_status st = mha_gemm_packed_##sfx(C, ldc, A, lda, tA, B, ldb, \
+                                                  tB, bias_p, M, N, K, acc);  \
+            CHECK(st == MHA_OK, "status %s", mha_status_name(st));            \
+            int bad = 0, diff = 0, pad_bad = 0;                               \
+            double worst = 0;                                                 \
+            for (size_t i = 0; i < M; i++)                                    \
+                for (size_t j = 0; j < ldc; j++) {                            \
+                    const real c = C[i * ldc + j];                            \
+                    if (j >= N) {                                             \
+                        pad_bad += memcmp(&c, &C0[i * ldc + j], sizeof c) != 0;\
+                        continue;                                             \
+                    }                                                         \
+                    const double err =                                        \
+                        fabs((double)((long double)c - ref[i * N + j]));      \
+                    const double lim = tol * (scale[i * N + j] + 1e-30);      \
+                    if (!(err <= lim)) bad++;                                 \
+                    if (err / (scale[i * N + j] + 1e-30) > worst)             \
+                        worst = err / (scale[i * N + j] + 1e-30);             \
+                    if (t > 0)                                                \
+                        diff += memcmp(&c, &C1[i * ldc + j], sizeof c) != 0;  \
+                }                                                             \
+            pad_bad += memcmp(&C[M * ldc], &C0[M * ldc], sizeof(real)) != 0;  \
+            CHECK(bad == 0,                                                   \
+                  #sfx " %s M=%zu N=%zu K=%zu tA=%d tB=%d bias=%d acc=%d "    \
+                  "pad=%zu nth=%d: %d elements off, worst rel %.3g",          \
+                  mha_isa_name(mha_get_isa()), M, N, K, tA, tB, use_bias,     \
+                  acc, pad, k_threads[t], bad, worst);                        \
+            CHECK(diff == 0,                                                  \
+                  #sfx " %s M=%zu N=%zu K=%zu tA=%d tB=%d: %d elements differ"\
+                  " between 1 and %d threads",                                \
+                  mha_isa_name(mha_get_isa()), M, N, K, tA, tB, diff,         \
+                  k_threads[t]);                                              \
+            CHECK(pad_bad == 0, #sfx " M=%zu N=%zu K=%zu: padding written",   \
+                  M, N, K);                                                   \
+        }                                                                     \
+        CHECK(memcmp(A, A0, na * sizeof(real)) == 0 &&                        \
+                  memcmp(B, B0, nb * sizeof(real)) == 0,                      \
+              #sfx " inputs mutated");                                        \
+        mha_set_num_threads(0);                                               \
+        free(A); free(B); free(A0); free(B0); free(C0); free(C1); free(Ct);   \
+        free(bias); free(ref); free(scale);                                   \
+    }
+
+/* float32: the SIMD kernels fuse, the loops do not; errors grow like
+   sqrt(K) for random signs, and the bound is relative to sum |a b|. */
+DEFINE_GEMM_TEST(float, f32, 1e-5 * sqrt((double)(K > 0 ? K : 1)))
+DEFINE_GEMM_TEST(double, f64, 1e-12)
+
+static void test_shape_all_options(size_t M, size_t N, size_t K)
+{
+    for (int tA = 0; tA < 2; tA++)
+        for (int tB = 0; tB < 2; tB++)
+            for (int opt = 0; opt < 4; opt++) {
+                const size_t pad = (opt == 3) ? 3 : 0;
+                test_case_f32(M, N, K, tA, tB, opt & 1, (opt >> 1) & 1, pad);
+                test_case_f64(M, N, K, tA, tB, opt & 1, (opt >> 1) & 1, pad);
+            }
+}
+
+static void test_gemm_shapes(int quick)
+{
+    /* fixed awkward shapes: zeros, ones, primes, tile and block edges;
+       f32 NC is 3072 and f64 NC is 2048, KC is 256 */
+    static const size_t shapes[][3] = {
+        {0, 5, 7},      {5, 0, 7},     {5, 7, 0},     {0, 0, 0},
+        {1, 1, 1},      {1, 1, 300},   {7, 13, 17},   {31, 37, 29},
+        {6, 16, 256},   {12, 32, 512}, {13, 17, 257}, {97, 89, 101},
+        {64, 64, 64},   {1, 4099, 9},  {257, 1, 131}, {6, 8, 1000},
+        {3, 500, 70},   {200, 3, 100}, {130, 70, 513}, {145, 33, 255},
+        {40, 200, 1},   {300, 7, 40},  {73, 79, 83},  {2, 2, 20000},
+    };
+    const size_t nshapes = sizeof shapes / sizeof shapes[0];
+    for (size_t s = 0; s < nshapes; s++)
+        test_shape_all_options(shapes[s][0], shapes[s][1], shapes[s][2]);
+
+    /* wider than one NC block (f32 3072, f64 2048) */
+    test_case_f32(20, 3100, 40, 0, 0, 1, 1, 0);
+    test_case_f32(19, 3100, 300, 1, 1, 1, 0, 1);
+    test_case_f64(25, 2100, 33, 0, 1, 0, 1, 0);
+    test_case_f64(8, 4200, 270, 1, 0, 1, 0, 2);
+
+    /* random shapes, biased towards the packed path */
+    const int nrand = quick ? 8 : 40;
+    for (int r = 0; r < nrand; r++) {
+        const size_t M = 1 + rng_below(160), N = 1 + rng_below(160);
+        const size_t K = 1 + rng_below(600);
+        const int tA = (int)rng_below(2), tB = (int)rng_below(2);
+        const int bias = (int)rng_below(2), acc = (int)rng_below(2);
+        const size_t pad = rng_below(3);
+        test_case_f32(M, N, K, tA, tB, bias, acc, pad);
+        test_case_f64(M, N, K, tA, tB, bias, acc, pad);
+    }
+}
+
+/* Exact cases: small integers make every sum exact, so all ISAs and both
+   paths must agree bitwise with the naive loop. Also checks the order
+   of init terms cannot lose the sign of a zero in the simplest case. */
+static void test_gemm_exact(void)
+{
+    const size_t M = 37, N = 45, K = 600; /* packed path, 3 K blocks */
+    float *A = malloc(M * K * sizeof *A), *B = malloc(K * N * sizeof *B);
+    float *C = malloc(M * N * sizeof *C), *bias = malloc(N * sizeof *bias);
+    for (size_t i = 0; i < M * K; i++) A[i] = (float)((int)rng_below(7) - 3);
+    for (size_t i = 0; i < K * N; i++) B[i] = (float)((int)rng_below(7) - 3);
+    for (size_t j = 0; j < N; j++) bias[j] = (float)j;
+    for (int isa = 0; isa <= (int)mha_isa_detect(); isa++) {
+        mha_set_isa((mha_isa)isa);
+        for (size_t i = 0; i < M * N; i++) C[i] = 1.0f;
+        mha_gemm_packed_f32(C, N, A, K, 0, B, N, 0, bias, M, N, K, 1);
+        int bad = 0;
+        for (size_t i = 0; i < M; i++)
+            for (size_t j = 0; j < N; j++) {
+                double s = 1.0 + (double)j;
+                for (size_t k = 0; k < K; k++)
+                    s += (double)A[i * K + k] * B[k * N + j];
+                bad += C[i * N + j] != (float)s;
+            }
+        CHECK(bad == 0, "exact integer GEMM, isa %s: %d wrong",
+              mha_isa_name((mha_isa)isa), bad);
+    }
+    mha_set_isa(MHA_ISA_AVX512);
+    free(A); free(B); free(C); free(bias);
+}
+
+/* Layout never changes the bits: transA / transB only change how operands
+   are packed, and where tile edges fall only changes which tiles go
+   through the leftovers buffer. So: C(A, B) == C(A^T stored, B^T stored)
+   bitwise, and the first 128 columns of a 129-wide product equal the
+   128-wide product bitwise. */
+#define DEFINE_LAYOUT_TEST(real, sfx)                                         \
+    static void test_layout_##sfx(void)                                       \
+    {                                                                         \
+        const size_t M = 53, K = 300, N = 129;                                \
+        real *A = malloc(M * K * sizeof *A), *At = malloc(K * M * sizeof *A); \
+        real *B = malloc(K * N * sizeof *B), *Bt = malloc(N * K * sizeof *B); \
+        real *C1 = malloc(M * N * sizeof *C1), *C2 = malloc(M * N * sizeof *C1);\
+        for (size_t i = 0; i < M; i++)                                        \
+            for (size_t k = 0; k < K; k++)                                    \
+                A[i * K + k] = At[k * M + i] = (real)rng_unit();              \
+        for (size_t k = 0; k < K; k++)                                        \
+            for (size_t j = 0; j < N; j++)                                    \
+                B[k * N + j] = Bt[j * K + k] = (real)rng_unit();              \
+        for (int isa = 0; isa <= (int)mha_isa_detect(); isa++) {              \
+            mha_set_isa((mha_isa)isa);                                        \
+            mha_gemm_packed_##sfx(C1, N, A, K, 0, B, N, 0, NULL, M, N, K, 0); \
+            mha_gemm_packed_##sfx(C2, N, At, M, 1, Bt, K, 1, NULL, M, N, K, 0);\
+            CHECK(memcmp(C1, C2, M * N * sizeof *C1) == 0,                    \
+                  #sfx " %s: transposed storage changed the bits",            \
+                  mha_isa_name((mha_isa)isa));                                \
+            mha_gemm_packed_##sfx(C2, N, A, K, 0, B, N, 0, NULL, M, N - 1, K, \
+                                  0);                                         \
+            int diff = 0;                                                     \
+            for (size_t i = 0; i < M; i++)                                    \
+                diff += memcmp(C1 + i * N, C2 + i * N,                        \
+                               (N - 1) * sizeof *C1) != 0;                    \
+            CHECK(diff == 0, #sfx " %s: N=128 vs N=129 differ in %d rows",    \
+                  mha_isa_name((mha_isa)isa), diff);                          \
+        }                                                                     \
+        mha_set_isa(MHA_ISA_AVX512);                                          \
+        free(A); free(At); free(B); free(Bt); free(C1); free(C2);             \
+    }
+DEFINE_LAYOUT_TEST(float, f32)
+DEFINE_LAYOUT_TEST(double, f64)
+
+static void test_gemm_errors(void)
+{
+    float a[4] = {0}, b[4] = {0}, c[4] = {0};
+    CHECK(mha_gemm_packed_f32(NULL, 2, a, 2, 0, b, 2, 0, NULL, 2, 2, 2, 0) ==
+              MHA_ERR_ARG, "C NULL");
+    CHECK(mha_gemm_packed_f32(c, 2, NULL, 2, 0, b, 2, 0, NULL, 2, 2, 2, 0) ==
+              MHA_ERR_ARG, "A NULL");
+    CHECK(mha_gemm_packed_f32(c, 2, a, 2, 0, NULL, 2, 0, NULL, 2, 2, 2, 0) ==
+              MHA_ERR_ARG, "B NULL");
+    CHECK(mha_gemm_packed_f32(c, 1, a, 2, 0, b, 2, 0, NULL, 2, 2, 2, 0) ==
+              MHA_ERR_ARG, "ldc < N");
+    CHECK(mha_gemm_packed_f32(c, 2, a, 1, 0, b, 2, 0, NULL, 2, 2, 2, 0) ==
+              MHA_ERR_ARG, "lda < K");
+    CHECK(mha_gemm_packed_f32(c, 2, a, 1, 1, b, 2, 0, NULL, 2, 2, 2, 0) ==
+              MHA_ERR_ARG, "lda < M (transA)");
+    CHECK(mha_gemm_packed_f32(c, 2, a, 2, 0, b, 1, 1, NULL, 2, 2, 2, 0) ==
+              MHA_ERR_ARG, "ldb < K (transB)");
+    /* K == 0 needs neither A nor B */
+    CHECK(mha_gemm_packed_f64(NULL, 1, NULL, 0, 0, NULL, 0, 0, NULL, 0, 5, 0,
+                              0) == MHA_OK, "empty C");
+    double cd[6] = {1, 2, 3, 4, 5, 6}, bd[3] = {10, 20, 30};
+    CHECK(mha_gemm_packed_f64(cd, 3, NULL, 0, 0, NULL, 0, 0, bd, 2, 3, 0, 1) ==
+              MHA_OK && cd[0] == 11 && cd[5] == 36, "K == 0, accumulate + bias");
+    CHECK(mha_gemm_packed_f64(cd, 3, NULL, 0, 0, NULL, 0, 0, NULL, 2, 3, 0,
+                              0) == MHA_OK && cd[0] == 0 && cd[5] == 0,
+          "K == 0 overwrites with 0");
+    /* sizes whose span overflows size_t */
+    CHECK(mha_gemm_packed_f32(c, SIZE_MAX / 2, a, 2, 0, b, 2, 0, NULL, 4, 2,
+                              2, 0) == MHA_ERR_SIZE, "ldc * M overflows");
+    CHECK(mha_gemm_packed_f32(c, 2, a, SIZE_MAX / 3, 0, b, 2, 0, NULL, 2, 2,
+                              2, 0) == MHA_ERR_SIZE, "lda * M overflows");
+}
+
+/* ------------------------------------------------------------------ */
+/* thread pool                                                         */
+/* ------------------------------------------------------------------ */
+
+typedef struct {
+    atomic_int *hits; /* (ntasks,) */
+    int nth;
+    atomic_int bad_ith;
+    atomic_int nested_ok;
+} pf_ctx;
+
+static void inner_task(void *ctxp, size_t t, int ith)
+{
+    (void)ctxp; (void)t;
+    (void)ith;
+}
+
+static void pf_task(void *ctxp, size_t t, int ith)
+{
+    pf_ctx *x = ctxp;
+    atomic_fetch_add(&x->hits[t], 1);
+    if (ith < 0 || ith >= x->nth)
+        atomic_fetch_add(&x->bad_ith, 1);
+    if (t % 7 == 0) {
+        /* nested call: must run inline, with in-parallel set */
+        mha_parallel_for(3, inner_task, NULL);
+        if (mha_in_parallel())
+            atomic_fetch_add(&x->nested_ok, 1);
+    }
+}
+
+static void test_parallel_for(void)
+{
+    for (int nth = 1; nth <= 9; nth += 2) {
+        for (size_t ntasks = 0; ntasks < 200; ntasks += 37) {
+            pf_ctx x;
+            x.hits = calloc(ntasks + 1, sizeof *x.hits);
+            x.nth = nth;
+            atomic_init(&x.bad_ith, 0);
+            atomic_init(&x.nested_ok, 0);
+            CHECK(mha_parallel_for_n(ntasks, nth, pf_task, &x) == MHA_OK,
+                  "parallel_for status");
+            int wrong = 0;
+            for (size_t t = 0; t < ntasks; t++)
+                wrong += atomic_load(&x.hits[t]) != 1;
+            CHECK(wrong == 0, "nth=%d ntasks=%zu: %d tasks not run once", nth,
+                  ntasks, wrong);
+            CHECK(atomic_load(&x.bad_ith) == 0, "ith out of range");
+            CHECK((size_t)atomic_load(&x.nested_ok) == (ntasks + 6) / 7,
+                  "nested calls");
+            free(x.hits);
+        }
+    }
+    CHECK(mha_parallel_for(5, NULL, NULL) == MHA_ERR_ARG, "NULL fn");
+    CHECK(mha_in_parallel() == 0, "in_parallel outside");
+    mha_set_num_threads(5);
+    CHECK(mha_get_num_threads() == 5, "set_num_threads");
+    mha_set_num_threads(0);
+    CHECK(mha_get_num_threads() >= 1, "default threads");
+}
+
+/* Several OS threads run GEMMs at once (and one resizes the pool): every
+   result must still equal the one-thread result bitwise. */
+typedef struct {
+    const float *A, *B;
+    const float *expect;
+    size_t M, N, K;
+    int rounds;
+    int resize;
+    int bad;
+} conc_ctx;
+
+static void *conc_main(void *p)
+{
+    conc_ctx *x = p;
+    float *C = malloc(x->M * x->N * sizeof *C);
+    for (int r = 0; r < x->rounds; r++) {
+        if (x->resize)
+            mha_set_num_threads(1 + r % 4);
+        mha_gemm_packed_f32(C, x->N, x->A, x->K, 0, x->B, x->N, 0, NULL, x->M,
+                            x->N, x->K, 0);
+        if (memcmp(C, x->expect, x->M * x->N * sizeof *C) != 0)
+            x->bad++;
+    }
+    free(C);
+    return NULL;
+}
+
+static void test_concurrency_and_fork(void)
+{
+    const size_t M = 150, N = 130, K = 300;
+    float *A = malloc(M * K * sizeof *A), *B = malloc(K * N * sizeof *B);
+    float *E = malloc(M * N * sizeof *E);
+    for (size_t i = 0; i < M * K; i++) A[i] = (float)rng_unit();
+    for (size_t i = 0; i < K * N; i++) B[i] = (float)rng_unit();
+    mha_set_num_threads(1);
+    mha_gemm_packed_f32(E, N, A, K, 0, B, N, 0, NULL, M, N, K, 0);
+    mha_set_num_threads(2);
+
+    enum { NT = 4 };
+    pthread_t tid[NT];
+    conc_ctx cx[NT];
+    for (int t = 0; t < NT; t++) {
+        cx[t] = (conc_ctx){A, B, E, M, N, K, 30, t == NT - 1, 0};
+        pthread_create(&tid[t], NULL, conc_main, &cx[t]);
+    }
+    for (int t = 0; t < NT; t++) {
+        pthread_join(tid[t], NULL);
+        CHECK(cx[t].bad == 0, "concurrent caller %d: %d results differ", t,
+              cx[t].bad);
+    }
+
+    /* fork with a live pool: the child must rebuild it and get the same
+       result; the parent must carry on. */
+    mha_set_num_threads(2);
+    float *C = malloc(M * N * sizeof *C);
+    mha_gemm_packed_f32(C, N, A, K, 0, B, N, 0, NULL, M, N, K, 0);
+    fflush(NULL);
+    const pid_t pid = fork();
+    if (pid == 0) {
+        int ok = 1;
+        for (int r = 0; r < 3; r++) {
+            memset(C, 0, M * N * sizeof *C);
+            mha_gemm_packed_f32(C, N, A, K, 0, B, N, 0, NULL, M, N, K, 0);
+            ok &= memcmp(C, E, M * N * sizeof *C) == 0;
+        }
+        _exit(ok ? 0 : 1);
+    }
+    CHECK(pid > 0, "fork failed");
+    int status = 0;
+    waitpid(pid, &status, 0);
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0,
+          "child after fork: status %d", status);
+    memset(C, 0, M * N * sizeof *C);
+    mha_gemm_packed_f32(C, N, A, K, 0, B, N, 0, NULL, M, N, K, 0);
+    CHECK(memcmp(C, E, M * N * sizeof *C) == 0, "parent after fork");
+    mha_set_num_threads(0);
+    free(A); free(B); free(E); free(C);
+}
+
+static void test_dispatch(void)
+{
+    const mha_isa det = mha_isa_detect();
+    CHECK(strcmp(mha_isa_name(MHA_ISA_SCALAR), "scalar") == 0 &&
+              strcmp(mha_isa_name(MHA_ISA_AVX2), "avx2") == 0 &&
+              strcmp(mha_isa_name(MHA_ISA_AVX512), "avx512") == 0,
+          "isa names");
+    CHECK(mha_set_isa(MHA_ISA_AVX512) == (int)det, "cap at detected");
+    CHECK(mha_get_isa() == det, "get after set");
+    CHECK(mha_set_isa(MHA_ISA_SCALAR) == MHA_ISA_SCALAR, "force scalar");
+    CHECK(mha_get_isa() == MHA_ISA_SCALAR, "scalar in force");
+    mha_set_isa(MHA_ISA_AVX512);
+}
+
+/* ------------------------------------------------------------------ */
+/* benchmark                                                           */
+/* ------------------------------------------------------------------ */
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+/* 12 independent FMA chains: enough to cover 2 pipes x 4-cycle latency. */
+__attribute__((target("avx2,fma"))) static double fma_loop_f32(long iters)
+{
+    __m256 acc[12];
+    const __m256 m = _mm256_set1_ps(0.999999f), a = _mm256_set1_ps(1e-6f);
+    for (int r = 0; r < 12; r++)
+        acc[r] = _mm256_set1_ps((float)r);
+    for (long i = 0; i < iters; i++)
+#pragma GCC unroll 12
+        for (int r = 0; r < 12; r++)
+            acc[r] = _mm256_fmadd_ps(acc[r], m, a);
+    __m256 s = acc[0];
+    for (int r = 1; r < 12; r++)
+        s = _mm256_add_ps(s, acc[r]);
+    float out[8];
+    _mm256_storeu_ps(out, s);
+    return out[0];
+}
+#define HAVE_PEAK 1
+#endif
+
+typedef struct { long iters; double gflops; double sink; } peak_arg;
+
+static void *peak_main(void *p)
+{
+    peak_arg *x = p;
+    const double t0 = now_s();
+#ifdef HAVE_PEAK
+    x->sink = fma_loop_f32(x->iters);
+#endif
+    x->gflops = (double)x->iters * 12 * 8 * 2 / (now_s() - t0) * 1e-9;
+    return NULL;
+}
+
+/* f32 FMA throughput of nth threads together, GFLOP/s, over ~10 ms. */
+static double peak_burst(int nth)
+{
+    pthread_t tid[2];
+    peak_arg args[2];
+    double sum = 0;
+    for (int t = 0; t < nth; t++) {
+        args[t].iters = 4000000;
+        if (t > 0)
+            pthread_create(&tid[t], NULL, peak_main, &args[t]);
+    }
+    peak_main(&args[0]);
+    sum = args[0].gflops;
+    for (int t = 1; t < nth; t++) {
+        pthread_join(tid[t], NULL);
+        sum += args[t].gflops;
+    }
+    return sum;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    const double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static double median(double *v, int n)
+{
+    qsort(v, (size_t)n, sizeof v[0], cmp_double);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/* The box is shared and noisy, so every timed GEMM is paired with an FMA
+   burst right before it on the same number of threads; the ratio of the
+   two is steadier than either. Reported: medians of GFLOP/s, of the peak
+   and of the per-pair ratio (f64 peak = f32 peak / 2), and the best GEMM
+   and best peak, whose ratio says what an idle machine would give. */
+#define DEFINE_BENCH(real, sfx, PEAKDIV)                                      \
+    static void bench_##sfx(size_t M, size_t N, size_t K, int tA, int tB,     \
+                            int nth, int reps, double out[5])                 \
+    {                                                                         \
+        real *A = aligned_alloc(64, (M * K * sizeof(real) + 63) / 64 * 64);   \
+        real *B = aligned_alloc(64, (K * N * sizeof(real) + 63) / 64 * 64);   \
+        real *C = aligned_alloc(64, (M * N * sizeof(real) + 63) / 64 * 64);   \
+        for (size_t i = 0; i < M * K; i++) A[i] = (real)rng_unit();          \
+        for (size_t i = 0; i < K * N; i++) B[i] = (real)rng_unit();          \
+        double g[64], pk[64], ratio[64];                                      \
+        mha_gemm_packed_##sfx(C, N, A, tA ? M : K, tA, B, tB ? K : N, tB,     \
+                              NULL, M, N, K, 0); /* warm-up */                \
+        for (int r = 0; r < reps; r++) {                                      \
+            pk[r] = peak_burst(nth) / (PEAKDIV);                              \
+            const double t0 = now_s();                                        \
+            mha_gemm_packed_##sfx(C, N, A, tA ? M : K, tA, B, tB ? K : N, tB, \
+                                  NULL, M, N, K, 0);                          \
+            g[r] = 2.0 * (double)M * (double)N * (double)K /                  \
+                   (now_s() - t0) * 1e-9;                                     \
+            ratio[r] = g[r] / pk[r];                                          \
+        }                                                                     \
+        out[0] = median(g, reps);                                             \
+        out[1] = median(pk, reps);                                            \
+        out[2] = median(ratio, reps);                                         \
+        out[3] = g[reps - 1];  /* sorted by median(): the best run */         \
+        out[4] = pk[reps - 1];                                                \
+        free(A); free(B); free(C);                                            \
+    }
+DEFINE_BENCH(float, f32, 1.0)
+DEFINE_BENCH(double, f64, 2.0)
+
+static void bench(int reps)
+{
+    if (reps < 1) reps = 1;
+    if (reps > 64) reps = 64;
+    printf("isa %s (detected %s), %d CPUs by default; median of %d runs,\n"
+           "each paired with an f32 FMA-throughput burst on as many threads "
+           "(12 chains of vfmadd; f64 peak = half)\n",
+           mha_isa_name(mha_get_isa()), mha_isa_name(mha_isa_detect()),
+           mha_get_num_threads(), reps);
+    static const size_t shapes[][5] = {
+        /* M, N, K, transA, transB */
+        {1024, 1024, 1024, 0, 0}, {2048, 512, 512, 0, 0},
+        {512, 2048, 512, 0, 0},   {1024, 1024, 1024, 0, 1},
+        {1024, 1024, 1024, 1, 0}, {256, 256, 64, 0, 1},
+        {4096, 64, 512, 0, 0},
+    };
+    printf("%-22s %-3s %-4s | %8s %8s %7s | %8s %8s %7s\n",
+           "M x N x K (tA,tB)", "nth", "type", "GFLOP/s", "peak", "ratio",
+           "best", "bestpk", "ratio");
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+        for (int nth = 1; nth <= 2; nth++) {
+            mha_set_num_threads(nth);
+            const size_t *sh = shapes[s];
+            char name[64];
+            snprintf(name, sizeof name, "%zux%zux%zu (%zu,%zu)", sh[0], sh[1],
+                     sh[2], sh[3], sh[4]);
+            double r32[5], r64[5];
+            bench_f32(sh[0], sh[1], sh[2], (int)sh[3], (int)sh[4], nth, reps,
+                      r32);
+            bench_f64(sh[0], sh[1], sh[2], (int)sh[3], (int)sh[4], nth, reps,
+                      r64);
+            printf("%-22s %-3d %-4s | %8.1f %8.1f %6.1f%% | %8.1f %8.1f "
+                   "%6.1f%%\n", name, nth, "f32", r32[0], r32[1], 100 * r32[2],
+                   r32[3], r32[4], 100 * r32[3] / r32[4]);
+            printf("%-22s %-3d %-4s | %8.1f %8.1f %6.1f%% | %8.1f %8.1f "
+                   "%6.1f%%\n", name, nth, "f64", r64[0], r64[1], 100 * r64[2],
+                   r64[3], r64[4], 100 * r64[3] / r64[4]);
+            fflush(stdout);
+        }
+    mha_set_num_threads(0);
+}
+
+int main(int argc, char **argv)
+{
+    if (argc > 1 && strcmp(argv[1], "bench") == 0) {
+        bench(argc > 2 ? atoi(argv[2]) : 7);
+        return 0;
+    }
+    if (argc > 1 && strcmp(argv[1], "env") == 0) {
+        /* what the environment chose: "<isa> <threads>" (see Makefile) */
+        printf("%s %d\n", mha_isa_name(mha_get_isa()), mha_get_num_threads());
+        return 0;
+    }
+    const int quick = argc > 1 && strcmp(argv[1], "quick") == 0;
+    const double t0 = now_s();
+    /* split even small problems over every thread, or the thread-count
+       checks below would compare one thread with itself */
+    mha_gemm_packed_set_grain(1);
+    test_dispatch();
+    test_parallel_for();
+    test_gemm_errors();
+    test_gemm_exact();
+    test_layout_f32();
+    test_layout_f64();
+    const mha_isa det = mha_isa_detect();
+    for (int isa = 0; isa <= (int)det; isa++) {
+        CHECK(mha_set_isa((mha_isa)isa) == isa, "set isa %d", isa);
+        printf("isa %s ...\n", mha_isa_name((mha_isa)isa));
+        fflush(stdout);
+        test_gemm_shapes(quick);
+    }
+    mha_set_isa(MHA_ISA_AVX512);
+    test_concurrency_and_fork();
+    printf("%ld checks, %d failures (%.1f s)\n", g_checks, g_failures,
+           now_s() - t0);
+    return g_failures != 0;
+}
