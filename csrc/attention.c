@@ -6,8 +6,9 @@
  *
  * The forward pass itself lives in attention_impl.h, included twice below
  * (float32 and float64 from one source). This file holds what does not
- * depend on the element type: checked size arithmetic, the config check and
- * the head offsets.
+ * depend on the element type: checked size arithmetic, the config check,
+ * the head offsets and the driver of the fused attention pass (pass 2; its
+ * kernels are in flash_*.c, see flash.h).
  */
 #include <math.h>
 #include <stddef.h>
@@ -15,8 +16,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "dispatch.h"
+#include "flash.h"
 #include "gemm.h"
 #include "mha.h"
+#include "threads.h"
 
 /*
  * Largest element count any buffer may have. Bounding counts by
@@ -168,21 +172,81 @@ static mha_status scratch_alloc(void **p, size_t n, size_t size)
     return *p ? MHA_OK : MHA_ERR_NOMEM;
 }
 
+/* The fused attention kernel of the ISA in force, for float (f64 == 0) or
+   double elements. Read at every call, so a test may force the ISA down. */
+static const mha_flash_kernel *flash_kernel(int f64)
+{
+    switch (mha_get_isa()) {
+#ifdef MHA_FLASH_X86
+    case MHA_ISA_AVX512:
+        return f64 ? &mha_flash_avx512_f64 : &mha_flash_avx512_f32;
+    case MHA_ISA_AVX2:
+        return f64 ? &mha_flash_avx2_f64 : &mha_flash_avx2_f32;
+#endif
+    default:
+        return f64 ? &mha_flash_ref_f64 : &mha_flash_ref_f32;
+    }
+}
+
+/*
+ * Pass 2 of the forward, for either element type. ctx comes filled in but
+ * for nqb, the head-width bounds, the scratch and stop. The work is split
+ * into tiles (b, h, query block) of a size fixed by the kernel, each owned
+ * by one thread, so the result does not depend on the thread count. Every
+ * thread gets its own scratch, allocated here for the thread count handed
+ * to the pool and padded to cache lines by the kernel's size.
+ */
+static mha_status attend(mha_flash_ctx *ctx, const mha_flash_kernel *kern)
+{
+    const mha_config *cfg = ctx->cfg;
+    atomic_init(&ctx->stop, 0);
+    if (cfg->B == 0 || cfg->Tq == 0)
+        return MHA_OK;
+    ctx->nqb = (cfg->Tq + kern->bq - 1) / kern->bq;
+    const size_t ntasks = cfg->B * cfg->H * ctx->nqb; /* <= B * H * Tq */
+
+    // Widest kv head. Without keys no tile touches the K / V scratch, so
+    // absurd head widths need not be allocated for.
+    size_t dk_max = 1, dv_max = 1;
+    for (size_t g = 0; cfg->Tk > 0 && g < cfg->G; g++) {
+        dk_max = cfg->dk[g] > dk_max ? cfg->dk[g] : dk_max;
+        dv_max = cfg->dv[g] > dv_max ? cfg->dv[g] : dv_max;
+    }
+    ctx->dk_max = dk_max;
+    ctx->dv_max = dv_max;
+
+    int nth = mha_get_num_threads();
+    if (nth < 1)
+        nth = 1;
+    if ((size_t)nth > ntasks)
+        nth = (int)ntasks;
+    const size_t per = kern->scratch_bytes(dk_max, dv_max);
+    if (per == 0 || per > (SIZE_MAX - 64) / (size_t)nth)
+        return MHA_ERR_SIZE;
+    unsigned char *raw = malloc(per * (size_t)nth + 64);
+    if (raw == NULL)
+        return MHA_ERR_NOMEM;
+    ctx->scratch = raw + (64 - (uintptr_t)raw % 64) % 64;
+    ctx->scratch_stride = per;
+
+    mha_status st = mha_parallel_for_n(ntasks, nth, kern->task, ctx);
+    free(raw);
+    if (st == MHA_OK && atomic_load(&ctx->stop))
+        st = MHA_ERR_INTERRUPTED;
+    return st;
+}
+
 #define MHA_CAT_(a, b) a##_##b
 #define MHA_CAT(a, b) MHA_CAT_(a, b)
 
 #define real float
 #define sfx f32
-#define mha_exp expf
 #include "attention_impl.h"
 #undef real
 #undef sfx
-#undef mha_exp
 
 #define real double
 #define sfx f64
-#define mha_exp exp
 #include "attention_impl.h"
 #undef real
 #undef sfx
-#undef mha_exp

@@ -107,7 +107,13 @@ mha_status mha_check_config(mha_layout *lay, const mha_config *cfg);
  *   bq (Sq,), bk (Sk,), bv (Sv,), bo (Dout,): each may be NULL (zero)
  *
  * A query row whose keys are all masked gets zero attention: its head
- * output is 0, its weights are 0 and its lse is -inf. No NaN is made.
+ * output is 0, its weights are 0 and its lse is -inf. No NaN is made; a
+ * NaN score (from NaN inputs, or +inf in an additive mask) makes its row's
+ * head output and lse NaN, and its weights NaN at the keys it sees.
+ *
+ * Runs on mha_get_num_threads() threads (threads.h) with the kernels of
+ * mha_get_isa() (dispatch.h); the result does not depend on the thread
+ * count, nor `out` on whether weights are wanted.
  */
 #define MHA_DECLARE_FORWARD(real, sfx)                                        \
     mha_status mha_forward_##sfx(                                             \

@@ -19,7 +19,9 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "dispatch.h"
 #include "mha.h"
+#include "threads.h"
 
 /* Limit on head widths and fused widths, matching the core's bound on
    element counts (mha_check_config rechecks every product). */
@@ -485,9 +487,84 @@ fail:
     return result;
 }
 
+PyDoc_STRVAR(get_isa_doc,
+"get_isa()\n"
+"--\n\n"
+"The instruction set of the kernels now in force: 'avx512', 'avx2' or\n"
+"'scalar' (detected once, capped by MHATTN_ISA or set_isa).");
+
+static PyObject *get_isa(PyObject *self, PyObject *noargs)
+{
+    (void)self;
+    (void)noargs;
+    return PyUnicode_FromString(mha_isa_name(mha_get_isa()));
+}
+
+PyDoc_STRVAR(set_isa_doc,
+"set_isa(name)\n"
+"--\n\n"
+"Caps the instruction set at name ('scalar', 'avx2' or 'avx512'), lowered\n"
+"to what this CPU supports; for tests. Returns the ISA now in force.");
+
+static PyObject *set_isa(PyObject *self, PyObject *name)
+{
+    (void)self;
+    static const mha_isa all[] = {MHA_ISA_SCALAR, MHA_ISA_AVX2, MHA_ISA_AVX512};
+    if (!PyUnicode_Check(name)) {
+        PyErr_Format(PyExc_TypeError, "name: expected a str, got %s",
+                     Py_TYPE(name)->tp_name);
+        return NULL;
+    }
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) {
+        if (PyUnicode_CompareWithASCIIString(name, mha_isa_name(all[i])) == 0)
+            return PyUnicode_FromString(
+                mha_isa_name((mha_isa)mha_set_isa(all[i])));
+    }
+    PyErr_Format(PyExc_ValueError,
+                 "name: expected 'scalar', 'avx2' or 'avx512', got %R", name);
+    return NULL;
+}
+
+PyDoc_STRVAR(get_num_threads_doc,
+"get_num_threads()\n"
+"--\n\n"
+"The number of threads the core uses.");
+
+static PyObject *get_num_threads(PyObject *self, PyObject *noargs)
+{
+    (void)self;
+    (void)noargs;
+    return PyLong_FromLong(mha_get_num_threads());
+}
+
+PyDoc_STRVAR(set_num_threads_doc,
+"set_num_threads(n)\n"
+"--\n\n"
+"Uses n threads from the next call on (at most 256); 0 restores the\n"
+"default (MHATTN_NUM_THREADS, else the CPUs this process may use).");
+
+static PyObject *set_num_threads(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    const long n = PyLong_AsLong(arg);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    if (n < 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "n: expected a thread count >= 0, got %ld", n);
+        return NULL;
+    }
+    mha_set_num_threads(n > MHA_MAX_THREADS ? MHA_MAX_THREADS : (int)n);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef mhattn_methods[] = {
     {"forward", (PyCFunction)(void (*)(void))forward,
      METH_VARARGS | METH_KEYWORDS, forward_doc},
+    {"get_isa", get_isa, METH_NOARGS, get_isa_doc},
+    {"set_isa", set_isa, METH_O, set_isa_doc},
+    {"get_num_threads", get_num_threads, METH_NOARGS, get_num_threads_doc},
+    {"set_num_threads", set_num_threads, METH_O, set_num_threads_doc},
     {NULL, NULL, 0, NULL},
 };
 

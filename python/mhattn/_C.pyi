@@ -51,3 +51,21 @@ def forward(
     weights, a zero head output and lse -inf.
     """
     ...
+
+def get_isa() -> str:
+    """The instruction set of the kernels in force: 'avx512', 'avx2' or 'scalar'."""
+    ...
+
+def set_isa(name: str) -> str:
+    """Caps the instruction set at name ('scalar', 'avx2' or 'avx512'),
+    lowered to what the CPU supports; returns the one now in force."""
+    ...
+
+def get_num_threads() -> int:
+    """The number of threads the core uses."""
+    ...
+
+def set_num_threads(n: int) -> None:
+    """Use n threads (at most 256) from the next call on; 0 restores the
+    default (MHATTN_NUM_THREADS, else the CPUs this process may use)."""
+    ...

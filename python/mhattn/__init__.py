@@ -9,9 +9,11 @@ from .reference import param_count
 from . import reference
 from .layer import MultiHeadAttention
 from .interop import from_torch_masks, to_torch_attn_mask
+from ._runtime import get_isa, set_num_threads, get_num_threads, _set_isa
 
 __all__ = ["multi_head_attention", "param_count", "reference", "worked_example",
-           "MultiHeadAttention", "from_torch_masks", "to_torch_attn_mask"]
+           "MultiHeadAttention", "from_torch_masks", "to_torch_attn_mask",
+           "get_isa", "set_num_threads", "get_num_threads"]
 __version__ = "0.1.0"
 
 

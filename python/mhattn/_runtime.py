@@ -1,0 +1,62 @@
+"""Run-time settings of the C core: the SIMD instruction set and threads.
+
+The core picks its kernels from the CPU (AVX-512, AVX2 + FMA, or portable
+C) and runs on a persistent pool of threads. Every result is the same
+whatever the thread count: work is split into fixed tiles, each computed
+by one thread.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Optional
+
+from . import _C
+
+__all__ = ["get_isa", "set_num_threads", "get_num_threads", "_set_isa"]
+
+_ISAS = ("scalar", "avx2", "avx512")
+
+
+def get_isa() -> str:
+    """The instruction set of the kernels in force: "avx512", "avx2" or "scalar".
+
+    Detected once from the CPU and OS; the environment variable
+    ``MHATTN_ISA=scalar|avx2|avx512`` (read at the first call) caps it.
+    """
+    return _C.get_isa()
+
+
+def _set_isa(name: str) -> str:
+    """Caps the instruction set at ``name`` (for tests); returns the one in force.
+
+    A cap above what the CPU supports is lowered to what it supports, so
+    ``_set_isa("avx512")`` restores the detected set and reveals it.
+    """
+    if name not in _ISAS:
+        raise ValueError(f"name: expected one of {', '.join(map(repr, _ISAS))}, got {name!r}")
+    return _C.set_isa(name)
+
+
+def set_num_threads(n: Optional[int] = None) -> None:
+    """Use ``n`` threads from the next call on; None or 0 restores the default.
+
+    The default is ``MHATTN_NUM_THREADS`` when set to a positive integer,
+    else the number of CPUs this process may run on. Counts above 256 are
+    capped. Results do not depend on the thread count.
+    """
+    if n is None:
+        n = 0
+    if isinstance(n, bool):
+        raise TypeError("n: expected an int or None, got bool")
+    try:
+        n = operator.index(n)
+    except TypeError:
+        raise TypeError(f"n: expected an int or None, got {type(n).__name__}") from None
+    if n < 0:
+        raise ValueError(f"n: expected a thread count >= 0 (0 = default), got {n}")
+    _C.set_num_threads(min(n, 256))
+
+
+def get_num_threads() -> int:
+    """The number of threads the core uses for the next call."""
+    return _C.get_num_threads()
