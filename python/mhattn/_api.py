@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _C
-from ._args import Call, normalize
+from ._args import Call, check_memory, normalize, plan
 
 __all__ = ["multi_head_attention", "run_core"]
 
@@ -22,6 +22,7 @@ def run_core(call: Call, *, want_weights: bool = False, keep: bool = False):
     Returns (out, weights, extras), batched: out (B, Tq, Dout), weights
     (B, H, Tq, Tk) or None, extras (q, k, v, concat, lse) or None.
     """
+    check_memory(plan(call, want_weights=want_weights, keep=keep))
     # Fused query weights must hold head h's block at sum of the widths before
     # it; with ragged or grouped heads that is exactly the concatenation.
     wq = call.wq.fused()

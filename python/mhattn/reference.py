@@ -20,7 +20,7 @@ from typing import Optional
 
 import numpy as np
 
-from ._args import Call, normalize
+from ._args import Call, check_memory, normalize, plan
 
 __all__ = ["multi_head_attention", "softmax", "attention", "allowed_keys",
            "param_count", "head_intermediates"]
@@ -113,6 +113,8 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None
                      scale=scale, mask=mask, causal=causal, key_lengths=key_lengths,
                      num_kv_heads=num_kv_heads, b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o)
     B, Tq, Tk, H = call.B, call.Tq, call.Tk, call.H
+    # The reference keeps every head's weights: check they fit first.
+    check_memory(plan(call, want_weights=True))
     outs, all_weights = [], np.zeros((B, H, Tq, Tk), dtype=call.dtype)
     for b in range(B):
         heads = []
