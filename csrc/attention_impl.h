@@ -119,11 +119,15 @@ static void MHA_CAT(attend_bh, sfx)(real *cat, real *weights, real *lse,
             lse[(b * H + h) * Tq + i] = (real)((double)mx + log(sum));
 
         // 2e. head output = weights @ v over the visible keys, accumulated
-        //     in key order.
+        //     in key order. A key of weight exactly 0 (blocked by the mask,
+        //     or underflowed) adds nothing: 0 * inf would make the row NaN
+        //     from a value the row does not attend to.
         for (size_t d = 0; d < dvg; d++)
             o_bi[d] = 0;
         for (size_t j = 0; j < jend; j++) {
             const real w = s_bhi[j];
+            if (w == 0)
+                continue;
             const real *v_bj = v + (b * Tk + j) * Sv + voff[g];   // (dvg,)
             for (size_t d = 0; d < dvg; d++)
                 o_bi[d] += w * v_bj[d];
