@@ -182,9 +182,9 @@ def _is_head_list(w: Any) -> bool:
         return False
     if len(w) == 0:
         return True
-    first = w[0]
-    if isinstance(first, np.ndarray):
+    if any(isinstance(item, np.ndarray) for item in w):
         return True
+    first = w[0]
     try:
         return np.ndim(first) == 2
     except Exception:  # ragged or odd items: let _heads report it
