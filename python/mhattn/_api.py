@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _C
-from ._args import Call, check_memory, normalize, plan
+from ._args import Call, bool_arg, check_memory, normalize, plan
 
 __all__ = ["multi_head_attention", "run_core"]
 
@@ -102,6 +102,7 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None
     call = normalize(x, w_q, w_k, w_v, w_o, num_heads=num_heads, key=key, value=value,
                      scale=scale, mask=mask, causal=causal, key_lengths=key_lengths,
                      num_kv_heads=num_kv_heads, b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o)
+    return_weights = bool_arg("return_weights", return_weights)
     out, weights, _ = run_core(call, want_weights=return_weights)
     out = call.unbatch(out)
     if return_weights:

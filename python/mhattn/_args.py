@@ -20,7 +20,7 @@ from typing import Any, List, Optional, Sequence
 import numpy as np
 
 __all__ = ["Call", "normalize", "compute_dtype", "check_memory", "core_items",
-           "memory_limit", "plan"]
+           "memory_limit", "plan", "bool_arg"]
 
 
 
@@ -261,6 +261,14 @@ def _split_weight(name: str, w: Any, count: Optional[int], count_name: str) -> _
     raise ValueError(
         f"{name}: expected fused 2-D (d_in, h*d_head), stacked 3-D (h, d_in, d_head) "
         f"or a list of per-head 2-D arrays, got an array of shape {a.shape}")
+
+
+def bool_arg(name: str, value: Any) -> bool:
+    """True or False (or NumPy's), nothing else: 1, "yes" and arrays raise."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected True or False, got {value!r:.80} "
+                        f"({type(value).__name__})")
+    return bool(value)
 
 
 def _ndim_or_none(obj: Any) -> Optional[int]:
@@ -586,9 +594,7 @@ def normalize(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=Non
                              "digits is too large for a float") from None
         scales = [value] * H
 
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal: expected True or False, got {causal!r} "
-                        f"({type(causal).__name__})")
+    bool_arg("causal", causal)
 
     xb = xa if batched else xa[np.newaxis]
     kb = ka if batched else ka[np.newaxis]

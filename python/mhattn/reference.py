@@ -20,7 +20,7 @@ from typing import Optional
 
 import numpy as np
 
-from ._args import Call, check_memory, normalize, plan
+from ._args import Call, bool_arg, check_memory, normalize, plan
 
 __all__ = ["multi_head_attention", "softmax", "attention", "weighted_values",
            "allowed_keys", "param_count", "head_intermediates"]
@@ -35,7 +35,8 @@ def softmax(scores: np.ndarray) -> np.ndarray:
     +inf one (inf - inf), makes its row NaN, as IEEE arithmetic says: it is
     never mistaken for a fully masked row.
     """
-    m = scores.max(axis=-1, keepdims=True)
+    # initial=-inf: with no key at all (T_k = 0) the row is fully masked too.
+    m = scores.max(axis=-1, keepdims=True, initial=-np.inf)
     # A fully masked row has max -inf; subtracting 0 instead keeps exp(-inf) = 0
     # rather than exp(-inf - -inf) = exp(nan).
     m = np.where(np.isneginf(m), 0, m)
@@ -133,6 +134,7 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None
     call = normalize(x, w_q, w_k, w_v, w_o, num_heads=num_heads, key=key, value=value,
                      scale=scale, mask=mask, causal=causal, key_lengths=key_lengths,
                      num_kv_heads=num_kv_heads, b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o)
+    return_weights = bool_arg("return_weights", return_weights)
     B, Tq, Tk, H = call.B, call.Tq, call.Tk, call.H
     # The reference keeps every head's weights: check they fit first.
     check_memory(plan(call, want_weights=True))
