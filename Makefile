@@ -13,10 +13,13 @@ test: build
 sanitize:
 	PYTHON=$(PYTHON) bash tools/sanitize.sh
 
-# FUZZ_TIME seconds of atheris over fuzz/fuzz_mha.py, from fuzz/corpus.
+# FUZZ_TIME seconds of atheris over fuzz/fuzz_mha.py, from fuzz/corpus; new
+# inputs go to build/fuzz-corpus, failing ones to build/fuzz-*.
 FUZZ_TIME ?= 60
 fuzz: build
-	PYTHONPATH=python $(PYTHON) fuzz/fuzz_mha.py -max_total_time=$(FUZZ_TIME) fuzz/corpus
+	mkdir -p build/fuzz-corpus
+	PYTHONPATH=python $(PYTHON) fuzz/fuzz_mha.py -max_total_time=$(FUZZ_TIME) \
+		-artifact_prefix=build/fuzz- build/fuzz-corpus fuzz/corpus
 
 # memcheck on a smoke run; fails on any error in mhattn's own frames.
 valgrind: build
