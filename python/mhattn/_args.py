@@ -11,6 +11,7 @@ H query heads, G key/value heads, dk[g] / dv[g] the widths of kv head g.
 """
 from __future__ import annotations
 
+import math
 import numbers
 import os
 import warnings
@@ -131,16 +132,16 @@ def check_memory(items: Sequence[tuple]) -> None:
     products beyond size_t are caught here too, before NumPy or the core
     is asked for them.
     """
-    sized = []
-    for what, formula, factors, itemsize in items:
-        count = 1
-        for f in factors:
-            count *= int(f)
-        sized.append((count * itemsize, count, what, formula, factors))
-    total = sum(s[0] for s in sized)
+    total = 0
+    for _, _, factors, itemsize in items:
+        total += math.prod(map(int, factors)) * itemsize   # Python ints: exact
     limit = memory_limit()
     if total <= limit:
         return
+    sized = []
+    for what, formula, factors, itemsize in items:
+        count = math.prod(map(int, factors))
+        sized.append((count * itemsize, count, what, formula, factors))
     sized.sort(key=lambda s: -s[0])
     parts = []
     for nbytes, count, what, formula, factors in sized[:3]:
@@ -574,8 +575,8 @@ def normalize(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=Non
         parts = [hs.array] if hs.array is not None else hs.heads
         items += [(f"casting {n} to {dtype}", "size", (a.size,), dtype.itemsize)
                   for a in parts if a.dtype != dtype]
-    items += core_items(B, Tq, Tk, H, sum(dk[h // group] for h in range(H)),
-                        sum(dk), sum(dv), svq, d_out, w_o is not None, dtype)
+    items += core_items(B, Tq, Tk, H, group * sum(dk), sum(dk), sum(dv), svq, d_out,
+                        w_o is not None, dtype)
     check_memory(items)
 
     if scale is None:
@@ -637,10 +638,11 @@ def _needs_copy(a: np.ndarray) -> bool:
 def plan(call: Call, *, want_weights: bool = False, keep: bool = False) -> list:
     """Every allocation of run_core, as check_memory items."""
     n = call.dtype.itemsize
-    Sq = sum(call.dk[call.kv_head(h)] for h in range(call.H))
-    items = core_items(call.B, call.Tq, call.Tk, call.H, Sq, sum(call.dk), sum(call.dv),
-                       sum(call.dv[call.kv_head(h)] for h in range(call.H)), call.d_out,
-                       call.w_o is not None, call.dtype, weights=want_weights, keep=keep)
+    Sk, Sv = sum(call.dk), sum(call.dv)
+    # Each kv head serves H / G query heads: Sq = group * Sk, Svq = group * Sv.
+    items = core_items(call.B, call.Tq, call.Tk, call.H, call.group * Sk, Sk, Sv,
+                       call.group * Sv, call.d_out, call.w_o is not None, call.dtype,
+                       weights=want_weights, keep=keep)
     for name, a in (("x", call.x), ("key", call.key), ("value", call.value),
                     ("w_o", call.w_o)):
         if a is not None and _needs_copy(a):
