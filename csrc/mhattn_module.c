@@ -205,6 +205,9 @@ static void sigint_install(void)
     pthread_mutex_lock(&sigint_lock);
     if (sigint_installs++ == 0) {
         struct sigaction cur, sa;
+        // A flag left raised by an earlier call must not stop this one,
+        // even when no handler is installed (SIG_IGN) to raise it again.
+        sigint_flag = 0;
         sigint_active = 0;
         if (sigaction(SIGINT, NULL, &cur) == 0 &&
             ((cur.sa_flags & SA_SIGINFO) ||
@@ -214,7 +217,6 @@ static void sigint_install(void)
             sa.sa_mask = cur.sa_mask;
             sa.sa_flags = SA_SIGINFO | (cur.sa_flags & (SA_ONSTACK | SA_RESTART));
             sigint_prev = cur;
-            sigint_flag = 0;
             sigint_active = sigaction(SIGINT, &sa, NULL) == 0;
         }
     }

@@ -79,7 +79,14 @@ CHILD = textwrap.dedent(r"""
     report["elapsed"] = time.perf_counter() - t0
     th.join()
     report["c_handler_restored"] = c_handler() == handler_before
+    # The interrupt left the flag raised: with SIGINT now ignored (nothing
+    # will lower it), the next call must still run, once.
+    import faulthandler
+    faulthandler.dump_traceback_later(60, exit=True)   # a hang fails the child
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     report["works_after"] = run(small).tobytes() == want_small
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    faulthandler.cancel_dump_traceback_later()
 
     # 2. While a main-thread call runs, our handler is installed.
     seen = []
