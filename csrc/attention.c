@@ -168,6 +168,12 @@ static mha_status scratch_alloc(void **p, size_t n, size_t size)
     return *p ? MHA_OK : MHA_ERR_NOMEM;
 }
 
+/* Nonzero once the caller's interrupt flag (if any) has been raised. */
+static int interrupted(const mha_config *cfg)
+{
+    return cfg->interrupt != NULL && *cfg->interrupt != 0;
+}
+
 #define MHA_CAT_(a, b) a##_##b
 #define MHA_CAT(a, b) MHA_CAT_(a, b)
 

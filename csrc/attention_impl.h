@@ -45,6 +45,10 @@ static void MHA_CAT(attend_bh, sfx)(real *cat, real *weights, real *lse,
     }
 
     for (size_t i = 0; i < Tq; i++) {
+        // One (b, h) item can take seconds at long sequences: poll the
+        // caller's interrupt flag per query row (the caller sees it too).
+        if (interrupted(cfg))
+            return;
         const real *q_bi = q + (b * Tq + i) * Sq + qoff[h];   // (dkg,)
         real *o_bi = cat + (b * Tq + i) * Svq + cvoff[h];     // (dvg,)
         real *s_bhi = weights ? weights + ((b * H + h) * Tq + i) * Tk : row;
@@ -119,11 +123,15 @@ static void MHA_CAT(attend_bh, sfx)(real *cat, real *weights, real *lse,
             lse[(b * H + h) * Tq + i] = (real)((double)mx + log(sum));
 
         // 2e. head output = weights @ v over the visible keys, accumulated
-        //     in key order.
+        //     in key order. A key of weight exactly 0 (blocked by the mask,
+        //     or underflowed) adds nothing: 0 * inf would make the row NaN
+        //     from a value the row does not attend to.
         for (size_t d = 0; d < dvg; d++)
             o_bi[d] = 0;
         for (size_t j = 0; j < jend; j++) {
             const real w = s_bhi[j];
+            if (w == 0)
+                continue;
             const real *v_bj = v + (b * Tk + j) * Sv + voff[g];   // (dvg,)
             for (size_t d = 0; d < dvg; d++)
                 o_bi[d] += w * v_bj[d];
@@ -203,25 +211,33 @@ mha_status MHA_CAT(mha_forward, sfx)(
     head_offsets(qoff, cvoff, koff, voff, cfg);
 
     // 1. projections: q = x @ wq + bq, k = key @ wk + bk, v = value @ wv + bv.
+    //    The interrupt flag is polled between stages (a GEMM is not split).
     if ((st = MHA_CAT(mha_gemm, sfx)(q, Sq, x, cfg->Din, 0, wq, Sq, 0, bq,
                                      nq, Sq, cfg->Din, 0)) != MHA_OK)
         goto fail;
+    if (interrupted(cfg))
+        goto interrupt;
     if ((st = MHA_CAT(mha_gemm, sfx)(k, Sk, key, cfg->Dkin, 0, wk, Sk, 0, bk,
                                      nk, Sk, cfg->Dkin, 0)) != MHA_OK)
         goto fail;
+    if (interrupted(cfg))
+        goto interrupt;
     if ((st = MHA_CAT(mha_gemm, sfx)(v, Sv, value, cfg->Dvin, 0, wv, Sv, 0, bv,
                                      nk, Sv, cfg->Dvin, 0)) != MHA_OK)
         goto fail;
 
-    // 2. attention per (b, h): scores, mask, softmax, weighted values.
-    for (size_t bh = 0; bh < B * H; bh++) {
-        if (cfg->interrupt != NULL && *cfg->interrupt) {
-            st = MHA_ERR_INTERRUPTED;
-            goto fail;
-        }
+    // 2. attention per (b, h): scores, mask, softmax, weighted values. With
+    //    no query row (Tq == 0 or B == 0) there is nothing to do, however
+    //    large B * H is.
+    const size_t items = nq == 0 ? 0 : B * H;
+    for (size_t bh = 0; bh < items; bh++) {
+        if (interrupted(cfg))
+            goto interrupt;
         MHA_CAT(attend_bh, sfx)(cat, weights, lse, q, k, v, row, cfg, &lay,
                                 qoff, cvoff, koff, voff, bh / H, bh % H);
     }
+    if (interrupted(cfg))   // the last item may have stopped early
+        goto interrupt;
 
     // 3. output: out = concat @ wo + bo, or out = concat (+ bo) without W^O.
     if (cfg->has_wo) {
@@ -238,7 +254,10 @@ mha_status MHA_CAT(mha_forward, sfx)(
         }
     }
     st = MHA_OK;
+    goto fail;   // success shares the cleanup
 
+interrupt:
+    st = MHA_ERR_INTERRUPTED;
 fail:
     free(off);
     free(q_s);

@@ -147,9 +147,10 @@ static void raise_status(mha_status st)
     case MHA_ERR_NOMEM:
         PyErr_NoMemory();
         break;
-    case MHA_ERR_SIZE:
-        PyErr_SetString(PyExc_ValueError,
-                        "mhattn: sizes overflow (MHA_ERR_SIZE)");
+    case MHA_ERR_SIZE:   // no buffer of these sizes can be allocated
+        PyErr_SetString(PyExc_MemoryError,
+                        "mhattn: the sizes of this call overflow size_t "
+                        "(MHA_ERR_SIZE)");
         break;
     case MHA_ERR_INTERRUPTED:
         PyErr_SetNone(PyExc_KeyboardInterrupt);
@@ -162,6 +163,103 @@ static void raise_status(mha_status st)
 }
 
 #define DATA(a) ((a) != NULL ? PyArray_DATA(a) : NULL)
+
+/*
+ * Ctrl-C during a long call. Python's own SIGINT handler only sets a flag
+ * that the interpreter reads between bytecodes, which never happens while
+ * the core runs with the GIL released. So while the main thread is inside
+ * the core, a C handler is installed that raises sigint_flag, which the
+ * core polls between work items (cfg->interrupt), and then calls the
+ * handler it replaced (Python's), so Python still sees the signal: after
+ * the GIL is re-acquired PyErr_CheckSignals() runs the Python-level handler,
+ * which raises KeyboardInterrupt by default. Only main-thread calls poll
+ * the flag, since Python delivers KeyboardInterrupt to the main thread
+ * alone; installs are counted under a mutex, so whichever call leaves last
+ * restores the previous handler, exactly once. SIG_IGN and SIG_DFL are left
+ * alone: ignored stays ignored, and the default ends the process anyway.
+ */
+#if defined(__unix__) || defined(__APPLE__)
+#include <pthread.h>
+#include <signal.h>
+
+_Static_assert(_Generic((sig_atomic_t)0, int: 1, default: 0),
+               "cfg->interrupt points to an int: sig_atomic_t must be int");
+
+static volatile sig_atomic_t sigint_flag;
+static struct sigaction sigint_prev;    // what our handler replaced
+static int sigint_installs;             // guarded by sigint_lock
+static int sigint_active;               // our handler is in place; ditto
+static pthread_mutex_t sigint_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static void sigint_handler(int sig, siginfo_t *info, void *ctx)
+{
+    sigint_flag = 1;
+    if (sigint_prev.sa_flags & SA_SIGINFO)
+        sigint_prev.sa_sigaction(sig, info, ctx);
+    else if (sigint_prev.sa_handler != SIG_DFL && sigint_prev.sa_handler != SIG_IGN)
+        sigint_prev.sa_handler(sig);
+}
+
+static void sigint_install(void)
+{
+    pthread_mutex_lock(&sigint_lock);
+    if (sigint_installs++ == 0) {
+        struct sigaction cur, sa;
+        // A flag left raised by an earlier call must not stop this one,
+        // even when no handler is installed (SIG_IGN) to raise it again.
+        sigint_flag = 0;
+        sigint_active = 0;
+        if (sigaction(SIGINT, NULL, &cur) == 0 &&
+            ((cur.sa_flags & SA_SIGINFO) ||
+             (cur.sa_handler != SIG_DFL && cur.sa_handler != SIG_IGN))) {
+            memset(&sa, 0, sizeof sa);
+            sa.sa_sigaction = sigint_handler;
+            sa.sa_mask = cur.sa_mask;
+            sa.sa_flags = SA_SIGINFO | (cur.sa_flags & (SA_ONSTACK | SA_RESTART));
+            sigint_prev = cur;
+            sigint_active = sigaction(SIGINT, &sa, NULL) == 0;
+        }
+    }
+    pthread_mutex_unlock(&sigint_lock);
+}
+
+static void sigint_uninstall(void)
+{
+    pthread_mutex_lock(&sigint_lock);
+    if (--sigint_installs == 0 && sigint_active) {
+        struct sigaction cur;
+        // Put the previous handler back unless someone replaced ours since.
+        if (sigaction(SIGINT, NULL, &cur) == 0 && (cur.sa_flags & SA_SIGINFO) &&
+            cur.sa_sigaction == sigint_handler)
+            sigaction(SIGINT, &sigint_prev, NULL);
+        sigint_active = 0;
+    }
+    pthread_mutex_unlock(&sigint_lock);
+}
+
+/* 1 when called from Python's main thread (the one signals are handled in). */
+static int on_main_thread(void)
+{
+    int res = 0;
+    PyObject *threading = PyImport_ImportModule("threading");
+    PyObject *main = threading ? PyObject_CallMethod(threading, "main_thread", NULL)
+                               : NULL;
+    PyObject *ident = main ? PyObject_GetAttrString(main, "ident") : NULL;
+    if (ident != NULL && ident != Py_None)
+        res = PyLong_AsUnsignedLong(ident) == PyThread_get_thread_ident();
+    Py_XDECREF(ident);
+    Py_XDECREF(main);
+    Py_XDECREF(threading);
+    if (PyErr_Occurred())   // no interrupt support then, but never an error
+        PyErr_Clear();
+    return res;
+}
+#else  /* no sigaction: a long call finishes before Ctrl-C is seen */
+static volatile int sigint_flag;
+static void sigint_install(void) {}
+static void sigint_uninstall(void) {}
+static int on_main_thread(void) { return 0; }
+#endif
 
 PyDoc_STRVAR(forward_doc,
 "forward(x, key, value, wq, wk, wv, wo, bq, bk, bv, bo, dk, dv, scales,\n"
@@ -421,6 +519,14 @@ static PyObject *forward(PyObject *self, PyObject *args, PyObject *kwds)
             goto fail;
     }
 
+    // Ctrl-C: see sigint_handler. A Python handler that does not raise lets
+    // the call start over, as if the signal had come just before it.
+    const int main_thread = on_main_thread();
+retry:
+    if (main_thread) {
+        sigint_install();
+        cfg.interrupt = (volatile const int *)&sigint_flag;
+    }
     Py_BEGIN_ALLOW_THREADS
     if (typenum == NPY_FLOAT)
         st = mha_forward_f32(DATA(out), DATA(weights), DATA(q), DATA(k),
@@ -435,6 +541,16 @@ static PyObject *forward(PyObject *self, PyObject *args, PyObject *kwds)
                              DATA(wv), DATA(wo), DATA(bq), DATA(bk), DATA(bv),
                              DATA(bo), &cfg);
     Py_END_ALLOW_THREADS
+    if (main_thread) {
+        const int signalled = sigint_flag != 0;
+        sigint_uninstall();
+        if (signalled || st == MHA_ERR_INTERRUPTED) {
+            if (PyErr_CheckSignals() < 0)
+                goto fail;
+            if (st == MHA_ERR_INTERRUPTED)
+                goto retry;
+        }
+    }
     if (st != MHA_OK) {
         raise_status(st);
         goto fail;

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _C
-from ._args import Call, normalize
+from ._args import Call, bool_arg, check_memory, normalize, plan
 
 __all__ = ["multi_head_attention", "run_core"]
 
@@ -22,6 +22,7 @@ def run_core(call: Call, *, want_weights: bool = False, keep: bool = False):
     Returns (out, weights, extras), batched: out (B, Tq, Dout), weights
     (B, H, Tq, Tk) or None, extras (q, k, v, concat, lse) or None.
     """
+    check_memory(plan(call, want_weights=want_weights, keep=keep))
     # Fused query weights must hold head h's block at sum of the widths before
     # it; with ragged or grouped heads that is exactly the concatenation.
     wq = call.wq.fused()
@@ -101,6 +102,7 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None
     call = normalize(x, w_q, w_k, w_v, w_o, num_heads=num_heads, key=key, value=value,
                      scale=scale, mask=mask, causal=causal, key_lengths=key_lengths,
                      num_kv_heads=num_kv_heads, b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o)
+    return_weights = bool_arg("return_weights", return_weights)
     out, weights, _ = run_core(call, want_weights=return_weights)
     out = call.unbatch(out)
     if return_weights:
