@@ -49,6 +49,22 @@ static inline int bwd_mul_ok(size_t *r, size_t a, size_t b)
    up to a whole number of 64-byte cache lines for either element size. */
 #define BWD_TILE_STRIDE ((2 * BWD_BQ * BWD_BK + 15) / 16 * 16)
 
+/*
+ * Which plan passes 4 and 5 follow (both give bitwise the same gradients,
+ * see fused_task in backward_impl.h): fused, one task per (b, kv head),
+ * does 5 tile products per tile; two-pass, one task per key block and then
+ * per query block, does 7 but splits the work finer. Fused is chosen when
+ * its ntasks (= B G) tasks keep nth threads at least 3/4 busy in whole
+ * rounds, ntasks / (nth ceil(ntasks / nth)) >= 3/4, where it is cheaper.
+ * The choice depends on the thread count, the gradients do not.
+ */
+static inline int bwd_plan_fused(size_t ntasks, int nth)
+{
+    const size_t n = nth < 1 ? 1 : (size_t)nth;
+    const size_t rounds = (ntasks + n - 1) / n;
+    return ntasks > 0 && ntasks <= SIZE_MAX / 4 && 4 * ntasks >= 3 * rounds * n;
+}
+
 /* Column offsets of every head in the fused buffers, as the forward's
    head_offsets (attention.c):
      qoff[h]  in q (B, Tq, Sq)        cvoff[h] in concat (B, Tq, Svq)

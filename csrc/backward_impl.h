@@ -326,29 +326,28 @@ static void BWD(pack_k_task)(void *ctxp, size_t task, int ith)
 }
 
 /*
- * Pass 4, one task = (b, kv head g, key block kb): dK and dV of keys
- * j0 .. j0+nk-1 of head g. The task owns those rows of dk and dv, and sums
- * over every query head of g's group and every query row that may see the
- * block, in that order.
+ * Pass 4 for one key block: dK and dV of keys j0 .. j0+nk-1 of kv head g in
+ * batch item b, whose rows of dk and dv the caller owns. Sums over every
+ * query head of g's group and every query row that may see the block, in
+ * that order:
  *   dV_j = sum_{h, i} P_ij dO_i          (differentiates o_bi += w * v_bj)
  *   dK_j = sum_{h, i} sc dS_ij q_i       (differentiates dot += q_bi[d] * k_bj[d])
+ * With with_dq, also adds this block's part of dQ (pass 5's sum) into dq,
+ * whose rows of g's heads in b the caller owns too:
+ *   dQ_i += sum_{j in block} sc dS_ij k_j
  */
-static void BWD(dkv_task)(void *ctxp, size_t task, int ith)
+static void BWD(kv_block)(const BWD(ctx_t) *c, size_t b, size_t g, size_t kb,
+                          int ith, int with_dq)
 {
-    const BWD(ctx_t) *c = ctxp;
     const mha_config *cfg = c->cfg;
-    if (cfg->interrupt != NULL && *cfg->interrupt)
-        return;
-    const size_t Tq = cfg->Tq, Tk = cfg->Tk, G = cfg->G, H = cfg->H;
+    const size_t Tq = cfg->Tq, Tk = cfg->Tk, H = cfg->H;
     const size_t Sq = c->lay->Sq, Sk = c->lay->Sk, Sv = c->lay->Sv;
     const size_t Svq = c->lay->Svq;
-    const size_t kb = task % c->nkb, g = (task / c->nkb) % G;
-    const size_t b = task / c->nkb / G;
-    const size_t dkg = cfg->dk[g], dvg = cfg->dv[g], per_kv = H / G;
+    const size_t dkg = cfg->dk[g], dvg = cfg->dv[g], per_kv = H / cfg->G;
     const size_t j0 = kb * BWD_BK;
     const size_t nk = Tk - j0 < BWD_BK ? Tk - j0 : BWD_BK;
 
-    // dk_b (nk, dkg) row stride Sk, dv_b (nk, dvg) row stride Sv: this task's.
+    // dk_b (nk, dkg) row stride Sk, dv_b (nk, dvg) row stride Sv.
     real *dk_b = c->dk + (b * Tk + j0) * Sk + c->koff[g];
     real *dv_b = c->dv + (b * Tk + j0) * Sv + c->voff[g];
     for (size_t jj = 0; jj < nk; jj++) {
@@ -363,10 +362,12 @@ static void BWD(dkv_task)(void *ctxp, size_t task, int ith)
         return;
     const size_t nke = len_b - j0 < nk ? len_b - j0 : nk;
 
-    // kT_bj (dkg, BK) and vT_bj (dvg, BK): the block's keys transposed.
-    // Scratch: S (BQ, BK), dP (BQ, BK).
-    const real *kT_bj = c->kT + ((b * c->nkb + kb) * Sk + c->koff[g]) * BWD_BK;
-    const real *vT_bj = c->vT + ((b * c->nkb + kb) * Sv + c->voff[g]) * BWD_BK;
+    // kT_bj (dkg, BK), vT_bj (dvg, BK): the block's keys transposed; kh_bj
+    // (nke, dkg) its keys. Scratch: S (BQ, BK), dP (BQ, BK).
+    const size_t blk = b * c->nkb + kb;
+    const real *kT_bj = c->kT + (blk * Sk + c->koff[g]) * BWD_BK;
+    const real *vT_bj = c->vT + (blk * Sv + c->voff[g]) * BWD_BK;
+    const real *kh_bj = c->kh + (blk * Sk + c->koff[g]) * BWD_BK;
     real *S = c->scratch + (size_t)ith * c->stride;
     real *dP = S + BWD_BQ * BWD_BK;
 
@@ -391,7 +392,52 @@ static void BWD(dkv_task)(void *ctxp, size_t task, int ith)
             // 4. dV += P^T dO and dK += (sc dS)^T q, rows i in order.
             BWD(mm)(dv_b, Sv, S, 1, BWD_BK, doh_bi, dvg, nke, dvg, nq, 1);
             BWD(mm)(dk_b, Sk, dP, 1, BWD_BK, qh_bi, dkg, nke, dkg, nq, 1);
+            // 5. (fused) dQ += (sc dS) k, keys in order.
+            if (with_dq)
+                BWD(mm)(c->dq + (b * Tq + i0) * Sq + c->qoff[h], Sq, dP, BWD_BK,
+                        1, kh_bj, dkg, nq, dkg, nke, 1);
         }
+    }
+}
+
+/* Pass 4, one task = (b, kv head g, key block kb): see kv_block. */
+static void BWD(dkv_task)(void *ctxp, size_t task, int ith)
+{
+    const BWD(ctx_t) *c = ctxp;
+    if (c->cfg->interrupt != NULL && *c->cfg->interrupt)
+        return;
+    const size_t G = c->cfg->G;
+    BWD(kv_block)(c, task / c->nkb / G, (task / c->nkb) % G, task % c->nkb,
+                  ith, 0);
+}
+
+/*
+ * Passes 4 and 5 fused, one task = (b, kv head g): every key block of g in
+ * increasing order, each adding its part of dQ for the heads of g's group.
+ * Each dQ element then sums over key blocks in increasing order, and within
+ * a block over keys in increasing order: the very order of pass 5 (which
+ * differs only by adding exact zeros for keys no row of a tile sees), so
+ * the gradients are bitwise those of the two-pass plan. It saves pass 5's
+ * recomputation of S and dP (5 tile products per tile instead of 7, and
+ * one exp), at the price of coarser tasks: see plan_fused.
+ */
+static void BWD(fused_task)(void *ctxp, size_t task, int ith)
+{
+    const BWD(ctx_t) *c = ctxp;
+    const mha_config *cfg = c->cfg;
+    const size_t Tq = cfg->Tq, H = cfg->H, G = cfg->G, Sq = c->lay->Sq;
+    const size_t b = task / G, g = task % G, per_kv = H / G;
+    // This task's dq: rows (b, i) of the heads of g's group.
+    for (size_t h = g * per_kv; h < (g + 1) * per_kv; h++) {
+        const size_t dkh = cfg->dk[g];
+        for (size_t i = 0; i < Tq; i++)
+            for (size_t d = 0; d < dkh; d++)
+                c->dq[(b * Tq + i) * Sq + c->qoff[h] + d] = 0;
+    }
+    for (size_t kb = 0; kb < c->nkb; kb++) {
+        if (cfg->interrupt != NULL && *cfg->interrupt)
+            return;
+        BWD(kv_block)(c, b, g, kb, ith, 1);
     }
 }
 
@@ -583,22 +629,27 @@ mha_status BWD(mha_backward)(
             goto fail;
     }
 
-    // 4. dk (B, Tk, Sk) and dv (B, Tk, Sv), one task per (b, g, key block).
-    if (need_dkv) {
-        if ((st = bwd_alloc((void **)&dk, nk * Sk, sizeof(real))) != MHA_OK ||
-            (st = bwd_alloc((void **)&dv, nk * Sv, sizeof(real))) != MHA_OK)
+    // 4. and 5.: dk (B, Tk, Sk), dv (B, Tk, Sv) and dq (B, Tq, Sq).
+    if (need_dkv && (st = bwd_alloc((void **)&dk, nk * Sk, sizeof(real))) != MHA_OK)
+        goto fail;
+    if (need_dkv && (st = bwd_alloc((void **)&dv, nk * Sv, sizeof(real))) != MHA_OK)
+        goto fail;
+    if (need_dq && (st = bwd_alloc((void **)&dq, nq * Sq, sizeof(real))) != MHA_OK)
+        goto fail;
+    c.dk = dk;
+    c.dv = dv;
+    c.dq = dq;
+    if (need_dq && need_dkv && bwd_plan_fused(B * G, nth)) {
+        // One task per (b, g) does both passes.
+        if ((st = mha_parallel_for_n(B * G, nth, BWD(fused_task), &c)) != MHA_OK)
             goto fail;
-        c.dk = dk;
-        c.dv = dv;
-        if ((st = mha_parallel_for_n(B * G * c.nkb, nth, BWD(dkv_task), &c)) != MHA_OK)
+    } else {
+        // One task per (b, g, key block), then one per (b, h, query block).
+        if (need_dkv &&
+            (st = mha_parallel_for_n(B * G * c.nkb, nth, BWD(dkv_task), &c)) != MHA_OK)
             goto fail;
-    }
-    // 5. dq (B, Tq, Sq), one task per (b, h, query block).
-    if (need_dq) {
-        if ((st = bwd_alloc((void **)&dq, nq * Sq, sizeof(real))) != MHA_OK)
-            goto fail;
-        c.dq = dq;
-        if ((st = mha_parallel_for_n(B * H * c.nqb, nth, BWD(dq_task), &c)) != MHA_OK)
+        if (need_dq &&
+            (st = mha_parallel_for_n(B * H * c.nqb, nth, BWD(dq_task), &c)) != MHA_OK)
             goto fail;
     }
     if (cfg->interrupt != NULL && *cfg->interrupt) {
