@@ -248,9 +248,12 @@ static void BWD(tile_probs)(real *S, real *dP, size_t ld,
         }
 
         // 3b. s - lse, with blocked keys at -inf; then P = exp(s - lse).
-        for (size_t jj = 0; jj < nv; jj++)
-            s_r[jj] = sc * s_r[jj];
-        if (cfg->mask_kind != MHA_MASK_NONE) {
+        if (cfg->mask_kind == MHA_MASK_NONE) {
+            for (size_t jj = 0; jj < nv; jj++)
+                s_r[jj] = bwd_exp(sc * s_r[jj] - lse_i);
+        } else {
+            for (size_t jj = 0; jj < nv; jj++)
+                s_r[jj] = sc * s_r[jj];
             const ptrdiff_t m_bhi = (ptrdiff_t)b * cfg->mask_stride[0] +
                                     (ptrdiff_t)h * cfg->mask_stride[1] +
                                     (ptrdiff_t)i * cfg->mask_stride[2] +
@@ -265,16 +268,18 @@ static void BWD(tile_probs)(real *S, real *dP, size_t ld,
                 for (size_t jj = 0; jj < nv; jj++)
                     s_r[jj] += mask_r[(ptrdiff_t)jj * mj];
             }
+            for (size_t jj = 0; jj < nv; jj++)
+                s_r[jj] = bwd_exp(s_r[jj] - lse_i);
         }
-        for (size_t jj = 0; jj < nv; jj++)
-            s_r[jj] = bwd_exp(s_r[jj] - lse_i);
-        for (size_t jj = nv; jj < nk; jj++)
-            s_r[jj] = 0;
 
-        // 3c. sc * dS = sc * P * (dP - D).
+        // 3c. sc * dS = sc * P * (dP - D); keys the row does not see get 0.
         const real D_i = c->D[(b * H + h) * Tq + i];
-        for (size_t jj = 0; jj < nk; jj++)
+        for (size_t jj = 0; jj < nv; jj++)
             dp_r[jj] = sc * (s_r[jj] * (dp_r[jj] - D_i));
+        for (size_t jj = nv; jj < nk; jj++) {
+            s_r[jj] = 0;
+            dp_r[jj] = 0;
+        }
     }
 }
 
