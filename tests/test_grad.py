@@ -199,6 +199,13 @@ def cfg_cross_key_only(rng):
                 w_o=rnd(rng, 4, 5))
 
 
+def cfg_value_only(rng):
+    # key defaults to x, value is given: 'x' carries the keys' contribution.
+    return dict(x=rnd(rng, 2, 4, 5), value=rnd(rng, 2, 4, 3),
+                w_q=rnd(rng, 2, 5, 3), w_k=rnd(rng, 2, 5, 3), w_v=rnd(rng, 2, 3, 2),
+                w_o=rnd(rng, 4, 5), causal=True)
+
+
 def cfg_unbatched(rng):
     return dict(x=rnd(rng, 4, 5), w_q=rnd(rng, 5, 6), w_k=rnd(rng, 5, 6),
                 w_v=rnd(rng, 5, 6), w_o=rnd(rng, 6, 4), num_heads=3,
@@ -237,7 +244,8 @@ FD_CASES = {
     "causal_tq_gt_tk": cfg_causal_tq_gt_tk, "key_lengths": cfg_key_lengths,
     "gqa": cfg_gqa, "gqa_one_kv_head": cfg_gqa_one_kv_head, "biases": cfg_biases,
     "ragged_shared": cfg_ragged_shared, "cross_key_value": cfg_cross_key_value,
-    "cross_key_only": cfg_cross_key_only, "unbatched": cfg_unbatched,
+    "cross_key_only": cfg_cross_key_only, "value_only": cfg_value_only,
+    "unbatched": cfg_unbatched,
     "fully_masked_rows": cfg_fully_masked_rows, "no_wo_scale": cfg_no_wo_scale,
     "everything": cfg_everything,
 }
@@ -267,6 +275,22 @@ def test_shared_list_entry_gets_one_gradient_per_position():
     lp = np.sum(forward(dict(p, w_v=[shared + d, p["w_v"][1], shared + d])) * R)
     lm = np.sum(forward(dict(p, w_v=[shared - d, p["w_v"][1], shared - d])) * R)
     np.testing.assert_allclose((lp - lm) / 2, np.sum((g[0] + g[2]) * d), rtol=1e-6)
+
+
+def test_key_passed_explicitly_gets_its_own_gradient():
+    """key=x given explicitly is reported under 'key'; the two parts add up
+    to the self-attention gradient of x (where key defaults to x)."""
+    rng = np.random.default_rng(49)
+    p = cfg_plain(rng)
+    R = rnd(rng, *forward(p).shape)
+    self_attn = grads_of(p, R)
+    split_ = grads_of(dict(p, key=p["x"]), R)
+    assert list(split_) == ["x", "key", "w_q", "w_k", "w_v", "w_o"]
+    np.testing.assert_allclose(split_["x"] + split_["key"], self_attn["x"], rtol=1e-12,
+                               atol=1e-12 * np.abs(self_attn["x"]).max())
+    assert not np.allclose(split_["x"], self_attn["x"])
+    for k in ("w_q", "w_k", "w_v", "w_o"):
+        np.testing.assert_allclose(split_[k], self_attn[k], rtol=1e-12, atol=1e-12)
 
 
 def test_fully_masked_rows_give_zero_gradients():
