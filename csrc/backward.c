@@ -9,9 +9,12 @@
  * backward_impl.h:
  *   1. d(concat) = dout wo^T, dwo, dbo            (GEMMs)
  *   2. D = rowsum(dO * O) per (b, h, query row)
- *   3. per tile: S, P = exp(S - lse), dP, dS = P (dP - D)
+ *   3. per tile: S, P = exp(S - lse), dP, dS = P (dP - D) (the operands are
+ *      packed head by head first, in parallel)
  *   4. dK, dV per (b, kv head, key block)          (threads)
  *   5. dQ per (b, query head, query block)         (threads; P recomputed)
+ *      or 4 and 5 fused per (b, kv head) when those tasks fill the threads
+ *      (bwd_plan_fused): same gradients, bitwise, with less work
  *   6. dwq, dbq, dx and likewise for k, v         (GEMMs)
  *
  * The template is included twice here (float32, float64) for the portable
