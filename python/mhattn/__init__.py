@@ -5,12 +5,14 @@ that the core is tested against.  See ``python -m mhattn`` for the document's
 worked example computed by the core.
 """
 from ._api import multi_head_attention
+from ._grad import Context, backward, multi_head_attention_grad
 from .reference import param_count
 from . import reference
 from .layer import MultiHeadAttention
 from .interop import from_torch_masks, to_torch_attn_mask
 
-__all__ = ["multi_head_attention", "param_count", "reference", "worked_example",
+__all__ = ["multi_head_attention", "multi_head_attention_grad", "backward", "Context",
+           "param_count", "reference", "worked_example",
            "MultiHeadAttention", "from_torch_masks", "to_torch_attn_mask"]
 __version__ = "0.1.0"
 

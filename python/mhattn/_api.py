@@ -41,14 +41,15 @@ def run_core(call: Call, *, want_weights: bool = False, keep: bool = False):
 def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None,
                          value=None, scale=None, return_weights=False, mask=None,
                          causal=False, key_lengths=None, num_kv_heads=None,
-                         b_q=None, b_k=None, b_v=None, b_o=None):
+                         b_q=None, b_k=None, b_v=None, b_o=None, return_context=False):
     """Multi-head attention, computed by mhattn's C core.
 
     multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None,
                          key=None, value=None, scale=None, return_weights=False,
                          mask=None, causal=False, key_lengths=None,
                          num_kv_heads=None, b_q=None, b_k=None, b_v=None,
-                         b_o=None) -> out | (out, weights)
+                         b_o=None, return_context=False)
+        -> out | (out, weights) | (out, ctx) | (out, weights, ctx)
 
     Row-vector convention, as in the document: Q = X W^Q.  For each head i,
     head_i = softmax(Q_i K_i^T * scale_i) V_i, and the result is
@@ -88,12 +89,17 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None
         Grouped-query attention: w_k and w_v hold this many heads, and query
         head i uses kv head i // (num_heads // num_kv_heads).
     b_q, b_k, b_v : biases in the form of their weights; b_o : (d_out,)
+    return_context : bool
+        Also return a :class:`mhattn.Context` for :func:`mhattn.backward`
+        (O(T d) state: the projections, the concatenation and each row's
+        log-sum-exp), so gradients need no second forward pass.
 
     Returns
     -------
     out : (T_q, d_out) or (B, T_q, d_out), a new C-contiguous array
         float32 for float32 inputs, else float64.
     weights : returned too when ``return_weights``.
+    ctx : returned last when ``return_context``.
 
     A query row that may attend to no key at all is *fully masked*: its
     weights are 0 and each head contributes zeros, so its output is b_o (or
@@ -103,8 +109,13 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None
                      scale=scale, mask=mask, causal=causal, key_lengths=key_lengths,
                      num_kv_heads=num_kv_heads, b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o)
     return_weights = bool_arg("return_weights", return_weights)
-    out, weights, _ = run_core(call, want_weights=return_weights)
+    return_context = bool_arg("return_context", return_context)
+    out, weights, extras = run_core(call, want_weights=return_weights, keep=return_context)
     out = call.unbatch(out)
+    result = (out,)
     if return_weights:
-        return out, call.unbatch(weights)
-    return out
+        result += (call.unbatch(weights),)
+    if return_context:
+        from ._grad import make_context
+        result += (make_context(call, extras, b_q=b_q, b_k=b_k, b_v=b_v),)
+    return result[0] if len(result) == 1 else result
