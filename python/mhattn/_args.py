@@ -590,11 +590,11 @@ def normalize(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=Non
                 raise TypeError(f"scale: expected a real number or None, got {scale!r} "
                                 f"({type(scale).__name__})")
         try:
-            value = float(scale)
+            scale_f = float(scale)
         except OverflowError:
             raise ValueError(f"scale: a {type(scale).__name__} of {len(str(scale))} "
                              "digits is too large for a float") from None
-        scales = [value] * H
+        scales = [scale_f] * H
 
     bool_arg("causal", causal)
 
