@@ -38,6 +38,62 @@ def run_core(call: Call, *, want_weights: bool = False, keep: bool = False):
         bool(want_weights), bool(keep))
 
 
+_F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
+_HEADS = {}   # (num_heads, Sk, Sv) -> (dk, dv, default scales), for _fast_path
+# The fast path only takes calls whose every allocation is small, so that the
+# memory check of the full path (which costs more than such a call) can be
+# skipped: at most this many elements in projections, outputs and weights.
+_FAST_ELEMENTS = 1 << 22
+
+
+def _fast_path(x, w_q, w_k, w_v, w_o, num_heads, return_weights):
+    """The common small call (plain float arrays of one dtype, fused weights,
+    no options) without the cost of normalize(). Returns None whenever the
+    call is anything else, or when the glue rejects it: the full path then
+    runs and raises the friendly error."""
+    if not (type(x) is np.ndarray and type(w_q) is np.ndarray
+            and type(w_k) is np.ndarray and type(w_v) is np.ndarray
+            and type(num_heads) is int and num_heads > 0
+            and (return_weights is False or return_weights is True)):
+        return None
+    dt = x.dtype
+    if not ((dt == _F32 or dt == _F64) and w_q.dtype == dt and w_k.dtype == dt
+            and w_v.dtype == dt and w_q.ndim == 2 and w_k.ndim == 2 and w_v.ndim == 2
+            and x.ndim in (2, 3)):
+        return None
+    if w_o is not None and not (type(w_o) is np.ndarray and w_o.dtype == dt
+                                and w_o.ndim == 2):
+        return None
+    Sk, Sv = w_k.shape[1], w_v.shape[1]
+    if w_q.shape[1] != Sk or Sk % num_heads or Sv % num_heads or Sk == 0 or Sv == 0:
+        return None
+    rows = x.shape[0] * x.shape[1] if x.ndim == 3 else x.shape[0]
+    T = x.shape[-2]
+    d_out = w_o.shape[1] if w_o is not None else Sv
+    n = rows * (2 * Sk + 2 * Sv + d_out) + (rows * num_heads * T if return_weights else 0)
+    if n > _FAST_ELEMENTS:
+        return None
+    key = (num_heads, Sk, Sv)
+    heads = _HEADS.get(key)
+    if heads is None:
+        dk, dv = Sk // num_heads, Sv // num_heads
+        heads = (np.full(num_heads, dk, np.int64), np.full(num_heads, dv, np.int64),
+                 np.full(num_heads, 1.0 / np.sqrt(dk)))
+        if len(_HEADS) < 256:
+            _HEADS[key] = heads
+    xb = x if x.ndim == 3 else x[np.newaxis]
+    try:
+        out, weights, _ = _C.forward(xb, xb, xb, w_q, w_k, w_v, w_o, None, None, None,
+                                     None, heads[0], heads[1], heads[2], None, False,
+                                     None, return_weights, False)
+    except (TypeError, ValueError):
+        return None
+    if x.ndim == 2:
+        out = out[0]
+        weights = weights[0] if return_weights else None
+    return (out, weights) if return_weights else out
+
+
 def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None,
                          value=None, scale=None, return_weights=False, mask=None,
                          causal=False, key_lengths=None, num_kv_heads=None,
@@ -105,6 +161,13 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None
     weights are 0 and each head contributes zeros, so its output is b_o (or
     0).  No NaN is produced for it.
     """
+    if (key is None and value is None and scale is None and mask is None
+            and causal is False and key_lengths is None and num_kv_heads is None
+            and b_q is None and b_k is None and b_v is None and b_o is None
+            and return_context is False):
+        res = _fast_path(x, w_q, w_k, w_v, w_o, num_heads, return_weights)
+        if res is not None:
+            return res
     call = normalize(x, w_q, w_k, w_v, w_o, num_heads=num_heads, key=key, value=value,
                      scale=scale, mask=mask, causal=causal, key_lengths=key_lengths,
                      num_kv_heads=num_kv_heads, b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o)
