@@ -15,8 +15,10 @@ from setuptools import Extension, setup
 compile_args = ["-std=c11", "-O3", "-Wall", "-Wextra", "-fvisibility=hidden", "-pthread"]
 link_args = ["-pthread"]
 if os.environ.get("MHATTN_SANITIZE") == "1":
+    # -fno-wrapv undoes the -fwrapv in Python's own CFLAGS, so that UBSan
+    # reports signed overflow in the core instead of letting it wrap.
     sanitize = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer",
-                "-O1", "-g"]
+                "-fno-wrapv", "-O1", "-g"]
     compile_args += sanitize  # the later -O1 overrides -O3
     link_args += sanitize
 

@@ -172,6 +172,12 @@ static mha_status scratch_alloc(void **p, size_t n, size_t size)
     return *p ? MHA_OK : MHA_ERR_NOMEM;
 }
 
+/* Nonzero once the caller's interrupt flag (if any) has been raised. */
+static int interrupted(const mha_config *cfg)
+{
+    return cfg->interrupt != NULL && *cfg->interrupt != 0;
+}
+
 /* The fused attention kernel of the ISA in force, for float (f64 == 0) or
    double elements. Read at every call, so a test may force the ISA down. */
 static const mha_flash_kernel *flash_kernel(int f64)

@@ -78,15 +78,23 @@ mha_status MHA_CAT(mha_forward, sfx)(
     head_offsets(qoff, cvoff, koff, voff, cfg);
 
     // 1. projections: q = x @ wq + bq, k = key @ wk + bk, v = value @ wv + bv.
+    //    The interrupt flag is polled between stages (a GEMM is not split)
+    //    and by every attention tile.
     if ((st = MHA_CAT(mha_gemm, sfx)(q, Sq, x, cfg->Din, 0, wq, Sq, 0, bq,
                                      nq, Sq, cfg->Din, 0)) != MHA_OK)
         goto fail;
+    if (interrupted(cfg))
+        goto interrupt;
     if ((st = MHA_CAT(mha_gemm, sfx)(k, Sk, key, cfg->Dkin, 0, wk, Sk, 0, bk,
                                      nk, Sk, cfg->Dkin, 0)) != MHA_OK)
         goto fail;
+    if (interrupted(cfg))
+        goto interrupt;
     if ((st = MHA_CAT(mha_gemm, sfx)(v, Sv, value, cfg->Dvin, 0, wv, Sv, 0, bv,
                                      nk, Sv, cfg->Dvin, 0)) != MHA_OK)
         goto fail;
+    if (interrupted(cfg))
+        goto interrupt;
 
     // 2. attention: one fused pass per tile (b, h, query block) with the
     //    online softmax; no (Tq, Tk) buffer unless weights are wanted.
@@ -117,7 +125,10 @@ mha_status MHA_CAT(mha_forward, sfx)(
         }
     }
     st = MHA_OK;
+    goto fail;   // success shares the cleanup
 
+interrupt:
+    st = MHA_ERR_INTERRUPTED;
 fail:
     free(off);
     free(q_s);

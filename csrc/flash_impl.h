@@ -106,18 +106,23 @@ static void FN(pack_kt)(REAL *kt, const REAL *k0, size_t ldk, size_t nk,
     }
 }
 
-/* vp (nk, dvp) = V_blk, zero in the columns dv .. dvp - 1. */
-static void FN(pack_v)(REAL *vp, const REAL *v0, size_t ldv, size_t nk,
-                       size_t dv, size_t dvp)
+/* vp (nk, dvp) = V_blk, zero in the columns dv .. dvp - 1. Returns
+   nonzero when the block holds an inf or NaN (see FN(pv_guarded)). */
+static int FN(pack_v)(REAL *vp, const REAL *v0, size_t ldv, size_t nk,
+                      size_t dv, size_t dvp)
 {
+    int nonfinite = 0;
     for (size_t j = 0; j < nk; j++) {
         REAL *vp_j = vp + j * dvp;
         const REAL *v_j = v0 + j * ldv;
-        for (size_t c = 0; c < dv; c++)
+        for (size_t c = 0; c < dv; c++) {
             vp_j[c] = v_j[c];
+            nonfinite |= !(v_j[c] - v_j[c] == 0);   // inf - inf, NaN: NaN
+        }
         for (size_t c = dv; c < dvp; c++)
             vp_j[c] = 0;
     }
+    return nonfinite;
 }
 
 /*
@@ -321,6 +326,28 @@ static void FN(pv)(REAL *o, size_t ldo, const REAL *p, const REAL *vp,
     }
 }
 
+/*
+ * Step 4 for a V block that holds an inf or NaN: FN(pv) element by element,
+ * in the same key order and with the same (fused or not) multiply-add, so
+ * finite values give the same bits; but a key of weight exactly 0 (blocked
+ * by a mask or the causal diagonal inside the block) is skipped, so its inf
+ * or NaN never reaches the row, as 0 * inf = NaN would. Rare, so scalar.
+ */
+static void FN(pv_guarded)(REAL *o, size_t ldo, const REAL *p, const REAL *vp,
+                           size_t nk, size_t dvp, const REAL *alpha)
+{
+    for (int r = 0; r < MR; r++)
+        for (size_t c = 0; c < dvp; c++) {
+            REAL acc = o[r * ldo + c] * alpha[r];
+            for (size_t j = 0; j < nk; j++) {
+                const REAL p_rj = p[r * BK + j];
+                if (p_rj != 0)
+                    acc = SFMA(p_rj, vp[j * dvp + c], acc);
+            }
+            o[r * ldo + c] = acc;
+        }
+}
+
 /* One tile: see flash.h for the passes. */
 static void FN(task)(void *ctxp, size_t t, int ith)
 {
@@ -386,7 +413,7 @@ static void FN(task)(void *ctxp, size_t t, int ith)
         const size_t nk = kend - j0 < BK ? kend - j0 : BK;
         FN(pack_kt)(kt, k_b + j0 * Sk, Sk, nk, mha_flash_round_up(nk, NR),
                     dk);
-        FN(pack_v)(vp, v_b + j0 * Sv, Sv, nk, dv, dvp);
+        const int v_nonfinite = FN(pack_v)(vp, v_b + j0 * Sv, Sv, nk, dv, dvp);
         // The next block's nn rows from jn on, a slice per row group.
         const size_t jn = j0 + BK;
         const size_t nn = jn >= kend ? 0 : (kend - jn < BK ? kend - jn : BK);
@@ -410,7 +437,10 @@ static void FN(task)(void *ctxp, size_t t, int ith)
                      mha_flash_round_up(ng, VLEN), len_b);
             FN(softmax)(s, m + r0, l + r0, tmp, mr,
                         mha_flash_round_up(ng, VLEN));
-            FN(pv)(o + r0 * dvp, dvp, s, vp, ng, dvp, tmp + APAD);
+            if (v_nonfinite)
+                FN(pv_guarded)(o + r0 * dvp, dvp, s, vp, ng, dvp, tmp + APAD);
+            else
+                FN(pv)(o + r0 * dvp, dvp, s, vp, ng, dvp, tmp + APAD);
         }
     }
 
@@ -499,6 +529,7 @@ const mha_flash_kernel FLASH_KERNEL = {
 #undef VSTOREU
 #undef VBCAST
 #undef VFMA
+#undef SFMA
 #undef VFNMA
 #undef VMUL
 #undef VADD

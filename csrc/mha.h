@@ -127,6 +127,48 @@ mha_status mha_check_config(mha_layout *lay, const mha_config *cfg);
 MHA_DECLARE_FORWARD(float, f32)
 MHA_DECLARE_FORWARD(double, f64)
 
+/*
+ * Backward pass of mha_forward_<sfx>, float32 and float64 (one templated
+ * source, backward_impl.h): the gradient of a scalar loss with respect to
+ * every input, given dout = dL/dout. FlashAttention-2 style: the forward's
+ * probabilities are recomputed tile by tile from its lse, never stored.
+ *
+ * Overwrites (never adds into) every gradient it is given; pass NULL for a
+ * gradient that is not wanted (work that no wanted gradient needs is
+ * skipped). Gradients:
+ *   dx (B, Tq, Din), dkey (B, Tk, Dkin), dvalue (B, Tk, Dvin)
+ *   dwq (Din, Sq), dwk (Dkin, Sk), dwv (Dvin, Sv), dwo (Svq, Dout)
+ *   dbq (Sq,), dbk (Sk,), dbv (Sv,), dbo (Dout,)
+ * dwo is ignored without W^O (cfg->has_wo == 0); biases need not have been
+ * given to the forward for their gradient to be computed.
+ * Inputs:
+ *   dout (B, Tq, Dout)
+ *   x, key, value, wq, wk, wv, wo: as given to the forward (biases are not
+ *   needed); q, k, v, concat, lse: as kept by the forward, same cfg.
+ *
+ * One input feeding several roles: when key is x (self-attention), pass
+ * dkey == dx; the keys' gradient is then added into dx, which holds the
+ * full gradient of x. Likewise dvalue == dx (value is x) or dvalue == dkey
+ * (value is key). The shapes of the shared roles must agree.
+ *
+ * Fully masked query rows (lse -inf) contribute nothing: zero gradients,
+ * never NaN. An additive mask gets no gradient. The result is bitwise the
+ * same for any thread count.
+ */
+#define MHA_DECLARE_BACKWARD(real, sfx)                                       \
+    mha_status mha_backward_##sfx(                                            \
+        real *dx, real *dkey, real *dvalue,                                   \
+        real *dwq, real *dwk, real *dwv, real *dwo,                           \
+        real *dbq, real *dbk, real *dbv, real *dbo,                           \
+        const real *dout,                                                     \
+        const real *x, const real *key, const real *value,                    \
+        const real *wq, const real *wk, const real *wv, const real *wo,       \
+        const real *q, const real *k, const real *v, const real *concat,      \
+        const real *lse, const mha_config *cfg);
+
+MHA_DECLARE_BACKWARD(float, f32)
+MHA_DECLARE_BACKWARD(double, f64)
+
 #ifdef __cplusplus
 }
 #endif

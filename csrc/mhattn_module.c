@@ -149,9 +149,10 @@ static void raise_status(mha_status st)
     case MHA_ERR_NOMEM:
         PyErr_NoMemory();
         break;
-    case MHA_ERR_SIZE:
-        PyErr_SetString(PyExc_ValueError,
-                        "mhattn: sizes overflow (MHA_ERR_SIZE)");
+    case MHA_ERR_SIZE:   // no buffer of these sizes can be allocated
+        PyErr_SetString(PyExc_MemoryError,
+                        "mhattn: the sizes of this call overflow size_t "
+                        "(MHA_ERR_SIZE)");
         break;
     case MHA_ERR_INTERRUPTED:
         PyErr_SetNone(PyExc_KeyboardInterrupt);
@@ -164,6 +165,103 @@ static void raise_status(mha_status st)
 }
 
 #define DATA(a) ((a) != NULL ? PyArray_DATA(a) : NULL)
+
+/*
+ * Ctrl-C during a long call. Python's own SIGINT handler only sets a flag
+ * that the interpreter reads between bytecodes, which never happens while
+ * the core runs with the GIL released. So while the main thread is inside
+ * the core, a C handler is installed that raises sigint_flag, which the
+ * core polls between work items (cfg->interrupt), and then calls the
+ * handler it replaced (Python's), so Python still sees the signal: after
+ * the GIL is re-acquired PyErr_CheckSignals() runs the Python-level handler,
+ * which raises KeyboardInterrupt by default. Only main-thread calls poll
+ * the flag, since Python delivers KeyboardInterrupt to the main thread
+ * alone; installs are counted under a mutex, so whichever call leaves last
+ * restores the previous handler, exactly once. SIG_IGN and SIG_DFL are left
+ * alone: ignored stays ignored, and the default ends the process anyway.
+ */
+#if defined(__unix__) || defined(__APPLE__)
+#include <pthread.h>
+#include <signal.h>
+
+_Static_assert(_Generic((sig_atomic_t)0, int: 1, default: 0),
+               "cfg->interrupt points to an int: sig_atomic_t must be int");
+
+static volatile sig_atomic_t sigint_flag;
+static struct sigaction sigint_prev;    // what our handler replaced
+static int sigint_installs;             // guarded by sigint_lock
+static int sigint_active;               // our handler is in place; ditto
+static pthread_mutex_t sigint_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static void sigint_handler(int sig, siginfo_t *info, void *ctx)
+{
+    sigint_flag = 1;
+    if (sigint_prev.sa_flags & SA_SIGINFO)
+        sigint_prev.sa_sigaction(sig, info, ctx);
+    else if (sigint_prev.sa_handler != SIG_DFL && sigint_prev.sa_handler != SIG_IGN)
+        sigint_prev.sa_handler(sig);
+}
+
+static void sigint_install(void)
+{
+    pthread_mutex_lock(&sigint_lock);
+    if (sigint_installs++ == 0) {
+        struct sigaction cur, sa;
+        // A flag left raised by an earlier call must not stop this one,
+        // even when no handler is installed (SIG_IGN) to raise it again.
+        sigint_flag = 0;
+        sigint_active = 0;
+        if (sigaction(SIGINT, NULL, &cur) == 0 &&
+            ((cur.sa_flags & SA_SIGINFO) ||
+             (cur.sa_handler != SIG_DFL && cur.sa_handler != SIG_IGN))) {
+            memset(&sa, 0, sizeof sa);
+            sa.sa_sigaction = sigint_handler;
+            sa.sa_mask = cur.sa_mask;
+            sa.sa_flags = SA_SIGINFO | (cur.sa_flags & (SA_ONSTACK | SA_RESTART));
+            sigint_prev = cur;
+            sigint_active = sigaction(SIGINT, &sa, NULL) == 0;
+        }
+    }
+    pthread_mutex_unlock(&sigint_lock);
+}
+
+static void sigint_uninstall(void)
+{
+    pthread_mutex_lock(&sigint_lock);
+    if (--sigint_installs == 0 && sigint_active) {
+        struct sigaction cur;
+        // Put the previous handler back unless someone replaced ours since.
+        if (sigaction(SIGINT, NULL, &cur) == 0 && (cur.sa_flags & SA_SIGINFO) &&
+            cur.sa_sigaction == sigint_handler)
+            sigaction(SIGINT, &sigint_prev, NULL);
+        sigint_active = 0;
+    }
+    pthread_mutex_unlock(&sigint_lock);
+}
+
+/* 1 when called from Python's main thread (the one signals are handled in). */
+static int on_main_thread(void)
+{
+    int res = 0;
+    PyObject *threading = PyImport_ImportModule("threading");
+    PyObject *main = threading ? PyObject_CallMethod(threading, "main_thread", NULL)
+                               : NULL;
+    PyObject *ident = main ? PyObject_GetAttrString(main, "ident") : NULL;
+    if (ident != NULL && ident != Py_None)
+        res = PyLong_AsUnsignedLong(ident) == PyThread_get_thread_ident();
+    Py_XDECREF(ident);
+    Py_XDECREF(main);
+    Py_XDECREF(threading);
+    if (PyErr_Occurred())   // no interrupt support then, but never an error
+        PyErr_Clear();
+    return res;
+}
+#else  /* no sigaction: a long call finishes before Ctrl-C is seen */
+static volatile int sigint_flag;
+static void sigint_install(void) {}
+static void sigint_uninstall(void) {}
+static int on_main_thread(void) { return 0; }
+#endif
 
 PyDoc_STRVAR(forward_doc,
 "forward(x, key, value, wq, wk, wv, wo, bq, bk, bv, bo, dk, dv, scales,\n"
@@ -423,6 +521,14 @@ static PyObject *forward(PyObject *self, PyObject *args, PyObject *kwds)
             goto fail;
     }
 
+    // Ctrl-C: see sigint_handler. A Python handler that does not raise lets
+    // the call start over, as if the signal had come just before it.
+    const int main_thread = on_main_thread();
+retry:
+    if (main_thread) {
+        sigint_install();
+        cfg.interrupt = (volatile const int *)&sigint_flag;
+    }
     Py_BEGIN_ALLOW_THREADS
     if (typenum == NPY_FLOAT)
         st = mha_forward_f32(DATA(out), DATA(weights), DATA(q), DATA(k),
@@ -437,6 +543,16 @@ static PyObject *forward(PyObject *self, PyObject *args, PyObject *kwds)
                              DATA(wv), DATA(wo), DATA(bq), DATA(bk), DATA(bv),
                              DATA(bo), &cfg);
     Py_END_ALLOW_THREADS
+    if (main_thread) {
+        const int signalled = sigint_flag != 0;
+        sigint_uninstall();
+        if (signalled || st == MHA_ERR_INTERRUPTED) {
+            if (PyErr_CheckSignals() < 0)
+                goto fail;
+            if (st == MHA_ERR_INTERRUPTED)
+                goto retry;
+        }
+    }
     if (st != MHA_OK) {
         raise_status(st);
         goto fail;
@@ -543,6 +659,391 @@ PyDoc_STRVAR(set_num_threads_doc,
 "Uses n threads from the next call on (at most 256); 0 restores the\n"
 "default (MHATTN_NUM_THREADS, else the CPUs this process may use).");
 
+/* ---- backward ---------------------------------------------------------- */
+
+/* The mask as forward() reads it: *mask is NULL for None, else a view (or
+   aligned copy) of a bool or compute-dtype (B, H, Tq, Tk) array, with its
+   element strides. Returns -1 with an exception set on failure. */
+static int bwd_mask(PyArrayObject **mask, mha_mask_kind *kind,
+                    ptrdiff_t stride[4], PyObject *mask_o, int typenum,
+                    const npy_intp want[4])
+{
+    *mask = NULL;
+    *kind = MHA_MASK_NONE;
+    for (int d = 0; d < 4; d++)
+        stride[d] = 0;
+    if (mask_o == Py_None)
+        return 0;
+    if (!PyArray_Check(mask_o)) {
+        PyErr_Format(PyExc_TypeError,
+                     "mask: expected a numpy.ndarray or None, got %s",
+                     Py_TYPE(mask_o)->tp_name);
+        return -1;
+    }
+    const int mt = PyArray_TYPE((PyArrayObject *)mask_o);
+    if (mt != NPY_BOOL && mt != typenum) {
+        PyErr_Format(PyExc_TypeError,
+                     "mask: expected dtype bool or %s (the dtype of x), got %R",
+                     dtype_name(typenum),
+                     (PyObject *)PyArray_DESCR((PyArrayObject *)mask_o));
+        return -1;
+    }
+    if (check_shape((PyArrayObject *)mask_o, "mask", 4, want,
+                    "(B, H, Tq, Tk)") < 0)
+        return -1;
+    PyArrayObject *m = (PyArrayObject *)PyArray_FROMANY(
+        mask_o, mt, 4, 4, NPY_ARRAY_ALIGNED | NPY_ARRAY_NOTSWAPPED);
+    if (m == NULL) {
+        prefix_error("mask");
+        return -1;
+    }
+    const npy_intp item = PyArray_ITEMSIZE(m);
+    int copy = 0;
+    for (int d = 0; d < 4; d++)
+        copy |= PyArray_STRIDE(m, d) % item != 0;
+    if (copy) {
+        PyArrayObject *c = (PyArrayObject *)PyArray_NewCopy(m, NPY_CORDER);
+        Py_DECREF(m);
+        if (c == NULL)
+            return -1;
+        m = c;
+    }
+    for (int d = 0; d < 4; d++)
+        stride[d] = (ptrdiff_t)(PyArray_STRIDE(m, d) / item);
+    *kind = mt == NPY_BOOL ? MHA_MASK_BOOL : MHA_MASK_ADD;
+    *mask = m;
+    return 0;
+}
+
+/* A new C-contiguous array of the compute dtype, or NULL with an exception
+   set; *res stays NULL (and nothing is allocated) when !wanted. */
+static int bwd_empty(PyArrayObject **res, int wanted, int nd,
+                     const npy_intp *dims, int typenum)
+{
+    *res = NULL;
+    if (!wanted)
+        return 0;
+    *res = (PyArrayObject *)PyArray_EMPTY(nd, dims, typenum, 0);
+    return *res == NULL ? -1 : 0;
+}
+
+PyDoc_STRVAR(backward_doc,
+"backward(dout, x, key, value, wq, wk, wv, wo, q, k, v, concat, lse, dk, dv,\n"
+"         scales, mask, causal, key_lengths, want_bq, want_bk, want_bv,\n"
+"         want_bo)\n"
+"--\n\n"
+"Backward pass of forward() (low level; see mhattn.backward). dout\n"
+"(B,Tq,Dout); x, key, value, wq, wk, wv, wo, dk, dv, scales, mask, causal,\n"
+"key_lengths as given to forward(), except that key None means key is x and\n"
+"value None means value is key (or x): their gradients are then added into\n"
+"x's (key's). q, k, v, concat, lse: forward()'s kept extras.\n\n"
+"Returns (dx, dkey or None, dvalue or None, dwq, dwk, dwv, dwo or None,\n"
+"dbq, dbk, dbv, dbo), each bias gradient None unless its want_* is true.");
+
+static PyObject *backward(PyObject *self, PyObject *args, PyObject *kwds)
+{
+    (void)self;
+    static char *kwlist[] = {
+        "dout", "x", "key", "value", "wq", "wk", "wv", "wo", "q", "k", "v",
+        "concat", "lse", "dk", "dv", "scales", "mask", "causal", "key_lengths",
+        "want_bq", "want_bk", "want_bv", "want_bo", NULL};
+    PyObject *dout_o, *x_o, *key_o, *value_o, *wq_o, *wk_o, *wv_o, *wo_o;
+    PyObject *q_o, *k_o, *v_o, *concat_o, *lse_o, *dk_o, *dv_o, *scales_o;
+    PyObject *mask_o, *key_lengths_o;
+    int causal, want_bq, want_bk, want_bv, want_bo;
+    if (!PyArg_ParseTupleAndKeywords(
+            args, kwds, "OOOOOOOOOOOOOOOOOpOpppp:backward", kwlist, &dout_o,
+            &x_o, &key_o, &value_o, &wq_o, &wk_o, &wv_o, &wo_o, &q_o, &k_o,
+            &v_o, &concat_o, &lse_o, &dk_o, &dv_o, &scales_o, &mask_o, &causal,
+            &key_lengths_o, &want_bq, &want_bk, &want_bv, &want_bo))
+        return NULL;
+
+    PyObject *result = NULL;
+    // inputs
+    PyArrayObject *dout = NULL, *x = NULL, *key = NULL, *value = NULL;
+    PyArrayObject *wq = NULL, *wk = NULL, *wv = NULL, *wo = NULL;
+    PyArrayObject *q = NULL, *k = NULL, *v = NULL, *concat = NULL, *lse = NULL;
+    PyArrayObject *dk_a = NULL, *dv_a = NULL, *scales = NULL, *mask = NULL;
+    PyArrayObject *key_lengths = NULL;
+    // outputs
+    PyArrayObject *dx = NULL, *dkey = NULL, *dvalue = NULL;
+    PyArrayObject *dwq = NULL, *dwk = NULL, *dwv = NULL, *dwo = NULL;
+    PyArrayObject *dbq = NULL, *dbk = NULL, *dbv = NULL, *dbo = NULL;
+    size_t *widths = NULL;   // (2G,): dk then dv, as size_t
+
+    if (!PyArray_Check(x_o)) {
+        PyErr_Format(PyExc_TypeError, "x: expected a numpy.ndarray, got %s",
+                     Py_TYPE(x_o)->tp_name);
+        goto fail;
+    }
+    const int typenum = PyArray_TYPE((PyArrayObject *)x_o);
+    if (typenum != NPY_FLOAT && typenum != NPY_DOUBLE) {
+        PyErr_Format(PyExc_TypeError,
+                     "x: expected dtype float32 or float64, got %R",
+                     (PyObject *)PyArray_DESCR((PyArrayObject *)x_o));
+        goto fail;
+    }
+    // key None: key is x; value None: value is key.
+    const int key_is_x = key_o == Py_None, value_is_key = value_o == Py_None;
+    if (as_float(&dout, dout_o, "dout", typenum, 3, 0) < 0 ||
+        as_float(&x, x_o, "x", typenum, 3, 0) < 0 ||
+        as_float(&key, key_o, "key", typenum, 3, 1) < 0 ||
+        as_float(&value, value_o, "value", typenum, 3, 1) < 0 ||
+        as_float(&wq, wq_o, "wq", typenum, 2, 0) < 0 ||
+        as_float(&wk, wk_o, "wk", typenum, 2, 0) < 0 ||
+        as_float(&wv, wv_o, "wv", typenum, 2, 0) < 0 ||
+        as_float(&wo, wo_o, "wo", typenum, 2, 1) < 0 ||
+        as_float(&q, q_o, "q", typenum, 3, 0) < 0 ||
+        as_float(&k, k_o, "k", typenum, 3, 0) < 0 ||
+        as_float(&v, v_o, "v", typenum, 3, 0) < 0 ||
+        as_float(&concat, concat_o, "concat", typenum, 3, 0) < 0 ||
+        as_float(&lse, lse_o, "lse", typenum, 3, 0) < 0 ||
+        as_vector(&dk_a, dk_o, "dk", NPY_INT64) < 0 ||
+        as_vector(&dv_a, dv_o, "dv", NPY_INT64) < 0 ||
+        as_vector(&scales, scales_o, "scales", NPY_DOUBLE) < 0)
+        goto fail;
+    if (key_is_x) {
+        Py_INCREF(x);
+        key = x;
+    }
+    if (value_is_key) {
+        Py_INCREF(key);
+        value = key;
+    }
+
+    // Sizes from x, key, value, dk and scales.
+    const npy_intp B = PyArray_DIM(x, 0), Tq = PyArray_DIM(x, 1);
+    const npy_intp Din = PyArray_DIM(x, 2);
+    const npy_intp Tk = PyArray_DIM(key, 1), Dkin = PyArray_DIM(key, 2);
+    const npy_intp Dvin = PyArray_DIM(value, 2);
+    const npy_intp G = PyArray_DIM(dk_a, 0), H = PyArray_DIM(scales, 0);
+    {
+        const npy_intp want_key[3] = {B, Tk, Dkin};
+        const npy_intp want_value[3] = {B, Tk, Dvin};
+        if (check_shape(key, "key", 3, want_key, "(B, Tk, Dkin)") < 0 ||
+            check_shape(value, "value", 3, want_value, "(B, Tk, Dvin)") < 0)
+            goto fail;
+    }
+    if (G == 0 || H == 0 || H % G != 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "dk, scales: the number of query heads H = len(scales) = %zd "
+                     "must be a positive multiple of the number of kv heads "
+                     "G = len(dk) = %zd", (Py_ssize_t)H, (Py_ssize_t)G);
+        goto fail;
+    }
+    if (PyArray_DIM(dv_a, 0) != G) {
+        PyErr_Format(PyExc_ValueError,
+                     "dv: expected length %zd (G = len(dk)), got %zd",
+                     (Py_ssize_t)G, (Py_ssize_t)PyArray_DIM(dv_a, 0));
+        goto fail;
+    }
+
+    // Head widths as size_t, and the fused widths (checked sums).
+    widths = PyMem_Malloc(2 * (size_t)G * sizeof *widths);
+    if (widths == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    size_t *dkw = widths, *dvw = widths + G;
+    const int64_t *dk64 = PyArray_DATA(dk_a), *dv64 = PyArray_DATA(dv_a);
+    for (npy_intp g = 0; g < G; g++) {
+        if (dk64[g] <= 0 || dv64[g] <= 0 || (uint64_t)dk64[g] > WIDTH_MAX ||
+            (uint64_t)dv64[g] > WIDTH_MAX) {
+            PyErr_Format(PyExc_ValueError,
+                         "dk, dv: head widths must be between 1 and %zu, got "
+                         "dk[%zd] = %lld, dv[%zd] = %lld", WIDTH_MAX,
+                         (Py_ssize_t)g, (long long)dk64[g], (Py_ssize_t)g,
+                         (long long)dv64[g]);
+            goto fail;
+        }
+        dkw[g] = (size_t)dk64[g];
+        dvw[g] = (size_t)dv64[g];
+    }
+    size_t Sq = 0, Sk = 0, Sv = 0, Svq = 0;
+    for (npy_intp g = 0; g < G; g++) {
+        Sk += dkw[g];
+        Sv += dvw[g];
+        if (Sk > WIDTH_MAX || Sv > WIDTH_MAX)
+            goto overflow;
+    }
+    for (npy_intp h = 0; h < H; h++) {
+        Sq += dkw[h / (H / G)];
+        Svq += dvw[h / (H / G)];
+        if (Sq > WIDTH_MAX || Svq > WIDTH_MAX)
+            goto overflow;
+    }
+
+    // Weights, gradient of the output and the forward's extras.
+    const npy_intp Dout = wo != NULL ? PyArray_DIM(wo, 1) : (npy_intp)Svq;
+    {
+        const npy_intp want_wq[2] = {Din, (npy_intp)Sq};
+        const npy_intp want_wk[2] = {Dkin, (npy_intp)Sk};
+        const npy_intp want_wv[2] = {Dvin, (npy_intp)Sv};
+        const npy_intp want_wo[2] = {(npy_intp)Svq, Dout};
+        const npy_intp want_dout[3] = {B, Tq, Dout};
+        const npy_intp want_q[3] = {B, Tq, (npy_intp)Sq};
+        const npy_intp want_k[3] = {B, Tk, (npy_intp)Sk};
+        const npy_intp want_v[3] = {B, Tk, (npy_intp)Sv};
+        const npy_intp want_c[3] = {B, Tq, (npy_intp)Svq};
+        const npy_intp want_l[3] = {B, H, Tq};
+        if (check_shape(wq, "wq", 2, want_wq, "(Din, Sq)") < 0 ||
+            check_shape(wk, "wk", 2, want_wk, "(Dkin, Sk)") < 0 ||
+            check_shape(wv, "wv", 2, want_wv, "(Dvin, Sv)") < 0 ||
+            (wo && check_shape(wo, "wo", 2, want_wo, "(Svq, Dout)") < 0) ||
+            check_shape(dout, "dout", 3, want_dout, "(B, Tq, Dout)") < 0 ||
+            check_shape(q, "q", 3, want_q, "(B, Tq, Sq)") < 0 ||
+            check_shape(k, "k", 3, want_k, "(B, Tk, Sk)") < 0 ||
+            check_shape(v, "v", 3, want_v, "(B, Tk, Sv)") < 0 ||
+            check_shape(concat, "concat", 3, want_c, "(B, Tq, Svq)") < 0 ||
+            check_shape(lse, "lse", 3, want_l, "(B, H, Tq)") < 0)
+            goto fail;
+    }
+
+    // Key lengths: int64 (B,), each in [0, Tk].
+    if (key_lengths_o != Py_None) {
+        if (as_vector(&key_lengths, key_lengths_o, "key_lengths", NPY_INT64) < 0)
+            goto fail;
+        const npy_intp want = B;
+        if (check_shape(key_lengths, "key_lengths", 1, &want, "(B,)") < 0)
+            goto fail;
+        const int64_t *len = PyArray_DATA(key_lengths);
+        for (npy_intp b = 0; b < B; b++) {
+            if (len[b] < 0 || len[b] > (int64_t)Tk) {
+                PyErr_Format(PyExc_ValueError,
+                             "key_lengths: expected 0 <= key_lengths[b] <= Tk = %zd, "
+                             "got key_lengths[%zd] = %lld", (Py_ssize_t)Tk,
+                             (Py_ssize_t)b, (long long)len[b]);
+                goto fail;
+            }
+        }
+    }
+
+    mha_mask_kind mask_kind;
+    ptrdiff_t mask_stride[4];
+    {
+        const npy_intp want[4] = {B, H, Tq, Tk};
+        if (bwd_mask(&mask, &mask_kind, mask_stride, mask_o, typenum, want) < 0)
+            goto fail;
+    }
+
+    mha_config cfg = {
+        .B = (size_t)B, .Tq = (size_t)Tq, .Tk = (size_t)Tk,
+        .Din = (size_t)Din, .Dkin = (size_t)Dkin, .Dvin = (size_t)Dvin,
+        .Dout = (size_t)Dout, .H = (size_t)H, .G = (size_t)G,
+        .dk = dkw, .dv = dvw, .scale = PyArray_DATA(scales),
+        .causal = causal, .mask_kind = mask_kind, .mask = DATA(mask),
+        .mask_stride = {mask_stride[0], mask_stride[1], mask_stride[2],
+                        mask_stride[3]},
+        .key_lengths = key_lengths ? PyArray_DATA(key_lengths) : NULL,
+        .has_wo = wo != NULL, .interrupt = NULL,
+    };
+    mha_layout lay;
+    mha_status st = mha_check_config(&lay, &cfg);
+    if (st != MHA_OK) {
+        raise_status(st);
+        goto fail;
+    }
+
+    // Gradients, new C-contiguous arrays (sizes checked by mha_check_config).
+    {
+        const npy_intp d_x[3] = {B, Tq, Din}, d_key[3] = {B, Tk, Dkin};
+        const npy_intp d_value[3] = {B, Tk, Dvin};
+        const npy_intp d_wq[2] = {Din, (npy_intp)Sq};
+        const npy_intp d_wk[2] = {Dkin, (npy_intp)Sk};
+        const npy_intp d_wv[2] = {Dvin, (npy_intp)Sv};
+        const npy_intp d_wo[2] = {(npy_intp)Svq, Dout};
+        const npy_intp d_bq = (npy_intp)Sq, d_bk = (npy_intp)Sk;
+        const npy_intp d_bv = (npy_intp)Sv, d_bo = Dout;
+        if (bwd_empty(&dx, 1, 3, d_x, typenum) < 0 ||
+            bwd_empty(&dkey, !key_is_x, 3, d_key, typenum) < 0 ||
+            bwd_empty(&dvalue, !value_is_key, 3, d_value, typenum) < 0 ||
+            bwd_empty(&dwq, 1, 2, d_wq, typenum) < 0 ||
+            bwd_empty(&dwk, 1, 2, d_wk, typenum) < 0 ||
+            bwd_empty(&dwv, 1, 2, d_wv, typenum) < 0 ||
+            bwd_empty(&dwo, wo != NULL, 2, d_wo, typenum) < 0 ||
+            bwd_empty(&dbq, want_bq, 1, &d_bq, typenum) < 0 ||
+            bwd_empty(&dbk, want_bk, 1, &d_bk, typenum) < 0 ||
+            bwd_empty(&dbv, want_bv, 1, &d_bv, typenum) < 0 ||
+            bwd_empty(&dbo, want_bo, 1, &d_bo, typenum) < 0)
+            goto fail;
+    }
+    // A role fed by another input adds into that input's gradient.
+    void *dkey_p = key_is_x ? DATA(dx) : DATA(dkey);
+    void *dvalue_p = value_is_key ? dkey_p : DATA(dvalue);
+
+    Py_BEGIN_ALLOW_THREADS
+    if (typenum == NPY_FLOAT)
+        st = mha_backward_f32(DATA(dx), dkey_p, dvalue_p, DATA(dwq), DATA(dwk),
+                              DATA(dwv), DATA(dwo), DATA(dbq), DATA(dbk),
+                              DATA(dbv), DATA(dbo), DATA(dout), DATA(x),
+                              DATA(key), DATA(value), DATA(wq), DATA(wk),
+                              DATA(wv), DATA(wo), DATA(q), DATA(k), DATA(v),
+                              DATA(concat), DATA(lse), &cfg);
+    else
+        st = mha_backward_f64(DATA(dx), dkey_p, dvalue_p, DATA(dwq), DATA(dwk),
+                              DATA(dwv), DATA(dwo), DATA(dbq), DATA(dbk),
+                              DATA(dbv), DATA(dbo), DATA(dout), DATA(x),
+                              DATA(key), DATA(value), DATA(wq), DATA(wk),
+                              DATA(wv), DATA(wo), DATA(q), DATA(k), DATA(v),
+                              DATA(concat), DATA(lse), &cfg);
+    Py_END_ALLOW_THREADS
+    if (st != MHA_OK) {
+        raise_status(st);
+        goto fail;
+    }
+
+    {
+        PyObject *items[11] = {
+            (PyObject *)dx, (PyObject *)dkey, (PyObject *)dvalue,
+            (PyObject *)dwq, (PyObject *)dwk, (PyObject *)dwv, (PyObject *)dwo,
+            (PyObject *)dbq, (PyObject *)dbk, (PyObject *)dbv, (PyObject *)dbo};
+        result = PyTuple_New(11);
+        if (result == NULL)
+            goto fail;
+        for (int t = 0; t < 11; t++) {
+            PyObject *o = items[t] != NULL ? items[t] : Py_None;
+            Py_INCREF(o);
+            PyTuple_SET_ITEM(result, t, o);
+        }
+    }
+    goto fail;   // success falls through the common cleanup with result set
+
+overflow:
+    PyErr_SetString(PyExc_ValueError, "dk, dv: sizes overflow");
+fail:
+    PyMem_Free(widths);
+    Py_XDECREF(dout);
+    Py_XDECREF(x);
+    Py_XDECREF(key);
+    Py_XDECREF(value);
+    Py_XDECREF(wq);
+    Py_XDECREF(wk);
+    Py_XDECREF(wv);
+    Py_XDECREF(wo);
+    Py_XDECREF(q);
+    Py_XDECREF(k);
+    Py_XDECREF(v);
+    Py_XDECREF(concat);
+    Py_XDECREF(lse);
+    Py_XDECREF(dk_a);
+    Py_XDECREF(dv_a);
+    Py_XDECREF(scales);
+    Py_XDECREF(mask);
+    Py_XDECREF(key_lengths);
+    Py_XDECREF(dx);
+    Py_XDECREF(dkey);
+    Py_XDECREF(dvalue);
+    Py_XDECREF(dwq);
+    Py_XDECREF(dwk);
+    Py_XDECREF(dwv);
+    Py_XDECREF(dwo);
+    Py_XDECREF(dbq);
+    Py_XDECREF(dbk);
+    Py_XDECREF(dbv);
+    Py_XDECREF(dbo);
+    return result;
+}
+
 static PyObject *set_num_threads(PyObject *self, PyObject *arg)
 {
     (void)self;
@@ -565,6 +1066,8 @@ static PyMethodDef mhattn_methods[] = {
     {"set_isa", set_isa, METH_O, set_isa_doc},
     {"get_num_threads", get_num_threads, METH_NOARGS, get_num_threads_doc},
     {"set_num_threads", set_num_threads, METH_O, set_num_threads_doc},
+    {"backward", (PyCFunction)(void (*)(void))backward,
+     METH_VARARGS | METH_KEYWORDS, backward_doc},
     {NULL, NULL, 0, NULL},
 };
 

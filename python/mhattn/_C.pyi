@@ -68,4 +68,44 @@ def get_num_threads() -> int:
 def set_num_threads(n: int) -> None:
     """Use n threads (at most 256) from the next call on; 0 restores the
     default (MHATTN_NUM_THREADS, else the CPUs this process may use)."""
+def backward(
+    dout: _Float,                     # (B, Tq, Dout): dL/dout
+    x: _Float,                        # (B, Tq, Din)
+    key: Optional[_Float],            # (B, Tk, Dkin), or None: key is x
+    value: Optional[_Float],          # (B, Tk, Dvin), or None: value is key
+    wq: _Float,                       # (Din, Sq)
+    wk: _Float,                       # (Dkin, Sk)
+    wv: _Float,                       # (Dvin, Sv)
+    wo: Optional[_Float],             # (Svq, Dout) or None
+    q: _Float,                        # (B, Tq, Sq)    forward's kept extras
+    k: _Float,                        # (B, Tk, Sk)
+    v: _Float,                        # (B, Tk, Sv)
+    concat: _Float,                   # (B, Tq, Svq)
+    lse: _Float,                      # (B, H, Tq)
+    dk: npt.NDArray[np.int64],        # (G,)
+    dv: npt.NDArray[np.int64],        # (G,)
+    scales: npt.NDArray[np.float64],  # (H,)
+    mask: Optional[npt.NDArray[np.generic]],  # as for forward
+    causal: bool,
+    key_lengths: Optional[npt.NDArray[np.int64]],
+    want_bq: bool,
+    want_bk: bool,
+    want_bv: bool,
+    want_bo: bool,
+) -> Tuple[_Float, Optional[_Float], Optional[_Float], _Float, _Float, _Float,
+           Optional[_Float], Optional[_Float], Optional[_Float], Optional[_Float],
+           Optional[_Float]]:
+    """backward(dout, x, key, value, wq, wk, wv, wo, q, k, v, concat, lse, dk,
+    dv, scales, mask, causal, key_lengths, want_bq, want_bk, want_bv, want_bo)
+    -> (dx, dkey, dvalue, dwq, dwk, dwv, dwo, dbq, dbk, dbv, dbo)
+
+    Backward pass of forward(): new C-contiguous gradients of the compute
+    dtype, fused like the arguments. key None means key is x and value None
+    means value is key: that role's gradient is then added into x's (key's),
+    and dkey (dvalue) is None. dwo is None without wo; each bias gradient is
+    None unless its want_* is true. Fully masked query rows contribute zero.
+    Bitwise the same for any thread count.
+    """
+    ...
+
     ...

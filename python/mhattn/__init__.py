@@ -5,15 +5,21 @@ that the core is tested against.  See ``python -m mhattn`` for the document's
 worked example computed by the core.
 """
 from ._api import multi_head_attention
+from ._grad import Context, backward, multi_head_attention_grad
 from .reference import param_count
 from . import reference
 from .layer import MultiHeadAttention
 from .interop import from_torch_masks, to_torch_attn_mask
 from ._runtime import get_isa, set_num_threads, get_num_threads, _set_isa
+from .trace import trace, Trace
+from .plot import plot_attention
+from .checker import check_prototype
 
-__all__ = ["multi_head_attention", "param_count", "reference", "worked_example",
+__all__ = ["multi_head_attention", "multi_head_attention_grad", "backward", "Context",
+           "param_count", "reference", "worked_example",
            "MultiHeadAttention", "from_torch_masks", "to_torch_attn_mask",
-           "get_isa", "set_num_threads", "get_num_threads"]
+           "get_isa", "set_num_threads", "get_num_threads",
+           "trace", "Trace", "plot_attention", "check_prototype"]
 __version__ = "0.1.0"
 
 
@@ -31,10 +37,3 @@ def worked_example():
     W_Q2 = np.array([[0, 0], [1, 0], [0, 0], [0, 1]], dtype=float)
     W_V = np.array([[1 / 3, 0], [0, 1 / 3], [0, 0], [0, 0]], dtype=float)
     return tokens, X, [W_Q1, W_Q2], [W_Q1.copy(), W_Q2.copy()], [W_V, W_V], np.eye(4)
-
-# Notebook helpers: tracing, plotting and checking a prototype.
-from .trace import trace, Trace
-from .plot import plot_attention
-from .checker import check_prototype
-
-__all__ += ["trace", "Trace", "plot_attention", "check_prototype"]

@@ -11,14 +11,17 @@ H query heads, G key/value heads, dk[g] / dv[g] the widths of kv head g.
 """
 from __future__ import annotations
 
+import math
 import numbers
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["Call", "normalize", "compute_dtype"]
+__all__ = ["Call", "normalize", "compute_dtype", "check_memory", "core_items",
+           "memory_limit", "plan", "bool_arg"]
 
 
 
@@ -34,7 +37,18 @@ def _to_array(name: str, obj: Any) -> np.ndarray:
     if obj is None:
         raise TypeError(f"{name}: expected an array, got None")
     if isinstance(obj, np.ndarray):
-        return obj
+        if type(obj) is np.ndarray:
+            return obj
+        # Subclasses (np.matrix, np.memmap, user classes) are read through a
+        # plain ndarray view, so their overrides of indexing or arithmetic
+        # cannot change what the core sees. A masked array's mask would be
+        # silently dropped, so it is refused instead.
+        import numpy.ma
+        if isinstance(obj, numpy.ma.MaskedArray):
+            raise TypeError(f"{name}: masked arrays are not supported; pass "
+                            f"{name}.filled(...) and express the mask with mask= "
+                            "or key_lengths=")
+        return np.asarray(obj)
     if isinstance(obj, (str, bytes, dict, set)):
         raise TypeError(f"{name}: expected an array of numbers, got {type(obj).__name__}")
     try:
@@ -71,6 +85,82 @@ def compute_dtype(arrays: Sequence[np.ndarray]) -> np.dtype:
     return np.dtype(np.float64) if dt.itemsize > 4 else np.dtype(np.float32)
 
 
+# What one call may plan to allocate, in bytes. Found once; a test may lower it.
+_memory_limit_bytes: Optional[int] = None
+
+# Python-side cost of one head (views, offsets, scales), generously rounded
+# up: it bounds num_heads before any per-head list is built.
+_PER_HEAD_BYTES = 4096
+
+
+def memory_limit() -> int:
+    """The machine's physical memory, or the cgroup's limit when lower.
+
+    A call that plans to allocate more than this cannot succeed without
+    thrashing or waking the OOM killer (which takes a notebook kernel with
+    it), so it raises MemoryError before allocating anything.
+    """
+    global _memory_limit_bytes
+    if _memory_limit_bytes is None:
+        limit = 1 << 62
+        try:
+            limit = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (AttributeError, ValueError, OSError):
+            pass
+        for path in ("/sys/fs/cgroup/memory.max",
+                     "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+            try:
+                with open(path) as f:
+                    text = f.read().strip()
+            except OSError:
+                continue
+            if text.isdigit():
+                limit = min(limit, int(text))
+        _memory_limit_bytes = max(int(limit), 1)
+    return _memory_limit_bytes
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.3g} GiB"
+
+
+def check_memory(items: Sequence[tuple]) -> None:
+    """Raise MemoryError, naming the sizes, when a call's plan cannot fit.
+
+    items: (what, formula, factors, itemsize), e.g. ("return_weights=True",
+    "B*h*T_q*T_k", (B, H, Tq, Tk), 4). Python integers cannot overflow, so
+    products beyond size_t are caught here too, before NumPy or the core
+    is asked for them.
+    """
+    total = 0
+    for _, _, factors, itemsize in items:
+        total += math.prod(map(int, factors)) * itemsize   # Python ints: exact
+    limit = memory_limit()
+    if total <= limit:
+        return
+    sized = []
+    for what, formula, factors, itemsize in items:
+        count = math.prod(map(int, factors))
+        sized.append((count * itemsize, count, what, formula, factors))
+    sized.sort(key=lambda s: -s[0])
+    parts = []
+    for nbytes, count, what, formula, factors in sized[:3]:
+        if nbytes == 0:
+            break
+        values = "*".join(str(int(f)) for f in factors)
+        parts.append(f"{what} needs {formula} = {values} = {count} elements "
+                     f"({_gib(nbytes)})")
+    raise MemoryError(f"{'; '.join(parts)}: about {_gib(total)} in all, more than "
+                      f"the {_gib(limit)} of memory on this machine")
+
+
+def _check_head_count(name: str, h: int) -> None:
+    if h * _PER_HEAD_BYTES > memory_limit():
+        raise MemoryError(f"{name}: {h} heads would need about "
+                          f"{_gib(h * _PER_HEAD_BYTES)} of per-head bookkeeping, more "
+                          f"than the {_gib(memory_limit())} of memory on this machine")
+
+
 def _int_arg(name: str, value: Any, *, allow_none: bool = True) -> Optional[int]:
     if value is None:
         if allow_none:
@@ -93,9 +183,9 @@ def _is_head_list(w: Any) -> bool:
         return False
     if len(w) == 0:
         return True
-    first = w[0]
-    if isinstance(first, np.ndarray):
+    if any(isinstance(item, np.ndarray) for item in w):
         return True
+    first = w[0]
     try:
         return np.ndim(first) == 2
     except Exception:  # ragged or odd items: let _heads report it
@@ -153,6 +243,7 @@ def _split_weight(name: str, w: Any, count: Optional[int], count_name: str) -> _
         if count is not None and h != count:
             raise ValueError(f"{name}: stacked weights of shape {a.shape} have {h} heads "
                              f"but {count_name}={count}")
+        _check_head_count(name, h)
         return _Heads("stacked", [a[i] for i in range(h)], [width] * h, rows, a)
     if a.ndim == 2:
         rows, total = a.shape
@@ -165,6 +256,7 @@ def _split_weight(name: str, w: Any, count: Optional[int], count_name: str) -> _
                 f"{name}: {count_name}={count} does not divide the fused width "
                 f"{total} of shape {a.shape}")
         width = total // count
+        _check_head_count(name, count)
         heads = [a[:, i * width:(i + 1) * width] for i in range(count)]
         return _Heads("fused", heads, [width] * count, rows, a)
     raise ValueError(
@@ -172,12 +264,28 @@ def _split_weight(name: str, w: Any, count: Optional[int], count_name: str) -> _
         f"or a list of per-head 2-D arrays, got an array of shape {a.shape}")
 
 
+def bool_arg(name: str, value: Any) -> bool:
+    """True or False (or NumPy's), nothing else: 1, "yes" and arrays raise."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected True or False, got {value!r:.80} "
+                        f"({type(value).__name__})")
+    return bool(value)
+
+
+def _ndim_or_none(obj: Any) -> Optional[int]:
+    """np.ndim, or None for what NumPy cannot read (a ragged list...)."""
+    try:
+        return np.ndim(obj)
+    except Exception:
+        return None
+
+
 def _split_bias(name: str, b: Any, widths: List[int]) -> Optional[List[np.ndarray]]:
     """Biases come fused (sum widths,), stacked (h, width) or as a per-head list."""
     if b is None:
         return None
     h = len(widths)
-    if isinstance(b, (list, tuple)) and len(b) > 0 and np.ndim(b[0]) == 1:
+    if isinstance(b, (list, tuple)) and len(b) > 0 and _ndim_or_none(b[0]) == 1:
         if len(b) != h:
             raise ValueError(f"{name}: the list has {len(b)} biases but there are {h} heads")
         out = []
@@ -283,6 +391,24 @@ class Call:
         return a if self.batched else a[0]
 
 
+def core_items(B: int, Tq: int, Tk: int, H: int, Sq: int, Sk: int, Sv: int,
+               Svq: int, d_out: int, has_wo: bool, dtype: np.dtype, *,
+               weights: bool = False, keep: bool = False) -> list:
+    """What the C core allocates for a call (see csrc/mha.h), for check_memory."""
+    n = dtype.itemsize
+    items = [("out", "B*T_q*d_out", (B, Tq, d_out), n),
+             ("the query projection", "B*T_q*sum(d_k)", (B, Tq, Sq), n),
+             ("the key projection", "B*T_k*sum(d_k)", (B, Tk, Sk), n),
+             ("the value projection", "B*T_k*sum(d_v)", (B, Tk, Sv), n)]
+    if has_wo or keep:
+        items.append(("the concatenated heads", "B*T_q*sum(d_v)", (B, Tq, Svq), n))
+    if weights:
+        items.append(("return_weights=True", "B*h*T_q*T_k", (B, H, Tq, Tk), n))
+    if keep:
+        items.append(("the log-sum-exp", "B*h*T_q", (B, H, Tq), n))
+    return items
+
+
 def _cast(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return a if a.dtype == dtype else a.astype(dtype)
 
@@ -323,7 +449,9 @@ def _normalize_mask(mask: Any, batched: bool, B: int, H: int, Tq: int, Tk: int,
                           "fully masked; mhattn's boolean masks use True = may attend, "
                           "the opposite of nn.MultiheadAttention's: is it inverted?",
                           UserWarning, stacklevel=4)
-    elif m.dtype != dtype:
+    elif m.dtype != dtype or not m.flags.aligned:
+        # The glue needs an aligned, native mask; copying the small array
+        # before broadcasting keeps it from copying the broadcast view.
         with np.errstate(over="ignore"):  # -1e300 in float32 is -inf, as meant
             view = np.broadcast_to(m.astype(dtype), target)
     if not batched:
@@ -436,6 +564,21 @@ def normalize(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=Non
         floats.append(bo)
 
     dtype = compute_dtype(floats)
+    B = xa.shape[0] if batched else 1
+    Tq, Tk = xa.shape[-2], ka.shape[-2]
+    # Before anything is cast or allocated: the casts below, and what any call
+    # of these sizes allocates (out and the projections) must fit.
+    items = [(f"casting {n} to {dtype}", "size", (a.size,), dtype.itemsize)
+             for n, a in (("x", xa), ("key", ka), ("value", va), ("w_o", wo), ("b_o", bo))
+             if a is not None and a.dtype != dtype and
+             (n == "x" or a is not xa) and (n != "value" or a is not ka)]
+    for n, hs in (("w_q", wq), ("w_k", wk), ("w_v", wv)):
+        parts = [hs.array] if hs.array is not None else hs.heads
+        items += [(f"casting {n} to {dtype}", "size", (a.size,), dtype.itemsize)
+                  for a in parts if a.dtype != dtype]
+    items += core_items(B, Tq, Tk, H, group * sum(dk), sum(dk), sum(dv), svq, d_out,
+                        w_o is not None, dtype)
+    check_memory(items)
 
     if scale is None:
         scales = [1.0 / float(np.sqrt(d)) for d in (dk[h // group] for h in range(H))]
@@ -446,16 +589,18 @@ def normalize(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=Non
                     and scale.dtype.kind in "iuf"):
                 raise TypeError(f"scale: expected a real number or None, got {scale!r} "
                                 f"({type(scale).__name__})")
-        scales = [float(scale)] * H
+        try:
+            scale_f = float(scale)
+        except OverflowError:
+            raise ValueError(f"scale: a {type(scale).__name__} of {len(str(scale))} "
+                             "digits is too large for a float") from None
+        scales = [scale_f] * H
 
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal: expected True or False, got {causal!r} "
-                        f"({type(causal).__name__})")
+    bool_arg("causal", causal)
 
     xb = xa if batched else xa[np.newaxis]
     kb = ka if batched else ka[np.newaxis]
     vb = va if batched else va[np.newaxis]
-    B, Tq, Tk = xb.shape[0], xb.shape[1], kb.shape[1]
     mask_v = _normalize_mask(mask, batched, B, H, Tq, Tk, dtype)
     kl = _normalize_lengths(key_lengths, batched, B, Tk)
 
@@ -484,3 +629,27 @@ def normalize(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=Non
         b_o=None if bo is None else _cast(bo, dtype),
         H=H, G=G, dk=dk, dv=dv, scales=scales, causal=bool(causal),
         mask=mask_v, key_lengths=kl)
+
+
+def _needs_copy(a: np.ndarray) -> bool:
+    """The glue copies inputs that are not C-contiguous, aligned and native."""
+    return not (a.flags.c_contiguous and a.flags.aligned and a.dtype.isnative)
+
+
+def plan(call: Call, *, want_weights: bool = False, keep: bool = False) -> list:
+    """Every allocation of run_core, as check_memory items."""
+    n = call.dtype.itemsize
+    Sk, Sv = sum(call.dk), sum(call.dv)
+    # Each kv head serves H / G query heads: Sq = group * Sk, Svq = group * Sv.
+    items = core_items(call.B, call.Tq, call.Tk, call.H, call.group * Sk, Sk, Sv,
+                       call.group * Sv, call.d_out, call.w_o is not None, call.dtype,
+                       weights=want_weights, keep=keep)
+    for name, a in (("x", call.x), ("key", call.key), ("value", call.value),
+                    ("w_o", call.w_o)):
+        if a is not None and _needs_copy(a):
+            items.append((f"a contiguous copy of {name}", "size", (a.size,), n))
+    for name, hs in (("w_q", call.wq), ("w_k", call.wk), ("w_v", call.wv)):
+        if hs.form != "fused" or _needs_copy(hs.array):
+            items.append((f"the fused {name}", "d_in*sum(widths)",
+                          (hs.rows, sum(hs.widths)), n))
+    return items

@@ -224,10 +224,12 @@ class MultiHeadAttention:
 
     def __call__(self, x, key=None, value=None, **options):
         """Attend from x to key/value (both default to x); returns out, or
-        (out, weights) with ``return_weights=True``.
+        (out, weights) with ``return_weights=True``, with a context for
+        :meth:`backward` appended when ``return_context=True``.
 
         ``options`` are multi_head_attention's: mask, causal, key_lengths,
-        scale, return_weights.  Anything else raises TypeError.
+        scale, return_weights, return_context.  Anything else raises
+        TypeError.
         """
         from ._api import multi_head_attention
         allowed = _call_options()
@@ -239,6 +241,19 @@ class MultiHeadAttention:
                 raise TypeError(f"MultiHeadAttention.__call__ got an unexpected keyword "
                                 f"argument {name!r}; accepted: {', '.join(sorted(allowed))}")
         return multi_head_attention(x, key=key, value=value, **self.arguments(), **options)
+
+    def backward(self, grad_out, ctx) -> Dict[str, Any]:
+        """Gradients of a scalar loss given ``grad_out`` = dL/dout, for the
+        call ``out, ctx = layer(x, ..., return_context=True)`` that made ctx.
+
+        Returns a dict keyed by the layer's attribute names (w_q, w_k, w_v,
+        w_o, then b_q, b_k, b_v, b_o with ``bias``), each gradient shaped as
+        its attribute, plus 'x' (and 'key' / 'value' when they were passed;
+        without them 'x' includes the keys' and values' contributions).
+        See :func:`mhattn.backward`.
+        """
+        from ._grad import backward
+        return backward(grad_out, ctx)
 
     @property
     def param_count(self) -> int:

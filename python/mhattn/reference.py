@@ -20,10 +20,10 @@ from typing import Optional
 
 import numpy as np
 
-from ._args import Call, normalize
+from ._args import Call, bool_arg, check_memory, normalize, plan
 
-__all__ = ["multi_head_attention", "softmax", "attention", "allowed_keys",
-           "param_count", "head_intermediates"]
+__all__ = ["multi_head_attention", "softmax", "attention", "weighted_values",
+           "allowed_keys", "param_count", "head_intermediates"]
 
 
 def softmax(scores: np.ndarray) -> np.ndarray:
@@ -31,16 +31,21 @@ def softmax(scores: np.ndarray) -> np.ndarray:
 
     Entries of -inf are blocked keys and get weight 0.  A row with every entry
     -inf is *fully masked*: its weights are all 0 (not NaN), so the head
-    attends to nothing and contributes a zero vector.
+    attends to nothing and contributes a zero vector.  A NaN score, or a
+    +inf one (inf - inf), makes its row NaN, as IEEE arithmetic says: it is
+    never mistaken for a fully masked row.
     """
+    # initial=-inf: with no key at all (T_k = 0) the row is fully masked too.
     m = scores.max(axis=-1, keepdims=True, initial=-np.inf)
     # A fully masked row has max -inf; subtracting 0 instead keeps exp(-inf) = 0
     # rather than exp(-inf - -inf) = exp(nan).
     m = np.where(np.isneginf(m), 0, m)
     w = np.exp(scores - m)
     total = w.sum(axis=-1, keepdims=True)
+    # Only a fully masked row sums to exactly 0 (the maximum contributes
+    # exp(0) = 1 otherwise); a NaN total stays NaN.
     with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(total > 0, w / np.where(total > 0, total, 1), 0).astype(scores.dtype)
+        return np.where(total == 0, 0, w / np.where(total == 0, 1, total)).astype(scores.dtype)
 
 
 def allowed_keys(call: Call, b: int, h: int) -> np.ndarray:
@@ -80,7 +85,24 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
     if allowed is not None:
         scores = np.where(allowed, scores, -np.inf).astype(q.dtype)
     weights = softmax(scores)
-    return raw, scores, weights, weights @ v
+    return raw, scores, weights, weighted_values(weights, v)
+
+
+def weighted_values(weights: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """weights @ v, where a key of weight exactly 0 adds nothing.
+
+    0 * inf is NaN, so with a plain product an Inf or NaN value at a blocked
+    key (padding beyond key_lengths, a masked or causally hidden key) would
+    poison the row.  Keys the row does not attend to are never read; the
+    C core does the same.
+    """
+    if np.isfinite(v).all():
+        return weights @ v
+    out = np.zeros((weights.shape[0], v.shape[1]), dtype=np.result_type(weights, v))
+    for i in range(weights.shape[0]):
+        seen = weights[i] != 0
+        out[i] = weights[i, seen] @ v[seen]
+    return out
 
 
 def _project(inp: np.ndarray, w: np.ndarray, b: Optional[np.ndarray]) -> np.ndarray:
@@ -112,7 +134,10 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None
     call = normalize(x, w_q, w_k, w_v, w_o, num_heads=num_heads, key=key, value=value,
                      scale=scale, mask=mask, causal=causal, key_lengths=key_lengths,
                      num_kv_heads=num_kv_heads, b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o)
+    return_weights = bool_arg("return_weights", return_weights)
     B, Tq, Tk, H = call.B, call.Tq, call.Tk, call.H
+    # The reference keeps every head's weights: check they fit first.
+    check_memory(plan(call, want_weights=True))
     outs, all_weights = [], np.zeros((B, H, Tq, Tk), dtype=call.dtype)
     for b in range(B):
         heads = []

@@ -1,0 +1,285 @@
+"""Fuzz mhattn.multi_head_attention: shapes, dtypes, strides, masks, keywords.
+
+    python fuzz/fuzz_mha.py -max_total_time=60 NEW_CORPUS_DIR fuzz/corpus
+
+(atheris, i.e. libFuzzer: the first directory receives new inputs; give a
+scratch one so fuzz/corpus stays as committed). ``python fuzz/fuzz_mha.py
+--replay PATH...`` runs files (or directories of them) through
+test_one_input once, without atheris.
+
+Each input is decoded into one call. The properties:
+  * only TypeError, ValueError or MemoryError escape; a TypeError or
+    ValueError names the argument before its first colon ("w_q[1]: ...");
+  * a valid call returns arrays of the documented dtype and shape, and
+    when the reference's result is finite the C result matches it.
+Values are multiples of 1/4 in [-2, 2], so projections and scores are exact
+in float32 and the only differences left are exp's and the sums' rounding.
+
+The decoder is written here rather than taken from atheris, so inputs
+replay identically without it (tests/test_fuzz_regressions.py).
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+import warnings
+
+import numpy as np
+
+ARGS = ("x", "w_q", "w_k", "w_v", "w_o", "num_heads", "key", "value", "scale", "mask",
+        "causal", "key_lengths", "num_kv_heads", "b_q", "b_k", "b_v", "b_o",
+        "return_weights")
+
+
+class Data:
+    """Reads small choices from the fuzzer's bytes; zeros once they run out."""
+
+    def __init__(self, data: bytes):
+        self.data = data
+        self.pos = 0
+
+    def byte(self) -> int:
+        if self.pos >= len(self.data):
+            return 0
+        self.pos += 1
+        return self.data[self.pos - 1]
+
+    def int(self, lo: int, hi: int) -> int:
+        span = hi - lo + 1
+        v = self.byte() if span <= 256 else (self.byte() << 8) | self.byte()
+        return lo + v % span
+
+    def pick(self, seq):
+        return seq[self.int(0, len(seq) - 1)]
+
+    def chance(self, n: int) -> bool:
+        """True with probability 1/n."""
+        return self.int(0, n - 1) == 0
+
+
+class Tagged(np.ndarray):
+    """A subclass whose indexing would break naive code."""
+
+    def __getitem__(self, item):
+        raise RuntimeError("Tagged.__getitem__ called")
+
+
+def unaligned(a):
+    raw = np.zeros(a.nbytes + 1, np.uint8)
+    u = raw[1:].view(a.dtype).reshape(a.shape)
+    u[...] = a
+    return u
+
+
+def every_other(a):
+    big = np.zeros(tuple(2 * s for s in a.shape), a.dtype)
+    big[(slice(None, None, 2),) * a.ndim] = a
+    return big[(slice(None, None, 2),) * a.ndim]
+
+
+def reversed_view(a):
+    r = np.ascontiguousarray(a[(slice(None, None, -1),) * a.ndim])
+    return r[(slice(None, None, -1),) * a.ndim]
+
+
+LAYOUTS = [
+    lambda a: a, lambda a: a, lambda a: a, lambda a: a,
+    reversed_view, every_other, np.asfortranarray, unaligned,
+    lambda a: a.astype(a.dtype.newbyteorder("S")),
+    lambda a: a.view(Tagged),
+    lambda a: a.tolist(),
+    lambda a: np.broadcast_to(a, a.shape),          # read-only view
+]
+
+GARBAGE = [
+    None, "abc", 3.5, -1, 0, 2 ** 70, True, 1j, object(), [], [None], [[1.0], [2.0, 3.0]],
+    np.float64(1.0), np.ones(3), np.ones((2, 2, 2, 2)), np.ones((1,) * 5),
+    np.ones((3, 3), complex), np.ones((3, 3), object), np.array(["a", "b"]),
+    np.ones((3, 3), bool), np.zeros((0, 0)), np.ones((3, 3), np.int8),
+    np.array(np.nan), np.full((2, 3), np.inf), [np.ones((2, 2)), "x"],
+    np.ma.masked_array(np.ones((3, 3)), np.eye(3, dtype=bool)),
+]
+
+
+def build(d: Data):
+    """Decode one call: (kwargs, corrupted) where corrupted names the
+    argument replaced by garbage (None when the call is meant to be valid)."""
+    rng = np.random.default_rng(d.int(0, 2 ** 16 - 1))
+    dtype = d.pick([np.float32, np.float64, np.float64, np.float32, np.float16,
+                    np.int32, np.int64])
+    wdtype = dtype if not d.chance(4) else d.pick([np.float32, np.float64, np.int16])
+
+    def vals(shape, dt=dtype):
+        return (rng.integers(-8, 9, shape) / 4).astype(dt)
+
+    batched = bool(d.int(0, 1))
+    B = d.int(0, 3) if batched else 1
+    Tq = d.int(0, 6)
+    cross = d.chance(2)
+    Tk = d.int(0, 7) if cross else Tq
+    d_in = d.int(0, 5)
+    d_kin = d.int(0, 5) if cross else d_in
+    d_vin = d.int(0, 5) if cross and d.chance(2) else d_kin
+    H = d.int(1, 4)
+    group = d.pick([g for g in (1, 2, 3, 4) if H % g == 0])
+    G = H // group
+    form = d.pick(["fused", "stacked", "list"])
+    if form == "list":
+        dk = [d.int(1, 4) for _ in range(G)]
+        dv = [d.int(1, 4) for _ in range(G)]
+    else:
+        dk, dv = [d.int(1, 4)] * G, [d.int(1, 4)] * G
+
+    def weights(rows, widths):
+        heads = [vals((rows, w), wdtype) for w in widths]
+        if form == "list":
+            return heads
+        if form == "stacked":
+            return np.stack(heads)
+        return np.concatenate(heads, axis=1)
+
+    lead = (B,) if batched else ()
+    kw = dict(x=vals(lead + (Tq, d_in)),
+              w_q=weights(d_in, [dk[h // group] for h in range(H)]),
+              w_k=weights(d_kin, dk), w_v=weights(d_vin, dv))
+    if form == "fused" or d.chance(4):
+        kw["num_heads"] = H
+    if G != H:
+        kw["num_kv_heads"] = G
+    if cross:
+        kw["key"] = vals(lead + (Tk, d_kin))
+        if d_vin != d_kin or d.chance(2):
+            kw["value"] = vals(lead + (Tk, d_vin))
+    svq = sum(dv[h // group] for h in range(H))
+    if d.chance(2):
+        kw["w_o"] = vals((svq, d.int(0, 4)), wdtype)
+    for name, widths in (("b_q", [dk[h // group] for h in range(H)]), ("b_k", dk),
+                         ("b_v", dv)):
+        if d.chance(5):
+            kw[name] = vals((sum(widths),))
+    if d.chance(5):
+        kw["b_o"] = vals((kw["w_o"].shape[1] if "w_o" in kw else svq,))
+    full = (B, H, Tq, Tk) if batched else (H, Tq, Tk)
+    m = d.int(0, 5)
+    if m in (1, 2, 3):
+        shape = tuple(s if d.chance(2) else 1 for s in full)[d.int(0, len(full)):]
+        if m == 1:
+            kw["mask"] = rng.random(shape) > 0.3
+        else:
+            mk = rng.integers(-2, 3, shape).astype(np.float64)
+            mk[rng.random(shape) < 0.3] = -np.inf
+            kw["mask"] = mk.astype(d.pick([np.float32, np.float64, np.float16]))
+    if d.chance(4):
+        kl = rng.integers(0, Tk + 1, (B,) if batched else ())
+        kw["key_lengths"] = kl if batched or d.chance(2) else int(kl)
+    kw["causal"] = bool(d.int(0, 1))
+    kw["scale"] = d.pick([None, None, None, None, 0.5, 1, 2.0, 0.0, -1.0, np.float32(0.25),
+                          np.int64(3), np.array(0.5), 1e30, np.nan, np.inf])
+    kw["return_weights"] = bool(d.int(0, 1))
+
+    # Non-finite values, here and there.
+    if d.chance(6):
+        for name in ("x", "key", "value", "w_q", "mask"):
+            a = kw.get(name)
+            if isinstance(a, np.ndarray) and a.size and a.dtype.kind == "f" and d.chance(2):
+                a = a.copy()
+                a.flat[d.int(0, a.size - 1)] = d.pick([np.nan, np.inf, -np.inf])
+                kw[name] = a
+
+    # Memory layouts: none of them may change a bit of the result.
+    for name in ("x", "key", "value", "w_o", "mask", "b_o"):
+        a = kw.get(name)
+        if isinstance(a, np.ndarray) and d.chance(3):
+            kw[name] = d.pick(LAYOUTS)(a)
+    for name in ("w_q", "w_k", "w_v"):
+        w = kw[name]
+        if d.chance(3):
+            lay = d.pick(LAYOUTS)
+            kw[name] = [lay(a) for a in w] if isinstance(w, list) else lay(w)
+
+    corrupted = None
+    if d.chance(6):
+        corrupted = d.pick(ARGS)
+        kw[corrupted] = d.pick(GARBAGE)
+    return kw, corrupted
+
+
+NAME_RE = re.compile(r"\b(" + "|".join(ARGS) + r"|d_model|d_k|d_v)\b")
+
+
+def check_error(exc: BaseException):
+    msg = str(exc)
+    head = msg.split(":", 1)[0]
+    assert ":" in msg and NAME_RE.search(head), (
+        f"{type(exc).__name__} does not name the argument: {msg!r}")
+
+
+def tolerance(dtype):
+    return 1e-4 if dtype == np.float32 else 1e-10
+
+
+def compare(got, ref, what):
+    assert type(got) is np.ndarray and got.flags.c_contiguous, what
+    assert got.dtype == ref.dtype and got.shape == ref.shape, (what, got.dtype, ref.dtype,
+                                                               got.shape, ref.shape)
+    if not np.isfinite(ref).all():
+        return
+    assert np.isfinite(got).all(), f"{what}: reference finite, C not"
+    tol = tolerance(got.dtype)
+    scale = max(1.0, float(np.abs(ref).max())) if ref.size else 1.0
+    np.testing.assert_allclose(got, ref, rtol=tol, atol=tol * scale, err_msg=what)
+
+
+def test_one_input(data: bytes) -> None:
+    import mhattn
+    from mhattn import reference
+
+    kw, corrupted = build(Data(data))
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("ignore")
+        try:
+            got = mhattn.multi_head_attention(**kw)
+        except (TypeError, ValueError) as e:
+            check_error(e)
+            return
+        except MemoryError:
+            return
+        ref = reference.multi_head_attention(**kw)
+    if kw["return_weights"]:
+        compare(got[0], ref[0], "out")
+        compare(got[1], ref[1], "weights")
+    else:
+        compare(got, ref, "out")
+
+
+# atheris's name for the one-input function
+TestOneInput = test_one_input
+
+
+def inputs_in(paths):
+    """The files given, and the files in the directories given, sorted."""
+    for path in paths:
+        if os.path.isdir(path):
+            for f in sorted(os.listdir(path)):
+                yield os.path.join(path, f)
+        else:
+            yield path
+
+
+def main(argv):
+    if len(argv) > 1 and argv[1] == "--replay":
+        for f in inputs_in(argv[2:]):
+            with open(f, "rb") as fh:
+                test_one_input(fh.read())
+        return
+    import atheris
+    with atheris.instrument_imports(include=["mhattn"]):
+        import mhattn  # noqa: F401 - instrumented for coverage feedback
+        import mhattn.reference  # noqa: F401
+    atheris.Setup(argv, test_one_input)
+    atheris.Fuzz()
+
+
+if __name__ == "__main__":
+    main(sys.argv)

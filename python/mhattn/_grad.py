@@ -1,0 +1,187 @@
+"""Gradients of multi-head attention, computed by the C core's backward pass.
+
+Two ways in:
+
+- ``mhattn.multi_head_attention_grad(grad_out, x, w_q, ...)`` takes the same
+  arguments as :func:`mhattn.multi_head_attention` plus ``grad_out`` and runs
+  the forward and backward passes in one call;
+- ``out, ctx = mhattn.multi_head_attention(..., return_context=True)`` then
+  ``mhattn.backward(grad_out, ctx)``: the training-loop form, which does not
+  recompute the forward.
+
+Both return a dict mapping the name of each array argument to its gradient
+(see :func:`backward`).  The letters follow ``csrc/mha.h``.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+
+from . import _C
+from ._args import Call, _check_numeric, _Heads, _to_array, normalize
+
+__all__ = ["Context", "backward", "multi_head_attention_grad"]
+
+
+class Context:
+    """What :func:`backward` needs from one forward call.
+
+    O(T d) state only, never a T x T buffer: references to the checked
+    arguments (``call``), the projections ``q`` (B, Tq, Sq), ``k``
+    (B, Tk, Sk), ``v`` (B, Tk, Sv), the concatenation ``concat``
+    (B, Tq, Svq) and each query row's log-sum-exp ``lse`` (B, H, Tq) of its
+    scaled, masked scores (-inf for a fully masked row).  The softmax
+    probabilities are recomputed from ``lse`` by the backward pass.
+
+    A context may be used for any number of backward calls.  It holds
+    references, not copies: modifying an input or weight in place between
+    the forward and the backward call gives wrong gradients.
+    """
+    __slots__ = ("call", "q", "k", "v", "concat", "lse", "bias_forms")
+
+    def __init__(self, call: Call, extras, bias_forms: Dict[str, Optional[str]]):
+        self.call = call
+        self.q, self.k, self.v, self.concat, self.lse = extras
+        self.bias_forms = bias_forms
+
+    @property
+    def out_shape(self) -> tuple:
+        """The shape of the forward's output, which grad_out must have."""
+        c = self.call
+        shape = (c.B, c.Tq, c.d_out)
+        return shape if c.batched else shape[1:]
+
+    def __repr__(self) -> str:
+        c = self.call
+        return (f"<mhattn.Context B={c.B} Tq={c.Tq} Tk={c.Tk} H={c.H} G={c.G} "
+                f"dtype={c.dtype.name}>")
+
+
+def _bias_form(b: Any) -> Optional[str]:
+    """The form of a bias that normalize() accepted: list, fused or stacked."""
+    if b is None:
+        return None
+    if isinstance(b, (list, tuple)) and len(b) > 0 and np.ndim(b[0]) == 1:
+        return "list"
+    return "fused" if np.ndim(b) == 1 else "stacked"
+
+
+def make_context(call: Call, extras, *, b_q=None, b_k=None, b_v=None) -> Context:
+    """A Context from a checked call and run_core's kept extras."""
+    return Context(call, extras, {"b_q": _bias_form(b_q), "b_k": _bias_form(b_k),
+                                  "b_v": _bias_form(b_v)})
+
+
+def _offsets(widths: List[int]) -> np.ndarray:
+    return np.cumsum([0] + list(widths))
+
+
+def _weight_like(g: np.ndarray, heads: _Heads) -> Any:
+    """A fused (rows, sum widths) gradient in the form of its weight."""
+    if heads.form == "fused":
+        return g
+    if heads.form == "stacked":
+        n, w = len(heads.widths), heads.widths[0]
+        return np.ascontiguousarray(g.reshape(g.shape[0], n, w).transpose(1, 0, 2))
+    offs = _offsets(heads.widths)
+    return [np.ascontiguousarray(g[:, offs[i]:offs[i + 1]]) for i in range(len(heads.widths))]
+
+
+def _bias_like(g: np.ndarray, form: str, widths: List[int]) -> Any:
+    """A fused (sum widths,) bias gradient in the form of its bias."""
+    if form == "fused":
+        return g
+    if form == "stacked":
+        return g.reshape(len(widths), widths[0])
+    offs = _offsets(widths)
+    return [g[offs[i]:offs[i + 1]].copy() for i in range(len(widths))]
+
+
+def backward(grad_out, ctx: Context) -> Dict[str, Any]:
+    """Gradients of a scalar loss L with respect to every array argument of
+    the forward call that made ``ctx``, given ``grad_out`` = dL/dout.
+
+    backward(grad_out, ctx) -> dict
+
+    ``grad_out`` has the shape of the forward's ``out``.  The dict maps
+    each argument's name to its gradient: 'x', then 'key' and 'value' when
+    they were given, 'w_q', 'w_k', 'w_v', then 'w_o', 'b_q', 'b_k', 'b_v',
+    'b_o' when they were given (the mask gets none).  Each gradient has the
+    form its argument came in (fused, stacked or a per-head list; batched or
+    not), as new arrays of the compute dtype.  A per-head list gets one
+    gradient per position, even where one array fills several positions
+    (add them up for the shared array's gradient).
+
+    When ``key`` was not given, x also fed the keys and values, and 'x'
+    includes those contributions; likewise 'key' includes the values' when
+    ``value`` was not given.  Fully masked query rows contribute zero.
+    """
+    if not isinstance(ctx, Context):
+        raise TypeError(f"ctx: expected the context returned by multi_head_attention("
+                        f"..., return_context=True), got {type(ctx).__name__}")
+    call = ctx.call
+    g = _to_array("grad_out", grad_out)
+    _check_numeric("grad_out", g)
+    if g.shape != ctx.out_shape:
+        raise ValueError(f"grad_out: expected the shape of the forward's output "
+                         f"{ctx.out_shape}, got {g.shape}")
+    g = g if g.dtype == call.dtype else g.astype(call.dtype)
+    if not call.batched:
+        g = g[np.newaxis]
+
+    biases = ctx.bias_forms
+    dx, dkey, dvalue, dwq, dwk, dwv, dwo, dbq, dbk, dbv, dbo = _C.backward(
+        g, call.x, call.key if call.key_given else None,
+        call.value if call.value_given else None,
+        call.wq.fused(), call.wk.fused(), call.wv.fused(), call.w_o,
+        ctx.q, ctx.k, ctx.v, ctx.concat, ctx.lse,
+        np.asarray(call.dk, dtype=np.int64), np.asarray(call.dv, dtype=np.int64),
+        np.asarray(call.scales, dtype=np.float64), call.mask, call.causal,
+        call.key_lengths, biases["b_q"] is not None, biases["b_k"] is not None,
+        biases["b_v"] is not None, call.b_o is not None)
+
+    grads: Dict[str, Any] = {"x": call.unbatch(dx)}
+    if call.key_given:
+        grads["key"] = call.unbatch(dkey)
+    if call.value_given:
+        grads["value"] = call.unbatch(dvalue)
+    grads["w_q"] = _weight_like(dwq, call.wq)
+    grads["w_k"] = _weight_like(dwk, call.wk)
+    grads["w_v"] = _weight_like(dwv, call.wv)
+    if call.w_o is not None:
+        grads["w_o"] = dwo
+    for name, gb, heads in (("b_q", dbq, call.wq), ("b_k", dbk, call.wk),
+                            ("b_v", dbv, call.wv)):
+        if biases[name] is not None:
+            grads[name] = _bias_like(gb, biases[name], heads.widths)
+    if call.b_o is not None:
+        grads["b_o"] = dbo
+    return grads
+
+
+def multi_head_attention_grad(grad_out, x, w_q, w_k, w_v, w_o=None, *, num_heads=None,
+                              key=None, value=None, scale=None, mask=None, causal=False,
+                              key_lengths=None, num_kv_heads=None, b_q=None, b_k=None,
+                              b_v=None, b_o=None) -> Dict[str, Any]:
+    """Gradients of multi_head_attention with respect to each array argument.
+
+    multi_head_attention_grad(grad_out, x, w_q, w_k, w_v, w_o=None, **keywords)
+        -> dict
+
+    Takes multi_head_attention's arguments (not ``return_weights``) after
+    ``grad_out`` = dL/dout, the gradient of a scalar loss L with respect to
+    the output, and returns what :func:`mhattn.backward` returns: a dict
+    from argument name ('x', 'key', 'value', 'w_q', ..., 'b_o') to its
+    gradient, in the argument's form.  Runs the forward pass (keeping
+    O(T d) state) and then the backward pass; to reuse a forward pass, call
+    ``multi_head_attention(..., return_context=True)`` and
+    :func:`mhattn.backward`.
+    """
+    from ._api import run_core
+    call = normalize(x, w_q, w_k, w_v, w_o, num_heads=num_heads, key=key, value=value,
+                     scale=scale, mask=mask, causal=causal, key_lengths=key_lengths,
+                     num_kv_heads=num_kv_heads, b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o)
+    _, _, extras = run_core(call, keep=True)
+    ctx = make_context(call, extras, b_q=b_q, b_k=b_k, b_v=b_v)
+    return backward(grad_out, ctx)

@@ -1,0 +1,681 @@
+"""The bad-input catalogue: cases that run the C path, and a child-process runner.
+
+Not a test module (pytest does not collect it): tests/test_catalogue.py runs
+``python catalogue_cases.py NAME...`` in a child process, so that a crash
+or a hang fails one case instead of taking the test suite down.  The child
+prints one JSON line per case as it finishes; the parent names a crashing
+case as the first one without a line, and runs the rest in a new child.
+
+Each case is a function of no argument and an expectation:
+  raises(TypeError, ValueError, words=[...]): one of the exception types,
+      with every word in its message (the argument's name first of all);
+  OK: the function returns normally; it asserts its own result (usually
+      bit-for-bit equality with the same call on plain contiguous arrays).
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import sys
+import tempfile
+import traceback
+
+import numpy as np
+
+import mhattn
+from mhattn import _C, reference
+
+CASES: dict = {}
+OK = "ok"
+
+
+def raises(*types, words=()):
+    return ("raises", tuple(t.__name__ for t in types), list(words))
+
+
+def case(name, expect):
+    def deco(fn):
+        assert name not in CASES, name
+        CASES[name] = (fn, expect)
+        return fn
+    return deco
+
+
+def mha(*args, **kw):
+    return mhattn.multi_head_attention(*args, **kw)
+
+
+rng = np.random.default_rng(2024)
+X = rng.standard_normal((3, 4))
+XB = rng.standard_normal((2, 3, 4))
+W = rng.standard_normal((4, 4))
+WL = [rng.standard_normal((4, 2)), rng.standard_normal((4, 2))]
+WO = rng.standard_normal((4, 3))
+KEY = rng.standard_normal((5, 4))
+TE, VE = TypeError, ValueError
+
+
+def table(prefix, expect, calls):
+    """Register one case per (suffix, thunk)."""
+    for suffix, thunk in calls:
+        case(f"{prefix}_{suffix}", expect)(thunk)
+
+
+# --- wrong ndim --------------------------------------------------------------
+for arg, bad in [("x", np.float64(1.0)), ("x", np.ones(4)), ("x", np.ones((1, 1, 3, 4))),
+                 ("key", np.float64(1.0)), ("key", np.ones((1, 1, 5, 4))),
+                 ("value", np.ones(4)), ("value", np.ones((1, 1, 3, 4)))]:
+    def thunk(arg=arg, bad=bad):
+        kw = {arg: bad}
+        x = kw.pop("x", X)
+        return mha(x, W, W, W, num_heads=2, **kw)
+    case(f"ndim_{arg}_{bad.ndim}d", raises(VE, words=[arg, str(bad.shape)]))(thunk)
+
+for arg in ("w_q", "w_k", "w_v", "w_o"):
+    for shape in [(), (4,), (2, 4, 2, 1)]:
+        def thunk(arg=arg, shape=shape):
+            ws = dict(w_q=W, w_k=W, w_v=W, w_o=WO)
+            ws[arg] = np.ones(shape)
+            return mha(X, ws["w_q"], ws["w_k"], ws["w_v"], ws["w_o"], num_heads=2)
+        case(f"ndim_{arg}_{len(shape)}d", raises(VE, words=[arg]))(thunk)
+
+table("ndim_bias", raises(VE, words=["b_q"]), [
+    ("b_q_2d", lambda: mha(X, W, W, W, num_heads=2, b_q=np.ones((4, 4)))),
+    ("b_q_0d", lambda: mha(X, W, W, W, num_heads=2, b_q=np.float64(1))),
+])
+case("ndim_b_o_2d", raises(VE, words=["b_o"]))(
+    lambda: mha(X, W, W, W, num_heads=2, b_o=np.ones((1, 4))))
+
+# --- sizes that disagree -----------------------------------------------------
+table("disagree", raises(VE, words=["key", "batch"]), [
+    ("batch_key", lambda: mha(XB, W, W, W, num_heads=2, key=np.ones((3, 5, 4)))),
+])
+table("disagree", raises(VE, words=["value", "batch"]), [
+    ("batch_value", lambda: mha(XB, W, W, W, num_heads=2, key=np.ones((2, 5, 4)),
+                                value=np.ones((1, 5, 4)))),
+])
+table("disagree", raises(VE, words=["w_q"]), [
+    ("d_in_x_vs_w_q", lambda: mha(np.ones((3, 5)), W, W, W, num_heads=2)),
+])
+table("disagree", raises(VE, words=["w_k"]), [
+    ("d_in_key_vs_w_k", lambda: mha(X, W, W, W, num_heads=2, key=np.ones((5, 3)))),
+])
+table("disagree", raises(VE, words=["w_v"]), [
+    ("d_in_value_vs_w_v", lambda: mha(X, W, W, W, num_heads=2, key=KEY,
+                                      value=np.ones((5, 6)))),
+])
+table("disagree", raises(VE, words=["value", "T_k"]), [
+    ("T_key_vs_value", lambda: mha(X, W, W, W, num_heads=2, key=KEY, value=np.ones((6, 4)))),
+])
+table("disagree", raises(VE, words=["key", "2-D"]), [
+    ("batched_key_unbatched_x", lambda: mha(X, W, W, W, num_heads=2, key=np.ones((1, 5, 4)))),
+])
+table("disagree", raises(VE, words=["w_q", "w_k"]), [
+    ("head_width_q_vs_k", lambda: mha(X, WL, [np.ones((4, 3))] * 2, WL)),
+])
+table("disagree", raises(VE, words=["w_o", "4"]), [
+    ("w_o_rows", lambda: mha(X, W, W, W, np.ones((5, 3)), num_heads=2)),
+    ("w_o_rows_ragged", lambda: mha(X, WL, WL, [np.ones((4, 1)), np.ones((4, 3))],
+                                    np.ones((3, 2)))),
+])
+table("disagree", raises(VE, words=["b_o"]), [
+    ("b_o_width", lambda: mha(X, W, W, W, WO, num_heads=2, b_o=np.ones(4))),
+])
+table("disagree", raises(VE, words=["b_k"]), [
+    ("b_k_width", lambda: mha(X, W, W, W, num_heads=2, b_k=np.ones(3))),
+])
+
+# --- lists of heads ----------------------------------------------------------
+table("list", raises(VE, words=["w_k", "3"]), [
+    ("too_long", lambda: mha(X, WL, WL + WL[:1], WL)),
+])
+table("list", raises(VE, words=["w_v", "1"]), [
+    ("too_short", lambda: mha(X, WL, WL, WL[:1])),
+])
+table("list", raises(VE, words=["w_q", "empty"]), [("empty", lambda: mha(X, [], WL, WL))])
+table("list", raises(VE, words=["w_q", "num_heads"]), [
+    ("vs_num_heads", lambda: mha(X, WL, WL, WL, num_heads=3)),
+])
+table("list", raises(TE, words=["w_v[1]"]), [
+    ("string_inside", lambda: mha(X, WL, WL, [WL[0], "a"])),
+    ("dict_inside", lambda: mha(X, WL, WL, [WL[0], {}])),
+    ("complex_inside", lambda: mha(X, WL, WL, [WL[0], WL[1] + 0j])),
+])
+table("list", raises(TE, words=["w_q[0]", "None"]), [
+    ("none_inside", lambda: mha(X, [None, WL[1]], WL, WL)),
+])
+table("list", raises(VE, words=["w_k[1]"]), [
+    ("vector_inside", lambda: mha(X, WL, [WL[0], np.ones(4)], WL)),
+])
+table("list", raises(TE, words=["x"]), [
+    ("ragged_nested_x", lambda: mha([[1.0, 2.0], [3.0]], WL, WL, WL)),
+])
+table("list", raises(VE, words=["b_q"]), [
+    ("bias_list_length", lambda: mha(X, WL, WL, WL, b_q=[np.ones(2)] * 3)),
+])
+table("list", raises(TE, words=["b_q"]), [
+    ("bias_ragged", lambda: mha(X, WL, WL, WL, b_q=[[1.0, [2.0]]])),
+])
+
+# --- None where an array is needed -------------------------------------------
+for i, arg in enumerate(("x", "w_q", "w_k", "w_v")):
+    def thunk(i=i):
+        args = [X, W, W, W]
+        args[i] = None
+        return mha(*args, num_heads=2)
+    case(f"none_{arg}", raises(TE, words=[arg, "None"]))(thunk)
+
+# --- dtypes ------------------------------------------------------------------
+BAD_DTYPES = {
+    "complex": lambda a: a.astype(complex), "object": lambda a: a.astype(object),
+    "bool": lambda a: a > 0, "string": lambda a: a.astype(str),
+    "bytes": lambda a: a.astype("S8"), "datetime": lambda a: a.astype("datetime64[s]"),
+    "longdouble": lambda a: a.astype(np.longdouble),
+}
+for kind, conv in BAD_DTYPES.items():
+    if kind == "longdouble" and np.dtype(np.longdouble).itemsize <= 8:
+        continue
+    for arg in ("x", "w_q", "w_v", "w_o", "key", "b_o"):
+        def thunk(arg=arg, conv=conv):
+            kw = dict(x=X, w_q=W, w_k=W, w_v=W, w_o=WO, key=KEY, b_o=np.ones(3))
+            kw[arg] = conv(kw[arg])
+            x = kw.pop("x")
+            return mha(x, kw.pop("w_q"), kw.pop("w_k"), kw.pop("w_v"), kw.pop("w_o"),
+                       num_heads=2, **kw)
+        words = [arg] + ([kind] if kind in ("complex", "object", "bool") else [])
+        case(f"dtype_{arg}_{kind}", raises(TE, words=words))(thunk)
+case("dtype_string_scalar_x", raises(TE, words=["x"]))(lambda: mha("hello", W, W, W, num_heads=2))
+case("dtype_object_x_not_array", raises(TE, words=["w_q"]))(
+    lambda: mha(X, object(), W, W, num_heads=2))
+
+# --- num_heads / num_kv_heads ------------------------------------------------
+table("num_heads", raises(VE, words=["num_heads"]), [
+    ("zero", lambda: mha(X, W, W, W, num_heads=0)),
+    ("negative", lambda: mha(X, W, W, W, num_heads=-2)),
+    ("not_dividing", lambda: mha(X, W, W, W, num_heads=3)),
+    ("huge", lambda: mha(X, W, W, W, num_heads=10 ** 9)),
+    ("beyond_int64", lambda: mha(X, W, W, W, num_heads=2 ** 70)),
+    ("missing_for_fused", lambda: mha(X, W, W, W)),
+])
+table("num_heads", raises(TE, words=["num_heads"]), [
+    ("float", lambda: mha(X, W, W, W, num_heads=2.0)),
+    ("string", lambda: mha(X, W, W, W, num_heads="2")),
+    ("bool", lambda: mha(X, W, W, W, num_heads=True)),
+    ("nan", lambda: mha(X, W, W, W, num_heads=float("nan"))),
+])
+table("num_kv_heads", raises(VE, words=["num_kv_heads"]), [
+    ("zero", lambda: mha(X, W, W, W, num_heads=2, num_kv_heads=0)),
+    ("not_dividing", lambda: mha(X, W, W, W, num_heads=2, num_kv_heads=3)),
+])
+table("num_kv_heads", raises(TE, words=["num_kv_heads"]), [
+    ("float", lambda: mha(X, W, W, W, num_heads=2, num_kv_heads=1.5)),
+])
+# 2**40 heads from stride tricks: no per-head list may be built for them.
+HUGE_STACK = np.broadcast_to(np.float64(0), (2 ** 40, 4, 1))
+table("num_heads", raises(MemoryError, words=["w_q", "heads"]), [
+    ("huge_stacked", lambda: mha(X, HUGE_STACK, HUGE_STACK, HUGE_STACK)),
+    ("huge_fused", lambda: mha(X, np.broadcast_to(np.float64(0), (4, 2 ** 40)),
+                               W, W, num_heads=2 ** 40)),
+    ("huge_zero_width", lambda: mha(X, np.zeros((2 ** 40, 4, 0)), W, W)),
+])
+
+# --- sizes that overflow size_t or exceed memory -----------------------------
+ONE32 = np.ones((1, 1), np.float32)
+
+
+def long_x(T, d=1, B=1, dtype=np.float32):
+    """(B, T, d) zeros costing no memory: a broadcast view."""
+    return np.broadcast_to(dtype(0), (B, T, d))
+
+
+table("size", raises(MemoryError, words=["return_weights=True", "B*h*T_q*T_k"]), [
+    # out and the projections fit (32 MiB each) but the weights need 16 TiB.
+    ("weights_exceed_memory", lambda: mha(long_x(2 ** 21), ONE32, ONE32, ONE32,
+                                          num_heads=1, return_weights=True)),
+])
+table("size", raises(MemoryError, words=["needs", "elements", "GiB"]), [
+    # B*h*T_q*T_k = 2**20 * 2 * 2**20 * 2**30 overflows size_t; every input
+    # has zero width, so it costs nothing. (On any machine whose memory is
+    # far below 2**64 bytes, the projections are refused first.)
+    ("weights_overflow_size_t", lambda: mha(
+        np.zeros((2 ** 20, 2 ** 20, 0)), np.zeros((2, 0, 1)), np.zeros((2, 0, 1)),
+        np.zeros((2, 0, 1)), key=np.zeros((2 ** 20, 2 ** 30, 0)), return_weights=True)),
+])
+table("size", raises(MemoryError, words=["needs", "B*T_q"]), [
+    # The issue's example: 2**31 queries; the weights alone are 2**62 elements.
+    ("issue_example", lambda: mha(long_x(2 ** 31), ONE32, ONE32, ONE32, num_heads=1,
+                                  return_weights=True)),
+    # Sizes are kept far beyond any machine (TiB), so that no case can pass the
+    # check somewhere and then really allocate, or run for ever.
+    ("long_without_weights", lambda: mha(long_x(2 ** 40), ONE32, ONE32, ONE32,
+                                         num_heads=1)),
+    ("zero_width_2_40_queries", lambda: mha(np.zeros((2 ** 40, 0)), np.zeros((0, 2)),
+                                            np.zeros((0, 2)), np.zeros((0, 2)),
+                                            num_heads=1)),
+])
+table("size", raises(MemoryError, words=["casting x"]), [
+    # int64 -> float64 would copy 16 TiB before anything else.
+    ("cast_exceeds_memory", lambda: mha(np.broadcast_to(np.int64(0), (2, 2 ** 40, 1)),
+                                        np.ones((1, 1)), np.ones((1, 1)), np.ones((1, 1)),
+                                        np.zeros((1, 0)), num_heads=1)),
+])
+table("reference_size", raises(MemoryError, words=["return_weights=True"]), [
+    # The reference always keeps the weights: it checks them too.
+    ("weights", lambda: reference.multi_head_attention(long_x(2 ** 21), ONE32, ONE32,
+                                                       ONE32, num_heads=1)),
+])
+
+# --- masks, key_lengths, scale, causal ---------------------------------------
+table("mask", raises(VE, words=["mask"]), [
+    ("not_broadcastable", lambda: mha(X, W, W, W, num_heads=2, mask=np.ones((3, 4), bool))),
+    ("too_many_dims", lambda: mha(XB, W, W, W, num_heads=2, mask=np.ones((1,) * 5, bool))),
+    ("wrong_heads", lambda: mha(X, W, W, W, num_heads=2, mask=np.ones((3, 3, 3), bool))),
+])
+table("mask", raises(TE, words=["mask"]), [
+    ("int", lambda: mha(X, W, W, W, num_heads=2, mask=np.ones((3, 3), np.int64))),
+    ("complex", lambda: mha(X, W, W, W, num_heads=2, mask=np.ones((3, 3), complex))),
+    ("object", lambda: mha(X, W, W, W, num_heads=2, mask=np.ones((3, 3), object))),
+    ("string", lambda: mha(X, W, W, W, num_heads=2, mask="causal")),
+    ("ragged", lambda: mha(X, W, W, W, num_heads=2, mask=[[True], [True, False]])),
+])
+table("key_lengths", raises(VE, words=["key_lengths"]), [
+    ("shape_batched", lambda: mha(XB, W, W, W, num_heads=2, key_lengths=np.array([3, 3, 3]))),
+    ("scalar_for_batch", lambda: mha(XB, W, W, W, num_heads=2, key_lengths=3)),
+    ("vector_unbatched", lambda: mha(X, W, W, W, num_heads=2, key_lengths=[3])),
+    ("negative", lambda: mha(XB, W, W, W, num_heads=2, key_lengths=[-1, 2])),
+    ("beyond_T_k", lambda: mha(XB, W, W, W, num_heads=2, key_lengths=[4, 2])),
+    ("uint64_wraps", lambda: mha(XB, W, W, W, num_heads=2,
+                                 key_lengths=np.array([2 ** 63, 1], np.uint64))),
+])
+table("key_lengths", raises(TE, words=["key_lengths"]), [
+    ("float", lambda: mha(XB, W, W, W, num_heads=2, key_lengths=np.array([3.0, 3.0]))),
+    ("bool", lambda: mha(XB, W, W, W, num_heads=2, key_lengths=np.array([True, True]))),
+    ("huge_int", lambda: mha(X, W, W, W, num_heads=2, key_lengths=2 ** 70)),
+    ("string", lambda: mha(X, W, W, W, num_heads=2, key_lengths="3")),
+])
+table("scale", raises(TE, words=["scale"]), [
+    ("string", lambda: mha(X, W, W, W, num_heads=2, scale="big")),
+    ("list", lambda: mha(X, W, W, W, num_heads=2, scale=[1.0])),
+    ("vector", lambda: mha(X, W, W, W, num_heads=2, scale=np.ones(2))),
+    ("complex", lambda: mha(X, W, W, W, num_heads=2, scale=1j)),
+    ("bool", lambda: mha(X, W, W, W, num_heads=2, scale=True)),
+])
+table("scale", raises(VE, words=["scale"]), [
+    ("too_large_int", lambda: mha(X, W, W, W, num_heads=2, scale=10 ** 400)),
+])
+table("causal", raises(TE, words=["causal"]), [
+    ("int", lambda: mha(X, W, W, W, num_heads=2, causal=1)),
+    ("string", lambda: mha(X, W, W, W, num_heads=2, causal="yes")),
+    ("none", lambda: mha(X, W, W, W, num_heads=2, causal=None)),
+    ("array", lambda: mha(X, W, W, W, num_heads=2, causal=np.array([True]))),
+])
+case("masked_array_x", raises(TE, words=["x", "masked"]))(
+    lambda: mha(np.ma.masked_array(X, X > 0), W, W, W, num_heads=2))
+
+
+# --- the glue alone (mhattn._C can be imported on its own) -------------------
+def glue_args(**change):
+    x = np.ones((1, 3, 4))
+    w = np.ones((4, 4))
+    dk = np.array([2, 2])
+    good = dict(x=x, key=x, value=x, wq=w, wk=w, wv=w, wo=None, bq=None, bk=None,
+                bv=None, bo=None, dk=dk, dv=dk, scales=np.ones(2), mask=None,
+                causal=False, key_lengths=None, want_weights=False, keep=False)
+    good.update(change)
+    return good
+
+
+GLUE_BAD = {
+    "wq_width": (VE, ["wq"], dict(wq=np.ones((4, 5)))),
+    "wk_rows": (VE, ["wk"], dict(wk=np.ones((3, 4)))),
+    "x_2d": (VE, ["x"], dict(x=np.ones((3, 4)))),
+    "x_list": (TE, ["x"], dict(x=[[[1.0]]])),
+    "x_complex": (TE, ["x"], dict(x=np.ones((1, 3, 4), complex))),
+    "key_float32": (TE, ["key"], dict(key=np.ones((1, 3, 4), np.float32))),
+    "key_batch": (VE, ["key"], dict(key=np.ones((2, 3, 4)))),
+    "value_rows": (VE, ["value"], dict(value=np.ones((1, 2, 4)))),
+    "wq_none": (TE, ["wq"], dict(wq=None)),
+    "wo_shape": (VE, ["wo"], dict(wo=np.ones((3, 3)))),
+    "bq_shape": (VE, ["bq"], dict(bq=np.ones(3))),
+    "bo_2d": (VE, ["bo"], dict(bo=np.ones((1, 4)))),
+    "dk_float": (TE, ["dk"], dict(dk=np.array([2.0, 2.0]))),
+    "dk_2d": (VE, ["dk"], dict(dk=np.ones((1, 2), np.int64))),
+    "dk_sum": (VE, ["wq"], dict(dk=np.array([2, 3]))),
+    "dk_zero": (VE, ["dk"], dict(dk=np.array([0, 4]))),
+    "dk_negative": (VE, ["dk"], dict(dk=np.array([-2, 6]))),
+    "dk_huge": (VE, ["dk"], dict(dk=np.array([2 ** 62, 2 ** 62]))),
+    "dv_length": (VE, ["dv"], dict(dv=np.array([4]))),
+    "dk_empty": (VE, ["dk"], dict(dk=np.zeros(0, np.int64), dv=np.zeros(0, np.int64))),
+    "scales_count": (VE, ["scales"], dict(scales=np.ones(3))),
+    "scales_strings": (TE, ["scales"], dict(scales=np.array(["a", "b"]))),
+    "mask_shape": (VE, ["mask"], dict(mask=np.ones((1, 2, 3, 2), bool))),
+    "mask_dtype": (TE, ["mask"], dict(mask=np.ones((1, 2, 3, 3), np.int8))),
+    "mask_list": (TE, ["mask"], dict(mask=[[[[True]]]])),
+    "key_lengths_range": (VE, ["key_lengths"], dict(key_lengths=np.array([9]))),
+    "key_lengths_negative": (VE, ["key_lengths"], dict(key_lengths=np.array([-1]))),
+    "key_lengths_float": (TE, ["key_lengths"], dict(key_lengths=np.array([1.5]))),
+    "key_lengths_shape": (VE, ["key_lengths"], dict(key_lengths=np.array([1, 2]))),
+    "missing_argument": (TE, ["forward"], None),
+}
+for name, (exc, words, change) in GLUE_BAD.items():
+    def thunk(change=change):
+        if change is None:
+            return _C.forward(np.ones((1, 3, 4)))
+        return _C.forward(**glue_args(**change))
+    case(f"glue_{name}", raises(exc, words=words))(thunk)
+
+
+def zero_width(B, T, Tk=1, H=1):
+    """Glue arguments with zero-width inputs: huge sizes, no memory."""
+    z = np.zeros((B, T, 0))
+    return glue_args(x=z, key=np.zeros((B, Tk, 0)), value=np.zeros((B, Tk, 0)),
+                     wq=np.zeros((0, 2 * H)), wk=np.zeros((0, 2 * H)),
+                     wv=np.zeros((0, 2 * H)), dk=np.full(H, 2), dv=np.full(H, 2),
+                     scales=np.ones(H))
+
+
+table("glue_size", raises(MemoryError, words=["overflow"]), [
+    # B*H*T_q*T_k = 2**63 elements: past the core's limit (MHA_ERR_SIZE).
+    ("weights_overflow", lambda: _C.forward(**zero_width(2 ** 21, 2 ** 21, Tk=2 ** 21))),
+])
+table("glue_size", raises(MemoryError), [
+    # out (1, 2**40, 2) cannot be allocated: NumPy says so.
+    ("out_too_big", lambda: _C.forward(**zero_width(1, 2 ** 40))),
+    # out is empty (w_o has no column) but the core's q scratch needs 16 TiB:
+    # malloc fails and the core returns MHA_ERR_NOMEM.
+    ("scratch_too_big", lambda: _C.forward(**{**zero_width(1, 2 ** 40),
+                                              "wo": np.zeros((2, 0))})),
+])
+
+
+# --- unusual but valid inputs: same bits as plain contiguous arrays ----------
+def inputs(dtype=np.float64, B=2, T=5, Tk=6, d=6, seed=7):
+    r = np.random.default_rng(seed)
+    return dict(
+        x=r.standard_normal((B, T, d)).astype(dtype),
+        w_q=r.standard_normal((d, 6)).astype(dtype),
+        w_k=r.standard_normal((d, 6)).astype(dtype),
+        w_v=r.standard_normal((d, 6)).astype(dtype),
+        w_o=r.standard_normal((6, 3)).astype(dtype),
+        key=r.standard_normal((B, Tk, d)).astype(dtype),
+        value=r.standard_normal((B, Tk, d)).astype(dtype),
+        mask=r.standard_normal((T, Tk)).astype(dtype),
+        b_o=r.standard_normal(3).astype(dtype),
+    )
+
+
+def run(a, **extra):
+    return mha(a["x"], a["w_q"], a["w_k"], a["w_v"], a["w_o"], num_heads=3, key=a["key"],
+               value=a["value"], mask=a["mask"], b_o=a["b_o"], return_weights=True, **extra)
+
+
+def same_bits(got, want):
+    for g, w in zip(got, want):
+        assert type(g) is np.ndarray and g.dtype == w.dtype and g.shape == w.shape
+        assert g.flags.c_contiguous
+        assert g.tobytes() == w.tobytes(), f"max diff {np.nanmax(np.abs(g - w))}"
+
+
+def transformed(fn, dtype=np.float64, names=None):
+    def thunk():
+        a = inputs(dtype)
+        want = run(a)
+        b = {k: (fn(v) if names is None or k in names else v) for k, v in a.items()}
+        same_bits(run(b), want)
+        for k in a:   # and the inputs were not modified
+            np.testing.assert_array_equal(np.asarray(b[k], dtype=a[k].dtype), a[k])
+    return thunk
+
+
+def negative_strides(a):
+    r = np.ascontiguousarray(a[(slice(None, None, -1),) * a.ndim])
+    return r[(slice(None, None, -1),) * a.ndim]
+
+
+def unaligned(a):
+    raw = np.zeros(a.nbytes + 1, np.uint8)
+    u = raw[1:].view(a.dtype).reshape(a.shape)
+    u[...] = a
+    assert not u.flags.aligned or a.dtype.itemsize == 1
+    return u
+
+
+def byteswapped(a):
+    return a.astype(a.dtype.newbyteorder("S"))
+
+
+class Tagged(np.ndarray):
+    """A user subclass that would break anything indexing it naively."""
+
+    def __getitem__(self, item):
+        raise RuntimeError("Tagged.__getitem__ must not be called")
+
+    def __array_finalize__(self, obj):
+        self.tag = getattr(obj, "tag", "tagged")
+
+
+def subclass(a):
+    return a.view(Tagged)
+
+
+_tmp = []
+
+
+def memmapped(a, mode="r"):
+    if not _tmp:
+        _tmp.append(tempfile.mkdtemp(prefix="mhattn-catalogue-"))
+        atexit.register(shutil.rmtree, _tmp[0], ignore_errors=True)
+    path = os.path.join(_tmp[0], f"m{len(os.listdir(_tmp[0]))}.bin")
+    m = np.memmap(path, dtype=a.dtype, mode="w+", shape=a.shape)
+    m[...] = a
+    m.flush()
+    del m
+    return np.memmap(path, dtype=a.dtype, mode=mode, shape=a.shape)
+
+
+def fortran(a):
+    return np.asfortranarray(a)
+
+
+def every_other(a):
+    big = np.zeros(tuple(2 * s for s in a.shape), a.dtype)
+    big[(slice(None, None, 2),) * a.ndim] = a
+    return big[(slice(None, None, 2),) * a.ndim]
+
+
+def nested_list(a):
+    return a.tolist()
+
+
+for dt in (np.float32, np.float64):
+    n = np.dtype(dt).name
+    for label, fn in [("negative_strides", negative_strides), ("unaligned", unaligned),
+                      ("byteswapped", byteswapped), ("subclass", subclass),
+                      ("memmap_readonly", memmapped), ("memmap_copy_on_write",
+                                                       lambda a: memmapped(a, "c")),
+                      ("fortran", fortran), ("every_other", every_other)]:
+        case(f"valid_{label}_{n}", OK)(transformed(fn, dt))
+case("valid_nested_lists", OK)(transformed(nested_list, np.float64))
+case("valid_matrix_weights", OK)(transformed(np.asmatrix, np.float64,
+                                             names={"w_q", "w_k", "w_v", "w_o"}))
+
+
+@case("valid_broadcast_inputs", OK)
+def _():
+    a = inputs()
+    a["x"] = np.broadcast_to(a["x"][:, :1], a["x"].shape)
+    a["w_o"] = np.broadcast_to(a["w_o"][:1], a["w_o"].shape)
+    want = run({k: np.ascontiguousarray(v) for k, v in a.items()})
+    same_bits(run(a), want)
+
+
+@case("valid_bool_mask_any_layout", OK)
+def _():
+    a = inputs()
+    m = np.random.default_rng(3).random((2, 3, 5, 6)) > 0.3
+    b = dict(a, mask=np.ascontiguousarray(m))
+    want = run(b)
+    for mm in (m[..., ::-1][..., ::-1], np.asfortranarray(m), m.tolist(), subclass(m)):
+        same_bits(run(dict(a, mask=mm)), want)
+
+
+@case("valid_key_lengths_forms", OK)
+def _():
+    a = inputs()
+    want = run(a, key_lengths=np.array([6, 2]))
+    for kl in ([6, 2], (6, 2), np.array([6, 2], np.uint8), np.array([6, 2], ">i4"),
+               np.array([2, 6])[::-1], subclass(np.array([6, 2]))):
+        same_bits(run(a, key_lengths=kl), want)
+
+
+@case("valid_empty_sizes", OK)
+def _():
+    w = np.ones((4, 2))
+    assert mha(np.zeros((0, 4)), w, w, w, num_heads=2).shape == (0, 2)
+    out, wt = mha(np.zeros((3, 0, 4)), w, w, w, num_heads=1, return_weights=True)
+    assert out.shape == (3, 0, 2) and wt.shape == (3, 1, 0, 0)
+    # A huge batch of zero-length sequences returns at once.
+    out = _C.forward(**zero_width(2 ** 40, 0, Tk=0))[0]
+    assert out.shape == (2 ** 40, 0, 2)
+
+
+# --- NaN and Inf: IEEE propagation, never a crash or a hang ------------------
+def cross(dtype=np.float64):
+    r = np.random.default_rng(11)
+    x = r.standard_normal((4, 6)).astype(dtype)
+    key = r.standard_normal((7, 6)).astype(dtype)
+    value = r.standard_normal((7, 6)).astype(dtype)
+    w = [r.standard_normal((6, 6)).astype(dtype) for _ in range(4)]
+    return x, key, value, w
+
+
+def nan_equal(a, b):
+    """Same NaN positions, and the rest within the suite's tolerances."""
+    assert np.array_equal(np.isnan(a), np.isnan(b)), (a, b)
+    t = 1e-5 if a.dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(a[~np.isnan(a)], b[~np.isnan(b)], rtol=t, atol=t)
+
+
+for dt in (np.float32, np.float64):
+    n = np.dtype(dt).name
+
+    @case(f"nan_in_query_row_{n}", OK)
+    def _(dt=dt):
+        x, key, value, w = cross(dt)
+        clean = mha(x, *w[:3], w[3], num_heads=2, key=key, value=value)
+        x[1, 2] = np.nan
+        got = mha(x, *w[:3], w[3], num_heads=2, key=key, value=value)
+        assert np.isnan(got[1]).all()          # the row that read it
+        same_bits(np.delete(got, 1, 0)[None], np.delete(clean, 1, 0)[None])
+        with np.errstate(all="ignore"):
+            nan_equal(got, reference.multi_head_attention(x, *w[:3], w[3], num_heads=2,
+                                                          key=key, value=value))
+
+    @case(f"nonfinite_value_at_blocked_keys_{n}", OK)
+    def _(dt=dt):
+        # Keys a row does not attend to are never read, whichever way they
+        # are blocked: padding, a False mask entry or a -inf additive mask.
+        x, key, value, w = cross(dt)
+        bmask = np.ones((4, 7), bool)
+        bmask[:, 5:] = False
+        amask = np.where(bmask, 0, -np.inf).astype(dt)
+        bad = value.copy()
+        bad[5:] = [[np.inf, np.nan, -np.inf, 1, np.nan, np.inf]] * 2
+        kw = dict(num_heads=2, key=key[None])
+        for extra in (dict(key_lengths=[5]), dict(mask=bmask), dict(mask=amask)):
+            clean = mha(x[None], *w[:3], w[3], value=value[None], **kw, **extra)
+            got = mha(x[None], *w[:3], w[3], value=bad[None], **kw, **extra)
+            assert np.isfinite(got).all(), extra
+            same_bits([got], [clean])
+            with np.errstate(all="ignore"):
+                ref = reference.multi_head_attention(x[None], *w[:3], w[3],
+                                                     value=bad[None], **kw, **extra)
+            np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+        # causal, T_q = 4 < T_k = 7: only the last query row sees the last key.
+        bad = value.copy()
+        bad[6] = np.nan
+        clean = mha(x, *w[:3], w[3], value=value, num_heads=2, key=key, causal=True)
+        got = mha(x, *w[:3], w[3], value=bad, num_heads=2, key=key, causal=True)
+        assert np.isnan(got[3]).all()
+        same_bits([got[:3].copy()], [clean[:3].copy()])
+
+    @case(f"inf_and_nan_sprinkled_{n}", OK)
+    def _(dt=dt):
+        r = np.random.default_rng(5)
+        x, key, value, w = cross(dt)
+        for trial in range(6):
+            xs, ks, vs = x.copy(), key.copy(), value.copy()
+            for arr in (xs, ks, vs):
+                idx = tuple(r.integers(0, s) for s in arr.shape)
+                arr[idx] = r.choice([np.inf, -np.inf, np.nan])
+            with np.errstate(all="ignore"):
+                got = mha(xs, *w[:3], w[3], num_heads=2, key=ks, value=vs)
+                ref = reference.multi_head_attention(xs, *w[:3], w[3], num_heads=2,
+                                                     key=ks, value=vs)
+            assert np.array_equal(np.isnan(got), np.isnan(ref))
+            fin = np.isfinite(ref)
+            np.testing.assert_allclose(got[fin], ref[fin], rtol=1e-4, atol=1e-4)
+
+    @case(f"overflowing_scores_{n}", OK)
+    def _(dt=dt):
+        x, key, value, w = cross(dt)
+        big = np.finfo(dt).max / 4
+        with np.errstate(all="ignore"):
+            for scale in (np.inf, -np.inf, np.nan, big):
+                got = mha(x * big, *w[:3], w[3], num_heads=2, key=key, value=value,
+                          scale=scale)
+                ref = reference.multi_head_attention(x * big, *w[:3], w[3], num_heads=2,
+                                                     key=key, value=value, scale=scale)
+                assert np.array_equal(np.isnan(got), np.isnan(ref)), scale
+
+    @case(f"additive_mask_infinities_{n}", OK)
+    def _(dt=dt):
+        x, key, value, w = cross(dt)
+        b_o = np.arange(6, dtype=dt)
+        full = np.full((4, 7), -np.inf, dt)
+        got = mha(x, *w[:3], w[3], num_heads=2, key=key, value=value, mask=full, b_o=b_o)
+        same_bits([got], [np.broadcast_to(b_o, (4, 6)).copy()])   # fully masked: b_o
+        plus = np.zeros((4, 7), dt)
+        plus[2, 3] = np.inf                                        # inf - inf: NaN row
+        got = mha(x, *w[:3], w[3], num_heads=2, key=key, value=value, mask=plus)
+        assert np.isnan(got[2]).all() and np.isfinite(np.delete(got, 2, 0)).all()
+
+    @case(f"all_nan_{n}", OK)
+    def _(dt=dt):
+        x = np.full((64, 8), np.nan, dt)
+        w = np.full((8, 8), np.nan, dt)
+        out, wt = mha(x, w, w, w, w, num_heads=2, return_weights=True, causal=True)
+        assert np.isnan(out).all() and np.isnan(wt[np.tril(np.ones((64, 64), bool))
+                                                    [None].repeat(2, 0)]).all()
+
+
+# --- the child-process runner ------------------------------------------------
+def run_case(name):
+    fn, expect = CASES[name]
+    res = {"case": name}
+    try:
+        fn()
+        res.update(exc=None, msg="")
+    except Exception as e:  # noqa: BLE001 - every escape is reported
+        res.update(exc=type(e).__name__, msg=str(e)[:2000],
+                   mro=[c.__name__ for c in type(e).__mro__],
+                   tb=traceback.format_exc()[-3000:])
+    return res
+
+
+def main(names):
+    if not any("asan" in p for p in os.environ.get("LD_PRELOAD", "").split()):
+        # A safety net, not the mechanism under test: a case that tries to
+        # allocate tens of GiB fails with NumPy's own message (which the
+        # expectations do not accept) instead of swapping the machine.
+        import resource
+        lim = 16 * 2 ** 30
+        resource.setrlimit(resource.RLIMIT_AS, (lim, lim))
+    for name in names or list(CASES):
+        print(json.dumps(run_case(name)), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

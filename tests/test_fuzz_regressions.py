@@ -1,0 +1,116 @@
+"""What the fuzzer found, kept as tests; and the seed corpus, replayed.
+
+fuzz/fuzz_mha.py's one-input function runs here without atheris. Each file
+in fuzz/regressions is an input that once failed; the named tests below
+state the same finding in plain code.
+"""
+import os
+import sys
+
+import numpy as np
+import pytest
+
+import mhattn
+from mhattn import reference
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "fuzz"))
+import fuzz_mha  # noqa: E402
+
+REGRESSIONS = os.path.join(ROOT, "fuzz", "regressions")
+CORPUS = os.path.join(ROOT, "fuzz", "corpus")
+
+
+def read(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+@pytest.mark.parametrize("name", sorted(os.listdir(REGRESSIONS)))
+def test_regression_input(name):
+    fuzz_mha.test_one_input(read(os.path.join(REGRESSIONS, name)))
+
+
+def test_seed_corpus_replays():
+    files = sorted(os.listdir(CORPUS))
+    assert len(files) >= 20
+    failed = []
+    for name in files:
+        try:
+            fuzz_mha.test_one_input(read(os.path.join(CORPUS, name)))
+        except Exception as e:   # noqa: BLE001 - collected and reported below
+            failed.append(f"{name}: {type(e).__name__}: {e}")
+    assert not failed, "\n".join(failed)
+
+
+# --- the findings, in plain code ---------------------------------------------
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_no_keys_reference_matches_core(dtype):
+    """fuzz/regressions/reference-no-keys: with T_k = 0 every row is fully
+    masked; the core returned b_o but the reference raised NumPy's
+    'zero-size array to reduction operation maximum'."""
+    r = np.random.default_rng(0)
+    x = r.standard_normal((2, 3, 4)).astype(dtype)
+    w = r.standard_normal((4, 4)).astype(dtype)
+    b_o = r.standard_normal(4).astype(dtype)
+    key = np.zeros((2, 0, 4), dtype)
+    got, gw = mhattn.multi_head_attention(x, w, w, w, num_heads=2, key=key, b_o=b_o,
+                                          return_weights=True)
+    want, ww = reference.multi_head_attention(x, w, w, w, num_heads=2, key=key, b_o=b_o,
+                                              return_weights=True)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got, np.broadcast_to(b_o, got.shape))
+    assert gw.shape == ww.shape == (2, 2, 3, 0)
+
+
+@pytest.mark.parametrize("impl", [mhattn.multi_head_attention,
+                                  reference.multi_head_attention])
+@pytest.mark.parametrize("bad", [np.ones(3), "yes", 1, None])
+def test_return_weights_must_be_a_bool(impl, bad):
+    """fuzz/regressions/return-weights-array: return_weights=np.ones(3)
+    escaped as NumPy's anonymous 'truth value of an array is ambiguous'."""
+    x = np.ones((3, 4))
+    w = np.eye(4)
+    with pytest.raises(TypeError, match="return_weights"):
+        impl(x, w, w, w, num_heads=2, return_weights=bad)
+
+
+# --- the harness can fail ----------------------------------------------------
+def a_valid_input():
+    for name in sorted(os.listdir(CORPUS)):
+        data = read(os.path.join(CORPUS, name))
+        kw, corrupted = fuzz_mha.build(fuzz_mha.Data(data))
+        try:
+            out = reference.multi_head_attention(**kw)
+        except Exception:   # noqa: BLE001 - looking for a valid one
+            continue
+        out = out[0] if kw["return_weights"] else out
+        if corrupted is None and out.size and np.isfinite(out).all():
+            return data
+    pytest.fail("no valid, non-empty input in the corpus")
+
+
+def test_harness_catches_a_wrong_result(monkeypatch):
+    data = a_valid_input()
+    real = mhattn.multi_head_attention
+
+    def off_by_a_bit(*a, **kw):
+        res = real(*a, **kw)
+        if isinstance(res, tuple):
+            return (res[0] + 1e-3 * (1 + np.abs(res[0])),) + res[1:]
+        return res + 1e-3 * (1 + np.abs(res))
+
+    monkeypatch.setattr(mhattn, "multi_head_attention", off_by_a_bit)
+    with pytest.raises(AssertionError):
+        fuzz_mha.test_one_input(data)
+
+
+@pytest.mark.parametrize("exc", [ValueError("something is wrong"), RuntimeError("x: bad"),
+                                 KeyError("w_q")])
+def test_harness_catches_bad_errors(monkeypatch, exc):
+    def raiser(*a, **kw):
+        raise exc
+
+    monkeypatch.setattr(mhattn, "multi_head_attention", raiser)
+    with pytest.raises((AssertionError, type(exc))):
+        fuzz_mha.test_one_input(a_valid_input())

@@ -1,0 +1,177 @@
+"""Ctrl-C during a long call is honoured promptly (in a child process).
+
+SIGINT is sent by a timer thread with os.kill(os.getpid(), SIGINT) while
+the main thread is inside a call that would take several seconds; the call
+must end with KeyboardInterrupt well within a second or so. The child runs
+the scenarios and prints one JSON line; it is sized by timing a small call
+first, so the long call really is long on any machine (sanitizers too).
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import mhattn
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "kill") or sys.platform == "win32",
+                                reason="needs POSIX signals")
+
+CHILD = textwrap.dedent(r"""
+    import ctypes, json, os, signal, sys, threading, time
+    import numpy as np
+    import mhattn
+
+    rng = np.random.default_rng(0)
+    report = {}
+
+    def make(T, d=16):
+        x = rng.standard_normal((T, d)).astype(np.float32)
+        w = rng.standard_normal((d, d)).astype(np.float32)
+        return x, w
+
+    def run(xw):
+        x, w = xw
+        return mhattn.multi_head_attention(x, w, w, w, num_heads=1)
+
+    def sized(seconds):
+        # Attention is O(T^2): time T=600, scale to the wanted duration.
+        small = make(600)
+        run(small)
+        t = time.perf_counter(); run(small); dt = time.perf_counter() - t
+        return int(600 * (seconds / max(dt, 1e-6)) ** 0.5)
+
+    def sigint_after(delay, sent):
+        def fire():
+            time.sleep(delay)
+            sent.append(time.perf_counter())
+            os.kill(os.getpid(), signal.SIGINT)
+        th = threading.Thread(target=fire)
+        th.start()
+        return th
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    def c_handler():
+        # struct sigaction starts with the handler (a union) on Linux/glibc.
+        buf = ctypes.create_string_buffer(512)
+        assert libc.sigaction(signal.SIGINT, None, buf) == 0
+        return ctypes.c_void_p.from_buffer(buf).value
+
+    T_long = sized(8.0)
+    report["T_long"] = T_long
+    long_call = make(T_long)
+    small = make(50)
+    want_small = run(small).tobytes()
+    handler_before = c_handler()
+
+    # 1. The default handler: KeyboardInterrupt, promptly.
+    sent = []
+    th = sigint_after(0.5, sent)
+    t0 = time.perf_counter()
+    try:
+        run(long_call)
+        report["interrupted"] = False
+    except KeyboardInterrupt:
+        report["interrupted"] = True
+    report["latency"] = time.perf_counter() - sent[0] if sent else None
+    report["elapsed"] = time.perf_counter() - t0
+    th.join()
+    report["c_handler_restored"] = c_handler() == handler_before
+    # The interrupt left the flag raised: with SIGINT now ignored (nothing
+    # will lower it), the next call must still run, once.
+    import faulthandler
+    faulthandler.dump_traceback_later(60, exit=True)   # a hang fails the child
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    report["works_after"] = run(small).tobytes() == want_small
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    faulthandler.cancel_dump_traceback_later()
+
+    # 2. While a main-thread call runs, our handler is installed.
+    seen = []
+    def peek():
+        time.sleep(0.3)
+        seen.append(c_handler())
+    th = threading.Thread(target=peek); th.start()
+    mid = make(sized(0.8)); run(mid)
+    th.join()
+    report["c_handler_swapped_during_call"] = bool(seen) and seen[0] != handler_before
+
+    # 3. A Python handler that does not raise: the call still completes and
+    #    gives the right answer; the handler ran once.
+    calls = []
+    prev = signal.signal(signal.SIGINT, lambda s, f: calls.append(s))
+    want_mid = run(mid).tobytes()
+    sent = []
+    th = sigint_after(0.3, sent)
+    report["custom_handler_result_ok"] = run(mid).tobytes() == want_mid
+    th.join()
+    report["custom_handler_calls"] = len(calls)
+    # 4. SIGINT ignored: the call completes.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sent = []
+    th = sigint_after(0.3, sent)
+    report["ignored_result_ok"] = run(mid).tobytes() == want_mid
+    th.join()
+    signal.signal(signal.SIGINT, prev)
+
+    # 5. A worker thread's call is not cut short: KeyboardInterrupt goes to
+    #    the main thread only (here, asleep in Python).
+    res = []
+    worker = threading.Thread(target=lambda: res.append(run(mid).tobytes()))
+    worker.start()
+    time.sleep(0.1)
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)
+        report["main_interrupted_in_python"] = False
+    except KeyboardInterrupt:
+        report["main_interrupted_in_python"] = True
+    worker.join()
+    report["worker_result_ok"] = res == [want_mid]
+    print(json.dumps(report), flush=True)
+""")
+
+
+@pytest.fixture(scope="module")
+def report():
+    env = dict(os.environ)
+    pkg_parent = os.path.dirname(os.path.dirname(mhattn.__file__))
+    env["PYTHONPATH"] = os.pathsep.join(
+        [pkg_parent] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    proc = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_ctrl_c_interrupts_a_long_call_promptly(report):
+    # The call was sized to take ~8 s; it must stop within ~1 s of SIGINT.
+    assert report["interrupted"], report
+    assert report["latency"] < 1.0, report
+    assert report["elapsed"] < 1.5 + 0.5, report
+
+
+def test_state_is_clean_after_an_interrupt(report):
+    assert report["works_after"]
+    assert report["c_handler_restored"]
+
+
+def test_handler_installed_only_during_the_call(report):
+    assert report["c_handler_swapped_during_call"]
+
+
+def test_python_handler_that_does_not_raise(report):
+    # The handler runs once; the interrupted call starts over and completes.
+    assert report["custom_handler_calls"] == 1
+    assert report["custom_handler_result_ok"]
+
+
+def test_ignored_sigint_is_ignored(report):
+    assert report["ignored_result_ok"]
+
+
+def test_worker_thread_calls_are_not_interrupted(report):
+    assert report["main_interrupted_in_python"]
+    assert report["worker_result_ok"]

@@ -1,0 +1,52 @@
+"""Read a memcheck XML report; print and count the errors in mhattn's code.
+
+An error is ours when a frame of its stack lies in the mhattn._C shared
+object or in a source file of csrc/. The interpreter and NumPy report
+plenty of their own (uninitialised reads in the allocator, memory kept
+until exit); those are counted, not shown.
+
+    python tools/valgrind_filter.py REPORT.xml SO_PATH
+Exit status 1 when any error is ours.
+"""
+import os
+import sys
+import xml.etree.ElementTree as ET
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CSRC = {f for f in os.listdir(os.path.join(ROOT, "csrc"))}
+
+
+def ours(frame, so_name):
+    obj = frame.findtext("obj") or ""
+    src = frame.findtext("file") or ""
+    return os.path.basename(obj) == so_name or src in CSRC
+
+
+def main(report, so_path):
+    so_name = os.path.basename(so_path)
+    total, mine = 0, []
+    # The report can be tens of MB of the interpreter's noise: stream it.
+    for _, elem in ET.iterparse(report):
+        if elem.tag != "error":
+            continue
+        total += 1
+        if any(ours(f, so_name) for f in elem.findall("./stack/frame")):
+            mine.append(elem)
+        else:
+            elem.clear()
+    for err in mine:
+        what = err.findtext("kind")
+        text = err.findtext("what") or err.findtext("xwhat/text") or ""
+        print(f"== {what}: {text}")
+        for f in err.findall("./stack/frame")[:25]:
+            where = f.findtext("file")
+            line = f.findtext("line")
+            loc = f"{where}:{line}" if where else os.path.basename(f.findtext("obj") or "?")
+            print(f"     {f.findtext('fn') or '?'}  ({loc})")
+    print(f"valgrind: {total} errors in all, {len(mine)} with mhattn's frames "
+          f"({so_name}, csrc/)")
+    return 1 if mine else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2]))
