@@ -226,6 +226,13 @@ static mha_status attend(mha_flash_ctx *ctx, const mha_flash_kernel *kern)
         nth = 1;
     if ((size_t)nth > ntasks)
         nth = (int)ntasks;
+    // Waking a sleeping worker costs tens of microseconds: a small call
+    // (the document's example does ~100 multiply-adds) runs on the caller
+    // alone. Only speed depends on this; tiles, and so results, do not.
+    const double work = (double)cfg->B * (double)cfg->H * (double)cfg->Tq *
+                        (double)cfg->Tk * (double)(dk_max + dv_max);
+    if (work < 262144.0)
+        nth = 1;
     const size_t per = kern->scratch_bytes(dk_max, dv_max);
     if (per == 0 || per > (SIZE_MAX - 64) / (size_t)nth)
         return MHA_ERR_SIZE;
