@@ -263,6 +263,149 @@ static void sigint_uninstall(void) {}
 static int on_main_thread(void) { return 0; }
 #endif
 
+/* Head widths dk, dv (G,) as size_t in *widths (2G, PyMem; dk then dv),
+   checked against the H = len(scales) query heads, and the fused widths
+   fused = {Sq, Sk, Sv, Svq} (see mha.h). -1 with an exception on failure. */
+static int head_widths(size_t **widths, size_t fused[4], PyArrayObject *dk_a,
+                       PyArrayObject *dv_a, npy_intp H)
+{
+    const npy_intp G = PyArray_DIM(dk_a, 0);
+    if (G == 0 || H == 0 || H % G != 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "dk, scales: the number of query heads H = len(scales) = %zd "
+                     "must be a positive multiple of the number of kv heads "
+                     "G = len(dk) = %zd", (Py_ssize_t)H, (Py_ssize_t)G);
+        return -1;
+    }
+    if (PyArray_DIM(dv_a, 0) != G) {
+        PyErr_Format(PyExc_ValueError,
+                     "dv: expected length %zd (G = len(dk)), got %zd",
+                     (Py_ssize_t)G, (Py_ssize_t)PyArray_DIM(dv_a, 0));
+        return -1;
+    }
+    size_t *w = *widths = PyMem_Malloc(2 * (size_t)G * sizeof *w);
+    if (w == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    size_t *dk = w, *dv = w + G;
+    const int64_t *dk64 = PyArray_DATA(dk_a), *dv64 = PyArray_DATA(dv_a);
+    for (npy_intp g = 0; g < G; g++) {
+        if (dk64[g] <= 0 || dv64[g] <= 0 || (uint64_t)dk64[g] > WIDTH_MAX ||
+            (uint64_t)dv64[g] > WIDTH_MAX) {
+            PyErr_Format(PyExc_ValueError,
+                         "dk, dv: head widths must be between 1 and %zu, got "
+                         "dk[%zd] = %lld, dv[%zd] = %lld", WIDTH_MAX,
+                         (Py_ssize_t)g, (long long)dk64[g], (Py_ssize_t)g,
+                         (long long)dv64[g]);
+            return -1;
+        }
+        dk[g] = (size_t)dk64[g];
+        dv[g] = (size_t)dv64[g];
+    }
+    // Sums checked as they grow: each stays below WIDTH_MAX.
+    size_t Sq = 0, Sk = 0, Sv = 0, Svq = 0;
+    for (npy_intp g = 0; g < G; g++) {
+        Sk += dk[g];
+        Sv += dv[g];
+        if (Sk > WIDTH_MAX || Sv > WIDTH_MAX)
+            goto overflow;
+    }
+    for (npy_intp h = 0; h < H; h++) {
+        Sq += dk[h / (H / G)];
+        Svq += dv[h / (H / G)];
+        if (Sq > WIDTH_MAX || Svq > WIDTH_MAX)
+            goto overflow;
+    }
+    fused[0] = Sq;
+    fused[1] = Sk;
+    fused[2] = Sv;
+    fused[3] = Svq;
+    return 0;
+overflow:
+    PyErr_SetString(PyExc_ValueError, "dk, dv: sizes overflow");
+    return -1;
+}
+
+/* key_lengths: None (*res stays NULL) or int64 (B,), each in [0, Tk]. */
+static int as_lengths(PyArrayObject **res, PyObject *obj, npy_intp B,
+                      npy_intp Tk)
+{
+    *res = NULL;
+    if (obj == Py_None)
+        return 0;
+    if (as_vector(res, obj, "key_lengths", NPY_INT64) < 0)
+        return -1;
+    const npy_intp want = B;
+    if (check_shape(*res, "key_lengths", 1, &want, "(B,)") < 0)
+        return -1;
+    const int64_t *len = PyArray_DATA(*res);
+    for (npy_intp b = 0; b < B; b++) {
+        if (len[b] < 0 || len[b] > (int64_t)Tk) {
+            PyErr_Format(PyExc_ValueError,
+                         "key_lengths: expected 0 <= key_lengths[b] <= Tk = %zd, "
+                         "got key_lengths[%zd] = %lld", (Py_ssize_t)Tk,
+                         (Py_ssize_t)b, (long long)len[b]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* The mask of forward() and backward(): *mask is NULL for None, else a
+   view (or aligned copy) of a bool or compute-dtype (B, H, Tq, Tk) array, with its
+   element strides. Returns -1 with an exception set on failure. */
+static int as_mask(PyArrayObject **mask, mha_mask_kind *kind,
+                   ptrdiff_t stride[4], PyObject *mask_o, int typenum,
+                   const npy_intp want[4])
+{
+    *mask = NULL;
+    *kind = MHA_MASK_NONE;
+    for (int d = 0; d < 4; d++)
+        stride[d] = 0;
+    if (mask_o == Py_None)
+        return 0;
+    if (!PyArray_Check(mask_o)) {
+        PyErr_Format(PyExc_TypeError,
+                     "mask: expected a numpy.ndarray or None, got %s",
+                     Py_TYPE(mask_o)->tp_name);
+        return -1;
+    }
+    const int mt = PyArray_TYPE((PyArrayObject *)mask_o);
+    if (mt != NPY_BOOL && mt != typenum) {
+        PyErr_Format(PyExc_TypeError,
+                     "mask: expected dtype bool or %s (the dtype of x), got %R",
+                     dtype_name(typenum),
+                     (PyObject *)PyArray_DESCR((PyArrayObject *)mask_o));
+        return -1;
+    }
+    if (check_shape((PyArrayObject *)mask_o, "mask", 4, want,
+                    "(B, H, Tq, Tk)") < 0)
+        return -1;
+    PyArrayObject *m = (PyArrayObject *)PyArray_FROMANY(
+        mask_o, mt, 4, 4, NPY_ARRAY_ALIGNED | NPY_ARRAY_NOTSWAPPED);
+    if (m == NULL) {
+        prefix_error("mask");
+        return -1;
+    }
+    const npy_intp item = PyArray_ITEMSIZE(m);
+    int copy = 0;
+    for (int d = 0; d < 4; d++)
+        copy |= PyArray_STRIDE(m, d) % item != 0;
+    if (copy) {
+        PyArrayObject *c = (PyArrayObject *)PyArray_NewCopy(m, NPY_CORDER);
+        Py_DECREF(m);
+        if (c == NULL)
+            return -1;
+        m = c;
+    }
+    for (int d = 0; d < 4; d++)
+        stride[d] = (ptrdiff_t)(PyArray_STRIDE(m, d) / item);
+    *kind = mt == NPY_BOOL ? MHA_MASK_BOOL : MHA_MASK_ADD;
+    *mask = m;
+    return 0;
+}
+
 PyDoc_STRVAR(forward_doc,
 "forward(x, key, value, wq, wk, wv, wo, bq, bk, bv, bo, dk, dv, scales,\n"
 "        mask, causal, key_lengths, want_weights, keep)\n"
@@ -304,6 +447,7 @@ static PyObject *forward(PyObject *self, PyObject *args, PyObject *kwds)
     PyArrayObject *out = NULL, *weights = NULL, *q = NULL, *k = NULL;
     PyArrayObject *v = NULL, *concat = NULL, *lse = NULL;
     size_t *widths = NULL;   // (2G,): dk then dv, as size_t
+    size_t fused[4];         // Sq, Sk, Sv, Svq
 
     // The dtype of x is the compute dtype.
     if (!PyArray_Check(x_o)) {
@@ -347,54 +491,10 @@ static PyObject *forward(PyObject *self, PyObject *args, PyObject *kwds)
             check_shape(value, "value", 3, want_value, "(B, Tk, Dvin)") < 0)
             goto fail;
     }
-    if (G == 0 || H == 0 || H % G != 0) {
-        PyErr_Format(PyExc_ValueError,
-                     "dk, scales: the number of query heads H = len(scales) = %zd "
-                     "must be a positive multiple of the number of kv heads "
-                     "G = len(dk) = %zd", (Py_ssize_t)H, (Py_ssize_t)G);
+    if (head_widths(&widths, fused, dk_a, dv_a, H) < 0)
         goto fail;
-    }
-    if (PyArray_DIM(dv_a, 0) != G) {
-        PyErr_Format(PyExc_ValueError,
-                     "dv: expected length %zd (G = len(dk)), got %zd",
-                     (Py_ssize_t)G, (Py_ssize_t)PyArray_DIM(dv_a, 0));
-        goto fail;
-    }
-
-    // Head widths as size_t, and the fused widths (checked sums).
-    widths = PyMem_Malloc(2 * (size_t)G * sizeof *widths);
-    if (widths == NULL) {
-        PyErr_NoMemory();
-        goto fail;
-    }
     size_t *dk = widths, *dv = widths + G;
-    const int64_t *dk64 = PyArray_DATA(dk_a), *dv64 = PyArray_DATA(dv_a);
-    for (npy_intp g = 0; g < G; g++) {
-        if (dk64[g] <= 0 || dv64[g] <= 0 || (uint64_t)dk64[g] > WIDTH_MAX ||
-            (uint64_t)dv64[g] > WIDTH_MAX) {
-            PyErr_Format(PyExc_ValueError,
-                         "dk, dv: head widths must be between 1 and %zu, got "
-                         "dk[%zd] = %lld, dv[%zd] = %lld", WIDTH_MAX,
-                         (Py_ssize_t)g, (long long)dk64[g], (Py_ssize_t)g,
-                         (long long)dv64[g]);
-            goto fail;
-        }
-        dk[g] = (size_t)dk64[g];
-        dv[g] = (size_t)dv64[g];
-    }
-    size_t Sq = 0, Sk = 0, Sv = 0, Svq = 0;
-    for (npy_intp g = 0; g < G; g++) {
-        Sk += dk[g];
-        Sv += dv[g];
-        if (Sk > WIDTH_MAX || Sv > WIDTH_MAX)
-            goto overflow;
-    }
-    for (npy_intp h = 0; h < H; h++) {
-        Sq += dk[h / (H / G)];
-        Svq += dv[h / (H / G)];
-        if (Sq > WIDTH_MAX || Svq > WIDTH_MAX)
-            goto overflow;
-    }
+    const size_t Sq = fused[0], Sk = fused[1], Sv = fused[2], Svq = fused[3];
 
     // Weights and biases against the fused widths.
     const npy_intp Dout = wo != NULL ? PyArray_DIM(wo, 1) : (npy_intp)Svq;
@@ -416,68 +516,15 @@ static PyObject *forward(PyObject *self, PyObject *args, PyObject *kwds)
             goto fail;
     }
 
-    // Key lengths: int64 (B,), each in [0, Tk].
-    if (key_lengths_o != Py_None) {
-        if (as_vector(&key_lengths, key_lengths_o, "key_lengths", NPY_INT64) < 0)
-            goto fail;
-        const npy_intp want = B;
-        if (check_shape(key_lengths, "key_lengths", 1, &want, "(B,)") < 0)
-            goto fail;
-        const int64_t *len = PyArray_DATA(key_lengths);
-        for (npy_intp b = 0; b < B; b++) {
-            if (len[b] < 0 || len[b] > (int64_t)Tk) {
-                PyErr_Format(PyExc_ValueError,
-                             "key_lengths: expected 0 <= key_lengths[b] <= Tk = %zd, "
-                             "got key_lengths[%zd] = %lld", (Py_ssize_t)Tk,
-                             (Py_ssize_t)b, (long long)len[b]);
-                goto fail;
-            }
-        }
-    }
+    if (as_lengths(&key_lengths, key_lengths_o, B, Tk) < 0)
+        goto fail;
 
-    // Mask: (B, H, Tq, Tk), bool or the compute dtype, any strides. Kept as
-    // a view when aligned and native (broadcast views are not copied).
-    mha_mask_kind mask_kind = MHA_MASK_NONE;
-    ptrdiff_t mask_stride[4] = {0, 0, 0, 0};
-    if (mask_o != Py_None) {
-        if (!PyArray_Check(mask_o)) {
-            PyErr_Format(PyExc_TypeError,
-                         "mask: expected a numpy.ndarray or None, got %s",
-                         Py_TYPE(mask_o)->tp_name);
-            goto fail;
-        }
-        const int mt = PyArray_TYPE((PyArrayObject *)mask_o);
-        if (mt != NPY_BOOL && mt != typenum) {
-            PyErr_Format(PyExc_TypeError,
-                         "mask: expected dtype bool or %s (the dtype of x), got %R",
-                         dtype_name(typenum),
-                         (PyObject *)PyArray_DESCR((PyArrayObject *)mask_o));
-            goto fail;
-        }
+    mha_mask_kind mask_kind;
+    ptrdiff_t mask_stride[4];
+    {
         const npy_intp want[4] = {B, H, Tq, Tk};
-        if (check_shape((PyArrayObject *)mask_o, "mask", 4, want,
-                        "(B, H, Tq, Tk)") < 0)
+        if (as_mask(&mask, &mask_kind, mask_stride, mask_o, typenum, want) < 0)
             goto fail;
-        mask = (PyArrayObject *)PyArray_FROMANY(
-            mask_o, mt, 4, 4, NPY_ARRAY_ALIGNED | NPY_ARRAY_NOTSWAPPED);
-        if (mask == NULL) {
-            prefix_error("mask");
-            goto fail;
-        }
-        const npy_intp item = PyArray_ITEMSIZE(mask);
-        int copy = 0;
-        for (int d = 0; d < 4; d++)
-            copy |= PyArray_STRIDE(mask, d) % item != 0;
-        if (copy) {
-            PyArrayObject *c = (PyArrayObject *)PyArray_NewCopy(mask, NPY_CORDER);
-            Py_DECREF(mask);
-            mask = c;
-            if (mask == NULL)
-                goto fail;
-        }
-        for (int d = 0; d < 4; d++)
-            mask_stride[d] = (ptrdiff_t)(PyArray_STRIDE(mask, d) / item);
-        mask_kind = mt == NPY_BOOL ? MHA_MASK_BOOL : MHA_MASK_ADD;
     }
 
     mha_config cfg = {
@@ -573,8 +620,6 @@ retry:
     }
     goto fail;   // success falls through the common cleanup with result set
 
-overflow:
-    PyErr_SetString(PyExc_ValueError, "dk, dv: sizes overflow");
 fail:
     PyMem_Free(widths);
     Py_XDECREF(x);
@@ -661,60 +706,6 @@ PyDoc_STRVAR(set_num_threads_doc,
 
 /* ---- backward ---------------------------------------------------------- */
 
-/* The mask as forward() reads it: *mask is NULL for None, else a view (or
-   aligned copy) of a bool or compute-dtype (B, H, Tq, Tk) array, with its
-   element strides. Returns -1 with an exception set on failure. */
-static int bwd_mask(PyArrayObject **mask, mha_mask_kind *kind,
-                    ptrdiff_t stride[4], PyObject *mask_o, int typenum,
-                    const npy_intp want[4])
-{
-    *mask = NULL;
-    *kind = MHA_MASK_NONE;
-    for (int d = 0; d < 4; d++)
-        stride[d] = 0;
-    if (mask_o == Py_None)
-        return 0;
-    if (!PyArray_Check(mask_o)) {
-        PyErr_Format(PyExc_TypeError,
-                     "mask: expected a numpy.ndarray or None, got %s",
-                     Py_TYPE(mask_o)->tp_name);
-        return -1;
-    }
-    const int mt = PyArray_TYPE((PyArrayObject *)mask_o);
-    if (mt != NPY_BOOL && mt != typenum) {
-        PyErr_Format(PyExc_TypeError,
-                     "mask: expected dtype bool or %s (the dtype of x), got %R",
-                     dtype_name(typenum),
-                     (PyObject *)PyArray_DESCR((PyArrayObject *)mask_o));
-        return -1;
-    }
-    if (check_shape((PyArrayObject *)mask_o, "mask", 4, want,
-                    "(B, H, Tq, Tk)") < 0)
-        return -1;
-    PyArrayObject *m = (PyArrayObject *)PyArray_FROMANY(
-        mask_o, mt, 4, 4, NPY_ARRAY_ALIGNED | NPY_ARRAY_NOTSWAPPED);
-    if (m == NULL) {
-        prefix_error("mask");
-        return -1;
-    }
-    const npy_intp item = PyArray_ITEMSIZE(m);
-    int copy = 0;
-    for (int d = 0; d < 4; d++)
-        copy |= PyArray_STRIDE(m, d) % item != 0;
-    if (copy) {
-        PyArrayObject *c = (PyArrayObject *)PyArray_NewCopy(m, NPY_CORDER);
-        Py_DECREF(m);
-        if (c == NULL)
-            return -1;
-        m = c;
-    }
-    for (int d = 0; d < 4; d++)
-        stride[d] = (ptrdiff_t)(PyArray_STRIDE(m, d) / item);
-    *kind = mt == NPY_BOOL ? MHA_MASK_BOOL : MHA_MASK_ADD;
-    *mask = m;
-    return 0;
-}
-
 /* A new C-contiguous array of the compute dtype, or NULL with an exception
    set; *res stays NULL (and nothing is allocated) when !wanted. */
 static int bwd_empty(PyArrayObject **res, int wanted, int nd,
@@ -770,6 +761,7 @@ static PyObject *backward(PyObject *self, PyObject *args, PyObject *kwds)
     PyArrayObject *dwq = NULL, *dwk = NULL, *dwv = NULL, *dwo = NULL;
     PyArrayObject *dbq = NULL, *dbk = NULL, *dbv = NULL, *dbo = NULL;
     size_t *widths = NULL;   // (2G,): dk then dv, as size_t
+    size_t fused[4];         // Sq, Sk, Sv, Svq
 
     if (!PyArray_Check(x_o)) {
         PyErr_Format(PyExc_TypeError, "x: expected a numpy.ndarray, got %s",
@@ -824,54 +816,10 @@ static PyObject *backward(PyObject *self, PyObject *args, PyObject *kwds)
             check_shape(value, "value", 3, want_value, "(B, Tk, Dvin)") < 0)
             goto fail;
     }
-    if (G == 0 || H == 0 || H % G != 0) {
-        PyErr_Format(PyExc_ValueError,
-                     "dk, scales: the number of query heads H = len(scales) = %zd "
-                     "must be a positive multiple of the number of kv heads "
-                     "G = len(dk) = %zd", (Py_ssize_t)H, (Py_ssize_t)G);
+    if (head_widths(&widths, fused, dk_a, dv_a, H) < 0)
         goto fail;
-    }
-    if (PyArray_DIM(dv_a, 0) != G) {
-        PyErr_Format(PyExc_ValueError,
-                     "dv: expected length %zd (G = len(dk)), got %zd",
-                     (Py_ssize_t)G, (Py_ssize_t)PyArray_DIM(dv_a, 0));
-        goto fail;
-    }
-
-    // Head widths as size_t, and the fused widths (checked sums).
-    widths = PyMem_Malloc(2 * (size_t)G * sizeof *widths);
-    if (widths == NULL) {
-        PyErr_NoMemory();
-        goto fail;
-    }
     size_t *dkw = widths, *dvw = widths + G;
-    const int64_t *dk64 = PyArray_DATA(dk_a), *dv64 = PyArray_DATA(dv_a);
-    for (npy_intp g = 0; g < G; g++) {
-        if (dk64[g] <= 0 || dv64[g] <= 0 || (uint64_t)dk64[g] > WIDTH_MAX ||
-            (uint64_t)dv64[g] > WIDTH_MAX) {
-            PyErr_Format(PyExc_ValueError,
-                         "dk, dv: head widths must be between 1 and %zu, got "
-                         "dk[%zd] = %lld, dv[%zd] = %lld", WIDTH_MAX,
-                         (Py_ssize_t)g, (long long)dk64[g], (Py_ssize_t)g,
-                         (long long)dv64[g]);
-            goto fail;
-        }
-        dkw[g] = (size_t)dk64[g];
-        dvw[g] = (size_t)dv64[g];
-    }
-    size_t Sq = 0, Sk = 0, Sv = 0, Svq = 0;
-    for (npy_intp g = 0; g < G; g++) {
-        Sk += dkw[g];
-        Sv += dvw[g];
-        if (Sk > WIDTH_MAX || Sv > WIDTH_MAX)
-            goto overflow;
-    }
-    for (npy_intp h = 0; h < H; h++) {
-        Sq += dkw[h / (H / G)];
-        Svq += dvw[h / (H / G)];
-        if (Sq > WIDTH_MAX || Svq > WIDTH_MAX)
-            goto overflow;
-    }
+    const size_t Sq = fused[0], Sk = fused[1], Sv = fused[2], Svq = fused[3];
 
     // Weights, gradient of the output and the forward's extras.
     const npy_intp Dout = wo != NULL ? PyArray_DIM(wo, 1) : (npy_intp)Svq;
@@ -899,30 +847,14 @@ static PyObject *backward(PyObject *self, PyObject *args, PyObject *kwds)
             goto fail;
     }
 
-    // Key lengths: int64 (B,), each in [0, Tk].
-    if (key_lengths_o != Py_None) {
-        if (as_vector(&key_lengths, key_lengths_o, "key_lengths", NPY_INT64) < 0)
-            goto fail;
-        const npy_intp want = B;
-        if (check_shape(key_lengths, "key_lengths", 1, &want, "(B,)") < 0)
-            goto fail;
-        const int64_t *len = PyArray_DATA(key_lengths);
-        for (npy_intp b = 0; b < B; b++) {
-            if (len[b] < 0 || len[b] > (int64_t)Tk) {
-                PyErr_Format(PyExc_ValueError,
-                             "key_lengths: expected 0 <= key_lengths[b] <= Tk = %zd, "
-                             "got key_lengths[%zd] = %lld", (Py_ssize_t)Tk,
-                             (Py_ssize_t)b, (long long)len[b]);
-                goto fail;
-            }
-        }
-    }
+    if (as_lengths(&key_lengths, key_lengths_o, B, Tk) < 0)
+        goto fail;
 
     mha_mask_kind mask_kind;
     ptrdiff_t mask_stride[4];
     {
         const npy_intp want[4] = {B, H, Tq, Tk};
-        if (bwd_mask(&mask, &mask_kind, mask_stride, mask_o, typenum, want) < 0)
+        if (as_mask(&mask, &mask_kind, mask_stride, mask_o, typenum, want) < 0)
             goto fail;
     }
 
@@ -1008,8 +940,6 @@ static PyObject *backward(PyObject *self, PyObject *args, PyObject *kwds)
     }
     goto fail;   // success falls through the common cleanup with result set
 
-overflow:
-    PyErr_SetString(PyExc_ValueError, "dk, dv: sizes overflow");
 fail:
     PyMem_Free(widths);
     Py_XDECREF(dout);
