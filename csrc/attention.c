@@ -138,8 +138,8 @@ mha_status mha_check_config(mha_layout *lay, const mha_config *cfg)
  *   voff[g]  = sum_{g' < g} dv[g']           in v      (B, Tk, Sv)
  * The sums were checked by mha_check_config.
  */
-static void head_offsets(size_t *qoff, size_t *cvoff, size_t *koff,
-                         size_t *voff, const mha_config *cfg)
+void mha_head_offsets(size_t *qoff, size_t *cvoff, size_t *koff,
+                      size_t *voff, const mha_config *cfg)
 {
     const size_t per_kv = cfg->H / cfg->G;
     size_t a = 0, c = 0;

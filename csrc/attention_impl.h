@@ -75,7 +75,7 @@ mha_status MHA_CAT(mha_forward, sfx)(
     }
     size_t *qoff = off, *cvoff = off + H, *koff = off + 2 * H;
     size_t *voff = off + 2 * H + G;
-    head_offsets(qoff, cvoff, koff, voff, cfg);
+    mha_head_offsets(qoff, cvoff, koff, voff, cfg);
 
     // 1. projections: q = x @ wq + bq, k = key @ wk + bk, v = value @ wv + bv.
     //    The interrupt flag is polled between stages (a GEMM is not split)

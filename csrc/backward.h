@@ -65,31 +65,6 @@ static inline int bwd_plan_fused(size_t ntasks, int nth)
     return ntasks > 0 && ntasks <= SIZE_MAX / 4 && 4 * ntasks >= 3 * rounds * n;
 }
 
-/* Column offsets of every head in the fused buffers, as the forward's
-   head_offsets (attention.c):
-     qoff[h]  in q (B, Tq, Sq)        cvoff[h] in concat (B, Tq, Svq)
-     koff[g]  in k (B, Tk, Sk)        voff[g]  in v (B, Tk, Sv) */
-static inline void bwd_head_offsets(size_t *qoff, size_t *cvoff, size_t *koff,
-                                    size_t *voff, const mha_config *cfg)
-{
-    const size_t per_kv = cfg->H / cfg->G;
-    size_t a = 0, c = 0;
-    for (size_t h = 0; h < cfg->H; h++) {
-        qoff[h] = a;
-        cvoff[h] = c;
-        a += cfg->dk[h / per_kv];
-        c += cfg->dv[h / per_kv];
-    }
-    a = 0;
-    c = 0;
-    for (size_t g = 0; g < cfg->G; g++) {
-        koff[g] = a;
-        voff[g] = c;
-        a += cfg->dk[g];
-        c += cfg->dv[g];
-    }
-}
-
 /* The bits of a float and back (memcpy: the defined way to pun). */
 static inline uint32_t bwd_fbits(float f)
 {

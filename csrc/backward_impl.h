@@ -559,7 +559,7 @@ mha_status BWD(mha_backward)(
         goto fail;
     size_t *qoff = off, *cvoff = off + H, *koff = off + 2 * H;
     size_t *voff = off + 2 * H + G;
-    bwd_head_offsets(qoff, cvoff, koff, voff, cfg);
+    mha_head_offsets(qoff, cvoff, koff, voff, cfg);
 
     // 1. through the output projection, `out = concat @ wo + bo`:
     //    d(concat) = dout wo^T, dwo = concat^T dout, dbo = colsum(dout).

@@ -88,6 +88,12 @@ typedef struct {
    size_t and that the config is self-consistent. */
 mha_status mha_check_config(mha_layout *lay, const mha_config *cfg);
 
+/* Column offsets of every head in the fused buffers of a checked config:
+     qoff[h]  (H,) in q (B, Tq, Sq)     cvoff[h] (H,) in concat (B, Tq, Svq)
+     koff[g]  (G,) in k (B, Tk, Sk)     voff[g]  (G,) in v (B, Tk, Sv) */
+void mha_head_offsets(size_t *qoff, size_t *cvoff, size_t *koff, size_t *voff,
+                      const mha_config *cfg);
+
 /*
  * Forward pass, float32 and float64 (one templated source).
  *
