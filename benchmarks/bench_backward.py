@@ -41,7 +41,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python"))
 
 import mhattn  # noqa: E402
-from mhattn import _C  # noqa: E402
 
 D_MODEL, HEADS = 512, 8
 BWD_OVER_FWD_MAX = 2.5     # target: backward <= 2.5 x forward
@@ -75,7 +74,7 @@ def parse():
 def main():
     args = parse()
     dtype = np.float32 if args.dtype == "f32" else np.float64
-    _C._set_num_threads(args.threads)
+    mhattn.set_num_threads(args.threads)
     torch = None
     if not args.no_torch:
         try:
