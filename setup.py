@@ -1,9 +1,10 @@
 """Build of mhattn: the pure-Python package under python/ and the C core.
 
 Project metadata lives in pyproject.toml; this file only describes the
-extension. Flags are portable on purpose: no -ffast-math / -Ofast (masked
-softmax relies on infinities) and no -march=native (wheels must run
-anywhere). Set MHATTN_SANITIZE=1 to build with AddressSanitizer and
+extension. Flags are portable on purpose: no fast-math flags of any kind
+(masked softmax relies on infinities, and fast-math links code that flushes
+subnormals for the whole process) and no tuning for the build machine's CPU
+(wheels must run anywhere; ISA-specific code is chosen at run time). Set MHATTN_SANITIZE=1 to build with AddressSanitizer and
 UndefinedBehaviorSanitizer.
 """
 import glob

@@ -82,7 +82,7 @@ static inline float bwd_bitsf(uint32_t u)
 
 /*
  * exp(x) in float32 without branches or calls, so that a loop of it
- * vectorises (libm's expf does not without -ffast-math). Cephes' expf:
+ * vectorises (libm's expf does not, short of fast-math flags). Cephes' expf:
  * x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two so that n ln2 is
  * exact), exp(r) by a degree-7 polynomial, 2^n through the exponent bits.
  * Within 1e-7 relative of exp for x in [-87.3, 88]; 0 below (and for -inf:
