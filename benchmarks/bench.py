@@ -253,8 +253,8 @@ class Peak:
         lib.peak_flops_per_iter.argtypes = [ctypes.c_int, ctypes.c_int]
         lib.peak_flops_per_iter.restype = ctypes.c_long
         fs = int(self.force_scalar)
-        self.isa = ("avx2+fma, 12 ymm chains" if lib.peak_isa(fs) == 2
-                    else "scalar fallback, 12 chains")
+        self.isa = {3: "avx512f, 12 zmm chains", 2: "avx2+fma, 12 ymm chains"}.get(
+            lib.peak_isa(fs), "scalar fallback, 12 chains")
         for dtype, fn, nbytes in (("float32", lib.peak_fma_f32, 4),
                                   ("float64", lib.peak_fma_f64, 8)):
             fn.argtypes = [ctypes.c_long, ctypes.c_int]

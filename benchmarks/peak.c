@@ -15,9 +15,13 @@
  * normal (no denormal slow-down, no overflow), and the result is returned so
  * the compiler cannot drop the loop.
  *
- * The AVX2+FMA variants are compiled with a target attribute, not a global
- * -mavx2, so the file builds with plain "cc -O2" and the scalar fallback runs
- * anywhere; peak_isa() says which one peak_fma_* used.
+ * The AVX-512F and AVX2+FMA variants are compiled with target attributes,
+ * not a global -mavx512f or -mavx2, so the file builds with plain "cc -O2"
+ * and the scalar fallback runs anywhere; peak_isa() says which one
+ * peak_fma_* used: the widest the CPU runs, because that is the machine's
+ * peak.  (Some cores split a 512-bit FMA into two 256-bit halves and peak
+ * no higher with AVX-512 than with AVX2; others, such as AMD Zen 5, have
+ * full-width pipes and peak twice as high.  Measuring settles it.)
  *
  * Floating-point operations per call: iters * peak_flops_per_iter(dtype).
  */
@@ -114,6 +118,47 @@ static double peak_f64_avx2(long iters, double mf, double af)
     return lanes[0] + lanes[1] + lanes[2] + lanes[3];
 }
 
+
+/* ---- AVX-512F: the same 12 chains on zmm registers (32 exist). -------- */
+
+__attribute__((target("avx512f")))
+static float peak_f32_avx512(long iters, float mf, float af)
+{
+    const __m512 m = _mm512_set1_ps(mf), a = _mm512_set1_ps(af);
+    __m512 a0 = _mm512_set1_ps(1.0f), a1 = _mm512_set1_ps(2.0f),
+           a2 = _mm512_set1_ps(3.0f), a3 = _mm512_set1_ps(4.0f),
+           a4 = _mm512_set1_ps(5.0f), a5 = _mm512_set1_ps(6.0f),
+           a6 = _mm512_set1_ps(7.0f), a7 = _mm512_set1_ps(8.0f),
+           a8 = _mm512_set1_ps(9.0f), a9 = _mm512_set1_ps(10.0f),
+           a10 = _mm512_set1_ps(11.0f), a11 = _mm512_set1_ps(12.0f);
+    for (long it = 0; it < iters; it++) {
+        FMA12(_mm512_fmadd_ps, m, a);
+    }
+    __m512 s = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)),
+                             _mm512_add_ps(_mm512_add_ps(a4, a5), _mm512_add_ps(a6, a7)));
+    s = _mm512_add_ps(s, _mm512_add_ps(_mm512_add_ps(a8, a9), _mm512_add_ps(a10, a11)));
+    return _mm512_reduce_add_ps(s);
+}
+
+__attribute__((target("avx512f")))
+static double peak_f64_avx512(long iters, double mf, double af)
+{
+    const __m512d m = _mm512_set1_pd(mf), a = _mm512_set1_pd(af);
+    __m512d a0 = _mm512_set1_pd(1.0), a1 = _mm512_set1_pd(2.0),
+            a2 = _mm512_set1_pd(3.0), a3 = _mm512_set1_pd(4.0),
+            a4 = _mm512_set1_pd(5.0), a5 = _mm512_set1_pd(6.0),
+            a6 = _mm512_set1_pd(7.0), a7 = _mm512_set1_pd(8.0),
+            a8 = _mm512_set1_pd(9.0), a9 = _mm512_set1_pd(10.0),
+            a10 = _mm512_set1_pd(11.0), a11 = _mm512_set1_pd(12.0);
+    for (long it = 0; it < iters; it++) {
+        FMA12(_mm512_fmadd_pd, m, a);
+    }
+    __m512d s = _mm512_add_pd(_mm512_add_pd(_mm512_add_pd(a0, a1), _mm512_add_pd(a2, a3)),
+                              _mm512_add_pd(_mm512_add_pd(a4, a5), _mm512_add_pd(a6, a7)));
+    s = _mm512_add_pd(s, _mm512_add_pd(_mm512_add_pd(a8, a9), _mm512_add_pd(a10, a11)));
+    return _mm512_reduce_add_pd(s);
+}
+
 static int have_avx2_fma(void)
 {
     static int cached = -1;
@@ -123,25 +168,40 @@ static int have_avx2_fma(void)
     }
     return cached;
 }
+
+/* AVX-512F, with the OS saving zmm state (gcc's check looks at XCR0 too). */
+static int have_avx512(void)
+{
+    static int cached = -1;
+    if (cached < 0) {
+        __builtin_cpu_init();
+        cached = __builtin_cpu_supports("avx512f");
+    }
+    return cached;
+}
 #else
 static int have_avx2_fma(void) { return 0; }
+static int have_avx512(void) { return 0; }
 #endif
 
 /* ---- exported ---------------------------------------------------------- */
 
-/* 2 when the AVX2+FMA variants run, 0 for the scalar fallback (always, when
- * force_scalar is set: bench.py --scalar-peak). */
+/* 3 when the AVX-512F variants run, 2 for AVX2+FMA, 0 for the scalar
+ * fallback (always, when force_scalar is set: bench.py --scalar-peak). */
 int peak_isa(int force_scalar)
 {
-    return (!force_scalar && have_avx2_fma()) ? 2 : 0;
+    if (force_scalar)
+        return 0;
+    return have_avx512() ? 3 : have_avx2_fma() ? 2 : 0;
 }
 
 /* Floating-point operations one iteration performs (2 per FMA lane). */
 long peak_flops_per_iter(int dtype_bytes, int force_scalar)
 {
+    const int isa = peak_isa(force_scalar);
     long lanes = 1;
-    if (peak_isa(force_scalar) == 2)
-        lanes = dtype_bytes == 4 ? 8 : 4;
+    if (isa >= 2)
+        lanes = (dtype_bytes == 4 ? 8 : 4) * (isa == 3 ? 2 : 1);
     return 2L * NACC * lanes;
 }
 
@@ -149,6 +209,8 @@ double peak_fma_f32(long iters, int force_scalar)
 {
     const float m = 1.0f - 1.0f / (1 << 20), a = 1.0f / (1 << 10);
 #ifdef PEAK_X86
+    if (peak_isa(force_scalar) == 3)
+        return (double)peak_f32_avx512(iters, m, a);
     if (peak_isa(force_scalar) == 2)
         return (double)peak_f32_avx2(iters, m, a);
 #endif
@@ -159,6 +221,8 @@ double peak_fma_f64(long iters, int force_scalar)
 {
     const double m = 1.0 - 1.0 / (1 << 20), a = 1.0 / (1 << 10);
 #ifdef PEAK_X86
+    if (peak_isa(force_scalar) == 3)
+        return peak_f64_avx512(iters, m, a);
     if (peak_isa(force_scalar) == 2)
         return peak_f64_avx2(iters, m, a);
 #endif
