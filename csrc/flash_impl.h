@@ -252,38 +252,52 @@ static void FN(mask)(REAL *s, const mha_config *cfg, size_t b, size_t h,
  * with no visible key so far has m' = -inf and subtracts 0 instead, so
  * exp(-inf - -inf) never makes a NaN; a NaN score is ignored by the max
  * and propagates through exp and the sums.
+ *
+ * The rows are interleaved (row loop innermost, over all MR rows): their
+ * max, exp and sum chains are independent, and one row at a time left the
+ * core waiting on each row's horizontal reductions. Rows past mr repeat
+ * row 0's scores (FN(scores)); they are computed and never used, so each
+ * lane's arithmetic, and every result bit, is what a row-by-row loop
+ * gives.
  */
 static void FN(softmax)(REAL *s, REAL *m, REAL *l, REAL *tmp, size_t mr,
                         size_t nkv)
 {
     REAL *arg = tmp, *alpha = tmp + APAD;
-    REAL m_use[MR];
+    VEC mx[MR], mu[MR], sum[MR];
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; r++)
+        mx[r] = VSET1(NINF);
+    for (size_t j = 0; j < nkv; j += VLEN)
+#pragma GCC unroll 16
+        for (int r = 0; r < MR; r++)
+            mx[r] = VMAX(VLOAD(s + r * BK + j), mx[r]);
     for (size_t r = 0; r < APAD; r++)
         arg[r] = NINF;
-    for (size_t r = 0; r < mr; r++) {
-        const REAL *s_r = s + r * BK;
-        VEC mx = VSET1(NINF);
-        for (size_t j = 0; j < nkv; j += VLEN)
-            mx = VMAX(VLOAD(s_r + j), mx);
-        const REAL mb = VHMAX(mx);
-        const REAL m_new = mb > m[r] ? mb : m[r];
-        m_use[r] = m_new == NINF ? 0 : m_new;
-        arg[r] = m[r] - m_use[r]; /* 0 when the max did not move */
-        m[r] = m_new;
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; r++) {
+        REAL m_use = 0;
+        if ((size_t)r < mr) {
+            const REAL mb = VHMAX(mx[r]);
+            const REAL m_new = mb > m[r] ? mb : m[r];
+            m_use = m_new == NINF ? 0 : m_new;
+            arg[r] = m[r] - m_use; /* 0 when the max did not move */
+            m[r] = m_new;
+        }
+        mu[r] = VSET1(m_use);
+        sum[r] = VZERO();
     }
     for (size_t r = 0; r < APAD; r += VLEN)
         VSTORE(alpha + r, VEXP(VLOAD(arg + r)));
-    for (size_t r = 0; r < mr; r++) {
-        REAL *s_r = s + r * BK;
-        const VEC mu = VSET1(m_use[r]);
-        VEC sum = VZERO();
-        for (size_t j = 0; j < nkv; j += VLEN) {
-            const VEC p = VEXP(VSUB(VLOAD(s_r + j), mu));
-            VSTORE(s_r + j, p);
-            sum = VADD(sum, p);
+    for (size_t j = 0; j < nkv; j += VLEN)
+#pragma GCC unroll 16
+        for (int r = 0; r < MR; r++) {
+            const VEC p = VEXP(VSUB(VLOAD(s + r * BK + j), mu[r]));
+            VSTORE(s + r * BK + j, p);
+            sum[r] = VADD(sum[r], p);
         }
-        l[r] = l[r] * alpha[r] + VHSUM(sum);
-    }
+    for (size_t r = 0; r < mr; r++)
+        l[r] = l[r] * alpha[r] + VHSUM(sum[r]);
 }
 
 /*
