@@ -130,6 +130,9 @@ def parse_args(argv=None):
                         "CPUs this process may use)")
     p.add_argument("--budget", type=float, default=None,
                    help="seconds of timing per variant and row (default 0.5, --quick 0.2)")
+    p.add_argument("--settle", type=float, default=0.1,
+                   help="seconds to sleep before each variant's slice of calls, so that "
+                        "the thread pools of the variant before stop spinning (default 0.1)")
     p.add_argument("--min-repeats", type=int, default=None,
                    help="fewest timed repeats (default 5, --quick 3)")
     p.add_argument("--ref-max-seconds", type=float, default=60.0,
@@ -363,7 +366,7 @@ class Timed:
         return statistics.median(self.samples)
 
 
-def time_interleaved(timed: List[Timed], rounds: int = 5) -> None:
+def time_interleaved(timed: List[Timed], rounds: int = 5, settle_s: float = 0.1) -> None:
     """Take every variant's samples in `rounds` interleaved slices.
 
     Each call is timed on its own, even a 5-microsecond one: on a shared
@@ -373,12 +376,23 @@ def time_interleaved(timed: List[Timed], rounds: int = 5) -> None:
     samples over the same stretch of time, so that a burst of load elsewhere
     hits all of them rather than whichever happened to be running, and the
     ratios of medians stay fair.
+
+    Before each slice the benchmark sleeps `settle_s`: the thread pools of
+    the variant before (OpenBLAS's, torch's OpenMP workers, mhattn's) keep
+    spinning for a while after their last call, and on 2 cores a pool that
+    spins takes a core from the next variant.  Measured here: an mhattn
+    call at T = 1024 took 1.5-2.5x its time right after a torch or NumPy
+    call, and its usual time 5 ms (torch) to 100 ms (OpenBLAS) later.
     """
+    last = None
     for r in range(rounds):
         for t in timed:
             todo = -(-(t.repeats - len(t.samples)) // (rounds - r))   # ceil
             if todo > 0:
+                if last is not None and last is not t and settle_s > 0:
+                    time.sleep(settle_s)
                 t.run(todo)
+                last = t
 
 
 # --------------------------------------------------------------------------
@@ -661,7 +675,7 @@ def measure_row(case: Case, data: Data, variants: List[Variant], args,
                 f"{err:.3g} > {tol:g}; the benchmark would compare different computations")
         del out
     del baseline
-    time_interleaved(list(timed.values()))
+    time_interleaved(list(timed.values()), settle_s=args.settle)
     for key, t in timed.items():
         row["results"][key].update(ms=t.median_s * 1e3, repeats=len(t.samples),
                                    seconds_spent=t.spent_s)
@@ -1092,7 +1106,8 @@ def main(argv=None) -> int:
         print_peak(PEAK)
     print(f"  timing    median; 1 warm-up call, then >= {args.min_repeats} repeats filling "
           f"~{args.budget:g} s per variant;\n"
-          "            each call timed alone, variants interleaved in 5 rounds")
+          "            each call timed alone, variants interleaved in 5 rounds,\n"
+          f"            {args.settle:g} s pause at each switch of variant (--settle)")
     print("  GFLOP/s   B * (8 T d^2 + 4 T^2 d), the 4 T^2 d term halved when causal")
 
     info = dict(argv=sys.argv, threads=threads, cpu=cpu_model(),
