@@ -11,8 +11,12 @@
  * (float) or 6 x 16 (double) register blocks. Float key blocks are 128
  * keys, not 64: that halves the per-row bookkeeping per key (horizontal
  * max and sum, alpha, rescaling O), which was 5% faster at T = 4096 on
- * 2 threads of a Zen 5; for double, 128 was 2% slower. The transposing
- * pack stays 8 x 8 / 4 x 4 on ymm registers (flash_x86.h).
+ * 2 threads of a Zen 5; for double, 128 was 2% slower. Float blocks are
+ * not prefetched in software: on Zen 5 the hardware prefetchers follow
+ * their rows, and the prefetch loops cost 7% (T = 4096, 1 thread, min of
+ * 15 calls: 200 vs 215 ms; double and AVX2 were the same either way).
+ * The transposing pack stays 8 x 8 / 4 x 4 on ymm registers
+ * (flash_x86.h).
  */
 #include "flash.h"
 
@@ -52,6 +56,7 @@ static inline __m512d flash_selbool8_pd(__m512d v, const uint8_t *p)
 #define NV 2
 #define BQ 192
 #define BK 128
+#define FLASH_NO_PREFETCH 1
 #define VZERO() _mm512_setzero_ps()
 #define VSET1(x) _mm512_set1_ps(x)
 #define VLOAD(p) _mm512_load_ps(p)

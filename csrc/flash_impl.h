@@ -23,6 +23,7 @@
  *   TB, TPACK(dst, ldd, src, lds, cols)  optional: transposing copy of TB
  *                     rows, dst[c*ldd + r] = src[r*lds + c], r < TB,
  *                     c < cols
+ *   FLASH_NO_PREFETCH optional: no software prefetch of the next key block
  *
  * Scratch of one thread (REAL counts, each part 64-byte aligned):
  *   kt  (dk_max, BK)      K_blk^T, zero past the block's keys
@@ -136,6 +137,9 @@ static inline __attribute__((always_inline)) void
 FN(prefetch)(const REAL *k0, size_t ldk, size_t dk, const REAL *v0,
              size_t ldv, size_t dv, size_t n)
 {
+#ifdef FLASH_NO_PREFETCH
+    (void)k0, (void)ldk, (void)dk, (void)v0, (void)ldv, (void)dv, (void)n;
+#else
     for (size_t j = 0; j < n; j++) {
         // every cache line of row j of k0, then of v0, into L2
         const uintptr_t k_a = (uintptr_t)(k0 + j * ldk);
@@ -147,6 +151,7 @@ FN(prefetch)(const REAL *k0, size_t ldk, size_t dk, const REAL *v0,
         for (uintptr_t a = v_a & ~(uintptr_t)63; a < v_end; a += 64)
             __builtin_prefetch((const void *)a, 0, 2);
     }
+#endif
 }
 
 /*
@@ -557,5 +562,6 @@ const mha_flash_kernel FLASH_KERNEL = {
 #undef VEXP
 #undef VPOW2
 #undef FLASH_POLY_EXP
+#undef FLASH_NO_PREFETCH
 #undef TB
 #undef TPACK
