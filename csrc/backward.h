@@ -1,5 +1,6 @@
 /*
- * backward.h - internal to the backward pass (backward.c, backward_avx2.c):
+ * backward.h - internal to the backward pass (backward.c, backward_avx2.c,
+ * backward_avx512.c):
  * tile sizes, small helpers and the per-ISA entry points. The public
  * declaration is MHA_DECLARE_BACKWARD in mha.h.
  *
@@ -141,6 +142,9 @@ MHA_DECLARE_BACKWARD_ISA(double, f64, ref)
 #define MHA_BWD_HAVE_AVX2 1
 MHA_DECLARE_BACKWARD_ISA(float, f32, avx2)
 MHA_DECLARE_BACKWARD_ISA(double, f64, avx2)
+/* And its AVX-512F build (backward_avx512.c), where the AVX2 one exists. */
+MHA_DECLARE_BACKWARD_ISA(float, f32, avx512)
+MHA_DECLARE_BACKWARD_ISA(double, f64, avx512)
 #endif
 
 #endif /* MHA_BACKWARD_H */

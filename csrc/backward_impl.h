@@ -1,9 +1,9 @@
 /*
  * backward_impl.h - template body of the backward pass; included by
- * backward.c with `real` (float / double), `sfx` (f32 / f64), `isa` (ref /
- * avx2: the instruction set the including file is compiled for) and
- * `bwd_exp` (the exponential of one real) defined. No include guard on
- * purpose.
+ * backward.c, backward_avx2.c and backward_avx512.c with `real` (float /
+ * double), `sfx` (f32 / f64), `isa` (ref / avx2 / avx512: the instruction
+ * set the including file is compiled for) and `bwd_exp` (the exponential of
+ * one real) defined. No include guard on purpose.
  *
  * Legend: see mha.h. BQ query rows times BK keys make one tile. Pointers
  * carry the indices they fix: q_bi is row (b, i) of q, dk_bj row (b, j) of
@@ -33,7 +33,8 @@
  * The main body keeps a 4 x NR block of C in registers (NR reals = two
  * 256-bit vectors) so that the compiler vectorises the inner loop over n.
  * A file that defines BWD_HAVE_MM brings its own mm_<sfx>_<isa> with the
- * same contract (backward_avx2.c: intrinsics with fused multiply-adds).
+ * same contract (backward_avx2.c, backward_avx512.c: intrinsics with fused
+ * multiply-adds).
  */
 #ifndef BWD_HAVE_MM
 enum { BWD(NR) = 64 / (int)sizeof(real) };
