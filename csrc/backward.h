@@ -66,6 +66,14 @@ static inline int bwd_plan_fused(size_t ntasks, int nth)
     return ntasks > 0 && ntasks <= SIZE_MAX / 4 && 4 * ntasks >= 3 * rounds * n;
 }
 
+/* The caller's interrupt flag (cfg->interrupt, may be NULL) is raised. The
+   backward polls it between stages (a GEMM is not split) and before every
+   tile, and then returns MHA_ERR_INTERRUPTED with the gradients unset. */
+static inline int bwd_interrupted(const mha_config *cfg)
+{
+    return cfg->interrupt != NULL && *cfg->interrupt != 0;
+}
+
 /* The bits of a float and back (memcpy: the defined way to pun). */
 static inline uint32_t bwd_fbits(float f)
 {
