@@ -40,7 +40,7 @@
 #define real double
 #define sfx f64
 #define isa ref
-#define bwd_exp exp
+#define bwd_exp bwd_expd
 #include "backward_impl.h"
 #undef real
 #undef sfx

@@ -87,7 +87,7 @@
 #define real double
 #define sfx f64
 #define isa avx512
-#define bwd_exp exp
+#define bwd_exp bwd_expd
 #include "backward_impl.h"
 #undef real
 #undef sfx
