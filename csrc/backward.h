@@ -68,7 +68,7 @@ static inline int bwd_plan_fused(size_t ntasks, int nth)
 
 /* The caller's interrupt flag (cfg->interrupt, may be NULL) is raised. The
    backward polls it between stages (a GEMM is not split) and before every
-   tile, and then returns MHA_ERR_INTERRUPTED with the gradients unset. */
+   tile, and then returns MHA_ERR_INTERRUPTED, the gradients left undefined. */
 static inline int bwd_interrupted(const mha_config *cfg)
 {
     return cfg->interrupt != NULL && *cfg->interrupt != 0;
