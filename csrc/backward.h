@@ -37,30 +37,6 @@ static inline mha_status bwd_alloc(void **p, size_t n, size_t size)
     return *p ? MHA_OK : MHA_ERR_NOMEM;
 }
 
-/* Reserves n elements of `size` bytes at *at in an arena of *total
-   elements, starting on a 64-byte line and rounded up to whole lines
-   (size divides 64); 0 when a size overflows. */
-static inline int bwd_carve(size_t *at, size_t *total, size_t n, size_t size)
-{
-    const size_t line = 64 / size;
-    if (n > SIZE_MAX - line || *total > SIZE_MAX - (n + line))
-        return 0;
-    *at = *total;
-    *total += (n + line - 1) / line * line;
-    return 1;
-}
-
-/* bwd_alloc on a 64-byte boundary (aligned_alloc wants a whole number of
-   lines, which bwd_carve's totals are); free() releases it. */
-static inline mha_status bwd_alloc_lines(void **p, size_t n, size_t size)
-{
-    if (size != 0 && n > (SIZE_MAX - 64) / size)
-        return MHA_ERR_SIZE;
-    const size_t bytes = n == 0 ? 64 : (n * size + 63) / 64 * 64;
-    *p = aligned_alloc(64, bytes);
-    return *p ? MHA_OK : MHA_ERR_NOMEM;
-}
-
 /* *r = a * b; 0 when the product overflows size_t. */
 static inline int bwd_mul_ok(size_t *r, size_t a, size_t b)
 {

@@ -555,81 +555,24 @@ mha_status BWD(mha_backward)(
     const int need_dkv = dkey != NULL || dvalue != NULL || dwk != NULL ||
                          dbk != NULL || dwv != NULL || dbv != NULL;
 
-    // All scratch, allocated here and freed at fail:. The real buffers are
-    // carved out of one allocation (see bwd_carve): a dozen separate
-    // buffers of a few MiB, freed around the caller's own allocations,
-    // made the C library unmap and map them anew at every call, and the
-    // page faults cost up to ~15 % of a backward.
+    // All scratch, allocated here and freed at fail:.
     size_t *off = NULL;   // (2H + 2G,): qoff, cvoff, koff, voff
-    real *arena = NULL;
     real *dcat_s = NULL, *D = NULL, *dq = NULL, *dk = NULL, *dv = NULL;
-    BWD(ctx_t) c = {0};   // its packed buffers are in the arena too
+    real *scratch = NULL;
+    BWD(ctx_t) c = {0};   // its packed buffers are scratch too
     if ((st = bwd_alloc((void **)&off, 2 * (H + G), sizeof *off)) != MHA_OK)
         goto fail;
     size_t *qoff = off, *cvoff = off + H, *koff = off + 2 * H;
     size_t *voff = off + 2 * H + G;
     mha_head_offsets(qoff, cvoff, koff, voff, cfg);
 
-    int nth = mha_get_num_threads();
-    nth = nth < 1 ? 1 : nth;
-    c = (BWD(ctx_t)){
-        .cfg = cfg, .lay = &lay, .qoff = qoff, .cvoff = cvoff, .koff = koff,
-        .voff = voff, .q = q, .k = k, .v = v, .lse = lse,
-        .nqb = (Tq + BWD_BQ - 1) / BWD_BQ,
-        .nkb = (Tk + BWD_BK - 1) / BWD_BK, .stride = BWD_TILE_STRIDE,
-    };
-    {
-        // Offsets into the arena (in reals), each buffer's start on a cache
-        // line; SIZE_MAX for a buffer not needed. kh, kT (B nkb BK Sk
-        // reals) and vT (B nkb BK Sv), with B nkb BK < B Tk + B BK.
-        const int attn = need_dq || need_dkv;
-        size_t total = 0, a_dcat = SIZE_MAX, a_D = SIZE_MAX, a_scr = SIZE_MAX;
-        size_t a_kh = SIZE_MAX, a_kT = SIZE_MAX, a_vT = SIZE_MAX;
-        size_t a_qh = SIZE_MAX, a_doh = SIZE_MAX, a_dq = SIZE_MAX;
-        size_t a_dk = SIZE_MAX, a_dv = SIZE_MAX, nkT, nvT;
-        int ok = bwd_mul_ok(&nkT, B * c.nkb, BWD_BK) && bwd_mul_ok(&nvT, nkT, Sv) &&
-                 bwd_mul_ok(&nkT, nkT, Sk);
-        if (ok && cfg->has_wo && attn)
-            ok = bwd_carve(&a_dcat, &total, nq * Svq, sizeof(real));
-        if (ok && attn)
-            ok = bwd_carve(&a_D, &total, B * H * Tq, sizeof(real)) &&
-                 bwd_carve(&a_scr, &total, (size_t)nth * c.stride, sizeof(real)) &&
-                 bwd_carve(&a_kh, &total, nkT, sizeof(real)) &&
-                 bwd_carve(&a_kT, &total, nkT, sizeof(real)) &&
-                 bwd_carve(&a_vT, &total, nvT, sizeof(real)) &&
-                 bwd_carve(&a_qh, &total, nq * Sq, sizeof(real)) &&
-                 bwd_carve(&a_doh, &total, nq * Svq, sizeof(real));
-        if (ok && need_dkv)
-            ok = bwd_carve(&a_dk, &total, nk * Sk, sizeof(real)) &&
-                 bwd_carve(&a_dv, &total, nk * Sv, sizeof(real));
-        if (ok && need_dq)
-            ok = bwd_carve(&a_dq, &total, nq * Sq, sizeof(real));
-        if (!ok) {
-            st = MHA_ERR_SIZE;
-            goto fail;
-        }
-        if ((st = bwd_alloc_lines((void **)&arena, total, sizeof(real))) != MHA_OK)
-            goto fail;
-#define BWD_AT(a) ((a) == SIZE_MAX ? NULL : arena + (a))
-        dcat_s = BWD_AT(a_dcat);
-        D = BWD_AT(a_D);
-        c.scratch = BWD_AT(a_scr);
-        c.kh = BWD_AT(a_kh);
-        c.kT = BWD_AT(a_kT);
-        c.vT = BWD_AT(a_vT);
-        c.qh = BWD_AT(a_qh);
-        c.doh = BWD_AT(a_doh);
-        c.dk = dk = BWD_AT(a_dk);
-        c.dv = dv = BWD_AT(a_dv);
-        c.dq = dq = BWD_AT(a_dq);
-#undef BWD_AT
-    }
-
     // 1. through the output projection, `out = concat @ wo + bo`:
     //    d(concat) = dout wo^T, dwo = concat^T dout, dbo = colsum(dout).
     //    Without W^O, `out = concat (+ bo)`: d(concat) = dout.
     const real *dcat = dout;   // dcat: (B, Tq, Svq)
     if (cfg->has_wo && (need_dq || need_dkv)) {
+        if ((st = bwd_alloc((void **)&dcat_s, nq * Svq, sizeof(real))) != MHA_OK)
+            goto fail;
         if ((st = MHA_CAT(mha_gemm, sfx)(dcat_s, Svq, dout, Dout, 0, wo, Dout, 1,
                                          NULL, nq, Svq, Dout, 0)) != MHA_OK)
             goto fail;
@@ -647,6 +590,8 @@ mha_status BWD(mha_backward)(
     if (need_dq || need_dkv) {
         // 2. D = rowsum(dO * O) per (b, h, i): O is head h's slice of
         //    concat, dO the same slice of d(concat).
+        if ((st = bwd_alloc((void **)&D, B * H * Tq, sizeof(real))) != MHA_OK)
+            goto fail;
         for (size_t b = 0; b < B; b++)
             for (size_t h = 0; h < H; h++) {
                 const size_t dvh = cfg->dv[h / (H / G)];
@@ -661,11 +606,35 @@ mha_status BWD(mha_backward)(
             }
     }
 
-    // Per-thread tile scratch (c.scratch): S (BQ, BK) and dP (BQ, BK), each
-    // thread's share a whole number of cache lines.
-    c.dcat = dcat;
-    c.D = D;
+    // Per-thread tile scratch, S (BQ, BK) and dP (BQ, BK), each thread's
+    // share a whole number of cache lines.
+    int nth = mha_get_num_threads();
+    nth = nth < 1 ? 1 : nth;
+    const size_t stride = BWD_TILE_STRIDE;
+    c = (BWD(ctx_t)){
+        .cfg = cfg, .lay = &lay, .qoff = qoff, .cvoff = cvoff, .koff = koff,
+        .voff = voff, .q = q, .k = k, .v = v, .dcat = dcat, .lse = lse,
+        .D = D, .nqb = (Tq + BWD_BQ - 1) / BWD_BQ,
+        .nkb = (Tk + BWD_BK - 1) / BWD_BK, .stride = stride,
+    };
     if (need_dq || need_dkv) {
+        // kh, kT (B nkb BK Sk reals) and vT (B nkb BK Sv), with
+        // B nkb BK < B Tk + B BK; qh (B Tq Sq) and doh (B Tq Svq).
+        size_t nkT, nvT;
+        if (!bwd_mul_ok(&nkT, B * c.nkb, BWD_BK) || !bwd_mul_ok(&nvT, nkT, Sv) ||
+            !bwd_mul_ok(&nkT, nkT, Sk)) {
+            st = MHA_ERR_SIZE;
+            goto fail;
+        }
+        if ((st = bwd_alloc((void **)&scratch, (size_t)nth * stride,
+                            sizeof(real))) != MHA_OK ||
+            (st = bwd_alloc((void **)&c.kh, nkT, sizeof(real))) != MHA_OK ||
+            (st = bwd_alloc((void **)&c.kT, nkT, sizeof(real))) != MHA_OK ||
+            (st = bwd_alloc((void **)&c.vT, nvT, sizeof(real))) != MHA_OK ||
+            (st = bwd_alloc((void **)&c.qh, nq * Sq, sizeof(real))) != MHA_OK ||
+            (st = bwd_alloc((void **)&c.doh, nq * Svq, sizeof(real))) != MHA_OK)
+            goto fail;
+        c.scratch = scratch;
         // 3. (operands) pack q, d(concat) per (b, h) and k, v per (b, kb).
         if ((st = mha_parallel_for_n(B * H, nth, BWD(pack_q_task), &c)) != MHA_OK ||
             (st = mha_parallel_for_n(B * c.nkb, nth, BWD(pack_k_task), &c)) != MHA_OK)
@@ -675,6 +644,15 @@ mha_status BWD(mha_backward)(
     }
 
     // 4. and 5.: dk (B, Tk, Sk), dv (B, Tk, Sv) and dq (B, Tq, Sq).
+    if (need_dkv && (st = bwd_alloc((void **)&dk, nk * Sk, sizeof(real))) != MHA_OK)
+        goto fail;
+    if (need_dkv && (st = bwd_alloc((void **)&dv, nk * Sv, sizeof(real))) != MHA_OK)
+        goto fail;
+    if (need_dq && (st = bwd_alloc((void **)&dq, nq * Sq, sizeof(real))) != MHA_OK)
+        goto fail;
+    c.dk = dk;
+    c.dv = dv;
+    c.dq = dq;
     if (need_dq && need_dkv && bwd_plan_fused(B * G, nth)) {
         // One task per (b, g) does both passes.
         if ((st = mha_parallel_for_n(B * G, nth, BWD(fused_task), &c)) != MHA_OK)
@@ -743,7 +721,17 @@ interrupt:
     st = MHA_ERR_INTERRUPTED;
 fail:
     free(off);
-    free(arena);
+    free(dcat_s);
+    free(D);
+    free(dq);
+    free(dk);
+    free(dv);
+    free(scratch);
+    free(c.qh);
+    free(c.doh);
+    free(c.kh);
+    free(c.kT);
+    free(c.vT);
     return st;
 }
 
