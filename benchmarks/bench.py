@@ -5,6 +5,7 @@
     python benchmarks/bench.py --quick          # no GPT-3 width, fewer repeats
     python benchmarks/bench.py --configs 1024x512x8 3x4x2 --dtypes f32
     python benchmarks/bench.py --json out.json
+    python benchmarks/bench.py --no-backward      # forward tables only
 
 A script that prints figures, not a timed test.  In one run it measures, for
 each configuration (T, d_model, h), batch size, dtype and causal flag:
@@ -22,6 +23,11 @@ AssertionError stops the run: the figures must compare one computation).
 Times are medians; ratios are taken between medians of the same run, because
 the machine this runs on is shared and noisy.  The FMA peak that "% peak"
 refers to is measured at start-up by benchmarks/peak.c, compiled with ``cc``.
+
+Then, for the float32 configurations with T >= 1024, the backward table
+of benchmarks/bench_backward.py (imported from there): mhattn's forward and
+backward against PyTorch autograd's, on the same configurations
+(--no-backward leaves it out).
 
 The code is split so that a second table (forward + backward against torch
 autograd) only needs new Variant functions and a column list: see
@@ -146,6 +152,9 @@ def parse_args(argv=None):
                    help="seconds allowed per memory child (default 1800, --quick 120); "
                         "past it the peak so far is reported as a lower bound")
     p.add_argument("--json", metavar="PATH", help="also write every figure as JSON")
+    p.add_argument("--backward", action=argparse.BooleanOptionalAction, default=True,
+                   help="print bench_backward.py's table for the float32 configurations "
+                        "with T >= 1024 (default: on)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cc", default=os.environ.get("CC", "cc"),
                    help="C compiler for peak.c (default $CC or cc)")
@@ -1064,6 +1073,21 @@ def build_cases(args) -> List[tuple]:
     return out
 
 
+def backward_tables(args) -> None:
+    """bench_backward.py's table (forward + backward against torch autograd)
+    for this run's float32 configurations with T >= 1024, one per causal
+    flag; --min-repeats repeats."""
+    configs = [c for c in args.configs if c[0] >= 1024]
+    if "f32" not in args.dtypes or not configs:
+        return
+    import bench_backward   # next to this file
+    for causal in {"both": [False, True], "no": [False], "yes": [True]}[args.causal]:
+        print(f"\nBackward, float32{', causal' if causal else ''} "
+              "(benchmarks/bench_backward.py; B 1, times in ms):", flush=True)
+        bench_backward.report(configs, np.float32, args.min_repeats, causal,
+                              None if args.no_torch else torch)
+
+
 def main(argv=None) -> int:
     global PEAK
     args = parse_args(argv)
@@ -1183,6 +1207,9 @@ def main(argv=None) -> int:
         for r in skipped:
             print(f"  {r['T']}x{r['d_model']}x{r['h']} B={r['B']} {r['dtype']} "
                   f"causal={r['causal']}: {r['results']['numpy']['skipped']}")
+
+    if args.backward:
+        backward_tables(args)
 
     memory = []
     if not args.no_memory:

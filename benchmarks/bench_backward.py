@@ -4,10 +4,13 @@
     python benchmarks/bench_backward.py                 # T = 1024, 2048
     python benchmarks/bench_backward.py --T 1024 --repeats 3 --causal
     python benchmarks/bench_backward.py --threads 1
+    python benchmarks/bench_backward.py --configs 2048x1024x16
 
-A script that prints figures, not a timed test.  For each T (d_model 512,
-h 8, one sequence, float32 unless --dtype f64) it times, as medians of
---repeats runs after one warm-up:
+A script that prints figures, not a timed test (``benchmarks/bench.py``
+prints the same table for its float32 configurations with T >= 1024, by
+importing ``report`` from here).  For each T (d_model 512, h 8, one
+sequence, float32 unless --dtype f64), or each --configs TxDxH, it times,
+as medians of --repeats runs after one warm-up:
 
 - fwd: ``out, ctx = layer(x, return_context=True)`` (the forward a training
   loop runs: it keeps q, k, v, concat and lse for the backward);
@@ -60,19 +63,27 @@ def median_time(fn, repeats):
     return statistics.median(wall), statistics.median(cpu)
 
 
-def parse():
+def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--T", type=int, nargs="+", default=[1024, 2048])
+    ap.add_argument("--configs", nargs="+", metavar="TxDxH",
+                    help="configurations (T, d_model, h) instead of --T")
     ap.add_argument("--dtype", choices=["f32", "f64"], default="f32")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--no-torch", action="store_true")
-    return ap.parse_args()
+    args = ap.parse_args(argv)
+    try:
+        args.configs = ([tuple(int(p) for p in c.lower().split("x")) for c in args.configs]
+                        if args.configs else [(T, D_MODEL, HEADS) for T in args.T])
+    except ValueError:
+        ap.error(f"--configs: expected TxDxH such as 1024x512x8, got {args.configs}")
+    return args
 
 
-def main():
-    args = parse()
+def main(argv=None):
+    args = parse(argv)
     dtype = np.float32 if args.dtype == "f32" else np.float64
     mhattn.set_num_threads(args.threads)
     torch = None
@@ -83,17 +94,25 @@ def main():
         except ImportError:
             print("torch not installed: mhattn figures only")
     print(f"mhattn {mhattn.__version__} from {os.path.dirname(mhattn.__file__)}")
-    print(f"threads {args.threads}, d_model {D_MODEL}, h {HEADS}, B 1, {args.dtype}, "
+    print(f"threads {args.threads}, B 1, {args.dtype}, "
           f"causal {args.causal}, median of {args.repeats}"
           + (f", torch {torch.__version__}" if torch else ""))
-    rows = [(T, measure(T, dtype, args, torch)) for T in args.T]
+    report(args.configs, dtype, args.repeats, args.causal, torch)
+
+
+def report(configs, dtype, repeats, causal, torch):
+    """Measures and prints the table for configs [(T, d_model, h)], dtype
+    np.float32 or np.float64; torch is the module or None. Returns the rows
+    (T, d_model, h, figures), times in seconds as (wall, cpu) pairs."""
+    args = argparse.Namespace(repeats=repeats, causal=causal)
+    rows = [(T, d, h, measure(T, dtype, args, torch, d, h)) for T, d, h in configs]
     for clock, k in (("wall time", 0), ("CPU time of all threads", 1)):
-        print(f"\n{clock} (medians):")
-        header = (f"{'T':>6} {'fwd ms':>9} {'bwd ms':>9} {'bwd/fwd':>8} {'f+b ms':>9} "
+        print(f"\n{clock} (medians){', causal' if causal else ''}:")
+        header = (f"{'T x d x h':>14} {'fwd ms':>9} {'bwd ms':>9} {'bwd/fwd':>8} {'f+b ms':>9} "
                   f"{'MHA ms':>9} {'SDPA ms':>9} {'speedup':>8}  targets")
         print(header)
         print("-" * len(header))
-        for T, r in rows:
+        for T, d, h, r in rows:
             row = {name: (v[k] if isinstance(v, tuple) else v) for name, v in r.items()}
             fb = row["fwd"] + row["bwd"]
             targets = [("bwd<=2.5fwd", row["bwd"] <= BWD_OVER_FWD_MAX * row["fwd"])]
@@ -105,7 +124,7 @@ def main():
             tstr = "  ".join(f"{n} {'PASS' if ok else 'MISS'}" for n, ok in targets)
             fmt = lambda v: f"{v * 1e3:9.1f}" if v is not None else f"{'-':>9}"  # noqa: E731
             sp = f"{speedup:7.2f}x" if speedup else f"{'-':>8}"
-            print(f"{T:>6} {fmt(row['fwd'])} {fmt(row['bwd'])} "
+            print(f"{f'{T}x{d}x{h}':>14} {fmt(row['fwd'])} {fmt(row['bwd'])} "
                   f"{row['bwd'] / row['fwd']:7.2f}x {fmt(fb)} {fmt(row.get('mha'))} "
                   f"{fmt(row.get('sdpa'))} {sp}  {tstr}")
     print()
@@ -113,16 +132,17 @@ def main():
           "variant's forward+backward over mhattn's fwd+bwd (target >= 1.5). The\n"
           "targets are on wall time; CPU time is printed too because on a shared "
           "machine it is the steadier figure.")
+    return rows
 
 
-def measure(T, dtype, args, torch):
+def measure(T, dtype, args, torch, d_model=D_MODEL, heads=HEADS):
     rng = np.random.default_rng(T)
-    layer = mhattn.MultiHeadAttention(D_MODEL, HEADS, bias=True, dtype=dtype, seed=T)
+    layer = mhattn.MultiHeadAttention(d_model, heads, bias=True, dtype=dtype, seed=T)
     for name in ("b_q", "b_k", "b_v", "b_o"):
         setattr(layer, name, (0.1 * rng.standard_normal(getattr(layer, name).shape))
                 .astype(dtype))
-    x = rng.standard_normal((T, D_MODEL)).astype(dtype)
-    grad_out = rng.standard_normal((T, D_MODEL)).astype(dtype)
+    x = rng.standard_normal((T, d_model)).astype(dtype)
+    grad_out = rng.standard_normal((T, d_model)).astype(dtype)
     kw = dict(causal=True) if args.causal else {}
 
     state = {}
@@ -165,11 +185,11 @@ def measure(T, dtype, args, torch):
     def sdpa():
         zero()
         qkv = torch.nn.functional.linear(xt, w_in, b_in)       # (1, T, 3E)
-        q, k, v = (t.view(1, T, HEADS, D_MODEL // HEADS).transpose(1, 2)
-                   for t in qkv.split(D_MODEL, dim=-1))
+        q, k, v = (t.view(1, T, heads, d_model // heads).transpose(1, 2)
+                   for t in qkv.split(d_model, dim=-1))
         o = torch.nn.functional.scaled_dot_product_attention(q, k, v,
                                                              is_causal=args.causal)
-        out = torch.nn.functional.linear(o.transpose(1, 2).reshape(1, T, D_MODEL),
+        out = torch.nn.functional.linear(o.transpose(1, 2).reshape(1, T, d_model),
                                          w_out, b_out)
         out.backward(gt)
 

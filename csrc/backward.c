@@ -18,10 +18,11 @@
  *   6. dwq, dbq, dx and likewise for k, v         (GEMMs)
  *
  * The template is included twice here (float32, float64) for the portable
- * build, and twice in backward_avx2.c for the same source compiled for
- * AVX2. Neither build contracts a * b + c into a fused multiply-add or
- * reassociates a sum, so the two give bitwise identical gradients; the
- * AVX2 build is only faster.
+ * build, and twice in each of backward_avx2.c and backward_avx512.c for the
+ * same source compiled for AVX2 and AVX-512F, with their own tile products
+ * (intrinsics, fused multiply-adds). Outside the tile products no build
+ * contracts a * b + c or reassociates a sum; the builds differ by rounding
+ * only, and each is bitwise the same for any thread count.
  */
 #include "backward.h"
 #include "dispatch.h"
@@ -39,19 +40,21 @@
 #define real double
 #define sfx f64
 #define isa ref
-#define bwd_exp exp
+#define bwd_exp bwd_expd
 #include "backward_impl.h"
 #undef real
 #undef sfx
 #undef isa
 #undef bwd_exp
 
-/* The public entry points: the AVX2 build when the ISA in force allows it
-   (mha_get_isa: detected, capped by MHATTN_ISA), else the portable one. */
+/* The public entry points: the widest build the ISA in force allows
+   (mha_get_isa: detected, capped by MHATTN_ISA or mha_set_isa), else the
+   portable one. */
 #ifdef MHA_BWD_HAVE_AVX2
 #define BWD_PICK(sfx)                                                         \
-    (mha_get_isa() >= MHA_ISA_AVX2 ? mha_backward_##sfx##_avx2                \
-                                   : mha_backward_##sfx##_ref)
+    (mha_get_isa() >= MHA_ISA_AVX512 ? mha_backward_##sfx##_avx512            \
+     : mha_get_isa() >= MHA_ISA_AVX2 ? mha_backward_##sfx##_avx2              \
+                                     : mha_backward_##sfx##_ref)
 #else
 #define BWD_PICK(sfx) mha_backward_##sfx##_ref
 #endif

@@ -1,5 +1,6 @@
 /*
- * backward.h - internal to the backward pass (backward.c, backward_avx2.c):
+ * backward.h - internal to the backward pass (backward.c, backward_avx2.c,
+ * backward_avx512.c):
  * tile sizes, small helpers and the per-ISA entry points. The public
  * declaration is MHA_DECLARE_BACKWARD in mha.h.
  *
@@ -65,6 +66,14 @@ static inline int bwd_plan_fused(size_t ntasks, int nth)
     return ntasks > 0 && ntasks <= SIZE_MAX / 4 && 4 * ntasks >= 3 * rounds * n;
 }
 
+/* The caller's interrupt flag (cfg->interrupt, may be NULL) is raised. The
+   backward polls it between stages (a GEMM is not split) and before every
+   tile, and then returns MHA_ERR_INTERRUPTED, the gradients left undefined. */
+static inline int bwd_interrupted(const mha_config *cfg)
+{
+    return cfg->interrupt != NULL && *cfg->interrupt != 0;
+}
+
 /* The bits of a float and back (memcpy: the defined way to pun). */
 static inline uint32_t bwd_fbits(float f)
 {
@@ -120,6 +129,68 @@ static inline float bwd_expf(float x)
     return bwd_bitsf(bwd_fbits(y * bwd_bitsf(two_n)) & keep);
 }
 
+/* The bits of a double and back. */
+static inline uint64_t bwd_dbits(double d)
+{
+    uint64_t u;
+    memcpy(&u, &d, sizeof u);
+    return u;
+}
+
+static inline double bwd_bitsd(uint64_t u)
+{
+    double d;
+    memcpy(&d, &u, sizeof d);
+    return d;
+}
+
+/*
+ * exp(x) in float64, like bwd_expf: no branches or calls, so that a loop
+ * of it vectorises, where libm's exp is one call per element (it took ~12 %
+ * of a float64 backward). x = n ln2 + r with |r| <= ln2 / 2 (Cephes' split
+ * of ln2, C1 + C2, C1 with few enough bits that n C1 is exact), exp(r) by
+ * flash_exp_impl.h's degree-11 polynomial (fitted error 3e-18; evaluated
+ * here without fused multiply-adds, within ~2 ulp of exp), and 2^n by the
+ * shift trick: adding 1.5 * 2^52 + 1023 to x log2(e) rounds it to an
+ * integer and leaves n + 1023 in the low bits, which a shift moves into the
+ * exponent field (no double-to-integer conversion, which 64-bit lanes lack
+ * before AVX-512DQ). x below -708 (and -inf: a masked probability) gives 0,
+ * above 709 exp(709); NaN gives NaN. Range tests compare bits as integers,
+ * as in bwd_expf.
+ */
+static inline double bwd_expd(double x)
+{
+    const uint64_t lo = 0xC086200000000000u;   // -708.0: below, 2^n is subnormal
+    const int64_t hi = 0x4086280000000000;     // 709.0
+    const uint64_t ux = bwd_dbits(x);
+    const uint64_t keep = 0u - (uint64_t)(ux <= lo);   // all ones unless x < lo
+    uint64_t uc = ux > lo ? lo : ux;
+    uc = (int64_t)uc > hi ? (uint64_t)hi : uc;
+    const double xc = bwd_bitsd(uc);
+    const double shift = 6755399441055744.0 + 1023.0;  // 1.5 * 2^52 + bias
+    const double t = xc * 1.4426950408889634 + shift;
+    const double n = t - shift;   // round(x log2 e), exact
+    double r = xc - n * 6.93145751953125e-1;
+    r = r - n * 1.42860682030941723212e-6;
+    double p = 2.5110037605963777e-08;
+    p = p * r + 2.763263963904103e-07;
+    p = p * r + 2.755724091857897e-06;
+    p = p * r + 2.4801485482328494e-05;
+    p = p * r + 0.00019841269890047113;
+    p = p * r + 0.0013888888952314775;
+    p = p * r + 0.008333333333319601;
+    p = p * r + 0.0416666666664881;
+    p = p * r + 0.1666666666666668;
+    p = p * r + 0.5000000000000019;
+    p = p * r + 1.0;
+    p = p * r + 1.0;
+    // 2^n: n + 1023 in [0, 2046] sits in t's low bits.
+    const uint64_t y = bwd_dbits(p * bwd_bitsd(bwd_dbits(t) << 52)) & keep;
+    // NaN in, NaN out (the clamps above turned it into a number).
+    const uint64_t nan = 0u - (uint64_t)((ux & 0x7FFFFFFFFFFFFFFFu) > 0x7FF0000000000000u);
+    return bwd_bitsd((y & ~nan) | (ux & nan));
+}
+
 #define MHA_DECLARE_BACKWARD_ISA(real, sfx, isa)                              \
     mha_status mha_backward_##sfx##_##isa(                                    \
         real *dx, real *dkey, real *dvalue,                                   \
@@ -141,6 +212,9 @@ MHA_DECLARE_BACKWARD_ISA(double, f64, ref)
 #define MHA_BWD_HAVE_AVX2 1
 MHA_DECLARE_BACKWARD_ISA(float, f32, avx2)
 MHA_DECLARE_BACKWARD_ISA(double, f64, avx2)
+/* And its AVX-512F build (backward_avx512.c), where the AVX2 one exists. */
+MHA_DECLARE_BACKWARD_ISA(float, f32, avx512)
+MHA_DECLARE_BACKWARD_ISA(double, f64, avx512)
 #endif
 
 #endif /* MHA_BACKWARD_H */

@@ -82,7 +82,7 @@
 #define real double
 #define sfx f64
 #define isa avx2
-#define bwd_exp exp
+#define bwd_exp bwd_expd
 #include "backward_impl.h"
 #undef real
 #undef sfx

@@ -1,9 +1,9 @@
 /*
  * backward_impl.h - template body of the backward pass; included by
- * backward.c with `real` (float / double), `sfx` (f32 / f64), `isa` (ref /
- * avx2: the instruction set the including file is compiled for) and
- * `bwd_exp` (the exponential of one real) defined. No include guard on
- * purpose.
+ * backward.c, backward_avx2.c and backward_avx512.c with `real` (float /
+ * double), `sfx` (f32 / f64), `isa` (ref / avx2 / avx512: the instruction
+ * set the including file is compiled for) and `bwd_exp` (the exponential of
+ * one real) defined. No include guard on purpose.
  *
  * Legend: see mha.h. BQ query rows times BK keys make one tile. Pointers
  * carry the indices they fix: q_bi is row (b, i) of q, dk_bj row (b, j) of
@@ -33,7 +33,8 @@
  * The main body keeps a 4 x NR block of C in registers (NR reals = two
  * 256-bit vectors) so that the compiler vectorises the inner loop over n.
  * A file that defines BWD_HAVE_MM brings its own mm_<sfx>_<isa> with the
- * same contract (backward_avx2.c: intrinsics with fused multiply-adds).
+ * same contract (backward_avx2.c, backward_avx512.c: intrinsics with fused
+ * multiply-adds).
  */
 #ifndef BWD_HAVE_MM
 enum { BWD(NR) = 64 / (int)sizeof(real) };
@@ -384,6 +385,8 @@ static void BWD(kv_block)(const BWD(ctx_t) *c, size_t b, size_t g, size_t kb,
     }
     for (size_t h = g * per_kv; h < (g + 1) * per_kv; h++) {
         for (size_t i0 = i_first; i0 < Tq; i0 += BWD_BQ) {
+            if (bwd_interrupted(cfg))
+                return;
             const size_t nq = Tq - i0 < BWD_BQ ? Tq - i0 : BWD_BQ;
             // qh_bi (nq, dkg), doh_bi (nq, dvg): packed, rows contiguous.
             const real *qh_bi = c->qh + b * Tq * Sq + c->qoff[h] * Tq + i0 * dkg;
@@ -409,7 +412,7 @@ static void BWD(kv_block)(const BWD(ctx_t) *c, size_t b, size_t g, size_t kb,
 static void BWD(dkv_task)(void *ctxp, size_t task, int ith)
 {
     const BWD(ctx_t) *c = ctxp;
-    if (c->cfg->interrupt != NULL && *c->cfg->interrupt)
+    if (bwd_interrupted(c->cfg))
         return;
     const size_t G = c->cfg->G;
     BWD(kv_block)(c, task / c->nkb / G, (task / c->nkb) % G, task % c->nkb,
@@ -440,7 +443,7 @@ static void BWD(fused_task)(void *ctxp, size_t task, int ith)
                 c->dq[(b * Tq + i) * Sq + c->qoff[h] + d] = 0;
     }
     for (size_t kb = 0; kb < c->nkb; kb++) {
-        if (cfg->interrupt != NULL && *cfg->interrupt)
+        if (bwd_interrupted(cfg))
             return;
         BWD(kv_block)(c, b, g, kb, ith, 1);
     }
@@ -457,7 +460,7 @@ static void BWD(dq_task)(void *ctxp, size_t task, int ith)
 {
     const BWD(ctx_t) *c = ctxp;
     const mha_config *cfg = c->cfg;
-    if (cfg->interrupt != NULL && *cfg->interrupt)
+    if (bwd_interrupted(cfg))
         return;
     const size_t Tq = cfg->Tq, H = cfg->H;
     const size_t Sq = c->lay->Sq, Sk = c->lay->Sk, Sv = c->lay->Sv;
@@ -483,6 +486,8 @@ static void BWD(dq_task)(void *ctxp, size_t task, int ith)
     const real *qh_bi = c->qh + b * Tq * Sq + c->qoff[h] * Tq + i0 * dkg;
     const real *doh_bi = c->doh + b * Tq * Svq + c->cvoff[h] * Tq + i0 * dvg;
     for (size_t j0 = 0; j0 < kend; j0 += BWD_BK) {
+        if (bwd_interrupted(cfg))
+            return;
         const size_t nk = kend - j0 < BWD_BK ? kend - j0 : BWD_BK;
         const size_t blk = b * c->nkb + j0 / BWD_BK;
         const real *kh_bj = c->kh + (blk * Sk + c->koff[g]) * BWD_BK;   // (nk, dkg)
@@ -579,6 +584,8 @@ mha_status BWD(mha_backward)(
         goto fail;
     if (dbo != NULL)
         BWD(colsum)(dbo, dout, nq, Dout, Dout);
+    if (bwd_interrupted(cfg))
+        goto interrupt;
 
     if (need_dq || need_dkv) {
         // 2. D = rowsum(dO * O) per (b, h, i): O is head h's slice of
@@ -632,6 +639,8 @@ mha_status BWD(mha_backward)(
         if ((st = mha_parallel_for_n(B * H, nth, BWD(pack_q_task), &c)) != MHA_OK ||
             (st = mha_parallel_for_n(B * c.nkb, nth, BWD(pack_k_task), &c)) != MHA_OK)
             goto fail;
+        if (bwd_interrupted(cfg))
+            goto interrupt;
     }
 
     // 4. and 5.: dk (B, Tk, Sk), dv (B, Tk, Sv) and dq (B, Tq, Sq).
@@ -657,38 +666,47 @@ mha_status BWD(mha_backward)(
             (st = mha_parallel_for_n(B * H * c.nqb, nth, BWD(dq_task), &c)) != MHA_OK)
             goto fail;
     }
-    if (cfg->interrupt != NULL && *cfg->interrupt) {
-        st = MHA_ERR_INTERRUPTED;
-        goto fail;
-    }
+    if (bwd_interrupted(cfg))
+        goto interrupt;
 
     // 6. through the input projections, `q = x @ wq + bq` and likewise k, v:
     //    dwq = x^T dq, dbq = colsum(dq), dx = dq wq^T. A gradient buffer
     //    that is also an earlier one (key is x, value is key or x) adds.
+    //    The interrupt flag is polled after each GEMM (a GEMM is not split).
     if (dwq != NULL &&
         (st = MHA_CAT(mha_gemm, sfx)(dwq, Sq, x, Din, 1, dq, Sq, 0, NULL, Din,
                                      Sq, nq, 0)) != MHA_OK)
         goto fail;
+    if (bwd_interrupted(cfg))
+        goto interrupt;
     if (dbq != NULL)
         BWD(colsum)(dbq, dq, nq, Sq, Sq);
     if (dx != NULL &&
         (st = MHA_CAT(mha_gemm, sfx)(dx, Din, dq, Sq, 0, wq, Sq, 1, NULL, nq,
                                      Din, Sq, 0)) != MHA_OK)
         goto fail;
+    if (bwd_interrupted(cfg))
+        goto interrupt;
     if (dwk != NULL &&
         (st = MHA_CAT(mha_gemm, sfx)(dwk, Sk, key, Dkin, 1, dk, Sk, 0, NULL,
                                      Dkin, Sk, nk, 0)) != MHA_OK)
         goto fail;
+    if (bwd_interrupted(cfg))
+        goto interrupt;
     if (dbk != NULL)
         BWD(colsum)(dbk, dk, nk, Sk, Sk);
     if (dkey != NULL &&
         (st = MHA_CAT(mha_gemm, sfx)(dkey, Dkin, dk, Sk, 0, wk, Sk, 1, NULL, nk,
                                      Dkin, Sk, dkey == dx)) != MHA_OK)
         goto fail;
+    if (bwd_interrupted(cfg))
+        goto interrupt;
     if (dwv != NULL &&
         (st = MHA_CAT(mha_gemm, sfx)(dwv, Sv, value, Dvin, 1, dv, Sv, 0, NULL,
                                      Dvin, Sv, nk, 0)) != MHA_OK)
         goto fail;
+    if (bwd_interrupted(cfg))
+        goto interrupt;
     if (dbv != NULL)
         BWD(colsum)(dbv, dv, nk, Sv, Sv);
     if (dvalue != NULL &&
@@ -697,7 +715,10 @@ mha_status BWD(mha_backward)(
                                      dvalue == dx || dvalue == dkey)) != MHA_OK)
         goto fail;
     st = MHA_OK;
+    goto fail;   // success shares the cleanup
 
+interrupt:
+    st = MHA_ERR_INTERRUPTED;
 fail:
     free(off);
     free(dcat_s);

@@ -903,6 +903,15 @@ static PyObject *backward(PyObject *self, PyObject *args, PyObject *kwds)
     void *dkey_p = key_is_x ? DATA(dx) : DATA(dkey);
     void *dvalue_p = value_is_key ? dkey_p : DATA(dvalue);
 
+    // Ctrl-C: as in forward (see sigint_handler). A Python handler that
+    // does not raise lets the call start over; every gradient is
+    // overwritten, so a partial run leaves no trace.
+    const int main_thread = on_main_thread();
+retry:
+    if (main_thread) {
+        sigint_install();
+        cfg.interrupt = (volatile const int *)&sigint_flag;
+    }
     Py_BEGIN_ALLOW_THREADS
     if (typenum == NPY_FLOAT)
         st = mha_backward_f32(DATA(dx), dkey_p, dvalue_p, DATA(dwq), DATA(dwk),
@@ -919,6 +928,16 @@ static PyObject *backward(PyObject *self, PyObject *args, PyObject *kwds)
                               DATA(wv), DATA(wo), DATA(q), DATA(k), DATA(v),
                               DATA(concat), DATA(lse), &cfg);
     Py_END_ALLOW_THREADS
+    if (main_thread) {
+        const int signalled = sigint_flag != 0;
+        sigint_uninstall();
+        if (signalled || st == MHA_ERR_INTERRUPTED) {
+            if (PyErr_CheckSignals() < 0)
+                goto fail;
+            if (st == MHA_ERR_INTERRUPTED)
+                goto retry;
+        }
+    }
     if (st != MHA_OK) {
         raise_status(st);
         goto fail;

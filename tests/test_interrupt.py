@@ -1,4 +1,5 @@
-"""Ctrl-C during a long call is honoured promptly (in a child process).
+"""Ctrl-C during a long call is honoured promptly (in a child process), in
+the forward and in the backward pass.
 
 SIGINT is sent by a timer thread with os.kill(os.getpid(), SIGINT) while
 the main thread is inside a call that would take several seconds; the call
@@ -175,3 +176,102 @@ def test_ignored_sigint_is_ignored(report):
 def test_worker_thread_calls_are_not_interrupted(report):
     assert report["main_interrupted_in_python"]
     assert report["worker_result_ok"]
+
+
+# The backward pass: the same checks on mhattn.backward, whose core polls
+# the flag between stages and before every tile.
+CHILD_BACKWARD = textwrap.dedent(r"""
+    import json, os, signal, threading, time
+    import numpy as np
+    import mhattn
+
+    rng = np.random.default_rng(1)
+    report = {}
+
+    def make(T, d=16):
+        x = rng.standard_normal((T, d)).astype(np.float32)
+        w = rng.standard_normal((d, d)).astype(np.float32)
+        out, ctx = mhattn.multi_head_attention(x, w, w, w, num_heads=1,
+                                               return_context=True)
+        return rng.standard_normal(out.shape).astype(np.float32), ctx
+
+    def run(case):
+        g = mhattn.backward(*case)
+        return b"".join(g[k].tobytes() for k in g)
+
+    def sized(seconds):
+        # The backward is O(T^2): time T=600, scale to the wanted duration.
+        small = make(600)
+        run(small)
+        t = time.perf_counter(); run(small); dt = time.perf_counter() - t
+        return int(600 * (seconds / max(dt, 1e-6)) ** 0.5)
+
+    def sigint_after(delay, sent):
+        def fire():
+            time.sleep(delay)
+            sent.append(time.perf_counter())
+            os.kill(os.getpid(), signal.SIGINT)
+        th = threading.Thread(target=fire)
+        th.start()
+        return th
+
+    T_long = sized(6.0)
+    report["T_long"] = T_long
+    long_call = make(T_long)
+    small = make(50)
+    want_small = run(small)
+
+    # 1. The default handler: KeyboardInterrupt, promptly.
+    sent = []
+    th = sigint_after(0.5, sent)
+    t0 = time.perf_counter()
+    try:
+        run(long_call)
+        report["interrupted"] = False
+    except KeyboardInterrupt:
+        report["interrupted"] = True
+    report["latency"] = time.perf_counter() - sent[0] if sent else None
+    report["elapsed"] = time.perf_counter() - t0
+    th.join()
+    report["works_after"] = run(small) == want_small
+
+    # 2. A Python handler that does not raise: the call starts over and
+    #    gives bitwise the uninterrupted gradients; the handler ran once.
+    mid = make(sized(0.8))
+    want_mid = run(mid)
+    calls = []
+    prev = signal.signal(signal.SIGINT, lambda s, f: calls.append(s))
+    sent = []
+    th = sigint_after(0.3, sent)
+    report["custom_handler_result_ok"] = run(mid) == want_mid
+    th.join()
+    signal.signal(signal.SIGINT, prev)
+    report["custom_handler_calls"] = len(calls)
+    print(json.dumps(report), flush=True)
+""")
+
+
+@pytest.fixture(scope="module")
+def report_backward():
+    env = dict(os.environ)
+    pkg_parent = os.path.dirname(os.path.dirname(mhattn.__file__))
+    env["PYTHONPATH"] = os.pathsep.join(
+        [pkg_parent] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    proc = subprocess.run([sys.executable, "-c", CHILD_BACKWARD], env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_ctrl_c_interrupts_a_long_backward_promptly(report_backward):
+    # The backward was sized to take ~6 s; it must stop within ~1 s.
+    r = report_backward
+    assert r["interrupted"], r
+    assert r["latency"] < 1.0, r
+    assert r["elapsed"] < 1.5 + 0.5, r
+    assert r["works_after"], r
+
+
+def test_backward_restarts_under_a_python_handler_that_does_not_raise(report_backward):
+    assert report_backward["custom_handler_calls"] == 1
+    assert report_backward["custom_handler_result_ok"]
