@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "alloc.h"
 #include "dispatch.h"
 #include "flash.h"
 #include "gemm.h"
@@ -159,19 +160,6 @@ void mha_head_offsets(size_t *qoff, size_t *cvoff, size_t *koff,
     }
 }
 
-/*
- * malloc of n elements of `size` bytes; n was bounded by mha_check_config,
- * but the byte count is checked again here. Never asks malloc for 0 bytes,
- * so NULL always means failure.
- */
-static mha_status scratch_alloc(void **p, size_t n, size_t size)
-{
-    if (size != 0 && n > SIZE_MAX / size)
-        return MHA_ERR_SIZE;
-    *p = malloc(n == 0 ? 1 : n * size);
-    return *p ? MHA_OK : MHA_ERR_NOMEM;
-}
-
 /* Nonzero once the caller's interrupt flag (if any) has been raised. */
 static int interrupted(const mha_config *cfg)
 {
@@ -236,10 +224,11 @@ static mha_status attend(mha_flash_ctx *ctx, const mha_flash_kernel *kern)
     const size_t per = kern->scratch_bytes(dk_max, dv_max);
     if (per == 0 || per > (SIZE_MAX - 64) / (size_t)nth)
         return MHA_ERR_SIZE;
-    unsigned char *raw = malloc(per * (size_t)nth + 64);
-    if (raw == NULL)
-        return MHA_ERR_NOMEM;
-    ctx->scratch = raw + (64 - (uintptr_t)raw % 64) % 64;
+    void *raw;
+    const mha_status st_alloc = mha_scratch(&raw, (size_t)nth, per);
+    if (st_alloc != MHA_OK)
+        return st_alloc;
+    ctx->scratch = raw;
     ctx->scratch_stride = per;
 
     mha_status st = mha_parallel_for_n(ntasks, nth, kern->task, ctx);

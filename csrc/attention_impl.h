@@ -45,20 +45,20 @@ mha_status MHA_CAT(mha_forward, sfx)(
     // All scratch, allocated here and freed at fail:.
     real *q_s = NULL, *k_s = NULL, *v_s = NULL, *cat_s = NULL;
     size_t *off = NULL;   // (2H + 2G,): qoff, cvoff, koff, voff
-    if ((st = scratch_alloc((void **)&off, 2 * (H + G), sizeof *off)) != MHA_OK)
+    if ((st = mha_scratch((void **)&off, 2 * (H + G), sizeof *off)) != MHA_OK)
         goto fail;
     if (q == NULL) {
-        if ((st = scratch_alloc((void **)&q_s, nq * Sq, sizeof(real))) != MHA_OK)
+        if ((st = mha_scratch((void **)&q_s, nq * Sq, sizeof(real))) != MHA_OK)
             goto fail;
         q = q_s;   // q: (B, Tq, Sq)
     }
     if (k == NULL) {
-        if ((st = scratch_alloc((void **)&k_s, nk * Sk, sizeof(real))) != MHA_OK)
+        if ((st = mha_scratch((void **)&k_s, nk * Sk, sizeof(real))) != MHA_OK)
             goto fail;
         k = k_s;   // k: (B, Tk, Sk)
     }
     if (v == NULL) {
-        if ((st = scratch_alloc((void **)&v_s, nk * Sv, sizeof(real))) != MHA_OK)
+        if ((st = mha_scratch((void **)&v_s, nk * Sv, sizeof(real))) != MHA_OK)
             goto fail;
         v = v_s;   // v: (B, Tk, Sv)
     }
@@ -68,7 +68,7 @@ mha_status MHA_CAT(mha_forward, sfx)(
         if (!cfg->has_wo) {
             cat = out;
         } else {
-            if ((st = scratch_alloc((void **)&cat_s, nq * Svq, sizeof(real))) != MHA_OK)
+            if ((st = mha_scratch((void **)&cat_s, nq * Svq, sizeof(real))) != MHA_OK)
                 goto fail;
             cat = cat_s;
         }

@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "alloc.h"
 #include "gemm.h"
 #include "mha.h"
 #include "threads.h"
@@ -26,16 +27,6 @@
 
 #define MHA_CAT_(a, b) a##_##b
 #define MHA_CAT(a, b) MHA_CAT_(a, b)
-
-/* malloc of n elements of `size` bytes, never 0 bytes (so NULL is always a
-   failure); checks the byte count. */
-static inline mha_status bwd_alloc(void **p, size_t n, size_t size)
-{
-    if (size != 0 && n > SIZE_MAX / size)
-        return MHA_ERR_SIZE;
-    *p = malloc(n == 0 ? 1 : n * size);
-    return *p ? MHA_OK : MHA_ERR_NOMEM;
-}
 
 /* *r = a * b; 0 when the product overflows size_t. */
 static inline int bwd_mul_ok(size_t *r, size_t a, size_t b)

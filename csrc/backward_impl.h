@@ -560,7 +560,7 @@ mha_status BWD(mha_backward)(
     real *dcat_s = NULL, *D = NULL, *dq = NULL, *dk = NULL, *dv = NULL;
     real *scratch = NULL;
     BWD(ctx_t) c = {0};   // its packed buffers are scratch too
-    if ((st = bwd_alloc((void **)&off, 2 * (H + G), sizeof *off)) != MHA_OK)
+    if ((st = mha_scratch((void **)&off, 2 * (H + G), sizeof *off)) != MHA_OK)
         goto fail;
     size_t *qoff = off, *cvoff = off + H, *koff = off + 2 * H;
     size_t *voff = off + 2 * H + G;
@@ -571,7 +571,7 @@ mha_status BWD(mha_backward)(
     //    Without W^O, `out = concat (+ bo)`: d(concat) = dout.
     const real *dcat = dout;   // dcat: (B, Tq, Svq)
     if (cfg->has_wo && (need_dq || need_dkv)) {
-        if ((st = bwd_alloc((void **)&dcat_s, nq * Svq, sizeof(real))) != MHA_OK)
+        if ((st = mha_scratch((void **)&dcat_s, nq * Svq, sizeof(real))) != MHA_OK)
             goto fail;
         if ((st = MHA_CAT(mha_gemm, sfx)(dcat_s, Svq, dout, Dout, 0, wo, Dout, 1,
                                          NULL, nq, Svq, Dout, 0)) != MHA_OK)
@@ -590,7 +590,7 @@ mha_status BWD(mha_backward)(
     if (need_dq || need_dkv) {
         // 2. D = rowsum(dO * O) per (b, h, i): O is head h's slice of
         //    concat, dO the same slice of d(concat).
-        if ((st = bwd_alloc((void **)&D, B * H * Tq, sizeof(real))) != MHA_OK)
+        if ((st = mha_scratch((void **)&D, B * H * Tq, sizeof(real))) != MHA_OK)
             goto fail;
         for (size_t b = 0; b < B; b++)
             for (size_t h = 0; h < H; h++) {
@@ -626,13 +626,13 @@ mha_status BWD(mha_backward)(
             st = MHA_ERR_SIZE;
             goto fail;
         }
-        if ((st = bwd_alloc((void **)&scratch, (size_t)nth * stride,
+        if ((st = mha_scratch((void **)&scratch, (size_t)nth * stride,
                             sizeof(real))) != MHA_OK ||
-            (st = bwd_alloc((void **)&c.kh, nkT, sizeof(real))) != MHA_OK ||
-            (st = bwd_alloc((void **)&c.kT, nkT, sizeof(real))) != MHA_OK ||
-            (st = bwd_alloc((void **)&c.vT, nvT, sizeof(real))) != MHA_OK ||
-            (st = bwd_alloc((void **)&c.qh, nq * Sq, sizeof(real))) != MHA_OK ||
-            (st = bwd_alloc((void **)&c.doh, nq * Svq, sizeof(real))) != MHA_OK)
+            (st = mha_scratch((void **)&c.kh, nkT, sizeof(real))) != MHA_OK ||
+            (st = mha_scratch((void **)&c.kT, nkT, sizeof(real))) != MHA_OK ||
+            (st = mha_scratch((void **)&c.vT, nvT, sizeof(real))) != MHA_OK ||
+            (st = mha_scratch((void **)&c.qh, nq * Sq, sizeof(real))) != MHA_OK ||
+            (st = mha_scratch((void **)&c.doh, nq * Svq, sizeof(real))) != MHA_OK)
             goto fail;
         c.scratch = scratch;
         // 3. (operands) pack q, d(concat) per (b, h) and k, v per (b, kb).
@@ -644,11 +644,11 @@ mha_status BWD(mha_backward)(
     }
 
     // 4. and 5.: dk (B, Tk, Sk), dv (B, Tk, Sv) and dq (B, Tq, Sq).
-    if (need_dkv && (st = bwd_alloc((void **)&dk, nk * Sk, sizeof(real))) != MHA_OK)
+    if (need_dkv && (st = mha_scratch((void **)&dk, nk * Sk, sizeof(real))) != MHA_OK)
         goto fail;
-    if (need_dkv && (st = bwd_alloc((void **)&dv, nk * Sv, sizeof(real))) != MHA_OK)
+    if (need_dkv && (st = mha_scratch((void **)&dv, nk * Sv, sizeof(real))) != MHA_OK)
         goto fail;
-    if (need_dq && (st = bwd_alloc((void **)&dq, nq * Sq, sizeof(real))) != MHA_OK)
+    if (need_dq && (st = mha_scratch((void **)&dq, nq * Sq, sizeof(real))) != MHA_OK)
         goto fail;
     c.dk = dk;
     c.dv = dv;

@@ -19,6 +19,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "alloc.h"
 #include "dispatch.h"
 #include "gemm_kernels.h"
 #include "threads.h"
@@ -69,14 +70,6 @@ static size_t part_start(size_t total, size_t nparts, size_t b)
 {
     const size_t q = total / nparts, r = total % nparts;
     return b * q + (b < r ? b : r);
-}
-
-static void *alloc64(size_t bytes)
-{
-    /* aligned_alloc wants a multiple of the alignment */
-    if (bytes > SIZE_MAX - 63)
-        return NULL;
-    return aligned_alloc(64, (bytes + 63) / 64 * 64);
 }
 
 /* A matrix stored as (rows, cols) with row stride ld, in elements of

@@ -443,21 +443,18 @@ mha_status FN(mha_gemm_packed)(REAL *C, size_t ldc,
        each starting on a cache line */
     const size_t line = 64 / sizeof(REAL);
     const size_t nc_max = N < bk->nc ? (N + NR - 1) / NR * NR : bk->nc;
-    size_t bp_elems, ap_elems, ap_all, total, bytes;
+    size_t bp_elems, ap_elems, ap_all, total;
     if (!mul_ok(kcb, nc_max, &bp_elems) ||
         !mul_ok(mcp_max * MR, kcb, &ap_elems))
         return MHA_ERR_SIZE;
     bp_elems = (bp_elems + line - 1) / line * line;
     x.ap_stride = (ap_elems + line - 1) / line * line;
     if (!mul_ok(x.ap_stride, (size_t)nth, &ap_all) ||
-        !add_ok(bp_elems, ap_all, &total) ||
-        !mul_ok(total, sizeof(REAL), &bytes))
+        !add_ok(bp_elems, ap_all, &total))
         return MHA_ERR_SIZE;
-    buf = alloc64(bytes);
-    if (buf == NULL) {
-        st = MHA_ERR_NOMEM;
+    st = mha_scratch((void **)&buf, total, sizeof(REAL));
+    if (st != MHA_OK)
         goto fail;
-    }
     x.bp = buf;
     x.ap = buf + bp_elems;
 

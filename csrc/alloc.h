@@ -1,0 +1,31 @@
+/*
+ * alloc.h - the core's scratch allocations, internal to csrc/.
+ *
+ * mha_scratch(&p, n, size) allocates n elements of `size` bytes, checks
+ * the byte count, never asks for 0 bytes (so NULL always means failure),
+ * and aligns the block to a cache line (64 bytes), which the SIMD kernels'
+ * aligned loads and the per-thread padding assume. Free with free().
+ *
+ * Blocks of MHA_HUGE_MIN bytes and more are aligned to 2 MiB and advised
+ * as transparent huge pages (Linux, where THP is in "madvise" mode, the
+ * default of many distributions). glibc often hands such blocks back to
+ * the OS on free, so a call touches fresh pages: on 4 KiB pages that is
+ * one fault per page, on 2 MiB pages one per 512. Measured (float32,
+ * d_model 512, 8 heads, 1 thread, a training-loop pattern that keeps the
+ * context and the gradients alive): a backward at T = 1024 went from 2963
+ * faults and a median of 53-55 ms to 243-268 faults and 46.6-46.9 ms.
+ * The advice is only advice: where it is refused, or the OS has no such
+ * call, the block is an ordinary one.
+ */
+#ifndef MHA_ALLOC_H
+#define MHA_ALLOC_H
+
+#include <stddef.h>
+
+#include "mha.h"
+
+#define MHA_HUGE_MIN ((size_t)1 << 20)
+
+mha_status mha_scratch(void **p, size_t n, size_t size);
+
+#endif /* MHA_ALLOC_H */
