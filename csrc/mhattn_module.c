@@ -406,6 +406,71 @@ static int as_mask(PyArrayObject **mask, mha_mask_kind *kind,
     return 0;
 }
 
+/*
+ * forward()'s mask may have fewer dimensions than (B, H, Tq, Tk), or sizes
+ * of 1, as np.broadcast_to allows: *res = a new reference to mask_o itself
+ * when it is not an array of at most 4 dimensions (as_mask then reports
+ * it) or already has the shape want, else to a read-only view of shape want
+ * with stride 0 along the broadcast dimensions. The values seen are those of
+ * np.broadcast_to(mask_o, want), so the result is the same as for such a
+ * view. -1 with ValueError when the shapes do not broadcast.
+ */
+static int broadcast_mask(PyObject **res, PyObject *mask_o, const npy_intp want[4])
+{
+    *res = NULL;
+    if (!PyArray_Check(mask_o) || PyArray_NDIM((PyArrayObject *)mask_o) > 4) {
+        Py_INCREF(mask_o);
+        *res = mask_o;
+        return 0;
+    }
+    PyArrayObject *m = (PyArrayObject *)mask_o;
+    const int nd = PyArray_NDIM(m);
+    npy_intp strides[4];
+    int same = nd == 4;
+    for (int d = 0; d < 4; d++) {
+        const int md = d - (4 - nd);   // the mask's dimension aligned with d
+        if (md < 0) {
+            strides[d] = 0;
+            continue;
+        }
+        const npy_intp n = PyArray_DIM(m, md);
+        if (n == want[d]) {
+            strides[d] = PyArray_STRIDE(m, md);
+        } else if (n == 1) {
+            strides[d] = 0;
+            same = 0;
+        } else {
+            PyObject *w = dims_tuple(4, want);
+            PyObject *g = dims_tuple(nd, PyArray_DIMS(m));
+            if (w != NULL && g != NULL)
+                PyErr_Format(PyExc_ValueError,
+                             "mask: shape %R does not broadcast to (B, H, Tq, Tk) "
+                             "= %R", g, w);
+            Py_XDECREF(w);
+            Py_XDECREF(g);
+            return -1;
+        }
+    }
+    if (same) {
+        Py_INCREF(mask_o);
+        *res = mask_o;
+        return 0;
+    }
+    PyArray_Descr *descr = PyArray_DESCR(m);
+    Py_INCREF(descr);   // stolen by PyArray_NewFromDescr
+    PyObject *view = PyArray_NewFromDescr(&PyArray_Type, descr, 4, want, strides,
+                                          PyArray_DATA(m), 0, NULL);
+    if (view == NULL)
+        return -1;
+    Py_INCREF(mask_o);  // stolen by PyArray_SetBaseObject
+    if (PyArray_SetBaseObject((PyArrayObject *)view, mask_o) < 0) {
+        Py_DECREF(view);
+        return -1;
+    }
+    *res = view;
+    return 0;
+}
+
 PyDoc_STRVAR(forward_doc,
 "forward(x, key, value, wq, wk, wv, wo, bq, bk, bv, bo, dk, dv, scales,\n"
 "        mask, causal, key_lengths, want_weights, keep)\n"
@@ -414,7 +479,8 @@ PyDoc_STRVAR(forward_doc,
 "API). x (B,Tq,Din), key (B,Tk,Dkin), value (B,Tk,Dvin), wq (Din,Sq),\n"
 "wk (Dkin,Sk), wv (Dvin,Sv), wo (Svq,Dout) or None, biases 1-D or None,\n"
 "all of one dtype (float32 or float64). dk, dv: int64 (G,); scales:\n"
-"float64 (H,); mask: None or (B,H,Tq,Tk) bool or float, any strides;\n"
+"float64 (H,); mask: None or bool or float, any strides, of shape\n"
+"(B,H,Tq,Tk) or one that broadcasts to it;\n"
 "key_lengths: None or int64 (B,).\n\n"
 "Returns (out, weights or None, (q, k, v, concat, lse) or None).");
 
@@ -523,7 +589,12 @@ static PyObject *forward(PyObject *self, PyObject *args, PyObject *kwds)
     ptrdiff_t mask_stride[4];
     {
         const npy_intp want[4] = {B, H, Tq, Tk};
-        if (as_mask(&mask, &mask_kind, mask_stride, mask_o, typenum, want) < 0)
+        PyObject *mask_b;
+        if (broadcast_mask(&mask_b, mask_o, want) < 0)
+            goto fail;
+        const int bad = as_mask(&mask, &mask_kind, mask_stride, mask_b, typenum, want);
+        Py_DECREF(mask_b);
+        if (bad < 0)
             goto fail;
     }
 
