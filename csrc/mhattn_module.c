@@ -119,6 +119,12 @@ static int as_float(PyArrayObject **res, PyObject *obj, const char *name,
         Py_XDECREF(g);
         return -1;
     }
+    // What PyArray_FROMANY would return unchanged, without its cost.
+    if (PyArray_ISCARRAY_RO(a) && PyArray_ISNOTSWAPPED(a)) {
+        Py_INCREF(a);
+        *res = a;
+        return 0;
+    }
     *res = (PyArrayObject *)PyArray_FROMANY(obj, typenum, nd, nd,
                                             NPY_ARRAY_IN_ARRAY);
     if (*res == NULL) {
@@ -133,6 +139,15 @@ static int as_float(PyArrayObject **res, PyObject *obj, const char *name,
 static int as_vector(PyArrayObject **res, PyObject *obj, const char *name,
                      int typenum)
 {
+    if (PyArray_Check(obj)) {   // what PyArray_FROMANY would return unchanged
+        PyArrayObject *a = (PyArrayObject *)obj;
+        if (PyArray_TYPE(a) == typenum && PyArray_NDIM(a) == 1 &&
+            PyArray_ISCARRAY_RO(a) && PyArray_ISNOTSWAPPED(a)) {
+            Py_INCREF(a);
+            *res = a;
+            return 0;
+        }
+    }
     *res = (PyArrayObject *)PyArray_FROMANY(obj, typenum, 1, 1,
                                             NPY_ARRAY_IN_ARRAY);
     if (*res == NULL) {
