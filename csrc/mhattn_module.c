@@ -181,6 +181,10 @@ static void raise_status(mha_status st)
 
 #define DATA(a) ((a) != NULL ? PyArray_DATA(a) : NULL)
 
+/* Multiply-adds of a forward call below which Ctrl-C is left to Python
+   (see forward()): well under a millisecond on any machine. */
+#define SMALL_WORK 262144.0
+
 /*
  * Ctrl-C during a long call. Python's own SIGINT handler only sets a flag
  * that the interpreter reads between bytecodes, which never happens while
@@ -655,8 +659,18 @@ static PyObject *forward(PyObject *self, PyObject *args, PyObject *kwds)
     }
 
     // Ctrl-C: see sigint_handler. A Python handler that does not raise lets
-    // the call start over, as if the signal had come just before it.
-    const int main_thread = on_main_thread();
+    // the call start over, as if the signal had come just before it. A small
+    // call (at most SMALL_WORK multiply-adds: tens of microseconds) is not
+    // worth the handler's two sigaction system calls, nor the look-up of the
+    // main thread: Python sees a signal that comes during it as soon as it
+    // returns, as if the signal had come just after it.
+    const double work =
+        (double)B * ((double)Tq * ((double)Din * (double)Sq +
+                                   (double)Svq * (double)Dout) +
+                     (double)Tk * ((double)Dkin * (double)Sk +
+                                   (double)Dvin * (double)Sv) +
+                     (double)Tq * (double)Tk * (double)(Sq + Svq));
+    const int main_thread = work > SMALL_WORK && on_main_thread();
 retry:
     if (main_thread) {
         sigint_install();
