@@ -503,23 +503,68 @@ PyDoc_STRVAR(forward_doc,
 "key_lengths: None or int64 (B,).\n\n"
 "Returns (out, weights or None, (q, k, v, concat, lse) or None).");
 
-static PyObject *forward(PyObject *self, PyObject *args, PyObject *kwds)
+/* forward()'s arguments by keyword, with PyArg_ParseTupleAndKeywords. */
+static int forward_parse_keywords(PyObject *const *argv, Py_ssize_t nargs,
+                                  PyObject *kwnames, PyObject *o[17], int p[3])
 {
-    (void)self;
     static char *kwlist[] = {
         "x", "key", "value", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo",
         "dk", "dv", "scales", "mask", "causal", "key_lengths", "want_weights",
         "keep", NULL};
-    PyObject *x_o, *key_o, *value_o, *wq_o, *wk_o, *wv_o, *wo_o;
-    PyObject *bq_o, *bk_o, *bv_o, *bo_o, *dk_o, *dv_o, *scales_o, *mask_o;
-    PyObject *key_lengths_o;
-    int causal, want_weights, keep;
-    if (!PyArg_ParseTupleAndKeywords(
-            args, kwds, "OOOOOOOOOOOOOOOpOpp:forward", kwlist, &x_o, &key_o,
-            &value_o, &wq_o, &wk_o, &wv_o, &wo_o, &bq_o, &bk_o, &bv_o, &bo_o,
-            &dk_o, &dv_o, &scales_o, &mask_o, &causal, &key_lengths_o,
-            &want_weights, &keep))
+    // The objects parsed stay alive in argv, which the caller owns.
+    PyObject *args = PyTuple_New(nargs), *kwds = NULL;
+    int ok = 0;
+    if (args == NULL)
+        return -1;
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        Py_INCREF(argv[i]);
+        PyTuple_SET_ITEM(args, i, argv[i]);
+    }
+    if (kwnames != NULL) {
+        if ((kwds = PyDict_New()) == NULL)
+            goto done;
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(kwnames); i++)
+            if (PyDict_SetItem(kwds, PyTuple_GET_ITEM(kwnames, i),
+                               argv[nargs + i]) < 0)
+                goto done;
+    }
+    ok = PyArg_ParseTupleAndKeywords(
+        args, kwds, "OOOOOOOOOOOOOOOpOpp:forward", kwlist, &o[0], &o[1],
+        &o[2], &o[3], &o[4], &o[5], &o[6], &o[7], &o[8], &o[9], &o[10], &o[11],
+        &o[12], &o[13], &o[14], &p[0], &o[15], &p[1], &p[2]);
+done:
+    Py_DECREF(args);
+    Py_XDECREF(kwds);
+    return ok ? 0 : -1;
+}
+
+static PyObject *forward(PyObject *self, PyObject *const *argv, Py_ssize_t nargs,
+                         PyObject *kwnames)
+{
+    (void)self;
+    // o: the 16 object arguments in order, key_lengths last; p: causal,
+    // want_weights, keep.
+    PyObject *o[17];
+    int p[3];
+    if (kwnames == NULL && nargs == 19) {
+        // All positional, as mhattn calls it: what "O...p" would parse,
+        // without the cost of the general parser.
+        for (int i = 0; i < 15; i++)
+            o[i] = argv[i];
+        o[15] = argv[16];
+        if ((p[0] = PyObject_IsTrue(argv[15])) < 0 ||
+            (p[1] = PyObject_IsTrue(argv[17])) < 0 ||
+            (p[2] = PyObject_IsTrue(argv[18])) < 0)
+            return NULL;
+    } else if (forward_parse_keywords(argv, nargs, kwnames, o, p) < 0) {
         return NULL;
+    }
+    PyObject *x_o = o[0], *key_o = o[1], *value_o = o[2], *wq_o = o[3];
+    PyObject *wk_o = o[4], *wv_o = o[5], *wo_o = o[6], *bq_o = o[7];
+    PyObject *bk_o = o[8], *bv_o = o[9], *bo_o = o[10], *dk_o = o[11];
+    PyObject *dv_o = o[12], *scales_o = o[13], *mask_o = o[14];
+    PyObject *key_lengths_o = o[15];
+    const int causal = p[0], want_weights = p[1], keep = p[2];
 
     PyObject *result = NULL;
     // inputs
@@ -1091,7 +1136,7 @@ static PyObject *set_num_threads(PyObject *self, PyObject *arg)
 
 static PyMethodDef mhattn_methods[] = {
     {"forward", (PyCFunction)(void (*)(void))forward,
-     METH_VARARGS | METH_KEYWORDS, forward_doc},
+     METH_FASTCALL | METH_KEYWORDS, forward_doc},
     {"get_isa", get_isa, METH_NOARGS, get_isa_doc},
     {"set_isa", set_isa, METH_O, set_isa_doc},
     {"get_num_threads", get_num_threads, METH_NOARGS, get_num_threads_doc},
