@@ -82,7 +82,7 @@ def _head_arrays(H, G, dk, dv, scale):
 def _fused_bias_fast(b, dt, H, width):
     """A bias the full path would pass to the glue unchanged in value: fused
     (H*width,) or stacked (H, width), of the compute dtype. Else None."""
-    if type(b) is not _ndarray or b.dtype != dt:
+    if type(b) is not _ndarray or b.dtype is not dt:
         return None
     if b.ndim == 1:
         return b if b.shape[0] == H * width else None
@@ -106,10 +106,12 @@ def _fast_path(x, w_q, w_k, w_v, w_o, num_heads, key, value, scale, return_weigh
             and (return_weights is False or return_weights is True)
             and (causal is False or causal is True)):
         return None
+    # Dtypes are compared by identity: NumPy's native float32 and float64
+    # are singletons, and anything else (byte-swapped...) is declined.
     dt = x.dtype
     nd = x.ndim
-    if not ((dt == _F32 or dt == _F64) and w_q.dtype == dt and w_k.dtype == dt
-            and w_v.dtype == dt and w_q.ndim == 2 and w_k.ndim == 2 and w_v.ndim == 2
+    if not ((dt is _F32 or dt is _F64) and w_q.dtype is dt and w_k.dtype is dt
+            and w_v.dtype is dt and w_q.ndim == 2 and w_k.ndim == 2 and w_v.ndim == 2
             and (nd == 2 or nd == 3)):
         return None
     H = num_heads
@@ -122,13 +124,13 @@ def _fast_path(x, w_q, w_k, w_v, w_o, num_heads, key, value, scale, return_weigh
     # Sources of the keys and values: value defaults to key, key to x.
     if key is None:
         k = x
-    elif type(key) is _ndarray and key.dtype == dt and key.ndim == nd:
+    elif type(key) is _ndarray and key.dtype is dt and key.ndim == nd:
         k = key
     else:
         return None
     if value is None:
         v = k
-    elif type(value) is _ndarray and value.dtype == dt and value.ndim == nd:
+    elif type(value) is _ndarray and value.dtype is dt and value.ndim == nd:
         v = value
     else:
         return None
@@ -145,15 +147,16 @@ def _fast_path(x, w_q, w_k, w_v, w_o, num_heads, key, value, scale, return_weigh
     Svq = H * dv
     if w_o is None:
         d_out = Svq
-    elif type(w_o) is _ndarray and w_o.dtype == dt and w_o.ndim == 2 and w_o.shape[0] == Svq:
+    elif type(w_o) is _ndarray and w_o.dtype is dt and w_o.ndim == 2 and w_o.shape[0] == Svq:
         d_out = w_o.shape[1]
     else:
         return None
     B = xs[0] if nd == 3 else 1
     Tq, Tk = xs[-2], ks[-2]
-    n = (B * Tq * (Sq + Svq + d_out) + B * Tk * (Sk + Sv)
-         + x.size + k.size + v.size + w_q.size + w_k.size + w_v.size
-         + (w_o.size if w_o is not None else 0)
+    Din, Dkin, Dvin = xs[-1], ks[-1], vs[-1]
+    # Outputs and projections, and inputs the glue may copy.
+    n = (B * Tq * (Sq + Svq + d_out + Din) + B * Tk * (Sk + Sv + Dkin + Dvin)
+         + Din * Sq + Dkin * Sk + Dvin * Sv + Svq * d_out
          + (B * H * Tq * Tk if return_weights else 0))
     # normalize() also bounds the per-head bookkeeping by memory_limit();
     # until a full call has found that limit, calls take the full path.
@@ -167,7 +170,7 @@ def _fast_path(x, w_q, w_k, w_v, w_o, num_heads, key, value, scale, return_weigh
         return None
     if b_v is not None and (b_v := _fused_bias_fast(b_v, dt, G, dv)) is None:
         return None
-    if b_o is not None and not (type(b_o) is _ndarray and b_o.dtype == dt
+    if b_o is not None and not (type(b_o) is _ndarray and b_o.dtype is dt
                                 and b_o.shape == (d_out,)):
         return None
 
@@ -178,7 +181,10 @@ def _fast_path(x, w_q, w_k, w_v, w_o, num_heads, key, value, scale, return_weigh
             scale = float(scale)
         except OverflowError:
             return None
-    dk_a, dv_a, scales = _head_arrays(H, G, dk, dv, scale)
+    heads = _HEADS.get((H, G, dk, dv, scale))
+    if heads is None:
+        heads = _head_arrays(H, G, dk, dv, scale)
+    dk_a, dv_a, scales = heads
 
     # The mask is passed as it is: the glue broadcasts it to (B, H, Tq, Tk)
     # as np.broadcast_to would (an unbatched call's (H, Tq, Tk) gains B = 1
@@ -186,10 +192,10 @@ def _fast_path(x, w_q, w_k, w_v, w_o, num_heads, key, value, scale, return_weigh
     if mask is not None:
         if type(mask) is not _ndarray or mask.ndim > nd + 1:
             return None
-        if mask.dtype == _BOOL:
+        if mask.dtype is _BOOL:
             if mask.size and not _count_nonzero(mask):
                 return None      # the full path warns: is the mask inverted?
-        elif not (mask.dtype == dt and mask.flags.aligned):
+        elif not (mask.dtype is dt and mask.flags.aligned):
             return None
 
     if key_lengths is not None:
@@ -209,7 +215,10 @@ def _fast_path(x, w_q, w_k, w_v, w_o, num_heads, key, value, scale, return_weigh
             key_lengths = key_lengths.reshape(1)
 
     if nd == 2:
-        x, k, v = x[np.newaxis], k[np.newaxis], v[np.newaxis]
+        xb = x[np.newaxis]
+        kb = xb if k is x else k[np.newaxis]
+        v = kb if v is k else (xb if v is x else v[np.newaxis])
+        x, k = xb, kb
     try:
         out, weights, _ = _C.forward(x, k, v, w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o,
                                      dk_a, dv_a, scales, mask, causal, key_lengths,
