@@ -103,12 +103,34 @@ def small_calls(draw):
         kw["key"] = arr(*lead, Tk, d_k_in)
     if cross == "key+value":
         kw["value"] = arr(*lead, Tk, d_v_in)
-    w_q, w_k, w_v = arr(d_in, H * dk), arr(d_k_in, G * dk), arr(d_v_in, G * dv)
+    # Weights: fused, stacked or per-head lists; lists may have a width per
+    # head (ragged) and may repeat one array (the document's shared W_V).
+    ragged = draw(st.booleans())
+    dks = [draw(st.integers(1, 3)) if ragged else dk for _ in range(G)]
+    dvs = [draw(st.integers(1, 3)) if ragged else dv for _ in range(G)]
+    group = H // G
+
+    def weight(rows, widths):
+        form = "list" if ragged else draw(st.sampled_from(["fused", "stacked", "list"]))
+        heads = [arr(rows, wd) for wd in widths]
+        if form == "list" and len(set(widths)) == 1 and draw(st.booleans()):
+            heads = [heads[0]] * len(widths)
+        if form == "fused":
+            return np.concatenate(heads, axis=1), form
+        if form == "stacked":
+            return np.stack(heads), form
+        return heads if draw(st.booleans()) else tuple(heads), form
+
+    w_q, fq = weight(d_in, [dks[h // group] for h in range(H)])
+    w_k, _ = weight(d_k_in, dks)
+    w_v, _ = weight(d_v_in, dvs)
+    if fq != "fused" and draw(st.booleans()):
+        del kw["num_heads"]          # taken from the stacked or list form
     w_o = draw(st.sampled_from([None, "w_o"]))
-    d_out = H * dv
+    d_out = group * sum(dvs)
     if w_o is not None:
         d_out = draw(st.integers(1, 4))
-        w_o = arr(H * dv, d_out)
+        w_o = arr(group * sum(dvs), d_out)
     if draw(st.booleans()):
         kw["return_weights"] = True
     if draw(st.booleans()):
@@ -117,12 +139,13 @@ def small_calls(draw):
                                   np.float64(3.0), 0.0, float("nan")]))
     if scale is not None:
         kw["scale"] = scale
-    for name, h, width in (("b_q", H, dk), ("b_k", G, dk), ("b_v", G, dv)):
+    for name, h, widths in (("b_q", H, [dks[i // group] for i in range(H)]),
+                            ("b_k", G, dks), ("b_v", G, dvs)):
         form = draw(st.sampled_from([None, None, "fused", "stacked"]))
-        if form == "fused":
-            kw[name] = arr(h * width)
+        if form == "fused" or (form == "stacked" and len(set(widths)) > 1):
+            kw[name] = arr(sum(widths))
         elif form == "stacked":
-            kw[name] = arr(h, width)
+            kw[name] = arr(h, widths[0])
     if draw(st.booleans()):
         kw["b_o"] = arr(d_out)
     mask = draw(st.sampled_from([None, None, "bool", "add"]))
@@ -201,6 +224,16 @@ def test_option_grid(rng, dtype, batched):
             fast = fast_path(x, *w[:3], w_o, **kw)
             assert fast is not None, opts
             assert_same(fast, full_path(x, *w[:3], w_o, **kw))
+    stacked = [np.stack([m[:, :2], m[:, 2:]]) for m in w[:3]]
+    listed = [[m[:, :2], m[:, 2:]] for m in w[:3]]
+    ragged = [[m[:, :1], m[:, 1:]] for m in w[:3]]
+    for ws, kw in [(stacked, dict(causal=True, b_q=arr(h, d // h))),
+                   (listed, dict(mask=tril, return_weights=True)),
+                   (ragged, dict(key_lengths=kl, b_v=arr(d), scale=0.5)),
+                   ([w[0], listed[1], stacked[2]], dict(num_heads=h))]:
+        fast = fast_path(x, *ws, w[3], **kw)
+        assert fast is not None, kw
+        assert_same(fast, full_path(x, *ws, w[3], **kw))
     wk = arr(d, d // h)
     kw = dict(num_heads=h, num_kv_heads=1, b_k=arr(d // h), causal=True)
     assert_same(fast_path(x, w[0], wk, wk, w[3], **kw), full_path(x, w[0], wk, wk, w[3], **kw))
@@ -209,6 +242,9 @@ def test_option_grid(rng, dtype, batched):
 X = np.ones((3, 4))
 W = np.ones((4, 4))
 WO = np.ones((4, 5))
+W3 = np.ones((2, 4, 2))
+WL = [np.ones((4, 2)), np.ones((4, 2))]
+WR = [np.ones((4, 1)), np.ones((4, 3))]
 
 
 # (args, keywords): malformed calls, or calls outside the fast path's forms.
@@ -263,6 +299,25 @@ DECLINED = [
     ((X[None], W, W, W), dict(num_heads=2, key_lengths=np.array([1, 2]))),
     ((X[None], W, W, W), dict(num_heads=2, mask=np.ones((2, 2, 3, 3), bool))),
     ((X[None], W, W, W), dict(num_heads=2, mask=np.ones((1, 1, 1, 3, 3), bool))),
+    # Stacked weights and per-head lists.
+    ((X, W3, W3, W3), dict(num_heads=3)),
+    ((X, W3, W3, W3), dict(num_kv_heads=3)),
+    ((X, W3[:0], W3, W3), {}),
+    ((X, [], W3, W3), {}),
+    ((X, WL, WL + WL[:1], WL), {}),
+    ((X, WL, WL, WL[:1]), {}),
+    ((X, [np.ones((5, 2))] * 2, WL, WL), {}),
+    ((X, [np.ones((4, 2)), np.ones((3, 2))], WL, WL), {}),
+    ((X, [np.ones((4, 3))] * 2, WL, WL), {}),
+    ((X, [np.ones((4, 2)), np.ones((4, 2), np.float32)], WL, WL), {}),
+    ((X, [np.ones((4, 2)).tolist()] * 2, WL, WL), {}),
+    ((X, [np.ones((4, 2)), "a"], WL, WL), {}),
+    ((X, W, WL, WL), {}),                                       # fused w_q: no count
+    ((X, WR, WR, WR), dict(b_q=np.ones((2, 2)))),                # ragged: no stacked bias
+    ((X, WR, WR, WR), dict(b_k=np.ones(3))),
+    ((X, WR, WR, WR, np.ones((3, 4))), {}),
+    ((X, np.zeros((2 ** 40, 4, 0)), W, W), {}),                  # too many heads
+    ((X, [np.ones((4, 1))] * 1025, [np.ones((4, 1))] * 1025, [np.ones((4, 1))] * 1025), {}),
 ]
 
 

@@ -55,6 +55,9 @@ _CACHE_MAX = 256
 # skipped: at most this many elements in inputs, projections, outputs and
 # weights.
 _FAST_ELEMENTS = 1 << 22
+# ...and at most this many heads in stacked or list form (a per-head tuple
+# of widths is built before the sizes are known).
+_FAST_HEADS = 1024
 
 
 def _frozen(a):
@@ -79,16 +82,97 @@ def _head_arrays(H, G, dk, dv, scale):
     return heads
 
 
-def _fused_bias_fast(b, dt, H, width):
+def _fused_bias_fast(b, dt, H, width, total):
     """A bias the full path would pass to the glue unchanged in value: fused
-    (H*width,) or stacked (H, width), of the compute dtype. Else None."""
+    (total,) or, when every head has the same width, stacked (H, width), of
+    the compute dtype. Else None."""
     if type(b) is not _ndarray or b.dtype is not dt:
         return None
     if b.ndim == 1:
-        return b if b.shape[0] == H * width else None
-    if b.ndim == 2 and b.shape[0] == H and b.shape[1] == width:
+        return b if b.shape[0] == total else None
+    if b.ndim == 2 and width is not None and b.shape[0] == H and b.shape[1] == width:
         return b.reshape(-1)
     return None
+
+
+def _fuse_one(w, count, dt):
+    """(fused (rows, sum widths), widths) of a weight in any of its forms,
+    as normalize() and _Heads.fused() make them, or None for anything the
+    fast path leaves to the full path. count None: not known yet."""
+    if count is not None and count > _FAST_HEADS:
+        return None
+    if type(w) is _ndarray:
+        if w.dtype is not dt or w.size > _FAST_ELEMENTS:
+            return None
+        if w.ndim == 2:
+            total = w.shape[1]
+            if count is None or total == 0 or total % count:
+                return None
+            return w, (total // count,) * count
+        if w.ndim == 3:
+            h, rows, width = w.shape
+            if h == 0 or h > _FAST_HEADS or (count is not None and h != count):
+                return None
+            return w.transpose(1, 0, 2).reshape(rows, h * width), (width,) * h
+        return None
+    if type(w) is list or type(w) is tuple:
+        if not w or len(w) > _FAST_HEADS or (count is not None and len(w) != count):
+            return None
+        rows, size = None, 0
+        for a in w:
+            if type(a) is not _ndarray or a.dtype is not dt or a.ndim != 2:
+                return None
+            if rows is None:
+                rows = a.shape[0]
+            elif a.shape[0] != rows:
+                return None
+            size += a.size
+        if size > _FAST_ELEMENTS:
+            return None
+        return np.concatenate(w, axis=1), tuple(a.shape[1] for a in w)
+    return None
+
+
+def _fuse_heads(w_q, w_k, w_v, num_heads, num_kv_heads, dt):
+    """Stacked or per-head-list weights (or fused ones among them), fused.
+
+    Returns (w_q, w_k, w_v, H, G, dk, dv), dk and dv tuples per kv head,
+    or None."""
+    q = _fuse_one(w_q, num_heads, dt)
+    if q is None:
+        return None
+    H = len(q[1])
+    if num_kv_heads is None:
+        G = H
+    elif H % num_kv_heads == 0:
+        G = num_kv_heads
+    else:
+        return None
+    k = _fuse_one(w_k, G, dt)
+    v = _fuse_one(w_v, G, dt)
+    if k is None or v is None:
+        return None
+    group = H // G
+    dq, dk = q[1], k[1]
+    for h in range(H):
+        if dq[h] != dk[h // group]:
+            return None
+    return q[0], k[0], v[0], H, G, dk, v[1]
+
+
+def _ragged_head_arrays(H, G, dk, dv, scale):
+    """_head_arrays for per-head widths dk, dv (tuples per kv head)."""
+    key = (H, G, dk, dv, scale)
+    heads = _HEADS.get(key)
+    if heads is None:
+        group = H // G
+        scales = ([1.0 / float(np.sqrt(dk[h // group])) for h in range(H)]
+                  if scale is None else [scale] * H)
+        heads = (_frozen(np.array(dk, np.int64)), _frozen(np.array(dv, np.int64)),
+                 _frozen(np.array(scales, np.float64)))
+        if len(_HEADS) < _CACHE_MAX and (scale is None or (scale == scale and scale)):
+            _HEADS[key] = heads
+    return heads
 
 
 def _fast_path(x, w_q, w_k, w_v, w_o, num_heads, key, value, scale, return_weights,
@@ -100,9 +184,10 @@ def _fast_path(x, w_q, w_k, w_v, w_o, num_heads, key, value, scale, return_weigh
     it: the full path then runs and raises the friendly error. Whatever it
     returns is bitwise what the full path returns: it hands the glue the same
     arrays (or views with the same values) that normalize() would."""
-    if not (type(x) is _ndarray and type(w_q) is _ndarray
-            and type(w_k) is _ndarray and type(w_v) is _ndarray
-            and type(num_heads) is int and num_heads > 0
+    if not (type(x) is _ndarray
+            and (num_heads is None or (type(num_heads) is int and num_heads > 0))
+            and (num_kv_heads is None
+                 or (type(num_kv_heads) is int and num_kv_heads > 0))
             and (return_weights is False or return_weights is True)
             and (causal is False or causal is True)):
         return None
@@ -110,17 +195,25 @@ def _fast_path(x, w_q, w_k, w_v, w_o, num_heads, key, value, scale, return_weigh
     # are singletons, and anything else (byte-swapped...) is declined.
     dt = x.dtype
     nd = x.ndim
-    if not ((dt is _F32 or dt is _F64) and w_q.dtype is dt and w_k.dtype is dt
-            and w_v.dtype is dt and w_q.ndim == 2 and w_k.ndim == 2 and w_v.ndim == 2
-            and (nd == 2 or nd == 3)):
+    if not ((dt is _F32 or dt is _F64) and (nd == 2 or nd == 3)):
         return None
-    H = num_heads
-    if num_kv_heads is None:
-        G = H
-    elif type(num_kv_heads) is int and num_kv_heads > 0 and H % num_kv_heads == 0:
-        G = num_kv_heads
+    if (type(w_q) is _ndarray and type(w_k) is _ndarray and type(w_v) is _ndarray
+            and w_q.dtype is dt and w_k.dtype is dt and w_v.dtype is dt
+            and w_q.ndim == 2 and w_k.ndim == 2 and w_v.ndim == 2):
+        # Fused weights, the common form: every head has the same width.
+        if num_heads is None:
+            return None
+        H = num_heads
+        G = H if num_kv_heads is None else num_kv_heads
+        if H % G:
+            return None
+        ragged = None
     else:
-        return None
+        fused = _fuse_heads(w_q, w_k, w_v, num_heads, num_kv_heads, dt)
+        if fused is None:
+            return None
+        w_q, w_k, w_v, H, G, dk, dv = fused
+        ragged = (dk, dv)
     # Sources of the keys and values: value defaults to key, key to x.
     if key is None:
         k = x
@@ -138,13 +231,20 @@ def _fast_path(x, w_q, w_k, w_v, w_o, num_heads, key, value, scale, return_weigh
     if ks[-2] != vs[-2] or (nd == 3 and not (ks[0] == xs[0] and vs[0] == xs[0])):
         return None
     Sq, Sk, Sv = w_q.shape[1], w_k.shape[1], w_v.shape[1]
-    if (w_q.shape[0] != xs[-1] or w_k.shape[0] != ks[-1] or w_v.shape[0] != vs[-1]
-            or Sq == 0 or Sk == 0 or Sv == 0 or Sq % H or Sk % G or Sv % G):
+    if w_q.shape[0] != xs[-1] or w_k.shape[0] != ks[-1] or w_v.shape[0] != vs[-1]:
         return None
-    dk, dv = Sk // G, Sv // G
-    if Sq // H != dk:
-        return None
-    Svq = H * dv
+    if ragged is None:
+        if Sq == 0 or Sk == 0 or Sv == 0 or Sq % H or Sk % G or Sv % G:
+            return None
+        dk, dv = Sk // G, Sv // G
+        if Sq // H != dk:
+            return None
+        dk_one, dv_one = dk, dv
+    else:
+        # One width for every head, or None: the stacked biases need one.
+        dk_one = dk[0] if dk.count(dk[0]) == G else None
+        dv_one = dv[0] if dv.count(dv[0]) == G else None
+    Svq = H // G * Sv
     if w_o is None:
         d_out = Svq
     elif type(w_o) is _ndarray and w_o.dtype is dt and w_o.ndim == 2 and w_o.shape[0] == Svq:
@@ -164,11 +264,11 @@ def _fast_path(x, w_q, w_k, w_v, w_o, num_heads, key, value, scale, return_weigh
     if n > _FAST_ELEMENTS or limit is None or n * 8 + H * _args._PER_HEAD_BYTES > limit:
         return None
 
-    if b_q is not None and (b_q := _fused_bias_fast(b_q, dt, H, dk)) is None:
+    if b_q is not None and (b_q := _fused_bias_fast(b_q, dt, H, dk_one, Sq)) is None:
         return None
-    if b_k is not None and (b_k := _fused_bias_fast(b_k, dt, G, dk)) is None:
+    if b_k is not None and (b_k := _fused_bias_fast(b_k, dt, G, dk_one, Sk)) is None:
         return None
-    if b_v is not None and (b_v := _fused_bias_fast(b_v, dt, G, dv)) is None:
+    if b_v is not None and (b_v := _fused_bias_fast(b_v, dt, G, dv_one, Sv)) is None:
         return None
     if b_o is not None and not (type(b_o) is _ndarray and b_o.dtype is dt
                                 and b_o.shape == (d_out,)):
@@ -183,7 +283,8 @@ def _fast_path(x, w_q, w_k, w_v, w_o, num_heads, key, value, scale, return_weigh
             return None
     heads = _HEADS.get((H, G, dk, dv, scale))
     if heads is None:
-        heads = _head_arrays(H, G, dk, dv, scale)
+        heads = (_head_arrays(H, G, dk, dv, scale) if ragged is None
+                 else _ragged_head_arrays(H, G, dk, dv, scale))
     dk_a, dv_a, scales = heads
 
     # The mask is passed as it is: the glue broadcasts it to (B, H, Tq, Tk)
