@@ -299,6 +299,18 @@ DECLINED = [
     ((X[None], W, W, W), dict(num_heads=2, key_lengths=np.array([1, 2]))),
     ((X[None], W, W, W), dict(num_heads=2, mask=np.ones((2, 2, 3, 3), bool))),
     ((X[None], W, W, W), dict(num_heads=2, mask=np.ones((1, 1, 1, 3, 3), bool))),
+    # Shapes that disagree, which the fast path leaves to the glue to reject.
+    ((X, np.ones((4, 6)), W, W), dict(num_heads=2)),
+    ((X, W, np.ones((4, 6)), np.ones((4, 6))), dict(num_heads=2)),
+    ((X, W, W, np.ones((4, 5))), dict(num_heads=2)),
+    ((X, W, W, W), dict(num_heads=8)),
+    ((X, W, W, W), dict(num_heads=2, key=np.ones((5, 4)), value=np.ones((5, 3)))),
+    ((X[None], W, W, W), dict(num_heads=2, key=np.ones((1, 5, 4)),
+                              value=np.ones((2, 5, 4)))),
+    ((X, W, W, W), dict(num_heads=2, b_k=np.ones(3))),
+    ((X, W, W, W), dict(num_heads=2, b_v=np.ones(5))),
+    ((X, W, W, W, WO), dict(num_heads=2, b_o=np.ones(4))),
+    ((X, W3, W3, np.ones((2, 5, 2))), {}),
     # Stacked weights and per-head lists.
     ((X, W3, W3, W3), dict(num_heads=3)),
     ((X, W3, W3, W3), dict(num_kv_heads=3)),
@@ -317,6 +329,8 @@ DECLINED = [
     ((X, WR, WR, WR), dict(b_k=np.ones(3))),
     ((X, WR, WR, WR, np.ones((3, 4))), {}),
     ((X, np.zeros((2 ** 40, 4, 0)), W, W), {}),                  # too many heads
+    ((X, [np.ones((4, 0))] * 2, [np.ones((4, 0))] * 2, WL), {}),  # zero widths
+    ((X, np.ones((2, 4, 0)), np.ones((2, 4, 0)), W3), {}),
     ((X, [np.ones((4, 1))] * 1025, [np.ones((4, 1))] * 1025, [np.ones((4, 1))] * 1025), {}),
 ]
 
