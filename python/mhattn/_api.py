@@ -179,8 +179,9 @@ def _ragged_head_arrays(H, G, dk, dv, scale):
 
 def _fast_path(x, w_q, w_k, w_v, w_o, num_heads, key, value, scale, return_weights,
                mask, causal, key_lengths, num_kv_heads, b_q, b_k, b_v, b_o):
-    """A small call of plain arrays of one float dtype with fused weights,
-    without the cost of normalize(). Options are taken in their usual forms.
+    """A small call of plain arrays of one float dtype, without the cost of
+    normalize(). Weights may be fused, stacked or per-head lists (fused here
+    as the full path fuses them); options are taken in their usual forms.
 
     Returns None whenever the call is anything else, or when the glue rejects
     it: the full path then runs and raises the friendly error. Whatever it
