@@ -119,6 +119,12 @@ static int as_float(PyArrayObject **res, PyObject *obj, const char *name,
         Py_XDECREF(g);
         return -1;
     }
+    // What PyArray_FROMANY would return unchanged, without its cost.
+    if (PyArray_ISCARRAY_RO(a) && PyArray_ISNOTSWAPPED(a)) {
+        Py_INCREF(a);
+        *res = a;
+        return 0;
+    }
     *res = (PyArrayObject *)PyArray_FROMANY(obj, typenum, nd, nd,
                                             NPY_ARRAY_IN_ARRAY);
     if (*res == NULL) {
@@ -133,6 +139,15 @@ static int as_float(PyArrayObject **res, PyObject *obj, const char *name,
 static int as_vector(PyArrayObject **res, PyObject *obj, const char *name,
                      int typenum)
 {
+    if (PyArray_Check(obj)) {   // what PyArray_FROMANY would return unchanged
+        PyArrayObject *a = (PyArrayObject *)obj;
+        if (PyArray_TYPE(a) == typenum && PyArray_NDIM(a) == 1 &&
+            PyArray_ISCARRAY_RO(a) && PyArray_ISNOTSWAPPED(a)) {
+            Py_INCREF(a);
+            *res = a;
+            return 0;
+        }
+    }
     *res = (PyArrayObject *)PyArray_FROMANY(obj, typenum, 1, 1,
                                             NPY_ARRAY_IN_ARRAY);
     if (*res == NULL) {
@@ -165,6 +180,10 @@ static void raise_status(mha_status st)
 }
 
 #define DATA(a) ((a) != NULL ? PyArray_DATA(a) : NULL)
+
+/* Multiply-adds of a forward call below which Ctrl-C is left to Python
+   (see forward()): well under a millisecond on any machine. */
+#define SMALL_WORK 262144.0
 
 /*
  * Ctrl-C during a long call. Python's own SIGINT handler only sets a flag
@@ -406,6 +425,71 @@ static int as_mask(PyArrayObject **mask, mha_mask_kind *kind,
     return 0;
 }
 
+/*
+ * forward()'s mask may have fewer dimensions than (B, H, Tq, Tk), or sizes
+ * of 1, as np.broadcast_to allows: *res = a new reference to mask_o itself
+ * when it is not an array of at most 4 dimensions (as_mask then reports
+ * it) or already has the shape want, else to a read-only view of shape want
+ * with stride 0 along the broadcast dimensions. The values seen are those of
+ * np.broadcast_to(mask_o, want), so the result is the same as for such a
+ * view. -1 with ValueError when the shapes do not broadcast.
+ */
+static int broadcast_mask(PyObject **res, PyObject *mask_o, const npy_intp want[4])
+{
+    *res = NULL;
+    if (!PyArray_Check(mask_o) || PyArray_NDIM((PyArrayObject *)mask_o) > 4) {
+        Py_INCREF(mask_o);
+        *res = mask_o;
+        return 0;
+    }
+    PyArrayObject *m = (PyArrayObject *)mask_o;
+    const int nd = PyArray_NDIM(m);
+    npy_intp strides[4];
+    int same = nd == 4;
+    for (int d = 0; d < 4; d++) {
+        const int md = d - (4 - nd);   // the mask's dimension aligned with d
+        if (md < 0) {
+            strides[d] = 0;
+            continue;
+        }
+        const npy_intp n = PyArray_DIM(m, md);
+        if (n == want[d]) {
+            strides[d] = PyArray_STRIDE(m, md);
+        } else if (n == 1) {
+            strides[d] = 0;
+            same = 0;
+        } else {
+            PyObject *w = dims_tuple(4, want);
+            PyObject *g = dims_tuple(nd, PyArray_DIMS(m));
+            if (w != NULL && g != NULL)
+                PyErr_Format(PyExc_ValueError,
+                             "mask: shape %R does not broadcast to (B, H, Tq, Tk) "
+                             "= %R", g, w);
+            Py_XDECREF(w);
+            Py_XDECREF(g);
+            return -1;
+        }
+    }
+    if (same) {
+        Py_INCREF(mask_o);
+        *res = mask_o;
+        return 0;
+    }
+    PyArray_Descr *descr = PyArray_DESCR(m);
+    Py_INCREF(descr);   // stolen by PyArray_NewFromDescr
+    PyObject *view = PyArray_NewFromDescr(&PyArray_Type, descr, 4, want, strides,
+                                          PyArray_DATA(m), 0, NULL);
+    if (view == NULL)
+        return -1;
+    Py_INCREF(mask_o);  // stolen by PyArray_SetBaseObject
+    if (PyArray_SetBaseObject((PyArrayObject *)view, mask_o) < 0) {
+        Py_DECREF(view);
+        return -1;
+    }
+    *res = view;
+    return 0;
+}
+
 PyDoc_STRVAR(forward_doc,
 "forward(x, key, value, wq, wk, wv, wo, bq, bk, bv, bo, dk, dv, scales,\n"
 "        mask, causal, key_lengths, want_weights, keep)\n"
@@ -414,27 +498,73 @@ PyDoc_STRVAR(forward_doc,
 "API). x (B,Tq,Din), key (B,Tk,Dkin), value (B,Tk,Dvin), wq (Din,Sq),\n"
 "wk (Dkin,Sk), wv (Dvin,Sv), wo (Svq,Dout) or None, biases 1-D or None,\n"
 "all of one dtype (float32 or float64). dk, dv: int64 (G,); scales:\n"
-"float64 (H,); mask: None or (B,H,Tq,Tk) bool or float, any strides;\n"
+"float64 (H,); mask: None or bool or float, any strides, of shape\n"
+"(B,H,Tq,Tk) or one that broadcasts to it;\n"
 "key_lengths: None or int64 (B,).\n\n"
 "Returns (out, weights or None, (q, k, v, concat, lse) or None).");
 
-static PyObject *forward(PyObject *self, PyObject *args, PyObject *kwds)
+/* forward()'s arguments by keyword, with PyArg_ParseTupleAndKeywords. */
+static int forward_parse_keywords(PyObject *const *argv, Py_ssize_t nargs,
+                                  PyObject *kwnames, PyObject *o[17], int p[3])
 {
-    (void)self;
     static char *kwlist[] = {
         "x", "key", "value", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo",
         "dk", "dv", "scales", "mask", "causal", "key_lengths", "want_weights",
         "keep", NULL};
-    PyObject *x_o, *key_o, *value_o, *wq_o, *wk_o, *wv_o, *wo_o;
-    PyObject *bq_o, *bk_o, *bv_o, *bo_o, *dk_o, *dv_o, *scales_o, *mask_o;
-    PyObject *key_lengths_o;
-    int causal, want_weights, keep;
-    if (!PyArg_ParseTupleAndKeywords(
-            args, kwds, "OOOOOOOOOOOOOOOpOpp:forward", kwlist, &x_o, &key_o,
-            &value_o, &wq_o, &wk_o, &wv_o, &wo_o, &bq_o, &bk_o, &bv_o, &bo_o,
-            &dk_o, &dv_o, &scales_o, &mask_o, &causal, &key_lengths_o,
-            &want_weights, &keep))
+    // The objects parsed stay alive in argv, which the caller owns.
+    PyObject *args = PyTuple_New(nargs), *kwds = NULL;
+    int ok = 0;
+    if (args == NULL)
+        return -1;
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        Py_INCREF(argv[i]);
+        PyTuple_SET_ITEM(args, i, argv[i]);
+    }
+    if (kwnames != NULL) {
+        if ((kwds = PyDict_New()) == NULL)
+            goto done;
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(kwnames); i++)
+            if (PyDict_SetItem(kwds, PyTuple_GET_ITEM(kwnames, i),
+                               argv[nargs + i]) < 0)
+                goto done;
+    }
+    ok = PyArg_ParseTupleAndKeywords(
+        args, kwds, "OOOOOOOOOOOOOOOpOpp:forward", kwlist, &o[0], &o[1],
+        &o[2], &o[3], &o[4], &o[5], &o[6], &o[7], &o[8], &o[9], &o[10], &o[11],
+        &o[12], &o[13], &o[14], &p[0], &o[15], &p[1], &p[2]);
+done:
+    Py_DECREF(args);
+    Py_XDECREF(kwds);
+    return ok ? 0 : -1;
+}
+
+static PyObject *forward(PyObject *self, PyObject *const *argv, Py_ssize_t nargs,
+                         PyObject *kwnames)
+{
+    (void)self;
+    // o: the 16 object arguments in order, key_lengths last; p: causal,
+    // want_weights, keep.
+    PyObject *o[17];
+    int p[3];
+    if (kwnames == NULL && nargs == 19) {
+        // All positional, as mhattn calls it: what "O...p" would parse,
+        // without the cost of the general parser.
+        for (int i = 0; i < 15; i++)
+            o[i] = argv[i];
+        o[15] = argv[16];
+        if ((p[0] = PyObject_IsTrue(argv[15])) < 0 ||
+            (p[1] = PyObject_IsTrue(argv[17])) < 0 ||
+            (p[2] = PyObject_IsTrue(argv[18])) < 0)
+            return NULL;
+    } else if (forward_parse_keywords(argv, nargs, kwnames, o, p) < 0) {
         return NULL;
+    }
+    PyObject *x_o = o[0], *key_o = o[1], *value_o = o[2], *wq_o = o[3];
+    PyObject *wk_o = o[4], *wv_o = o[5], *wo_o = o[6], *bq_o = o[7];
+    PyObject *bk_o = o[8], *bv_o = o[9], *bo_o = o[10], *dk_o = o[11];
+    PyObject *dv_o = o[12], *scales_o = o[13], *mask_o = o[14];
+    PyObject *key_lengths_o = o[15];
+    const int causal = p[0], want_weights = p[1], keep = p[2];
 
     PyObject *result = NULL;
     // inputs
@@ -523,7 +653,12 @@ static PyObject *forward(PyObject *self, PyObject *args, PyObject *kwds)
     ptrdiff_t mask_stride[4];
     {
         const npy_intp want[4] = {B, H, Tq, Tk};
-        if (as_mask(&mask, &mask_kind, mask_stride, mask_o, typenum, want) < 0)
+        PyObject *mask_b;
+        if (broadcast_mask(&mask_b, mask_o, want) < 0)
+            goto fail;
+        const int bad = as_mask(&mask, &mask_kind, mask_stride, mask_b, typenum, want);
+        Py_DECREF(mask_b);
+        if (bad < 0)
             goto fail;
     }
 
@@ -569,8 +704,18 @@ static PyObject *forward(PyObject *self, PyObject *args, PyObject *kwds)
     }
 
     // Ctrl-C: see sigint_handler. A Python handler that does not raise lets
-    // the call start over, as if the signal had come just before it.
-    const int main_thread = on_main_thread();
+    // the call start over, as if the signal had come just before it. A small
+    // call (at most SMALL_WORK multiply-adds: tens of microseconds) is not
+    // worth the handler's two sigaction system calls, nor the look-up of the
+    // main thread: Python sees a signal that comes during it as soon as it
+    // returns, as if the signal had come just after it.
+    const double work =
+        (double)B * ((double)Tq * ((double)Din * (double)Sq +
+                                   (double)Svq * (double)Dout) +
+                     (double)Tk * ((double)Dkin * (double)Sk +
+                                   (double)Dvin * (double)Sv) +
+                     (double)Tq * (double)Tk * (double)(Sq + Svq));
+    const int main_thread = work > SMALL_WORK && on_main_thread();
 retry:
     if (main_thread) {
         sigint_install();
@@ -1010,7 +1155,7 @@ static PyObject *set_num_threads(PyObject *self, PyObject *arg)
 
 static PyMethodDef mhattn_methods[] = {
     {"forward", (PyCFunction)(void (*)(void))forward,
-     METH_VARARGS | METH_KEYWORDS, forward_doc},
+     METH_FASTCALL | METH_KEYWORDS, forward_doc},
     {"get_isa", get_isa, METH_NOARGS, get_isa_doc},
     {"set_isa", set_isa, METH_O, set_isa_doc},
     {"get_num_threads", get_num_threads, METH_NOARGS, get_num_threads_doc},

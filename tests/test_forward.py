@@ -167,21 +167,20 @@ def test_lists_of_numbers_are_accepted():
 @pytest.mark.parametrize("shape", [(3, 4), (2, 5, 4), (1, 4)])
 def test_small_call_fast_path_matches_full_path(rng, dtype, shape):
     """Plain small calls skip normalize(); they must give the same bits as the
-    full path (forced here by passing an option that equals the default)."""
-    from mhattn import _api
+    full path (forced here; tests/test_fast_path.py covers the options)."""
+    from test_fast_path import fast_path, full_path
     x = rng.standard_normal(shape).astype(dtype)
     w = [rng.standard_normal((4, 6)).astype(dtype) for _ in range(3)]
     w_o = rng.standard_normal((6, 5)).astype(dtype)
     for wo in (w_o, None):
-        fast = _api._fast_path(x, *w, wo, 2, True)
+        fast = fast_path(x, *w, wo, num_heads=2, return_weights=True)
         assert fast is not None
-        full = mhattn.multi_head_attention(x, *w, wo, num_heads=2, return_weights=True,
-                                           scale=1 / np.sqrt(3))
+        full = full_path(x, *w, wo, num_heads=2, return_weights=True)
         np.testing.assert_array_equal(fast[0], full[0])
         np.testing.assert_array_equal(fast[1], full[1])
         assert fast[0].shape == full[0].shape and fast[0].dtype == dtype
     # Anything unusual is left to the full path.
-    assert _api._fast_path(x.astype(np.int64), *w, w_o, 2, False) is None
-    assert _api._fast_path(x, *w, w_o, 4, False) is None          # 4 does not divide 6
-    assert _api._fast_path(x, *w, w_o[:5], 2, False) is None      # glue rejects w_o
-    assert _api._fast_path(x, *w, w_o, 2, 1) is None              # not a bool
+    assert fast_path(x.astype(np.int64), *w, w_o, num_heads=2) is None
+    assert fast_path(x, *w, w_o, num_heads=4) is None          # 4 does not divide 6
+    assert fast_path(x, *w, w_o[:5], num_heads=2) is None      # w_o's rows
+    assert fast_path(x, *w, w_o, num_heads=2, return_weights=1) is None  # not a bool

@@ -30,7 +30,8 @@ def forward(
     dk: npt.NDArray[np.int64],        # (G,)
     dv: npt.NDArray[np.int64],        # (G,)
     scales: npt.NDArray[np.float64],  # (H,) multiplier of q.k per query head
-    mask: Optional[npt.NDArray[np.generic]],  # (B, H, Tq, Tk) bool or float, any strides
+    mask: Optional[npt.NDArray[np.generic]],  # bool or float, any strides: (B, H, Tq, Tk)
+                                              # or a shape that broadcasts to it
     causal: bool,                     # query i sees keys j <= i + (Tk - Tq)
     key_lengths: Optional[npt.NDArray[np.int64]],  # (B,) or None
     want_weights: bool,
@@ -85,7 +86,7 @@ def backward(
     dk: npt.NDArray[np.int64],        # (G,)
     dv: npt.NDArray[np.int64],        # (G,)
     scales: npt.NDArray[np.float64],  # (H,)
-    mask: Optional[npt.NDArray[np.generic]],  # as for forward
+    mask: Optional[npt.NDArray[np.generic]],  # (B, H, Tq, Tk) bool or float, any strides
     causal: bool,
     key_lengths: Optional[npt.NDArray[np.int64]],
     want_bq: bool,

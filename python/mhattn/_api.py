@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _C
+from . import _C, _args
 from ._args import Call, bool_arg, check_memory, normalize, plan
 
 __all__ = ["multi_head_attention", "run_core"]
@@ -39,58 +39,298 @@ def run_core(call: Call, *, want_weights: bool = False, keep: bool = False):
 
 
 _F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
-_HEADS = {}   # (num_heads, Sk, Sv) -> (dk, dv, default scales), for _fast_path
+_BOOL = np.dtype(np.bool_)
+_ndarray = np.ndarray
+_count_nonzero = np.count_nonzero
+# Scalar types whose float() is the full path's float(scale), exactly.
+_SCALE_TYPES = frozenset((float, int, np.float64, np.float32))
+# (H, G, dk, dv, scale or None) -> (dk (G,), dv (G,), scales (H,)), read-only
+# arrays for _fast_path, so that a call builds none of them.
+_HEADS = {}
+# Unbatched key_lengths=n -> int64 (1,) read-only array.
+_LENGTHS = {}
+_CACHE_MAX = 256
 # The fast path only takes calls whose every allocation is small, so that the
 # memory check of the full path (which costs more than such a call) can be
-# skipped: at most this many elements in projections, outputs and weights.
+# skipped: at most this many elements in inputs, projections, outputs and
+# weights.
 _FAST_ELEMENTS = 1 << 22
+# ...and at most this many heads in stacked or list form (a per-head tuple
+# of widths is built before the sizes are known).
+_FAST_HEADS = 1024
 
 
-def _fast_path(x, w_q, w_k, w_v, w_o, num_heads, return_weights):
-    """The common small call (plain float arrays of one dtype, fused weights,
-    no options) without the cost of normalize(). Returns None whenever the
-    call is anything else, or when the glue rejects it: the full path then
-    runs and raises the friendly error."""
-    if not (type(x) is np.ndarray and type(w_q) is np.ndarray
-            and type(w_k) is np.ndarray and type(w_v) is np.ndarray
-            and type(num_heads) is int and num_heads > 0
-            and (return_weights is False or return_weights is True)):
-        return None
-    dt = x.dtype
-    if not ((dt == _F32 or dt == _F64) and w_q.dtype == dt and w_k.dtype == dt
-            and w_v.dtype == dt and w_q.ndim == 2 and w_k.ndim == 2 and w_v.ndim == 2
-            and x.ndim in (2, 3)):
-        return None
-    if w_o is not None and not (type(w_o) is np.ndarray and w_o.dtype == dt
-                                and w_o.ndim == 2):
-        return None
-    Sk, Sv = w_k.shape[1], w_v.shape[1]
-    if w_q.shape[1] != Sk or Sk % num_heads or Sv % num_heads or Sk == 0 or Sv == 0:
-        return None
-    rows = x.shape[0] * x.shape[1] if x.ndim == 3 else x.shape[0]
-    T = x.shape[-2]
-    d_out = w_o.shape[1] if w_o is not None else Sv
-    n = rows * (2 * Sk + 2 * Sv + d_out) + (rows * num_heads * T if return_weights else 0)
-    if n > _FAST_ELEMENTS:
-        return None
-    key = (num_heads, Sk, Sv)
+def _frozen(a):
+    a.flags.writeable = False
+    return a
+
+
+def _head_arrays(H, G, dk, dv, scale):
+    """The glue's dk, dv and scales arrays of a uniform-width call, cached.
+
+    scale None is the default 1/sqrt(dk), computed as normalize() does."""
+    key = (H, G, dk, dv, scale)
     heads = _HEADS.get(key)
     if heads is None:
-        dk, dv = Sk // num_heads, Sv // num_heads
-        heads = (np.full(num_heads, dk, np.int64), np.full(num_heads, dv, np.int64),
-                 np.full(num_heads, 1.0 / np.sqrt(dk)))
-        if len(_HEADS) < 256:
+        s = 1.0 / float(np.sqrt(dk)) if scale is None else scale
+        heads = (_frozen(np.full(G, dk, np.int64)), _frozen(np.full(G, dv, np.int64)),
+                 _frozen(np.full(H, s, np.float64)))
+        # A NaN or a zero scale is not cached: NaN != NaN, and 0.0 == -0.0
+        # would hand one the other's array.
+        if len(_HEADS) < _CACHE_MAX and (scale is None or (scale == scale and scale)):
             _HEADS[key] = heads
-    xb = x if x.ndim == 3 else x[np.newaxis]
+    return heads
+
+
+def _fused_bias_fast(b, dt, H, width, total):
+    """A bias the full path would pass to the glue unchanged in value: fused
+    (total,) or, when every head has the same width, stacked (H, width), of
+    the compute dtype. Else None."""
+    if type(b) is not _ndarray or b.dtype is not dt:
+        return None
+    if b.ndim == 1:
+        return b if b.shape[0] == total else None
+    if b.ndim == 2 and width is not None and b.shape[0] == H and b.shape[1] == width:
+        return b.reshape(-1)
+    return None
+
+
+def _fuse_one(w, count, dt):
+    """(fused (rows, sum widths), widths) of a weight in any of its forms,
+    as normalize() and _Heads.fused() make them, or None for anything the
+    fast path leaves to the full path. count None: not known yet."""
+    if count is not None and count > _FAST_HEADS:
+        return None
+    if type(w) is _ndarray:
+        if w.dtype is not dt or w.size > _FAST_ELEMENTS:
+            return None
+        if w.ndim == 2:
+            total = w.shape[1]
+            if count is None or total == 0 or total % count:
+                return None
+            return w, (total // count,) * count
+        if w.ndim == 3:
+            h, rows, width = w.shape
+            if h == 0 or h > _FAST_HEADS or (count is not None and h != count):
+                return None
+            return w.transpose(1, 0, 2).reshape(rows, h * width), (width,) * h
+        return None
+    if type(w) is list or type(w) is tuple:
+        if not w or len(w) > _FAST_HEADS or (count is not None and len(w) != count):
+            return None
+        rows, size = None, 0
+        for a in w:
+            if type(a) is not _ndarray or a.dtype is not dt or a.ndim != 2:
+                return None
+            if rows is None:
+                rows = a.shape[0]
+            elif a.shape[0] != rows:
+                return None
+            size += a.size
+        if size > _FAST_ELEMENTS:
+            return None
+        return np.concatenate(w, axis=1), tuple(a.shape[1] for a in w)
+    return None
+
+
+def _fuse_heads(w_q, w_k, w_v, num_heads, num_kv_heads, dt):
+    """Stacked or per-head-list weights (or fused ones among them), fused.
+
+    Returns (w_q, w_k, w_v, H, G, dk, dv), dk and dv tuples per kv head,
+    or None."""
+    q = _fuse_one(w_q, num_heads, dt)
+    if q is None:
+        return None
+    H = len(q[1])
+    if num_kv_heads is None:
+        G = H
+    elif H % num_kv_heads == 0:
+        G = num_kv_heads
+    else:
+        return None
+    k = _fuse_one(w_k, G, dt)
+    v = _fuse_one(w_v, G, dt)
+    if k is None or v is None:
+        return None
+    group = H // G
+    dq, dk = q[1], k[1]
+    if 0 in dk or 0 in v[1]:
+        return None
+    for h in range(H):
+        if dq[h] != dk[h // group]:
+            return None
+    return q[0], k[0], v[0], H, G, dk, v[1]
+
+
+def _ragged_head_arrays(H, G, dk, dv, scale):
+    """_head_arrays for per-head widths dk, dv (tuples per kv head)."""
+    key = (H, G, dk, dv, scale)
+    heads = _HEADS.get(key)
+    if heads is None:
+        group = H // G
+        scales = ([1.0 / float(np.sqrt(dk[h // group])) for h in range(H)]
+                  if scale is None else [scale] * H)
+        heads = (_frozen(np.array(dk, np.int64)), _frozen(np.array(dv, np.int64)),
+                 _frozen(np.array(scales, np.float64)))
+        if len(_HEADS) < _CACHE_MAX and (scale is None or (scale == scale and scale)):
+            _HEADS[key] = heads
+    return heads
+
+
+def _fast_path(x, w_q, w_k, w_v, w_o, num_heads, key, value, scale, return_weights,
+               mask, causal, key_lengths, num_kv_heads, b_q, b_k, b_v, b_o):
+    """A small call of plain arrays of one float dtype, without the cost of
+    normalize(). Weights may be fused, stacked or per-head lists (fused here
+    as the full path fuses them); options are taken in their usual forms.
+
+    Returns None whenever the call is anything else, or when the glue rejects
+    it: the full path then runs and raises the friendly error. Whatever it
+    returns is bitwise what the full path returns: it hands the glue the same
+    arrays (or views with the same values) that normalize() would."""
+    if not (type(x) is _ndarray
+            and (num_heads is None or (type(num_heads) is int and num_heads > 0))
+            and (num_kv_heads is None
+                 or (type(num_kv_heads) is int and num_kv_heads > 0))
+            and (return_weights is False or return_weights is True)
+            and (causal is False or causal is True)):
+        return None
+    # Dtypes are compared by identity: NumPy's native float32 and float64
+    # are singletons, and anything else (byte-swapped...) is declined.
+    dt = x.dtype
+    nd = x.ndim
+    if not ((dt is _F32 or dt is _F64) and (nd == 2 or nd == 3)):
+        return None
+    if (type(w_q) is _ndarray and type(w_k) is _ndarray and type(w_v) is _ndarray
+            and w_q.dtype is dt and w_k.dtype is dt and w_v.dtype is dt
+            and w_q.ndim == 2 and w_k.ndim == 2 and w_v.ndim == 2):
+        # Fused weights, the common form: every head has the same width.
+        if num_heads is None:
+            return None
+        H = num_heads
+        G = H if num_kv_heads is None else num_kv_heads
+        if H % G:
+            return None
+        ragged = None
+    else:
+        fused = _fuse_heads(w_q, w_k, w_v, num_heads, num_kv_heads, dt)
+        if fused is None:
+            return None
+        w_q, w_k, w_v, H, G, dk, dv = fused
+        ragged = (dk, dv)
+    # Sources of the keys and values: value defaults to key, key to x.
+    if key is None:
+        k = x
+    elif type(key) is _ndarray and key.dtype is dt and key.ndim == nd:
+        k = key
+    else:
+        return None
+    if value is None:
+        v = k
+    elif type(value) is _ndarray and value.dtype is dt and value.ndim == nd:
+        v = value
+    else:
+        return None
+    # Shapes that disagree are left to the glue, which rejects them (and so
+    # hands the call to normalize()): it checks key and value against x,
+    # each weight against its source and against dk and dv, and w_o and the
+    # fused biases against the fused widths.
+    xs, ks, vs = x.shape, k.shape, v.shape
+    Sq, Sk, Sv = w_q.shape[1], w_k.shape[1], w_v.shape[1]
+    if ragged is None:
+        dk = dk_one = Sk // G
+        dv = dv_one = Sv // G
+        if not (dk and dv):
+            return None
+    else:
+        # One width for every head, or None: the stacked biases need one.
+        dk_one = dk[0] if dk.count(dk[0]) == G else None
+        dv_one = dv[0] if dv.count(dv[0]) == G else None
+    Svq = H // G * Sv
+    if w_o is None:
+        d_out = Svq
+    elif type(w_o) is _ndarray and w_o.dtype is dt and w_o.ndim == 2:
+        d_out = w_o.shape[1]
+    else:
+        return None
+    B = xs[0] if nd == 3 else 1
+    Tq, Tk = xs[-2], ks[-2]
+    Din, Dkin, Dvin = xs[-1], ks[-1], vs[-1]
+    # Outputs and projections, and inputs the glue may copy.
+    n = (B * Tq * (Sq + Svq + d_out + Din) + B * Tk * (Sk + Sv + Dkin + Dvin)
+         + Din * Sq + Dkin * Sk + Dvin * Sv + Svq * d_out
+         + (B * H * Tq * Tk if return_weights else 0))
+    # normalize() also bounds the per-head bookkeeping by memory_limit();
+    # until a full call has found that limit, calls take the full path.
+    limit = _args._memory_limit_bytes
+    if n > _FAST_ELEMENTS or limit is None or n * 8 + H * _args._PER_HEAD_BYTES > limit:
+        return None
+
+    if b_q is not None and (b_q := _fused_bias_fast(b_q, dt, H, dk_one, Sq)) is None:
+        return None
+    if b_k is not None and (b_k := _fused_bias_fast(b_k, dt, G, dk_one, Sk)) is None:
+        return None
+    if b_v is not None and (b_v := _fused_bias_fast(b_v, dt, G, dv_one, Sv)) is None:
+        return None
+    if b_o is not None and not (type(b_o) is _ndarray and b_o.dtype is dt
+                                and b_o.shape == (d_out,)):
+        return None
+
+    if scale is not None:
+        if type(scale) not in _SCALE_TYPES:
+            return None
+        try:
+            scale = float(scale)
+        except OverflowError:
+            return None
+    heads = _HEADS.get((H, G, dk, dv, scale))
+    if heads is None:
+        heads = (_head_arrays(H, G, dk, dv, scale) if ragged is None
+                 else _ragged_head_arrays(H, G, dk, dv, scale))
+    dk_a, dv_a, scales = heads
+
+    # The mask is passed as it is: the glue broadcasts it to (B, H, Tq, Tk)
+    # as np.broadcast_to would (an unbatched call's (H, Tq, Tk) gains B = 1
+    # in front either way), and rejects what does not broadcast.
+    if mask is not None:
+        if type(mask) is not _ndarray or mask.ndim > nd + 1:
+            return None
+        if mask.dtype is _BOOL:
+            if mask.size and not _count_nonzero(mask):
+                return None      # the full path warns: is the mask inverted?
+        elif not (mask.dtype is dt and mask.flags.aligned):
+            return None
+
+    if key_lengths is not None:
+        if nd == 2 and type(key_lengths) is int:
+            if not 0 <= key_lengths <= Tk:
+                return None
+            kl = _LENGTHS.get(key_lengths)
+            if kl is None:
+                kl = _frozen(np.full(1, key_lengths, np.int64))
+                if len(_LENGTHS) < _CACHE_MAX:
+                    _LENGTHS[key_lengths] = kl
+            key_lengths = kl
+        elif not (type(key_lengths) is _ndarray and key_lengths.dtype.kind in "iu"
+                  and key_lengths.shape == ((B,) if nd == 3 else ())):
+            return None
+        elif nd == 2:
+            key_lengths = key_lengths.reshape(1)
+
+    if nd == 2:
+        xb = x[np.newaxis]
+        kb = xb if k is x else k[np.newaxis]
+        v = kb if v is k else (xb if v is x else v[np.newaxis])
+        x, k = xb, kb
     try:
-        out, weights, _ = _C.forward(xb, xb, xb, w_q, w_k, w_v, w_o, None, None, None,
-                                     None, heads[0], heads[1], heads[2], None, False,
-                                     None, return_weights, False)
+        out, weights, _ = _C.forward(x, k, v, w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o,
+                                     dk_a, dv_a, scales, mask, causal, key_lengths,
+                                     return_weights, False)
     except (TypeError, ValueError):
         return None
-    if x.ndim == 2:
+    if nd == 2:
         out = out[0]
-        weights = weights[0] if return_weights else None
+        if return_weights:
+            weights = weights[0]
     return (out, weights) if return_weights else out
 
 
@@ -161,11 +401,10 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None
     weights are 0 and each head contributes zeros, so its output is b_o (or
     0).  No NaN is produced for it.
     """
-    if (key is None and value is None and scale is None and mask is None
-            and causal is False and key_lengths is None and num_kv_heads is None
-            and b_q is None and b_k is None and b_v is None and b_o is None
-            and return_context is False):
-        res = _fast_path(x, w_q, w_k, w_v, w_o, num_heads, return_weights)
+    if return_context is False:
+        res = _fast_path(x, w_q, w_k, w_v, w_o, num_heads, key, value, scale,
+                         return_weights, mask, causal, key_lengths, num_kv_heads,
+                         b_q, b_k, b_v, b_o)
         if res is not None:
             return res
     call = normalize(x, w_q, w_k, w_v, w_o, num_heads=num_heads, key=key, value=value,
