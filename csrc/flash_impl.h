@@ -413,14 +413,17 @@ static void FN(task)(void *ctxp, size_t t, int ith)
     REAL *l = base + off[6], *tmp = base + off[7];
     const size_t dkq = mha_flash_round_up(dk, 64 / sizeof(REAL));
 
-    for (size_t r = 0; r < BQ; r++) {
+    // Only the row groups the tile has: a tile of 3 queries (the small
+    // calls) would spend most of its time clearing 192 rows.
+    const size_t nqr = mha_flash_round_up(nq, MR);
+    for (size_t r = 0; r < nqr; r++) {
         m[r] = NINF;
         l[r] = 0;
     }
     if (kend > 0) {
         // The first key block is fetched while the tile is set up.
         FN(prefetch)(k_b, Sk, dk, v_b, Sv, dv, kend < BK ? kend : BK);
-        for (size_t e = 0; e < BQ * dvp; e++)
+        for (size_t e = 0; e < nqr * dvp; e++)
             o[e] = 0;
         for (size_t r = 0; r < nq; r++)
             for (size_t d = 0; d < dk; d++)
