@@ -14,7 +14,7 @@
 
 #define HUGE_PAGE ((size_t)2 << 20)
 
-mha_status mha_scratch(void **p, size_t n, size_t size)
+static mha_status scratch(void **p, size_t n, size_t size, int huge_ok)
 {
     *p = NULL;
     if (size != 0 && n > SIZE_MAX / size)
@@ -22,7 +22,7 @@ mha_status mha_scratch(void **p, size_t n, size_t size)
     size_t bytes = n * size;
     if (bytes > SIZE_MAX - HUGE_PAGE)
         return MHA_ERR_SIZE;
-    if (bytes < MHA_HUGE_MIN) {
+    if (!huge_ok || bytes < MHA_HUGE_MIN) {
         /* aligned_alloc wants a multiple of the alignment, and not 0 */
         bytes = bytes == 0 ? 64 : (bytes + 63) / 64 * 64;
         *p = aligned_alloc(64, bytes);
@@ -37,4 +37,14 @@ mha_status mha_scratch(void **p, size_t n, size_t size)
     (void)madvise(*p, bytes, MADV_HUGEPAGE); /* advice: failure is harmless */
 #endif
     return MHA_OK;
+}
+
+mha_status mha_scratch(void **p, size_t n, size_t size)
+{
+    return scratch(p, n, size, 1);
+}
+
+mha_status mha_scratch_small(void **p, size_t n, size_t size)
+{
+    return scratch(p, n, size, 0);
 }

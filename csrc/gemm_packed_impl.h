@@ -452,7 +452,7 @@ mha_status FN(mha_gemm_packed)(REAL *C, size_t ldc,
     if (!mul_ok(x.ap_stride, (size_t)nth, &ap_all) ||
         !add_ok(bp_elems, ap_all, &total))
         return MHA_ERR_SIZE;
-    st = mha_scratch((void **)&buf, total, sizeof(REAL));
+    st = mha_scratch_small((void **)&buf, total, sizeof(REAL));
     if (st != MHA_OK)
         goto fail;
     x.bp = buf;
