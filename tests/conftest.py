@@ -2,6 +2,8 @@
 import numpy as np
 import pytest
 
+import mhattn
+
 # Tolerances against the NumPy reference: float64 agrees to rounding; float32
 # sums of up to a few hundred products lose a few ulps each, so 1e-5 relative
 # with a matching absolute floor (outputs near zero) is the honest bound.
@@ -26,3 +28,25 @@ def make_weights(rng, form, d_in, widths, dtype):
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
+
+
+def _supported_isas():
+    """The ISAs this machine runs, lowest first; the ISA in force is kept."""
+    before = mhattn.get_isa()
+    best = mhattn._set_isa("avx512")   # capped at what the CPU supports
+    mhattn._set_isa(before)
+    names = ["scalar", "avx2", "avx512"]
+    return names[:names.index(best) + 1]
+
+
+ISAS = _supported_isas()
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    """Each ISA path this machine runs, forced for the test, then restored."""
+    before = mhattn.get_isa()
+    assert mhattn._set_isa(request.param) == request.param
+    assert mhattn.get_isa() == request.param
+    yield request.param
+    mhattn._set_isa(before)

@@ -12,28 +12,9 @@ import pytest
 import mhattn
 from mhattn import _C
 
-
-def _supported_isas():
-    """The ISAs this machine runs, lowest first; the ISA in force is kept."""
-    before = mhattn.get_isa()
-    best = mhattn._set_isa("avx512")   # capped at what the CPU supports
-    mhattn._set_isa(before)
-    names = ["scalar", "avx2", "avx512"]
-    return names[:names.index(best) + 1]
-
-
-ISAS = _supported_isas()
 POSITIONAL = ("x", "w_q", "w_k", "w_v", "w_o")
 DIFFERENTIABLE = ("x", "key", "value", "w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v",
                   "b_o")
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    before = mhattn.get_isa()
-    assert mhattn._set_isa(request.param) == request.param
-    yield request.param
-    mhattn._set_isa(before)
 
 
 @pytest.fixture

@@ -18,30 +18,9 @@ import mhattn
 from mhattn import reference
 from mhattn._api import run_core
 from mhattn._args import normalize
-from conftest import tol
+from conftest import ISAS, tol
 
 DTYPES = [np.float32, np.float64]
-
-
-def _supported_isas():
-    """The ISAs this machine runs, lowest first; the ISA in force is kept."""
-    before = mhattn.get_isa()
-    best = mhattn._set_isa("avx512")   # capped at what the CPU supports
-    mhattn._set_isa(before)
-    names = ["scalar", "avx2", "avx512"]
-    return names[:names.index(best) + 1]
-
-
-ISAS = _supported_isas()
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    before = mhattn.get_isa()
-    assert mhattn._set_isa(request.param) == request.param
-    assert mhattn.get_isa() == request.param
-    yield request.param
-    mhattn._set_isa(before)
 
 
 @pytest.fixture
