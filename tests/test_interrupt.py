@@ -20,6 +20,43 @@ import mhattn
 pytestmark = pytest.mark.skipif(not hasattr(os, "kill") or sys.platform == "win32",
                                 reason="needs POSIX signals")
 
+# What both children need: sizing a call by timing a small one, and a
+# timer thread that sends SIGINT to the process.
+CHILD_HELPERS = textwrap.dedent(r"""
+    import os, signal, threading, time
+
+    def sized(make, run, seconds):
+        # Attention and its backward are O(T^2): time T=600, scale to the
+        # wanted duration.
+        small = make(600)
+        run(small)
+        t = time.perf_counter(); run(small); dt = time.perf_counter() - t
+        return int(600 * (seconds / max(dt, 1e-6)) ** 0.5)
+
+    def sigint_after(delay, sent):
+        def fire():
+            time.sleep(delay)
+            sent.append(time.perf_counter())
+            os.kill(os.getpid(), signal.SIGINT)
+        th = threading.Thread(target=fire)
+        th.start()
+        return th
+""")
+
+
+def _run_child(code):
+    """Runs CHILD_HELPERS + code in a fresh interpreter that imports this
+    mhattn; returns the JSON report it prints last."""
+    env = dict(os.environ)
+    pkg_parent = os.path.dirname(os.path.dirname(mhattn.__file__))
+    env["PYTHONPATH"] = os.pathsep.join(
+        [pkg_parent] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    proc = subprocess.run([sys.executable, "-c", CHILD_HELPERS + code], env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 CHILD = textwrap.dedent(r"""
     import ctypes, json, os, signal, sys, threading, time
     import numpy as np
@@ -37,22 +74,6 @@ CHILD = textwrap.dedent(r"""
         x, w = xw
         return mhattn.multi_head_attention(x, w, w, w, num_heads=1)
 
-    def sized(seconds):
-        # Attention is O(T^2): time T=600, scale to the wanted duration.
-        small = make(600)
-        run(small)
-        t = time.perf_counter(); run(small); dt = time.perf_counter() - t
-        return int(600 * (seconds / max(dt, 1e-6)) ** 0.5)
-
-    def sigint_after(delay, sent):
-        def fire():
-            time.sleep(delay)
-            sent.append(time.perf_counter())
-            os.kill(os.getpid(), signal.SIGINT)
-        th = threading.Thread(target=fire)
-        th.start()
-        return th
-
     libc = ctypes.CDLL(None, use_errno=True)
     def c_handler():
         # struct sigaction starts with the handler (a union) on Linux/glibc.
@@ -60,7 +81,7 @@ CHILD = textwrap.dedent(r"""
         assert libc.sigaction(signal.SIGINT, None, buf) == 0
         return ctypes.c_void_p.from_buffer(buf).value
 
-    T_long = sized(8.0)
+    T_long = sized(make, run, 8.0)
     report["T_long"] = T_long
     long_call = make(T_long)
     small = make(50)
@@ -95,7 +116,7 @@ CHILD = textwrap.dedent(r"""
         time.sleep(0.3)
         seen.append(c_handler())
     th = threading.Thread(target=peek); th.start()
-    mid = make(sized(0.8)); run(mid)
+    mid = make(sized(make, run, 0.8)); run(mid)
     th.join()
     report["c_handler_swapped_during_call"] = bool(seen) and seen[0] != handler_before
 
@@ -137,14 +158,7 @@ CHILD = textwrap.dedent(r"""
 
 @pytest.fixture(scope="module")
 def report():
-    env = dict(os.environ)
-    pkg_parent = os.path.dirname(os.path.dirname(mhattn.__file__))
-    env["PYTHONPATH"] = os.pathsep.join(
-        [pkg_parent] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    proc = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True,
-                          text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return _run_child(CHILD)
 
 
 def test_ctrl_c_interrupts_a_long_call_promptly(report):
@@ -199,23 +213,7 @@ CHILD_BACKWARD = textwrap.dedent(r"""
         g = mhattn.backward(*case)
         return b"".join(g[k].tobytes() for k in g)
 
-    def sized(seconds):
-        # The backward is O(T^2): time T=600, scale to the wanted duration.
-        small = make(600)
-        run(small)
-        t = time.perf_counter(); run(small); dt = time.perf_counter() - t
-        return int(600 * (seconds / max(dt, 1e-6)) ** 0.5)
-
-    def sigint_after(delay, sent):
-        def fire():
-            time.sleep(delay)
-            sent.append(time.perf_counter())
-            os.kill(os.getpid(), signal.SIGINT)
-        th = threading.Thread(target=fire)
-        th.start()
-        return th
-
-    T_long = sized(6.0)
+    T_long = sized(make, run, 6.0)
     report["T_long"] = T_long
     long_call = make(T_long)
     small = make(50)
@@ -237,7 +235,7 @@ CHILD_BACKWARD = textwrap.dedent(r"""
 
     # 2. A Python handler that does not raise: the call starts over and
     #    gives bitwise the uninterrupted gradients; the handler ran once.
-    mid = make(sized(0.8))
+    mid = make(sized(make, run, 0.8))
     want_mid = run(mid)
     calls = []
     prev = signal.signal(signal.SIGINT, lambda s, f: calls.append(s))
@@ -253,14 +251,7 @@ CHILD_BACKWARD = textwrap.dedent(r"""
 
 @pytest.fixture(scope="module")
 def report_backward():
-    env = dict(os.environ)
-    pkg_parent = os.path.dirname(os.path.dirname(mhattn.__file__))
-    env["PYTHONPATH"] = os.pathsep.join(
-        [pkg_parent] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    proc = subprocess.run([sys.executable, "-c", CHILD_BACKWARD], env=env,
-                          capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return _run_child(CHILD_BACKWARD)
 
 
 def test_ctrl_c_interrupts_a_long_backward_promptly(report_backward):
