@@ -282,6 +282,28 @@ static void sigint_uninstall(void) {}
 static int on_main_thread(void) { return 0; }
 #endif
 
+/*
+ * After a core call made with the GIL released, on the main thread: puts
+ * Python's SIGINT handling back and runs any Python handler the signal
+ * called for. -1 when that handler raised (the caller fails with its
+ * exception), 1 when the core stopped early and the handler did not raise
+ * (the caller starts the call over), else 0. Shared by forward and backward.
+ */
+static int sigint_after_call(int main_thread, mha_status st)
+{
+    if (!main_thread)
+        return 0;
+    const int signalled = sigint_flag != 0;
+    sigint_uninstall();
+    if (signalled || st == MHA_ERR_INTERRUPTED) {
+        if (PyErr_CheckSignals() < 0)
+            return -1;
+        if (st == MHA_ERR_INTERRUPTED)
+            return 1;
+    }
+    return 0;
+}
+
 /* Head widths dk, dv (G,) as size_t in *widths (2G, PyMem; dk then dv),
    checked against the H = len(scales) query heads, and the fused widths
    fused = {Sq, Sk, Sv, Svq} (see mha.h). -1 with an exception on failure. */
@@ -735,15 +757,10 @@ retry:
                              DATA(wv), DATA(wo), DATA(bq), DATA(bk), DATA(bv),
                              DATA(bo), &cfg);
     Py_END_ALLOW_THREADS
-    if (main_thread) {
-        const int signalled = sigint_flag != 0;
-        sigint_uninstall();
-        if (signalled || st == MHA_ERR_INTERRUPTED) {
-            if (PyErr_CheckSignals() < 0)
-                goto fail;
-            if (st == MHA_ERR_INTERRUPTED)
-                goto retry;
-        }
+    switch (sigint_after_call(main_thread, st)) {
+    case -1: goto fail;
+    case 1: goto retry;
+    default: break;
     }
     if (st != MHA_OK) {
         raise_status(st);
@@ -1073,15 +1090,10 @@ retry:
                               DATA(wv), DATA(wo), DATA(q), DATA(k), DATA(v),
                               DATA(concat), DATA(lse), &cfg);
     Py_END_ALLOW_THREADS
-    if (main_thread) {
-        const int signalled = sigint_flag != 0;
-        sigint_uninstall();
-        if (signalled || st == MHA_ERR_INTERRUPTED) {
-            if (PyErr_CheckSignals() < 0)
-                goto fail;
-            if (st == MHA_ERR_INTERRUPTED)
-                goto retry;
-        }
+    switch (sigint_after_call(main_thread, st)) {
+    case -1: goto fail;
+    case 1: goto retry;
+    default: break;
     }
     if (st != MHA_OK) {
         raise_status(st);
