@@ -25,9 +25,15 @@ if os.environ.get("MHATTN_SANITIZE") == "1":
 
 ext = Extension(
     "mhattn._C",
-    sources=sorted(glob.glob(os.path.join("csrc", "*.c"))),
-    depends=sorted(glob.glob(os.path.join("csrc", "*.h"))),
-    include_dirs=[numpy.get_include(), "csrc"],
+    # csrc/mhattn_module.c (the glue), csrc/core/ (drivers, GEMM, threads,
+    # dispatch) and csrc/kernels/ (one compile unit per ISA); see csrc/README.md.
+    sources=sorted(glob.glob(os.path.join("csrc", "*.c"))
+                   + glob.glob(os.path.join("csrc", "core", "*.c"))
+                   + glob.glob(os.path.join("csrc", "kernels", "*.c"))),
+    depends=sorted(glob.glob(os.path.join("csrc", "**", "*.h"), recursive=True)
+                   + glob.glob(os.path.join("csrc", "kernels", "*.inc"))),
+    include_dirs=[numpy.get_include(), "csrc", os.path.join("csrc", "core"),
+                  os.path.join("csrc", "kernels")],
     define_macros=[
         ("NPY_NO_DEPRECATED_API", "NPY_1_23_API_VERSION"),
         # Built against NumPy 2, run against NumPy >= 1.23.5.

@@ -3,7 +3,7 @@ reference, results independent of the thread count, the GIL released, and
 NaN / Inf / fully masked rows on every variant.
 
 The fused attention kernel works in tiles of 96 (portable C) or 192 (SIMD)
-query rows and 64 keys (csrc/flash.h), so the grid has sequences longer
+query rows and 64 keys (csrc/kernels/flash.h), so the grid has sequences longer
 than one tile with ragged ends, head widths that are not a multiple of the
 SIMD width, and every mask and padding feature that cuts tiles.
 """

@@ -13,7 +13,7 @@ import sys
 import xml.etree.ElementTree as ET
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CSRC = {f for f in os.listdir(os.path.join(ROOT, "csrc"))}
+CSRC = {f for _, _, files in os.walk(os.path.join(ROOT, "csrc")) for f in files}
 
 
 # The thread pool's workers live until the process exits (csrc/threads.c);
