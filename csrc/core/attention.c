@@ -18,7 +18,7 @@
 
 #include "alloc.h"
 #include "dispatch.h"
-#include "flash.h"
+#include "kernels.h"
 #include "gemm.h"
 #include "mha.h"
 #include "threads.h"
@@ -160,28 +160,6 @@ void mha_head_offsets(size_t *qoff, size_t *cvoff, size_t *koff,
     }
 }
 
-/* Nonzero once the caller's interrupt flag (if any) has been raised. */
-static int interrupted(const mha_config *cfg)
-{
-    return cfg->interrupt != NULL && *cfg->interrupt != 0;
-}
-
-/* The fused attention kernel of the ISA in force, for float (f64 == 0) or
-   double elements. Read at every call, so a test may force the ISA down. */
-static const mha_flash_kernel *flash_kernel(int f64)
-{
-    switch (mha_get_isa()) {
-#ifdef MHA_FLASH_X86
-    case MHA_ISA_AVX512:
-        return f64 ? &mha_flash_avx512_f64 : &mha_flash_avx512_f32;
-    case MHA_ISA_AVX2:
-        return f64 ? &mha_flash_avx2_f64 : &mha_flash_avx2_f32;
-#endif
-    default:
-        return f64 ? &mha_flash_ref_f64 : &mha_flash_ref_f32;
-    }
-}
-
 /*
  * Pass 2 of the forward, for either element type. ctx comes filled in but
  * for nqb, the head-width bounds, the scratch and stop. The work is split
@@ -190,13 +168,13 @@ static const mha_flash_kernel *flash_kernel(int f64)
  * thread gets its own scratch, allocated here for the thread count handed
  * to the pool and padded to cache lines by the kernel's size.
  */
-static mha_status attend(mha_flash_ctx *ctx, const mha_flash_kernel *kern)
+static mha_status attend(mha_flash_ctx *ctx, const mha_kernels *kern)
 {
     const mha_config *cfg = ctx->cfg;
     atomic_init(&ctx->stop, 0);
     if (cfg->B == 0 || cfg->Tq == 0)
         return MHA_OK;
-    ctx->nqb = (cfg->Tq + kern->bq - 1) / kern->bq;
+    ctx->nqb = (cfg->Tq + kern->flash_bq - 1) / kern->flash_bq;
     const size_t ntasks = cfg->B * cfg->H * ctx->nqb; /* <= B * H * Tq */
 
     // Widest kv head. Without keys no tile touches the K / V scratch, so
@@ -221,7 +199,7 @@ static mha_status attend(mha_flash_ctx *ctx, const mha_flash_kernel *kern)
                         (double)cfg->Tk * (double)(dk_max + dv_max);
     if (work < 262144.0)
         nth = 1;
-    const size_t per = kern->scratch_bytes(dk_max, dv_max);
+    const size_t per = kern->flash_scratch_bytes(dk_max, dv_max);
     if (per == 0 || per > (SIZE_MAX - 64) / (size_t)nth)
         return MHA_ERR_SIZE;
     void *raw;
@@ -231,7 +209,7 @@ static mha_status attend(mha_flash_ctx *ctx, const mha_flash_kernel *kern)
     ctx->scratch = raw;
     ctx->scratch_stride = per;
 
-    mha_status st = mha_parallel_for_n(ntasks, nth, kern->task, ctx);
+    mha_status st = mha_parallel_for_n(ntasks, nth, kern->flash_task, ctx);
     free(raw);
     if (st == MHA_OK && atomic_load(&ctx->stop))
         st = MHA_ERR_INTERRUPTED;

@@ -83,17 +83,17 @@ mha_status MHA_CAT(mha_forward, sfx)(
     if ((st = MHA_CAT(mha_gemm, sfx)(q, Sq, x, cfg->Din, 0, wq, Sq, 0, bq,
                                      nq, Sq, cfg->Din, 0)) != MHA_OK)
         goto fail;
-    if (interrupted(cfg))
+    if (mha_interrupted(cfg))
         goto interrupt;
     if ((st = MHA_CAT(mha_gemm, sfx)(k, Sk, key, cfg->Dkin, 0, wk, Sk, 0, bk,
                                      nk, Sk, cfg->Dkin, 0)) != MHA_OK)
         goto fail;
-    if (interrupted(cfg))
+    if (mha_interrupted(cfg))
         goto interrupt;
     if ((st = MHA_CAT(mha_gemm, sfx)(v, Sv, value, cfg->Dvin, 0, wv, Sv, 0, bv,
                                      nk, Sv, cfg->Dvin, 0)) != MHA_OK)
         goto fail;
-    if (interrupted(cfg))
+    if (mha_interrupted(cfg))
         goto interrupt;
 
     // 2. attention: one fused pass per tile (b, h, query block) with the
@@ -105,7 +105,7 @@ mha_status MHA_CAT(mha_forward, sfx)(
             .q = q, .k = k, .v = v, .cat = cat, .weights = weights,
             .lse = lse,
         };
-        st = attend(&fctx, flash_kernel(sizeof(real) == sizeof(double)));
+        st = attend(&fctx, mha_kernels_for(mha_get_isa(), sizeof(real) == sizeof(double)));
         if (st != MHA_OK)
             goto fail;
     }

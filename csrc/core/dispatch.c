@@ -6,6 +6,7 @@
  * a hypervisor) does not enable zmm state, and then the instructions fault.
  */
 #include "dispatch.h"
+#include "kernels.h"
 
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -109,4 +110,20 @@ const char *mha_isa_name(mha_isa isa)
     case MHA_ISA_AVX512: return "avx512";
     }
     return "unknown";
+}
+
+/* The only ISA switch of the core: each ISA's compile unit fills a table
+   (kernels.h), and every driver asks here for the one in force. */
+const mha_kernels *mha_kernels_for(mha_isa isa, int f64)
+{
+    switch (isa) {
+#ifdef MHA_HAVE_X86_KERNELS
+    case MHA_ISA_AVX512:
+        return f64 ? &mha_kernels_avx512_f64 : &mha_kernels_avx512_f32;
+    case MHA_ISA_AVX2:
+        return f64 ? &mha_kernels_avx2_f64 : &mha_kernels_avx2_f32;
+#endif
+    default:
+        return f64 ? &mha_kernels_ref_f64 : &mha_kernels_ref_f32;
+    }
 }

@@ -21,7 +21,7 @@
 
 #include "alloc.h"
 #include "dispatch.h"
-#include "gemm_kernels.h"
+#include "kernels.h"
 #include "threads.h"
 
 #ifdef __GNUC__
@@ -103,55 +103,16 @@ static mha_status gemm_check(size_t elem, const void *C, size_t ldc,
     return st;
 }
 
-/* Portable kernel: 4 x 4 tile. */
-#define REF_KC 256
-#define REF_MC 64
-#define REF_NC 1024
-
 /* float32 */
 #define REAL float
 #define SFX f32
-#define UKR_AVX2 mha_gemm_ukr_avx2_f32
-#define TPACK_AVX2 mha_gemm_tpack_avx2_f32
-#define TPACK_ROWS 8
-#define AVX2_NR MHA_AVX2_NR_F32 /* 6 x 16 */
-#define AVX2_KC 256             /* B panel 16 KiB   */
-#define AVX2_MC 144             /* A block 144 KiB  */
-#define AVX2_NC 3072            /* B block 3 MiB    */
-#define UKR_AVX512 mha_gemm_ukr_avx512_f32
-#define AVX512_NR MHA_AVX512_NR_F32 /* 6 x 32 */
-#define AVX512_KC 256
-#define AVX512_MC 144
-#define AVX512_NC 3072
 #include "gemm_packed_impl.h"
 #undef REAL
 #undef SFX
-#undef UKR_AVX2
-#undef TPACK_AVX2
-#undef TPACK_ROWS
-#undef AVX2_NR
-#undef AVX2_KC
-#undef AVX2_MC
-#undef AVX2_NC
-#undef UKR_AVX512
-#undef AVX512_NR
-#undef AVX512_KC
-#undef AVX512_MC
-#undef AVX512_NC
 
 /* float64 */
 #define REAL double
 #define SFX f64
-#define UKR_AVX2 mha_gemm_ukr_avx2_f64
-#define TPACK_AVX2 mha_gemm_tpack_avx2_f64
-#define TPACK_ROWS 4
-#define AVX2_NR MHA_AVX2_NR_F64 /* 6 x 8 */
-#define AVX2_KC 256             /* B panel 16 KiB   */
-#define AVX2_MC 72              /* A block 144 KiB  */
-#define AVX2_NC 2048            /* B block 4 MiB    */
-#define UKR_AVX512 mha_gemm_ukr_avx512_f64
-#define AVX512_NR MHA_AVX512_NR_F64 /* 6 x 16 */
-#define AVX512_KC 256
-#define AVX512_MC 72
-#define AVX512_NC 2048
 #include "gemm_packed_impl.h"
+#undef REAL
+#undef SFX

@@ -23,81 +23,6 @@
 #define MHA_CAT2(a, b) MHA_CAT2_(a, b)
 #define FN(name) MHA_CAT2(name, SFX)
 
-typedef void (*FN(ukr_t))(size_t kc, const REAL *a, const REAL *b, REAL *c,
-                          size_t ldc, int add);
-
-typedef void (*FN(tpack_t))(REAL *dst, size_t ldd, const REAL *src,
-                            size_t lds, size_t rows, size_t kc,
-                            const REAL *next);
-
-typedef struct {
-    size_t mr, nr; /* register tile                     */
-    size_t kc;     /* largest K block                   */
-    size_t mcp;    /* largest A block, in panels of mr  */
-    size_t nc;     /* largest B block, multiple of nr   */
-    FN(ukr_t) ukr;
-    FN(tpack_t) tpack; /* transposing copy of up to tpr rows */
-    size_t tpr;
-} FN(blocking);
-
-/* 1. The portable micro-kernel (contract in gemm_kernels.h). */
-static void FN(ukr_ref)(size_t kc, const REAL *a, const REAL *b, REAL *c,
-                        size_t ldc, int add)
-{
-    /* a: (kc, 4) packed; b: (kc, 4) packed; c: (4, 4) row stride ldc */
-    REAL acc[MHA_REF_MR][MHA_REF_NR] = {{0}};
-    for (size_t p = 0; p < kc; p++) {
-        const REAL *a_p = a + p * MHA_REF_MR;
-        const REAL *b_p = b + p * MHA_REF_NR;
-        for (int r = 0; r < MHA_REF_MR; r++)
-            for (int j = 0; j < MHA_REF_NR; j++)
-                acc[r][j] += a_p[r] * b_p[j];
-    }
-    for (int r = 0; r < MHA_REF_MR; r++) {
-        REAL *c_r = c + (size_t)r * ldc;
-        for (int j = 0; j < MHA_REF_NR; j++)
-            c_r[j] = add ? c_r[j] + acc[r][j] : acc[r][j];
-    }
-}
-
-/* The portable transposing copy (contract in gemm_kernels.h). */
-static void FN(tpack_ref)(REAL *dst, size_t ldd, const REAL *src, size_t lds,
-                          size_t rows, size_t kc, const REAL *next)
-{
-    /* src: (rows, kc) row stride lds; dst: (kc, rows) row stride ldd */
-    for (size_t p = 0; p < kc; p++) {
-        if ((p & 15) == 0)
-            for (size_t r = 0; r < rows; r++)
-                MHA_PREFETCH(next + r * lds + p);
-        for (size_t r = 0; r < rows; r++)
-            dst[p * ldd + r] = src[r * lds + p];
-    }
-}
-
-static const FN(blocking) FN(blk_ref) = {
-    MHA_REF_MR, MHA_REF_NR, REF_KC, REF_MC / MHA_REF_MR, REF_NC,
-    FN(ukr_ref), FN(tpack_ref), 8};
-#ifdef MHA_HAVE_X86_KERNELS
-static const FN(blocking) FN(blk_avx2) = {
-    MHA_AVX2_MR, AVX2_NR, AVX2_KC, AVX2_MC / MHA_AVX2_MR, AVX2_NC, UKR_AVX2,
-    TPACK_AVX2, TPACK_ROWS};
-static const FN(blocking) FN(blk_avx512) = {
-    MHA_AVX512_MR, AVX512_NR, AVX512_KC, AVX512_MC / MHA_AVX512_MR,
-    AVX512_NC, UKR_AVX512, TPACK_AVX2, TPACK_ROWS};
-#endif
-
-static const FN(blocking) *FN(blocking_for)(mha_isa isa)
-{
-#ifdef MHA_HAVE_X86_KERNELS
-    if (isa == MHA_ISA_AVX512)
-        return &FN(blk_avx512);
-    if (isa == MHA_ISA_AVX2)
-        return &FN(blk_avx2);
-#endif
-    (void)isa;
-    return &FN(blk_ref);
-}
-
 /* 2. Packing. transA / transB are handled here and nowhere else.
    Stored rows are always walked along their length: short pieces of many
    rows of a large power-of-two stride alias in L1 and starve the hardware
@@ -105,7 +30,7 @@ static const FN(blocking) *FN(blocking_for)(mha_isa isa)
 
 /* ap: panels of (kc, MR), rows i0 .. i0+mc-1 and columns k0 .. k0+kc-1 of
    op(A); rows past mc are zero. MR is a constant at each call site. */
-static MHA_INLINE void FN(pack_a_body)(REAL *ap, const FN(blocking) *bk,
+static MHA_INLINE void FN(pack_a_body)(REAL *ap, const mha_gemm_blocking *bk,
                                        const REAL *A, size_t lda, int transA,
                                        size_t i0, size_t mc, size_t k0,
                                        size_t kc, const size_t MR)
@@ -153,7 +78,7 @@ static MHA_INLINE void FN(pack_a_body)(REAL *ap, const FN(blocking) *bk,
     }
 }
 
-static void FN(pack_a)(REAL *ap, const FN(blocking) *bk, const REAL *A,
+static void FN(pack_a)(REAL *ap, const mha_gemm_blocking *bk, const REAL *A,
                        size_t lda, int transA, size_t i0, size_t mc,
                        size_t k0, size_t kc)
 {
@@ -167,7 +92,7 @@ static void FN(pack_a)(REAL *ap, const FN(blocking) *bk, const REAL *A,
 
 /* bp: panels of (kc, NR), columns j0 .. j0+nc-1 and rows k0 .. k0+kc-1 of
    op(B); columns past nc are zero. */
-static MHA_INLINE void FN(pack_b_body)(REAL *bp, const FN(blocking) *bk,
+static MHA_INLINE void FN(pack_b_body)(REAL *bp, const mha_gemm_blocking *bk,
                                        const REAL *B, size_t ldb, int transB,
                                        size_t k0, size_t kc, size_t j0,
                                        size_t nc, const size_t NR)
@@ -210,7 +135,7 @@ static MHA_INLINE void FN(pack_b_body)(REAL *bp, const FN(blocking) *bk,
     }
 }
 
-static void FN(pack_b)(REAL *bp, const FN(blocking) *bk, const REAL *B,
+static void FN(pack_b)(REAL *bp, const mha_gemm_blocking *bk, const REAL *B,
                        size_t ldb, int transB, size_t k0, size_t kc,
                        size_t j0, size_t nc)
 {
@@ -300,7 +225,7 @@ typedef struct {
     const REAL *bias;
     int accumulate;
     size_t M;
-    const FN(blocking) *bk;
+    const mha_gemm_blocking *bk;
     REAL *bp;         /* (np panels of (kc, nr)) packed B block          */
     REAL *ap;         /* (nth, ap_stride) per-thread packed A blocks      */
     size_t ap_stride; /* elements, a multiple of a cache line             */
@@ -333,7 +258,7 @@ static void FN(task_pack_b)(void *ctxp, size_t t, int ith)
 static void FN(task_compute)(void *ctxp, size_t t, int ith)
 {
     const FN(ctx) *x = ctxp;
-    const FN(blocking) *bk = x->bk;
+    const mha_gemm_blocking *bk = x->bk;
     const size_t MR = bk->mr, NR = bk->nr, kc = x->kc;
     const size_t mb = t / x->nnb, nb = t % x->nnb;
     const size_t p0 = part_start(x->mp, x->nmb, mb);
@@ -411,7 +336,8 @@ mha_status FN(mha_gemm_packed)(REAL *C, size_t ldc,
 
     /* 3. blocking: K blocks depend on K and the ISA only (determinism);
        everything else may depend on the thread count. */
-    const FN(blocking) *bk = FN(blocking_for)(mha_get_isa());
+    const mha_gemm_blocking *bk =
+        &mha_kernels_for(mha_get_isa(), sizeof(REAL) == sizeof(double))->gemm;
     const size_t MR = bk->mr, NR = bk->nr;
     /* Threads: none inside another parallel task (it would run inline
        anyway), and none beyond one per `grain` multiply-adds: waking

@@ -1,70 +1,8 @@
-/*
- * backward.h - internal to the backward pass (backward.c, backward_avx2.c,
- * backward_avx512.c):
- * tile sizes, small helpers and the per-ISA entry points. The public
- * declaration is MHA_DECLARE_BACKWARD in mha.h.
- *
- * Letters: see mha.h. BQ query rows times BK keys make one tile.
- */
-#ifndef MHA_BACKWARD_H
-#define MHA_BACKWARD_H
-
-#include <math.h>
-#include <stddef.h>
+/* TEMPORARY (removed by the exp unification): the backward's own exps. */
+#ifndef MHA_BWD_EXP_LEGACY_H
+#define MHA_BWD_EXP_LEGACY_H
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
-
-#include "alloc.h"
-#include "gemm.h"
-#include "mha.h"
-#include "threads.h"
-
-/* Tile sizes. A tile's S and dP (BQ x BK each) stay in L1/L2 while it is
-   worked. */
-#define BWD_BQ ((size_t)64)
-#define BWD_BK ((size_t)64)
-
-#define MHA_CAT_(a, b) a##_##b
-#define MHA_CAT(a, b) MHA_CAT_(a, b)
-
-/* *r = a * b; 0 when the product overflows size_t. */
-static inline int bwd_mul_ok(size_t *r, size_t a, size_t b)
-{
-    if (a != 0 && b > SIZE_MAX / a)
-        return 0;
-    *r = a * b;
-    return 1;
-}
-
-/* Reals of one thread's tile scratch, S (BQ, BK) and dP (BQ, BK), rounded
-   up to a whole number of 64-byte cache lines for either element size. */
-#define BWD_TILE_STRIDE ((2 * BWD_BQ * BWD_BK + 15) / 16 * 16)
-
-/*
- * Which plan passes 4 and 5 follow (both give bitwise the same gradients,
- * see fused_task in backward_impl.h): fused, one task per (b, kv head),
- * does 5 tile products per tile; two-pass, one task per key block and then
- * per query block, does 7 but splits the work finer. Fused is chosen when
- * its ntasks (= B G) tasks keep nth threads at least 3/4 busy in whole
- * rounds, ntasks / (nth ceil(ntasks / nth)) >= 3/4, where it is cheaper.
- * The choice depends on the thread count, the gradients do not.
- */
-static inline int bwd_plan_fused(size_t ntasks, int nth)
-{
-    const size_t n = nth < 1 ? 1 : (size_t)nth;
-    const size_t rounds = (ntasks + n - 1) / n;
-    return ntasks > 0 && ntasks <= SIZE_MAX / 4 && 4 * ntasks >= 3 * rounds * n;
-}
-
-/* The caller's interrupt flag (cfg->interrupt, may be NULL) is raised. The
-   backward polls it between stages (a GEMM is not split) and before every
-   tile, and then returns MHA_ERR_INTERRUPTED, the gradients left undefined. */
-static inline int bwd_interrupted(const mha_config *cfg)
-{
-    return cfg->interrupt != NULL && *cfg->interrupt != 0;
-}
-
 /* The bits of a float and back (memcpy: the defined way to pun). */
 static inline uint32_t bwd_fbits(float f)
 {
@@ -182,30 +120,4 @@ static inline double bwd_expd(double x)
     return bwd_bitsd((y & ~nan) | (ux & nan));
 }
 
-#define MHA_DECLARE_BACKWARD_ISA(real, sfx, isa)                              \
-    mha_status mha_backward_##sfx##_##isa(                                    \
-        real *dx, real *dkey, real *dvalue,                                   \
-        real *dwq, real *dwk, real *dwv, real *dwo,                           \
-        real *dbq, real *dbk, real *dbv, real *dbo,                           \
-        const real *dout,                                                     \
-        const real *x, const real *key, const real *value,                    \
-        const real *wq, const real *wk, const real *wv, const real *wo,       \
-        const real *q, const real *k, const real *v, const real *concat,      \
-        const real *lse, const mha_config *cfg);
-
-MHA_DECLARE_BACKWARD_ISA(float, f32, ref)
-MHA_DECLARE_BACKWARD_ISA(double, f64, ref)
-
-/* The AVX2 build of the same template (backward_avx2.c), x86-64 with GCC or
-   Clang only. */
-#if (defined(__x86_64__) || defined(__i386__)) && \
-    (defined(__GNUC__) || defined(__clang__))
-#define MHA_BWD_HAVE_AVX2 1
-MHA_DECLARE_BACKWARD_ISA(float, f32, avx2)
-MHA_DECLARE_BACKWARD_ISA(double, f64, avx2)
-/* And its AVX-512F build (backward_avx512.c), where the AVX2 one exists. */
-MHA_DECLARE_BACKWARD_ISA(float, f32, avx512)
-MHA_DECLARE_BACKWARD_ISA(double, f64, avx512)
 #endif
-
-#endif /* MHA_BACKWARD_H */

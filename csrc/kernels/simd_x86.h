@@ -1,72 +1,29 @@
 /*
- * gemm_kernel_avx2.c - AVX2 + FMA GEMM micro-kernels (template in
- * gemm_ukr_impl.h, contract in gemm_kernels.h).
- *
- * ISA flags: this file only, through #pragma GCC target, because setuptools
- * applies extra_compile_args to every source. Nothing here runs unless
- * mha_get_isa() >= MHA_ISA_AVX2 (dispatch.c checks cpuid and xgetbv).
+ * simd_x86.h - what the AVX2 and AVX-512 vocabularies share (AVX-512F
+ * implies AVX2): transposing copies on 256-bit registers and horizontal
+ * reductions in a fixed order. Included by simd_avx2.h and simd_avx512.h,
+ * inside their compile unit's target pragma, after <immintrin.h>.
  */
-#include "gemm_kernels.h"
+#ifndef MHA_SIMD_X86_H
+#define MHA_SIMD_X86_H
 
-#ifdef MHA_HAVE_X86_KERNELS
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
 
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
-#include <immintrin.h>
-
-/* f32: 6 x 16 tile, two ymm of 8 floats per row */
-#define UKR_NAME mha_gemm_ukr_avx2_f32
-#define REAL float
-#define VEC __m256
-#define VLEN 8
-#define VZERO() _mm256_setzero_ps()
-#define VLOAD(p) _mm256_load_ps(p)
-#define VLOADU(p) _mm256_loadu_ps(p)
-#define VSTOREU(p, v) _mm256_storeu_ps((p), (v))
-#define VBCAST(p) _mm256_broadcast_ss(p)
-#define VFMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
-#define VADD(a, b) _mm256_add_ps((a), (b))
-#define MR MHA_AVX2_MR
-#define NV 2
-#include "gemm_ukr_impl.h"
-#undef UKR_NAME
-#undef REAL
-#undef VEC
-#undef VLEN
-#undef VZERO
-#undef VLOAD
-#undef VLOADU
-#undef VSTOREU
-#undef VBCAST
-#undef VFMA
-#undef VADD
-#undef MR
-#undef NV
-
-/* f64: 6 x 8 tile, two ymm of 4 doubles per row */
-#define UKR_NAME mha_gemm_ukr_avx2_f64
-#define REAL double
-#define VEC __m256d
-#define VLEN 4
-#define VZERO() _mm256_setzero_pd()
-#define VLOAD(p) _mm256_load_pd(p)
-#define VLOADU(p) _mm256_loadu_pd(p)
-#define VSTOREU(p, v) _mm256_storeu_pd((p), (v))
-#define VBCAST(p) _mm256_broadcast_sd(p)
-#define VFMA(a, b, c) _mm256_fmadd_pd((a), (b), (c))
-#define VADD(a, b) _mm256_add_pd((a), (b))
-#define MR MHA_AVX2_MR
-#define NV 2
-#include "gemm_ukr_impl.h"
+/* Kernel helpers whose calls must disappear: a function made of prefetches
+   alone, which GCC would otherwise deem free of effects and delete. */
+#define MHA_ALWAYS_INLINE inline __attribute__((always_inline))
 
 /*
- * Transposing pack (contract in gemm_kernels.h): 8 x 8 (float) or 4 x 4
- * (double) register transposes; the rows past `rows` read row 0 again and
+ * dst[p*ldd + r] = src[r*lds + p] for r < rows, p < kc: 8 x 8 (float) or
+ * 4 x 4 (double) register transposes; rows past `rows` read row 0 again and
  * are never stored. A leftovers tail of kc % 8 (or % 4) goes one by one.
+ * `next` (the rows the caller copies next) is prefetched as we go.
  */
-void mha_gemm_tpack_avx2_f32(float *dst, size_t ldd, const float *src,
-                             size_t lds, size_t rows, size_t kc,
-                             const float *next)
+static inline void x86_tpack8_f32(float *dst, size_t ldd, const float *src,
+                                  size_t lds, size_t rows, size_t kc,
+                                  const float *next)
 {
     /* src: (rows, kc) row stride lds; dst: (kc, rows) row stride ldd */
     const float *s[8];
@@ -76,7 +33,7 @@ void mha_gemm_tpack_avx2_f32(float *dst, size_t ldd, const float *src,
     for (; p + 8 <= kc; p += 8) {
         if ((p & 15) == 0)
             for (size_t r = 0; r < rows; r++)
-                __builtin_prefetch(next + r * lds + p, 0, 3);
+                _mm_prefetch((const char *)(next + r * lds + p), _MM_HINT_T0);
         const __m256 r0 = _mm256_loadu_ps(s[0] + p), r1 = _mm256_loadu_ps(s[1] + p);
         const __m256 r2 = _mm256_loadu_ps(s[2] + p), r3 = _mm256_loadu_ps(s[3] + p);
         const __m256 r4 = _mm256_loadu_ps(s[4] + p), r5 = _mm256_loadu_ps(s[5] + p);
@@ -124,9 +81,9 @@ void mha_gemm_tpack_avx2_f32(float *dst, size_t ldd, const float *src,
             dst[p * ldd + r] = s[r][p];
 }
 
-void mha_gemm_tpack_avx2_f64(double *dst, size_t ldd, const double *src,
-                             size_t lds, size_t rows, size_t kc,
-                             const double *next)
+static inline void x86_tpack4_f64(double *dst, size_t ldd, const double *src,
+                                  size_t lds, size_t rows, size_t kc,
+                                  const double *next)
 {
     /* src: (rows, kc) row stride lds; dst: (kc, rows) row stride ldd */
     const double *s[4];
@@ -136,7 +93,7 @@ void mha_gemm_tpack_avx2_f64(double *dst, size_t ldd, const double *src,
     for (; p + 4 <= kc; p += 4) {
         if ((p & 7) == 0)
             for (size_t r = 0; r < rows; r++)
-                __builtin_prefetch(next + r * lds + p, 0, 3);
+                _mm_prefetch((const char *)(next + r * lds + p), _MM_HINT_T0);
         const __m256d r0 = _mm256_loadu_pd(s[0] + p), r1 = _mm256_loadu_pd(s[1] + p);
         const __m256d r2 = _mm256_loadu_pd(s[2] + p), r3 = _mm256_loadu_pd(s[3] + p);
         /* t0 = a0 b0 | a2 b2, t1 = a1 b1 | a3 b3, ... */
@@ -167,9 +124,46 @@ void mha_gemm_tpack_avx2_f64(double *dst, size_t ldd, const double *src,
             dst[p * ldd + r] = s[r][p];
 }
 
-#pragma GCC pop_options
+/* Horizontal sums and maxima in a fixed order: halves, then pairs. */
+static inline float x86_hsum8_f32(__m256 v)
+{
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
 
-#else
-/* Not x86: nothing to compile; ISO C forbids an empty translation unit. */
-typedef int mha_gemm_kernel_avx2_unused;
-#endif
+static inline float x86_hmax8_f32(__m256 v)
+{
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_max_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+
+static inline double x86_hsum4_f64(__m256d v)
+{
+    __m128d x = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
+    x = _mm_add_sd(x, _mm_unpackhi_pd(x, x));
+    return _mm_cvtsd_f64(x);
+}
+
+static inline double x86_hmax4_f64(__m256d v)
+{
+    __m128d x = _mm_max_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
+    x = _mm_max_sd(x, _mm_unpackhi_pd(x, x));
+    return _mm_cvtsd_f64(x);
+}
+
+/* Prefetch hints: into every cache level (t0), or into L2 and up (t1). */
+static inline void v_prefetch_t0(const void *p)
+{
+    _mm_prefetch((const char *)p, _MM_HINT_T0);
+}
+
+static inline void v_prefetch_t1(const void *p)
+{
+    _mm_prefetch((const char *)p, _MM_HINT_T1);
+}
+
+#endif /* MHA_SIMD_X86_H */

@@ -1,0 +1,346 @@
+/*
+ * backward_impl.h - the backward driver, once per element type; included
+ * by backward.c with MHA_F64 defined (0 float, 1 double) and PICK naming
+ * each function in full. No include guard on purpose.
+ *
+ * Legend: see mha.h. The driver plans, then computes: bwd_plan sizes and
+ * allocates everything once, and each pass below is one function. The
+ * tiles of passes 3-5 are the kernels of the ISA in force (kernels/bwd.inc,
+ * through the table of kernels.h); the GEMMs are core/gemm.c's.
+ *
+ *   1. d(concat) = dout wo^T, dwo = concat^T dout, dbo = colsum(dout)
+ *   2. D = rowsum(dO * O) per (b, h, query row)
+ *   3. pack q, d(concat) per (b, h) and k, v per (b, key block)
+ *   4. dK, dV per (b, kv head, key block): per tile, S and P = exp(S - lse)
+ *      recomputed, dP, dS = P (dP - D)
+ *   5. dQ per (b, query head, query block), P recomputed;
+ *      or 4 and 5 fused per (b, kv head) when those tasks fill the threads
+ *      (bwd_plan_fused): bitwise the same gradients, with less work
+ *   6. dwq, dbq, dx and likewise for k and v
+ * Outside the tiles no pass contracts a * b + c or reassociates a sum, and
+ * every reduction has one order: the gradients are bitwise the same for
+ * any thread count.
+ */
+#if !defined(MHA_F64)
+#error "backward_impl.h needs MHA_F64"
+#endif
+#if MHA_F64
+#define REAL double
+#define PICK(f32, f64) f64
+#else
+#define REAL float
+#define PICK(f32, f64) f32
+#endif
+#define BWD_CTX PICK(mha_bwd_ctx_f32, mha_bwd_ctx_f64)
+#define BWD_ARGS PICK(bwd_args_t_f32, bwd_args_t_f64)
+#define BWD_PLAN PICK(bwd_plan_t_f32, bwd_plan_t_f64)
+#define GEMM PICK(mha_gemm_f32, mha_gemm_f64)
+
+/* The call's arrays, as mha_backward_<type> takes them (see mha.h). */
+typedef struct {
+    REAL *dx, *dkey, *dvalue;           /* (B, Tq, Din) (B, Tk, Dkin) (B, Tk, Dvin) */
+    REAL *dwq, *dwk, *dwv, *dwo;        /* (Din, Sq) (Dkin, Sk) (Dvin, Sv) (Svq, Dout) */
+    REAL *dbq, *dbk, *dbv, *dbo;        /* (Sq,) (Sk,) (Sv,) (Dout,) */
+    const REAL *dout;                   /* (B, Tq, Dout) */
+    const REAL *x, *key, *value;        /* (B, Tq, Din) (B, Tk, Dkin) (B, Tk, Dvin) */
+    const REAL *wq, *wk, *wv, *wo;      /* as the forward's */
+    const REAL *q, *k, *v, *concat;     /* kept by the forward */
+    const REAL *lse;                    /* (B, H, Tq) */
+} BWD_ARGS;
+
+/* Sizes and scratch of one call, computed once by bwd_plan. */
+typedef struct {
+    const mha_config *cfg;
+    const mha_kernels *kern;
+    mha_layout lay;
+    size_t nq, nk;          /* B Tq and B Tk: rows of the projections */
+    int nth;                /* threads handed to the pool             */
+    int need_dq, need_dkv;  /* some wanted gradient needs dQ / dK, dV */
+    size_t *off;            /* (2H + 2G,): qoff, cvoff, koff, voff    */
+    REAL *dcat_s;           /* (B, Tq, Svq) d(concat), when W^O is there */
+    REAL *D;                /* (B, H, Tq)                             */
+    BWD_CTX c;              /* the tiles' view; its buffers are scratch */
+} BWD_PLAN;
+
+/* Frees every buffer of the plan (NULL ones included). */
+static void PICK(bwd_plan_free_f32, bwd_plan_free_f64)(BWD_PLAN *p)
+{
+    free(p->off);
+    free(p->dcat_s);
+    free(p->D);
+    free(p->c.dq);
+    free(p->c.dk);
+    free(p->c.dv);
+    free(p->c.scratch);
+    free(p->c.qh);
+    free(p->c.doh);
+    free(p->c.kh);
+    free(p->c.kT);
+    free(p->c.vT);
+}
+
+/* The arguments a call must have: required buffers may only be NULL when
+   they hold no element, and a shared gradient buffer means a shared input,
+   whose shapes must then agree. Drops dwo when there is no W^O. */
+static mha_status PICK(bwd_check_args_f32, bwd_check_args_f64)(BWD_ARGS *a,
+                                                               const BWD_PLAN *p)
+{
+    const mha_config *cfg = p->cfg;
+    const size_t nq = p->nq, nk = p->nk;
+    if ((a->dout == NULL && nq * cfg->Dout != 0) ||
+        (a->x == NULL && nq * cfg->Din != 0) ||
+        (a->key == NULL && nk * cfg->Dkin != 0) ||
+        (a->value == NULL && nk * cfg->Dvin != 0) ||
+        (a->wq == NULL && cfg->Din != 0) || (a->wk == NULL && cfg->Dkin != 0) ||
+        (a->wv == NULL && cfg->Dvin != 0) || (cfg->has_wo && a->wo == NULL) ||
+        (a->q == NULL && nq != 0) || (a->k == NULL && nk != 0) ||
+        (a->v == NULL && nk != 0) || (a->concat == NULL && nq != 0) ||
+        (a->lse == NULL && nq != 0))
+        return MHA_ERR_ARG;
+    if (a->dx != NULL && a->dkey == a->dx && (cfg->Tk != cfg->Tq || cfg->Dkin != cfg->Din))
+        return MHA_ERR_ARG;
+    if (a->dx != NULL && a->dvalue == a->dx && (cfg->Tk != cfg->Tq || cfg->Dvin != cfg->Din))
+        return MHA_ERR_ARG;
+    if (a->dkey != NULL && a->dvalue == a->dkey && cfg->Dvin != cfg->Dkin)
+        return MHA_ERR_ARG;
+    if (!cfg->has_wo)
+        a->dwo = NULL;
+    return MHA_OK;
+}
+
+/* Allocates the tiles' scratch: per-thread S and dP tiles, the packed
+   operands (kh, kT: B nkb BK Sk reals, vT: B nkb BK Sv, with B nkb BK <
+   B Tk + B BK; qh: B Tq Sq, doh: B Tq Svq) and dq, dk, dv as needed. */
+static mha_status PICK(bwd_plan_tiles_f32, bwd_plan_tiles_f64)(BWD_PLAN *p)
+{
+    BWD_CTX *c = &p->c;
+    const size_t B = p->cfg->B, Sk = p->lay.Sk, Sv = p->lay.Sv;
+    mha_status st = MHA_OK;
+    if (p->need_dq || p->need_dkv) {
+        size_t nkT, nvT;
+        if (!mha_mul_ok(&nkT, B * c->nkb, MHA_BWD_BK) || !mha_mul_ok(&nvT, nkT, Sv) ||
+            !mha_mul_ok(&nkT, nkT, Sk))
+            return MHA_ERR_SIZE;
+        if ((st = mha_scratch((void **)&c->scratch, (size_t)p->nth,
+                              MHA_BWD_TILE_STRIDE * sizeof(REAL))) != MHA_OK ||
+            (st = mha_scratch((void **)&c->kh, nkT, sizeof(REAL))) != MHA_OK ||
+            (st = mha_scratch((void **)&c->kT, nkT, sizeof(REAL))) != MHA_OK ||
+            (st = mha_scratch((void **)&c->vT, nvT, sizeof(REAL))) != MHA_OK ||
+            (st = mha_scratch((void **)&c->qh, p->nq * p->lay.Sq, sizeof(REAL))) != MHA_OK ||
+            (st = mha_scratch((void **)&c->doh, p->nq * p->lay.Svq, sizeof(REAL))) != MHA_OK)
+            return st;
+    }
+    if (p->need_dkv &&
+        ((st = mha_scratch((void **)&c->dk, p->nk * Sk, sizeof(REAL))) != MHA_OK ||
+         (st = mha_scratch((void **)&c->dv, p->nk * Sv, sizeof(REAL))) != MHA_OK))
+        return st;
+    if (p->need_dq)
+        st = mha_scratch((void **)&c->dq, p->nq * p->lay.Sq, sizeof(REAL));
+    return st;
+}
+
+/* Plans the call: sizes, which gradients need which passes, and every
+   buffer, allocated here and freed by bwd_plan_free whatever happens. */
+static mha_status PICK(bwd_plan_f32, bwd_plan_f64)(BWD_PLAN *p, BWD_ARGS *a,
+                                                   const mha_config *cfg)
+{
+    *p = (BWD_PLAN){.cfg = cfg};
+    mha_status st = mha_check_config(&p->lay, cfg);
+    if (st != MHA_OK)
+        return st;
+    p->nq = cfg->B * cfg->Tq;
+    p->nk = cfg->B * cfg->Tk;
+    if ((st = PICK(bwd_check_args_f32, bwd_check_args_f64)(a, p)) != MHA_OK)
+        return st;
+    p->kern = mha_kernels_for(mha_get_isa(), MHA_F64);
+    p->need_dq = a->dx != NULL || a->dwq != NULL || a->dbq != NULL;
+    p->need_dkv = a->dkey != NULL || a->dvalue != NULL || a->dwk != NULL ||
+                  a->dbk != NULL || a->dwv != NULL || a->dbv != NULL;
+    const int nth = mha_get_num_threads();
+    p->nth = nth < 1 ? 1 : nth;
+
+    const size_t H = cfg->H, G = cfg->G;
+    if ((st = mha_scratch((void **)&p->off, 2 * (H + G), sizeof *p->off)) != MHA_OK)
+        return st;
+    mha_head_offsets(p->off, p->off + H, p->off + 2 * H, p->off + 2 * H + G, cfg);
+    if (cfg->has_wo && (p->need_dq || p->need_dkv) &&
+        (st = mha_scratch((void **)&p->dcat_s, p->nq * p->lay.Svq, sizeof(REAL))) != MHA_OK)
+        return st;
+    if ((p->need_dq || p->need_dkv) &&
+        (st = mha_scratch((void **)&p->D, cfg->B * H * cfg->Tq, sizeof(REAL))) != MHA_OK)
+        return st;
+    p->c = (BWD_CTX){
+        .cfg = cfg, .lay = &p->lay, .qoff = p->off, .cvoff = p->off + H,
+        .koff = p->off + 2 * H, .voff = p->off + 2 * H + G, .q = a->q,
+        .k = a->k, .v = a->v, .lse = a->lse, .D = p->D,
+        .nqb = (cfg->Tq + MHA_BWD_BQ - 1) / MHA_BWD_BQ,
+        .nkb = (cfg->Tk + MHA_BWD_BK - 1) / MHA_BWD_BK,
+    };
+    return PICK(bwd_plan_tiles_f32, bwd_plan_tiles_f64)(p);
+}
+
+/* dst (cols,) = sum over rows of src (rows, cols), rows in increasing
+   order: a bias's gradient. Overwrites dst. */
+static void PICK(bwd_colsum_f32, bwd_colsum_f64)(REAL *dst, const REAL *src,
+                                                 size_t rows, size_t cols)
+{
+    for (size_t c = 0; c < cols; c++)
+        dst[c] = 0;
+    for (size_t r = 0; r < rows; r++) {
+        const REAL *src_r = src + r * cols;
+        for (size_t c = 0; c < cols; c++)
+            dst[c] += src_r[c];
+    }
+}
+
+/* Pass 1, through the output projection `out = concat @ wo + bo`:
+   d(concat) = dout wo^T, dwo = concat^T dout, dbo = colsum(dout). Without
+   W^O, `out = concat (+ bo)`: d(concat) = dout. */
+static mha_status PICK(bwd_pass_output_f32, bwd_pass_output_f64)(BWD_PLAN *p,
+                                                                 const BWD_ARGS *a)
+{
+    const mha_config *cfg = p->cfg;
+    const size_t Svq = p->lay.Svq, Dout = cfg->Dout;
+    mha_status st = MHA_OK;
+    p->c.dcat = a->dout;
+    if (p->dcat_s != NULL) {
+        if ((st = GEMM(p->dcat_s, Svq, a->dout, Dout, 0, a->wo, Dout, 1, NULL,
+                       p->nq, Svq, Dout, 0)) != MHA_OK)
+            return st;
+        p->c.dcat = p->dcat_s;
+    }
+    if (a->dwo != NULL &&
+        (st = GEMM(a->dwo, Dout, a->concat, Svq, 1, a->dout, Dout, 0, NULL, Svq,
+                   Dout, p->nq, 0)) != MHA_OK)
+        return st;
+    if (a->dbo != NULL)
+        PICK(bwd_colsum_f32, bwd_colsum_f64)(a->dbo, a->dout, p->nq, Dout);
+    return mha_interrupted(cfg) ? MHA_ERR_INTERRUPTED : MHA_OK;
+}
+
+/* Pass 2: D = rowsum(dO * O) per (b, h, i), where O is head h's slice of
+   concat and dO the same slice of d(concat). */
+static void PICK(bwd_pass_rowdot_f32, bwd_pass_rowdot_f64)(BWD_PLAN *p,
+                                                           const BWD_ARGS *a)
+{
+    const mha_config *cfg = p->cfg;
+    const size_t B = cfg->B, H = cfg->H, Tq = cfg->Tq, Svq = p->lay.Svq;
+    const size_t *cvoff = p->c.cvoff;
+    for (size_t b = 0; b < B; b++)
+        for (size_t h = 0; h < H; h++) {
+            const size_t dvh = cfg->dv[h / (H / cfg->G)];
+            for (size_t i = 0; i < Tq; i++) {
+                const REAL *o_bi = a->concat + (b * Tq + i) * Svq + cvoff[h];
+                const REAL *do_bi = p->c.dcat + (b * Tq + i) * Svq + cvoff[h];
+                REAL acc = 0;
+                for (size_t d = 0; d < dvh; d++)
+                    acc += do_bi[d] * o_bi[d];
+                p->D[(b * H + h) * Tq + i] = acc;
+            }
+        }
+}
+
+/* Passes 3-5, the tiles: pack the operands, then dK, dV and dQ, fused or
+   in two passes (bwd_plan_fused). */
+static mha_status PICK(bwd_pass_tiles_f32, bwd_pass_tiles_f64)(BWD_PLAN *p)
+{
+    const mha_config *cfg = p->cfg;
+    const mha_kernels *kern = p->kern;
+    const size_t B = cfg->B, H = cfg->H, G = cfg->G;
+    BWD_CTX *c = &p->c;
+    mha_status st;
+    if ((st = mha_parallel_for_n(B * H, p->nth, kern->bwd_pack_q, c)) != MHA_OK ||
+        (st = mha_parallel_for_n(B * c->nkb, p->nth, kern->bwd_pack_k, c)) != MHA_OK)
+        return st;
+    if (mha_interrupted(cfg))
+        return MHA_ERR_INTERRUPTED;
+    if (p->need_dq && p->need_dkv && mha_bwd_plan_fused(B * G, p->nth)) {
+        st = mha_parallel_for_n(B * G, p->nth, kern->bwd_fused, c);
+    } else {
+        if (p->need_dkv)
+            st = mha_parallel_for_n(B * G * c->nkb, p->nth, kern->bwd_dkv, c);
+        if (st == MHA_OK && p->need_dq)
+            st = mha_parallel_for_n(B * H * c->nqb, p->nth, kern->bwd_dq, c);
+    }
+    if (st == MHA_OK && mha_interrupted(cfg))
+        st = MHA_ERR_INTERRUPTED;
+    return st;
+}
+
+/* Pass 6 for one input projection, `proj = input @ w + bias` (rows of
+   input, d_in wide; proj S wide): dw = input^T dproj, dbias =
+   colsum(dproj), dinput = dproj w^T, added into dinput when `add` (a
+   gradient buffer shared with an earlier role: key is x, value is key or
+   x). The interrupt flag is polled after each GEMM (a GEMM is not split). */
+static mha_status PICK(bwd_projection_f32, bwd_projection_f64)(
+    const mha_config *cfg, REAL *dw, REAL *dbias, REAL *dinput,
+    const REAL *input, const REAL *w, const REAL *dproj, size_t rows,
+    size_t d_in, size_t S, int add)
+{
+    mha_status st;
+    if (dw != NULL &&
+        (st = GEMM(dw, S, input, d_in, 1, dproj, S, 0, NULL, d_in, S, rows, 0)) != MHA_OK)
+        return st;
+    if (mha_interrupted(cfg))
+        return MHA_ERR_INTERRUPTED;
+    if (dbias != NULL)
+        PICK(bwd_colsum_f32, bwd_colsum_f64)(dbias, dproj, rows, S);
+    if (dinput != NULL &&
+        (st = GEMM(dinput, d_in, dproj, S, 0, w, S, 1, NULL, rows, d_in, S, add)) != MHA_OK)
+        return st;
+    return mha_interrupted(cfg) ? MHA_ERR_INTERRUPTED : MHA_OK;
+}
+
+/* Pass 6: through the input projections `q = x @ wq + bq` and likewise k
+   and v. */
+static mha_status PICK(bwd_pass_inputs_f32, bwd_pass_inputs_f64)(const BWD_PLAN *p,
+                                                                 const BWD_ARGS *a)
+{
+    const mha_config *cfg = p->cfg;
+    mha_status st = PICK(bwd_projection_f32, bwd_projection_f64)(
+        cfg, a->dwq, a->dbq, a->dx, a->x, a->wq, p->c.dq, p->nq, cfg->Din,
+        p->lay.Sq, 0);
+    if (st == MHA_OK)
+        st = PICK(bwd_projection_f32, bwd_projection_f64)(
+            cfg, a->dwk, a->dbk, a->dkey, a->key, a->wk, p->c.dk, p->nk,
+            cfg->Dkin, p->lay.Sk, a->dkey == a->dx);
+    if (st == MHA_OK)
+        st = PICK(bwd_projection_f32, bwd_projection_f64)(
+            cfg, a->dwv, a->dbv, a->dvalue, a->value, a->wv, p->c.dv, p->nk,
+            cfg->Dvin, p->lay.Sv, a->dvalue == a->dx || a->dvalue == a->dkey);
+    return st;
+}
+
+mha_status PICK(mha_backward_f32, mha_backward_f64)(
+    REAL *dx, REAL *dkey, REAL *dvalue,
+    REAL *dwq, REAL *dwk, REAL *dwv, REAL *dwo,
+    REAL *dbq, REAL *dbk, REAL *dbv, REAL *dbo,
+    const REAL *dout,
+    const REAL *x, const REAL *key, const REAL *value,
+    const REAL *wq, const REAL *wk, const REAL *wv, const REAL *wo,
+    const REAL *q, const REAL *k, const REAL *v, const REAL *concat,
+    const REAL *lse, const mha_config *cfg)
+{
+    // Shapes: see BWD_ARGS above and mha.h.
+    BWD_ARGS a = {dx, dkey, dvalue, dwq, dwk, dwv, dwo, dbq, dbk, dbv, dbo,
+                  dout, x, key, value, wq, wk, wv, wo, q, k, v, concat, lse};
+    BWD_PLAN p;
+    mha_status st = PICK(bwd_plan_f32, bwd_plan_f64)(&p, &a, cfg);
+    if (st == MHA_OK)
+        st = PICK(bwd_pass_output_f32, bwd_pass_output_f64)(&p, &a);
+    if (st == MHA_OK && (p.need_dq || p.need_dkv)) {
+        PICK(bwd_pass_rowdot_f32, bwd_pass_rowdot_f64)(&p, &a);
+        st = PICK(bwd_pass_tiles_f32, bwd_pass_tiles_f64)(&p);
+    }
+    if (st == MHA_OK)
+        st = PICK(bwd_pass_inputs_f32, bwd_pass_inputs_f64)(&p, &a);
+    PICK(bwd_plan_free_f32, bwd_plan_free_f64)(&p);
+    return st;
+}
+
+#undef REAL
+#undef PICK
+#undef BWD_CTX
+#undef BWD_ARGS
+#undef BWD_PLAN
+#undef GEMM

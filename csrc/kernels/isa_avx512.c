@@ -1,0 +1,76 @@
+/*
+ * isa_avx512.c - the kernels on AVX-512F (simd_avx512.h), float32 and
+ * float64.
+ *
+ * ISA flags: this file only, through #pragma GCC target, because setuptools
+ * applies extra_compile_args to every source. Nothing here runs unless
+ * mha_get_isa() == MHA_ISA_AVX512, i.e. cpuid reports AVX-512F and XCR0
+ * shows the OS saves opmask and zmm state.
+ *
+ * Blocking, the AVX2 file's with vectors twice as wide, except:
+ *   flash    float key blocks are 128 keys, not 64: that halves the per-row
+ *            bookkeeping per key (horizontal max and sum, alpha, rescaling
+ *            O), which was 5% faster at T = 4096 on 2 threads of a Zen 5;
+ *            for double, 128 was 2% slower. Float blocks are not prefetched
+ *            in software: on Zen 5 the hardware prefetchers follow their
+ *            rows, and the prefetch loops bought nothing (T = 4096, quiet
+ *            machine, min of 28 calls: 194 ms without vs 196 ms with on 1
+ *            thread, 101.6 ms either way on 2; double and AVX2 were the same
+ *            either way).
+ *   bwd      the tile product keeps 8 rows x 2 vectors of C in 16 zmm
+ *            accumulators: per k, two loads of B, eight broadcasts of A and
+ *            sixteen FMAs, which keeps both 512-bit FMA pipes busy without
+ *            running out of the 32 registers.
+ */
+#include "kernels.h"
+
+#ifdef MHA_HAVE_X86_KERNELS
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx2,fma")
+#include "simd_avx512.h"
+
+/* float32: 16 lanes */
+#define MHA_F64 0
+#define KERNELS_NAME mha_kernels_avx512_f32
+#define KERNELS_LABEL "avx512_f32"
+#define FLASH_MR 6
+#define FLASH_NV 2
+#define FLASH_BQ 192
+#define FLASH_BK 128
+#define FLASH_PREFETCH 0
+#define GEMM_MR 6
+#define GEMM_NV 2
+#define GEMM_KC 256
+#define GEMM_MC 144
+#define GEMM_NC 3072
+#define BWD_MR 8
+#define BWD_NV 2
+#include "kernels.inc"
+#undef MHA_F64
+
+/* float64: 8 lanes */
+#define MHA_F64 1
+#define KERNELS_NAME mha_kernels_avx512_f64
+#define KERNELS_LABEL "avx512_f64"
+#define FLASH_MR 6
+#define FLASH_NV 2
+#define FLASH_BQ 192
+#define FLASH_BK 64
+#define FLASH_PREFETCH 1
+#define GEMM_MR 6
+#define GEMM_NV 2
+#define GEMM_KC 256
+#define GEMM_MC 72
+#define GEMM_NC 2048
+#define BWD_MR 8
+#define BWD_NV 2
+#include "kernels.inc"
+#undef MHA_F64
+
+#pragma GCC pop_options
+
+#else
+/* Not x86: nothing to compile; ISO C forbids an empty translation unit. */
+typedef int mha_isa_avx512_unused;
+#endif

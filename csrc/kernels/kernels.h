@@ -1,0 +1,189 @@
+/*
+ * kernels.h - the per-ISA kernels of the core, internal to csrc/: one table
+ * of kernel pointers per (ISA, element type), filled by that ISA's compile
+ * unit (isa_ref.c, isa_avx2.c, isa_avx512.c) and chosen by
+ * mha_kernels_for(): the only ISA switch in the core.
+ *
+ * Legend (see mha.h): B batch, Tq queries, Tk keys, H query heads, G kv
+ * heads, dk / dv a kv head's widths, Sq / Sk / Sv / Svq fused widths.
+ *
+ * Three kernels, each written once against the vector vocabulary
+ * (simd_<isa>.h) and compiled per ISA and type by kernels.inc:
+ *   flash.inc     the forward's fused attention tile (FlashAttention-2)
+ *   bwd.inc       the backward's operand packing and tiles
+ *   gemm_ukr.inc  the GEMM micro-kernel and transposing copy
+ * The drivers that run them, and own every allocation, are in core/.
+ */
+#ifndef MHA_KERNELS_H
+#define MHA_KERNELS_H
+
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "dispatch.h"
+#include "mha.h"
+#include "threads.h"
+
+/* n rounded up to a multiple of m (m > 0); callers keep n far from
+   SIZE_MAX. */
+static inline size_t mha_round_up(size_t n, size_t m)
+{
+    return (n + m - 1) / m * m;
+}
+
+/*
+ * The forward's pass 2 (core/forward.c): one task per tile (b, h, query
+ * block), rows i0 .. i0 + BQ - 1 of query head h in batch item b. Its owner
+ * computes everything those rows produce, with the online softmax:
+ *
+ *   for each key block j0 = 0, BK, ... below the tile's last visible key:
+ *     1. pack K_blk^T (dk, BK) and V_blk (BK, dv) into the thread's scratch;
+ *     for each group of MR rows:
+ *       2. S = scale * Q_rows K_blk^T, then the rules (core/rules.h):
+ *          masks, and -inf for every key a row does not see;
+ *       3. m' = max(m, rowmax S); P = exp(S - m'); alpha = exp(m - m');
+ *          l = alpha l + rowsum P;
+ *       4. O = alpha O + P V_blk;
+ *   5. head output = O / l, lse = m + log l (0 and -inf when l == 0);
+ *   6. with weights wanted, a second sweep recomputes S and writes
+ *      exp(S - m) / l with the final m and l, so the weights are exactly
+ *      normalised and `out` does not depend on whether they were asked for.
+ * Key blocks past the last key any row of the tile sees are never touched.
+ * A tile is computed by one thread in one fixed order, with tile sizes
+ * that depend on the ISA only: results do not depend on the thread count.
+ *
+ * Shared read-only by every task of one call, except `stop`. Element
+ * pointers are float or double as the table's type says.
+ */
+typedef struct {
+    const mha_config *cfg;
+    size_t Sq, Sk, Sv, Svq;
+    const size_t *qoff, *cvoff;   /* (H,): head offsets in q and cat   */
+    const size_t *koff, *voff;    /* (G,): head offsets in k and v     */
+    const void *q;                /* (B, Tq, Sq)                       */
+    const void *k;                /* (B, Tk, Sk)                       */
+    const void *v;                /* (B, Tk, Sv)                       */
+    void *cat;                    /* (B, Tq, Svq): heads side by side  */
+    void *weights;                /* (B, H, Tq, Tk) or NULL            */
+    void *lse;                    /* (B, H, Tq) or NULL                */
+    size_t nqb;                   /* query blocks per (b, h)           */
+    size_t dk_max, dv_max;        /* the scratch is laid out for these */
+    unsigned char *scratch;       /* nth * scratch_stride bytes, 64-aligned */
+    size_t scratch_stride;        /* bytes per thread, a multiple of 64 */
+    atomic_int stop;              /* set once cfg->interrupt was seen  */
+} mha_flash_ctx;
+
+/* The caller's interrupt flag (cfg->interrupt, may be NULL) is raised: the
+   one poll of the core. Drivers poll it between stages (a GEMM is not
+   split), tiles before their work; a call that sees it returns
+   MHA_ERR_INTERRUPTED, its outputs undefined. */
+static inline int mha_interrupted(const mha_config *cfg)
+{
+    return cfg->interrupt != NULL && *cfg->interrupt != 0;
+}
+
+/* The backward's tile sizes: a tile is BWD_BQ query rows x BWD_BK keys,
+   its S and dP (BQ x BK each) stay in L1/L2 while it is worked. Every ISA
+   uses the same, so the backward's plan does not depend on the ISA. */
+#define MHA_BWD_BQ ((size_t)64)
+#define MHA_BWD_BK ((size_t)64)
+/* Reals of one thread's tile scratch, S (BQ, BK) and dP (BQ, BK), rounded
+   up to a whole number of 64-byte cache lines for either element size. */
+#define MHA_BWD_TILE_STRIDE ((2 * MHA_BWD_BQ * MHA_BWD_BK + 15) / 16 * 16)
+
+/*
+ * What the backward's tasks read (core/backward.c fills it; the passes are
+ * numbered there), per element type. The per-head slices of the fused
+ * buffers have rows Sq (or Sk, Svq) apart, often a multiple of 4 KiB,
+ * where a tile's rows would all fall into the same few cache sets. So
+ * pass 3 first packs what the tiles read:
+ *   qh  (B, [h: Tq, dk_h])   q head by head, head h at b Tq Sq + qoff[h] Tq
+ *   doh (B, [h: Tq, dv_h])   d(concat) likewise, at b Tq Svq + cvoff[h] Tq
+ *   kh  (B, nkb, [g: BK, dk_g])    k by key block, head by head, at
+ *                                  ((b nkb + kb) Sk + koff[g]) BK
+ *   kT  (B, nkb, [g: dk_g, BK])    the same blocks transposed (keys
+ *   vT  (B, nkb, [g: dv_g, BK])    contiguous), and v's
+ * Rows of the last key block past Tk are left unset: no tile reads them.
+ */
+#define MHA_DEFINE_BWD_CTX(real, name)                                        \
+    typedef struct {                                                          \
+        const mha_config *cfg;                                                \
+        const mha_layout *lay;                                                \
+        const size_t *qoff, *cvoff, *koff, *voff;                             \
+        const real *q;      /* (B, Tq, Sq)                      */            \
+        const real *k;      /* (B, Tk, Sk)                      */            \
+        const real *v;      /* (B, Tk, Sv)                      */            \
+        const real *dcat;   /* (B, Tq, Svq)  d(concat)          */            \
+        const real *lse;    /* (B, H, Tq)                       */            \
+        const real *D;      /* (B, H, Tq)    rowsum(dO * O)     */            \
+        real *qh, *doh, *kh, *kT, *vT; /* packed, see above     */            \
+        real *dq;           /* (B, Tq, Sq)   written by pass 5  */            \
+        real *dk;           /* (B, Tk, Sk)   written by pass 4  */            \
+        real *dv;           /* (B, Tk, Sv)   written by pass 4  */            \
+        real *scratch;      /* per thread: MHA_BWD_TILE_STRIDE reals */       \
+        size_t nqb, nkb;    /* query blocks, key blocks         */            \
+    } name;
+MHA_DEFINE_BWD_CTX(float, mha_bwd_ctx_f32)
+MHA_DEFINE_BWD_CTX(double, mha_bwd_ctx_f64)
+
+/*
+ * The GEMM micro-kernel: c (MR, NR), row stride ldc, = [c +] a^T b, where
+ *   a: (kc, MR) packed: a[p*MR + r] = op(A)(i0 + r, k0 + p)
+ *   b: (kc, NR) packed: b[p*NR + j] = op(B)(k0 + p, j0 + j)
+ * Each element is summed over p = 0, 1, ..., kc-1 in that order into an
+ * accumulator that starts at zero, and only then added to c (add != 0) or
+ * stored over it (add == 0). Slivers are 64-byte aligned. Element pointers
+ * as the table's type says.
+ */
+typedef void (*mha_gemm_ukr_fn)(size_t kc, const void *a, const void *b,
+                                void *c, size_t ldc, int add);
+/* Transposing copy used to pack: dst[p*ldd + r] = src[r*lds + p] for
+   r < rows (<= tpack_rows), p < kc. `next` points at the rows the caller
+   will copy next (same lds), to be prefetched; it may equal src. */
+typedef void (*mha_tpack_fn)(void *dst, size_t ldd, const void *src,
+                             size_t lds, size_t rows, size_t kc,
+                             const void *next);
+
+/* The GEMM's blocking for one (ISA, type): only kc changes results (it
+   sets where partial sums are rounded into C). */
+typedef struct {
+    size_t mr, nr;       /* register tile of the micro-kernel          */
+    size_t kc;           /* largest K block                            */
+    size_t mcp;          /* largest A block, in panels of mr           */
+    size_t nc;           /* largest B block, a multiple of nr          */
+    mha_gemm_ukr_fn ukr;
+    mha_tpack_fn tpack;  /* transposing copy of up to tpr rows         */
+    size_t tpr;
+} mha_gemm_blocking;
+
+/* One (ISA, element type): every kernel the drivers call. */
+typedef struct {
+    const char *name;    /* "avx2_f32", ...                            */
+    /* Forward pass 2: task(ctx, t, ith), tile t = (b H + h) nqb + block,
+       ctx an mha_flash_ctx, in the scratch of thread ith. */
+    mha_task_fn flash_task;
+    size_t flash_bq;     /* BQ, query rows per tile                    */
+    /* Scratch bytes one thread needs for kv heads up to dk_max x dv_max
+       wide (a multiple of 64), or 0 when that overflows size_t. */
+    size_t (*flash_scratch_bytes)(size_t dk_max, size_t dv_max);
+    /* Backward passes 3-5, ctx an mha_bwd_ctx_<type> (core/backward.c). */
+    mha_task_fn bwd_pack_q;   /* task (b, h)                           */
+    mha_task_fn bwd_pack_k;   /* task (b, key block)                   */
+    mha_task_fn bwd_dkv;      /* task (b, g, key block)                */
+    mha_task_fn bwd_dq;       /* task (b, h, query block)              */
+    mha_task_fn bwd_fused;    /* task (b, g): dkv and dq together      */
+    mha_gemm_blocking gemm;
+} mha_kernels;
+
+extern const mha_kernels mha_kernels_ref_f32, mha_kernels_ref_f64;
+#if defined(__x86_64__) || defined(__i386__)
+#define MHA_HAVE_X86_KERNELS 1
+extern const mha_kernels mha_kernels_avx2_f32, mha_kernels_avx2_f64;
+extern const mha_kernels mha_kernels_avx512_f32, mha_kernels_avx512_f64;
+#endif
+
+/* The kernels of `isa` for float (f64 == 0) or double elements. */
+const mha_kernels *mha_kernels_for(mha_isa isa, int f64);
+
+#endif /* MHA_KERNELS_H */

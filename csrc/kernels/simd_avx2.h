@@ -1,0 +1,109 @@
+/*
+ * simd_avx2.h - the vector vocabulary on AVX2 + FMA (256-bit ymm): the
+ * names of simd_ref.h, with 8 float or 4 double lanes. Included by
+ * isa_avx2.c only, inside its target pragma: nothing here runs unless
+ * mha_get_isa() >= MHA_ISA_AVX2 (dispatch.c checks cpuid and xgetbv).
+ * v_madd and v_fma are both the fused multiply-add.
+ */
+#ifndef MHA_SIMD_AVX2_H
+#define MHA_SIMD_AVX2_H
+
+#include <immintrin.h>
+#include <math.h>
+
+#include "simd_x86.h"
+
+#define MHA_SIMD_ISA_NAME "avx2"
+
+typedef __m256 v_f32;
+typedef __m256d v_f64;
+#define V_LEN_F32 8
+#define V_LEN_F64 4
+#define V_TPACK_ROWS_F32 8
+#define V_TPACK_ROWS_F64 4
+
+static inline v_f32 v_zero_f32(void) { return _mm256_setzero_ps(); }
+static inline v_f64 v_zero_f64(void) { return _mm256_setzero_pd(); }
+static inline v_f32 v_set1_f32(float x) { return _mm256_set1_ps(x); }
+static inline v_f64 v_set1_f64(double x) { return _mm256_set1_pd(x); }
+static inline v_f32 v_load_f32(const float *p) { return _mm256_load_ps(p); }
+static inline v_f64 v_load_f64(const double *p) { return _mm256_load_pd(p); }
+static inline v_f32 v_loadu_f32(const float *p) { return _mm256_loadu_ps(p); }
+static inline v_f64 v_loadu_f64(const double *p) { return _mm256_loadu_pd(p); }
+static inline void v_store_f32(float *p, v_f32 v) { _mm256_store_ps(p, v); }
+static inline void v_store_f64(double *p, v_f64 v) { _mm256_store_pd(p, v); }
+static inline void v_storeu_f32(float *p, v_f32 v) { _mm256_storeu_ps(p, v); }
+static inline void v_storeu_f64(double *p, v_f64 v) { _mm256_storeu_pd(p, v); }
+static inline v_f32 v_bcast_f32(const float *p) { return _mm256_broadcast_ss(p); }
+static inline v_f64 v_bcast_f64(const double *p) { return _mm256_broadcast_sd(p); }
+
+static inline v_f32 v_madd_f32(v_f32 a, v_f32 b, v_f32 c) { return _mm256_fmadd_ps(a, b, c); }
+static inline v_f64 v_madd_f64(v_f64 a, v_f64 b, v_f64 c) { return _mm256_fmadd_pd(a, b, c); }
+static inline float s_madd_f32(float a, float b, float c) { return fmaf(a, b, c); }
+static inline double s_madd_f64(double a, double b, double c) { return fma(a, b, c); }
+static inline v_f32 v_fma_f32(v_f32 a, v_f32 b, v_f32 c) { return _mm256_fmadd_ps(a, b, c); }
+static inline v_f64 v_fma_f64(v_f64 a, v_f64 b, v_f64 c) { return _mm256_fmadd_pd(a, b, c); }
+static inline v_f32 v_fnma_f32(v_f32 a, v_f32 b, v_f32 c) { return _mm256_fnmadd_ps(a, b, c); }
+static inline v_f64 v_fnma_f64(v_f64 a, v_f64 b, v_f64 c) { return _mm256_fnmadd_pd(a, b, c); }
+
+static inline v_f32 v_add_f32(v_f32 a, v_f32 b) { return _mm256_add_ps(a, b); }
+static inline v_f64 v_add_f64(v_f64 a, v_f64 b) { return _mm256_add_pd(a, b); }
+static inline v_f32 v_sub_f32(v_f32 a, v_f32 b) { return _mm256_sub_ps(a, b); }
+static inline v_f64 v_sub_f64(v_f64 a, v_f64 b) { return _mm256_sub_pd(a, b); }
+static inline v_f32 v_mul_f32(v_f32 a, v_f32 b) { return _mm256_mul_ps(a, b); }
+static inline v_f64 v_mul_f64(v_f64 a, v_f64 b) { return _mm256_mul_pd(a, b); }
+static inline v_f32 v_div_f32(v_f32 a, v_f32 b) { return _mm256_div_ps(a, b); }
+static inline v_f64 v_div_f64(v_f64 a, v_f64 b) { return _mm256_div_pd(a, b); }
+static inline v_f32 v_max_f32(v_f32 a, v_f32 b) { return _mm256_max_ps(a, b); }
+static inline v_f64 v_max_f64(v_f64 a, v_f64 b) { return _mm256_max_pd(a, b); }
+static inline v_f32 v_min_f32(v_f32 a, v_f32 b) { return _mm256_min_ps(a, b); }
+static inline v_f64 v_min_f64(v_f64 a, v_f64 b) { return _mm256_min_pd(a, b); }
+static inline float v_hmax_f32(v_f32 v) { return x86_hmax8_f32(v); }
+static inline double v_hmax_f64(v_f64 v) { return x86_hmax4_f64(v); }
+static inline float v_hsum_f32(v_f32 v) { return x86_hsum8_f32(v); }
+static inline double v_hsum_f64(v_f64 v) { return x86_hsum4_f64(v); }
+
+/* Lane l of v where the byte p[l] != 0, else -inf (8 or 4 bytes read). */
+static inline v_f32 v_selbool_f32(v_f32 v, const uint8_t *p)
+{
+    const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    const __m256 blocked =
+        _mm256_castsi256_ps(_mm256_cmpeq_epi32(w, _mm256_setzero_si256()));
+    return _mm256_blendv_ps(v, _mm256_set1_ps(-INFINITY), blocked);
+}
+
+static inline v_f64 v_selbool_f64(v_f64 v, const uint8_t *p)
+{
+    int32_t bytes;
+    memcpy(&bytes, p, sizeof bytes);
+    const __m256i w = _mm256_cvtepu8_epi64(_mm_cvtsi32_si128(bytes));
+    const __m256d blocked =
+        _mm256_castsi256_pd(_mm256_cmpeq_epi64(w, _mm256_setzero_si256()));
+    return _mm256_blendv_pd(v, _mm256_set1_pd(-INFINITY), blocked);
+}
+
+static inline v_f32 v_pow2_f32(v_f32 t)
+{
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(t), 23));
+}
+
+static inline v_f64 v_pow2_f64(v_f64 t)
+{
+    return _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_castpd_si256(t), 52));
+}
+
+static inline void v_tpack_f32(float *dst, size_t ldd, const float *src,
+                               size_t lds, size_t rows, size_t cols,
+                               const float *next)
+{
+    x86_tpack8_f32(dst, ldd, src, lds, rows, cols, next);
+}
+
+static inline void v_tpack_f64(double *dst, size_t ldd, const double *src,
+                               size_t lds, size_t rows, size_t cols,
+                               const double *next)
+{
+    x86_tpack4_f64(dst, ldd, src, lds, rows, cols, next);
+}
+
+#endif /* MHA_SIMD_AVX2_H */

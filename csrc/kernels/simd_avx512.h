@@ -1,0 +1,107 @@
+/*
+ * simd_avx512.h - the vector vocabulary on AVX-512F (512-bit zmm): the
+ * names of simd_ref.h, with 16 float or 8 double lanes. Included by
+ * isa_avx512.c only, inside its target pragma: nothing here runs unless
+ * mha_get_isa() == MHA_ISA_AVX512 (dispatch.c: cpuid reports AVX-512F and
+ * XCR0 shows the OS saves opmask and zmm state). The transposing copy
+ * stays on 256-bit registers (simd_x86.h).
+ * v_madd and v_fma are both the fused multiply-add.
+ */
+#ifndef MHA_SIMD_AVX512_H
+#define MHA_SIMD_AVX512_H
+
+#include <immintrin.h>
+#include <math.h>
+
+#include "simd_x86.h"
+
+#define MHA_SIMD_ISA_NAME "avx512"
+
+typedef __m512 v_f32;
+typedef __m512d v_f64;
+#define V_LEN_F32 16
+#define V_LEN_F64 8
+#define V_TPACK_ROWS_F32 8
+#define V_TPACK_ROWS_F64 4
+
+static inline v_f32 v_zero_f32(void) { return _mm512_setzero_ps(); }
+static inline v_f64 v_zero_f64(void) { return _mm512_setzero_pd(); }
+static inline v_f32 v_set1_f32(float x) { return _mm512_set1_ps(x); }
+static inline v_f64 v_set1_f64(double x) { return _mm512_set1_pd(x); }
+static inline v_f32 v_load_f32(const float *p) { return _mm512_load_ps(p); }
+static inline v_f64 v_load_f64(const double *p) { return _mm512_load_pd(p); }
+static inline v_f32 v_loadu_f32(const float *p) { return _mm512_loadu_ps(p); }
+static inline v_f64 v_loadu_f64(const double *p) { return _mm512_loadu_pd(p); }
+static inline void v_store_f32(float *p, v_f32 v) { _mm512_store_ps(p, v); }
+static inline void v_store_f64(double *p, v_f64 v) { _mm512_store_pd(p, v); }
+static inline void v_storeu_f32(float *p, v_f32 v) { _mm512_storeu_ps(p, v); }
+static inline void v_storeu_f64(double *p, v_f64 v) { _mm512_storeu_pd(p, v); }
+static inline v_f32 v_bcast_f32(const float *p) { return _mm512_set1_ps(*p); }
+static inline v_f64 v_bcast_f64(const double *p) { return _mm512_set1_pd(*p); }
+
+static inline v_f32 v_madd_f32(v_f32 a, v_f32 b, v_f32 c) { return _mm512_fmadd_ps(a, b, c); }
+static inline v_f64 v_madd_f64(v_f64 a, v_f64 b, v_f64 c) { return _mm512_fmadd_pd(a, b, c); }
+static inline float s_madd_f32(float a, float b, float c) { return fmaf(a, b, c); }
+static inline double s_madd_f64(double a, double b, double c) { return fma(a, b, c); }
+static inline v_f32 v_fma_f32(v_f32 a, v_f32 b, v_f32 c) { return _mm512_fmadd_ps(a, b, c); }
+static inline v_f64 v_fma_f64(v_f64 a, v_f64 b, v_f64 c) { return _mm512_fmadd_pd(a, b, c); }
+static inline v_f32 v_fnma_f32(v_f32 a, v_f32 b, v_f32 c) { return _mm512_fnmadd_ps(a, b, c); }
+static inline v_f64 v_fnma_f64(v_f64 a, v_f64 b, v_f64 c) { return _mm512_fnmadd_pd(a, b, c); }
+
+static inline v_f32 v_add_f32(v_f32 a, v_f32 b) { return _mm512_add_ps(a, b); }
+static inline v_f64 v_add_f64(v_f64 a, v_f64 b) { return _mm512_add_pd(a, b); }
+static inline v_f32 v_sub_f32(v_f32 a, v_f32 b) { return _mm512_sub_ps(a, b); }
+static inline v_f64 v_sub_f64(v_f64 a, v_f64 b) { return _mm512_sub_pd(a, b); }
+static inline v_f32 v_mul_f32(v_f32 a, v_f32 b) { return _mm512_mul_ps(a, b); }
+static inline v_f64 v_mul_f64(v_f64 a, v_f64 b) { return _mm512_mul_pd(a, b); }
+static inline v_f32 v_div_f32(v_f32 a, v_f32 b) { return _mm512_div_ps(a, b); }
+static inline v_f64 v_div_f64(v_f64 a, v_f64 b) { return _mm512_div_pd(a, b); }
+static inline v_f32 v_max_f32(v_f32 a, v_f32 b) { return _mm512_max_ps(a, b); }
+static inline v_f64 v_max_f64(v_f64 a, v_f64 b) { return _mm512_max_pd(a, b); }
+static inline v_f32 v_min_f32(v_f32 a, v_f32 b) { return _mm512_min_ps(a, b); }
+static inline v_f64 v_min_f64(v_f64 a, v_f64 b) { return _mm512_min_pd(a, b); }
+static inline float v_hmax_f32(v_f32 v) { return _mm512_reduce_max_ps(v); }
+static inline double v_hmax_f64(v_f64 v) { return _mm512_reduce_max_pd(v); }
+static inline float v_hsum_f32(v_f32 v) { return _mm512_reduce_add_ps(v); }
+static inline double v_hsum_f64(v_f64 v) { return _mm512_reduce_add_pd(v); }
+
+/* Lane l of v where the byte p[l] != 0, else -inf (16 or 8 bytes read). */
+static inline v_f32 v_selbool_f32(v_f32 v, const uint8_t *p)
+{
+    const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm512_mask_blend_ps(_mm512_test_epi32_mask(w, w),
+                                _mm512_set1_ps(-INFINITY), v);
+}
+
+static inline v_f64 v_selbool_f64(v_f64 v, const uint8_t *p)
+{
+    const __m512i w = _mm512_cvtepu8_epi64(_mm_loadl_epi64((const __m128i *)p));
+    return _mm512_mask_blend_pd(_mm512_test_epi64_mask(w, w),
+                                _mm512_set1_pd(-INFINITY), v);
+}
+
+static inline v_f32 v_pow2_f32(v_f32 t)
+{
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_castps_si512(t), 23));
+}
+
+static inline v_f64 v_pow2_f64(v_f64 t)
+{
+    return _mm512_castsi512_pd(_mm512_slli_epi64(_mm512_castpd_si512(t), 52));
+}
+
+static inline void v_tpack_f32(float *dst, size_t ldd, const float *src,
+                               size_t lds, size_t rows, size_t cols,
+                               const float *next)
+{
+    x86_tpack8_f32(dst, ldd, src, lds, rows, cols, next);
+}
+
+static inline void v_tpack_f64(double *dst, size_t ldd, const double *src,
+                               size_t lds, size_t rows, size_t cols,
+                               const double *next)
+{
+    x86_tpack4_f64(dst, ldd, src, lds, rows, cols, next);
+}
+
+#endif /* MHA_SIMD_AVX512_H */

@@ -1,0 +1,138 @@
+/*
+ * simd_ref.h - the vector vocabulary of the portable path: "vectors" of one
+ * lane, plain C. Every kernel template (flash.inc, bwd.inc, gemm_ukr.inc,
+ * vexp.inc) is written once against this vocabulary and compiled per ISA;
+ * simd_avx2.h and simd_avx512.h define the same names on ymm and zmm
+ * registers. Both element types, suffixed: v_add_f32, v_add_f64. The
+ * kernels reach them through the generic names of simd_dtype.h.
+ *
+ * Two multiply-adds, on purpose:
+ *   v_madd: the kernels' a * b + c. The portable path rounds twice, as
+ *           plain C does (no contraction under -std=c11); the SIMD paths
+ *           fuse it. Only rounding differs.
+ *   v_fma:  one rounding on every path (C99 fma), for the exp, so that the
+ *           exp gives the same bits on every ISA.
+ * v_max / v_min follow x86 maxps / minps: the second operand when either
+ * is NaN, so that a clamp keeps a NaN in the first place.
+ */
+#ifndef MHA_SIMD_REF_H
+#define MHA_SIMD_REF_H
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MHA_SIMD_ISA_NAME "scalar"
+/* Inlining is the compiler's call on the portable path. */
+#define MHA_ALWAYS_INLINE inline
+
+typedef float v_f32;
+typedef double v_f64;
+#define V_LEN_F32 1
+#define V_LEN_F64 1
+/* Rows of one v_tpack call (see below). */
+#define V_TPACK_ROWS_F32 8
+#define V_TPACK_ROWS_F64 8
+
+static inline v_f32 v_zero_f32(void) { return 0.0f; }
+static inline v_f64 v_zero_f64(void) { return 0.0; }
+static inline v_f32 v_set1_f32(float x) { return x; }
+static inline v_f64 v_set1_f64(double x) { return x; }
+static inline v_f32 v_load_f32(const float *p) { return *p; }
+static inline v_f64 v_load_f64(const double *p) { return *p; }
+static inline v_f32 v_loadu_f32(const float *p) { return *p; }
+static inline v_f64 v_loadu_f64(const double *p) { return *p; }
+static inline void v_store_f32(float *p, v_f32 v) { *p = v; }
+static inline void v_store_f64(double *p, v_f64 v) { *p = v; }
+static inline void v_storeu_f32(float *p, v_f32 v) { *p = v; }
+static inline void v_storeu_f64(double *p, v_f64 v) { *p = v; }
+static inline v_f32 v_bcast_f32(const float *p) { return *p; }
+static inline v_f64 v_bcast_f64(const double *p) { return *p; }
+
+static inline v_f32 v_madd_f32(v_f32 a, v_f32 b, v_f32 c) { return a * b + c; }
+static inline v_f64 v_madd_f64(v_f64 a, v_f64 b, v_f64 c) { return a * b + c; }
+static inline float s_madd_f32(float a, float b, float c) { return a * b + c; }
+static inline double s_madd_f64(double a, double b, double c) { return a * b + c; }
+static inline v_f32 v_fma_f32(v_f32 a, v_f32 b, v_f32 c) { return fmaf(a, b, c); }
+static inline v_f64 v_fma_f64(v_f64 a, v_f64 b, v_f64 c) { return fma(a, b, c); }
+static inline v_f32 v_fnma_f32(v_f32 a, v_f32 b, v_f32 c) { return fmaf(-a, b, c); }
+static inline v_f64 v_fnma_f64(v_f64 a, v_f64 b, v_f64 c) { return fma(-a, b, c); }
+
+static inline v_f32 v_add_f32(v_f32 a, v_f32 b) { return a + b; }
+static inline v_f64 v_add_f64(v_f64 a, v_f64 b) { return a + b; }
+static inline v_f32 v_sub_f32(v_f32 a, v_f32 b) { return a - b; }
+static inline v_f64 v_sub_f64(v_f64 a, v_f64 b) { return a - b; }
+static inline v_f32 v_mul_f32(v_f32 a, v_f32 b) { return a * b; }
+static inline v_f64 v_mul_f64(v_f64 a, v_f64 b) { return a * b; }
+static inline v_f32 v_div_f32(v_f32 a, v_f32 b) { return a / b; }
+static inline v_f64 v_div_f64(v_f64 a, v_f64 b) { return a / b; }
+static inline v_f32 v_max_f32(v_f32 a, v_f32 b) { return a > b ? a : b; }
+static inline v_f64 v_max_f64(v_f64 a, v_f64 b) { return a > b ? a : b; }
+static inline v_f32 v_min_f32(v_f32 a, v_f32 b) { return a < b ? a : b; }
+static inline v_f64 v_min_f64(v_f64 a, v_f64 b) { return a < b ? a : b; }
+static inline float v_hmax_f32(v_f32 v) { return v; }
+static inline double v_hmax_f64(v_f64 v) { return v; }
+static inline float v_hsum_f32(v_f32 v) { return v; }
+static inline double v_hsum_f64(v_f64 v) { return v; }
+
+/* Lane l of v where the byte p[l] != 0, else -inf. */
+static inline v_f32 v_selbool_f32(v_f32 v, const uint8_t *p) { return *p ? v : -INFINITY; }
+static inline v_f64 v_selbool_f64(v_f64 v, const uint8_t *p) { return *p ? v : -INFINITY; }
+
+/* The bits of t shifted left by the mantissa width: 2^n when t's low bits
+   hold n + bias (the exp's shift trick, vexp.inc). */
+static inline v_f32 v_pow2_f32(v_f32 t)
+{
+    uint32_t u;
+    memcpy(&u, &t, sizeof u);
+    u <<= 23;
+    memcpy(&t, &u, sizeof t);
+    return t;
+}
+
+static inline v_f64 v_pow2_f64(v_f64 t)
+{
+    uint64_t u;
+    memcpy(&u, &t, sizeof u);
+    u <<= 52;
+    memcpy(&t, &u, sizeof t);
+    return t;
+}
+
+/* Prefetch hints (t0: every cache level, t1: L2 and up); the portable
+   path gives none, and stays ISO C. */
+static inline void v_prefetch_t0(const void *p) { (void)p; }
+static inline void v_prefetch_t1(const void *p) { (void)p; }
+
+/*
+ * Transposing copy: dst[c*ldd + r] = src[r*lds + c] for r < rows (<= the
+ * V_TPACK_ROWS of the type), c < cols. `next` (rows the caller copies
+ * next, same lds) is a prefetch hint the SIMD versions use.
+ */
+static inline void v_tpack_f32(float *dst, size_t ldd, const float *src,
+                               size_t lds, size_t rows, size_t cols,
+                               const float *next)
+{
+    (void)next;
+    for (size_t c = 0; c < cols; c++)
+        for (size_t r = 0; r < rows; r++)
+            dst[c * ldd + r] = src[r * lds + c];
+}
+
+static inline void v_tpack_f64(double *dst, size_t ldd, const double *src,
+                               size_t lds, size_t rows, size_t cols,
+                               const double *next)
+{
+    (void)next;
+    for (size_t c = 0; c < cols; c++)
+        for (size_t r = 0; r < rows; r++)
+            dst[c * ldd + r] = src[r * lds + c];
+}
+
+/* TEMPORARY, until the exp unification: libm's exp on this path. */
+#define MHA_EXP_LIBM 1
+static inline v_f32 v_exp_f32(v_f32 x) { return expf(x); }
+static inline v_f64 v_exp_f64(v_f64 x) { return exp(x); }
+
+#endif /* MHA_SIMD_REF_H */
