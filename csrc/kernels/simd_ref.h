@@ -130,9 +130,4 @@ static inline void v_tpack_f64(double *dst, size_t ldd, const double *src,
             dst[c * ldd + r] = src[r * lds + c];
 }
 
-/* TEMPORARY, until the exp unification: libm's exp on this path. */
-#define MHA_EXP_LIBM 1
-static inline v_f32 v_exp_f32(v_f32 x) { return expf(x); }
-static inline v_f64 v_exp_f64(v_f64 x) { return exp(x); }
-
 #endif /* MHA_SIMD_REF_H */
