@@ -40,6 +40,21 @@
 extern "C" {
 #endif
 
+/*
+ * Limits of the core that callers may rely on (the glue does).
+ *
+ * MHA_MAX_ELEMS: the largest element count of any buffer, head width or
+ * fused width the core accepts; mha_check_config returns MHA_ERR_SIZE past
+ * it. Bounding counts by PTRDIFF_MAX / sizeof(double) keeps the byte sizes
+ * of float and double buffers within size_t and pointer differences.
+ *
+ * MHA_SMALL_WORK: a forward call whose attention does fewer multiply-adds
+ * than this runs on the calling thread alone, since waking a worker costs
+ * more than the call (well under a millisecond on any machine).
+ */
+#define MHA_MAX_ELEMS ((size_t)PTRDIFF_MAX / sizeof(double))
+#define MHA_SMALL_WORK 262144.0
+
 typedef enum {
     MHA_OK = 0,
     MHA_ERR_NOMEM,       /* an allocation failed */
@@ -95,7 +110,8 @@ void mha_head_offsets(size_t *qoff, size_t *cvoff, size_t *koff, size_t *voff,
                       const mha_config *cfg);
 
 /*
- * Forward pass, float32 and float64 (one templated source).
+ * Forward pass, float32 and float64 (one templated source,
+ * core/forward_impl.h).
  *
  * Outputs (NULL where optional and not wanted):
  *   out      (B, Tq, Dout)           required
@@ -117,25 +133,28 @@ void mha_head_offsets(size_t *qoff, size_t *cvoff, size_t *koff, size_t *voff,
  * NaN score (from NaN inputs, or +inf in an additive mask) makes its row's
  * head output and lse NaN, and its weights NaN at the keys it sees.
  *
- * Runs on mha_get_num_threads() threads (threads.h) with the kernels of
- * mha_get_isa() (dispatch.h); the result does not depend on the thread
+ * Runs on mha_get_num_threads() threads (core/threads.h) with the kernels
+ * of mha_get_isa() (core/dispatch.h); the result does not depend on the thread
  * count, nor `out` on whether weights are wanted.
  */
-#define MHA_DECLARE_FORWARD(real, sfx)                                        \
-    mha_status mha_forward_##sfx(                                             \
-        real *out, real *weights, real *q, real *k, real *v, real *concat,    \
-        real *lse,                                                            \
-        const real *x, const real *key, const real *value,                    \
-        const real *wq, const real *wk, const real *wv, const real *wo,       \
-        const real *bq, const real *bk, const real *bv, const real *bo,       \
-        const mha_config *cfg);
-
-MHA_DECLARE_FORWARD(float, f32)
-MHA_DECLARE_FORWARD(double, f64)
+mha_status mha_forward_f32(
+    float *out, float *weights, float *q, float *k, float *v, float *concat,
+    float *lse,
+    const float *x, const float *key, const float *value,
+    const float *wq, const float *wk, const float *wv, const float *wo,
+    const float *bq, const float *bk, const float *bv, const float *bo,
+    const mha_config *cfg);
+mha_status mha_forward_f64(
+    double *out, double *weights, double *q, double *k, double *v,
+    double *concat, double *lse,
+    const double *x, const double *key, const double *value,
+    const double *wq, const double *wk, const double *wv, const double *wo,
+    const double *bq, const double *bk, const double *bv, const double *bo,
+    const mha_config *cfg);
 
 /*
  * Backward pass of mha_forward_<sfx>, float32 and float64 (one templated
- * source, backward_impl.h): the gradient of a scalar loss with respect to
+ * source, core/backward_impl.h): the gradient of a scalar loss with respect to
  * every input, given dout = dL/dout. FlashAttention-2 style: the forward's
  * probabilities are recomputed tile by tile from its lse, never stored.
  *
@@ -161,19 +180,24 @@ MHA_DECLARE_FORWARD(double, f64)
  * never NaN. An additive mask gets no gradient. The result is bitwise the
  * same for any thread count.
  */
-#define MHA_DECLARE_BACKWARD(real, sfx)                                       \
-    mha_status mha_backward_##sfx(                                            \
-        real *dx, real *dkey, real *dvalue,                                   \
-        real *dwq, real *dwk, real *dwv, real *dwo,                           \
-        real *dbq, real *dbk, real *dbv, real *dbo,                           \
-        const real *dout,                                                     \
-        const real *x, const real *key, const real *value,                    \
-        const real *wq, const real *wk, const real *wv, const real *wo,       \
-        const real *q, const real *k, const real *v, const real *concat,      \
-        const real *lse, const mha_config *cfg);
-
-MHA_DECLARE_BACKWARD(float, f32)
-MHA_DECLARE_BACKWARD(double, f64)
+mha_status mha_backward_f32(
+    float *dx, float *dkey, float *dvalue,
+    float *dwq, float *dwk, float *dwv, float *dwo,
+    float *dbq, float *dbk, float *dbv, float *dbo,
+    const float *dout,
+    const float *x, const float *key, const float *value,
+    const float *wq, const float *wk, const float *wv, const float *wo,
+    const float *q, const float *k, const float *v, const float *concat,
+    const float *lse, const mha_config *cfg);
+mha_status mha_backward_f64(
+    double *dx, double *dkey, double *dvalue,
+    double *dwq, double *dwk, double *dwv, double *dwo,
+    double *dbq, double *dbk, double *dbv, double *dbo,
+    const double *dout,
+    const double *x, const double *key, const double *value,
+    const double *wq, const double *wk, const double *wv, const double *wo,
+    const double *q, const double *k, const double *v, const double *concat,
+    const double *lse, const mha_config *cfg);
 
 #ifdef __cplusplus
 }

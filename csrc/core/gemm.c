@@ -1,28 +1,111 @@
 /*
- * gemm.c - the core's matrix multiply (contract in gemm.h).
+ * gemm.c - the packed, threaded GEMM (contract in gemm.h).
  *
- * Every caller in the core goes through mha_gemm_*; the work is done by the
- * packed, threaded GEMM of gemm_packed.c, whose own scalar micro-kernel is
- * the portable path (MHATTN_ISA=scalar) and whose plain loop handles small
- * problems.
+ * The driver is one template, gemm_impl.h, instantiated below for float32
+ * and float64. Micro-kernels, transposing packers and blocking come from the
+ * kernel table of the ISA in force (kernels.h, kernels/gemm_ukr.inc).
+ *
+ * Blocking (Zen3-sized: 32 KiB L1d, 512 KiB L2 per core, large shared L3):
+ *   KC x NR   B panel, stays in L1 while it meets every A panel of a block
+ *   MC x KC   A block, stays in L2 while it meets every B panel
+ *   KC x NC   B block, stays in L3, shared by all threads
+ * Only KC changes results (it sets where partial sums are rounded into C);
+ * the others and the thread split are free to tune.
  */
 #include "gemm.h"
-#include "gemm_packed.h"
 
-mha_status mha_gemm_f32(float *C, size_t ldc, const float *A, size_t lda,
-                        int transA, const float *B, size_t ldb, int transB,
-                        const float *bias, size_t M, size_t N, size_t K,
-                        int accumulate)
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "alloc.h"
+#include "dispatch.h"
+#include "kernels.h"
+#include "threads.h"
+
+#ifdef __GNUC__
+#define MHA_INLINE inline __attribute__((always_inline))
+#else
+#define MHA_INLINE inline
+#endif
+#define MHA_ALIGN64 _Alignas(64)
+/* A hint only: prefetching past the end of a row cannot fault. */
+#ifdef __GNUC__
+#define MHA_PREFETCH(p) __builtin_prefetch((p), 0, 3)
+#else
+#define MHA_PREFETCH(p) ((void)0)
+#endif
+#define MHA_MAX_MR 6
+#define MHA_MAX_NR 32
+
+/* The only setting of this file (see mha_gemm_set_grain). */
+static atomic_size_t g_grain = MHA_GEMM_GRAIN;
+
+size_t mha_gemm_set_grain(size_t grain)
 {
-    return mha_gemm_packed_f32(C, ldc, A, lda, transA, B, ldb, transB, bias,
-                               M, N, K, accumulate);
+    return atomic_exchange(&g_grain, grain > 0 ? grain : MHA_GEMM_GRAIN);
 }
 
-mha_status mha_gemm_f64(double *C, size_t ldc, const double *A, size_t lda,
-                        int transA, const double *B, size_t ldb, int transB,
-                        const double *bias, size_t M, size_t N, size_t K,
-                        int accumulate)
+/* *out = a * b, or 0 when that overflows size_t. */
+static int mul_ok(size_t a, size_t b, size_t *out)
 {
-    return mha_gemm_packed_f64(C, ldc, A, lda, transA, B, ldb, transB, bias,
-                               M, N, K, accumulate);
+    if (a != 0 && b > SIZE_MAX / a)
+        return 0;
+    *out = a * b;
+    return 1;
 }
+
+static int add_ok(size_t a, size_t b, size_t *out)
+{
+    if (b > SIZE_MAX - a)
+        return 0;
+    *out = a + b;
+    return 1;
+}
+
+/* Start of part b when `total` items are cut into `nparts` near-equal
+   contiguous parts (b == nparts gives total). No product can overflow. */
+static size_t part_start(size_t total, size_t nparts, size_t b)
+{
+    const size_t q = total / nparts, r = total % nparts;
+    return b * q + (b < r ? b : r);
+}
+
+/* A matrix stored as (rows, cols) with row stride ld, in elements of
+   `elem` bytes: non-NULL, ld >= cols, and its last element addressable. */
+static mha_status check_matrix(const void *p, size_t ld, size_t rows,
+                               size_t cols, size_t elem)
+{
+    if (rows == 0 || cols == 0)
+        return MHA_OK;
+    if (p == NULL || ld < cols)
+        return MHA_ERR_ARG;
+    size_t span, n;
+    if (!mul_ok(rows - 1, ld, &span) || !add_ok(span, cols, &n) ||
+        !mul_ok(n, elem, &n))
+        return MHA_ERR_SIZE;
+    return MHA_OK;
+}
+
+static mha_status gemm_check(size_t elem, const void *C, size_t ldc,
+                             const void *A, size_t lda, int transA,
+                             const void *B, size_t ldb, int transB,
+                             size_t M, size_t N, size_t K)
+{
+    mha_status st = check_matrix(C, ldc, M, N, elem);
+    if (st == MHA_OK)
+        st = transA ? check_matrix(A, lda, K, M, elem)
+                    : check_matrix(A, lda, M, K, elem);
+    if (st == MHA_OK)
+        st = transB ? check_matrix(B, ldb, N, K, elem)
+                    : check_matrix(B, ldb, K, N, elem);
+    return st;
+}
+
+#define MHA_F64 0
+#include "gemm_impl.h"
+#undef MHA_F64
+
+#define MHA_F64 1
+#include "gemm_impl.h"
+#undef MHA_F64

@@ -1,29 +1,57 @@
 /*
- * gemm.h - the core's matrix multiply, internal to csrc/.
+ * gemm.h - the core's matrix multiply, internal to csrc/: every GEMM of the
+ * forward and the backward goes through mha_gemm_f32 / mha_gemm_f64.
  *
- *   C (M, N) = op(A) (M, K) @ op(B) (K, N) [+ bias (N,) broadcast over rows]
+ * Same contract and signature as mha_gemm_* in gemm.h:
  *
- * op(A) is A (M, K) with row stride lda when transA == 0, and the transpose
- * of A stored as (K, M) with row stride lda when transA != 0; likewise B.
- * accumulate == 0 overwrites C; accumulate != 0 adds into it.
- * All matrices are row-major with unit column stride.
+ *   C (M, N) = [C +] op(A) (M, K) @ op(B) (K, N) [+ bias (N,)]
  *
- * Each element of C is reduced over K in one fixed order by one thread, so
- * the result does not depend on the thread count.
+ * computed BLIS-style: C is cut into (MC x NC) blocks, K into KC blocks;
+ * A and B slivers are packed into aligned scratch and fed to register-tiled
+ * micro-kernels of the ISA in force (kernels/gemm_ukr.inc, through the
+ * table of kernels.h). Threads split the
+ * (row block, column block) tiles of C and never K, so each element's sum
+ * has one fixed order whatever the thread count:
+ *
+ *   C[i][j] = ((init + s_0) + s_1) + ... + s_{nk-1}
+ *   init    = (accumulate ? C[i][j] : 0) + bias[j]    (terms that are absent
+ *             are skipped, not added as zero)
+ *   s_b     = sum over k in K block b, in increasing k, from zero
+ *
+ * K blocks depend only on K and the ISA, so the result is bitwise identical
+ * for any thread count with one ISA (ISAs may differ in rounding: the SIMD
+ * kernels fuse multiply-adds). Problems with M*N*K < MHA_GEMM_SMALL use a
+ * plain loop instead (no packing, no threads); that choice depends on the
+ * sizes only.
+ *
+ * Returns MHA_OK, MHA_ERR_ARG (NULL buffer or leading dimension too small
+ * for a non-empty matrix), MHA_ERR_SIZE (an index or scratch size overflows
+ * size_t) or MHA_ERR_NOMEM (scratch). K == 0 gives C = init.
  */
 #ifndef MHA_GEMM_H
 #define MHA_GEMM_H
 
+#include <stddef.h>
+
 #include "mha.h"
 
-#define MHA_DECLARE_GEMM(real, sfx)                                           \
-    mha_status mha_gemm_##sfx(real *C, size_t ldc,                            \
-                              const real *A, size_t lda, int transA,          \
-                              const real *B, size_t ldb, int transB,          \
-                              const real *bias,                               \
-                              size_t M, size_t N, size_t K, int accumulate);
+#define MHA_GEMM_SMALL 32768u
+/* Multiply-adds per thread below which fewer threads are used (this only
+   changes speed, never results). */
+#define MHA_GEMM_GRAIN 4194304u
 
-MHA_DECLARE_GEMM(float, f32)
-MHA_DECLARE_GEMM(double, f64)
+/* Sets the multiply-adds per thread below which fewer threads are used
+   (0 restores MHA_GEMM_GRAIN). For tests, which set 1 so that even small
+   problems are split, and for tuning. Returns the previous value. */
+size_t mha_gemm_set_grain(size_t grain);
+
+mha_status mha_gemm_f32(float *C, size_t ldc, const float *A, size_t lda,
+                        int transA, const float *B, size_t ldb, int transB,
+                        const float *bias, size_t M, size_t N, size_t K,
+                        int accumulate);
+mha_status mha_gemm_f64(double *C, size_t ldc, const double *A, size_t lda,
+                        int transA, const double *B, size_t ldb, int transB,
+                        const double *bias, size_t M, size_t N, size_t K,
+                        int accumulate);
 
 #endif /* MHA_GEMM_H */

@@ -25,10 +25,9 @@
 #pragma GCC target("avx2,fma")
 #include "simd_avx2.h"
 
-/* float32: 8 lanes */
-#define MHA_F64 0
-#define KERNELS_NAME mha_kernels_avx2_f32
-#define KERNELS_LABEL "avx2_f32"
+/* Parameters of both types; PICK(float, double) where they differ. */
+#define KERNELS_NAME PICK(mha_kernels_avx2_f32, mha_kernels_avx2_f64)
+#define KERNELS_LABEL PICK("avx2_f32", "avx2_f64")
 #define FLASH_MR 6
 #define FLASH_NV 2
 #define FLASH_BQ 192
@@ -37,29 +36,15 @@
 #define GEMM_MR 6
 #define GEMM_NV 2
 #define GEMM_KC 256
-#define GEMM_MC 144
-#define GEMM_NC 3072
+#define GEMM_MC PICK(144, 72)
+#define GEMM_NC PICK(3072, 2048)
 #define BWD_MR 4
 #define BWD_NV 2
+
+#define MHA_F64 0
 #include "kernels.inc"
 #undef MHA_F64
-
-/* float64: 4 lanes */
 #define MHA_F64 1
-#define KERNELS_NAME mha_kernels_avx2_f64
-#define KERNELS_LABEL "avx2_f64"
-#define FLASH_MR 6
-#define FLASH_NV 2
-#define FLASH_BQ 192
-#define FLASH_BK 64
-#define FLASH_PREFETCH 1
-#define GEMM_MR 6
-#define GEMM_NV 2
-#define GEMM_KC 256
-#define GEMM_MC 72
-#define GEMM_NC 2048
-#define BWD_MR 4
-#define BWD_NV 2
 #include "kernels.inc"
 #undef MHA_F64
 

@@ -30,41 +30,26 @@
 #pragma GCC target("avx512f,avx2,fma")
 #include "simd_avx512.h"
 
-/* float32: 16 lanes */
-#define MHA_F64 0
-#define KERNELS_NAME mha_kernels_avx512_f32
-#define KERNELS_LABEL "avx512_f32"
+/* Parameters of both types; PICK(float, double) where they differ. */
+#define KERNELS_NAME PICK(mha_kernels_avx512_f32, mha_kernels_avx512_f64)
+#define KERNELS_LABEL PICK("avx512_f32", "avx512_f64")
 #define FLASH_MR 6
 #define FLASH_NV 2
 #define FLASH_BQ 192
-#define FLASH_BK 128
-#define FLASH_PREFETCH 0
+#define FLASH_BK PICK(128, 64)
+#define FLASH_PREFETCH PICK(0, 1)
 #define GEMM_MR 6
 #define GEMM_NV 2
 #define GEMM_KC 256
-#define GEMM_MC 144
-#define GEMM_NC 3072
+#define GEMM_MC PICK(144, 72)
+#define GEMM_NC PICK(3072, 2048)
 #define BWD_MR 8
 #define BWD_NV 2
+
+#define MHA_F64 0
 #include "kernels.inc"
 #undef MHA_F64
-
-/* float64: 8 lanes */
 #define MHA_F64 1
-#define KERNELS_NAME mha_kernels_avx512_f64
-#define KERNELS_LABEL "avx512_f64"
-#define FLASH_MR 6
-#define FLASH_NV 2
-#define FLASH_BQ 192
-#define FLASH_BK 64
-#define FLASH_PREFETCH 1
-#define GEMM_MR 6
-#define GEMM_NV 2
-#define GEMM_KC 256
-#define GEMM_MC 72
-#define GEMM_NC 2048
-#define BWD_MR 8
-#define BWD_NV 2
 #include "kernels.inc"
 #undef MHA_F64
 

@@ -19,8 +19,6 @@ typedef __m256 v_f32;
 typedef __m256d v_f64;
 #define V_LEN_F32 8
 #define V_LEN_F64 4
-#define V_TPACK_ROWS_F32 8
-#define V_TPACK_ROWS_F64 4
 
 static inline v_f32 v_zero_f32(void) { return _mm256_setzero_ps(); }
 static inline v_f64 v_zero_f64(void) { return _mm256_setzero_pd(); }
@@ -90,20 +88,6 @@ static inline v_f32 v_pow2_f32(v_f32 t)
 static inline v_f64 v_pow2_f64(v_f64 t)
 {
     return _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_castpd_si256(t), 52));
-}
-
-static inline void v_tpack_f32(float *dst, size_t ldd, const float *src,
-                               size_t lds, size_t rows, size_t cols,
-                               const float *next)
-{
-    x86_tpack8_f32(dst, ldd, src, lds, rows, cols, next);
-}
-
-static inline void v_tpack_f64(double *dst, size_t ldd, const double *src,
-                               size_t lds, size_t rows, size_t cols,
-                               const double *next)
-{
-    x86_tpack4_f64(dst, ldd, src, lds, rows, cols, next);
 }
 
 #endif /* MHA_SIMD_AVX2_H */

@@ -166,4 +166,24 @@ static inline void v_prefetch_t1(const void *p)
     _mm_prefetch((const char *)p, _MM_HINT_T1);
 }
 
+/* The vocabulary's transposing copy, on both ISAs: 8 float or 4 double
+   rows at a time (a zmm version bought nothing, as the copy is bound by
+   its loads). */
+#define V_TPACK_ROWS_F32 8
+#define V_TPACK_ROWS_F64 4
+
+static inline void v_tpack_f32(float *dst, size_t ldd, const float *src,
+                               size_t lds, size_t rows, size_t cols,
+                               const float *next)
+{
+    x86_tpack8_f32(dst, ldd, src, lds, rows, cols, next);
+}
+
+static inline void v_tpack_f64(double *dst, size_t ldd, const double *src,
+                               size_t lds, size_t rows, size_t cols,
+                               const double *next)
+{
+    x86_tpack4_f64(dst, ldd, src, lds, rows, cols, next);
+}
+
 #endif /* MHA_SIMD_X86_H */

@@ -1,15 +1,12 @@
 /*
  * test_gemm.c - tests and micro-benchmark of the packed GEMM, the thread
- * pool and the ISA dispatch (csrc/gemm_packed.c, threads.c, dispatch.c).
+ * pool and the ISA dispatch (csrc/core/gemm.c, threads.c, dispatch.c).
  *
  * Build and run (see the Makefile beside this file):
  *   make -C tests/c check      # optimised build + ASan/UBSan build, both run
  *   make -C tests/c bench      # GFLOP/s against a measured FMA peak
- * or by hand, from the repository root:
- *   gcc -std=c11 -O3 -Wall -Wextra -fvisibility=hidden -pthread -Icsrc \
- *       -o /tmp/test_gemm tests/c/test_gemm.c csrc/gemm_packed.c \
- *       csrc/gemm_kernel_avx2.c csrc/gemm_kernel_avx512.c csrc/dispatch.c \
- *       csrc/threads.c csrc/status.c -lm
+ * The kernels come from the core's table (csrc/kernels/isa_*.c), so the
+ * Makefile links the whole core but the glue.
  *
  *   ./test_gemm            correctness (exit status 1 on any failure)
  *   ./test_gemm bench [reps]   timings (median of reps, default 7)
@@ -43,7 +40,7 @@
 #include <unistd.h>
 
 #include "dispatch.h"
-#include "gemm_packed.h"
+#include "gemm.h"
 #include "mha.h"
 #include "threads.h"
 
@@ -135,7 +132,7 @@ static const int k_threads[] = {1, 2, 3, 8};
             mha_set_num_threads(k_threads[t]);                                \
             real *C = t == 0 ? C1 : Ct;                                       \
             memcpy(C, C0, nc * sizeof(real));                                 \
-            mha_status st = mha_gemm_packed_##sfx(C, ldc, A, lda, tA, B, ldb, \
+            mha_status st = mha_gemm_##sfx(C, ldc, A, lda, tA, B, ldb, \
                                                   tB, bias_p, M, N, K, acc);  \
             CHECK(st == MHA_OK, "status %s", mha_status_name(st));            \
             int bad = 0, diff = 0, pad_bad = 0;                               \
@@ -243,7 +240,7 @@ static void test_gemm_exact(void)
     for (int isa = 0; isa <= (int)mha_isa_detect(); isa++) {
         mha_set_isa((mha_isa)isa);
         for (size_t i = 0; i < M * N; i++) C[i] = 1.0f;
-        mha_gemm_packed_f32(C, N, A, K, 0, B, N, 0, bias, M, N, K, 1);
+        mha_gemm_f32(C, N, A, K, 0, B, N, 0, bias, M, N, K, 1);
         int bad = 0;
         for (size_t i = 0; i < M; i++)
             for (size_t j = 0; j < N; j++) {
@@ -279,12 +276,12 @@ static void test_gemm_exact(void)
                 B[k * N + j] = Bt[j * K + k] = (real)rng_unit();              \
         for (int isa = 0; isa <= (int)mha_isa_detect(); isa++) {              \
             mha_set_isa((mha_isa)isa);                                        \
-            mha_gemm_packed_##sfx(C1, N, A, K, 0, B, N, 0, NULL, M, N, K, 0); \
-            mha_gemm_packed_##sfx(C2, N, At, M, 1, Bt, K, 1, NULL, M, N, K, 0);\
+            mha_gemm_##sfx(C1, N, A, K, 0, B, N, 0, NULL, M, N, K, 0); \
+            mha_gemm_##sfx(C2, N, At, M, 1, Bt, K, 1, NULL, M, N, K, 0);\
             CHECK(memcmp(C1, C2, M * N * sizeof *C1) == 0,                    \
                   #sfx " %s: transposed storage changed the bits",            \
                   mha_isa_name((mha_isa)isa));                                \
-            mha_gemm_packed_##sfx(C2, N, A, K, 0, B, N, 0, NULL, M, N - 1, K, \
+            mha_gemm_##sfx(C2, N, A, K, 0, B, N, 0, NULL, M, N - 1, K, \
                                   0);                                         \
             int diff = 0;                                                     \
             for (size_t i = 0; i < M; i++)                                    \
@@ -302,33 +299,33 @@ DEFINE_LAYOUT_TEST(double, f64)
 static void test_gemm_errors(void)
 {
     float a[4] = {0}, b[4] = {0}, c[4] = {0};
-    CHECK(mha_gemm_packed_f32(NULL, 2, a, 2, 0, b, 2, 0, NULL, 2, 2, 2, 0) ==
+    CHECK(mha_gemm_f32(NULL, 2, a, 2, 0, b, 2, 0, NULL, 2, 2, 2, 0) ==
               MHA_ERR_ARG, "C NULL");
-    CHECK(mha_gemm_packed_f32(c, 2, NULL, 2, 0, b, 2, 0, NULL, 2, 2, 2, 0) ==
+    CHECK(mha_gemm_f32(c, 2, NULL, 2, 0, b, 2, 0, NULL, 2, 2, 2, 0) ==
               MHA_ERR_ARG, "A NULL");
-    CHECK(mha_gemm_packed_f32(c, 2, a, 2, 0, NULL, 2, 0, NULL, 2, 2, 2, 0) ==
+    CHECK(mha_gemm_f32(c, 2, a, 2, 0, NULL, 2, 0, NULL, 2, 2, 2, 0) ==
               MHA_ERR_ARG, "B NULL");
-    CHECK(mha_gemm_packed_f32(c, 1, a, 2, 0, b, 2, 0, NULL, 2, 2, 2, 0) ==
+    CHECK(mha_gemm_f32(c, 1, a, 2, 0, b, 2, 0, NULL, 2, 2, 2, 0) ==
               MHA_ERR_ARG, "ldc < N");
-    CHECK(mha_gemm_packed_f32(c, 2, a, 1, 0, b, 2, 0, NULL, 2, 2, 2, 0) ==
+    CHECK(mha_gemm_f32(c, 2, a, 1, 0, b, 2, 0, NULL, 2, 2, 2, 0) ==
               MHA_ERR_ARG, "lda < K");
-    CHECK(mha_gemm_packed_f32(c, 2, a, 1, 1, b, 2, 0, NULL, 2, 2, 2, 0) ==
+    CHECK(mha_gemm_f32(c, 2, a, 1, 1, b, 2, 0, NULL, 2, 2, 2, 0) ==
               MHA_ERR_ARG, "lda < M (transA)");
-    CHECK(mha_gemm_packed_f32(c, 2, a, 2, 0, b, 1, 1, NULL, 2, 2, 2, 0) ==
+    CHECK(mha_gemm_f32(c, 2, a, 2, 0, b, 1, 1, NULL, 2, 2, 2, 0) ==
               MHA_ERR_ARG, "ldb < K (transB)");
     /* K == 0 needs neither A nor B */
-    CHECK(mha_gemm_packed_f64(NULL, 1, NULL, 0, 0, NULL, 0, 0, NULL, 0, 5, 0,
+    CHECK(mha_gemm_f64(NULL, 1, NULL, 0, 0, NULL, 0, 0, NULL, 0, 5, 0,
                               0) == MHA_OK, "empty C");
     double cd[6] = {1, 2, 3, 4, 5, 6}, bd[3] = {10, 20, 30};
-    CHECK(mha_gemm_packed_f64(cd, 3, NULL, 0, 0, NULL, 0, 0, bd, 2, 3, 0, 1) ==
+    CHECK(mha_gemm_f64(cd, 3, NULL, 0, 0, NULL, 0, 0, bd, 2, 3, 0, 1) ==
               MHA_OK && cd[0] == 11 && cd[5] == 36, "K == 0, accumulate + bias");
-    CHECK(mha_gemm_packed_f64(cd, 3, NULL, 0, 0, NULL, 0, 0, NULL, 2, 3, 0,
+    CHECK(mha_gemm_f64(cd, 3, NULL, 0, 0, NULL, 0, 0, NULL, 2, 3, 0,
                               0) == MHA_OK && cd[0] == 0 && cd[5] == 0,
           "K == 0 overwrites with 0");
     /* sizes whose span overflows size_t */
-    CHECK(mha_gemm_packed_f32(c, SIZE_MAX / 2, a, 2, 0, b, 2, 0, NULL, 4, 2,
+    CHECK(mha_gemm_f32(c, SIZE_MAX / 2, a, 2, 0, b, 2, 0, NULL, 4, 2,
                               2, 0) == MHA_ERR_SIZE, "ldc * M overflows");
-    CHECK(mha_gemm_packed_f32(c, 2, a, SIZE_MAX / 3, 0, b, 2, 0, NULL, 2, 2,
+    CHECK(mha_gemm_f32(c, 2, a, SIZE_MAX / 3, 0, b, 2, 0, NULL, 2, 2,
                               2, 0) == MHA_ERR_SIZE, "lda * M overflows");
 }
 
@@ -411,7 +408,7 @@ static void *conc_main(void *p)
     for (int r = 0; r < x->rounds; r++) {
         if (x->resize)
             mha_set_num_threads(1 + r % 4);
-        mha_gemm_packed_f32(C, x->N, x->A, x->K, 0, x->B, x->N, 0, NULL, x->M,
+        mha_gemm_f32(C, x->N, x->A, x->K, 0, x->B, x->N, 0, NULL, x->M,
                             x->N, x->K, 0);
         if (memcmp(C, x->expect, x->M * x->N * sizeof *C) != 0)
             x->bad++;
@@ -428,7 +425,7 @@ static void test_concurrency_and_fork(void)
     for (size_t i = 0; i < M * K; i++) A[i] = (float)rng_unit();
     for (size_t i = 0; i < K * N; i++) B[i] = (float)rng_unit();
     mha_set_num_threads(1);
-    mha_gemm_packed_f32(E, N, A, K, 0, B, N, 0, NULL, M, N, K, 0);
+    mha_gemm_f32(E, N, A, K, 0, B, N, 0, NULL, M, N, K, 0);
     mha_set_num_threads(2);
 
     enum { NT = 4 };
@@ -448,14 +445,14 @@ static void test_concurrency_and_fork(void)
        result; the parent must carry on. */
     mha_set_num_threads(2);
     float *C = malloc(M * N * sizeof *C);
-    mha_gemm_packed_f32(C, N, A, K, 0, B, N, 0, NULL, M, N, K, 0);
+    mha_gemm_f32(C, N, A, K, 0, B, N, 0, NULL, M, N, K, 0);
     fflush(NULL);
     const pid_t pid = fork();
     if (pid == 0) {
         int ok = 1;
         for (int r = 0; r < 3; r++) {
             memset(C, 0, M * N * sizeof *C);
-            mha_gemm_packed_f32(C, N, A, K, 0, B, N, 0, NULL, M, N, K, 0);
+            mha_gemm_f32(C, N, A, K, 0, B, N, 0, NULL, M, N, K, 0);
             ok &= memcmp(C, E, M * N * sizeof *C) == 0;
         }
         _exit(ok ? 0 : 1);
@@ -466,7 +463,7 @@ static void test_concurrency_and_fork(void)
     CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0,
           "child after fork: status %d", status);
     memset(C, 0, M * N * sizeof *C);
-    mha_gemm_packed_f32(C, N, A, K, 0, B, N, 0, NULL, M, N, K, 0);
+    mha_gemm_f32(C, N, A, K, 0, B, N, 0, NULL, M, N, K, 0);
     CHECK(memcmp(C, E, M * N * sizeof *C) == 0, "parent after fork");
     mha_set_num_threads(0);
     free(A); free(B); free(E); free(C);
@@ -598,12 +595,12 @@ static double median(double *v, int n)
         for (size_t i = 0; i < M * K; i++) A[i] = (real)rng_unit();          \
         for (size_t i = 0; i < K * N; i++) B[i] = (real)rng_unit();          \
         double g[64], pk[64], ratio[64];                                      \
-        mha_gemm_packed_##sfx(C, N, A, tA ? M : K, tA, B, tB ? K : N, tB,     \
+        mha_gemm_##sfx(C, N, A, tA ? M : K, tA, B, tB ? K : N, tB,     \
                               NULL, M, N, K, 0); /* warm-up */                \
         for (int r = 0; r < reps; r++) {                                      \
             pk[r] = peak_burst(nth) / (PEAKDIV);                              \
             const double t0 = now_s();                                        \
-            mha_gemm_packed_##sfx(C, N, A, tA ? M : K, tA, B, tB ? K : N, tB, \
+            mha_gemm_##sfx(C, N, A, tA ? M : K, tA, B, tB ? K : N, tB, \
                                   NULL, M, N, K, 0);                          \
             g[r] = 2.0 * (double)M * (double)N * (double)K /                  \
                    (now_s() - t0) * 1e-9;                                     \
@@ -676,7 +673,7 @@ int main(int argc, char **argv)
     const double t0 = now_s();
     /* split even small problems over every thread, or the thread-count
        checks below would compare one thread with itself */
-    mha_gemm_packed_set_grain(1);
+    mha_gemm_set_grain(1);
     test_dispatch();
     test_parallel_for();
     test_gemm_errors();

@@ -1,35 +1,18 @@
 /*
- * attention.c - config checks and the forward pass of multi-head attention.
+ * config.c - the checks of a call's sizes and options, and the head
+ * offsets (contract in mha.h). Every size the core allocates or indexes
+ * with is checked here, once, before any driver runs.
  *
  * Letters (see mha.h): B batch, Tq queries, Tk keys, H query heads, G kv
  * heads, dk[g] / dv[g] head widths, Sq / Sk / Sv / Svq fused widths.
- *
- * The forward pass itself lives in attention_impl.h, included twice below
- * (float32 and float64 from one source). This file holds what does not
- * depend on the element type: checked size arithmetic, the config check,
- * the head offsets and the driver of the fused attention pass (pass 2; its
- * kernels are in flash_*.c, see flash.h).
+ * Element counts are bounded by MHA_MAX_ELEMS (mha.h), so that byte sizes
+ * of float and double buffers fit in size_t and pointer differences, and
+ * Tq, Tk can be used in signed ptrdiff_t arithmetic without overflow.
  */
-#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
 
-#include "alloc.h"
-#include "dispatch.h"
-#include "kernels.h"
-#include "gemm.h"
 #include "mha.h"
-#include "threads.h"
-
-/*
- * Largest element count any buffer may have. Bounding counts by
- * PTRDIFF_MAX / sizeof(double) means byte sizes of float and double buffers
- * fit in size_t and pointer differences, and Tq, Tk can be used in signed
- * ptrdiff_t arithmetic (the causal offset i + Tk - Tq) without overflow.
- */
-#define MHA_MAX_ELEMS ((size_t)PTRDIFF_MAX / sizeof(double))
 
 /* *r = a * b; returns 0 when the product exceeds MHA_MAX_ELEMS. */
 static int mul_ok(size_t *r, size_t a, size_t b)
@@ -159,74 +142,3 @@ void mha_head_offsets(size_t *qoff, size_t *cvoff, size_t *koff,
         c += cfg->dv[g];
     }
 }
-
-/*
- * Pass 2 of the forward, for either element type. ctx comes filled in but
- * for nqb, the head-width bounds, the scratch and stop. The work is split
- * into tiles (b, h, query block) of a size fixed by the kernel, each owned
- * by one thread, so the result does not depend on the thread count. Every
- * thread gets its own scratch, allocated here for the thread count handed
- * to the pool and padded to cache lines by the kernel's size.
- */
-static mha_status attend(mha_flash_ctx *ctx, const mha_kernels *kern)
-{
-    const mha_config *cfg = ctx->cfg;
-    atomic_init(&ctx->stop, 0);
-    if (cfg->B == 0 || cfg->Tq == 0)
-        return MHA_OK;
-    ctx->nqb = (cfg->Tq + kern->flash_bq - 1) / kern->flash_bq;
-    const size_t ntasks = cfg->B * cfg->H * ctx->nqb; /* <= B * H * Tq */
-
-    // Widest kv head. Without keys no tile touches the K / V scratch, so
-    // absurd head widths need not be allocated for.
-    size_t dk_max = 1, dv_max = 1;
-    for (size_t g = 0; cfg->Tk > 0 && g < cfg->G; g++) {
-        dk_max = cfg->dk[g] > dk_max ? cfg->dk[g] : dk_max;
-        dv_max = cfg->dv[g] > dv_max ? cfg->dv[g] : dv_max;
-    }
-    ctx->dk_max = dk_max;
-    ctx->dv_max = dv_max;
-
-    int nth = mha_get_num_threads();
-    if (nth < 1)
-        nth = 1;
-    if ((size_t)nth > ntasks)
-        nth = (int)ntasks;
-    // Waking a sleeping worker costs tens of microseconds: a small call
-    // (the document's example does ~100 multiply-adds) runs on the caller
-    // alone. Only speed depends on this; tiles, and so results, do not.
-    const double work = (double)cfg->B * (double)cfg->H * (double)cfg->Tq *
-                        (double)cfg->Tk * (double)(dk_max + dv_max);
-    if (work < 262144.0)
-        nth = 1;
-    const size_t per = kern->flash_scratch_bytes(dk_max, dv_max);
-    if (per == 0 || per > (SIZE_MAX - 64) / (size_t)nth)
-        return MHA_ERR_SIZE;
-    void *raw;
-    const mha_status st_alloc = mha_scratch(&raw, (size_t)nth, per);
-    if (st_alloc != MHA_OK)
-        return st_alloc;
-    ctx->scratch = raw;
-    ctx->scratch_stride = per;
-
-    mha_status st = mha_parallel_for_n(ntasks, nth, kern->flash_task, ctx);
-    free(raw);
-    if (st == MHA_OK && atomic_load(&ctx->stop))
-        st = MHA_ERR_INTERRUPTED;
-    return st;
-}
-
-#define MHA_CAT_(a, b) a##_##b
-#define MHA_CAT(a, b) MHA_CAT_(a, b)
-
-#define real float
-#define sfx f32
-#include "attention_impl.h"
-#undef real
-#undef sfx
-
-#define real double
-#define sfx f64
-#include "attention_impl.h"
-#undef real
-#undef sfx

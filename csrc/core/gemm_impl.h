@@ -1,15 +1,14 @@
 /*
- * gemm_packed_impl.h - template of the packed GEMM driver (gemm_packed.h).
- *
- * Included once per type by gemm_packed.c, which defines REAL, SFX and the
- * per-ISA blocking constants (UKR_*, *_NR, *_KC, *_MC, *_NC).
+ * gemm_impl.h - template of the packed GEMM driver (gemm.h). Included once
+ * per type by gemm.c with MHA_F64 defined (0 float, 1 double); PICK names
+ * each function in full. No include guard on purpose.
  *
  * Letters: M, N, K sizes of op(A) (M, K), op(B) (K, N), C (M, N);
  *   MR x NR register tile, MC x KC packed A block, KC x NC packed B block;
  *   a "panel" is an MR-row sliver of A or an NR-column sliver of B.
  *
  * Passes of one call:
- *   1. checks; M or N == 0 returns, K == 0 writes init (gemm_packed.h);
+ *   1. checks; M or N == 0 returns, K == 0 writes init (gemm.h);
  *   2. M*N*K < MHA_GEMM_SMALL: a plain loop, one thread;
  *   3. otherwise, for each NC column block jc, for each KC block pc in order:
  *      a. pack op(B)[pc, jc] into panels (parallel over panel ranges);
@@ -19,9 +18,13 @@
  *   The K loop is outside the parallel regions, so every C element gets its
  *   K blocks one after another, always in the same order.
  */
-#define MHA_CAT2_(a, b) a##_##b
-#define MHA_CAT2(a, b) MHA_CAT2_(a, b)
-#define FN(name) MHA_CAT2(name, SFX)
+#if MHA_F64
+#define REAL double
+#define PICK(f32, f64) f64
+#else
+#define REAL float
+#define PICK(f32, f64) f32
+#endif
 
 /* 2. Packing. transA / transB are handled here and nowhere else.
    Stored rows are always walked along their length: short pieces of many
@@ -30,7 +33,7 @@
 
 /* ap: panels of (kc, MR), rows i0 .. i0+mc-1 and columns k0 .. k0+kc-1 of
    op(A); rows past mc are zero. MR is a constant at each call site. */
-static MHA_INLINE void FN(pack_a_body)(REAL *ap, const mha_gemm_blocking *bk,
+static MHA_INLINE void PICK(gemm_pack_a_body_f32, gemm_pack_a_body_f64)(REAL *ap, const mha_gemm_blocking *bk,
                                        const REAL *A, size_t lda, int transA,
                                        size_t i0, size_t mc, size_t k0,
                                        size_t kc, const size_t MR)
@@ -78,21 +81,21 @@ static MHA_INLINE void FN(pack_a_body)(REAL *ap, const mha_gemm_blocking *bk,
     }
 }
 
-static void FN(pack_a)(REAL *ap, const mha_gemm_blocking *bk, const REAL *A,
+static void PICK(gemm_pack_a_f32, gemm_pack_a_f64)(REAL *ap, const mha_gemm_blocking *bk, const REAL *A,
                        size_t lda, int transA, size_t i0, size_t mc,
                        size_t k0, size_t kc)
 {
     if (bk->mr == 6)
-        FN(pack_a_body)(ap, bk, A, lda, transA, i0, mc, k0, kc, 6);
+        PICK(gemm_pack_a_body_f32, gemm_pack_a_body_f64)(ap, bk, A, lda, transA, i0, mc, k0, kc, 6);
     else if (bk->mr == 4)
-        FN(pack_a_body)(ap, bk, A, lda, transA, i0, mc, k0, kc, 4);
+        PICK(gemm_pack_a_body_f32, gemm_pack_a_body_f64)(ap, bk, A, lda, transA, i0, mc, k0, kc, 4);
     else
-        FN(pack_a_body)(ap, bk, A, lda, transA, i0, mc, k0, kc, bk->mr);
+        PICK(gemm_pack_a_body_f32, gemm_pack_a_body_f64)(ap, bk, A, lda, transA, i0, mc, k0, kc, bk->mr);
 }
 
 /* bp: panels of (kc, NR), columns j0 .. j0+nc-1 and rows k0 .. k0+kc-1 of
    op(B); columns past nc are zero. */
-static MHA_INLINE void FN(pack_b_body)(REAL *bp, const mha_gemm_blocking *bk,
+static MHA_INLINE void PICK(gemm_pack_b_body_f32, gemm_pack_b_body_f64)(REAL *bp, const mha_gemm_blocking *bk,
                                        const REAL *B, size_t ldb, int transB,
                                        size_t k0, size_t kc, size_t j0,
                                        size_t nc, const size_t NR)
@@ -135,22 +138,22 @@ static MHA_INLINE void FN(pack_b_body)(REAL *bp, const mha_gemm_blocking *bk,
     }
 }
 
-static void FN(pack_b)(REAL *bp, const mha_gemm_blocking *bk, const REAL *B,
+static void PICK(gemm_pack_b_f32, gemm_pack_b_f64)(REAL *bp, const mha_gemm_blocking *bk, const REAL *B,
                        size_t ldb, int transB, size_t k0, size_t kc,
                        size_t j0, size_t nc)
 {
     switch (bk->nr) {
-    case 4: FN(pack_b_body)(bp, bk, B, ldb, transB, k0, kc, j0, nc, 4); break;
-    case 8: FN(pack_b_body)(bp, bk, B, ldb, transB, k0, kc, j0, nc, 8); break;
-    case 16: FN(pack_b_body)(bp, bk, B, ldb, transB, k0, kc, j0, nc, 16); break;
-    case 32: FN(pack_b_body)(bp, bk, B, ldb, transB, k0, kc, j0, nc, 32); break;
-    default: FN(pack_b_body)(bp, bk, B, ldb, transB, k0, kc, j0, nc, bk->nr); break;
+    case 4: PICK(gemm_pack_b_body_f32, gemm_pack_b_body_f64)(bp, bk, B, ldb, transB, k0, kc, j0, nc, 4); break;
+    case 8: PICK(gemm_pack_b_body_f32, gemm_pack_b_body_f64)(bp, bk, B, ldb, transB, k0, kc, j0, nc, 8); break;
+    case 16: PICK(gemm_pack_b_body_f32, gemm_pack_b_body_f64)(bp, bk, B, ldb, transB, k0, kc, j0, nc, 16); break;
+    case 32: PICK(gemm_pack_b_body_f32, gemm_pack_b_body_f64)(bp, bk, B, ldb, transB, k0, kc, j0, nc, 32); break;
+    default: PICK(gemm_pack_b_body_f32, gemm_pack_b_body_f64)(bp, bk, B, ldb, transB, k0, kc, j0, nc, bk->nr); break;
     }
 }
 
 /* 3. init = (accumulate ? C : 0) + bias over rows i0..i1-1, columns
    j0..j1-1 of C; only called with bias != NULL, or for K == 0. */
-static void FN(write_init)(REAL *C, size_t ldc, const REAL *bias,
+static void PICK(gemm_write_init_f32, gemm_write_init_f64)(REAL *C, size_t ldc, const REAL *bias,
                            int accumulate, size_t i0, size_t i1, size_t j0,
                            size_t j1)
 {
@@ -168,7 +171,7 @@ static void FN(write_init)(REAL *C, size_t ldc, const REAL *bias,
 /* 4. Small problems: a plain loop, one thread. Each C element is still
    init + (sum over k in increasing order, from zero). */
 #define SMALL_NB 256
-static void FN(gemm_small)(REAL *C, size_t ldc, const REAL *A, size_t lda,
+static void PICK(gemm_gemm_small_f32, gemm_gemm_small_f64)(REAL *C, size_t ldc, const REAL *A, size_t lda,
                            int transA, const REAL *B, size_t ldb, int transB,
                            const REAL *bias, size_t M, size_t N, size_t K,
                            int accumulate)
@@ -235,12 +238,12 @@ typedef struct {
     size_t mp, nmb;   /* row panels of C; row blocks (tasks along M)      */
     size_t np, nnb;   /* column panels of the block; column parts         */
     size_t nbt;       /* pack-B tasks                                     */
-} FN(ctx);
+} PICK(gemm_ctx_f32, gemm_ctx_f64);
 
 /* Pack-B task t: panels [q0, q1) of the current B block. */
-static void FN(task_pack_b)(void *ctxp, size_t t, int ith)
+static void PICK(gemm_task_pack_b_f32, gemm_task_pack_b_f64)(void *ctxp, size_t t, int ith)
 {
-    const FN(ctx) *x = ctxp;
+    const PICK(gemm_ctx_f32, gemm_ctx_f64) *x = ctxp;
     (void)ith;
     const size_t nr = x->bk->nr;
     const size_t q0 = part_start(x->np, x->nbt, t);
@@ -249,15 +252,15 @@ static void FN(task_pack_b)(void *ctxp, size_t t, int ith)
         return;
     const size_t j0 = q0 * nr;
     const size_t j1 = q1 * nr < x->nc ? q1 * nr : x->nc;
-    FN(pack_b)(x->bp + j0 * x->kc, x->bk, x->B, x->ldb, x->transB, x->pc,
+    PICK(gemm_pack_b_f32, gemm_pack_b_f64)(x->bp + j0 * x->kc, x->bk, x->B, x->ldb, x->transB, x->pc,
                x->kc, x->jc + j0, j1 - j0);
 }
 
 /* Compute task t: row block t / nnb, column part t % nnb. It alone writes
    that tile of C during this K block. */
-static void FN(task_compute)(void *ctxp, size_t t, int ith)
+static void PICK(gemm_task_compute_f32, gemm_task_compute_f64)(void *ctxp, size_t t, int ith)
 {
-    const FN(ctx) *x = ctxp;
+    const PICK(gemm_ctx_f32, gemm_ctx_f64) *x = ctxp;
     const mha_gemm_blocking *bk = x->bk;
     const size_t MR = bk->mr, NR = bk->nr, kc = x->kc;
     const size_t mb = t / x->nnb, nb = t % x->nnb;
@@ -272,10 +275,10 @@ static void FN(task_compute)(void *ctxp, size_t t, int ith)
 
     /* ap: (p1 - p0) panels of (kc, MR), this thread's */
     REAL *ap = x->ap + (size_t)ith * x->ap_stride;
-    FN(pack_a)(ap, bk, x->A, x->lda, x->transA, i0, i1 - i0, x->pc, kc);
+    PICK(gemm_pack_a_f32, gemm_pack_a_f64)(ap, bk, x->A, x->lda, x->transA, i0, i1 - i0, x->pc, kc);
 
     if (x->first && x->bias != NULL)
-        FN(write_init)(x->C, x->ldc, x->bias, x->accumulate, i0, i1,
+        PICK(gemm_write_init_f32, gemm_write_init_f64)(x->C, x->ldc, x->bias, x->accumulate, i0, i1,
                        x->jc + jj0, x->jc + jj1);
     const int add = !x->first || x->bias != NULL || x->accumulate;
 
@@ -302,7 +305,7 @@ static void FN(task_compute)(void *ctxp, size_t t, int ith)
     }
 }
 
-mha_status FN(mha_gemm_packed)(REAL *C, size_t ldc,
+mha_status PICK(mha_gemm_f32, mha_gemm_f64)(REAL *C, size_t ldc,
                                const REAL *A, size_t lda, int transA,
                                const REAL *B, size_t ldb, int transB,
                                const REAL *bias,
@@ -320,7 +323,7 @@ mha_status FN(mha_gemm_packed)(REAL *C, size_t ldc,
     if (M == 0 || N == 0)
         return MHA_OK;
     if (K == 0) {
-        FN(write_init)(C, ldc, bias, accumulate, 0, M, 0, N);
+        PICK(gemm_write_init_f32, gemm_write_init_f64)(C, ldc, bias, accumulate, 0, M, 0, N);
         return MHA_OK;
     }
 
@@ -329,7 +332,7 @@ mha_status FN(mha_gemm_packed)(REAL *C, size_t ldc,
     if (!mul_ok(M, N, &mn) || !mul_ok(mn, K, &mnk))
         mnk = SIZE_MAX;
     if (mnk < MHA_GEMM_SMALL) {
-        FN(gemm_small)(C, ldc, A, lda, transA, B, ldb, transB, bias, M, N, K,
+        PICK(gemm_gemm_small_f32, gemm_gemm_small_f64)(C, ldc, A, lda, transA, B, ldb, transB, bias, M, N, K,
                        accumulate);
         return MHA_OK;
     }
@@ -359,7 +362,7 @@ mha_status FN(mha_gemm_packed)(REAL *C, size_t ldc,
     }
     const size_t mcp_max = (mp + nmb - 1) / nmb; /* panels per row block */
 
-    FN(ctx) x;
+    PICK(gemm_ctx_f32, gemm_ctx_f64) x;
     x.C = C; x.ldc = ldc; x.A = A; x.lda = lda; x.transA = transA;
     x.B = B; x.ldb = ldb; x.transB = transB; x.bias = bias;
     x.accumulate = accumulate; x.M = M; x.bk = bk;
@@ -398,10 +401,10 @@ mha_status FN(mha_gemm_packed)(REAL *C, size_t ldc,
                 break;
             x.kc = K - x.pc < kcb ? K - x.pc : kcb;
             x.first = kb == 0;
-            st = mha_parallel_for_n(x.nbt, nth, FN(task_pack_b), &x);
+            st = mha_parallel_for_n(x.nbt, nth, PICK(gemm_task_pack_b_f32, gemm_task_pack_b_f64), &x);
             if (st != MHA_OK)
                 goto fail;
-            st = mha_parallel_for_n(nmb * x.nnb, nth, FN(task_compute), &x);
+            st = mha_parallel_for_n(nmb * x.nnb, nth, PICK(gemm_task_compute_f32, gemm_task_compute_f64), &x);
             if (st != MHA_OK)
                 goto fail;
         }
@@ -412,6 +415,5 @@ fail:
     return st;
 }
 
-#undef FN
-#undef MHA_CAT2
-#undef MHA_CAT2_
+#undef REAL
+#undef PICK
