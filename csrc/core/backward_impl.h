@@ -24,17 +24,10 @@
 #if !defined(MHA_F64)
 #error "backward_impl.h needs MHA_F64"
 #endif
-#if MHA_F64
-#define REAL double
-#define PICK(f32, f64) f64
-#else
-#define REAL float
-#define PICK(f32, f64) f32
-#endif
+#include "dtype.h"
 #define BWD_CTX PICK(mha_bwd_ctx_f32, mha_bwd_ctx_f64)
 #define BWD_ARGS PICK(bwd_args_t_f32, bwd_args_t_f64)
 #define BWD_PLAN PICK(bwd_plan_t_f32, bwd_plan_t_f64)
-#define GEMM PICK(mha_gemm_f32, mha_gemm_f64)
 
 /* The call's arrays, as mha_backward_<type> takes them (see mha.h). */
 typedef struct {
@@ -338,9 +331,6 @@ mha_status PICK(mha_backward_f32, mha_backward_f64)(
     return st;
 }
 
-#undef REAL
-#undef PICK
 #undef BWD_CTX
 #undef BWD_ARGS
 #undef BWD_PLAN
-#undef GEMM

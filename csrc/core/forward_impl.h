@@ -16,16 +16,9 @@
 #if !defined(MHA_F64)
 #error "forward_impl.h needs MHA_F64"
 #endif
-#if MHA_F64
-#define REAL double
-#define PICK(f32, f64) f64
-#else
-#define REAL float
-#define PICK(f32, f64) f32
-#endif
+#include "dtype.h"
 #define FWD_ARGS PICK(fwd_args_t_f32, fwd_args_t_f64)
 #define FWD_PLAN PICK(fwd_plan_t_f32, fwd_plan_t_f64)
-#define GEMM PICK(mha_gemm_f32, mha_gemm_f64)
 
 /* The call's arrays, as mha_forward_<type> takes them (see mha.h). */
 typedef struct {
@@ -186,8 +179,5 @@ mha_status PICK(mha_forward_f32, mha_forward_f64)(
     return st;
 }
 
-#undef REAL
-#undef PICK
 #undef FWD_ARGS
 #undef FWD_PLAN
-#undef GEMM

@@ -18,13 +18,7 @@
  *   The K loop is outside the parallel regions, so every C element gets its
  *   K blocks one after another, always in the same order.
  */
-#if MHA_F64
-#define REAL double
-#define PICK(f32, f64) f64
-#else
-#define REAL float
-#define PICK(f32, f64) f32
-#endif
+#include "dtype.h"
 
 /* 2. Packing. transA / transB are handled here and nowhere else.
    Stored rows are always walked along their length: short pieces of many
@@ -415,5 +409,3 @@ fail:
     return st;
 }
 
-#undef REAL
-#undef PICK

@@ -1,26 +1,20 @@
 /*
  * simd_dtype.h - the generic names the kernel templates are written in,
  * bound to one element type of the vocabulary in force (simd_<isa>.h):
- * with MHA_F64 0, VADD is v_add_f32, REAL is float, and so on; with
- * MHA_F64 1, the _f64 names. A compile unit includes a template once per
- * type, each time after this file. No include guard on purpose: each
- * inclusion rebinds the names.
- *
- * PICK(f32_name, f64_name) is how a template names what it defines: it
- * writes both full names, so that grep and ctags find every function, and
- * PICK keeps the one of the type being compiled.
+ * with MHA_F64 0, VADD is v_add_f32, VEC is v_f32, and so on; with
+ * MHA_F64 1, the _f64 names. REAL, PICK and NINF come from core/dtype.h.
+ * A compile unit includes a template once per type, each time after this
+ * file. No include guard on purpose: each inclusion rebinds the names.
  */
 #if !defined(MHA_F64)
 #error "simd_dtype.h: define MHA_F64 to 0 or 1 first"
 #endif
+#include "dtype.h" /* REAL, PICK, NINF */
 
-#undef REAL
 #undef VEC
 #undef VLEN
 #undef TPACK_ROWS
 #undef SMADD
-#undef PICK
-#undef NINF
 #undef VZERO
 #undef VSET1
 #undef VLOAD
@@ -45,13 +39,10 @@
 #undef VEXP
 
 #if MHA_F64
-#define REAL double
 #define VEC v_f64
 #define VLEN V_LEN_F64
 #define TPACK_ROWS V_TPACK_ROWS_F64
 #define SMADD s_madd_f64
-#define PICK(f32, f64) f64
-#define NINF ((double)-INFINITY)
 #define VZERO v_zero_f64
 #define VSET1 v_set1_f64
 #define VLOAD v_load_f64
@@ -76,13 +67,10 @@
 #define VEXP v_exp_f64
 
 #else /* float */
-#define REAL float
 #define VEC v_f32
 #define VLEN V_LEN_F32
 #define TPACK_ROWS V_TPACK_ROWS_F32
 #define SMADD s_madd_f32
-#define PICK(f32, f64) f32
-#define NINF ((float)-INFINITY)
 #define VZERO v_zero_f32
 #define VSET1 v_set1_f32
 #define VLOAD v_load_f32

@@ -1,0 +1,32 @@
+/*
+ * dtype.h - the names a per-type template of the core is written in, bound
+ * to one element type: with MHA_F64 0, REAL is float, NINF is -inf as a
+ * float, GEMM is mha_gemm_f32 and PICK(f32_name, f64_name) keeps the first;
+ * with MHA_F64 1, the double ones. The drivers (forward_impl.h,
+ * backward_impl.h, gemm_impl.h) and the kernels (kernels/simd_dtype.h)
+ * include it first. No include guard on purpose: each inclusion rebinds the
+ * names for the next type.
+ *
+ * PICK is how a template names what it defines: it writes both full names,
+ * so that grep and ctags find every function.
+ */
+#if !defined(MHA_F64)
+#error "dtype.h: define MHA_F64 to 0 or 1 first"
+#endif
+#include <math.h> /* INFINITY */
+
+#undef REAL
+#undef PICK
+#undef NINF
+#undef GEMM
+#if MHA_F64
+#define REAL double
+#define PICK(f32, f64) f64
+#define NINF ((double)-INFINITY)
+#define GEMM mha_gemm_f64
+#else
+#define REAL float
+#define PICK(f32, f64) f32
+#define NINF ((float)-INFINITY)
+#define GEMM mha_gemm_f32
+#endif
