@@ -21,6 +21,7 @@
 #include "alloc.h"
 #include "dispatch.h"
 #include "kernels.h"
+#include "sizes.h"
 #include "threads.h"
 
 #ifdef __GNUC__
@@ -46,23 +47,6 @@ size_t mha_gemm_set_grain(size_t grain)
     return atomic_exchange(&g_grain, grain > 0 ? grain : MHA_GEMM_GRAIN);
 }
 
-/* *out = a * b, or 0 when that overflows size_t. */
-static int mul_ok(size_t a, size_t b, size_t *out)
-{
-    if (a != 0 && b > SIZE_MAX / a)
-        return 0;
-    *out = a * b;
-    return 1;
-}
-
-static int add_ok(size_t a, size_t b, size_t *out)
-{
-    if (b > SIZE_MAX - a)
-        return 0;
-    *out = a + b;
-    return 1;
-}
-
 /* Start of part b when `total` items are cut into `nparts` near-equal
    contiguous parts (b == nparts gives total). No product can overflow. */
 static size_t part_start(size_t total, size_t nparts, size_t b)
@@ -81,8 +65,8 @@ static mha_status check_matrix(const void *p, size_t ld, size_t rows,
     if (p == NULL || ld < cols)
         return MHA_ERR_ARG;
     size_t span, n;
-    if (!mul_ok(rows - 1, ld, &span) || !add_ok(span, cols, &n) ||
-        !mul_ok(n, elem, &n))
+    if (!mha_mul_ok(&span, rows - 1, ld) || !mha_add_ok(&n, span, cols) ||
+        !mha_mul_ok(&n, n, elem))
         return MHA_ERR_SIZE;
     return MHA_OK;
 }

@@ -323,7 +323,7 @@ mha_status PICK(mha_gemm_f32, mha_gemm_f64)(REAL *C, size_t ldc,
 
     /* 2. small problems */
     size_t mn, mnk;
-    if (!mul_ok(M, N, &mn) || !mul_ok(mn, K, &mnk))
+    if (!mha_mul_ok(&mn, M, N) || !mha_mul_ok(&mnk, mn, K))
         mnk = SIZE_MAX;
     if (mnk < MHA_GEMM_SMALL) {
         PICK(gemm_gemm_small_f32, gemm_gemm_small_f64)(C, ldc, A, lda, transA, B, ldb, transB, bias, M, N, K,
@@ -367,13 +367,13 @@ mha_status PICK(mha_gemm_f32, mha_gemm_f64)(REAL *C, size_t ldc,
     const size_t line = 64 / sizeof(REAL);
     const size_t nc_max = N < bk->nc ? (N + NR - 1) / NR * NR : bk->nc;
     size_t bp_elems, ap_elems, ap_all, total;
-    if (!mul_ok(kcb, nc_max, &bp_elems) ||
-        !mul_ok(mcp_max * MR, kcb, &ap_elems))
+    if (!mha_mul_ok(&bp_elems, kcb, nc_max) ||
+        !mha_mul_ok(&ap_elems, mcp_max * MR, kcb))
         return MHA_ERR_SIZE;
     bp_elems = (bp_elems + line - 1) / line * line;
     x.ap_stride = (ap_elems + line - 1) / line * line;
-    if (!mul_ok(x.ap_stride, (size_t)nth, &ap_all) ||
-        !add_ok(bp_elems, ap_all, &total))
+    if (!mha_mul_ok(&ap_all, x.ap_stride, (size_t)nth) ||
+        !mha_add_ok(&total, bp_elems, ap_all))
         return MHA_ERR_SIZE;
     st = mha_scratch_small((void **)&buf, total, sizeof(REAL));
     if (st != MHA_OK)

@@ -1,10 +1,9 @@
 /*
  * sizes.h - checked size arithmetic of the core, internal to csrc/core/.
  *
- * Every product or sum that sizes an allocation or an index is checked.
- * Element counts are bounded by MHA_MAX_ELEMS (mha.h): byte sizes of float
- * and double buffers then fit in size_t and pointer differences, and Tq, Tk
- * can be used in signed ptrdiff_t arithmetic without overflow.
+ * The drivers and the GEMM check every product or sum that sizes their
+ * scratch with these. The sizes of a call itself are checked once, against
+ * MHA_MAX_ELEMS (mha.h), by mha_check_config (config.c).
  */
 #ifndef MHA_SIZES_H
 #define MHA_SIZES_H
