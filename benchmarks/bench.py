@@ -47,7 +47,7 @@ set_blas_env(THREADS)   # before NumPy is imported: its BLAS sizes its pool once
 
 import numpy as np  # noqa: E402  (after the thread variables, on purpose)
 
-from mhbench import report  # noqa: E402
+from mhbench import backward, report  # noqa: E402
 from mhbench.configs import CAUSALS, CONFIGS, DTYPES, GPT3, config_name, parse_config  # noqa: E402
 from mhbench.figures import derive  # noqa: E402
 from mhbench.machine import CpuMeter  # noqa: E402
@@ -121,12 +121,11 @@ def backward_tables(args) -> None:
     configs = [c for c in args.configs if c[0] >= 1024]
     if "f32" not in args.dtypes or not configs:
         return
-    import bench_backward   # next to this file
     for causal in CAUSALS[args.causal]:
         print(f"\nBackward, float32{', causal' if causal else ''} "
               "(benchmarks/bench_backward.py; B 1, times in ms):", flush=True)
-        bench_backward.report(configs, np.float32, args.min_repeats, causal,
-                              None if args.no_torch else torch)
+        backward.report(configs, np.float32, args.min_repeats, causal,
+                        None if args.no_torch else torch)
 
 
 def main(argv=None) -> int:

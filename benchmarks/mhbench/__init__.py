@@ -18,6 +18,7 @@ BLAS thread count before NumPy loads:
 - tables:   an aligned text table and the forward table's columns
 - memory:   peak memory of one long call, in a child process
 - report:   the header, the footer and the JSON file
+- backward: the forward + backward table against torch autograd
 """
 import os
 
