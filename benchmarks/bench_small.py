@@ -20,6 +20,7 @@ import timeit
 import numpy as np
 
 import mhattn
+from mhbench.configs import parse_config
 
 
 def cases(T, d, h, B, dtype):
@@ -62,7 +63,7 @@ def cases(T, d, h, B, dtype):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default="3x4x2", help="TxDxH")
+    p.add_argument("--config", default="3x4x2", type=parse_config, help="TxDxH")
     p.add_argument("--batches", type=int, nargs="+", default=[0, 8],
                    help="0 = unbatched")
     p.add_argument("--dtypes", nargs="+", default=["float32", "float64"])
@@ -70,7 +71,7 @@ def main():
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--only", nargs="*", default=None)
     args = p.parse_args()
-    T, d, h = map(int, args.config.split("x"))
+    T, d, h = args.config
     print(f"mhattn {mhattn.__file__}; (T, d, h) = ({T}, {d}, {h}); "
           f"{args.rounds} rounds of {args.repeat} calls; microseconds per call")
     print(f"{'call':16} {'dtype':8} {'B':>2} {'min':>7} {'median':>7}")

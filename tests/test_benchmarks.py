@@ -1,0 +1,182 @@
+"""Smoke test of benchmarks/mhbench: the pure parts of the benchmark scripts
+(parsing, FLOP counts, interleaving and medians, derived figures and
+targets, tables, JSON) on tiny inputs.  Nothing here is timed: where a call
+runs, only the structure of what comes back is checked."""
+import argparse
+import io
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+sys.path.insert(0, BENCH)
+
+from mhbench import backward, configs, figures, memory, report, tables, timing  # noqa: E402
+from mhbench.peak import Peak  # noqa: E402
+
+
+def test_parse_config_and_cases():
+    assert configs.parse_config("1024x512x8") == (1024, 512, 8)
+    assert configs.parse_config("3X4X2") == (3, 4, 2)
+    for bad in ("1024x512", "axbxc", "4x6x4", "0x4x2"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            configs.parse_config(bad)
+    assert configs.config_name((3, 4, 2)) == "3x4x2"
+    # B = 8 is added after B = 1 for the short configurations only.
+    assert configs.build_cases([(3, 4, 2), (1024, 512, 8)]) == [
+        (3, 4, 2, 1), (3, 4, 2, configs.SHORT_BATCH), (1024, 512, 8, 1)]
+
+
+def test_case_flops():
+    full = configs.Case(T=4, d=8, h=2, B=3, dtype="float32", causal=False)
+    causal = configs.Case(T=4, d=8, h=2, B=3, dtype="float32", causal=True)
+    assert full.flops() == 3 * (8 * 4 * 8 * 8 + 4 * 4 * 4 * 8)
+    assert causal.flops() == 3 * (8 * 4 * 8 * 8 + 2 * 4 * 4 * 8)
+    assert full.label == "4x8x2 B=3 float32 causal=False"
+
+
+def test_time_interleaved_rounds_and_settle(monkeypatch):
+    calls, sleeps = [], []
+    monkeypatch.setattr(timing.time, "sleep", sleeps.append)
+    a = timing.Timed(lambda: calls.append("a"), min_repeats=1, repeats=10)
+    b = timing.Timed(lambda: calls.append("b"), min_repeats=1, repeats=3)
+    timing.time_interleaved([a, b], rounds=5, settle_s=0.25)
+    assert len(a.samples) == 10 and len(b.samples) == 3
+    # Slices of ceil(remaining / rounds left): a 2,2,2,2,2; b 1,1,1,0,0.
+    assert "".join(calls) == "aab" * 3 + "aa" * 2
+    # A pause at each switch of variant, none between two slices of one.
+    assert sleeps == [0.25] * 6
+
+
+def test_timed_start_and_median():
+    out = []
+    t = timing.Timed(lambda: out.append(1) or 42, min_repeats=7)
+    assert t.start(budget=0.0) == 42
+    assert t.repeats == 7 and t.samples == []        # a warm-up is no sample
+    once = timing.Timed(lambda: 5, min_repeats=1, warmup=False)
+    once.start(budget=0.0)
+    assert len(once.samples) == 1                    # the first call counts
+    t.samples = [3.0, 1.0, 2.0, 100.0, 4.0]
+    assert t.median_s == 3.0
+    assert len(timing.sample_times(lambda: None, 4)) == 4
+    wall, cpu = timing.median_wall_cpu(lambda: None, 3)
+    assert wall >= 0 and cpu >= 0
+
+
+def _row(T=1024, dtype="float32", causal=False, B=1, d=512, h=8, **ms):
+    case = configs.Case(T, d, h, B, dtype, causal)
+    return dict(T=T, d_model=d, h=h, B=B, dtype=dtype, causal=causal, flops=case.flops(),
+                results={k: {"ms": v} for k, v in ms.items()})
+
+
+def test_derive_and_targets():
+    peak = Peak(threads=2, single={"float32": 100.0}, multi={"float32": 150.0})
+    assert peak.total("float32") == 200.0 and peak.total("float64") is None
+    row = _row(mhattn=100.0, numpy=400.0, torch_mha=300.0, torch_sdpa=120.0)
+    figures.derive(row, peak)
+    assert row["gflops"] == pytest.approx(row["flops"] / 0.1 / 1e9)
+    assert row["pct_peak"] == pytest.approx(100 * row["gflops"] / 200.0)
+    assert row["vs_numpy"] == 4.0
+    assert row["torch_best"] == "torch_sdpa" and row["vs_torch"] == pytest.approx(1.2)
+    by_what = {t.what: t.status for t in row["targets"]}
+    assert by_what == {"% peak": "MISS", "vs NumPy": "PASS", "vs torch": "MISS"}
+    assert tables.target_cell(row) == "MISS % peak,vs torch"
+    small = _row(T=3, d=4, h=2, mhattn=0.005)
+    figures.derive(small, None)
+    assert small["pct_peak"] is None
+    assert [(t.what, t.status) for t in small["targets"]] == [("vs torch", "n/a"),
+                                                               ("call", "PASS")]
+    assert tables.target_cell(small) == "n/a"
+    assert figures.count_statuses([row, small], [{"target": "MISS"}]) == {
+        "PASS": 2, "MISS": 3, "n/a": 1}
+
+
+def test_forward_table_structure():
+    rows = [_row(mhattn=1.0, numpy=4.0), _row(T=3, d=4, h=2, mhattn=0.005)]
+    rows[1]["results"]["numpy"] = {"skipped": "too big"}
+    for r in rows:
+        figures.derive(r, None)
+    full = [c.header for c in tables.forward_columns(with_torch=True, with_ref=True)]
+    bare = [c.header for c in tables.forward_columns(with_torch=False, with_ref=False)]
+    assert full[:6] == ["T", "d_model", "h", "B", "causal", "mhattn ms"]
+    assert {"numpy ms", "MHA ms", "vs torch (best)"} <= set(full)
+    assert bare[-2:] == ["max err", "target"] and "numpy ms" not in bare
+    buf = io.StringIO()
+    tables.print_table("Title", tables.forward_columns(False, True), rows, file=buf)
+    lines = buf.getvalue().splitlines()
+    assert lines[:2] == ["", "Title"]
+    assert lines[2].split()[:2] == ["T", "d_model"]
+    assert set(lines[3]) == {"-"} and len(lines[3]) == len(lines[2])
+    assert len(lines) == 4 + len(rows)
+    assert "skipped" in lines[5] and lines[5].endswith("n/a")
+    assert tables.fmt_ms(None) == "n/a" and tables.fmt_ms(1234.5) == "1234"
+    assert tables.fmt_ratio(2.5) == "2.50x" and tables.fmt_ratio(123.0) == "123x"
+    assert tables.row_summary(rows[1]).startswith("      -> mhattn 0.005 ms, numpy skipped")
+
+
+def test_memory_text_and_target():
+    done = {"mib": 300.4, "call_s": 2.0, "method": "VmHWM after clear_refs"}
+    assert memory.memory_text(done) == ("300 MiB beyond the inputs, call 2.0 s"
+                                        "  [VmHWM after clear_refs]")
+    assert figures.memory_status(done) == "PASS"
+    stopped = {"mib": 100.0, "timed_out_after_s": 5.0, "method": "sampled VmRSS"}
+    assert memory.memory_text(stopped).startswith(">= 100 MiB")
+    assert figures.memory_status(stopped) == "n/a"       # a lower bound below the goal
+    assert figures.memory_status(dict(stopped, mib=900.0)) == "MISS"
+    assert memory.memory_text({"error": "boom"}) == "error: boom"
+
+
+def test_write_json(tmp_path):
+    row = _row(mhattn=1.0)
+    figures.derive(row, None)
+    path = str(tmp_path / "out.json")
+    report.write_json(path, {"argv": ["x"]}, None, [row], [], ["a note"], partial=True)
+    got = json.load(open(path))
+    assert list(got) == ["argv", "partial", "peak", "rows", "memory", "notes"]
+    assert got["peak"] is None and got["notes"] == ["a note"]
+    assert [t["what"] for t in got["rows"][0]["targets"]] == ["% peak", "vs NumPy", "vs torch"]
+    assert got["rows"][0]["targets"][0]["status"] == "n/a"
+
+
+def test_backward_targets_and_table(capsys):
+    speedup, targets = backward.row_targets(1024, {"fwd": 1.0, "bwd": 2.0, "mha": 6.0,
+                                                   "sdpa": 4.0}, np.float32)
+    assert speedup == pytest.approx(4.0 / 3.0)
+    assert targets == [("bwd<=2.5fwd", True), ("f+b>=1.5x torch", False)]
+    _, targets = backward.row_targets(128, {"fwd": 1.0, "bwd": 3.0}, np.float64)
+    assert targets == [("bwd<=2.5fwd", False)]
+    backward.print_table([(1024, 64, 2, {"fwd": (1e-3, 2e-3), "bwd": (2e-3, 3e-3)})], 1,
+                         np.float32)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:4] == ["T", "x", "d", "x"] and set(lines[1]) == {"-"}
+    assert lines[2].split()[:4] == ["1024x64x2", "2.0", "3.0", "1.50x"]
+
+
+def _args(**kw):
+    base = dict(min_repeats=1, budget=0.0, settle=0.0, ref_max_seconds=60.0, ref_max_gib=8.0)
+    return argparse.Namespace(**dict(base, **kw))
+
+
+def test_measure_row_checks_agreement():
+    from mhbench import rows, variants
+    from mhbench.refmodel import RefModel
+
+    case = configs.Case(3, 4, 2, 1, "float64", False)
+    data = variants.make_data(3, 4, 2, 1, "float64", np.random.default_rng(0), with_torch=False)
+    model = RefModel({"float64": 1.0}, {"float64": 1e-9})
+    notes = []
+    row = rows.measure_row(case, data, [variants.MHATTN, variants.REFERENCE], _args(),
+                           model, notes)
+    assert list(row["results"]) == ["mhattn", "numpy"] and notes == []
+    assert row["results"]["numpy"]["max_rel_err"] <= rows.TOLERANCE["float64"]
+    assert row["results"]["mhattn"]["repeats"] >= 1
+    # A reference estimated past the limits is skipped, not run.
+    row = rows.measure_row(case, data, [variants.MHATTN, variants.REFERENCE],
+                           _args(ref_max_seconds=0.0), model, notes)
+    assert "skipped" in row["results"]["numpy"] and "ms" not in row["results"]["numpy"]
+    wrong = variants.Variant("wrong", "wrong", lambda d, c: lambda: np.zeros((3, 4)))
+    with pytest.raises(AssertionError, match="disagrees with mhattn"):
+        rows.measure_row(case, data, [variants.MHATTN, wrong], _args(), None, notes)
