@@ -262,7 +262,7 @@ def _fast_path(x, w_q, w_k, w_v, w_o, num_heads, key, value, scale, return_weigh
     # normalize() also bounds the per-head bookkeeping by memory_limit();
     # until a full call has found that limit, calls take the full path.
     limit = _args._memory_limit_bytes
-    if n > _FAST_ELEMENTS or limit is None or n * 8 + H * _args._PER_HEAD_BYTES > limit:
+    if n > _FAST_ELEMENTS or limit is None or n * 8 + H * _args.PER_HEAD_BYTES > limit:
         return None
 
     if b_q is not None and (b_q := _fused_bias_fast(b_q, dt, H, dk_one, Sq)) is None:
