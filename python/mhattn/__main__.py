@@ -5,7 +5,7 @@ import sys
 
 import numpy as np
 
-from . import param_count, worked_example
+from .reference import param_count, worked_example
 from ._core import run_core
 from ._args import normalize
 
