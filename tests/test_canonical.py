@@ -1,11 +1,9 @@
 """The canonicaliser (mhattn._core): its fast branch validates by its own
 checks, so that the glue never rejects a call it takes, and errors raised
 during the glue's call (a user's SIGINT handler's, say) reach the caller
-instead of being taken for a malformed call and retried on the full path.
+instead of being taken for a malformed call and retried on the full path
+(tests/test_interrupt.py raises one from a real handler).
 """
-import os
-import sys
-import textwrap
 import warnings
 
 import numpy as np
@@ -111,54 +109,3 @@ def test_an_error_during_the_glue_call_is_not_retried(monkeypatch):
         with pytest.raises(exc, match="raised by the signal handler"):
             mhattn.multi_head_attention(x, w, w, w, num_heads=2)
         assert len(calls) == 1
-
-
-CHILD = textwrap.dedent(r"""
-    import json, signal, time
-    import numpy as np
-    import mhattn
-    from mhattn import _core
-
-    rng = np.random.default_rng(0)
-
-    def make(T, d=8):
-        x = rng.standard_normal((T, d)).astype(np.float32)
-        w = rng.standard_normal((d, d)).astype(np.float32)
-        return x, w
-
-    def run(xw):
-        x, w = xw
-        return mhattn.multi_head_attention(x, w, w, w, num_heads=1)
-
-    def handler(sig, frame):
-        raise ValueError("the user's handler")
-
-    # Long enough for the signal to come during the call; small enough in
-    # memory for the fast branch (T = 65000 is 4.2M elements).
-    call = make(min(sized(make, run, 2.0), 60000))
-    x, w = call
-    report = {"T": len(x), "fast": _core.fast(x, w, w, w, None, 1, None, None, None, False, None,
-                                  False, None, None, None, None, None, None) is not None}
-    signal.signal(signal.SIGINT, handler)
-    sent = []
-    th = sigint_after(0.3, sent)
-    t0 = time.perf_counter()
-    try:
-        run(call)
-        report["raised"] = None
-    except ValueError as e:
-        report["raised"] = str(e)
-    report["elapsed"] = time.perf_counter() - t0
-    th.join()
-    print(json.dumps(report), flush=True)
-""")
-
-
-@pytest.mark.skipif(not hasattr(os, "kill") or sys.platform == "win32",
-                    reason="needs POSIX signals")
-def test_a_sigint_handlers_error_reaches_the_caller():
-    from test_interrupt import _run_child
-    report = _run_child(CHILD)
-    assert report["fast"], report
-    assert report["elapsed"] > 0.3, "the signal came after the call"
-    assert report["raised"] == "the user's handler", report
