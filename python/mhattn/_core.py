@@ -112,16 +112,6 @@ def _frozen(a):
     return a
 
 
-def _cached(cache: dict, key, make):
-    """cache[key], made by make() on a miss (while the cache is not full)."""
-    value = cache.get(key)
-    if value is None:
-        value = make()
-        if len(cache) < _CACHE_MAX:
-            cache[key] = value
-    return value
-
-
 def _fast_heads(H, G, dk, dv, scale):
     """An entry of _HEADS: head_arrays() of a fast call, read-only, and the
     fused widths (Sq, Svq). dk, dv are ints or tuples per kv head, scale a
@@ -242,8 +232,12 @@ def _fast_lengths(key_lengths, nd, B, Tk):
     if nd == 2 and type(key_lengths) is int:
         if not 0 <= key_lengths <= Tk:
             return None
-        return _cached(_LENGTHS, key_lengths,
-                       lambda: _frozen(np.full(1, key_lengths, np.int64)))
+        kl = _LENGTHS.get(key_lengths)
+        if kl is None:
+            kl = _frozen(np.full(1, key_lengths, np.int64))
+            if len(_LENGTHS) < _CACHE_MAX:
+                _LENGTHS[key_lengths] = kl
+        return kl
     if type(key_lengths) is not _ndarray:
         return None
     kind, size = key_lengths.dtype.kind, key_lengths.dtype.itemsize
