@@ -1,10 +1,11 @@
-"""The small-call fast path (mhattn._api._fast_path) against the full path.
+"""The small-call fast branch (mhattn._core.fast) against the full path.
 
-The fast path skips normalize() for calls of plain arrays of one float dtype
-with fused weights. It may only ever return what the full path returns, bit
-for bit, or decline (return None) so that the full path runs and raises its
-friendly errors. Here the full path is forced by replacing _fast_path with a
-function that always declines.
+The fast branch skips normalize() for calls of plain arrays of one float
+dtype, in the weight forms and options it knows. It may only ever return
+what the full path returns, bit for bit, or decline (return None) so that
+the full path runs and raises its friendly errors; it checks what the glue
+checks, so the glue never rejects what it takes. Here the full path is
+forced by replacing fast with a function that always declines.
 """
 import warnings
 
@@ -14,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mhattn
-from mhattn import _api, _C
+from mhattn import _core, _C
 
 DTYPES = [np.float32, np.float64]
 OPTIONS = dict(key=None, value=None, scale=None, return_weights=False, mask=None,
@@ -23,21 +24,29 @@ OPTIONS = dict(key=None, value=None, scale=None, return_weights=False, mask=None
 
 
 def fast_path(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, **kw):
-    """_fast_path with multi_head_attention's keywords."""
+    """What the fast branch alone returns for multi_head_attention's
+    arguments: its result, or None when it declines the call."""
     opts = {**OPTIONS, **kw}
-    return _api._fast_path(x, w_q, w_k, w_v, w_o, num_heads, opts["key"], opts["value"],
-                           opts["scale"], opts["return_weights"], opts["mask"],
-                           opts["causal"], opts["key_lengths"], opts["num_kv_heads"],
-                           opts["b_q"], opts["b_k"], opts["b_v"], opts["b_o"])
+    args = _core.fast(x, w_q, w_k, w_v, w_o, num_heads, opts["key"], opts["value"],
+                       opts["scale"], opts["return_weights"], opts["mask"],
+                       opts["causal"], opts["key_lengths"], opts["num_kv_heads"],
+                       opts["b_q"], opts["b_k"], opts["b_v"], opts["b_o"])
+    if args is None:
+        return None
+    out, weights, _ = _C.forward(*args)
+    if x.ndim == 2:
+        out = out[0]
+        weights = None if weights is None else weights[0]
+    return (out, weights) if opts["return_weights"] else out
 
 
 def full_path(*args, **kw):
-    saved = _api._fast_path
-    _api._fast_path = lambda *a: None
+    saved = _core.fast
+    _core.fast = lambda *a: None
     try:
         return mhattn.multi_head_attention(*args, **kw)
     finally:
-        _api._fast_path = saved
+        _core.fast = saved
 
 
 def full_error(*args, **kw):
@@ -395,10 +404,10 @@ def test_cached_arrays_are_private_and_read_only(rng):
     x = rng.standard_normal((3, 4))
     w = rng.standard_normal((4, 4))
     mhattn.multi_head_attention(x, w, w, w, num_heads=2, scale=0.5, key_lengths=2)
-    for arrays in _api._HEADS.values():
-        assert all(not a.flags.writeable for a in arrays)
-    assert all(not a.flags.writeable for a in _api._LENGTHS.values())
-    assert len(_api._HEADS) <= _api._CACHE_MAX and len(_api._LENGTHS) <= _api._CACHE_MAX
+    for heads in _core._HEADS.values():
+        assert all(not a.flags.writeable for a in heads[:3])
+    assert all(not a.flags.writeable for a in _core._LENGTHS.values())
+    assert len(_core._HEADS) <= _core._CACHE_MAX and len(_core._LENGTHS) <= _core._CACHE_MAX
 
 
 def test_lowered_memory_limit_is_honoured(monkeypatch):

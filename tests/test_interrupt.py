@@ -41,6 +41,22 @@ CHILD_HELPERS = textwrap.dedent(r"""
         th = threading.Thread(target=fire)
         th.start()
         return th
+
+    def interrupted(call, delay, catch):
+        # call() with SIGINT sent after delay seconds: (what it raised of
+        # type catch, or None; seconds from SIGINT to the end, or None;
+        # seconds from the start to the end).
+        sent = []
+        th = sigint_after(delay, sent)
+        t0 = time.perf_counter()
+        raised = None
+        try:
+            call()
+        except catch as e:
+            raised = e
+        end = time.perf_counter()
+        th.join()
+        return raised, end - sent[0] if sent else None, end - t0
 """)
 
 
@@ -89,17 +105,9 @@ CHILD = textwrap.dedent(r"""
     handler_before = c_handler()
 
     # 1. The default handler: KeyboardInterrupt, promptly.
-    sent = []
-    th = sigint_after(0.5, sent)
-    t0 = time.perf_counter()
-    try:
-        run(long_call)
-        report["interrupted"] = False
-    except KeyboardInterrupt:
-        report["interrupted"] = True
-    report["latency"] = time.perf_counter() - sent[0] if sent else None
-    report["elapsed"] = time.perf_counter() - t0
-    th.join()
+    raised, report["latency"], report["elapsed"] = interrupted(
+        lambda: run(long_call), 0.5, KeyboardInterrupt)
+    report["interrupted"] = raised is not None
     report["c_handler_restored"] = c_handler() == handler_before
     # The interrupt left the flag raised: with SIGINT now ignored (nothing
     # will lower it), the next call must still run, once.
@@ -152,6 +160,23 @@ CHILD = textwrap.dedent(r"""
         report["main_interrupted_in_python"] = True
     worker.join()
     report["worker_result_ok"] = res == [want_mid]
+
+    # 6. A Python handler that raises: its exception reaches the caller, even
+    #    from a call small enough in memory for the fast branch (which once
+    #    took such a ValueError for a malformed call and ran it again).
+    from mhattn import _core
+    fast = make(min(sized(make, run, 1.0), 30000))   # 30000: 3.9M elements
+    x, w = fast
+    report["fast_branch"] = _core.fast(x, w, w, w, None, 1, None, None, None, False,
+                                       None, False, None, None, None, None, None,
+                                       None) is not None
+    def raising(sig, frame):
+        raise ValueError("the user's handler")
+    prev = signal.signal(signal.SIGINT, raising)
+    raised, _, report["handler_error_after"] = interrupted(lambda: run(fast), 0.3,
+                                                           ValueError)
+    report["handler_error"] = None if raised is None else str(raised)
+    signal.signal(signal.SIGINT, prev)
     print(json.dumps(report), flush=True)
 """)
 
@@ -187,6 +212,12 @@ def test_ignored_sigint_is_ignored(report):
     assert report["ignored_result_ok"]
 
 
+def test_a_python_handlers_error_reaches_the_caller(report):
+    assert report["fast_branch"], report
+    assert report["handler_error_after"] > 0.3, "the signal came after the call"
+    assert report["handler_error"] == "the user's handler", report
+
+
 def test_worker_thread_calls_are_not_interrupted(report):
     assert report["main_interrupted_in_python"]
     assert report["worker_result_ok"]
@@ -220,17 +251,9 @@ CHILD_BACKWARD = textwrap.dedent(r"""
     want_small = run(small)
 
     # 1. The default handler: KeyboardInterrupt, promptly.
-    sent = []
-    th = sigint_after(0.5, sent)
-    t0 = time.perf_counter()
-    try:
-        run(long_call)
-        report["interrupted"] = False
-    except KeyboardInterrupt:
-        report["interrupted"] = True
-    report["latency"] = time.perf_counter() - sent[0] if sent else None
-    report["elapsed"] = time.perf_counter() - t0
-    th.join()
+    raised, report["latency"], report["elapsed"] = interrupted(
+        lambda: run(long_call), 0.5, KeyboardInterrupt)
+    report["interrupted"] = raised is not None
     report["works_after"] = run(small) == want_small
 
     # 2. A Python handler that does not raise: the call starts over and

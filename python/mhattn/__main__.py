@@ -5,8 +5,8 @@ import sys
 
 import numpy as np
 
-from . import param_count, worked_example
-from ._api import run_core
+from .reference import param_count, worked_example
+from ._core import run_core
 from ._args import normalize
 
 

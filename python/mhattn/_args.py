@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence
@@ -21,8 +22,8 @@ from typing import Any, List, Optional, Sequence
 import numpy as np
 
 __all__ = ["Call", "normalize", "compute_dtype", "check_memory", "core_items",
-           "memory_limit", "plan", "bool_arg"]
-
+           "memory_limit", "plan", "bool_arg", "fused_widths", "head_scales",
+           "offsets", "PER_HEAD_BYTES"]
 
 
 def _shape(a: Any) -> str:
@@ -90,7 +91,7 @@ _memory_limit_bytes: Optional[int] = None
 
 # Python-side cost of one head (views, offsets, scales), generously rounded
 # up: it bounds num_heads before any per-head list is built.
-_PER_HEAD_BYTES = 4096
+PER_HEAD_BYTES = 4096
 
 
 def memory_limit() -> int:
@@ -155,9 +156,9 @@ def check_memory(items: Sequence[tuple]) -> None:
 
 
 def _check_head_count(name: str, h: int) -> None:
-    if h * _PER_HEAD_BYTES > memory_limit():
+    if h * PER_HEAD_BYTES > memory_limit():
         raise MemoryError(f"{name}: {h} heads would need about "
-                          f"{_gib(h * _PER_HEAD_BYTES)} of per-head bookkeeping, more "
+                          f"{_gib(h * PER_HEAD_BYTES)} of per-head bookkeeping, more "
                           f"than the {_gib(memory_limit())} of memory on this machine")
 
 
@@ -304,7 +305,7 @@ def _split_bias(name: str, b: Any, widths: List[int]) -> Optional[List[np.ndarra
         if a.shape[0] != total:
             raise ValueError(f"{name}: expected shape ({total},) (the fused width of "
                              f"{h} heads), got {a.shape}")
-        offs = np.cumsum([0] + widths)
+        offs = offsets(widths)
         return [a[offs[i]:offs[i + 1]] for i in range(h)]
     if a.ndim == 2 and len(set(widths)) == 1:
         if a.shape != (h, widths[0]):
@@ -312,6 +313,32 @@ def _split_bias(name: str, b: Any, widths: List[int]) -> Optional[List[np.ndarra
                              f"got {a.shape}")
         return [a[i] for i in range(h)]
     raise ValueError(f"{name}: expected shape ({total},) or a per-head list, got {a.shape}")
+
+
+def offsets(widths: Sequence[int]) -> List[int]:
+    """Where each block of a fused buffer starts, and its end: head i owns
+    [offsets[i], offsets[i + 1])."""
+    out = [0]
+    for w in widths:
+        out.append(out[-1] + w)
+    return out
+
+
+def fused_widths(H: int, G: int, Sk: int, Sv: int) -> tuple:
+    """(Sq, Svq): the widths of the fused queries and of the concatenation.
+
+    Query head h uses kv head h // (H // G), so each kv head's widths (whose
+    sums are Sk and Sv) appear H // G times (csrc/mha.h)."""
+    group = H // G
+    return group * Sk, group * Sv
+
+
+def head_scales(H: int, G: int, dk: Sequence[int], scale: Optional[float]) -> List[float]:
+    """Each query head's multiplier of Q K^T: ``scale``, or 1/sqrt(d_k)."""
+    if scale is not None:
+        return [scale] * H
+    group = H // G
+    return [1.0 / float(np.sqrt(dk[h // group])) for h in range(H)]
 
 
 @dataclass
@@ -344,6 +371,12 @@ class Call:
     causal: bool
     mask: Optional[np.ndarray]      # broadcast view (B, H, Tq, Tk): bool or dtype
     key_lengths: Optional[np.ndarray]  # (B,) int64
+    # The fused widths of the core's buffers (csrc/mha.h): q (B, Tq, Sq),
+    # k (B, Tk, Sk), v (B, Tk, Sv), concat (B, Tq, Svq); see fused_widths.
+    Sq: int
+    Sk: int
+    Sv: int
+    Svq: int
 
     @property
     def B(self) -> int:
@@ -366,29 +399,29 @@ class Call:
 
     @property
     def d_out(self) -> int:
-        return self.w_o.shape[1] if self.w_o is not None else sum(
-            self.dv[self.kv_head(h)] for h in range(self.H))
+        return self.w_o.shape[1] if self.w_o is not None else self.Svq
 
-    # Where each head lives in the core's fused buffers (csrc/mha.h):
-    # q (B, Tq, Sq), k (B, Tk, Sk), v (B, Tk, Sv), concat (B, Tq, Svq).
+    # Where each head lives in the core's fused buffers.
     def q_cols(self, h: int) -> slice:
-        start = sum(self.dk[self.kv_head(i)] for i in range(h))
-        return slice(start, start + self.dk[self.kv_head(h)])
+        return _cols(self.wq.widths, h)
 
     def k_cols(self, g: int) -> slice:
-        start = sum(self.dk[:g])
-        return slice(start, start + self.dk[g])
+        return _cols(self.dk, g)
 
     def v_cols(self, g: int) -> slice:
-        start = sum(self.dv[:g])
-        return slice(start, start + self.dv[g])
+        return _cols(self.dv, g)
 
     def concat_cols(self, h: int) -> slice:
-        start = sum(self.dv[self.kv_head(i)] for i in range(h))
-        return slice(start, start + self.dv[self.kv_head(h)])
+        return _cols([self.dv[self.kv_head(i)] for i in range(self.H)], h)
 
     def unbatch(self, a: np.ndarray) -> np.ndarray:
         return a if self.batched else a[0]
+
+
+def _cols(widths: Sequence[int], i: int) -> slice:
+    """Block i of a fused buffer whose blocks have these widths."""
+    offs = offsets(widths[:i + 1])
+    return slice(offs[i], offs[i + 1])
 
 
 def core_items(B: int, Tq: int, Tk: int, H: int, Sq: int, Sk: int, Sv: int,
@@ -424,6 +457,16 @@ def _seq(name: str, obj: Any, batched: bool, like: str) -> np.ndarray:
     return a
 
 
+def _user_stacklevel() -> int:
+    """The stacklevel of a warning raised here that names the caller of
+    mhattn's public function, however deep in the package it is raised."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("mhattn."):
+        level += 1
+        frame = frame.f_back
+    return level
+
+
 def _normalize_mask(mask: Any, batched: bool, B: int, H: int, Tq: int, Tk: int,
                     dtype: np.dtype) -> Optional[np.ndarray]:
     if mask is None:
@@ -448,7 +491,7 @@ def _normalize_mask(mask: Any, batched: bool, B: int, H: int, Tq: int, Tk: int,
             warnings.warn("mask allows no key for any query, so every output row is "
                           "fully masked; mhattn's boolean masks use True = may attend, "
                           "the opposite of nn.MultiheadAttention's: is it inverted?",
-                          UserWarning, stacklevel=4)
+                          UserWarning, stacklevel=_user_stacklevel())
     elif m.dtype != dtype or not m.flags.aligned:
         # The glue needs an aligned, native mask; copying the small array
         # before broadcasting keeps it from copying the broadcast view.
@@ -477,13 +520,8 @@ def _normalize_lengths(key_lengths: Any, batched: bool, B: int, Tk: int) -> Opti
     return kl
 
 
-def normalize(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=None,
-              scale=None, mask=None, causal=False, key_lengths=None,
-              num_kv_heads=None, b_q=None, b_k=None, b_v=None, b_o=None) -> Call:
-    """Check every argument and return the canonical :class:`Call`."""
-    num_heads = _int_arg("num_heads", num_heads)
-    num_kv_heads = _int_arg("num_kv_heads", num_kv_heads)
-
+def _sources(x: Any, key: Any, value: Any) -> tuple:
+    """(xa, ka, va, batched): x, key and value as arrays, checked against x."""
     xa = _to_array("x", x)
     _check_numeric("x", xa)
     if xa.ndim not in (2, 3):
@@ -501,7 +539,14 @@ def normalize(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=Non
     if va.shape[-2] != ka.shape[-2]:
         raise ValueError(f"value: has {va.shape[-2]} rows but key has {ka.shape[-2]} "
                          f"(key {ka.shape}, value {va.shape}); they must share T_k")
+    return xa, ka, va, batched
 
+
+def _weights(w_q: Any, w_k: Any, w_v: Any, num_heads: Optional[int],
+             num_kv_heads: Optional[int], xa: np.ndarray, ka: np.ndarray,
+             va: np.ndarray, key: Any, value: Any) -> tuple:
+    """(wq, wk, wv, G): the weights split per head, checked against their
+    sources and against each other."""
     wq = _split_weight("w_q", w_q, num_heads, "num_heads")
     H = len(wq.heads)
     if num_kv_heads is not None:
@@ -535,100 +580,124 @@ def normalize(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=Non
                 f"w_q / w_k: query head {h} has width {wq.widths[h]} but its key head "
                 f"{g} has width {wk.widths[g]} (w_q[{h}] {wq.heads[h].shape}, "
                 f"w_k[{g}] {wk.heads[g].shape}); q and k must match within a head")
+    return wq, wk, wv, G
+
+
+def _vector(name: str, b: Any, want: tuple, what: str) -> Optional[np.ndarray]:
+    """w_o or b_o: None, or an array of shape ``want`` (None: any d_out)."""
+    if b is None:
+        return None
+    a = _to_array(name, b)
+    _check_numeric(name, a)
+    if a.ndim != len(want) or any(n is not None and n != m for n, m in zip(want, a.shape)):
+        raise ValueError(what.format(shape=a.shape))
+    return a
+
+
+def _scale_arg(scale: Any) -> Optional[float]:
+    """The scale as a float, or None for the default."""
+    if scale is None:
+        return None
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(
+            scale, (numbers.Real, np.floating, np.integer)):
+        if not (isinstance(scale, np.ndarray) and scale.ndim == 0
+                and scale.dtype.kind in "iuf"):
+            raise TypeError(f"scale: expected a real number or None, got {scale!r} "
+                            f"({type(scale).__name__})")
+    try:
+        return float(scale)
+    except OverflowError:
+        raise ValueError(f"scale: a {type(scale).__name__} of {len(str(scale))} "
+                         "digits is too large for a float") from None
+
+
+def _cast_items(dtype: np.dtype, xa, ka, va, wo, bo, weights) -> list:
+    """check_memory items of the casts of normalize's arrays to dtype."""
+    items = [(f"casting {n} to {dtype}", "size", (a.size,), dtype.itemsize)
+             for n, a in (("x", xa), ("key", ka), ("value", va), ("w_o", wo), ("b_o", bo))
+             if a is not None and a.dtype != dtype and
+             (n == "x" or a is not xa) and (n != "value" or a is not ka)]
+    for n, hs in zip(("w_q", "w_k", "w_v"), weights):
+        parts = [hs.array] if hs.array is not None else hs.heads
+        items += [(f"casting {n} to {dtype}", "size", (a.size,), dtype.itemsize)
+                  for a in parts if a.dtype != dtype]
+    return items
+
+
+def _cast_heads(hs: _Heads, dtype: np.dtype) -> _Heads:
+    if hs.array is None:
+        return _Heads(hs.form, [_cast(a, dtype) for a in hs.heads], hs.widths,
+                      hs.rows, None)
+    arr = _cast(hs.array, dtype)
+    if hs.form == "stacked":
+        heads = [arr[i] for i in range(arr.shape[0])]
+    else:
+        w = hs.widths[0]
+        heads = [arr[:, i * w:(i + 1) * w] for i in range(len(hs.widths))]
+    return _Heads(hs.form, heads, hs.widths, hs.rows, arr)
+
+
+def _cast_list(bl: Optional[List[np.ndarray]], dtype: np.dtype) -> Optional[List[np.ndarray]]:
+    return None if bl is None else [_cast(a, dtype) for a in bl]
+
+
+def normalize(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=None,
+              scale=None, mask=None, causal=False, key_lengths=None,
+              num_kv_heads=None, b_q=None, b_k=None, b_v=None, b_o=None) -> Call:
+    """Check every argument and return the canonical :class:`Call`."""
+    num_heads = _int_arg("num_heads", num_heads)
+    num_kv_heads = _int_arg("num_kv_heads", num_kv_heads)
+    xa, ka, va, batched = _sources(x, key, value)
+    wq, wk, wv, G = _weights(w_q, w_k, w_v, num_heads, num_kv_heads, xa, ka, va,
+                             key, value)
+    H = len(wq.heads)
     dk = list(wk.widths)
     dv = list(wv.widths)
-    svq = sum(dv[h // group] for h in range(H))
+    Sk, Sv = sum(dk), sum(dv)
+    Sq, Svq = fused_widths(H, G, Sk, Sv)
 
-    floats = [xa, ka, va] + wq.heads + wk.heads + wv.heads
-    wo = None
-    if w_o is not None:
-        wo = _to_array("w_o", w_o)
-        _check_numeric("w_o", wo)
-        if wo.ndim != 2 or wo.shape[0] != svq:
-            raise ValueError(f"w_o: expected shape ({svq}, d_out) — its rows must equal "
-                             f"the concatenated head width sum(d_v) = {svq} — got {wo.shape}")
-        floats.append(wo)
+    wo = _vector("w_o", w_o, (Svq, None),
+                 f"w_o: expected shape ({Svq}, d_out) — its rows must equal the "
+                 f"concatenated head width sum(d_v) = {Svq} — got {{shape}}")
     bq = _split_bias("b_q", b_q, wq.widths)
     bk = _split_bias("b_k", b_k, wk.widths)
     bv = _split_bias("b_v", b_v, wv.widths)
+    d_out = wo.shape[1] if wo is not None else Svq
+    bo = _vector("b_o", b_o, (d_out,),
+                 f"b_o: expected shape ({d_out},) (d_out), got {{shape}}")
+    floats = [xa, ka, va] + wq.heads + wk.heads + wv.heads
+    for extra in (wo, bo):
+        if extra is not None:
+            floats.append(extra)
     for bl in (bq, bk, bv):
         if bl is not None:
             floats.extend(bl)
-    d_out = wo.shape[1] if wo is not None else svq
-    bo = None
-    if b_o is not None:
-        bo = _to_array("b_o", b_o)
-        _check_numeric("b_o", bo)
-        if bo.shape != (d_out,):
-            raise ValueError(f"b_o: expected shape ({d_out},) (d_out), got {bo.shape}")
-        floats.append(bo)
-
     dtype = compute_dtype(floats)
     B = xa.shape[0] if batched else 1
     Tq, Tk = xa.shape[-2], ka.shape[-2]
     # Before anything is cast or allocated: the casts below, and what any call
     # of these sizes allocates (out and the projections) must fit.
-    items = [(f"casting {n} to {dtype}", "size", (a.size,), dtype.itemsize)
-             for n, a in (("x", xa), ("key", ka), ("value", va), ("w_o", wo), ("b_o", bo))
-             if a is not None and a.dtype != dtype and
-             (n == "x" or a is not xa) and (n != "value" or a is not ka)]
-    for n, hs in (("w_q", wq), ("w_k", wk), ("w_v", wv)):
-        parts = [hs.array] if hs.array is not None else hs.heads
-        items += [(f"casting {n} to {dtype}", "size", (a.size,), dtype.itemsize)
-                  for a in parts if a.dtype != dtype]
-    items += core_items(B, Tq, Tk, H, group * sum(dk), sum(dk), sum(dv), svq, d_out,
-                        w_o is not None, dtype)
-    check_memory(items)
+    check_memory(_cast_items(dtype, xa, ka, va, wo, bo, (wq, wk, wv))
+                 + core_items(B, Tq, Tk, H, Sq, Sk, Sv, Svq, d_out, w_o is not None, dtype))
 
-    if scale is None:
-        scales = [1.0 / float(np.sqrt(d)) for d in (dk[h // group] for h in range(H))]
-    else:
-        if isinstance(scale, (bool, np.bool_)) or not isinstance(
-                scale, (numbers.Real, np.floating, np.integer)):
-            if not (isinstance(scale, np.ndarray) and scale.ndim == 0
-                    and scale.dtype.kind in "iuf"):
-                raise TypeError(f"scale: expected a real number or None, got {scale!r} "
-                                f"({type(scale).__name__})")
-        try:
-            scale_f = float(scale)
-        except OverflowError:
-            raise ValueError(f"scale: a {type(scale).__name__} of {len(str(scale))} "
-                             "digits is too large for a float") from None
-        scales = [scale_f] * H
-
+    scales = head_scales(H, G, dk, _scale_arg(scale))
     bool_arg("causal", causal)
-
+    mask_v = _normalize_mask(mask, batched, B, H, Tq, Tk, dtype)
+    kl = _normalize_lengths(key_lengths, batched, B, Tk)
     xb = xa if batched else xa[np.newaxis]
     kb = ka if batched else ka[np.newaxis]
     vb = va if batched else va[np.newaxis]
-    mask_v = _normalize_mask(mask, batched, B, H, Tq, Tk, dtype)
-    kl = _normalize_lengths(key_lengths, batched, B, Tk)
-
-    def cast_heads(hs: _Heads) -> _Heads:
-        if hs.array is None:
-            return _Heads(hs.form, [_cast(a, dtype) for a in hs.heads], hs.widths,
-                          hs.rows, None)
-        arr = _cast(hs.array, dtype)
-        if hs.form == "stacked":
-            heads = [arr[i] for i in range(arr.shape[0])]
-        else:
-            w = hs.widths[0]
-            heads = [arr[:, i * w:(i + 1) * w] for i in range(len(hs.widths))]
-        return _Heads(hs.form, heads, hs.widths, hs.rows, arr)
-
-    def cast_list(bl):
-        return None if bl is None else [_cast(a, dtype) for a in bl]
-
     return Call(
         dtype=dtype, batched=batched,
         x=_cast(xb, dtype), key=_cast(kb, dtype), value=_cast(vb, dtype),
         key_given=key is not None, value_given=value is not None,
-        wq=cast_heads(wq), wk=cast_heads(wk), wv=cast_heads(wv),
+        wq=_cast_heads(wq, dtype), wk=_cast_heads(wk, dtype), wv=_cast_heads(wv, dtype),
         w_o=None if wo is None else _cast(wo, dtype),
-        bq=cast_list(bq), bk=cast_list(bk), bv=cast_list(bv),
+        bq=_cast_list(bq, dtype), bk=_cast_list(bk, dtype), bv=_cast_list(bv, dtype),
         b_o=None if bo is None else _cast(bo, dtype),
         H=H, G=G, dk=dk, dv=dv, scales=scales, causal=bool(causal),
-        mask=mask_v, key_lengths=kl)
+        mask=mask_v, key_lengths=kl,
+        Sq=Sq, Sk=Sk, Sv=Sv, Svq=Svq)
 
 
 def _needs_copy(a: np.ndarray) -> bool:
@@ -639,10 +708,8 @@ def _needs_copy(a: np.ndarray) -> bool:
 def plan(call: Call, *, want_weights: bool = False, keep: bool = False) -> list:
     """Every allocation of run_core, as check_memory items."""
     n = call.dtype.itemsize
-    Sk, Sv = sum(call.dk), sum(call.dv)
-    # Each kv head serves H / G query heads: Sq = group * Sk, Svq = group * Sv.
-    items = core_items(call.B, call.Tq, call.Tk, call.H, call.group * Sk, Sk, Sv,
-                       call.group * Sv, call.d_out, call.w_o is not None, call.dtype,
+    items = core_items(call.B, call.Tq, call.Tk, call.H, call.Sq, call.Sk, call.Sv,
+                       call.Svq, call.d_out, call.w_o is not None, call.dtype,
                        weights=want_weights, keep=keep)
     for name, a in (("x", call.x), ("key", call.key), ("value", call.value),
                     ("w_o", call.w_o)):

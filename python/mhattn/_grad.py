@@ -14,67 +14,15 @@ Both return a dict mapping the name of each array argument to its gradient
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import numpy as np
 
 from . import _C
-from ._args import Call, _check_numeric, _Heads, _to_array, normalize
+from ._args import _check_numeric, _Heads, _to_array, normalize, offsets
+from ._core import Context, head_arrays, make_context, run_core
 
 __all__ = ["Context", "backward", "multi_head_attention_grad"]
-
-
-class Context:
-    """What :func:`backward` needs from one forward call.
-
-    O(T d) state only, never a T x T buffer: references to the checked
-    arguments (``call``), the projections ``q`` (B, Tq, Sq), ``k``
-    (B, Tk, Sk), ``v`` (B, Tk, Sv), the concatenation ``concat``
-    (B, Tq, Svq) and each query row's log-sum-exp ``lse`` (B, H, Tq) of its
-    scaled, masked scores (-inf for a fully masked row).  The softmax
-    probabilities are recomputed from ``lse`` by the backward pass.
-
-    A context may be used for any number of backward calls.  It holds
-    references, not copies: modifying an input or weight in place between
-    the forward and the backward call gives wrong gradients.
-    """
-    __slots__ = ("call", "q", "k", "v", "concat", "lse", "bias_forms")
-
-    def __init__(self, call: Call, extras, bias_forms: Dict[str, Optional[str]]):
-        self.call = call
-        self.q, self.k, self.v, self.concat, self.lse = extras
-        self.bias_forms = bias_forms
-
-    @property
-    def out_shape(self) -> tuple:
-        """The shape of the forward's output, which grad_out must have."""
-        c = self.call
-        shape = (c.B, c.Tq, c.d_out)
-        return shape if c.batched else shape[1:]
-
-    def __repr__(self) -> str:
-        c = self.call
-        return (f"<mhattn.Context B={c.B} Tq={c.Tq} Tk={c.Tk} H={c.H} G={c.G} "
-                f"dtype={c.dtype.name}>")
-
-
-def _bias_form(b: Any) -> Optional[str]:
-    """The form of a bias that normalize() accepted: list, fused or stacked."""
-    if b is None:
-        return None
-    if isinstance(b, (list, tuple)) and len(b) > 0 and np.ndim(b[0]) == 1:
-        return "list"
-    return "fused" if np.ndim(b) == 1 else "stacked"
-
-
-def make_context(call: Call, extras, *, b_q=None, b_k=None, b_v=None) -> Context:
-    """A Context from a checked call and run_core's kept extras."""
-    return Context(call, extras, {"b_q": _bias_form(b_q), "b_k": _bias_form(b_k),
-                                  "b_v": _bias_form(b_v)})
-
-
-def _offsets(widths: List[int]) -> np.ndarray:
-    return np.cumsum([0] + list(widths))
 
 
 def _weight_like(g: np.ndarray, heads: _Heads) -> Any:
@@ -84,7 +32,7 @@ def _weight_like(g: np.ndarray, heads: _Heads) -> Any:
     if heads.form == "stacked":
         n, w = len(heads.widths), heads.widths[0]
         return np.ascontiguousarray(g.reshape(g.shape[0], n, w).transpose(1, 0, 2))
-    offs = _offsets(heads.widths)
+    offs = offsets(heads.widths)
     return [np.ascontiguousarray(g[:, offs[i]:offs[i + 1]]) for i in range(len(heads.widths))]
 
 
@@ -94,7 +42,7 @@ def _bias_like(g: np.ndarray, form: str, widths: List[int]) -> Any:
         return g
     if form == "stacked":
         return g.reshape(len(widths), widths[0])
-    offs = _offsets(widths)
+    offs = offsets(widths)
     return [g[offs[i]:offs[i + 1]].copy() for i in range(len(widths))]
 
 
@@ -131,15 +79,14 @@ def backward(grad_out, ctx: Context) -> Dict[str, Any]:
         g = g[np.newaxis]
 
     biases = ctx.bias_forms
+    dk, dv, scales = head_arrays(call)
     dx, dkey, dvalue, dwq, dwk, dwv, dwo, dbq, dbk, dbv, dbo = _C.backward(
         g, call.x, call.key if call.key_given else None,
         call.value if call.value_given else None,
         call.wq.fused(), call.wk.fused(), call.wv.fused(), call.w_o,
-        ctx.q, ctx.k, ctx.v, ctx.concat, ctx.lse,
-        np.asarray(call.dk, dtype=np.int64), np.asarray(call.dv, dtype=np.int64),
-        np.asarray(call.scales, dtype=np.float64), call.mask, call.causal,
-        call.key_lengths, biases["b_q"] is not None, biases["b_k"] is not None,
-        biases["b_v"] is not None, call.b_o is not None)
+        ctx.q, ctx.k, ctx.v, ctx.concat, ctx.lse, dk, dv, scales, call.mask,
+        call.causal, call.key_lengths, biases["b_q"] is not None,
+        biases["b_k"] is not None, biases["b_v"] is not None, call.b_o is not None)
 
     grads: Dict[str, Any] = {"x": call.unbatch(dx)}
     if call.key_given:
@@ -178,7 +125,6 @@ def multi_head_attention_grad(grad_out, x, w_q, w_k, w_v, w_o=None, *, num_heads
     ``multi_head_attention(..., return_context=True)`` and
     :func:`mhattn.backward`.
     """
-    from ._api import run_core
     call = normalize(x, w_q, w_k, w_v, w_o, num_heads=num_heads, key=key, value=value,
                      scale=scale, mask=mask, causal=causal, key_lengths=key_lengths,
                      num_kv_heads=num_kv_heads, b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o)

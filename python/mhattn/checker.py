@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 import numpy as np
 
 from ._api import multi_head_attention
+from .reference import worked_example
 from .trace import CompareReport, canonical_key, trace
 
 __all__ = ["check_prototype", "PrototypeReport", "TrialResult", "MISTAKES"]
@@ -359,7 +360,6 @@ def _random_trial(rng, name, about, T, d_model, h, d_k, d_v, d_out, dtype) -> _T
 
 
 def _worked_example_trial(dtype) -> _Trial:
-    from . import worked_example
     _, X, w_q, w_k, w_v, w_o = worked_example()
     def fused(w):
         return np.concatenate(w, axis=1).astype(dtype)

@@ -32,7 +32,9 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
+from ._api import multi_head_attention
 from ._args import _int_arg
+from ._grad import backward as _backward
 
 __all__ = ["MultiHeadAttention"]
 
@@ -44,7 +46,6 @@ _OWNED = frozenset({"x", "w_q", "w_k", "w_v", "w_o", "num_heads", "num_kv_heads"
 @functools.lru_cache(maxsize=None)
 def _call_options() -> frozenset:
     """multi_head_attention's keywords that a layer call may pass on."""
-    from ._api import multi_head_attention
     return frozenset(inspect.signature(multi_head_attention).parameters) - _OWNED
 
 
@@ -231,7 +232,6 @@ class MultiHeadAttention:
         scale, return_weights, return_context.  Anything else raises
         TypeError.
         """
-        from ._api import multi_head_attention
         allowed = _call_options()
         for name in options:
             if name in _OWNED:
@@ -252,8 +252,7 @@ class MultiHeadAttention:
         without them 'x' includes the keys' and values' contributions).
         See :func:`mhattn.backward`.
         """
-        from ._grad import backward
-        return backward(grad_out, ctx)
+        return _backward(grad_out, ctx)
 
     @property
     def param_count(self) -> int:

@@ -23,7 +23,7 @@ import numpy as np
 from ._args import Call, bool_arg, check_memory, normalize, plan
 
 __all__ = ["multi_head_attention", "softmax", "attention", "weighted_values",
-           "allowed_keys", "param_count", "head_intermediates"]
+           "allowed_keys", "param_count", "head_intermediates", "worked_example"]
 
 
 def softmax(scores: np.ndarray) -> np.ndarray:
@@ -180,3 +180,18 @@ def param_count(d_model: int, num_heads: int, d_k: Optional[int] = None,
         d_k = d_model // h
     d_v = d_k if d_v is None else d_v
     return h * d_model * d_k * 2 + h * d_model * d_v + h * d_v * d_model
+
+
+def worked_example():
+    """The document's worked example: (tokens, X, w_q, w_k, w_v, w_o).
+
+    Three tokens ball, full, it with 4-d embeddings; two heads of width 2.
+    Head 1 reads the entity and bias columns, head 2 the adjective and bias
+    columns, and both heads share one value projection.  W^O is the identity.
+    """
+    tokens = ["ball", "full", "it"]
+    X = np.array([[3, 0, 0, 1], [0, 3, 0, 1], [1, 1, 0, 1]], dtype=float)
+    W_Q1 = np.array([[1, 0], [0, 0], [0, 0], [0, 1]], dtype=float)
+    W_Q2 = np.array([[0, 0], [1, 0], [0, 0], [0, 1]], dtype=float)
+    W_V = np.array([[1 / 3, 0], [0, 1 / 3], [0, 0], [0, 0]], dtype=float)
+    return tokens, X, [W_Q1, W_Q2], [W_Q1.copy(), W_Q2.copy()], [W_V, W_V], np.eye(4)

@@ -37,7 +37,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from . import reference
-from ._api import run_core
+from ._core import run_core
 from ._args import Call, normalize
 
 __all__ = ["trace", "Trace", "CompareReport", "StageDiff", "STAGES"]
