@@ -40,6 +40,21 @@
 extern "C" {
 #endif
 
+/*
+ * Limits of the core that callers may rely on (the glue does).
+ *
+ * MHA_MAX_ELEMS: the largest element count of any buffer, head width or
+ * fused width the core accepts; mha_check_config returns MHA_ERR_SIZE past
+ * it. Bounding counts by PTRDIFF_MAX / sizeof(double) keeps the byte sizes
+ * of float and double buffers within size_t and pointer differences.
+ *
+ * MHA_SMALL_WORK: a forward call whose attention does fewer multiply-adds
+ * than this runs on the calling thread alone, since waking a worker costs
+ * more than the call (well under a millisecond on any machine).
+ */
+#define MHA_MAX_ELEMS ((size_t)PTRDIFF_MAX / sizeof(double))
+#define MHA_SMALL_WORK 262144.0
+
 typedef enum {
     MHA_OK = 0,
     MHA_ERR_NOMEM,       /* an allocation failed */

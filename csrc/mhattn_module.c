@@ -23,10 +23,6 @@
 #include "mha.h"
 #include "threads.h"
 
-/* Limit on head widths and fused widths, matching the core's bound on
-   element counts (mha_check_config rechecks every product). */
-#define WIDTH_MAX ((size_t)PTRDIFF_MAX / sizeof(double))
-
 static const char *dtype_name(int typenum)
 {
     return typenum == NPY_FLOAT ? "float32" : "float64";
@@ -181,10 +177,6 @@ static void raise_status(mha_status st)
 
 #define DATA(a) ((a) != NULL ? PyArray_DATA(a) : NULL)
 
-/* Multiply-adds of a forward call below which Ctrl-C is left to Python
-   (see forward()): well under a millisecond on any machine. */
-#define SMALL_WORK 262144.0
-
 /*
  * Ctrl-C during a long call. Python's own SIGINT handler only sets a flag
  * that the interpreter reads between bytecodes, which never happens while
@@ -332,11 +324,11 @@ static int head_widths(size_t **widths, size_t fused[4], PyArrayObject *dk_a,
     size_t *dk = w, *dv = w + G;
     const int64_t *dk64 = PyArray_DATA(dk_a), *dv64 = PyArray_DATA(dv_a);
     for (npy_intp g = 0; g < G; g++) {
-        if (dk64[g] <= 0 || dv64[g] <= 0 || (uint64_t)dk64[g] > WIDTH_MAX ||
-            (uint64_t)dv64[g] > WIDTH_MAX) {
+        if (dk64[g] <= 0 || dv64[g] <= 0 || (uint64_t)dk64[g] > MHA_MAX_ELEMS ||
+            (uint64_t)dv64[g] > MHA_MAX_ELEMS) {
             PyErr_Format(PyExc_ValueError,
                          "dk, dv: head widths must be between 1 and %zu, got "
-                         "dk[%zd] = %lld, dv[%zd] = %lld", WIDTH_MAX,
+                         "dk[%zd] = %lld, dv[%zd] = %lld", MHA_MAX_ELEMS,
                          (Py_ssize_t)g, (long long)dk64[g], (Py_ssize_t)g,
                          (long long)dv64[g]);
             return -1;
@@ -344,18 +336,18 @@ static int head_widths(size_t **widths, size_t fused[4], PyArrayObject *dk_a,
         dk[g] = (size_t)dk64[g];
         dv[g] = (size_t)dv64[g];
     }
-    // Sums checked as they grow: each stays below WIDTH_MAX.
+    // Sums checked as they grow: each stays below MHA_MAX_ELEMS.
     size_t Sq = 0, Sk = 0, Sv = 0, Svq = 0;
     for (npy_intp g = 0; g < G; g++) {
         Sk += dk[g];
         Sv += dv[g];
-        if (Sk > WIDTH_MAX || Sv > WIDTH_MAX)
+        if (Sk > MHA_MAX_ELEMS || Sv > MHA_MAX_ELEMS)
             goto overflow;
     }
     for (npy_intp h = 0; h < H; h++) {
         Sq += dk[h / (H / G)];
         Svq += dv[h / (H / G)];
-        if (Sq > WIDTH_MAX || Svq > WIDTH_MAX)
+        if (Sq > MHA_MAX_ELEMS || Svq > MHA_MAX_ELEMS)
             goto overflow;
     }
     fused[0] = Sq;
@@ -727,7 +719,7 @@ static PyObject *forward(PyObject *self, PyObject *const *argv, Py_ssize_t nargs
 
     // Ctrl-C: see sigint_handler. A Python handler that does not raise lets
     // the call start over, as if the signal had come just before it. A small
-    // call (at most SMALL_WORK multiply-adds: tens of microseconds) is not
+    // call (at most MHA_SMALL_WORK multiply-adds: tens of microseconds) is not
     // worth the handler's two sigaction system calls, nor the look-up of the
     // main thread: Python sees a signal that comes during it as soon as it
     // returns, as if the signal had come just after it.
@@ -737,7 +729,7 @@ static PyObject *forward(PyObject *self, PyObject *const *argv, Py_ssize_t nargs
                      (double)Tk * ((double)Dkin * (double)Sk +
                                    (double)Dvin * (double)Sv) +
                      (double)Tq * (double)Tk * (double)(Sq + Svq));
-    const int main_thread = work > SMALL_WORK && on_main_thread();
+    const int main_thread = work > MHA_SMALL_WORK && on_main_thread();
 retry:
     if (main_thread) {
         sigint_install();
