@@ -17,6 +17,7 @@
 #include <numpy/arrayobject.h>
 
 #include <stdint.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "dispatch.h"
@@ -606,10 +607,12 @@ typedef struct {
 typedef struct {
     arg_value arg[MAX_ARGS];
     int typenum;                  /* NPY_FLOAT or NPY_DOUBLE: x's dtype */
-    PyArrayObject *in[MAX_ARGS];  /* owned: the converted arrays, by
-                                     position; NULL for None and non-arrays */
-    PyArrayObject *out[MAX_OUTS]; /* owned: the outputs; NULL if not wanted */
-    npy_intp size[N_LETTERS];
+    PyArrayObject *in[MAX_ARGS];  /* owned: the converted arrays by position,
+                                     shaped as their arg_spec says; NULL for
+                                     None and for non-array arguments */
+    PyArrayObject *out[MAX_OUTS]; /* owned: the outputs, shaped as the
+                                     function's table says; NULL if unwanted */
+    npy_intp size[N_LETTERS];     /* the call's sizes, by letter */
     size_t *widths;               /* (2G,) PyMem: dk then dv, as size_t */
     mha_config cfg;               /* borrows widths, scales, mask, lengths */
 } call;
@@ -1004,6 +1007,8 @@ static const call_spec forward_spec = {
 enum {
     FWD_OUT, FWD_WEIGHTS, FWD_Q, FWD_K, FWD_V, FWD_CONCAT, FWD_LSE, FWD_NOUTS
 };
+_Static_assert(FWD_NARGS <= MAX_ARGS && FWD_NOUTS <= MAX_OUTS,
+               "a call holds forward()'s arguments and outputs");
 
 static const shape forward_outs[FWD_NOUTS] = {
     [FWD_OUT] = SHAPE3(L_B, L_TQ, L_DOUT),
@@ -1162,6 +1167,8 @@ enum {
     BWD_DX, BWD_DKEY, BWD_DVALUE, BWD_DWQ, BWD_DWK, BWD_DWV, BWD_DWO,
     BWD_DBQ, BWD_DBK, BWD_DBV, BWD_DBO, BWD_NOUTS
 };
+_Static_assert(BWD_NARGS <= MAX_ARGS && BWD_NOUTS <= MAX_OUTS,
+               "a call holds backward()'s arguments and gradients");
 
 static const shape backward_outs[BWD_NOUTS] = {
     [BWD_DX] = SHAPE3(L_B, L_TQ, L_DIN),
