@@ -656,8 +656,9 @@ static arg_converter converter_of(arg_kind kind)
     return kind == ARG_BOOL ? store_truth : store_object;
 }
 
-/* Exactly sp->nargs positional arguments, as mhattn passes them: what
-   parse_args would read, without the cost of the general parser. */
+/* Exactly sp->nargs positional arguments and no keyword, as mhattn passes
+   them: what parse_args would read, without the cost of the general
+   parser. */
 static int read_positional(call *c, const call_spec *sp, PyObject *const *argv)
 {
     for (int i = 0; i < sp->nargs; i++) {
@@ -692,7 +693,8 @@ static int parse_args(call *c, const call_spec *sp, PyObject *args,
         }
     }
     kwlist[sp->nargs] = NULL;
-    snprintf(f, sizeof format - (size_t)(f - format), ":%s", sp->name);
+    *f++ = ':';   // then the name, which fits: sp->name is a short literal
+    memcpy(f, sp->name, strlen(sp->name) + 1);
 #define PAIR(i) cv[i], slot[i]
     _Static_assert(MAX_ARGS == 23, "the call below passes MAX_ARGS pairs");
     const int ok = PyArg_ParseTupleAndKeywords(
@@ -1214,8 +1216,14 @@ static PyObject *backward(PyObject *self, PyObject *args, PyObject *kwds)
     call c;
     PyObject *result = NULL;
     call_init(&c);
-    if (parse_args(&c, sp, args, kwds) < 0 || convert_arrays(&c, sp) < 0 ||
-        build_config(&c, sp) < 0)
+    // mhattn passes every argument by position: no need to parse then. A
+    // tuple is its own PySequence_Fast, so its items are an argv.
+    const int parsed =
+        (kwds == NULL || PyDict_GET_SIZE(kwds) == 0) &&
+                PyTuple_GET_SIZE(args) == BWD_NARGS
+            ? read_positional(&c, sp, PySequence_Fast_ITEMS(args))
+            : parse_args(&c, sp, args, kwds);
+    if (parsed < 0 || convert_arrays(&c, sp) < 0 || build_config(&c, sp) < 0)
         goto fail;
     const arg_value *a = c.arg;
     const int want[BWD_NOUTS] = {
