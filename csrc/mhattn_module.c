@@ -17,15 +17,12 @@
 #include <numpy/arrayobject.h>
 
 #include <stdint.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "dispatch.h"
 #include "mha.h"
 #include "threads.h"
-
-/* Limit on head widths and fused widths, matching the core's bound on
-   element counts (mha_check_config rechecks every product). */
-#define WIDTH_MAX ((size_t)PTRDIFF_MAX / sizeof(double))
 
 static const char *dtype_name(int typenum)
 {
@@ -49,6 +46,15 @@ static PyObject *dims_tuple(int nd, const npy_intp *dims)
     return t;
 }
 
+/* 1 when a has exactly the shape want (nd,). */
+static int same_shape(PyArrayObject *a, int nd, const npy_intp *want)
+{
+    int same = PyArray_NDIM(a) == nd;
+    for (int d = 0; same && d < nd; d++)
+        same = PyArray_DIM(a, d) == want[d];
+    return same;
+}
+
 /*
  * Raises ValueError "name: expected shape (..) letters, got (..)" and
  * returns -1 unless a has exactly the shape `want`.
@@ -56,10 +62,7 @@ static PyObject *dims_tuple(int nd, const npy_intp *dims)
 static int check_shape(PyArrayObject *a, const char *name, int nd,
                        const npy_intp *want, const char *letters)
 {
-    int same = PyArray_NDIM(a) == nd;
-    for (int d = 0; same && d < nd; d++)
-        same = PyArray_DIM(a, d) == want[d];
-    if (same)
+    if (same_shape(a, nd, want))
         return 0;
     PyObject *w = dims_tuple(nd, want);
     PyObject *g = dims_tuple(PyArray_NDIM(a), PyArray_DIMS(a));
@@ -180,10 +183,6 @@ static void raise_status(mha_status st)
 }
 
 #define DATA(a) ((a) != NULL ? PyArray_DATA(a) : NULL)
-
-/* Multiply-adds of a forward call below which Ctrl-C is left to Python
-   (see forward()): well under a millisecond on any machine. */
-#define SMALL_WORK 262144.0
 
 /*
  * Ctrl-C during a long call. Python's own SIGINT handler only sets a flag
@@ -332,11 +331,11 @@ static int head_widths(size_t **widths, size_t fused[4], PyArrayObject *dk_a,
     size_t *dk = w, *dv = w + G;
     const int64_t *dk64 = PyArray_DATA(dk_a), *dv64 = PyArray_DATA(dv_a);
     for (npy_intp g = 0; g < G; g++) {
-        if (dk64[g] <= 0 || dv64[g] <= 0 || (uint64_t)dk64[g] > WIDTH_MAX ||
-            (uint64_t)dv64[g] > WIDTH_MAX) {
+        if (dk64[g] <= 0 || dv64[g] <= 0 || (uint64_t)dk64[g] > MHA_MAX_ELEMS ||
+            (uint64_t)dv64[g] > MHA_MAX_ELEMS) {
             PyErr_Format(PyExc_ValueError,
                          "dk, dv: head widths must be between 1 and %zu, got "
-                         "dk[%zd] = %lld, dv[%zd] = %lld", WIDTH_MAX,
+                         "dk[%zd] = %lld, dv[%zd] = %lld", MHA_MAX_ELEMS,
                          (Py_ssize_t)g, (long long)dk64[g], (Py_ssize_t)g,
                          (long long)dv64[g]);
             return -1;
@@ -344,18 +343,18 @@ static int head_widths(size_t **widths, size_t fused[4], PyArrayObject *dk_a,
         dk[g] = (size_t)dk64[g];
         dv[g] = (size_t)dv64[g];
     }
-    // Sums checked as they grow: each stays below WIDTH_MAX.
+    // Sums checked as they grow: each stays below MHA_MAX_ELEMS.
     size_t Sq = 0, Sk = 0, Sv = 0, Svq = 0;
     for (npy_intp g = 0; g < G; g++) {
         Sk += dk[g];
         Sv += dv[g];
-        if (Sk > WIDTH_MAX || Sv > WIDTH_MAX)
+        if (Sk > MHA_MAX_ELEMS || Sv > MHA_MAX_ELEMS)
             goto overflow;
     }
     for (npy_intp h = 0; h < H; h++) {
         Sq += dk[h / (H / G)];
         Svq += dv[h / (H / G)];
-        if (Sq > WIDTH_MAX || Svq > WIDTH_MAX)
+        if (Sq > MHA_MAX_ELEMS || Svq > MHA_MAX_ELEMS)
             goto overflow;
     }
     fused[0] = Sq;
@@ -512,30 +511,208 @@ static int broadcast_mask(PyObject **res, PyObject *mask_o, const npy_intp want[
     return 0;
 }
 
-PyDoc_STRVAR(forward_doc,
-"forward(x, key, value, wq, wk, wv, wo, bq, bk, bv, bo, dk, dv, scales,\n"
-"        mask, causal, key_lengths, want_weights, keep)\n"
-"--\n\n"
-"Multi-head attention forward pass (low level; see mhattn for the public\n"
-"API). x (B,Tq,Din), key (B,Tk,Dkin), value (B,Tk,Dvin), wq (Din,Sq),\n"
-"wk (Dkin,Sk), wv (Dvin,Sv), wo (Svq,Dout) or None, biases 1-D or None,\n"
-"all of one dtype (float32 or float64). dk, dv: int64 (G,); scales:\n"
-"float64 (H,); mask: None or bool or float, any strides, of shape\n"
-"(B,H,Tq,Tk) or one that broadcasts to it;\n"
-"key_lengths: None or int64 (B,).\n\n"
-"Returns (out, weights or None, (q, k, v, concat, lse) or None).");
+/* ---- one skeleton for forward() and backward() ------------------------- */
+/*
+ * Both read their arguments by a table (one arg_spec per position),
+ * convert the arrays in positional order, so that the first bad argument is
+ * the one reported, derive the sizes and the mha_config the same way, make
+ * their outputs from a table of shapes, and run the core with the GIL
+ * released. Every reference a call owns is in its `call`, released by
+ * call_release alone.
+ */
 
-/* forward()'s arguments by keyword, with PyArg_ParseTupleAndKeywords. */
-static int forward_parse_keywords(PyObject *const *argv, Py_ssize_t nargs,
-                                  PyObject *kwnames, PyObject *o[17], int p[3])
+/* The sizes of a call, by the letters of mha.h; indices into call.size. */
+enum {
+    L_B, L_TQ, L_TK, L_DIN, L_DKIN, L_DVIN, L_DOUT, L_H,
+    L_SQ, L_SK, L_SV, L_SVQ, N_LETTERS
+};
+static const char *const letter_name[N_LETTERS] = {
+    "B", "Tq", "Tk", "Din", "Dkin", "Dvin", "Dout", "H",
+    "Sq", "Sk", "Sv", "Svq"};
+
+/* A shape in letters: {3, {L_B, L_TQ, L_DIN}} is (B, Tq, Din). */
+typedef struct {
+    int nd;
+    unsigned char dim[4];
+} shape;
+#define SHAPE1(a) {1, {a}}
+#define SHAPE2(a, b) {2, {a, b}}
+#define SHAPE3(a, b, c) {3, {a, b, c}}
+#define SHAPE4(a, b, c, d) {4, {a, b, c, d}}
+
+/* The sizes of shape s, given the call's sizes by letter. */
+static void shape_dims(npy_intp dims[4], const shape *s,
+                       const npy_intp size[N_LETTERS])
 {
-    static char *kwlist[] = {
-        "x", "key", "value", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo",
-        "dk", "dv", "scales", "mask", "causal", "key_lengths", "want_weights",
-        "keep", NULL};
+    for (int d = 0; d < s->nd; d++)
+        dims[d] = size[s->dim[d]];
+}
+
+/* s's letters as a Python tuple would print: "(B, Tk, Dkin)", "(Sq,)". */
+static void shape_letters(char buf[64], const shape *s)
+{
+    int n = snprintf(buf, 64, "(");
+    for (int d = 0; d < s->nd; d++)
+        n += snprintf(buf + n, (size_t)(64 - n), "%s%s", d ? ", " : "",
+                      letter_name[s->dim[d]]);
+    snprintf(buf + n, (size_t)(64 - n), s->nd == 1 ? ",)" : ")");
+}
+
+typedef enum {
+    ARG_ARRAY,       /* a float array of x's dtype */
+    ARG_ARRAY_OPT,   /* the same, or None for an absent one */
+    ARG_ARRAY_ALIAS, /* the same, or None for the array of argument .alias */
+    ARG_INT64,       /* a vector, converted to int64 (dk, dv) */
+    ARG_FLOAT64,     /* a vector, converted to float64 (scales) */
+    ARG_MASK,        /* None or a mask: converted once the sizes are known */
+    ARG_LENGTHS,     /* None or key lengths: likewise */
+    ARG_BOOL,        /* any object, read as its truth value */
+} arg_kind;
+
+typedef struct {
+    const char *name;   /* the keyword, and the prefix of its errors */
+    arg_kind kind;
+    shape shape;        /* float arrays: ndim, and the letters checked */
+    int alias;          /* ARG_ARRAY_ALIAS: the earlier position None
+                           stands for */
+} arg_spec;
+
+/*
+ * A function's arguments, and the positions of those every call has. The
+ * float arrays' shapes are checked once the letters they name are known:
+ * first those against x's sizes, then, after the head widths, the others;
+ * each list in the order its errors take precedence, ended by -1.
+ */
+typedef struct {
+    const char *name;       /* "forward", for PyArg's messages */
+    int nargs;
+    const arg_spec *args;   /* (nargs,) in positional order */
+    const int *checks_x;       /* against x, key and value's sizes */
+    const int *checks_widths;  /* against all, Sq, ..., Svq and Dout too */
+    int x, key, value, wo, dk, dv, scales, mask, causal, key_lengths;
+    int broadcast_mask;     /* the mask may broadcast to (B, H, Tq, Tk) */
+} call_spec;
+
+#define MAX_ARGS 23   /* backward()'s */
+#define MAX_OUTS 11   /* backward()'s gradients */
+
+/* One argument as passed: the object (borrowed from the caller, who keeps
+   it alive for the call) and, for ARG_BOOL, its truth value. */
+typedef struct {
+    PyObject *obj;
+    int truth;
+} arg_value;
+
+/* One call in progress: call_init starts it, call_release ends it. */
+typedef struct {
+    arg_value arg[MAX_ARGS];
+    int typenum;                  /* NPY_FLOAT or NPY_DOUBLE: x's dtype */
+    PyArrayObject *in[MAX_ARGS];  /* owned: the converted arrays by position,
+                                     shaped as their arg_spec says; NULL for
+                                     None and for non-array arguments */
+    PyArrayObject *out[MAX_OUTS]; /* owned: the outputs, shaped as the
+                                     function's table says; NULL if unwanted */
+    npy_intp size[N_LETTERS];     /* the call's sizes, by letter */
+    size_t *widths;               /* (2G,) PyMem: dk then dv, as size_t */
+    mha_config cfg;               /* borrows widths, scales, mask, lengths */
+} call;
+
+/* Nulls what call_release frees. The rest is written before it is read:
+   that is cheaper than zeroing the whole struct on every small call. */
+static void call_init(call *c)
+{
+    memset(c->in, 0, sizeof c->in);
+    memset(c->out, 0, sizeof c->out);
+    c->widths = NULL;
+}
+
+static void call_release(call *c)
+{
+    PyMem_Free(c->widths);
+    for (int i = 0; i < MAX_ARGS; i++)
+        Py_XDECREF(c->in[i]);
+    for (int i = 0; i < MAX_OUTS; i++)
+        Py_XDECREF(c->out[i]);
+}
+
+/* PyArg "O&" converters. */
+typedef int (*arg_converter)(PyObject *, void *);
+
+static int store_object(PyObject *obj, void *slot)
+{
+    ((arg_value *)slot)->obj = obj;
+    return 1;
+}
+
+static int store_truth(PyObject *obj, void *slot)
+{
+    arg_value *v = slot;
+    v->obj = obj;
+    return (v->truth = PyObject_IsTrue(obj)) >= 0;
+}
+
+static arg_converter converter_of(arg_kind kind)
+{
+    return kind == ARG_BOOL ? store_truth : store_object;
+}
+
+/* Exactly sp->nargs positional arguments and no keyword, as mhattn passes
+   them: what parse_args would read, without the cost of the general
+   parser. */
+static int read_positional(call *c, const call_spec *sp, PyObject *const *argv)
+{
+    for (int i = 0; i < sp->nargs; i++) {
+        c->arg[i].obj = argv[i];
+        if (sp->args[i].kind == ARG_BOOL && !store_truth(argv[i], &c->arg[i]))
+            return -1;
+    }
+    return 0;
+}
+
+/*
+ * Any other call: PyArg_ParseTupleAndKeywords, for its checks and its
+ * messages. Every argument goes through an "O&" converter, so that the
+ * variadic list is one (converter, slot) pair per position; the pairs past
+ * sp->nargs are never read.
+ */
+static int parse_args(call *c, const call_spec *sp, PyObject *args,
+                      PyObject *kwds)
+{
+    char format[2 * MAX_ARGS + 32], *f = format;
+    char *kwlist[MAX_ARGS + 1];
+    arg_converter cv[MAX_ARGS];
+    void *slot[MAX_ARGS];
+    for (int i = 0; i < MAX_ARGS; i++) {
+        cv[i] = store_object;
+        slot[i] = &c->arg[i];
+        if (i < sp->nargs) {
+            cv[i] = converter_of(sp->args[i].kind);
+            kwlist[i] = (char *)sp->args[i].name;
+            *f++ = 'O';
+            *f++ = '&';
+        }
+    }
+    kwlist[sp->nargs] = NULL;
+    *f++ = ':';   // then the name, which fits: sp->name is a short literal
+    memcpy(f, sp->name, strlen(sp->name) + 1);
+#define PAIR(i) cv[i], slot[i]
+    _Static_assert(MAX_ARGS == 23, "the call below passes MAX_ARGS pairs");
+    const int ok = PyArg_ParseTupleAndKeywords(
+        args, kwds, format, kwlist, PAIR(0), PAIR(1), PAIR(2), PAIR(3),
+        PAIR(4), PAIR(5), PAIR(6), PAIR(7), PAIR(8), PAIR(9), PAIR(10),
+        PAIR(11), PAIR(12), PAIR(13), PAIR(14), PAIR(15), PAIR(16), PAIR(17),
+        PAIR(18), PAIR(19), PAIR(20), PAIR(21), PAIR(22));
+#undef PAIR
+    return ok ? 0 : -1;
+}
+
+/* parse_args for METH_FASTCALL arguments, as a tuple and a dict. */
+static int parse_fastcall(call *c, const call_spec *sp, PyObject *const *argv,
+                          Py_ssize_t nargs, PyObject *kwnames)
+{
     // The objects parsed stay alive in argv, which the caller owns.
     PyObject *args = PyTuple_New(nargs), *kwds = NULL;
-    int ok = 0;
+    int res = -1;
     if (args == NULL)
         return -1;
     for (Py_ssize_t i = 0; i < nargs; i++) {
@@ -550,263 +727,521 @@ static int forward_parse_keywords(PyObject *const *argv, Py_ssize_t nargs,
                                argv[nargs + i]) < 0)
                 goto done;
     }
-    ok = PyArg_ParseTupleAndKeywords(
-        args, kwds, "OOOOOOOOOOOOOOOpOpp:forward", kwlist, &o[0], &o[1],
-        &o[2], &o[3], &o[4], &o[5], &o[6], &o[7], &o[8], &o[9], &o[10], &o[11],
-        &o[12], &o[13], &o[14], &p[0], &o[15], &p[1], &p[2]);
+    res = parse_args(c, sp, args, kwds);
 done:
     Py_DECREF(args);
     Py_XDECREF(kwds);
-    return ok ? 0 : -1;
+    return res;
+}
+
+/*
+ * The dtype of x is the compute dtype. Converts the float arrays and the
+ * vectors in positional order; a None that stands for another input
+ * becomes a reference to that input's array.
+ */
+static int convert_arrays(call *c, const call_spec *sp)
+{
+    PyObject *x_o = c->arg[sp->x].obj;
+    if (!PyArray_Check(x_o)) {
+        PyErr_Format(PyExc_TypeError, "x: expected a numpy.ndarray, got %s",
+                     Py_TYPE(x_o)->tp_name);
+        return -1;
+    }
+    c->typenum = PyArray_TYPE((PyArrayObject *)x_o);
+    if (c->typenum != NPY_FLOAT && c->typenum != NPY_DOUBLE) {
+        PyErr_Format(PyExc_TypeError,
+                     "x: expected dtype float32 or float64, got %R",
+                     (PyObject *)PyArray_DESCR((PyArrayObject *)x_o));
+        return -1;
+    }
+    for (int i = 0; i < sp->nargs; i++) {
+        const arg_spec *a = &sp->args[i];
+        PyArrayObject **res = &c->in[i];
+        PyObject *obj = c->arg[i].obj;
+        int bad = 0;
+        switch (a->kind) {
+        case ARG_ARRAY:
+        case ARG_ARRAY_OPT:
+        case ARG_ARRAY_ALIAS:
+            bad = as_float(res, obj, a->name, c->typenum, a->shape.nd,
+                           a->kind != ARG_ARRAY);
+            if (bad == 0 && *res == NULL && a->kind == ARG_ARRAY_ALIAS) {
+                *res = c->in[a->alias];
+                Py_INCREF(*res);
+            }
+            break;
+        case ARG_INT64:
+            bad = as_vector(res, obj, a->name, NPY_INT64);
+            break;
+        case ARG_FLOAT64:
+            bad = as_vector(res, obj, a->name, NPY_DOUBLE);
+            break;
+        default:   // masks and lengths need the sizes; truths are read
+            break;
+        }
+        if (bad < 0)
+            return -1;
+    }
+    return 0;
+}
+
+/* Checks the shapes of the float arrays at the positions pos (ended by
+   -1) against c->size; None (absent) arrays are skipped. */
+static int check_shapes(const call *c, const call_spec *sp, const int *pos)
+{
+    for (; *pos >= 0; pos++) {
+        const arg_spec *a = &sp->args[*pos];
+        PyArrayObject *arr = c->in[*pos];
+        npy_intp want[4];
+        char letters[64];
+        if (arr == NULL)
+            continue;
+        shape_dims(want, &a->shape, c->size);
+        if (same_shape(arr, a->shape.nd, want))
+            continue;
+        shape_letters(letters, &a->shape);
+        return check_shape(arr, a->name, a->shape.nd, want, letters);
+    }
+    return 0;
+}
+
+/* The mask as the core reads it (see as_mask), broadcast first when the
+   function allows it (see broadcast_mask). */
+static int convert_mask(call *c, const call_spec *sp, mha_mask_kind *kind,
+                        ptrdiff_t stride[4])
+{
+    const npy_intp *n = c->size;
+    const npy_intp want[4] = {n[L_B], n[L_H], n[L_TQ], n[L_TK]};
+    PyObject *mask_o = c->arg[sp->mask].obj;
+    if (!sp->broadcast_mask)
+        return as_mask(&c->in[sp->mask], kind, stride, mask_o, c->typenum,
+                       want);
+    PyObject *mask_b;
+    if (broadcast_mask(&mask_b, mask_o, want) < 0)
+        return -1;
+    const int res = as_mask(&c->in[sp->mask], kind, stride, mask_b,
+                            c->typenum, want);
+    Py_DECREF(mask_b);
+    return res;
+}
+
+/*
+ * The sizes (c->size) from x, key, value, dk, dv, scales and wo; the
+ * shapes of the other arrays against them; the key lengths and the mask;
+ * then c->cfg, checked by the core.
+ */
+static int build_config(call *c, const call_spec *sp)
+{
+    PyArrayObject *const *in = c->in;
+    PyArrayObject *x = in[sp->x], *key = in[sp->key], *value = in[sp->value];
+    PyArrayObject *wo = in[sp->wo];
+    npy_intp *n = c->size;
+    n[L_B] = PyArray_DIM(x, 0);
+    n[L_TQ] = PyArray_DIM(x, 1);
+    n[L_DIN] = PyArray_DIM(x, 2);
+    n[L_TK] = PyArray_DIM(key, 1);
+    n[L_DKIN] = PyArray_DIM(key, 2);
+    n[L_DVIN] = PyArray_DIM(value, 2);
+    n[L_H] = PyArray_DIM(in[sp->scales], 0);
+    if (check_shapes(c, sp, sp->checks_x) < 0)
+        return -1;
+
+    size_t fused[4];   // Sq, Sk, Sv, Svq
+    if (head_widths(&c->widths, fused, in[sp->dk], in[sp->dv], n[L_H]) < 0)
+        return -1;
+    const size_t G = (size_t)PyArray_DIM(in[sp->dk], 0);
+    n[L_SQ] = (npy_intp)fused[0];
+    n[L_SK] = (npy_intp)fused[1];
+    n[L_SV] = (npy_intp)fused[2];
+    n[L_SVQ] = (npy_intp)fused[3];
+    n[L_DOUT] = wo != NULL ? PyArray_DIM(wo, 1) : n[L_SVQ];
+    if (check_shapes(c, sp, sp->checks_widths) < 0)
+        return -1;
+
+    PyArrayObject **lengths = &c->in[sp->key_lengths];
+    mha_mask_kind mask_kind;
+    ptrdiff_t mask_stride[4];
+    if (as_lengths(lengths, c->arg[sp->key_lengths].obj, n[L_B], n[L_TK]) < 0 ||
+        convert_mask(c, sp, &mask_kind, mask_stride) < 0)
+        return -1;
+
+    c->cfg = (mha_config){
+        .B = (size_t)n[L_B], .Tq = (size_t)n[L_TQ], .Tk = (size_t)n[L_TK],
+        .Din = (size_t)n[L_DIN], .Dkin = (size_t)n[L_DKIN],
+        .Dvin = (size_t)n[L_DVIN], .Dout = (size_t)n[L_DOUT],
+        .H = (size_t)n[L_H], .G = G,
+        .dk = c->widths, .dv = c->widths + G,
+        .scale = PyArray_DATA(in[sp->scales]),
+        .causal = c->arg[sp->causal].truth,
+        .mask_kind = mask_kind, .mask = DATA(in[sp->mask]),
+        .mask_stride = {mask_stride[0], mask_stride[1], mask_stride[2],
+                        mask_stride[3]},
+        .key_lengths = DATA(*lengths),
+        .has_wo = wo != NULL, .interrupt = NULL,
+    };
+    mha_layout lay;
+    const mha_status st = mha_check_config(&lay, &c->cfg);
+    if (st != MHA_OK) {
+        raise_status(st);
+        return -1;
+    }
+    return 0;
+}
+
+/* The outputs: new C-contiguous arrays of x's dtype, out[i] of shape
+   shapes[i] where want[i] (sizes checked by mha_check_config). */
+static int make_outputs(call *c, int nout, const shape *shapes, const int *want)
+{
+    for (int i = 0; i < nout; i++) {
+        npy_intp dims[4];
+        if (!want[i])
+            continue;
+        shape_dims(dims, &shapes[i], c->size);
+        c->out[i] = (PyArrayObject *)PyArray_EMPTY(shapes[i].nd, dims,
+                                                   c->typenum, 0);
+        if (c->out[i] == NULL)
+            return -1;
+    }
+    return 0;
+}
+
+/*
+ * Runs core(c) with the GIL released. Ctrl-C: see sigint_handler; only
+ * when main_thread is the handler installed and the flag polled. A Python
+ * handler that does not raise lets the call start over, as if the signal
+ * had come just before it (every output is overwritten, so a partial run
+ * leaves no trace). -1 with an exception set on failure.
+ */
+static int run_core(call *c, mha_status (*core)(const call *), int main_thread)
+{
+    mha_status st;
+    int again;
+    do {
+        if (main_thread) {
+            sigint_install();
+            c->cfg.interrupt = (volatile const int *)&sigint_flag;
+        }
+        Py_BEGIN_ALLOW_THREADS
+        st = core(c);
+        Py_END_ALLOW_THREADS
+        if ((again = sigint_after_call(main_thread, st)) < 0)
+            return -1;
+    } while (again);
+    if (st != MHA_OK) {
+        raise_status(st);
+        return -1;
+    }
+    return 0;
+}
+
+/* A new tuple of the n arrays a, None for each NULL. */
+static PyObject *arrays_tuple(PyArrayObject *const *a, int n)
+{
+    PyObject *t = PyTuple_New(n);
+    if (t == NULL)
+        return NULL;
+    for (int i = 0; i < n; i++) {
+        PyObject *o = a[i] != NULL ? (PyObject *)a[i] : Py_None;
+        Py_INCREF(o);
+        PyTuple_SET_ITEM(t, i, o);
+    }
+    return t;
+}
+
+/* ---- forward ------------------------------------------------------------ */
+
+PyDoc_STRVAR(forward_doc,
+"forward(x, key, value, wq, wk, wv, wo, bq, bk, bv, bo, dk, dv, scales,\n"
+"        mask, causal, key_lengths, want_weights, keep)\n"
+"--\n\n"
+"Multi-head attention forward pass (low level; see mhattn for the public\n"
+"API). x (B,Tq,Din), key (B,Tk,Dkin), value (B,Tk,Dvin), wq (Din,Sq),\n"
+"wk (Dkin,Sk), wv (Dvin,Sv), wo (Svq,Dout) or None, biases 1-D or None,\n"
+"all of one dtype (float32 or float64). dk, dv: int64 (G,); scales:\n"
+"float64 (H,); mask: None or bool or float, any strides, of shape\n"
+"(B,H,Tq,Tk) or one that broadcasts to it;\n"
+"key_lengths: None or int64 (B,).\n\n"
+"Returns (out, weights or None, (q, k, v, concat, lse) or None).");
+
+/* forward()'s positional arguments. */
+enum {
+    FWD_X, FWD_KEY, FWD_VALUE, FWD_WQ, FWD_WK, FWD_WV, FWD_WO,
+    FWD_BQ, FWD_BK, FWD_BV, FWD_BO, FWD_DK, FWD_DV, FWD_SCALES, FWD_MASK,
+    FWD_CAUSAL, FWD_KEY_LENGTHS, FWD_WANT_WEIGHTS, FWD_KEEP, FWD_NARGS
+};
+
+static const arg_spec forward_args[FWD_NARGS] = {
+    [FWD_X] = {"x", ARG_ARRAY, SHAPE3(L_B, L_TQ, L_DIN), 0},
+    [FWD_KEY] = {"key", ARG_ARRAY, SHAPE3(L_B, L_TK, L_DKIN), 0},
+    [FWD_VALUE] = {"value", ARG_ARRAY, SHAPE3(L_B, L_TK, L_DVIN), 0},
+    [FWD_WQ] = {"wq", ARG_ARRAY, SHAPE2(L_DIN, L_SQ), 0},
+    [FWD_WK] = {"wk", ARG_ARRAY, SHAPE2(L_DKIN, L_SK), 0},
+    [FWD_WV] = {"wv", ARG_ARRAY, SHAPE2(L_DVIN, L_SV), 0},
+    [FWD_WO] = {"wo", ARG_ARRAY_OPT, SHAPE2(L_SVQ, L_DOUT), 0},
+    [FWD_BQ] = {"bq", ARG_ARRAY_OPT, SHAPE1(L_SQ), 0},
+    [FWD_BK] = {"bk", ARG_ARRAY_OPT, SHAPE1(L_SK), 0},
+    [FWD_BV] = {"bv", ARG_ARRAY_OPT, SHAPE1(L_SV), 0},
+    [FWD_BO] = {"bo", ARG_ARRAY_OPT, SHAPE1(L_DOUT), 0},
+    [FWD_DK] = {.name = "dk", .kind = ARG_INT64},
+    [FWD_DV] = {.name = "dv", .kind = ARG_INT64},
+    [FWD_SCALES] = {.name = "scales", .kind = ARG_FLOAT64},
+    [FWD_MASK] = {.name = "mask", .kind = ARG_MASK},
+    [FWD_CAUSAL] = {.name = "causal", .kind = ARG_BOOL},
+    [FWD_KEY_LENGTHS] = {.name = "key_lengths", .kind = ARG_LENGTHS},
+    [FWD_WANT_WEIGHTS] = {.name = "want_weights", .kind = ARG_BOOL},
+    [FWD_KEEP] = {.name = "keep", .kind = ARG_BOOL},
+};
+
+static const int forward_checks_x[] = {FWD_KEY, FWD_VALUE, -1};
+static const int forward_checks_widths[] = {
+    FWD_WQ, FWD_WK, FWD_WV, FWD_WO, FWD_BQ, FWD_BK, FWD_BV, FWD_BO, -1};
+
+static const call_spec forward_spec = {
+    .name = "forward", .nargs = FWD_NARGS, .args = forward_args,
+    .checks_x = forward_checks_x, .checks_widths = forward_checks_widths,
+    .x = FWD_X, .key = FWD_KEY, .value = FWD_VALUE, .wo = FWD_WO,
+    .dk = FWD_DK, .dv = FWD_DV, .scales = FWD_SCALES, .mask = FWD_MASK,
+    .causal = FWD_CAUSAL, .key_lengths = FWD_KEY_LENGTHS,
+    .broadcast_mask = 1,
+};
+
+/* forward()'s outputs, in the order mha_forward_<sfx> takes them. */
+enum {
+    FWD_OUT, FWD_WEIGHTS, FWD_Q, FWD_K, FWD_V, FWD_CONCAT, FWD_LSE, FWD_NOUTS
+};
+_Static_assert(FWD_NARGS <= MAX_ARGS && FWD_NOUTS <= MAX_OUTS,
+               "a call holds forward()'s arguments and outputs");
+
+static const shape forward_outs[FWD_NOUTS] = {
+    [FWD_OUT] = SHAPE3(L_B, L_TQ, L_DOUT),
+    [FWD_WEIGHTS] = SHAPE4(L_B, L_H, L_TQ, L_TK),
+    [FWD_Q] = SHAPE3(L_B, L_TQ, L_SQ),
+    [FWD_K] = SHAPE3(L_B, L_TK, L_SK),
+    [FWD_V] = SHAPE3(L_B, L_TK, L_SV),
+    [FWD_CONCAT] = SHAPE3(L_B, L_TQ, L_SVQ),
+    [FWD_LSE] = SHAPE3(L_B, L_H, L_TQ),
+};
+
+/* mha_forward_f32 and _f64 take the same arguments, each in its dtype. */
+#define FORWARD_CORE(fn, in, out, cfg)                                        \
+    fn(DATA(out[FWD_OUT]), DATA(out[FWD_WEIGHTS]), DATA(out[FWD_Q]),          \
+       DATA(out[FWD_K]), DATA(out[FWD_V]), DATA(out[FWD_CONCAT]),             \
+       DATA(out[FWD_LSE]), DATA(in[FWD_X]), DATA(in[FWD_KEY]),                \
+       DATA(in[FWD_VALUE]), DATA(in[FWD_WQ]), DATA(in[FWD_WK]),               \
+       DATA(in[FWD_WV]), DATA(in[FWD_WO]), DATA(in[FWD_BQ]),                  \
+       DATA(in[FWD_BK]), DATA(in[FWD_BV]), DATA(in[FWD_BO]), cfg)
+
+static mha_status forward_core(const call *c)
+{
+    if (c->typenum == NPY_FLOAT)
+        return FORWARD_CORE(mha_forward_f32, c->in, c->out, &c->cfg);
+    return FORWARD_CORE(mha_forward_f64, c->in, c->out, &c->cfg);
+}
+
+/* Multiply-adds of a forward call: the four projections and attention. */
+static double forward_work(const npy_intp n[N_LETTERS])
+{
+    return (double)n[L_B] *
+           ((double)n[L_TQ] * ((double)n[L_DIN] * (double)n[L_SQ] +
+                               (double)n[L_SVQ] * (double)n[L_DOUT]) +
+            (double)n[L_TK] * ((double)n[L_DKIN] * (double)n[L_SK] +
+                               (double)n[L_DVIN] * (double)n[L_SV]) +
+            (double)n[L_TQ] * (double)n[L_TK] *
+                (double)(n[L_SQ] + n[L_SVQ]));
 }
 
 static PyObject *forward(PyObject *self, PyObject *const *argv, Py_ssize_t nargs,
                          PyObject *kwnames)
 {
     (void)self;
-    // o: the 16 object arguments in order, key_lengths last; p: causal,
-    // want_weights, keep.
-    PyObject *o[17];
-    int p[3];
-    if (kwnames == NULL && nargs == 19) {
-        // All positional, as mhattn calls it: what "O...p" would parse,
-        // without the cost of the general parser.
-        for (int i = 0; i < 15; i++)
-            o[i] = argv[i];
-        o[15] = argv[16];
-        if ((p[0] = PyObject_IsTrue(argv[15])) < 0 ||
-            (p[1] = PyObject_IsTrue(argv[17])) < 0 ||
-            (p[2] = PyObject_IsTrue(argv[18])) < 0)
-            return NULL;
-    } else if (forward_parse_keywords(argv, nargs, kwnames, o, p) < 0) {
-        return NULL;
-    }
-    PyObject *x_o = o[0], *key_o = o[1], *value_o = o[2], *wq_o = o[3];
-    PyObject *wk_o = o[4], *wv_o = o[5], *wo_o = o[6], *bq_o = o[7];
-    PyObject *bk_o = o[8], *bv_o = o[9], *bo_o = o[10], *dk_o = o[11];
-    PyObject *dv_o = o[12], *scales_o = o[13], *mask_o = o[14];
-    PyObject *key_lengths_o = o[15];
-    const int causal = p[0], want_weights = p[1], keep = p[2];
-
+    const call_spec *sp = &forward_spec;
+    call c;
     PyObject *result = NULL;
-    // inputs
-    PyArrayObject *x = NULL, *key = NULL, *value = NULL;
-    PyArrayObject *wq = NULL, *wk = NULL, *wv = NULL, *wo = NULL;
-    PyArrayObject *bq = NULL, *bk = NULL, *bv = NULL, *bo = NULL;
-    PyArrayObject *dk_a = NULL, *dv_a = NULL, *scales = NULL, *mask = NULL;
-    PyArrayObject *key_lengths = NULL;
-    // outputs
-    PyArrayObject *out = NULL, *weights = NULL, *q = NULL, *k = NULL;
-    PyArrayObject *v = NULL, *concat = NULL, *lse = NULL;
-    size_t *widths = NULL;   // (2G,): dk then dv, as size_t
-    size_t fused[4];         // Sq, Sk, Sv, Svq
-
-    // The dtype of x is the compute dtype.
-    if (!PyArray_Check(x_o)) {
-        PyErr_Format(PyExc_TypeError, "x: expected a numpy.ndarray, got %s",
-                     Py_TYPE(x_o)->tp_name);
+    call_init(&c);
+    const int parsed = kwnames == NULL && nargs == FWD_NARGS
+                           ? read_positional(&c, sp, argv)
+                           : parse_fastcall(&c, sp, argv, nargs, kwnames);
+    if (parsed < 0 || convert_arrays(&c, sp) < 0 || build_config(&c, sp) < 0)
         goto fail;
-    }
-    const int typenum = PyArray_TYPE((PyArrayObject *)x_o);
-    if (typenum != NPY_FLOAT && typenum != NPY_DOUBLE) {
-        PyErr_Format(PyExc_TypeError,
-                     "x: expected dtype float32 or float64, got %R",
-                     (PyObject *)PyArray_DESCR((PyArrayObject *)x_o));
-        goto fail;
-    }
-    if (as_float(&x, x_o, "x", typenum, 3, 0) < 0 ||
-        as_float(&key, key_o, "key", typenum, 3, 0) < 0 ||
-        as_float(&value, value_o, "value", typenum, 3, 0) < 0 ||
-        as_float(&wq, wq_o, "wq", typenum, 2, 0) < 0 ||
-        as_float(&wk, wk_o, "wk", typenum, 2, 0) < 0 ||
-        as_float(&wv, wv_o, "wv", typenum, 2, 0) < 0 ||
-        as_float(&wo, wo_o, "wo", typenum, 2, 1) < 0 ||
-        as_float(&bq, bq_o, "bq", typenum, 1, 1) < 0 ||
-        as_float(&bk, bk_o, "bk", typenum, 1, 1) < 0 ||
-        as_float(&bv, bv_o, "bv", typenum, 1, 1) < 0 ||
-        as_float(&bo, bo_o, "bo", typenum, 1, 1) < 0 ||
-        as_vector(&dk_a, dk_o, "dk", NPY_INT64) < 0 ||
-        as_vector(&dv_a, dv_o, "dv", NPY_INT64) < 0 ||
-        as_vector(&scales, scales_o, "scales", NPY_DOUBLE) < 0)
+    const int keep = c.arg[FWD_KEEP].truth;
+    const int want[FWD_NOUTS] = {
+        [FWD_OUT] = 1, [FWD_WEIGHTS] = c.arg[FWD_WANT_WEIGHTS].truth,
+        [FWD_Q] = keep, [FWD_K] = keep, [FWD_V] = keep, [FWD_CONCAT] = keep,
+        [FWD_LSE] = keep};
+    if (make_outputs(&c, FWD_NOUTS, forward_outs, want) < 0)
         goto fail;
 
-    // Sizes from x, key, value, dk and scales.
-    const npy_intp B = PyArray_DIM(x, 0), Tq = PyArray_DIM(x, 1);
-    const npy_intp Din = PyArray_DIM(x, 2);
-    const npy_intp Tk = PyArray_DIM(key, 1), Dkin = PyArray_DIM(key, 2);
-    const npy_intp Dvin = PyArray_DIM(value, 2);
-    const npy_intp G = PyArray_DIM(dk_a, 0), H = PyArray_DIM(scales, 0);
-    {
-        const npy_intp want_key[3] = {B, Tk, Dkin};
-        const npy_intp want_value[3] = {B, Tk, Dvin};
-        if (check_shape(key, "key", 3, want_key, "(B, Tk, Dkin)") < 0 ||
-            check_shape(value, "value", 3, want_value, "(B, Tk, Dvin)") < 0)
-            goto fail;
-    }
-    if (head_widths(&widths, fused, dk_a, dv_a, H) < 0)
-        goto fail;
-    size_t *dk = widths, *dv = widths + G;
-    const size_t Sq = fused[0], Sk = fused[1], Sv = fused[2], Svq = fused[3];
-
-    // Weights and biases against the fused widths.
-    const npy_intp Dout = wo != NULL ? PyArray_DIM(wo, 1) : (npy_intp)Svq;
-    {
-        const npy_intp want_wq[2] = {Din, (npy_intp)Sq};
-        const npy_intp want_wk[2] = {Dkin, (npy_intp)Sk};
-        const npy_intp want_wv[2] = {Dvin, (npy_intp)Sv};
-        const npy_intp want_wo[2] = {(npy_intp)Svq, Dout};
-        const npy_intp want_bq = (npy_intp)Sq, want_bk = (npy_intp)Sk;
-        const npy_intp want_bv = (npy_intp)Sv, want_bo = Dout;
-        if (check_shape(wq, "wq", 2, want_wq, "(Din, Sq)") < 0 ||
-            check_shape(wk, "wk", 2, want_wk, "(Dkin, Sk)") < 0 ||
-            check_shape(wv, "wv", 2, want_wv, "(Dvin, Sv)") < 0 ||
-            (wo && check_shape(wo, "wo", 2, want_wo, "(Svq, Dout)") < 0) ||
-            (bq && check_shape(bq, "bq", 1, &want_bq, "(Sq,)") < 0) ||
-            (bk && check_shape(bk, "bk", 1, &want_bk, "(Sk,)") < 0) ||
-            (bv && check_shape(bv, "bv", 1, &want_bv, "(Sv,)") < 0) ||
-            (bo && check_shape(bo, "bo", 1, &want_bo, "(Dout,)") < 0))
-            goto fail;
-    }
-
-    if (as_lengths(&key_lengths, key_lengths_o, B, Tk) < 0)
+    // A small call (at most MHA_SMALL_WORK multiply-adds: tens of
+    // microseconds) is not worth the Ctrl-C handler's two sigaction system
+    // calls, nor the look-up of the main thread: Python sees a signal that
+    // comes during it as soon as it returns, as if it had come just after.
+    const int main_thread =
+        forward_work(c.size) > MHA_SMALL_WORK && on_main_thread();
+    if (run_core(&c, forward_core, main_thread) < 0)
         goto fail;
 
-    mha_mask_kind mask_kind;
-    ptrdiff_t mask_stride[4];
-    {
-        const npy_intp want[4] = {B, H, Tq, Tk};
-        PyObject *mask_b;
-        if (broadcast_mask(&mask_b, mask_o, want) < 0)
-            goto fail;
-        const int bad = as_mask(&mask, &mask_kind, mask_stride, mask_b, typenum, want);
-        Py_DECREF(mask_b);
-        if (bad < 0)
-            goto fail;
-    }
-
-    mha_config cfg = {
-        .B = (size_t)B, .Tq = (size_t)Tq, .Tk = (size_t)Tk,
-        .Din = (size_t)Din, .Dkin = (size_t)Dkin, .Dvin = (size_t)Dvin,
-        .Dout = (size_t)Dout, .H = (size_t)H, .G = (size_t)G,
-        .dk = dk, .dv = dv, .scale = PyArray_DATA(scales),
-        .causal = causal, .mask_kind = mask_kind, .mask = DATA(mask),
-        .mask_stride = {mask_stride[0], mask_stride[1], mask_stride[2],
-                        mask_stride[3]},
-        .key_lengths = key_lengths ? PyArray_DATA(key_lengths) : NULL,
-        .has_wo = wo != NULL, .interrupt = NULL,
-    };
-    mha_layout lay;
-    mha_status st = mha_check_config(&lay, &cfg);
-    if (st != MHA_OK) {
-        raise_status(st);
-        goto fail;
-    }
-
-    // Outputs, new C-contiguous arrays (sizes checked by mha_check_config).
-    {
-        const npy_intp d_out[3] = {B, Tq, Dout};
-        const npy_intp d_w[4] = {B, H, Tq, Tk};
-        const npy_intp d_q[3] = {B, Tq, (npy_intp)Sq};
-        const npy_intp d_k[3] = {B, Tk, (npy_intp)Sk};
-        const npy_intp d_v[3] = {B, Tk, (npy_intp)Sv};
-        const npy_intp d_c[3] = {B, Tq, (npy_intp)Svq};
-        const npy_intp d_l[3] = {B, H, Tq};
-        if ((out = (PyArrayObject *)PyArray_EMPTY(3, d_out, typenum, 0)) == NULL)
-            goto fail;
-        if (want_weights &&
-            (weights = (PyArrayObject *)PyArray_EMPTY(4, d_w, typenum, 0)) == NULL)
-            goto fail;
-        if (keep &&
-            ((q = (PyArrayObject *)PyArray_EMPTY(3, d_q, typenum, 0)) == NULL ||
-             (k = (PyArrayObject *)PyArray_EMPTY(3, d_k, typenum, 0)) == NULL ||
-             (v = (PyArrayObject *)PyArray_EMPTY(3, d_v, typenum, 0)) == NULL ||
-             (concat = (PyArrayObject *)PyArray_EMPTY(3, d_c, typenum, 0)) == NULL ||
-             (lse = (PyArrayObject *)PyArray_EMPTY(3, d_l, typenum, 0)) == NULL))
-            goto fail;
-    }
-
-    // Ctrl-C: see sigint_handler. A Python handler that does not raise lets
-    // the call start over, as if the signal had come just before it. A small
-    // call (at most SMALL_WORK multiply-adds: tens of microseconds) is not
-    // worth the handler's two sigaction system calls, nor the look-up of the
-    // main thread: Python sees a signal that comes during it as soon as it
-    // returns, as if the signal had come just after it.
-    const double work =
-        (double)B * ((double)Tq * ((double)Din * (double)Sq +
-                                   (double)Svq * (double)Dout) +
-                     (double)Tk * ((double)Dkin * (double)Sk +
-                                   (double)Dvin * (double)Sv) +
-                     (double)Tq * (double)Tk * (double)(Sq + Svq));
-    const int main_thread = work > SMALL_WORK && on_main_thread();
-retry:
-    if (main_thread) {
-        sigint_install();
-        cfg.interrupt = (volatile const int *)&sigint_flag;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    if (typenum == NPY_FLOAT)
-        st = mha_forward_f32(DATA(out), DATA(weights), DATA(q), DATA(k),
-                             DATA(v), DATA(concat), DATA(lse), DATA(x),
-                             DATA(key), DATA(value), DATA(wq), DATA(wk),
-                             DATA(wv), DATA(wo), DATA(bq), DATA(bk), DATA(bv),
-                             DATA(bo), &cfg);
-    else
-        st = mha_forward_f64(DATA(out), DATA(weights), DATA(q), DATA(k),
-                             DATA(v), DATA(concat), DATA(lse), DATA(x),
-                             DATA(key), DATA(value), DATA(wq), DATA(wk),
-                             DATA(wv), DATA(wo), DATA(bq), DATA(bk), DATA(bv),
-                             DATA(bo), &cfg);
-    Py_END_ALLOW_THREADS
-    switch (sigint_after_call(main_thread, st)) {
-    case -1: goto fail;
-    case 1: goto retry;
-    default: break;
-    }
-    if (st != MHA_OK) {
-        raise_status(st);
-        goto fail;
-    }
-
-    {
-        PyObject *extras = Py_None;
-        Py_INCREF(extras);
-        if (keep) {
-            Py_DECREF(extras);
-            extras = PyTuple_Pack(5, q, k, v, concat, lse);
-            if (extras == NULL)
-                goto fail;
-        }
-        result = PyTuple_Pack(3, (PyObject *)out,
-                              weights ? (PyObject *)weights : Py_None, extras);
+    // (out, weights or None, (q, k, v, concat, lse) or None)
+    PyObject *extras = Py_None;
+    Py_INCREF(extras);
+    if (keep) {
         Py_DECREF(extras);
+        if ((extras = arrays_tuple(&c.out[FWD_Q], FWD_NOUTS - FWD_Q)) == NULL)
+            goto fail;
     }
-    goto fail;   // success falls through the common cleanup with result set
-
+    PyObject *weights = (PyObject *)c.out[FWD_WEIGHTS];
+    result = PyTuple_Pack(3, (PyObject *)c.out[FWD_OUT],
+                          weights != NULL ? weights : Py_None, extras);
+    Py_DECREF(extras);
 fail:
-    PyMem_Free(widths);
-    Py_XDECREF(x);
-    Py_XDECREF(key);
-    Py_XDECREF(value);
-    Py_XDECREF(wq);
-    Py_XDECREF(wk);
-    Py_XDECREF(wv);
-    Py_XDECREF(wo);
-    Py_XDECREF(bq);
-    Py_XDECREF(bk);
-    Py_XDECREF(bv);
-    Py_XDECREF(bo);
-    Py_XDECREF(dk_a);
-    Py_XDECREF(dv_a);
-    Py_XDECREF(scales);
-    Py_XDECREF(mask);
-    Py_XDECREF(key_lengths);
-    Py_XDECREF(out);
-    Py_XDECREF(weights);
-    Py_XDECREF(q);
-    Py_XDECREF(k);
-    Py_XDECREF(v);
-    Py_XDECREF(concat);
-    Py_XDECREF(lse);
+    call_release(&c);
+    return result;
+}
+
+/* ---- backward ----------------------------------------------------------- */
+
+PyDoc_STRVAR(backward_doc,
+"backward(dout, x, key, value, wq, wk, wv, wo, q, k, v, concat, lse, dk, dv,\n"
+"         scales, mask, causal, key_lengths, want_bq, want_bk, want_bv,\n"
+"         want_bo)\n"
+"--\n\n"
+"Backward pass of forward() (low level; see mhattn.backward). dout\n"
+"(B,Tq,Dout); x, key, value, wq, wk, wv, wo, dk, dv, scales, mask, causal,\n"
+"key_lengths as given to forward(), except that key None means key is x and\n"
+"value None means value is key (or x): their gradients are then added into\n"
+"x's (key's). q, k, v, concat, lse: forward()'s kept extras.\n\n"
+"Returns (dx, dkey or None, dvalue or None, dwq, dwk, dwv, dwo or None,\n"
+"dbq, dbk, dbv, dbo), each bias gradient None unless its want_* is true.");
+
+/* backward()'s positional arguments. */
+enum {
+    BWD_DOUT, BWD_X, BWD_KEY, BWD_VALUE, BWD_WQ, BWD_WK, BWD_WV, BWD_WO,
+    BWD_Q, BWD_K, BWD_V, BWD_CONCAT, BWD_LSE, BWD_DK, BWD_DV, BWD_SCALES,
+    BWD_MASK, BWD_CAUSAL, BWD_KEY_LENGTHS, BWD_WANT_BQ, BWD_WANT_BK,
+    BWD_WANT_BV, BWD_WANT_BO, BWD_NARGS
+};
+
+/* key None means key is x; value None means value is key (or x). */
+static const arg_spec backward_args[BWD_NARGS] = {
+    [BWD_DOUT] = {"dout", ARG_ARRAY, SHAPE3(L_B, L_TQ, L_DOUT), 0},
+    [BWD_X] = {"x", ARG_ARRAY, SHAPE3(L_B, L_TQ, L_DIN), 0},
+    [BWD_KEY] = {"key", ARG_ARRAY_ALIAS,
+                 SHAPE3(L_B, L_TK, L_DKIN), BWD_X},
+    [BWD_VALUE] = {"value", ARG_ARRAY_ALIAS,
+                   SHAPE3(L_B, L_TK, L_DVIN), BWD_KEY},
+    [BWD_WQ] = {"wq", ARG_ARRAY, SHAPE2(L_DIN, L_SQ), 0},
+    [BWD_WK] = {"wk", ARG_ARRAY, SHAPE2(L_DKIN, L_SK), 0},
+    [BWD_WV] = {"wv", ARG_ARRAY, SHAPE2(L_DVIN, L_SV), 0},
+    [BWD_WO] = {"wo", ARG_ARRAY_OPT, SHAPE2(L_SVQ, L_DOUT), 0},
+    [BWD_Q] = {"q", ARG_ARRAY, SHAPE3(L_B, L_TQ, L_SQ), 0},
+    [BWD_K] = {"k", ARG_ARRAY, SHAPE3(L_B, L_TK, L_SK), 0},
+    [BWD_V] = {"v", ARG_ARRAY, SHAPE3(L_B, L_TK, L_SV), 0},
+    [BWD_CONCAT] = {"concat", ARG_ARRAY,
+                    SHAPE3(L_B, L_TQ, L_SVQ), 0},
+    [BWD_LSE] = {"lse", ARG_ARRAY, SHAPE3(L_B, L_H, L_TQ), 0},
+    [BWD_DK] = {.name = "dk", .kind = ARG_INT64},
+    [BWD_DV] = {.name = "dv", .kind = ARG_INT64},
+    [BWD_SCALES] = {.name = "scales", .kind = ARG_FLOAT64},
+    [BWD_MASK] = {.name = "mask", .kind = ARG_MASK},
+    [BWD_CAUSAL] = {.name = "causal", .kind = ARG_BOOL},
+    [BWD_KEY_LENGTHS] = {.name = "key_lengths", .kind = ARG_LENGTHS},
+    [BWD_WANT_BQ] = {.name = "want_bq", .kind = ARG_BOOL},
+    [BWD_WANT_BK] = {.name = "want_bk", .kind = ARG_BOOL},
+    [BWD_WANT_BV] = {.name = "want_bv", .kind = ARG_BOOL},
+    [BWD_WANT_BO] = {.name = "want_bo", .kind = ARG_BOOL},
+};
+
+static const int backward_checks_x[] = {BWD_KEY, BWD_VALUE, -1};
+static const int backward_checks_widths[] = {
+    BWD_WQ, BWD_WK, BWD_WV, BWD_WO, BWD_DOUT, BWD_Q, BWD_K, BWD_V, BWD_CONCAT,
+    BWD_LSE, -1};
+
+static const call_spec backward_spec = {
+    .name = "backward", .nargs = BWD_NARGS, .args = backward_args,
+    .checks_x = backward_checks_x, .checks_widths = backward_checks_widths,
+    .x = BWD_X, .key = BWD_KEY, .value = BWD_VALUE, .wo = BWD_WO,
+    .dk = BWD_DK, .dv = BWD_DV, .scales = BWD_SCALES, .mask = BWD_MASK,
+    .causal = BWD_CAUSAL, .key_lengths = BWD_KEY_LENGTHS,
+    .broadcast_mask = 0,
+};
+
+/* backward()'s gradients, in the order mha_backward_<sfx> takes them. */
+enum {
+    BWD_DX, BWD_DKEY, BWD_DVALUE, BWD_DWQ, BWD_DWK, BWD_DWV, BWD_DWO,
+    BWD_DBQ, BWD_DBK, BWD_DBV, BWD_DBO, BWD_NOUTS
+};
+_Static_assert(BWD_NARGS <= MAX_ARGS && BWD_NOUTS <= MAX_OUTS,
+               "a call holds backward()'s arguments and gradients");
+
+static const shape backward_outs[BWD_NOUTS] = {
+    [BWD_DX] = SHAPE3(L_B, L_TQ, L_DIN),
+    [BWD_DKEY] = SHAPE3(L_B, L_TK, L_DKIN),
+    [BWD_DVALUE] = SHAPE3(L_B, L_TK, L_DVIN),
+    [BWD_DWQ] = SHAPE2(L_DIN, L_SQ),
+    [BWD_DWK] = SHAPE2(L_DKIN, L_SK),
+    [BWD_DWV] = SHAPE2(L_DVIN, L_SV),
+    [BWD_DWO] = SHAPE2(L_SVQ, L_DOUT),
+    [BWD_DBQ] = SHAPE1(L_SQ),
+    [BWD_DBK] = SHAPE1(L_SK),
+    [BWD_DBV] = SHAPE1(L_SV),
+    [BWD_DBO] = SHAPE1(L_DOUT),
+};
+
+/* mha_backward_f32 and _f64 take the same arguments, each in its dtype. */
+#define BACKWARD_CORE(fn, in, out, dkey, dvalue, cfg)                         \
+    fn(DATA(out[BWD_DX]), dkey, dvalue, DATA(out[BWD_DWQ]),                   \
+       DATA(out[BWD_DWK]), DATA(out[BWD_DWV]), DATA(out[BWD_DWO]),            \
+       DATA(out[BWD_DBQ]), DATA(out[BWD_DBK]), DATA(out[BWD_DBV]),            \
+       DATA(out[BWD_DBO]), DATA(in[BWD_DOUT]), DATA(in[BWD_X]),               \
+       DATA(in[BWD_KEY]), DATA(in[BWD_VALUE]), DATA(in[BWD_WQ]),              \
+       DATA(in[BWD_WK]), DATA(in[BWD_WV]), DATA(in[BWD_WO]), DATA(in[BWD_Q]), \
+       DATA(in[BWD_K]), DATA(in[BWD_V]), DATA(in[BWD_CONCAT]),                \
+       DATA(in[BWD_LSE]), cfg)
+
+static mha_status backward_core(const call *c)
+{
+    // A role fed by another input adds into that input's gradient: dkey is
+    // made only when key is not x, dvalue only when value is not key.
+    PyArrayObject *const *out = c->out;
+    void *dkey = out[BWD_DKEY] != NULL ? DATA(out[BWD_DKEY]) : DATA(out[BWD_DX]);
+    void *dvalue = out[BWD_DVALUE] != NULL ? DATA(out[BWD_DVALUE]) : dkey;
+    if (c->typenum == NPY_FLOAT)
+        return BACKWARD_CORE(mha_backward_f32, c->in, out, dkey, dvalue, &c->cfg);
+    return BACKWARD_CORE(mha_backward_f64, c->in, out, dkey, dvalue, &c->cfg);
+}
+
+static PyObject *backward(PyObject *self, PyObject *args, PyObject *kwds)
+{
+    (void)self;
+    const call_spec *sp = &backward_spec;
+    call c;
+    PyObject *result = NULL;
+    call_init(&c);
+    // mhattn passes every argument by position: no need to parse then. A
+    // tuple is its own PySequence_Fast, so its items are an argv.
+    const int parsed =
+        (kwds == NULL || PyDict_GET_SIZE(kwds) == 0) &&
+                PyTuple_GET_SIZE(args) == BWD_NARGS
+            ? read_positional(&c, sp, PySequence_Fast_ITEMS(args))
+            : parse_args(&c, sp, args, kwds);
+    if (parsed < 0 || convert_arrays(&c, sp) < 0 || build_config(&c, sp) < 0)
+        goto fail;
+    const arg_value *a = c.arg;
+    const int want[BWD_NOUTS] = {
+        [BWD_DX] = 1, [BWD_DKEY] = a[BWD_KEY].obj != Py_None,
+        [BWD_DVALUE] = a[BWD_VALUE].obj != Py_None,
+        [BWD_DWQ] = 1, [BWD_DWK] = 1, [BWD_DWV] = 1,
+        [BWD_DWO] = c.in[BWD_WO] != NULL,
+        [BWD_DBQ] = a[BWD_WANT_BQ].truth, [BWD_DBK] = a[BWD_WANT_BK].truth,
+        [BWD_DBV] = a[BWD_WANT_BV].truth, [BWD_DBO] = a[BWD_WANT_BO].truth};
+    if (make_outputs(&c, BWD_NOUTS, backward_outs, want) < 0)
+        goto fail;
+    // Unlike forward(), no small-call shortcut: a main-thread call always
+    // polls for Ctrl-C.
+    if (run_core(&c, backward_core, on_main_thread()) < 0)
+        goto fail;
+    result = arrays_tuple(c.out, BWD_NOUTS);
+fail:
+    call_release(&c);
     return result;
 }
 
@@ -866,289 +1301,6 @@ PyDoc_STRVAR(set_num_threads_doc,
 "Uses n threads from the next call on (at most 256); 0 restores the\n"
 "default (MHATTN_NUM_THREADS, else the CPUs this process may use).");
 
-/* ---- backward ---------------------------------------------------------- */
-
-/* A new C-contiguous array of the compute dtype, or NULL with an exception
-   set; *res stays NULL (and nothing is allocated) when !wanted. */
-static int bwd_empty(PyArrayObject **res, int wanted, int nd,
-                     const npy_intp *dims, int typenum)
-{
-    *res = NULL;
-    if (!wanted)
-        return 0;
-    *res = (PyArrayObject *)PyArray_EMPTY(nd, dims, typenum, 0);
-    return *res == NULL ? -1 : 0;
-}
-
-PyDoc_STRVAR(backward_doc,
-"backward(dout, x, key, value, wq, wk, wv, wo, q, k, v, concat, lse, dk, dv,\n"
-"         scales, mask, causal, key_lengths, want_bq, want_bk, want_bv,\n"
-"         want_bo)\n"
-"--\n\n"
-"Backward pass of forward() (low level; see mhattn.backward). dout\n"
-"(B,Tq,Dout); x, key, value, wq, wk, wv, wo, dk, dv, scales, mask, causal,\n"
-"key_lengths as given to forward(), except that key None means key is x and\n"
-"value None means value is key (or x): their gradients are then added into\n"
-"x's (key's). q, k, v, concat, lse: forward()'s kept extras.\n\n"
-"Returns (dx, dkey or None, dvalue or None, dwq, dwk, dwv, dwo or None,\n"
-"dbq, dbk, dbv, dbo), each bias gradient None unless its want_* is true.");
-
-static PyObject *backward(PyObject *self, PyObject *args, PyObject *kwds)
-{
-    (void)self;
-    static char *kwlist[] = {
-        "dout", "x", "key", "value", "wq", "wk", "wv", "wo", "q", "k", "v",
-        "concat", "lse", "dk", "dv", "scales", "mask", "causal", "key_lengths",
-        "want_bq", "want_bk", "want_bv", "want_bo", NULL};
-    PyObject *dout_o, *x_o, *key_o, *value_o, *wq_o, *wk_o, *wv_o, *wo_o;
-    PyObject *q_o, *k_o, *v_o, *concat_o, *lse_o, *dk_o, *dv_o, *scales_o;
-    PyObject *mask_o, *key_lengths_o;
-    int causal, want_bq, want_bk, want_bv, want_bo;
-    if (!PyArg_ParseTupleAndKeywords(
-            args, kwds, "OOOOOOOOOOOOOOOOOpOpppp:backward", kwlist, &dout_o,
-            &x_o, &key_o, &value_o, &wq_o, &wk_o, &wv_o, &wo_o, &q_o, &k_o,
-            &v_o, &concat_o, &lse_o, &dk_o, &dv_o, &scales_o, &mask_o, &causal,
-            &key_lengths_o, &want_bq, &want_bk, &want_bv, &want_bo))
-        return NULL;
-
-    PyObject *result = NULL;
-    // inputs
-    PyArrayObject *dout = NULL, *x = NULL, *key = NULL, *value = NULL;
-    PyArrayObject *wq = NULL, *wk = NULL, *wv = NULL, *wo = NULL;
-    PyArrayObject *q = NULL, *k = NULL, *v = NULL, *concat = NULL, *lse = NULL;
-    PyArrayObject *dk_a = NULL, *dv_a = NULL, *scales = NULL, *mask = NULL;
-    PyArrayObject *key_lengths = NULL;
-    // outputs
-    PyArrayObject *dx = NULL, *dkey = NULL, *dvalue = NULL;
-    PyArrayObject *dwq = NULL, *dwk = NULL, *dwv = NULL, *dwo = NULL;
-    PyArrayObject *dbq = NULL, *dbk = NULL, *dbv = NULL, *dbo = NULL;
-    size_t *widths = NULL;   // (2G,): dk then dv, as size_t
-    size_t fused[4];         // Sq, Sk, Sv, Svq
-
-    if (!PyArray_Check(x_o)) {
-        PyErr_Format(PyExc_TypeError, "x: expected a numpy.ndarray, got %s",
-                     Py_TYPE(x_o)->tp_name);
-        goto fail;
-    }
-    const int typenum = PyArray_TYPE((PyArrayObject *)x_o);
-    if (typenum != NPY_FLOAT && typenum != NPY_DOUBLE) {
-        PyErr_Format(PyExc_TypeError,
-                     "x: expected dtype float32 or float64, got %R",
-                     (PyObject *)PyArray_DESCR((PyArrayObject *)x_o));
-        goto fail;
-    }
-    // key None: key is x; value None: value is key.
-    const int key_is_x = key_o == Py_None, value_is_key = value_o == Py_None;
-    if (as_float(&dout, dout_o, "dout", typenum, 3, 0) < 0 ||
-        as_float(&x, x_o, "x", typenum, 3, 0) < 0 ||
-        as_float(&key, key_o, "key", typenum, 3, 1) < 0 ||
-        as_float(&value, value_o, "value", typenum, 3, 1) < 0 ||
-        as_float(&wq, wq_o, "wq", typenum, 2, 0) < 0 ||
-        as_float(&wk, wk_o, "wk", typenum, 2, 0) < 0 ||
-        as_float(&wv, wv_o, "wv", typenum, 2, 0) < 0 ||
-        as_float(&wo, wo_o, "wo", typenum, 2, 1) < 0 ||
-        as_float(&q, q_o, "q", typenum, 3, 0) < 0 ||
-        as_float(&k, k_o, "k", typenum, 3, 0) < 0 ||
-        as_float(&v, v_o, "v", typenum, 3, 0) < 0 ||
-        as_float(&concat, concat_o, "concat", typenum, 3, 0) < 0 ||
-        as_float(&lse, lse_o, "lse", typenum, 3, 0) < 0 ||
-        as_vector(&dk_a, dk_o, "dk", NPY_INT64) < 0 ||
-        as_vector(&dv_a, dv_o, "dv", NPY_INT64) < 0 ||
-        as_vector(&scales, scales_o, "scales", NPY_DOUBLE) < 0)
-        goto fail;
-    if (key_is_x) {
-        Py_INCREF(x);
-        key = x;
-    }
-    if (value_is_key) {
-        Py_INCREF(key);
-        value = key;
-    }
-
-    // Sizes from x, key, value, dk and scales.
-    const npy_intp B = PyArray_DIM(x, 0), Tq = PyArray_DIM(x, 1);
-    const npy_intp Din = PyArray_DIM(x, 2);
-    const npy_intp Tk = PyArray_DIM(key, 1), Dkin = PyArray_DIM(key, 2);
-    const npy_intp Dvin = PyArray_DIM(value, 2);
-    const npy_intp G = PyArray_DIM(dk_a, 0), H = PyArray_DIM(scales, 0);
-    {
-        const npy_intp want_key[3] = {B, Tk, Dkin};
-        const npy_intp want_value[3] = {B, Tk, Dvin};
-        if (check_shape(key, "key", 3, want_key, "(B, Tk, Dkin)") < 0 ||
-            check_shape(value, "value", 3, want_value, "(B, Tk, Dvin)") < 0)
-            goto fail;
-    }
-    if (head_widths(&widths, fused, dk_a, dv_a, H) < 0)
-        goto fail;
-    size_t *dkw = widths, *dvw = widths + G;
-    const size_t Sq = fused[0], Sk = fused[1], Sv = fused[2], Svq = fused[3];
-
-    // Weights, gradient of the output and the forward's extras.
-    const npy_intp Dout = wo != NULL ? PyArray_DIM(wo, 1) : (npy_intp)Svq;
-    {
-        const npy_intp want_wq[2] = {Din, (npy_intp)Sq};
-        const npy_intp want_wk[2] = {Dkin, (npy_intp)Sk};
-        const npy_intp want_wv[2] = {Dvin, (npy_intp)Sv};
-        const npy_intp want_wo[2] = {(npy_intp)Svq, Dout};
-        const npy_intp want_dout[3] = {B, Tq, Dout};
-        const npy_intp want_q[3] = {B, Tq, (npy_intp)Sq};
-        const npy_intp want_k[3] = {B, Tk, (npy_intp)Sk};
-        const npy_intp want_v[3] = {B, Tk, (npy_intp)Sv};
-        const npy_intp want_c[3] = {B, Tq, (npy_intp)Svq};
-        const npy_intp want_l[3] = {B, H, Tq};
-        if (check_shape(wq, "wq", 2, want_wq, "(Din, Sq)") < 0 ||
-            check_shape(wk, "wk", 2, want_wk, "(Dkin, Sk)") < 0 ||
-            check_shape(wv, "wv", 2, want_wv, "(Dvin, Sv)") < 0 ||
-            (wo && check_shape(wo, "wo", 2, want_wo, "(Svq, Dout)") < 0) ||
-            check_shape(dout, "dout", 3, want_dout, "(B, Tq, Dout)") < 0 ||
-            check_shape(q, "q", 3, want_q, "(B, Tq, Sq)") < 0 ||
-            check_shape(k, "k", 3, want_k, "(B, Tk, Sk)") < 0 ||
-            check_shape(v, "v", 3, want_v, "(B, Tk, Sv)") < 0 ||
-            check_shape(concat, "concat", 3, want_c, "(B, Tq, Svq)") < 0 ||
-            check_shape(lse, "lse", 3, want_l, "(B, H, Tq)") < 0)
-            goto fail;
-    }
-
-    if (as_lengths(&key_lengths, key_lengths_o, B, Tk) < 0)
-        goto fail;
-
-    mha_mask_kind mask_kind;
-    ptrdiff_t mask_stride[4];
-    {
-        const npy_intp want[4] = {B, H, Tq, Tk};
-        if (as_mask(&mask, &mask_kind, mask_stride, mask_o, typenum, want) < 0)
-            goto fail;
-    }
-
-    mha_config cfg = {
-        .B = (size_t)B, .Tq = (size_t)Tq, .Tk = (size_t)Tk,
-        .Din = (size_t)Din, .Dkin = (size_t)Dkin, .Dvin = (size_t)Dvin,
-        .Dout = (size_t)Dout, .H = (size_t)H, .G = (size_t)G,
-        .dk = dkw, .dv = dvw, .scale = PyArray_DATA(scales),
-        .causal = causal, .mask_kind = mask_kind, .mask = DATA(mask),
-        .mask_stride = {mask_stride[0], mask_stride[1], mask_stride[2],
-                        mask_stride[3]},
-        .key_lengths = key_lengths ? PyArray_DATA(key_lengths) : NULL,
-        .has_wo = wo != NULL, .interrupt = NULL,
-    };
-    mha_layout lay;
-    mha_status st = mha_check_config(&lay, &cfg);
-    if (st != MHA_OK) {
-        raise_status(st);
-        goto fail;
-    }
-
-    // Gradients, new C-contiguous arrays (sizes checked by mha_check_config).
-    {
-        const npy_intp d_x[3] = {B, Tq, Din}, d_key[3] = {B, Tk, Dkin};
-        const npy_intp d_value[3] = {B, Tk, Dvin};
-        const npy_intp d_wq[2] = {Din, (npy_intp)Sq};
-        const npy_intp d_wk[2] = {Dkin, (npy_intp)Sk};
-        const npy_intp d_wv[2] = {Dvin, (npy_intp)Sv};
-        const npy_intp d_wo[2] = {(npy_intp)Svq, Dout};
-        const npy_intp d_bq = (npy_intp)Sq, d_bk = (npy_intp)Sk;
-        const npy_intp d_bv = (npy_intp)Sv, d_bo = Dout;
-        if (bwd_empty(&dx, 1, 3, d_x, typenum) < 0 ||
-            bwd_empty(&dkey, !key_is_x, 3, d_key, typenum) < 0 ||
-            bwd_empty(&dvalue, !value_is_key, 3, d_value, typenum) < 0 ||
-            bwd_empty(&dwq, 1, 2, d_wq, typenum) < 0 ||
-            bwd_empty(&dwk, 1, 2, d_wk, typenum) < 0 ||
-            bwd_empty(&dwv, 1, 2, d_wv, typenum) < 0 ||
-            bwd_empty(&dwo, wo != NULL, 2, d_wo, typenum) < 0 ||
-            bwd_empty(&dbq, want_bq, 1, &d_bq, typenum) < 0 ||
-            bwd_empty(&dbk, want_bk, 1, &d_bk, typenum) < 0 ||
-            bwd_empty(&dbv, want_bv, 1, &d_bv, typenum) < 0 ||
-            bwd_empty(&dbo, want_bo, 1, &d_bo, typenum) < 0)
-            goto fail;
-    }
-    // A role fed by another input adds into that input's gradient.
-    void *dkey_p = key_is_x ? DATA(dx) : DATA(dkey);
-    void *dvalue_p = value_is_key ? dkey_p : DATA(dvalue);
-
-    // Ctrl-C: as in forward (see sigint_handler). A Python handler that
-    // does not raise lets the call start over; every gradient is
-    // overwritten, so a partial run leaves no trace.
-    const int main_thread = on_main_thread();
-retry:
-    if (main_thread) {
-        sigint_install();
-        cfg.interrupt = (volatile const int *)&sigint_flag;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    if (typenum == NPY_FLOAT)
-        st = mha_backward_f32(DATA(dx), dkey_p, dvalue_p, DATA(dwq), DATA(dwk),
-                              DATA(dwv), DATA(dwo), DATA(dbq), DATA(dbk),
-                              DATA(dbv), DATA(dbo), DATA(dout), DATA(x),
-                              DATA(key), DATA(value), DATA(wq), DATA(wk),
-                              DATA(wv), DATA(wo), DATA(q), DATA(k), DATA(v),
-                              DATA(concat), DATA(lse), &cfg);
-    else
-        st = mha_backward_f64(DATA(dx), dkey_p, dvalue_p, DATA(dwq), DATA(dwk),
-                              DATA(dwv), DATA(dwo), DATA(dbq), DATA(dbk),
-                              DATA(dbv), DATA(dbo), DATA(dout), DATA(x),
-                              DATA(key), DATA(value), DATA(wq), DATA(wk),
-                              DATA(wv), DATA(wo), DATA(q), DATA(k), DATA(v),
-                              DATA(concat), DATA(lse), &cfg);
-    Py_END_ALLOW_THREADS
-    switch (sigint_after_call(main_thread, st)) {
-    case -1: goto fail;
-    case 1: goto retry;
-    default: break;
-    }
-    if (st != MHA_OK) {
-        raise_status(st);
-        goto fail;
-    }
-
-    {
-        PyObject *items[11] = {
-            (PyObject *)dx, (PyObject *)dkey, (PyObject *)dvalue,
-            (PyObject *)dwq, (PyObject *)dwk, (PyObject *)dwv, (PyObject *)dwo,
-            (PyObject *)dbq, (PyObject *)dbk, (PyObject *)dbv, (PyObject *)dbo};
-        result = PyTuple_New(11);
-        if (result == NULL)
-            goto fail;
-        for (int t = 0; t < 11; t++) {
-            PyObject *o = items[t] != NULL ? items[t] : Py_None;
-            Py_INCREF(o);
-            PyTuple_SET_ITEM(result, t, o);
-        }
-    }
-    goto fail;   // success falls through the common cleanup with result set
-
-fail:
-    PyMem_Free(widths);
-    Py_XDECREF(dout);
-    Py_XDECREF(x);
-    Py_XDECREF(key);
-    Py_XDECREF(value);
-    Py_XDECREF(wq);
-    Py_XDECREF(wk);
-    Py_XDECREF(wv);
-    Py_XDECREF(wo);
-    Py_XDECREF(q);
-    Py_XDECREF(k);
-    Py_XDECREF(v);
-    Py_XDECREF(concat);
-    Py_XDECREF(lse);
-    Py_XDECREF(dk_a);
-    Py_XDECREF(dv_a);
-    Py_XDECREF(scales);
-    Py_XDECREF(mask);
-    Py_XDECREF(key_lengths);
-    Py_XDECREF(dx);
-    Py_XDECREF(dkey);
-    Py_XDECREF(dvalue);
-    Py_XDECREF(dwq);
-    Py_XDECREF(dwk);
-    Py_XDECREF(dwv);
-    Py_XDECREF(dwo);
-    Py_XDECREF(dbq);
-    Py_XDECREF(dbk);
-    Py_XDECREF(dbv);
-    Py_XDECREF(dbo);
-    return result;
-}
 
 static PyObject *set_num_threads(PyObject *self, PyObject *arg)
 {
