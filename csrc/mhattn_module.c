@@ -92,6 +92,34 @@ static void prefix_error(const char *name)
 }
 
 /*
+ * *res = obj converted by PyArray_FROMANY to a C-contiguous, aligned,
+ * native array of dtype typenum and nd dimensions; obj itself (a new
+ * reference) when it is one already, which is what PyArray_FROMANY would
+ * return, without its cost. Returns -1 with an exception naming the
+ * argument on failure.
+ */
+static int as_c_array(PyArrayObject **res, PyObject *obj, const char *name,
+                      int typenum, int nd)
+{
+    if (PyArray_Check(obj)) {
+        PyArrayObject *a = (PyArrayObject *)obj;
+        if (PyArray_TYPE(a) == typenum && PyArray_NDIM(a) == nd &&
+            PyArray_ISCARRAY_RO(a) && PyArray_ISNOTSWAPPED(a)) {
+            Py_INCREF(a);
+            *res = a;
+            return 0;
+        }
+    }
+    *res = (PyArrayObject *)PyArray_FROMANY(obj, typenum, nd, nd,
+                                            NPY_ARRAY_IN_ARRAY);
+    if (*res == NULL) {
+        prefix_error(name);
+        return -1;
+    }
+    return 0;
+}
+
+/*
  * *res = a C-contiguous, aligned, native copy or view of the float array
  * obj (dtype typenum, nd dimensions), or NULL for None when allow_none.
  * Returns -1 with an exception set on failure.
@@ -122,19 +150,7 @@ static int as_float(PyArrayObject **res, PyObject *obj, const char *name,
         Py_XDECREF(g);
         return -1;
     }
-    // What PyArray_FROMANY would return unchanged, without its cost.
-    if (PyArray_ISCARRAY_RO(a) && PyArray_ISNOTSWAPPED(a)) {
-        Py_INCREF(a);
-        *res = a;
-        return 0;
-    }
-    *res = (PyArrayObject *)PyArray_FROMANY(obj, typenum, nd, nd,
-                                            NPY_ARRAY_IN_ARRAY);
-    if (*res == NULL) {
-        prefix_error(name);
-        return -1;
-    }
-    return 0;
+    return as_c_array(res, obj, name, typenum, nd);
 }
 
 /* *res = a 1-D C-contiguous copy or view of obj as typenum (int64 or
@@ -142,22 +158,7 @@ static int as_float(PyArrayObject **res, PyObject *obj, const char *name,
 static int as_vector(PyArrayObject **res, PyObject *obj, const char *name,
                      int typenum)
 {
-    if (PyArray_Check(obj)) {   // what PyArray_FROMANY would return unchanged
-        PyArrayObject *a = (PyArrayObject *)obj;
-        if (PyArray_TYPE(a) == typenum && PyArray_NDIM(a) == 1 &&
-            PyArray_ISCARRAY_RO(a) && PyArray_ISNOTSWAPPED(a)) {
-            Py_INCREF(a);
-            *res = a;
-            return 0;
-        }
-    }
-    *res = (PyArrayObject *)PyArray_FROMANY(obj, typenum, 1, 1,
-                                            NPY_ARRAY_IN_ARRAY);
-    if (*res == NULL) {
-        prefix_error(name);
-        return -1;
-    }
-    return 0;
+    return as_c_array(res, obj, name, typenum, 1);
 }
 
 /* Turns a core status into a Python exception. */

@@ -17,7 +17,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def c_functions(root=ROOT):
-    """(path, first line, name, body lines) of every C function in csrc/."""
+    """(path, first line, name, body lines) of every C function in csrc/; a
+    template's PICK(f32_name, f64_name) is named by its f64 name."""
     out = []
     for dirpath, _, files in os.walk(os.path.join(root, "csrc")):
         for f in sorted(files):
@@ -31,11 +32,15 @@ def c_functions(root=ROOT):
                 if line == "{":
                     start = n
                 elif line.startswith("}") and start is not None:
-                    # the name: the last identifier before "(" above the brace
-                    head = " ".join(lines[max(0, start - 6):start])
-                    head = head.replace("PICK(", "")
-                    name = head.split("(")[-2].split()[-1] if "(" in head else "?"
-                    out.append((os.path.relpath(path, root), start + 1, name.lstrip("*"),
+                    # the signature starts at the last line above the brace
+                    # that begins in column 0; the name is the identifier
+                    # before its first "(" (PICK's second full name)
+                    sig = start - 1
+                    while sig > 0 and (not lines[sig] or lines[sig][0] in " \t*/"):
+                        sig -= 1
+                    head = " ".join(lines[sig:start]).replace("PICK(", "")
+                    name = (head.split("(")[0].rstrip(") ").split() or ["?"])[-1]
+                    out.append((os.path.relpath(path, root), start + 1, name.strip("*),"),
                                 n - start - 1))
                     start = None
     return out

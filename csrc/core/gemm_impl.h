@@ -165,7 +165,7 @@ static void PICK(gemm_write_init_f32, gemm_write_init_f64)(REAL *C, size_t ldc, 
 /* 4. Small problems: a plain loop, one thread. Each C element is still
    init + (sum over k in increasing order, from zero). */
 #define SMALL_NB 256
-static void PICK(gemm_gemm_small_f32, gemm_gemm_small_f64)(REAL *C, size_t ldc, const REAL *A, size_t lda,
+static void PICK(gemm_small_f32, gemm_small_f64)(REAL *C, size_t ldc, const REAL *A, size_t lda,
                            int transA, const REAL *B, size_t ldb, int transB,
                            const REAL *bias, size_t M, size_t N, size_t K,
                            int accumulate)
@@ -326,7 +326,7 @@ mha_status PICK(mha_gemm_f32, mha_gemm_f64)(REAL *C, size_t ldc,
     if (!mha_mul_ok(&mn, M, N) || !mha_mul_ok(&mnk, mn, K))
         mnk = SIZE_MAX;
     if (mnk < MHA_GEMM_SMALL) {
-        PICK(gemm_gemm_small_f32, gemm_gemm_small_f64)(C, ldc, A, lda, transA, B, ldb, transB, bias, M, N, K,
+        PICK(gemm_small_f32, gemm_small_f64)(C, ldc, A, lda, transA, B, ldb, transB, bias, M, N, K,
                        accumulate);
         return MHA_OK;
     }

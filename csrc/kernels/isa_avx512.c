@@ -7,7 +7,7 @@
  * mha_get_isa() == MHA_ISA_AVX512, i.e. cpuid reports AVX-512F and XCR0
  * shows the OS saves opmask and zmm state.
  *
- * Blocking, the AVX2 file's with vectors twice as wide, except:
+ * Blocking: isa_x86.h, shared with AVX2 (vectors twice as wide), except:
  *   flash    float key blocks are 128 keys, not 64: that halves the per-row
  *            bookkeeping per key (horizontal max and sum, alpha, rescaling
  *            O), which was 5% faster at T = 4096 on 2 threads of a Zen 5;
@@ -30,28 +30,15 @@
 #pragma GCC target("avx512f,avx2,fma")
 #include "simd_avx512.h"
 
-/* Parameters of both types; PICK(float, double) where they differ. */
+/* Parameters of both types, beyond isa_x86.h's. */
+#include "isa_x86.h"
 #define KERNELS_NAME PICK(mha_kernels_avx512_f32, mha_kernels_avx512_f64)
 #define KERNELS_LABEL PICK("avx512_f32", "avx512_f64")
-#define FLASH_MR 6
-#define FLASH_NV 2
-#define FLASH_BQ 192
 #define FLASH_BK PICK(128, 64)
 #define FLASH_PREFETCH PICK(0, 1)
-#define GEMM_MR 6
-#define GEMM_NV 2
-#define GEMM_KC 256
-#define GEMM_MC PICK(144, 72)
-#define GEMM_NC PICK(3072, 2048)
 #define BWD_MR 8
-#define BWD_NV 2
 
-#define MHA_F64 0
 #include "kernels.inc"
-#undef MHA_F64
-#define MHA_F64 1
-#include "kernels.inc"
-#undef MHA_F64
 
 #pragma GCC pop_options
 

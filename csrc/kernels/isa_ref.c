@@ -22,9 +22,4 @@
 #define BWD_MR 4
 #define BWD_NV PICK(16, 8)   /* 64 bytes of C per row, as plain C vectorises it */
 
-#define MHA_F64 0
 #include "kernels.inc"
-#undef MHA_F64
-#define MHA_F64 1
-#include "kernels.inc"
-#undef MHA_F64
