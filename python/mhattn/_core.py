@@ -107,6 +107,19 @@ def run_core(call: Call, *, want_weights: bool = False, keep: bool = False):
 
 # --- the fast branch ---------------------------------------------------------
 
+def _fast_memory_tight() -> bool:
+    """Whether a fast call, at most _FAST_ELEMENTS elements and _FAST_HEADS
+    heads, might not fit in memory_limit(): on all but the smallest
+    machines it always fits, and the per-call check is skipped."""
+    global _FAST_TIGHT
+    if _FAST_TIGHT is None:
+        _FAST_TIGHT = _FAST_ELEMENTS * 8 + _FAST_HEADS * PER_HEAD_BYTES > memory_limit()
+    return _FAST_TIGHT
+
+
+_FAST_TIGHT = None
+
+
 def _frozen(a):
     a.flags.writeable = False
     return a
@@ -217,8 +230,10 @@ def _fast_mask(mask, dt, full):
     lead = len(full) - len(shape)
     if lead < 0:
         return False
-    if shape != full[lead:]:
-        for n, want in zip(shape, full[lead:]):
+    if lead:
+        full = full[lead:]
+    if shape != full:
+        for n, want in zip(shape, full):
             if n != want and n != 1:
                 return False
     if mask.dtype is _BOOL:
@@ -332,7 +347,8 @@ def fast(x, w_q, w_k, w_v, w_o, num_heads, key, value, scale, want_weights, mask
     n = (B * Tq * (Sq + Svq + d_out + Din) + B * Tk * (Sk + Sv + Dkin + Dvin)
          + Din * Sq + Dkin * Sk + Dvin * Sv + Svq * d_out
          + (B * H * Tq * Tk if want_weights else 0))
-    if n > _FAST_ELEMENTS or n * 8 + H * PER_HEAD_BYTES > memory_limit():
+    if n > _FAST_ELEMENTS or (_fast_memory_tight()
+                              and n * 8 + H * PER_HEAD_BYTES > memory_limit()):
         return None
 
     if ((b_q is not None and (b_q := _fast_bias(b_q, dt, H, dk_one, Sq)) is None)
