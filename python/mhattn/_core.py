@@ -25,7 +25,7 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
-from . import _C
+from . import _C, _args
 from ._args import (PER_HEAD_BYTES, Call, bool_arg, check_memory, fused_widths,
                     head_scales, memory_limit, normalize, plan)
 
@@ -106,19 +106,6 @@ def run_core(call: Call, *, want_weights: bool = False, keep: bool = False):
 
 
 # --- the fast branch ---------------------------------------------------------
-
-def _fast_memory_tight() -> bool:
-    """Whether a fast call, at most _FAST_ELEMENTS elements and _FAST_HEADS
-    heads, might not fit in memory_limit(): on all but the smallest
-    machines it always fits, and the per-call check is skipped."""
-    global _FAST_TIGHT
-    if _FAST_TIGHT is None:
-        _FAST_TIGHT = _FAST_ELEMENTS * 8 + _FAST_HEADS * PER_HEAD_BYTES > memory_limit()
-    return _FAST_TIGHT
-
-
-_FAST_TIGHT = None
-
 
 def _frozen(a):
     a.flags.writeable = False
@@ -347,8 +334,10 @@ def fast(x, w_q, w_k, w_v, w_o, num_heads, key, value, scale, want_weights, mask
     n = (B * Tq * (Sq + Svq + d_out + Din) + B * Tk * (Sk + Sv + Dkin + Dvin)
          + Din * Sq + Dkin * Sk + Dvin * Sv + Svq * d_out
          + (B * H * Tq * Tk if want_weights else 0))
-    if n > _FAST_ELEMENTS or (_fast_memory_tight()
-                              and n * 8 + H * PER_HEAD_BYTES > memory_limit()):
+    # memory_limit() is read once and kept in _args; its value is read here
+    # without the call.
+    if n > _FAST_ELEMENTS or n * 8 + H * PER_HEAD_BYTES > (
+            _args._memory_limit_bytes or memory_limit()):
         return None
 
     if ((b_q is not None and (b_q := _fast_bias(b_q, dt, H, dk_one, Sq)) is None)
