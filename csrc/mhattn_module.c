@@ -200,6 +200,7 @@ static void raise_status(mha_status st)
  * alone: ignored stays ignored, and the default ends the process anyway.
  */
 #if defined(__unix__) || defined(__APPLE__)
+#include <errno.h>
 #include <pthread.h>
 #include <signal.h>
 
@@ -332,17 +333,19 @@ static int head_widths(size_t **widths, size_t fused[4], PyArrayObject *dk_a,
     size_t *dk = w, *dv = w + G;
     const int64_t *dk64 = PyArray_DATA(dk_a), *dv64 = PyArray_DATA(dv_a);
     for (npy_intp g = 0; g < G; g++) {
-        if (dk64[g] <= 0 || dv64[g] <= 0 || (uint64_t)dk64[g] > MHA_MAX_ELEMS ||
-            (uint64_t)dv64[g] > MHA_MAX_ELEMS) {
+        // Each caller value is read once, into the copy the core reads.
+        const int64_t dk_g = dk64[g], dv_g = dv64[g];
+        if (dk_g <= 0 || dv_g <= 0 || (uint64_t)dk_g > MHA_MAX_ELEMS ||
+            (uint64_t)dv_g > MHA_MAX_ELEMS) {
             PyErr_Format(PyExc_ValueError,
                          "dk, dv: head widths must be between 1 and %zu, got "
                          "dk[%zd] = %lld, dv[%zd] = %lld", MHA_MAX_ELEMS,
-                         (Py_ssize_t)g, (long long)dk64[g], (Py_ssize_t)g,
-                         (long long)dv64[g]);
+                         (Py_ssize_t)g, (long long)dk_g, (Py_ssize_t)g,
+                         (long long)dv_g);
             return -1;
         }
-        dk[g] = (size_t)dk64[g];
-        dv[g] = (size_t)dv64[g];
+        dk[g] = (size_t)dk_g;
+        dv[g] = (size_t)dv_g;
     }
     // Sums checked as they grow: each stays below MHA_MAX_ELEMS.
     size_t Sq = 0, Sk = 0, Sv = 0, Svq = 0;
@@ -368,28 +371,48 @@ overflow:
     return -1;
 }
 
-/* key_lengths: None (*res stays NULL) or int64 (B,), each in [0, Tk]. */
-static int as_lengths(PyArrayObject **res, PyObject *obj, npy_intp B,
-                      npy_intp Tk)
+/* key_lengths: None (*snap stays NULL) or int64 (B,), each in [0, Tk],
+   copied into *snap (B, PyMem) and checked there: the core reads the copy,
+   which no other thread can change once the GIL is released. */
+static int as_lengths(int64_t **snap, PyObject *obj, npy_intp B, npy_intp Tk)
 {
-    *res = NULL;
+    *snap = NULL;
     if (obj == Py_None)
         return 0;
-    if (as_vector(res, obj, "key_lengths", NPY_INT64) < 0)
+    PyArrayObject *a;
+    if (as_vector(&a, obj, "key_lengths", NPY_INT64) < 0)
         return -1;
     const npy_intp want = B;
-    if (check_shape(*res, "key_lengths", 1, &want, "(B,)") < 0)
-        return -1;
-    const int64_t *len = PyArray_DATA(*res);
-    for (npy_intp b = 0; b < B; b++) {
-        if (len[b] < 0 || len[b] > (int64_t)Tk) {
+    int res = check_shape(a, "key_lengths", 1, &want, "(B,)");
+    if (res == 0 && (*snap = PyMem_Malloc((size_t)B * sizeof **snap + 1)) == NULL) {
+        PyErr_NoMemory();
+        res = -1;
+    }
+    if (res == 0)
+        memcpy(*snap, PyArray_DATA(a), (size_t)B * sizeof **snap);
+    Py_DECREF(a);
+    for (npy_intp b = 0; res == 0 && b < B; b++) {
+        const int64_t len = (*snap)[b];
+        if (len < 0 || len > (int64_t)Tk) {
             PyErr_Format(PyExc_ValueError,
                          "key_lengths: expected 0 <= key_lengths[b] <= Tk = %zd, "
                          "got key_lengths[%zd] = %lld", (Py_ssize_t)Tk,
-                         (Py_ssize_t)b, (long long)len[b]);
-            return -1;
+                         (Py_ssize_t)b, (long long)len);
+            res = -1;
         }
     }
+    return res;
+}
+
+/* scales (H,) float64 copied into *snap (H, PyMem), for the same reason. */
+static int snapshot_scales(double **snap, PyArrayObject *scales)
+{
+    const size_t H = (size_t)PyArray_DIM(scales, 0);
+    if ((*snap = PyMem_Malloc(H * sizeof **snap + 1)) == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    memcpy(*snap, PyArray_DATA(scales), H * sizeof **snap);
     return 0;
 }
 
@@ -614,7 +637,12 @@ typedef struct {
     PyArrayObject *out[MAX_OUTS]; /* owned: the outputs, shaped as the
                                      function's table says; NULL if unwanted */
     npy_intp size[N_LETTERS];     /* the call's sizes, by letter */
+    /* Glue-owned snapshots of the index-bearing vectors, taken while the
+       GIL is held: the core never reads a caller's dk, dv, scales or
+       key_lengths, which another thread may change during the call. */
     size_t *widths;               /* (2G,) PyMem: dk then dv, as size_t */
+    double *scales;               /* (H,) PyMem */
+    int64_t *lengths;             /* (B,) PyMem, or NULL for None */
     mha_config cfg;               /* borrows widths, scales, mask, lengths */
 } call;
 
@@ -625,11 +653,15 @@ static void call_init(call *c)
     memset(c->in, 0, sizeof c->in);
     memset(c->out, 0, sizeof c->out);
     c->widths = NULL;
+    c->scales = NULL;
+    c->lengths = NULL;
 }
 
 static void call_release(call *c)
 {
     PyMem_Free(c->widths);
+    PyMem_Free(c->scales);
+    PyMem_Free(c->lengths);
     for (int i = 0; i < MAX_ARGS; i++)
         Py_XDECREF(c->in[i]);
     for (int i = 0; i < MAX_OUTS; i++)
@@ -859,11 +891,12 @@ static int build_config(call *c, const call_spec *sp)
     if (check_shapes(c, sp, sp->checks_widths) < 0)
         return -1;
 
-    PyArrayObject **lengths = &c->in[sp->key_lengths];
     mha_mask_kind mask_kind;
     ptrdiff_t mask_stride[4];
-    if (as_lengths(lengths, c->arg[sp->key_lengths].obj, n[L_B], n[L_TK]) < 0 ||
-        convert_mask(c, sp, &mask_kind, mask_stride) < 0)
+    if (as_lengths(&c->lengths, c->arg[sp->key_lengths].obj, n[L_B],
+                   n[L_TK]) < 0 ||
+        convert_mask(c, sp, &mask_kind, mask_stride) < 0 ||
+        snapshot_scales(&c->scales, in[sp->scales]) < 0)
         return -1;
 
     c->cfg = (mha_config){
@@ -872,12 +905,12 @@ static int build_config(call *c, const call_spec *sp)
         .Dvin = (size_t)n[L_DVIN], .Dout = (size_t)n[L_DOUT],
         .H = (size_t)n[L_H], .G = G,
         .dk = c->widths, .dv = c->widths + G,
-        .scale = PyArray_DATA(in[sp->scales]),
+        .scale = c->scales,
         .causal = c->arg[sp->causal].truth,
         .mask_kind = mask_kind, .mask = DATA(in[sp->mask]),
         .mask_stride = {mask_stride[0], mask_stride[1], mask_stride[2],
                         mask_stride[3]},
-        .key_lengths = DATA(*lengths),
+        .key_lengths = c->lengths,
         .has_wo = wo != NULL, .interrupt = NULL,
     };
     mha_layout lay;
