@@ -225,15 +225,21 @@ static void sigint_handler(int sig, siginfo_t *info, void *ctx)
 static void sigint_install(void)
 {
     pthread_mutex_lock(&sigint_lock);
+    // A flag left raised by an earlier call must not stop this one, even
+    // when no handler is installed (SIG_IGN) to raise it again: the flag is
+    // lowered by every call that starts, so a call sees only signals that
+    // come while it runs.
+    sigint_flag = 0;
     if (sigint_installs++ == 0) {
         struct sigaction cur, sa;
-        // A flag left raised by an earlier call must not stop this one,
-        // even when no handler is installed (SIG_IGN) to raise it again.
-        sigint_flag = 0;
         sigint_active = 0;
-        if (sigaction(SIGINT, NULL, &cur) == 0 &&
-            ((cur.sa_flags & SA_SIGINFO) ||
-             (cur.sa_handler != SIG_DFL && cur.sa_handler != SIG_IGN))) {
+        if (sigaction(SIGINT, NULL, &cur) == 0 && (cur.sa_flags & SA_SIGINFO) &&
+            cur.sa_sigaction == sigint_handler) {
+            // Ours already (never expected): chaining to it would loop.
+            sigint_active = 1;
+        } else if (sigaction(SIGINT, NULL, &cur) == 0 &&
+                   ((cur.sa_flags & SA_SIGINFO) ||
+                    (cur.sa_handler != SIG_DFL && cur.sa_handler != SIG_IGN))) {
             memset(&sa, 0, sizeof sa);
             sa.sa_sigaction = sigint_handler;
             sa.sa_mask = cur.sa_mask;
@@ -243,6 +249,39 @@ static void sigint_install(void)
         }
     }
     pthread_mutex_unlock(&sigint_lock);
+}
+
+/*
+ * In the child of a fork(), only the forking thread lives: no call is in
+ * progress there, whatever the parent's threads were doing. So the child
+ * starts from the state of no call: the previous handler back in place if
+ * ours was installed, no install counted, the flag low, and a fresh lock
+ * (another thread may have held it at the fork). Without this, the child
+ * inherits sigint_installs > 0, never lowers the flag again, and every
+ * later call stops at once. Only async-signal-safe calls here.
+ */
+static void sigint_atfork_child(void)
+{
+    struct sigaction cur;
+    if (sigint_active && sigaction(SIGINT, NULL, &cur) == 0 &&
+        (cur.sa_flags & SA_SIGINFO) && cur.sa_sigaction == sigint_handler)
+        sigaction(SIGINT, &sigint_prev, NULL);
+    sigint_installs = 0;
+    sigint_active = 0;
+    sigint_flag = 0;
+    pthread_mutex_init(&sigint_lock, NULL);
+}
+
+/* Once, at import: -1 with an exception set on failure. */
+static int sigint_setup(void)
+{
+    const int err = pthread_atfork(NULL, NULL, sigint_atfork_child);
+    if (err != 0) {
+        errno = err;
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    return 0;
 }
 
 static void sigint_uninstall(void)
@@ -280,6 +319,7 @@ static int on_main_thread(void)
 static volatile int sigint_flag;
 static void sigint_install(void) {}
 static void sigint_uninstall(void) {}
+static int sigint_setup(void) { return 0; }
 static int on_main_thread(void) { return 0; }
 #endif
 
@@ -617,6 +657,8 @@ typedef struct {
     int broadcast_mask;     /* the mask may broadcast to (B, H, Tq, Tk) */
 } call_spec;
 
+#define MAX_RESTARTS 1000   /* run_core's tries after a handler that did
+                               not raise, before one that is not polled */
 #define MAX_ARGS 23   /* backward()'s */
 #define MAX_OUTS 11   /* backward()'s gradients */
 
@@ -944,13 +986,18 @@ static int make_outputs(call *c, int nout, const shape *shapes, const int *want)
  * when main_thread is the handler installed and the flag polled. A Python
  * handler that does not raise lets the call start over, as if the signal
  * had come just before it (every output is overwritten, so a partial run
- * leaves no trace). -1 with an exception set on failure.
+ * leaves no trace), at most MAX_RESTARTS times. -1 with an exception set
+ * on failure.
  */
 static int run_core(call *c, mha_status (*core)(const call *), int main_thread)
 {
     mha_status st;
     int again;
+    // Every restart follows a signal whose handler did not raise; the
+    // count bounds the loop whatever the signals do.
+    int restarts = 0;
     do {
+        c->cfg.interrupt = NULL;
         if (main_thread) {
             sigint_install();
             c->cfg.interrupt = (volatile const int *)&sigint_flag;
@@ -960,6 +1007,8 @@ static int run_core(call *c, mha_status (*core)(const call *), int main_thread)
         Py_END_ALLOW_THREADS
         if ((again = sigint_after_call(main_thread, st)) < 0)
             return -1;
+        if (again && ++restarts >= MAX_RESTARTS)
+            main_thread = 0;   // the last try runs to the end, unpolled
     } while (again);
     if (st != MHA_OK) {
         raise_status(st);
@@ -1374,5 +1423,7 @@ static struct PyModuleDef mhattn_module = {
 PyMODINIT_FUNC PyInit__C(void)
 {
     import_array();
+    if (sigint_setup() < 0)
+        return NULL;
     return PyModule_Create(&mhattn_module);
 }

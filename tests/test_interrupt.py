@@ -289,3 +289,84 @@ def test_ctrl_c_interrupts_a_long_backward_promptly(report_backward):
 def test_backward_restarts_under_a_python_handler_that_does_not_raise(report_backward):
     assert report_backward["custom_handler_calls"] == 1
     assert report_backward["custom_handler_result_ok"]
+
+
+# A fork while the main thread is inside a long call (issue 12, item 3):
+# the forked child, whose one thread is the one that forked, starts with no
+# call in progress, so Ctrl-C during its own long call raises
+# KeyboardInterrupt, and its next call returns.
+CHILD_FORK = textwrap.dedent(r"""
+    import faulthandler, json, os, signal, threading, time
+    import numpy as np
+    import mhattn
+
+    faulthandler.dump_traceback_later(200, exit=True)   # a hang fails the child
+    rng = np.random.default_rng(2)
+
+    def make(T, d=16):
+        x = rng.standard_normal((T, d)).astype(np.float32)
+        w = rng.standard_normal((d, d)).astype(np.float32)
+        return x, w
+
+    def run(xw):
+        x, w = xw
+        return mhattn.multi_head_attention(x, w, w, w, num_heads=1)
+
+    long_call = make(sized(make, run, 3.0))
+    mid = make(sized(make, run, 0.3))
+    report = {}
+
+    def in_forked_child():
+        # The only thread here is the one that forked.
+        res = {}
+        raised, res["latency"], _ = interrupted(lambda: run(long_call), 0.3,
+                                                KeyboardInterrupt)
+        res["interrupted"] = raised is not None
+        t = time.perf_counter()
+        run(mid)
+        res["next_call"] = time.perf_counter() - t
+        return res
+
+    def forker():
+        time.sleep(0.5)   # the main thread is inside long_call by then
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            try:
+                out = json.dumps(in_forked_child())
+            except BaseException as e:
+                out = json.dumps({"error": repr(e)})
+            os.write(w, out.encode())
+            os._exit(0)
+        os.close(w)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            report["hung"] = True
+        with os.fdopen(r) as f:
+            text = f.read()
+        report["child"] = json.loads(text) if text else None
+
+    th = threading.Thread(target=forker)
+    th.start()
+    run(long_call)
+    th.join()
+    print(json.dumps(report), flush=True)
+""")
+
+
+def test_a_forked_child_honours_ctrl_c_and_then_runs():
+    report = _run_child(CHILD_FORK)
+    assert not report.get("hung"), report
+    child = report["child"]
+    assert child is not None and "error" not in child, report
+    assert child["interrupted"] and child["latency"] < 2.0, report
+    assert child["next_call"] < 30, report
+
