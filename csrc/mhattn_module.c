@@ -211,6 +211,7 @@ static volatile sig_atomic_t sigint_flag;
 static struct sigaction sigint_prev;    // what our handler replaced
 static int sigint_installs;             // guarded by sigint_lock
 static int sigint_active;               // our handler is in place; ditto
+static unsigned long sigint_main_ident; // Python's main thread
 static pthread_mutex_t sigint_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static void sigint_handler(int sig, siginfo_t *info, void *ctx)
@@ -270,9 +271,15 @@ static void sigint_atfork_child(void)
     sigint_active = 0;
     sigint_flag = 0;
     pthread_mutex_init(&sigint_lock, NULL);
+    sigint_main_ident = PyThread_get_thread_ident();   // Python's too
 }
 
-/* Once, at import: -1 with an exception set on failure. */
+/*
+ * Once, at import: registers the fork handler and records the ident of
+ * Python's main thread, from threading.main_thread() (mhattn is imported
+ * on the main thread in practice, but need not be). -1 with an exception
+ * set on failure.
+ */
 static int sigint_setup(void)
 {
     const int err = pthread_atfork(NULL, NULL, sigint_atfork_child);
@@ -281,7 +288,16 @@ static int sigint_setup(void)
         PyErr_SetFromErrno(PyExc_OSError);
         return -1;
     }
-    return 0;
+    PyObject *threading = PyImport_ImportModule("threading");
+    PyObject *main = threading ? PyObject_CallMethod(threading, "main_thread", NULL)
+                               : NULL;
+    PyObject *ident = main ? PyObject_GetAttrString(main, "ident") : NULL;
+    if (ident != NULL)
+        sigint_main_ident = PyLong_AsUnsignedLong(ident);
+    Py_XDECREF(ident);
+    Py_XDECREF(main);
+    Py_XDECREF(threading);
+    return PyErr_Occurred() ? -1 : 0;
 }
 
 static void sigint_uninstall(void)
@@ -298,22 +314,12 @@ static void sigint_uninstall(void)
     pthread_mutex_unlock(&sigint_lock);
 }
 
-/* 1 when called from Python's main thread (the one signals are handled in). */
+/* 1 when called from Python's main thread (the one signals are handled in).
+   It runs no Python code, which could run a pending signal handler and
+   then lose the exception it raised. */
 static int on_main_thread(void)
 {
-    int res = 0;
-    PyObject *threading = PyImport_ImportModule("threading");
-    PyObject *main = threading ? PyObject_CallMethod(threading, "main_thread", NULL)
-                               : NULL;
-    PyObject *ident = main ? PyObject_GetAttrString(main, "ident") : NULL;
-    if (ident != NULL && ident != Py_None)
-        res = PyLong_AsUnsignedLong(ident) == PyThread_get_thread_ident();
-    Py_XDECREF(ident);
-    Py_XDECREF(main);
-    Py_XDECREF(threading);
-    if (PyErr_Occurred())   // no interrupt support then, but never an error
-        PyErr_Clear();
-    return res;
+    return PyThread_get_thread_ident() == sigint_main_ident;
 }
 #else  /* no sigaction: a long call finishes before Ctrl-C is seen */
 static volatile int sigint_flag;
@@ -1001,6 +1007,12 @@ static int run_core(call *c, mha_status (*core)(const call *), int main_thread)
         if (main_thread) {
             sigint_install();
             c->cfg.interrupt = (volatile const int *)&sigint_flag;
+            // A signal that came before the install (while the glue copied
+            // an input, say) is Python's to handle: now, not after the call.
+            if (PyErr_CheckSignals() < 0) {
+                sigint_uninstall();
+                return -1;
+            }
         }
         Py_BEGIN_ALLOW_THREADS
         st = core(c);

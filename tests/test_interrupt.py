@@ -370,3 +370,69 @@ def test_a_forked_child_honours_ctrl_c_and_then_runs():
     assert child["interrupted"] and child["latency"] < 2.0, report
     assert child["next_call"] < 30, report
 
+
+# Ctrl-C while the glue copies an input (issue 12, item 4): `key` is a
+# strided view, which the glue copies before the call, with the GIL held.
+# A SIGINT at any moment of the call raises KeyboardInterrupt: none is
+# lost. One that comes as the call ends may be raised just after it, in
+# the caller's next line, which is not a loss either.
+CHILD_COPY = textwrap.dedent(r"""
+    import faulthandler, json, random, signal, threading, time
+    import numpy as np
+    import mhattn
+    from mhattn import _C
+
+    faulthandler.dump_traceback_later(200, exit=True)   # a hang fails the child
+    rng = np.random.default_rng(3)
+    random.seed(3)
+
+    def make(T, din=1024):
+        x = rng.standard_normal((1, T, 8))
+        wide = rng.standard_normal((1, T, 2 * din))
+        key = wide[:, :, ::2]        # strided: the glue copies it
+        assert not key.flags.c_contiguous
+        wq = rng.standard_normal((8, 4))
+        wk = rng.standard_normal((din, 4))
+        return x, key, wq, wk
+
+    def run(a):
+        x, key, wq, wk = a
+        dk = np.array([4], np.int64)
+        return _C.forward(x, key, key, wq, wk, wk, None, None, None, None, None,
+                          dk, dk, np.ones(1), None, False, None, False, False)
+
+    T = 400
+    while True:
+        a = make(T)
+        t = time.perf_counter(); run(a); dt = time.perf_counter() - t
+        if dt > 0.15 or T > 20000:
+            break
+        T = int(T * min(2.0, 0.15 / max(dt, 1e-3) * 1.1))
+
+    lost, raised, late = 0, 0, 0
+    for trial in range(24):
+        sent = []
+        try:
+            th = sigint_after(random.uniform(0.0, dt), sent)
+            try:
+                run(a)
+                returned = True
+            except KeyboardInterrupt:
+                returned = False
+                raised += 1
+            th.join()
+            time.sleep(0.02)
+            lost += returned
+        except KeyboardInterrupt:   # raised after the call: not lost
+            late += 1
+            th.join()
+    print(json.dumps({"T": T, "dt": dt, "lost": lost, "raised": raised,
+                      "late": late}), flush=True)
+""")
+
+
+def test_no_ctrl_c_is_lost_while_the_glue_copies_an_input():
+    report = _run_child(CHILD_COPY)
+    assert report["lost"] == 0, report
+    assert report["raised"] >= 12, report
+
