@@ -663,8 +663,10 @@ typedef struct {
     int broadcast_mask;     /* the mask may broadcast to (B, H, Tq, Tk) */
 } call_spec;
 
-#define MAX_RESTARTS 1000   /* run_core's tries after a handler that did
-                               not raise, before one that is not polled */
+/* run_core's restarts after a handler that did not raise, before a last
+   try that is not polled: a call takes at most MAX_RESTARTS + 1 times its
+   time, whatever the signals (a SIGINT storm included). */
+#define MAX_RESTARTS 3
 #define MAX_ARGS 23   /* backward()'s */
 #define MAX_OUTS 11   /* backward()'s gradients */
 
@@ -992,8 +994,10 @@ static int make_outputs(call *c, int nout, const shape *shapes, const int *want)
  * when main_thread is the handler installed and the flag polled. A Python
  * handler that does not raise lets the call start over, as if the signal
  * had come just before it (every output is overwritten, so a partial run
- * leaves no trace), at most MAX_RESTARTS times. -1 with an exception set
- * on failure.
+ * leaves no trace), at most MAX_RESTARTS times: then the call runs to its
+ * end with Python's handling of SIGINT in place, which only notes the
+ * signal, and the handler runs once the call is over. -1 with an exception
+ * set on failure.
  */
 static int run_core(call *c, mha_status (*core)(const call *), int main_thread)
 {
@@ -1002,6 +1006,7 @@ static int run_core(call *c, mha_status (*core)(const call *), int main_thread)
     // Every restart follows a signal whose handler did not raise; the
     // count bounds the loop whatever the signals do.
     int restarts = 0;
+    const int polled = main_thread;
     do {
         c->cfg.interrupt = NULL;
         if (main_thread) {
@@ -1022,6 +1027,9 @@ static int run_core(call *c, mha_status (*core)(const call *), int main_thread)
         if (again && ++restarts >= MAX_RESTARTS)
             main_thread = 0;   // the last try runs to the end, unpolled
     } while (again);
+    // Signals the last try did not poll: their handler runs now.
+    if (polled && !main_thread && PyErr_CheckSignals() < 0)
+        return -1;
     if (st != MHA_OK) {
         raise_status(st);
         return -1;

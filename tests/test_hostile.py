@@ -106,14 +106,8 @@ CHILD = textwrap.dedent(r"""
         return {k: ([w.copy() for w in v] if k == "w" else v.copy())
                 for k, v in a.items() if k != "extras"}
 
-    # A call of about 0.4 s on this machine.
-    T = 200
-    while True:
-        a = make(T)
-        t = time.perf_counter(); c_bwd(a); dt = time.perf_counter() - t
-        if dt > 0.4 or T > 3000:
-            break
-        T = int(T * min(2.0, (0.4 / max(dt, 1e-3)) ** 0.5 * 1.1))
+    # A call of about 0.4 s on this machine (sized by CHILD_HELPERS).
+    T = min(sized(make, c_bwd, 0.4), 3000)
 
     report = {"T": T}
     for name, run in [("public_forward", public_fwd), ("public_backward", public_bwd),
