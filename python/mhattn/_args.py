@@ -212,6 +212,15 @@ class _Heads:
         return np.concatenate(self.heads, axis=1)
 
 
+def _check_widths(name: str, heads: Sequence[np.ndarray]) -> None:
+    """Every head needs at least one column: 1/sqrt(d_k) and the core's
+    head widths are undefined for zero."""
+    for i, a in enumerate(heads):
+        if a.shape[1] == 0:
+            raise ValueError(f"{name}[{i}]: head {i} has width 0 (shape {a.shape}); "
+                             "every head needs at least one column (d_head >= 1)")
+
+
 def _split_weight(name: str, w: Any, count: Optional[int], count_name: str) -> _Heads:
     if _is_head_list(w):
         if len(w) == 0:
@@ -233,6 +242,7 @@ def _split_weight(name: str, w: Any, count: Optional[int], count_name: str) -> _
         if count is not None and len(heads) != count:
             raise ValueError(f"{name}: the list has {len(heads)} heads but "
                              f"{count_name}={count}")
+        _check_widths(name, heads)
         return _Heads("list", heads, [a.shape[1] for a in heads], rows, None)
 
     a = _to_array(name, w)
@@ -245,6 +255,7 @@ def _split_weight(name: str, w: Any, count: Optional[int], count_name: str) -> _
             raise ValueError(f"{name}: stacked weights of shape {a.shape} have {h} heads "
                              f"but {count_name}={count}")
         _check_head_count(name, h)
+        _check_widths(name, a[:1])
         return _Heads("stacked", [a[i] for i in range(h)], [width] * h, rows, a)
     if a.ndim == 2:
         rows, total = a.shape
