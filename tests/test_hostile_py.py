@@ -46,3 +46,51 @@ def test_zero_width_heads_name_the_argument(entry, case):
     (wq, wk, wv), name = ZERO_WIDTH[case]
     with pytest.raises(ValueError, match="^" + re.escape(name) + ": .*width 0"):
         ENTRY_POINTS[entry](X, wq, wk, wv)
+
+
+# --- item 9: load_state_dict checks dtypes and always copies ---------------------
+def _state(layer, dtype=None):
+    sd = layer.state_dict()
+    return {k: v if dtype is None else v.astype(dtype) for k, v in sd.items()}
+
+
+@pytest.mark.parametrize("dtype,what", [(np.complex128, "complex"), ("datetime64[s]", "datetime"),
+                                        (bool, "bool"), ("U8", "string")])
+def test_load_state_dict_refuses_bad_dtypes(dtype, what):
+    layer = mhattn.MultiHeadAttention(4, 2, bias=True, dtype=np.float64, seed=0)
+    sd = _state(layer)
+    sd["in_proj_weight"] = sd["in_proj_weight"].astype(dtype)
+    before = {k: v.copy() for k, v in layer.weights().items()}
+    with pytest.raises(TypeError, match=rf"^in_proj_weight: dtype .*\({what}\) is not supported"):
+        layer.load_state_dict(sd)
+    for k, v in layer.weights().items():      # nothing was half-loaded
+        np.testing.assert_array_equal(v, before[k])
+
+
+@pytest.mark.parametrize("kw", [dict(d_model=2, num_heads=2),            # d_k = 1
+                                dict(d_model=4, num_heads=2, d_out=1),   # d_out = 1
+                                dict(d_model=2, num_heads=2, d_out=1, bias=True)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_load_state_dict_never_keeps_views(kw, dtype):
+    layer = mhattn.MultiHeadAttention(dtype=dtype, seed=0, **kw)
+    sd = _state(layer, dtype)
+    layer.load_state_dict(sd)
+    for name, w in layer.weights().items():
+        for k, v in sd.items():
+            assert not np.shares_memory(w, v), f"layer.{name} is a view of {k}"
+
+
+def test_from_torch_shares_no_memory():
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    for module in (torch.nn.MultiheadAttention(2, 2, bias=True, dtype=torch.float64),
+                   torch.nn.MultiheadAttention(2, 2, kdim=3, vdim=1)):
+        layer = mhattn.MultiHeadAttention.from_torch(module)
+        params = [p.detach().numpy() for p in module.parameters()]
+        for name, w in layer.weights().items():
+            assert not any(np.shares_memory(w, p) for p in params), name
+        before = [p.copy() for p in params]
+        for w in layer.weights().values():
+            w += 1.0
+        for p, b in zip(params, before):
+            np.testing.assert_array_equal(p, b)
