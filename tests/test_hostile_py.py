@@ -94,3 +94,40 @@ def test_from_torch_shares_no_memory():
             w += 1.0
         for p, b in zip(params, before):
             np.testing.assert_array_equal(p, b)
+
+
+# --- item 6: the backward checks its whole peak need ---------------------------
+def _long_call(B=2, T=256, d=32, h=4):
+    x = rng.standard_normal((B, T, d))
+    w = rng.standard_normal((d, d))
+    return x, w, dict(num_heads=h)
+
+
+def _forward_need(x, w, kw):
+    """What the forward of a backward keeps and allocates, in bytes."""
+    call = _args.normalize(x, w, w, w, w, **kw)
+    return sum(np.prod(f, dtype=object) * n for _, _, f, n in _args.plan(call, keep=True))
+
+
+def test_backward_checks_memory(monkeypatch):
+    x, w, kw = _long_call()
+    out, ctx = mhattn.multi_head_attention(x, w, w, w, w, return_context=True, **kw)
+    layer = mhattn.MultiHeadAttention(32, 4, dtype=np.float64, seed=0)
+    lout, lctx = layer(x, return_context=True)
+    # The forward fits; the backward (its gradients and scratch) does not.
+    monkeypatch.setattr(_args, "_memory_limit_bytes", int(_forward_need(x, w, kw)))
+    for fn in (lambda: mhattn.backward(np.ones_like(out), ctx),
+               lambda: layer.backward(np.ones_like(lout), lctx),
+               lambda: mhattn.backward(np.ones(out.shape, np.float32), ctx)):
+        with pytest.raises(MemoryError, match=r"the backward's .* needs .* elements"):
+            fn()
+
+
+def test_multi_head_attention_grad_checks_memory_before_the_forward(monkeypatch):
+    x, w, kw = _long_call()
+    monkeypatch.setattr(_args, "_memory_limit_bytes", int(_forward_need(x, w, kw)))
+    with pytest.raises(MemoryError, match=r"the backward's .* needs .* elements"):
+        mhattn.multi_head_attention_grad(np.ones((2, 256, 32)), x, w, w, w, w, **kw)
+    monkeypatch.setattr(_args, "_memory_limit_bytes", 1 << 40)
+    grads = mhattn.multi_head_attention_grad(np.ones((2, 256, 32)), x, w, w, w, w, **kw)
+    assert grads["x"].shape == x.shape
