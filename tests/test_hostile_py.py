@@ -131,3 +131,27 @@ def test_multi_head_attention_grad_checks_memory_before_the_forward(monkeypatch)
     monkeypatch.setattr(_args, "_memory_limit_bytes", 1 << 40)
     grads = mhattn.multi_head_attention_grad(np.ones((2, 256, 32)), x, w, w, w, w, **kw)
     assert grads["x"].shape == x.shape
+
+
+# --- item 7: trace checks its whole peak need --------------------------------
+def test_trace_checks_the_scores_memory(monkeypatch):
+    x, w, kw = _long_call(B=2, T=512, d=8, h=4)
+    call = _args.normalize(x, w, w, w, w, **kw)
+    need = sum(np.prod(f, dtype=object) * n
+               for _, _, f, n in _args.plan(call, want_weights=True, keep=True))
+    # The core's call (weights included) fits; the trace's scores do not.
+    monkeypatch.setattr(_args, "_memory_limit_bytes", int(need))
+    with pytest.raises(MemoryError, match=r"the trace's raw_scores and scores needs "
+                                          r"2\*B\*h\*T_q\*T_k = 2\*2\*4\*512\*512"):
+        mhattn.trace(x, w, w, w, w, **kw)
+
+
+def test_check_prototype_checks_memory_before_drawing_trials(monkeypatch):
+    from mhattn import checker
+
+    def drawn(*a, **kw):
+        raise AssertionError("trials were drawn before the memory check")
+    monkeypatch.setattr(checker, "_trials", drawn)
+    monkeypatch.setattr(_args, "_memory_limit_bytes", 1 << 30)
+    with pytest.raises(MemoryError, match=r"trials=100000000 needs"):
+        mhattn.check_prototype(lambda *a: None, trials=10 ** 8)
