@@ -221,6 +221,21 @@ table("num_heads", raises(MemoryError, words=["w_q", "heads"]), [
     ("huge_zero_width", lambda: mha(X, np.zeros((2 ** 40, 4, 0)), W, W)),
 ])
 
+# A head of width 0 has no default scale 1/sqrt(d_k): named, never a
+# ZeroDivisionError or the glue's "dk, dv" message.
+Z0 = np.zeros((4, 0))
+ZERO_WIDTH_ENTRIES = (("forward", mha), ("trace", mhattn.trace),
+                      ("grad", lambda *a: mhattn.multi_head_attention_grad(np.ones((3, 4)), *a)))
+for label, arg, ws in [
+        ("w_q_stacked", "w_q[0]", (np.zeros((2, 4, 0)), np.zeros((2, 4, 0)), W)),
+        ("w_q_list", "w_q[1]", ([WL[0], Z0], [WL[0], Z0], WL)),
+        ("w_k_list", "w_k[0]", (WL, [Z0, WL[1]], WL)),
+        ("w_v_list", "w_v[1]", (WL, WL, [WL[0], Z0])),
+        ("w_v_stacked", "w_v[0]", (np.ones((2, 4, 2)), np.ones((2, 4, 2)), np.zeros((2, 4, 0))))]:
+    for entry, fn in ZERO_WIDTH_ENTRIES:
+        case(f"zero_width_{label}_{entry}", raises(VE, words=[arg + ":", "width 0"]))(
+            lambda ws=ws, fn=fn: fn(X, *ws))
+
 # --- sizes that overflow size_t or exceed memory -----------------------------
 ONE32 = np.ones((1, 1), np.float32)
 

@@ -23,7 +23,7 @@ import numpy as np
 
 __all__ = ["Call", "normalize", "compute_dtype", "check_memory", "core_items",
            "memory_limit", "plan", "bool_arg", "fused_widths", "head_scales",
-           "offsets", "PER_HEAD_BYTES"]
+           "offsets", "PER_HEAD_BYTES", "backward_items"]
 
 
 def _shape(a: Any) -> str:
@@ -212,6 +212,15 @@ class _Heads:
         return np.concatenate(self.heads, axis=1)
 
 
+def _check_widths(name: str, heads: Sequence[np.ndarray]) -> None:
+    """Every head needs at least one column: 1/sqrt(d_k) and the core's
+    head widths are undefined for zero."""
+    for i, a in enumerate(heads):
+        if a.shape[1] == 0:
+            raise ValueError(f"{name}[{i}]: head {i} has width 0 (shape {a.shape}); "
+                             "every head needs at least one column (d_head >= 1)")
+
+
 def _split_weight(name: str, w: Any, count: Optional[int], count_name: str) -> _Heads:
     if _is_head_list(w):
         if len(w) == 0:
@@ -233,6 +242,7 @@ def _split_weight(name: str, w: Any, count: Optional[int], count_name: str) -> _
         if count is not None and len(heads) != count:
             raise ValueError(f"{name}: the list has {len(heads)} heads but "
                              f"{count_name}={count}")
+        _check_widths(name, heads)
         return _Heads("list", heads, [a.shape[1] for a in heads], rows, None)
 
     a = _to_array(name, w)
@@ -245,6 +255,7 @@ def _split_weight(name: str, w: Any, count: Optional[int], count_name: str) -> _
             raise ValueError(f"{name}: stacked weights of shape {a.shape} have {h} heads "
                              f"but {count_name}={count}")
         _check_head_count(name, h)
+        _check_widths(name, a[:1])
         return _Heads("stacked", [a[i] for i in range(h)], [width] * h, rows, a)
     if a.ndim == 2:
         rows, total = a.shape
@@ -439,6 +450,45 @@ def core_items(B: int, Tq: int, Tk: int, H: int, Sq: int, Sk: int, Sv: int,
         items.append(("return_weights=True", "B*h*T_q*T_k", (B, H, Tq, Tk), n))
     if keep:
         items.append(("the log-sum-exp", "B*h*T_q", (B, H, Tq), n))
+    return items
+
+
+# The backward's tiles (csrc/kernels/kernels.h): key blocks of MHA_BWD_BK
+# rows, and per thread one S and one dP tile of MHA_BWD_BQ x MHA_BWD_BK.
+_BWD_BK = 64
+_BWD_TILE = 2 * 64 * 64
+
+
+def backward_items(call: "Call", threads: int) -> list:
+    """What a backward of ``call`` allocates (csrc/core/backward_impl.h,
+    bwd_plan and bwd_plan_tiles), for check_memory: the gradients it
+    returns and the core's scratch."""
+    B, Tq, Tk, H = call.B, call.Tq, call.Tk, call.H
+    Din, Dkin, Dvin = call.x.shape[-1], call.key.shape[-1], call.value.shape[-1]
+    Sq, Sk, Sv, Svq, d_out = call.Sq, call.Sk, call.Sv, call.Svq, call.d_out
+    n = call.dtype.itemsize
+    Tk_blocks = -(-Tk // _BWD_BK) * _BWD_BK    # Tk rounded up to whole key blocks
+    items = [("the gradient of x", "B*T_q*d_in", (B, Tq, Din), n),
+             ("the weights' gradients", "d_in*sum(d_k) + d_kin*sum(d_k) + d_vin*sum(d_v)",
+              (Din * Sq + Dkin * Sk + Dvin * Sv,), n),
+             ("the backward's packed queries and dQ", "2*B*T_q*sum(d_k)", (2, B, Tq, Sq), n),
+             ("the backward's packed d(concat)", "B*T_q*sum(d_v)", (B, Tq, Svq), n),
+             ("the backward's packed keys (kh, kT)", "2*B*T_k*sum(d_k), T_k in blocks of 64",
+              (2, B, Tk_blocks, Sk), n),
+             ("the backward's packed values (vT)", "B*T_k*sum(d_v), T_k in blocks of 64",
+              (B, Tk_blocks, Sv), n),
+             ("the backward's dK and dV", "B*T_k*(sum(d_k) + sum(d_v))", (B, Tk, Sk + Sv), n),
+             ("the backward's D", "B*h*T_q", (B, H, Tq), n),
+             ("the backward's tiles", "threads*2*64*64", (threads, _BWD_TILE), n),
+             ("the biases' gradients", "sum(d_k) + sum(d_k) + sum(d_v) + d_out",
+              (Sq + Sk + Sv + d_out,), n)]
+    if call.key_given:
+        items.append(("the gradient of key", "B*T_k*d_kin", (B, Tk, Dkin), n))
+    if call.value_given:
+        items.append(("the gradient of value", "B*T_k*d_vin", (B, Tk, Dvin), n))
+    if call.w_o is not None:
+        items += [("the gradient of w_o", "sum(d_v)*d_out", (Svq, d_out), n),
+                  ("the backward's d(concat)", "B*T_q*sum(d_v)", (B, Tq, Svq), n)]
     return items
 
 

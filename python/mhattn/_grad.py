@@ -19,7 +19,8 @@ from typing import Any, Dict, List
 import numpy as np
 
 from . import _C
-from ._args import _check_numeric, _Heads, _to_array, normalize, offsets
+from ._args import (_check_numeric, _Heads, _to_array, backward_items, check_memory,
+                    normalize, offsets, plan)
 from ._core import Context, head_arrays, make_context, run_core
 
 __all__ = ["Context", "backward", "multi_head_attention_grad"]
@@ -74,6 +75,11 @@ def backward(grad_out, ctx: Context) -> Dict[str, Any]:
     if g.shape != ctx.out_shape:
         raise ValueError(f"grad_out: expected the shape of the forward's output "
                          f"{ctx.out_shape}, got {g.shape}")
+    # Before anything is allocated: grad_out's cast, the gradients and the
+    # core's scratch.
+    cast = [] if g.dtype == call.dtype else [
+        (f"casting grad_out to {call.dtype}", "size", (g.size,), call.dtype.itemsize)]
+    check_memory(cast + backward_items(call, _C.get_num_threads()))
     g = g if g.dtype == call.dtype else g.astype(call.dtype)
     if not call.batched:
         g = g[np.newaxis]
@@ -128,6 +134,8 @@ def multi_head_attention_grad(grad_out, x, w_q, w_k, w_v, w_o=None, *, num_heads
     call = normalize(x, w_q, w_k, w_v, w_o, num_heads=num_heads, key=key, value=value,
                      scale=scale, mask=mask, causal=causal, key_lengths=key_lengths,
                      num_kv_heads=num_kv_heads, b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o)
+    # The forward's kept state lives on through the backward: both must fit.
+    check_memory(plan(call, keep=True) + backward_items(call, _C.get_num_threads()))
     _, _, extras = run_core(call, keep=True)
     ctx = make_context(call, extras, b_q=b_q, b_k=b_k, b_v=b_v)
     return backward(grad_out, ctx)

@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 import numpy as np
 
 from ._api import multi_head_attention
+from ._args import check_memory
 from .reference import worked_example
 from .trace import CompareReport, canonical_key, trace
 
@@ -391,6 +392,12 @@ def _large_trial(rng, dtype) -> _Trial:
     return t
 
 
+# A generous bound on what one trial keeps alive in check_prototype: its
+# arrays (T <= 6, d_model <= 8, h*d <= 16), the prototype's output and
+# intermediates, its TrialResult and report text.
+_TRIAL_BYTES = 64 * 1024
+
+
 def _trials(n_random: int, dtype, seed: int) -> List[_Trial]:
     rng = np.random.default_rng(seed)
     trials = [
@@ -560,7 +567,10 @@ def check_prototype(fn: Callable, *, trials: int = 4, dtype=np.float64,
         raise ValueError(f"trials: expected a non-negative integer, got {trials!r}")
     # normwise relative tolerance: rounding differences only
     tol = 2e-4 if dtype == np.float32 else 1e-7
-
+    # Every trial, its result and its re-enactments are kept until the report
+    # is built: the whole need is checked before the first one is drawn.
+    check_memory([(f"trials={int(trials)}", "(trials + 5)*bytes per trial",
+                   (int(trials) + 5, _TRIAL_BYTES), 1)])
     cases = _trials(int(trials), dtype, seed)
     results: List[TrialResult] = []
     user_out: List[Any] = []

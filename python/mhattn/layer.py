@@ -33,7 +33,7 @@ from typing import Any, Dict, Optional
 import numpy as np
 
 from ._api import multi_head_attention
-from ._args import _int_arg
+from ._args import _check_numeric, _int_arg, _to_array
 from ._grad import backward as _backward
 
 __all__ = ["MultiHeadAttention"]
@@ -87,7 +87,9 @@ def _to_numpy(name: str, t: Any) -> np.ndarray:
         if str(t.dtype) not in ("torch.float32", "torch.float64"):
             t = t.float()  # float16 / bfloat16 have no exact NumPy twin here
         return t.numpy()
-    return np.asarray(t)
+    a = _to_array(name, t)
+    _check_numeric(name, a)
+    return a
 
 
 class MultiHeadAttention:
@@ -299,7 +301,9 @@ class MultiHeadAttention:
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Set the weights from a :meth:`state_dict`-style mapping (NumPy arrays
         or torch tensors), checking every key and shape; the inverse of
-        :meth:`state_dict`.  Values are copied and cast to the layer's dtype."""
+        :meth:`state_dict`.  Values must be real numbers (TypeError otherwise, as
+        in multi_head_attention); they are always copied and cast to the layer's
+        dtype, so the layer never shares memory with ``state``."""
         want = self._state_shapes()
         got = set(state)
         missing, unexpected = sorted(set(want) - got), sorted(got - set(want))
@@ -312,7 +316,9 @@ class MultiHeadAttention:
             if a.shape != shape:
                 raise ValueError(f"load_state_dict: {k} has shape {a.shape}, "
                                  f"expected {shape} for {self!r}")
-            arrays[k] = np.asarray(a, dtype=self.dtype)
+            # Always a copy, even where the cast or the layout would not need
+            # one: the layer must never write into the caller's arrays.
+            arrays[k] = np.array(a, dtype=self.dtype, copy=True)
         h, g = self.num_heads, self.num_kv_heads
         nq, nk = h * self.d_k, g * self.d_k
         if self._packed:

@@ -38,7 +38,7 @@ import numpy as np
 
 from . import reference
 from ._core import run_core
-from ._args import Call, normalize
+from ._args import Call, check_memory, normalize, plan
 
 __all__ = ["trace", "Trace", "CompareReport", "StageDiff", "STAGES"]
 
@@ -123,6 +123,20 @@ def trace(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=None,
     return Trace.from_call(call, tokens=tokens, key_tokens=key_tokens)
 
 
+def _trace_items(call: Call) -> list:
+    """What a trace allocates beyond the core's call, for check_memory: the
+    (B, h, T_q, T_k) raw scores and scores, and per-head copies of every
+    stage (k and v once per query head)."""
+    B, H, Tq, Tk, n = call.B, call.H, call.Tq, call.Tk, call.dtype.itemsize
+    group = call.H // call.G
+    return [("the trace's raw_scores and scores", "2*B*h*T_q*T_k", (2, B, H, Tq, Tk), n),
+            ("the trace's per-head q and heads", "B*T_q*(sum(d_k) + sum(d_v))",
+             (B, Tq, call.Sq + call.Svq), n),
+            ("the trace's per-head k and v", "B*T_k*h/g*(sum(d_k) + sum(d_v))",
+             (B, Tk, group * (call.Sk + call.Sv)), n),
+            ("the trace's row_max", "B*h*T_q", (B, H, Tq), n)]
+
+
 def _labels(name: str, labels: Any, n: int) -> Optional[List[str]]:
     if labels is None:
         return None
@@ -188,6 +202,7 @@ class Trace:
     @classmethod
     def from_call(cls, call: Call, *, tokens=None, key_tokens=None) -> "Trace":
         """Run the C core on a checked :class:`mhattn._args.Call` and trace it."""
+        check_memory(plan(call, want_weights=True, keep=True) + _trace_items(call))
         out, weights, (q, k, v, concat, lse) = run_core(call, want_weights=True, keep=True)
         B, H, Tq, Tk = call.B, call.H, call.Tq, call.Tk
         tokens = _labels("tokens", tokens, Tq)
