@@ -134,7 +134,7 @@ def cfg_mask_float(rng):
     m = rnd(rng, 2, 4, 4)                   # (h, Tq, Tk), broadcast over batch
     m[0, 1, 2] = -np.inf
     m[1, :, 0] = -np.inf
-    return dict(p, mask=m)
+    return dict(p, mask=m[None])            # (1, h, Tq, Tk): B = h is ambiguous
 
 
 def cfg_causal(rng):

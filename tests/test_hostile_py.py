@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import mhattn
-from mhattn import _args
+from mhattn import _args, _core
 
 rng = np.random.default_rng(12)
 X = rng.standard_normal((3, 4))
@@ -155,3 +155,65 @@ def test_check_prototype_checks_memory_before_drawing_trials(monkeypatch):
     monkeypatch.setattr(_args, "_memory_limit_bytes", 1 << 30)
     with pytest.raises(MemoryError, match=r"trials=100000000 needs"):
         mhattn.check_prototype(lambda *a: None, trials=10 ** 8)
+
+
+# --- item 10: torch tensors in the autograd graph, ambiguous masks --------------
+def test_tensor_requiring_grad_names_the_argument():
+    torch = pytest.importorskip("torch")
+    xt = torch.tensor(X, requires_grad=True)
+    wt = torch.tensor(W, requires_grad=True)
+    for args, kw, name in [((xt, W, W, W), {}, "x"), ((X, wt, W, W), {}, "w_q"),
+                           ((X, [torch.tensor(WL[0], requires_grad=True), WL[1]], WL, WL),
+                            {}, "w_q[0]"),
+                           ((X, W, W, W), dict(mask=torch.ones(3, 3, requires_grad=True)),
+                            "mask")]:
+        if isinstance(args[1], list):
+            call = lambda: mhattn.multi_head_attention(*args, **kw)   # noqa: E731
+        else:
+            call = lambda: mhattn.multi_head_attention(*args, num_heads=2, **kw)  # noqa: E731
+        with pytest.raises(TypeError, match="^" + re.escape(name) + r": .*\.detach\(\)"):
+            call()
+    # Detached, the same tensors are read as arrays.
+    out = mhattn.multi_head_attention(xt.detach(), wt.detach(), W, W, num_heads=2)
+    np.testing.assert_array_equal(out, mhattn.multi_head_attention(X, W, W, W, num_heads=2))
+
+
+XB = rng.standard_normal((2, 2, 4))     # B = T_q = 2
+AMBIGUOUS = [np.ones((2, 2, 2), bool),  # B = h: (h, Tq, Tk) or Keras (B, Tq, Tk)?
+             np.zeros((2, 2)),          # B = Tq: (Tq, Tk) or HF (B, Tk)?
+             np.ones((2, 1, 2), bool), np.ones((2, 2, 1), bool), np.zeros((2, 1))]
+
+
+@pytest.mark.parametrize("mask", AMBIGUOUS, ids=lambda m: str(m.shape))
+@pytest.mark.parametrize("entry", ["forward", "grad", "trace", "layer"])
+def test_ambiguous_masks_raise(mask, entry):
+    fn = ENTRY_POINTS[entry]
+    # The fast branch declines them, so that the full one refuses them.
+    assert _core.fast(XB, W, W, W, None, 2, None, None, None, False, mask, False, None,
+                      None, None, None, None, None) is None
+    with pytest.raises(ValueError, match=r"^mask: shape .* is ambiguous.*mask\[None\]"):
+        if entry == "grad":
+            mhattn.multi_head_attention_grad(np.ones((2, 2, 4)), XB, W, W, W, num_heads=2,
+                                             mask=mask)
+        elif entry == "layer":
+            fn(XB, W.reshape(4, 2, 2).transpose(1, 0, 2), W.reshape(4, 2, 2).transpose(1, 0, 2),
+               W.reshape(4, 2, 2).transpose(1, 0, 2), mask=mask)
+        else:
+            fn(XB, W, W, W, num_heads=2, mask=mask)
+
+
+@pytest.mark.parametrize("mask,meaning", [
+    (np.ones((2, 2, 2), bool)[:, None], "per batch"), (np.ones((2, 2, 2), bool)[None], "per head"),
+    (np.zeros((2, 2))[None], "shared"), (np.zeros((2, 2))[:, None, None, :], "padding")])
+def test_the_suggested_rewrites_are_accepted(mask, meaning):
+    out = mhattn.multi_head_attention(XB, W, W, W, num_heads=2, mask=mask)
+    want = mhattn.reference.multi_head_attention(XB, W, W, W, num_heads=2, mask=mask)
+    np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
+
+
+def test_unambiguous_masks_are_left_alone():
+    x = rng.standard_normal((3, 2, 4))   # B = 3, h = 2, T_q = 2
+    for m in (np.ones((2, 2, 2), bool), np.zeros((2, 2)), np.zeros((3, 1, 2, 2))):
+        mhattn.multi_head_attention(x, W, W, W, num_heads=2, mask=m)
+    x1 = rng.standard_normal((1, 2, 4))  # B = 1: both readings agree
+    mhattn.multi_head_attention(x1, W, W, W, num_heads=2, mask=np.zeros((2, 2)))

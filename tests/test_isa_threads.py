@@ -114,8 +114,8 @@ CASES = {
     "bool_rows": dict(B=1, Tq=100, Tk=70, heads=((2, 8, 8),), mask=("bool", "Q1"),
                       causal=True),
     "float_full": dict(B=3, Tq=20, Tk=70, heads=((2, 8, 8),), mask=("float", "BHQK")),
-    "float_heads": dict(B=3, Tq=20, Tk=130, heads=((3, 17, 17),),
-                        mask=("float", "H1K")),
+    "float_heads": dict(B=2, Tq=20, Tk=130, heads=((3, 17, 17),),
+                        mask=("float", "H1K")),  # B != h: (h, 1, Tk) is unambiguous
     "float_rows": dict(B=1, Tq=25, Tk=70, heads=((2, 8, 8),), mask=("float", "Q1")),
     "biases": dict(B=3, Tq=9, Tk=9, heads=((2, 5, 5),), biases=True, causal=True),
     "everything": dict(B=3, Tq=100, Tk=130, heads=((4, 17, 9),), num_kv=2,

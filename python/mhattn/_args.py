@@ -23,7 +23,7 @@ import numpy as np
 
 __all__ = ["Call", "normalize", "compute_dtype", "check_memory", "core_items",
            "memory_limit", "plan", "bool_arg", "fused_widths", "head_scales",
-           "offsets", "PER_HEAD_BYTES", "backward_items"]
+           "offsets", "PER_HEAD_BYTES", "backward_items", "ambiguous_mask"]
 
 
 def _shape(a: Any) -> str:
@@ -52,6 +52,13 @@ def _to_array(name: str, obj: Any) -> np.ndarray:
         return np.asarray(obj)
     if isinstance(obj, (str, bytes, dict, set)):
         raise TypeError(f"{name}: expected an array of numbers, got {type(obj).__name__}")
+    if getattr(obj, "requires_grad", False) is True and hasattr(obj, "detach"):
+        # torch refuses to share the memory of a tensor in the autograd graph
+        # (its RuntimeError would name no argument); mhattn does not detach
+        # silently, since no gradient would flow back to it.
+        raise TypeError(f"{name}: a torch tensor that requires grad cannot be read as "
+                        f"a NumPy array; pass {name}.detach() (mhattn's gradients come "
+                        "from mhattn.backward, not from autograd)")
     try:
         arr = np.asarray(obj)
     except (ValueError, TypeError) as exc:
@@ -517,6 +524,25 @@ def _user_stacklevel() -> int:
     return level
 
 
+def ambiguous_mask(shape: tuple, B: int, H: int, Tq: int) -> Optional[str]:
+    """Why a batched call's mask shape has two readings, or None.
+
+    NumPy broadcasting reads a 3-D mask as (h, T_q, T_k) and a 2-D one as
+    (T_q, T_k); a leading size equal to B as well (B > 1) is as likely
+    meant per batch item: Keras's (B, T_q, T_k), Hugging Face's (B, T_k)."""
+    if B > 1 and len(shape) == 3 and shape[0] == B == H:
+        return (f"mask: shape {shape} is ambiguous when B = h = {B}: it would be read "
+                "as (h, T_q, T_k). Write mask[:, None] for one (T_q, T_k) mask per "
+                "batch item, (B, 1, T_q, T_k), or mask[None] for one per head, "
+                "(1, h, T_q, T_k)")
+    if B > 1 and len(shape) == 2 and shape[0] == B == Tq:
+        return (f"mask: shape {shape} is ambiguous when B = T_q = {B}: it would be read "
+                "as (T_q, T_k). Write mask[None] for one (T_q, T_k) mask shared by every "
+                "batch item; a (B, T_k) padding mask is key_lengths=, or "
+                "mask[:, None, None, :] of shape (B, 1, 1, T_k)")
+    return None
+
+
 def _normalize_mask(mask: Any, batched: bool, B: int, H: int, Tq: int, Tk: int,
                     dtype: np.dtype) -> Optional[np.ndarray]:
     if mask is None:
@@ -530,6 +556,9 @@ def _normalize_mask(mask: Any, batched: bool, B: int, H: int, Tq: int, Tk: int,
     if m.ndim > len(target):
         raise ValueError(f"mask: shape {m.shape} has more dimensions than "
                          f"{'(B, h, T_q, T_k)' if batched else '(h, T_q, T_k)'} = {target}")
+    why = ambiguous_mask(m.shape, B, H, Tq) if batched else None
+    if why is not None:
+        raise ValueError(why)
     try:
         view = np.broadcast_to(m, target)
     except ValueError:

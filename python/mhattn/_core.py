@@ -214,6 +214,11 @@ def _fast_mask(mask, dt, full):
     if type(mask) is not _ndarray:
         return False
     shape = mask.shape
+    # Shapes with two readings (see _args.ambiguous_mask) go to the slow
+    # branch, which refuses them: B > 1 equal to h (3-D) or to T_q (2-D).
+    if len(full) == 4 and full[0] > 1 and 2 <= len(shape) <= 3 and (
+            shape[0] == full[0] == full[4 - len(shape)]):
+        return False
     lead = len(full) - len(shape)
     if lead < 0:
         return False
