@@ -27,7 +27,7 @@ for dtype in (np.float32, np.float64):
         calls += 1
     # Grouped-query attention: one kv head of width 3 for two query heads.
     mhattn.multi_head_attention(x, w, w[:, :3], w[:, 3:], num_heads=2, num_kv_heads=1,
-                                key=key, mask=r.standard_normal((2, 1, 7)))
+                                key=key, mask=r.standard_normal((1, 2, 1, 7)))
     calls += 1
     ragged = [r.standard_normal((6, d)).astype(dtype) for d in (1, 3, 2)]
     mhattn.multi_head_attention(x[0], ragged, ragged, ragged[::-1], return_weights=True)
