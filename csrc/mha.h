@@ -89,6 +89,66 @@ typedef struct {
     ptrdiff_t mask_stride[4]; /* element strides over (B, H, Tq, Tk); 0 broadcasts */
     const int64_t *key_lengths; /* (B,) or NULL: keys j >= len[b] ignored */
     int has_wo;           /* 0: out is the concatenation (Dout == Svq)  */
+
+    /* ---- Variants of today's models. Each is off when zero / NULL (a
+       zero-initialised config is plain attention). Which keys a query sees
+       and the order of a score's life: core/rules.h. Positions: query i
+       sits at p_i = i + (Tk - Tq), key j at j (within its own sequence when
+       packed, see cu_q). ---- */
+    /* Sliding window (windowed != 0): key j is visible from query i iff
+       p_i - window_left <= j <= p_i + window_right; a side < 0 is
+       unbounded. causal caps the right side at 0. */
+    int windowed;
+    int64_t window_left, window_right;
+    /* softcap > 0: each scaled score s becomes softcap * tanh(s / softcap),
+       before ALiBi and the masks (Gemma 2). 0: off. */
+    double softcap;
+    /* ALiBi: adds -alibi[b * alibi_bstride + h] * |p_i - j| to the score
+       (after softcap, with the additive mask). (B, H) slopes with
+       alibi_bstride = H, or (H,) with 0. No gradient. */
+    const double *alibi;
+    size_t alibi_bstride;
+    /* Attention sinks: (H,) of the call's element type (float / double), one
+       logit per query head, counted in each row's softmax denominator as an
+       extra key of value zero (gpt-oss): lse includes it, weights exclude it.
+       Gradient dsinks. */
+    const void *sinks;
+    /* Key padding: (B, Tk), nonzero = a real key; combined by AND with every
+       other rule. Key blocks with no real key are skipped. */
+    const uint8_t *key_mask;
+    /* Packed sequences (nseq > 0, B == 1): sequence s holds queries
+       cu_q[s] .. cu_q[s+1]-1 and keys cu_k[s] .. cu_k[s+1]-1; a query sees
+       keys of its own sequence only, and causal, window and the default
+       positions apply within each sequence (query r of a sequence of nq
+       queries and nk keys sits at r + nk - nq). cu_q[0] = cu_k[0] = 0,
+       nondecreasing, cu_q[nseq] = Tq, cu_k[nseq] = Tk (mha_check_config). */
+    size_t nseq;
+    const int64_t *cu_q, *cu_k;   /* (nseq + 1,) each */
+
+    /* ---- q/k transforms (core/qk.c), applied to the projections, per head,
+       after the biases and before the attention: RMSNorm, then RoPE. The
+       kept q and k (mha_forward's q, k outputs, the backward's q, k inputs)
+       are the projections *before* them. ---- */
+    /* RMSNorm weights of the call's element type: q_norm (H, d) with
+       q_norm_hstride = d, or (d,) shared by every head with 0; k_norm (G, d)
+       or (d,) likewise. d = dk, which must then be the same for every head.
+       y = x / sqrt(mean(x^2) + norm_eps) * w. Gradients dq_norm, dk_norm. */
+    const void *q_norm, *k_norm;
+    size_t q_norm_hstride, k_norm_hstride;
+    double norm_eps;
+    /* RoPE on the first rotary_dim features of each head's q and k (0: off;
+       even, <= every dk). rope_interleaved = 0 pairs feature c with
+       c + rotary_dim / 2 (GPT-NeoX, Llama), 1 pairs (2c, 2c+1) (GPT-J).
+       Pair c turns by the angle pos * inv_freq[c], inv_freq (rotary_dim/2,). */
+    size_t rotary_dim;
+    int rope_interleaved;
+    const double *inv_freq;
+    /* Positions used by RoPE only: positions (B, Tq) with positions_bstride
+       = Tq or (Tq,) with 0; key_positions (B, Tk) / (Tk,) likewise. NULL:
+       the default positions above. */
+    const int64_t *positions, *key_positions;
+    size_t positions_bstride, key_positions_bstride;
+
     /* Optional flag polled between work items; when it becomes nonzero the
        call stops early with MHA_ERR_INTERRUPTED. May be NULL. */
     volatile const int *interrupt;
@@ -164,6 +224,9 @@ mha_status mha_forward_f64(
  *   dx (B, Tq, Din), dkey (B, Tk, Dkin), dvalue (B, Tk, Dvin)
  *   dwq (Din, Sq), dwk (Dkin, Sk), dwv (Dvin, Sv), dwo (Svq, Dout)
  *   dbq (Sq,), dbk (Sk,), dbv (Sv,), dbo (Dout,)
+ *   dsinks (H,)                     with cfg->sinks
+ *   dq_norm, dk_norm                with cfg->q_norm / k_norm, shaped as
+ *                                   they are ((H, dk) or (dk,), (G, dk) or (dk,))
  * dwo is ignored without W^O (cfg->has_wo == 0); biases need not have been
  * given to the forward for their gradient to be computed.
  * Inputs:
@@ -184,6 +247,7 @@ mha_status mha_backward_f32(
     float *dx, float *dkey, float *dvalue,
     float *dwq, float *dwk, float *dwv, float *dwo,
     float *dbq, float *dbk, float *dbv, float *dbo,
+    float *dsinks, float *dq_norm, float *dk_norm,
     const float *dout,
     const float *x, const float *key, const float *value,
     const float *wq, const float *wk, const float *wv, const float *wo,
@@ -193,6 +257,7 @@ mha_status mha_backward_f64(
     double *dx, double *dkey, double *dvalue,
     double *dwq, double *dwk, double *dwv, double *dwo,
     double *dbq, double *dbk, double *dbv, double *dbo,
+    double *dsinks, double *dq_norm, double *dk_norm,
     const double *dout,
     const double *x, const double *key, const double *value,
     const double *wq, const double *wk, const double *wv, const double *wo,

@@ -1294,7 +1294,8 @@ static const shape backward_outs[BWD_NOUTS] = {
     fn(DATA(out[BWD_DX]), dkey, dvalue, DATA(out[BWD_DWQ]),                   \
        DATA(out[BWD_DWK]), DATA(out[BWD_DWV]), DATA(out[BWD_DWO]),            \
        DATA(out[BWD_DBQ]), DATA(out[BWD_DBK]), DATA(out[BWD_DBV]),            \
-       DATA(out[BWD_DBO]), DATA(in[BWD_DOUT]), DATA(in[BWD_X]),               \
+       DATA(out[BWD_DBO]), NULL, NULL, NULL, DATA(in[BWD_DOUT]),              \
+       DATA(in[BWD_X]),                                                       \
        DATA(in[BWD_KEY]), DATA(in[BWD_VALUE]), DATA(in[BWD_WQ]),              \
        DATA(in[BWD_WK]), DATA(in[BWD_WV]), DATA(in[BWD_WO]), DATA(in[BWD_Q]), \
        DATA(in[BWD_K]), DATA(in[BWD_V]), DATA(in[BWD_CONCAT]),                \

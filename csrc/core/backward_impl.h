@@ -34,6 +34,7 @@ typedef struct {
     REAL *dx, *dkey, *dvalue;           /* (B, Tq, Din) (B, Tk, Dkin) (B, Tk, Dvin) */
     REAL *dwq, *dwk, *dwv, *dwo;        /* (Din, Sq) (Dkin, Sk) (Dvin, Sv) (Svq, Dout) */
     REAL *dbq, *dbk, *dbv, *dbo;        /* (Sq,) (Sk,) (Sv,) (Dout,) */
+    REAL *dsinks, *dq_norm, *dk_norm;   /* (H,), as q_norm, as k_norm (mha.h) */
     const REAL *dout;                   /* (B, Tq, Dout) */
     const REAL *x, *key, *value;        /* (B, Tq, Din) (B, Tk, Dkin) (B, Tk, Dvin) */
     const REAL *wq, *wk, *wv, *wo;      /* as the forward's */
@@ -308,6 +309,7 @@ mha_status PICK(mha_backward_f32, mha_backward_f64)(
     REAL *dx, REAL *dkey, REAL *dvalue,
     REAL *dwq, REAL *dwk, REAL *dwv, REAL *dwo,
     REAL *dbq, REAL *dbk, REAL *dbv, REAL *dbo,
+    REAL *dsinks, REAL *dq_norm, REAL *dk_norm,
     const REAL *dout,
     const REAL *x, const REAL *key, const REAL *value,
     const REAL *wq, const REAL *wk, const REAL *wv, const REAL *wo,
@@ -316,7 +318,7 @@ mha_status PICK(mha_backward_f32, mha_backward_f64)(
 {
     // Shapes: see BWD_ARGS above and mha.h.
     BWD_ARGS a = {dx, dkey, dvalue, dwq, dwk, dwv, dwo, dbq, dbk, dbv, dbo,
-                  dout, x, key, value, wq, wk, wv, wo, q, k, v, concat, lse};
+                  dsinks, dq_norm, dk_norm, dout, x, key, value, wq, wk, wv, wo, q, k, v, concat, lse};
     BWD_PLAN p;
     mha_status st = PICK(bwd_plan_f32, bwd_plan_f64)(&p, &a, cfg);
     if (st == MHA_OK)
