@@ -78,6 +78,44 @@ static inline size_t mha_rules_visible_in(size_t end, size_t j0, size_t n)
     return end <= j0 ? 0 : (end - j0 < n ? end - j0 : n);
 }
 
+/* Packed sequences (cfg->nseq > 0): the sequence holding row r of a
+   packed axis with offsets cu (nseq + 1,), i.e. the s with
+   cu[s] <= r < cu[s+1] (the last such s when sequences are empty). The
+   offsets were checked by mha_check_config; a binary search. */
+static inline size_t mha_rules_seq_of(const int64_t *cu, size_t nseq, size_t r)
+{
+    size_t lo = 0, hi = nseq; /* cu[lo] <= r < cu[hi] */
+    while (hi - lo > 1) {
+        const size_t mid = lo + (hi - lo) / 2;
+        if ((uint64_t)cu[mid] <= (uint64_t)r)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+/* The position of query i, p_i = i + (Tk - Tq), within its own sequence
+   when packed: query r of a sequence of nq queries and nk keys sits at
+   r + nk - nq. May be negative (more queries than keys). */
+static inline int64_t mha_rules_query_pos(const mha_config *cfg, size_t i)
+{
+    if (cfg->nseq == 0)
+        return (int64_t)i + ((int64_t)cfg->Tk - (int64_t)cfg->Tq);
+    const size_t s = mha_rules_seq_of(cfg->cu_q, cfg->nseq, i);
+    return ((int64_t)i - cfg->cu_q[s]) +
+           ((cfg->cu_k[s + 1] - cfg->cu_k[s]) - (cfg->cu_q[s + 1] - cfg->cu_q[s]));
+}
+
+/* The position of key j: j, or j's offset within its sequence when
+   packed. */
+static inline int64_t mha_rules_key_pos(const mha_config *cfg, size_t j)
+{
+    if (cfg->nseq == 0)
+        return (int64_t)j;
+    return (int64_t)j - cfg->cu_k[mha_rules_seq_of(cfg->cu_k, cfg->nseq, j)];
+}
+
 /* Element offset of mask[b, h, i, j0] (strides over (B, H, Tq, Tk), 0 where
    the mask broadcasts). */
 static inline ptrdiff_t mha_rules_mask_at(const mha_config *cfg, size_t b,
