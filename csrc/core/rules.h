@@ -202,6 +202,18 @@ static inline void mha_rules_query_range(const mha_config *cfg, size_t len_b,
     *ie = a;
 }
 
+/* 1 when some query row of i0 .. i1 - 1 may see a key of j0 .. j1 - 1: a
+   tile spanning packed sequences has blocks between them that none of its
+   rows sees (the off-diagonal blocks), skipped like the rest. */
+static inline int mha_rules_block_seen(const mha_config *cfg, size_t len_b,
+                                       size_t i0, size_t i1, size_t j0,
+                                       size_t j1)
+{
+    size_t ib, ie;
+    mha_rules_query_range(cfg, len_b, j0, j1, &ib, &ie);
+    return (ib > i0 ? ib : i0) < (ie < i1 ? ie : i1);
+}
+
 /* 1 when key_mask (B, Tk) blocks every key j0 .. j0 + n - 1 of batch item
    b: such a block is skipped, never computed. */
 static inline int mha_rules_keys_masked(const mha_config *cfg, size_t b,
