@@ -21,7 +21,7 @@ import numpy as np
 from . import _C
 from ._args import (_check_numeric, _Heads, _to_array, backward_items, check_memory,
                     normalize, offsets, plan)
-from ._core import Context, head_arrays, make_context, run_core
+from ._core import Context, head_arrays, make_context, run_core, variant_args
 
 __all__ = ["Context", "backward", "multi_head_attention_grad"]
 
@@ -86,12 +86,13 @@ def backward(grad_out, ctx: Context) -> Dict[str, Any]:
 
     biases = ctx.bias_forms
     dk, dv, scales = head_arrays(call)
-    dx, dkey, dvalue, dwq, dwk, dwv, dwo, dbq, dbk, dbv, dbo = _C.backward(
+    (dx, dkey, dvalue, dwq, dwk, dwv, dwo, dbq, dbk, dbv, dbo, dsinks, dq_norm,
+     dk_norm) = _C.backward(
         g, call.x, call.key if call.key_given else None,
         call.value if call.value_given else None,
         call.wq.fused(), call.wk.fused(), call.wv.fused(), call.w_o,
         ctx.q, ctx.k, ctx.v, ctx.concat, ctx.lse, dk, dv, scales, call.mask,
-        call.causal, call.key_lengths, biases["b_q"] is not None,
+        call.causal, call.key_lengths, variant_args(call), biases["b_q"] is not None,
         biases["b_k"] is not None, biases["b_v"] is not None, call.b_o is not None)
 
     grads: Dict[str, Any] = {"x": call.unbatch(dx)}
@@ -110,6 +111,9 @@ def backward(grad_out, ctx: Context) -> Dict[str, Any]:
             grads[name] = _bias_like(gb, biases[name], heads.widths)
     if call.b_o is not None:
         grads["b_o"] = dbo
+    for name, gv in (("sinks", dsinks), ("q_norm", dq_norm), ("k_norm", dk_norm)):
+        if gv is not None:
+            grads[name] = gv
     return grads
 
 
