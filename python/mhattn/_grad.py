@@ -56,7 +56,9 @@ def backward(grad_out, ctx: Context) -> Dict[str, Any]:
     ``grad_out`` has the shape of the forward's ``out``.  The dict maps
     each argument's name to its gradient: 'x', then 'key' and 'value' when
     they were given, 'w_q', 'w_k', 'w_v', then 'w_o', 'b_q', 'b_k', 'b_v',
-    'b_o' when they were given (the mask gets none).  Each gradient has the
+    'b_o' when they were given (the mask gets none), then 'sinks', 'q_norm'
+    and 'k_norm' when they were given (ALiBi slopes, positions and the
+    key mask get none).  Each gradient has the
     form its argument came in (fused, stacked or a per-head list; batched or
     not), as new arrays of the compute dtype.  A per-head list gets one
     gradient per position, even where one array fills several positions
@@ -120,7 +122,11 @@ def backward(grad_out, ctx: Context) -> Dict[str, Any]:
 def multi_head_attention_grad(grad_out, x, w_q, w_k, w_v, w_o=None, *, num_heads=None,
                               key=None, value=None, scale=None, mask=None, causal=False,
                               key_lengths=None, num_kv_heads=None, b_q=None, b_k=None,
-                              b_v=None, b_o=None) -> Dict[str, Any]:
+                              b_v=None, b_o=None, window=None, softcap=None,
+                              alibi_slopes=None, sinks=None, q_norm=None, k_norm=None,
+                              norm_eps=1e-6, rope=None, positions=None,
+                              key_positions=None, key_mask=None, cu_seqlens=None,
+                              key_cu_seqlens=None) -> Dict[str, Any]:
     """Gradients of multi_head_attention with respect to each array argument.
 
     multi_head_attention_grad(grad_out, x, w_q, w_k, w_v, w_o=None, **keywords)
@@ -134,10 +140,23 @@ def multi_head_attention_grad(grad_out, x, w_q, w_k, w_v, w_o=None, *, num_heads
     O(T d) state) and then the backward pass; to reuse a forward pass, call
     ``multi_head_attention(..., return_context=True)`` and
     :func:`mhattn.backward`.
+
+    Examples
+    --------
+    >>> tokens, X, w_q, w_k, w_v, w_o = mhattn.worked_example()
+    >>> g = mhattn.multi_head_attention_grad(np.ones((3, 4)), X, w_q, w_k, w_v, w_o,
+    ...                                      sinks=np.zeros(2))
+    >>> sorted(g)
+    ['sinks', 'w_k', 'w_o', 'w_q', 'w_v', 'x']
     """
     call = normalize(x, w_q, w_k, w_v, w_o, num_heads=num_heads, key=key, value=value,
                      scale=scale, mask=mask, causal=causal, key_lengths=key_lengths,
-                     num_kv_heads=num_kv_heads, b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o)
+                     num_kv_heads=num_kv_heads, b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o,
+                     window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                     sinks=sinks, q_norm=q_norm, k_norm=k_norm, norm_eps=norm_eps,
+                     rope=rope, positions=positions, key_positions=key_positions,
+                     key_mask=key_mask, cu_seqlens=cu_seqlens,
+                     key_cu_seqlens=key_cu_seqlens)
     # The forward's kept state lives on through the backward: both must fit.
     check_memory(plan(call, keep=True) + backward_items(call, _C.get_num_threads()))
     _, _, extras = run_core(call, keep=True)
