@@ -262,9 +262,11 @@ static void PICK(rules_score_row_f32, rules_score_row_f64)(
     // Softcap and ALiBi read no memory, so they run whole vectors up to e
     // rounded up (<= npad); the lanes past e become -inf below.
     if (cfg->softcap > 0 && a < e) {
+        // s / c as s * (1 / c): within an ulp, and no division per lane.
         const VEC c = VSET1((REAL)cfg->softcap), one = VSET1(1);
+        const VEC inv_c = VSET1((REAL)(1.0 / cfg->softcap));
         for (j = a0; j < e; j += VLEN) {
-            const VEC t = VTANH(VDIV(VLOAD(s + j), c));
+            const VEC t = VTANH(VMUL(VLOAD(s + j), inv_c));
             VSTORE(s + j, VMUL(c, t));
             if (dcap != NULL)
                 VSTORE(dcap + j, VFNMA(t, t, one));
