@@ -398,6 +398,12 @@ static mha_status run_fwd(const prob *P, int f64, const fwd_out *o)
     size_t n[7];
     fwd_sizes(P, n);
     mha_config cfg = P->cfg;
+    // Every output starts as NaN: an element the core leaves unwritten
+    // fails the comparisons.
+    double *od0[7] = {o->out, o->w, o->lse, o->q, o->k, o->v, o->cat};
+    for (int t = 0; t < 7; t++)
+        for (size_t e = 0; od0[t] != NULL && e < n[t]; e++)
+            od0[t][e] = NAN;
     if (f64) {
         cfg.sinks = P->sp.sinks ? P->sinks : NULL;
         return mha_forward_f64(o->out, o->w, o->q, o->k, o->v, o->cat, o->lse,
@@ -414,8 +420,11 @@ static mha_status run_fwd(const prob *P, int f64, const fwd_out *o)
         cfg.mask = maskd;
     cfg.sinks = P->sp.sinks ? sinks : NULL;
     float *of[7];
-    for (int t = 0; t < 7; t++)
+    for (int t = 0; t < 7; t++) {
         of[t] = xcalloc(n[t], sizeof(float));
+        for (size_t e = 0; e < n[t]; e++)
+            of[t][e] = NAN;
+    }
     const mha_status st = mha_forward_f32(of[0], of[1], of[3], of[4], of[5], of[6],
                                           of[2], x, key, value, wq, wk, wv, wo,
                                           NULL, NULL, NULL, NULL, &cfg);
