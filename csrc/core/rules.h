@@ -147,13 +147,14 @@ static inline void mha_rules_key_range(const mha_config *cfg, size_t i,
     int64_t a = 0, e = nk; /* within the sequence: 0 <= a, e <= nk */
     if (cfg->causal && p + 1 < e)
         e = p + 1;
-    // p < nk, p >= -Tq and |left|, |right| < nk here: no overflow.
-    if (cfg->windowed && cfg->window_right >= 0 && cfg->window_right < nk &&
-        p + cfg->window_right + 1 < e)
-        e = p + cfg->window_right + 1;
-    if (cfg->windowed && cfg->window_left >= 0 && cfg->window_left < nk &&
-        p - cfg->window_left > a)
-        a = p - cfg->window_left;
+    // -Tq <= p < nk, both within MHA_MAX_ELEMS: e - p - 1 and p - a fit
+    // in int64_t, and comparing a side with them first keeps p + right
+    // and p - left from overflowing.
+    const int64_t right = cfg->window_right, left = cfg->window_left;
+    if (cfg->windowed && right >= 0 && right < e - p - 1)
+        e = p + right + 1;
+    if (cfg->windowed && left >= 0 && left < p - a)
+        a = p - left;
     e = e < 0 ? 0 : e;
     size_t h = (size_t)(base + e), l = (size_t)(base + a);
     h = h < len_b ? h : len_b;
