@@ -16,69 +16,17 @@ import numbers
 import os
 import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence
 
 import numpy as np
 
+from ._arrays import _check_numeric, _shape, _to_array
+from ._variants import VARIANT_DEFAULTS, Variants, normalize_variants, variant_floats
+
 __all__ = ["Call", "normalize", "compute_dtype", "check_memory", "core_items",
            "memory_limit", "plan", "bool_arg", "fused_widths", "head_scales",
            "offsets", "PER_HEAD_BYTES", "backward_items", "ambiguous_mask"]
-
-
-def _shape(a: Any) -> str:
-    s = getattr(a, "shape", None)
-    if s is not None:
-        return str(tuple(s))
-    return type(a).__name__
-
-
-def _to_array(name: str, obj: Any) -> np.ndarray:
-    """np.asarray with errors that name the argument; never copies arrays."""
-    if obj is None:
-        raise TypeError(f"{name}: expected an array, got None")
-    if isinstance(obj, np.ndarray):
-        if type(obj) is np.ndarray:
-            return obj
-        # Subclasses (np.matrix, np.memmap, user classes) are read through a
-        # plain ndarray view, so their overrides of indexing or arithmetic
-        # cannot change what the core sees. A masked array's mask would be
-        # silently dropped, so it is refused instead.
-        import numpy.ma
-        if isinstance(obj, numpy.ma.MaskedArray):
-            raise TypeError(f"{name}: masked arrays are not supported; pass "
-                            f"{name}.filled(...) and express the mask with mask= "
-                            "or key_lengths=")
-        return np.asarray(obj)
-    if isinstance(obj, (str, bytes, dict, set)):
-        raise TypeError(f"{name}: expected an array of numbers, got {type(obj).__name__}")
-    if getattr(obj, "requires_grad", False) is True and hasattr(obj, "detach"):
-        # torch refuses to share the memory of a tensor in the autograd graph
-        # (its RuntimeError would name no argument); mhattn does not detach
-        # silently, since no gradient would flow back to it.
-        raise TypeError(f"{name}: a torch tensor that requires grad cannot be read as "
-                        f"a NumPy array; pass {name}.detach() (mhattn's gradients come "
-                        "from mhattn.backward, not from autograd)")
-    try:
-        arr = np.asarray(obj)
-    except (ValueError, TypeError) as exc:
-        raise TypeError(f"{name}: cannot be read as an array of numbers ({exc})") from None
-    return arr
-
-
-def _check_numeric(name: str, arr: np.ndarray) -> None:
-    kind = arr.dtype.kind
-    if kind in "iuf":
-        if kind == "f" and arr.dtype.itemsize > 8:
-            raise TypeError(
-                f"{name}: dtype {arr.dtype} is not supported; mhattn computes in "
-                "float32 or float64 (cast with .astype(np.float64))")
-        return
-    what = {"b": "bool", "c": "complex", "O": "object", "U": "string", "S": "bytes",
-            "V": "structured", "M": "datetime", "m": "timedelta"}.get(kind, str(arr.dtype))
-    raise TypeError(
-        f"{name}: dtype {arr.dtype} ({what}) is not supported; pass real numbers "
-        "(float32 or float64; integers are promoted to float64)")
 
 
 def compute_dtype(arrays: Sequence[np.ndarray]) -> np.dtype:
@@ -395,6 +343,8 @@ class Call:
     Sk: int
     Sv: int
     Svq: int
+    # The variants of today's models (mhattn._variants): all off by default.
+    var: Variants = field(default_factory=Variants)
 
     @property
     def B(self) -> int:
@@ -444,7 +394,7 @@ def _cols(widths: Sequence[int], i: int) -> slice:
 
 def core_items(B: int, Tq: int, Tk: int, H: int, Sq: int, Sk: int, Sv: int,
                Svq: int, d_out: int, has_wo: bool, dtype: np.dtype, *,
-               weights: bool = False, keep: bool = False) -> list:
+               weights: bool = False, keep: bool = False, transforms: bool = False) -> list:
     """What the C core allocates for a call (see csrc/mha.h), for check_memory."""
     n = dtype.itemsize
     items = [("out", "B*T_q*d_out", (B, Tq, d_out), n),
@@ -457,6 +407,9 @@ def core_items(B: int, Tq: int, Tk: int, H: int, Sq: int, Sk: int, Sv: int,
         items.append(("return_weights=True", "B*h*T_q*T_k", (B, H, Tq, Tk), n))
     if keep:
         items.append(("the log-sum-exp", "B*h*T_q", (B, H, Tq), n))
+    if transforms:
+        items.append(("the normed / rotated q and k", "B*T_q*sum(d_k) + B*T_k*sum(d_k)",
+                      (B * Tq * Sq + B * Tk * Sk,), n))
     return items
 
 
@@ -496,6 +449,9 @@ def backward_items(call: "Call", threads: int) -> list:
     if call.w_o is not None:
         items += [("the gradient of w_o", "sum(d_v)*d_out", (Svq, d_out), n),
                   ("the backward's d(concat)", "B*T_q*sum(d_v)", (B, Tq, Svq), n)]
+    if call.var.transforms:
+        items.append(("the backward's normed / rotated q and k",
+                      "B*T_q*sum(d_k) + B*T_k*sum(d_k)", (B * Tq * Sq + B * Tk * Sk,), n))
     return items
 
 
@@ -722,8 +678,15 @@ def _cast_list(bl: Optional[List[np.ndarray]], dtype: np.dtype) -> Optional[List
 
 def normalize(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=None,
               scale=None, mask=None, causal=False, key_lengths=None,
-              num_kv_heads=None, b_q=None, b_k=None, b_v=None, b_o=None) -> Call:
-    """Check every argument and return the canonical :class:`Call`."""
+              num_kv_heads=None, b_q=None, b_k=None, b_v=None, b_o=None,
+              **variants) -> Call:
+    """Check every argument and return the canonical :class:`Call`.
+
+    ``variants``: the keywords of :data:`mhattn._variants.VARIANT_DEFAULTS`
+    (window, softcap, ..., key_cu_seqlens); any other name is a TypeError."""
+    unknown = sorted(set(variants) - set(VARIANT_DEFAULTS))
+    if unknown:
+        raise TypeError(f"unexpected keyword argument {unknown[0]!r}")
     num_heads = _int_arg("num_heads", num_heads)
     num_kv_heads = _int_arg("num_kv_heads", num_kv_heads)
     xa, ka, va, batched = _sources(x, key, value)
@@ -751,6 +714,7 @@ def normalize(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=Non
     for bl in (bq, bk, bv):
         if bl is not None:
             floats.extend(bl)
+    floats += variant_floats(variants)
     dtype = compute_dtype(floats)
     B = xa.shape[0] if batched else 1
     Tq, Tk = xa.shape[-2], ka.shape[-2]
@@ -763,6 +727,9 @@ def normalize(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=Non
     bool_arg("causal", causal)
     mask_v = _normalize_mask(mask, batched, B, H, Tq, Tk, dtype)
     kl = _normalize_lengths(key_lengths, batched, B, Tk)
+    var = normalize_variants(variants, batched=batched, B=B, Tq=Tq, Tk=Tk, H=H, G=G,
+                             dk=dk, dtype=dtype, key_given=key is not None,
+                             key_lengths=key_lengths)
     xb = xa if batched else xa[np.newaxis]
     kb = ka if batched else ka[np.newaxis]
     vb = va if batched else va[np.newaxis]
@@ -776,7 +743,7 @@ def normalize(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=Non
         b_o=None if bo is None else _cast(bo, dtype),
         H=H, G=G, dk=dk, dv=dv, scales=scales, causal=bool(causal),
         mask=mask_v, key_lengths=kl,
-        Sq=Sq, Sk=Sk, Sv=Sv, Svq=Svq)
+        Sq=Sq, Sk=Sk, Sv=Sv, Svq=Svq, var=var)
 
 
 def _needs_copy(a: np.ndarray) -> bool:
@@ -789,7 +756,7 @@ def plan(call: Call, *, want_weights: bool = False, keep: bool = False) -> list:
     n = call.dtype.itemsize
     items = core_items(call.B, call.Tq, call.Tk, call.H, call.Sq, call.Sk, call.Sv,
                        call.Svq, call.d_out, call.w_o is not None, call.dtype,
-                       weights=want_weights, keep=keep)
+                       weights=want_weights, keep=keep, transforms=call.var.transforms)
     for name, a in (("x", call.x), ("key", call.key), ("value", call.value),
                     ("w_o", call.w_o)):
         if a is not None and _needs_copy(a):

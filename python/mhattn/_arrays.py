@@ -1,0 +1,65 @@
+"""Reading a caller's object as an array, with errors that name the argument.
+
+The lowest layer of argument checking: :mod:`mhattn._args` and
+:mod:`mhattn._variants` are built on it.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+def _shape(a: Any) -> str:
+    s = getattr(a, "shape", None)
+    if s is not None:
+        return str(tuple(s))
+    return type(a).__name__
+
+
+def _to_array(name: str, obj: Any) -> np.ndarray:
+    """np.asarray with errors that name the argument; never copies arrays."""
+    if obj is None:
+        raise TypeError(f"{name}: expected an array, got None")
+    if isinstance(obj, np.ndarray):
+        if type(obj) is np.ndarray:
+            return obj
+        # Subclasses (np.matrix, np.memmap, user classes) are read through a
+        # plain ndarray view, so their overrides of indexing or arithmetic
+        # cannot change what the core sees. A masked array's mask would be
+        # silently dropped, so it is refused instead.
+        import numpy.ma
+        if isinstance(obj, numpy.ma.MaskedArray):
+            raise TypeError(f"{name}: masked arrays are not supported; pass "
+                            f"{name}.filled(...) and express the mask with mask= "
+                            "or key_lengths=")
+        return np.asarray(obj)
+    if isinstance(obj, (str, bytes, dict, set)):
+        raise TypeError(f"{name}: expected an array of numbers, got {type(obj).__name__}")
+    if getattr(obj, "requires_grad", False) is True and hasattr(obj, "detach"):
+        # torch refuses to share the memory of a tensor in the autograd graph
+        # (its RuntimeError would name no argument); mhattn does not detach
+        # silently, since no gradient would flow back to it.
+        raise TypeError(f"{name}: a torch tensor that requires grad cannot be read as "
+                        f"a NumPy array; pass {name}.detach() (mhattn's gradients come "
+                        "from mhattn.backward, not from autograd)")
+    try:
+        arr = np.asarray(obj)
+    except (ValueError, TypeError) as exc:
+        raise TypeError(f"{name}: cannot be read as an array of numbers ({exc})") from None
+    return arr
+
+
+def _check_numeric(name: str, arr: np.ndarray) -> None:
+    kind = arr.dtype.kind
+    if kind in "iuf":
+        if kind == "f" and arr.dtype.itemsize > 8:
+            raise TypeError(
+                f"{name}: dtype {arr.dtype} is not supported; mhattn computes in "
+                "float32 or float64 (cast with .astype(np.float64))")
+        return
+    what = {"b": "bool", "c": "complex", "O": "object", "U": "string", "S": "bytes",
+            "V": "structured", "M": "datetime", "m": "timedelta"}.get(kind, str(arr.dtype))
+    raise TypeError(
+        f"{name}: dtype {arr.dtype} ({what}) is not supported; pass real numbers "
+        "(float32 or float64; integers are promoted to float64)")

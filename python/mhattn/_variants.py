@@ -1,0 +1,424 @@
+"""The variants of today's models: their checks, in one place.
+
+:func:`normalize_variants` turns the keywords ``window``, ``softcap``,
+``alibi_slopes``, ``sinks``, ``q_norm``, ``k_norm``, ``norm_eps``, ``rope``,
+``positions``, ``key_positions``, ``key_mask``, ``cu_seqlens`` and
+``key_cu_seqlens`` into one :class:`Variants`, held by the checked
+:class:`mhattn._args.Call` as ``call.var``.  Every error names the argument
+and the shapes it saw.  Letters follow ``csrc/mha.h``.
+
+The order of a score's life, which the reference, the trace and the C core
+all follow:
+
+ 1. project, plus bias;          7. + ALiBi + additive mask;
+ 2. q/k RMSNorm;                 8. the visibility rules (mask, causal,
+ 3. RoPE;                           window, key_mask, key_lengths,
+ 4. q . k;                          packed sequences): -inf;
+ 5. x scale;                     9. softmax, with sinks;
+ 6. softcap: c tanh(s / c);     10. . V;  11. concat;  12. W^O.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from ._arrays import _check_numeric, _to_array
+
+__all__ = ["RoPE", "Variants", "normalize_variants", "VARIANT_DEFAULTS", "variants_off",
+           "query_positions", "key_positions_of", "sequence_ids"]
+
+#: Every variant keyword and its default (off).
+VARIANT_DEFAULTS = dict(window=None, softcap=None, alibi_slopes=None, sinks=None,
+                        q_norm=None, k_norm=None, norm_eps=1e-6, rope=None,
+                        positions=None, key_positions=None, key_mask=None,
+                        cu_seqlens=None, key_cu_seqlens=None)
+
+
+def variants_off(v: dict) -> bool:
+    """Whether every keyword in ``v`` is at its default (off): O(1), for the
+    fast branch."""
+    for name, value in v.items():
+        if value is not None and not (name == "norm_eps" and value == 1e-6):
+            return False
+    return True
+
+
+class RoPE:
+    """Rotary position embedding of q and k (after the q/k norm, before the scale).
+
+    RoPE(theta=10000.0, rotary_dim=None, interleaved=False, inv_freq=None)
+
+    Parameters
+    ----------
+    theta : float, default 10000.0
+        Base of the frequencies ``theta ** (-2 c / rotary_dim)``, c = 0 ..
+        rotary_dim/2 - 1.
+    rotary_dim : int, optional
+        How many leading features of each head turn (even, <= d_k); the
+        rest pass unchanged.  Default: all d_k of them.
+    interleaved : bool, default False
+        False pairs feature c with c + rotary_dim/2, the rotate-half of
+        GPT-NeoX and Llama; True pairs (2c, 2c+1), as in GPT-J and RoFormer.
+    inv_freq : (rotary_dim/2,) array, optional
+        The frequencies themselves, overriding theta: Llama 3's or YaRN's
+        scaled frequencies, or a model's ``rotary_emb.inv_freq``.
+
+    Pair c of a row at position p turns by the angle ``p * inv_freq[c]``:
+    ``(a, b) -> (a cos - b sin, a sin + b cos)``.  Positions are p_i for
+    queries and j for keys unless ``positions=`` / ``key_positions=`` say
+    otherwise.
+
+    Examples
+    --------
+    >>> rope = mhattn.RoPE(theta=500000.0)
+    >>> out = mhattn.multi_head_attention(x, w_q, w_k, w_v, w_o, num_heads=8,
+    ...                                   causal=True, rope=rope)
+    """
+
+    def __init__(self, theta: float = 10000.0, rotary_dim: Optional[int] = None,
+                 interleaved: bool = False, inv_freq: Any = None):
+        if isinstance(theta, bool) or not isinstance(theta, numbers.Real):
+            raise TypeError(f"RoPE: theta must be a real number, got {theta!r}")
+        if not (math.isfinite(float(theta)) and float(theta) > 1.0):
+            raise ValueError(f"RoPE: theta must be a finite number > 1, got {theta!r}")
+        if rotary_dim is not None:
+            if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, numbers.Integral):
+                raise TypeError(f"rotary_dim: expected an int or None, got {rotary_dim!r}")
+            if rotary_dim <= 0 or rotary_dim % 2:
+                raise ValueError(f"rotary_dim: must be even and positive, got {rotary_dim}")
+        if not isinstance(interleaved, (bool, np.bool_)):
+            raise TypeError(f"RoPE: interleaved must be a bool, got {interleaved!r}")
+        self.theta = float(theta)
+        self.rotary_dim = None if rotary_dim is None else int(rotary_dim)
+        self.interleaved = bool(interleaved)
+        if inv_freq is not None:
+            f = np.array(inv_freq, dtype=np.float64)
+            if f.ndim != 1 or f.size == 0 or not np.isfinite(f).all():
+                raise ValueError(f"inv_freq: expected a 1-D array of finite numbers, "
+                                 f"got shape {f.shape}")
+            if self.rotary_dim is not None and f.size * 2 != self.rotary_dim:
+                raise ValueError(f"inv_freq: expected shape ({self.rotary_dim // 2},) "
+                                 f"(rotary_dim/2), got {f.shape}")
+            f.flags.writeable = False
+            inv_freq = f
+        self.inv_freq = inv_freq
+
+    def __repr__(self) -> str:
+        extra = "" if self.inv_freq is None else f", inv_freq=<{self.inv_freq.size}>"
+        return (f"RoPE(theta={self.theta!r}, rotary_dim={self.rotary_dim!r}, "
+                f"interleaved={self.interleaved!r}{extra})")
+
+    def frequencies(self, rotary_dim: int) -> np.ndarray:
+        """(rotary_dim/2,) float64: inv_freq, or theta ** (-2c / rotary_dim)."""
+        if self.inv_freq is not None:
+            return self.inv_freq
+        return 1.0 / self.theta ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)
+
+
+@dataclass
+class Variants:
+    """The checked variants of one call (all off by default).
+
+    Shapes use the call's batched letters, even for an unbatched call.
+    """
+    window: Optional[tuple] = None           # (left, right), each int >= 0 or None
+    softcap: Optional[float] = None          # > 0
+    alibi: Optional[np.ndarray] = None       # (B, H) or (1, H) float64
+    sinks: Optional[np.ndarray] = None       # (H,) compute dtype
+    q_norm: Optional[np.ndarray] = None      # (d_k,) or (H, d_k) compute dtype
+    k_norm: Optional[np.ndarray] = None      # (d_k,) or (G, d_k)
+    norm_eps: float = 1e-6
+    rotary_dim: int = 0                      # 0: no RoPE
+    interleaved: bool = False
+    inv_freq: Optional[np.ndarray] = None    # (rotary_dim/2,) float64
+    positions: Optional[np.ndarray] = None   # (B, Tq) or (1, Tq) int64
+    key_positions: Optional[np.ndarray] = None  # (B, Tk) or (1, Tk) int64
+    key_mask: Optional[np.ndarray] = None    # (B, Tk) bool
+    cu_q: Optional[np.ndarray] = None        # (n+1,) int64: packed sequences (B == 1)
+    cu_k: Optional[np.ndarray] = None        # (n+1,) int64
+
+    @property
+    def any(self) -> bool:
+        """Whether any variant is on."""
+        return (self.window is not None or self.softcap is not None
+                or self.alibi is not None or self.sinks is not None
+                or self.key_mask is not None or self.packed or self.transforms)
+
+    @property
+    def transforms(self) -> bool:
+        """Whether q or k is transformed (norm or RoPE) before the scores."""
+        return self.q_norm is not None or self.k_norm is not None or self.rotary_dim > 0
+
+    @property
+    def packed(self) -> bool:
+        return self.cu_q is not None
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a = np.ascontiguousarray(a)
+    if a.flags.writeable and a.base is None:
+        a.flags.writeable = False
+    return a
+
+
+def _real_array(name: str, obj: Any) -> np.ndarray:
+    a = _to_array(name, obj)
+    _check_numeric(name, a)
+    return a
+
+
+def _window(window: Any) -> Optional[tuple]:
+    if window is None:
+        return None
+    if isinstance(window, (str, bytes)) or not isinstance(window, Sequence) \
+            and not isinstance(window, np.ndarray):
+        raise TypeError(f"window: expected (left, right), each an int >= 0 or None, "
+                        f"got {window!r}; Mistral's sliding_window=W is window=(W-1, 0)")
+    sides = list(window)
+    if len(sides) != 2:
+        raise ValueError(f"window: expected (left, right), got {len(sides)} values "
+                         f"{window!r}; Mistral's sliding_window=W is window=(W-1, 0)")
+    out = []
+    for side, v in zip(("left", "right"), sides):
+        if v is None:
+            out.append(None)
+            continue
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (numbers.Integral, np.integer)):
+            raise TypeError(f"window: the {side} side must be an int >= 0 or None, got {v!r}")
+        if v < 0:
+            raise ValueError(f"window: the {side} side must be >= 0 (None for unbounded), "
+                             f"got {int(v)}")
+        if v > 2 ** 62:
+            raise ValueError(f"window: the {side} side {int(v)} is too large; "
+                             "None means unbounded")
+        out.append(int(v))
+    return tuple(out)
+
+
+def _softcap(softcap: Any) -> Optional[float]:
+    if softcap is None:
+        return None
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(
+            softcap, (numbers.Real, np.floating, np.integer)):
+        raise TypeError(f"softcap: expected a positive real number or None, got {softcap!r}")
+    c = float(softcap)
+    if not (math.isfinite(c) and c > 0):
+        raise ValueError(f"softcap: must be a finite number > 0, got {softcap!r}")
+    return c
+
+
+def _per_head(name: str, obj: Any, H: int, B: int, batched: bool, dtype) -> np.ndarray:
+    """(H,) or, batched, (B, H) as (B or 1, H) of dtype."""
+    a = _real_array(name, obj)
+    forms = f"({H},) (one per query head)" + (f" or ({B}, {H})" if batched else "")
+    if a.shape == (H,):
+        a = a[np.newaxis]
+    elif not (batched and a.shape == (B, H)):
+        raise ValueError(f"{name}: expected shape {forms}, got {a.shape}")
+    a = a.astype(dtype)
+    if not np.isfinite(a).all():
+        raise ValueError(f"{name}: every value must be finite")
+    return _frozen(a)
+
+
+def _norm_weight(name: str, obj: Any, heads: int, head_word: str, dk: Sequence[int],
+                 dtype) -> Optional[np.ndarray]:
+    if obj is None:
+        return None
+    a = _real_array(name, obj)
+    if len(set(dk)) != 1:
+        raise ValueError(f"{name}: needs every head to have the same d_k; the heads "
+                         f"have widths {list(dk)}")
+    d = dk[0]
+    if a.shape not in ((d,), (heads, d)):
+        raise ValueError(f"{name}: expected shape ({d},) (d_k, shared by every head) or "
+                         f"({heads}, {d}) (one row per {head_word}), got {a.shape}")
+    return _frozen(a.astype(dtype))
+
+
+def _eps(norm_eps: Any) -> float:
+    if isinstance(norm_eps, (bool, np.bool_)) or not isinstance(
+            norm_eps, (numbers.Real, np.floating, np.integer)):
+        raise TypeError(f"norm_eps: expected a real number >= 0, got {norm_eps!r}")
+    e = float(norm_eps)
+    if not (math.isfinite(e) and e >= 0):
+        raise ValueError(f"norm_eps: must be a finite number >= 0, got {norm_eps!r}")
+    return e
+
+
+def _rope(rope: Any, dk: Sequence[int]) -> tuple:
+    """(rotary_dim, interleaved, inv_freq) of a RoPE, checked against d_k."""
+    if rope is None:
+        return 0, False, None
+    if not isinstance(rope, RoPE):
+        raise TypeError(f"rope: expected mhattn.RoPE(...) or None, got {type(rope).__name__}")
+    rd = rope.rotary_dim
+    if rd is None:
+        if rope.inv_freq is not None:
+            rd = 2 * rope.inv_freq.size
+        elif len(set(dk)) == 1:
+            rd = dk[0]
+        else:
+            raise ValueError(f"rope: the heads have widths {list(dk)}; give "
+                             "RoPE(rotary_dim=...) <= the smallest")
+    if rd % 2 or rd <= 0:
+        raise ValueError(f"rotary_dim: must be even and positive, got {rd} "
+                         f"(the heads' d_k is {min(dk)})")
+    if rd > min(dk):
+        raise ValueError(f"rotary_dim: {rd} is more than d_k = {min(dk)}")
+    f = rope.frequencies(rd)
+    if f.size * 2 != rd:
+        raise ValueError(f"inv_freq: expected shape ({rd // 2},) (rotary_dim/2), got {f.shape}")
+    return rd, rope.interleaved, _frozen(np.asarray(f, dtype=np.float64))
+
+
+def _positions(name: str, obj: Any, B: int, T: int, batched: bool, what: str
+               ) -> Optional[np.ndarray]:
+    if obj is None:
+        return None
+    a = _to_array(name, obj)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{name}: expected integers, got dtype {a.dtype}")
+    if a.shape == (T,):
+        a = a[np.newaxis]
+    elif not (batched and a.shape == (B, T)):
+        forms = f"({T},)" + (f" or ({B}, {T})" if batched else "")
+        raise ValueError(f"{name}: expected shape {forms}, one per {what}, got {a.shape}")
+    if a.dtype.kind == "u" and a.size and a.max() > np.iinfo(np.int64).max:
+        raise ValueError(f"{name}: positions above 2**63 - 1")
+    return _frozen(a.astype(np.int64))
+
+
+def _key_mask(key_mask: Any, B: int, Tk: int, batched: bool) -> Optional[np.ndarray]:
+    if key_mask is None:
+        return None
+    m = _to_array("key_mask", key_mask)
+    if m.dtype.kind != "b":
+        raise TypeError(f"key_mask: expected a bool array (True = a real key), got "
+                        f"dtype {m.dtype}")
+    forms = f"({Tk},)" + (f" or ({B}, {Tk})" if batched else "")
+    if m.shape == (Tk,):
+        m = np.broadcast_to(m, (B, Tk))
+    elif not (batched and m.shape == (B, Tk)):
+        raise ValueError(f"key_mask: expected shape {forms} (True = a real key), "
+                         f"got {m.shape}")
+    return _frozen(np.array(m, dtype=np.bool_))
+
+
+def _offsets(name: str, obj: Any, total: int, what: str) -> np.ndarray:
+    a = _to_array(name, obj)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{name}: expected integer offsets, got dtype {a.dtype}")
+    if a.ndim != 1 or a.size < 2:
+        raise ValueError(f"{name}: expected a 1-D array (n+1,) of offsets [0, ..., "
+                         f"{total}], got shape {a.shape}")
+    a = a.astype(np.int64)
+    if a[0] != 0:
+        raise ValueError(f"{name}: must start at 0, got {a[0]}")
+    if (np.diff(a) < 0).any():
+        k = int(np.argmax(np.diff(a) < 0))
+        raise ValueError(f"{name}: must be non-decreasing, but {name}[{k}] = {a[k]} > "
+                         f"{name}[{k + 1}] = {a[k + 1]}")
+    if a[-1] != total:
+        raise ValueError(f"{name}: must end at {total} (the {what}), got {a[-1]}")
+    return _frozen(a)
+
+
+def _packing(cu_seqlens: Any, key_cu_seqlens: Any, batched: bool, Tq: int, Tk: int,
+             key_given: bool, key_lengths: Any) -> tuple:
+    if cu_seqlens is None:
+        if key_cu_seqlens is not None:
+            raise ValueError("key_cu_seqlens: given without cu_seqlens")
+        return None, None
+    if batched:
+        raise ValueError("cu_seqlens: packed sequences take a 2-D x of shape (total, d_in); "
+                         "got a batched (B, T, d_in) x")
+    if key_lengths is not None:
+        raise ValueError("key_lengths: not with cu_seqlens (each sequence's keys are "
+                         "its own); pad with key_mask= instead")
+    cu_q = _offsets("cu_seqlens", cu_seqlens, Tq, "rows of x")
+    if key_cu_seqlens is None:
+        if key_given and Tk != Tq:
+            raise ValueError(f"key_cu_seqlens: required for packed cross-attention "
+                             f"(key has {Tk} rows, x has {Tq})")
+        return cu_q, cu_q
+    cu_k = _offsets("key_cu_seqlens", key_cu_seqlens, Tk, "rows of key")
+    if cu_k.size != cu_q.size:
+        raise ValueError(f"key_cu_seqlens: has {cu_k.size - 1} sequences but cu_seqlens "
+                         f"has {cu_q.size - 1}")
+    return cu_q, cu_k
+
+
+def normalize_variants(v: dict, *, batched: bool, B: int, Tq: int, Tk: int, H: int,
+                       G: int, dk: Sequence[int], dtype, key_given: bool,
+                       key_lengths: Any) -> Variants:
+    """The checked :class:`Variants` of the keywords in ``v`` (names as in
+    VARIANT_DEFAULTS; missing ones are off)."""
+    get = lambda n: v.get(n, VARIANT_DEFAULTS[n])  # noqa: E731
+    cu_q, cu_k = _packing(get("cu_seqlens"), get("key_cu_seqlens"), batched, Tq, Tk,
+                          key_given, key_lengths)
+    rd, inter, freq = _rope(get("rope"), dk)
+    pos = _positions("positions", get("positions"), B, Tq, batched, "query row")
+    kpos = _positions("key_positions", get("key_positions"), B, Tk, batched, "key row")
+    if rd == 0 and (pos is not None or kpos is not None):
+        raise ValueError(f"{'positions' if pos is not None else 'key_positions'}: "
+                         "positions are used by RoPE only; pass rope=mhattn.RoPE(...)")
+    alibi = get("alibi_slopes")
+    sinks = get("sinks")
+    return Variants(
+        window=_window(get("window")), softcap=_softcap(get("softcap")),
+        alibi=None if alibi is None else _per_head("alibi_slopes", alibi, H, B, batched,
+                                                   np.float64),
+        sinks=None if sinks is None else _per_head("sinks", sinks, H, 1, False, dtype)[0],
+        q_norm=_norm_weight("q_norm", get("q_norm"), H, "query head", dk, dtype),
+        k_norm=_norm_weight("k_norm", get("k_norm"), G, "key/value head", dk, dtype),
+        norm_eps=_eps(get("norm_eps")), rotary_dim=rd, interleaved=inter, inv_freq=freq,
+        positions=pos, key_positions=kpos,
+        key_mask=_key_mask(get("key_mask"), B, Tk, batched), cu_q=cu_q, cu_k=cu_k)
+
+
+def variant_floats(v: dict) -> list:
+    """The learnable variants given as arrays (sinks, q_norm, k_norm): they
+    take part in choosing the compute dtype, as the biases do."""
+    out = []
+    for n in ("sinks", "q_norm", "k_norm"):
+        a = v.get(n)
+        if a is not None:
+            out.append(_real_array(n, a))
+    return out
+
+
+def sequence_ids(cu: np.ndarray, total: int) -> np.ndarray:
+    """(total,) int: the packed sequence each row belongs to."""
+    return np.searchsorted(cu, np.arange(total), side="right") - 1
+
+
+def query_positions(var: Variants, B: int, Tq: int, Tk: int, *,
+                    for_rope: bool = True) -> np.ndarray:
+    """(B, Tq) int64: each query's position: p_i = i + (T_k - T_q), within
+    its own sequence when packed, or ``positions=`` for RoPE."""
+    if for_rope and var.positions is not None:
+        return np.broadcast_to(var.positions, (B, Tq))
+    i = np.arange(Tq, dtype=np.int64)
+    if var.packed:
+        s = sequence_ids(var.cu_q, Tq)
+        nq, nk = np.diff(var.cu_q), np.diff(var.cu_k)
+        p = i - var.cu_q[s] + (nk[s] - nq[s])
+    else:
+        p = i + (Tk - Tq)
+    return np.broadcast_to(p, (B, Tq))
+
+
+def key_positions_of(var: Variants, B: int, Tk: int, *, for_rope: bool = True) -> np.ndarray:
+    """(B, Tk) int64: each key's position j (within its sequence when
+    packed), or ``key_positions=`` for RoPE."""
+    if for_rope and var.key_positions is not None:
+        return np.broadcast_to(var.key_positions, (B, Tk))
+    j = np.arange(Tk, dtype=np.int64)
+    if var.packed:
+        j = j - var.cu_k[sequence_ids(var.cu_k, Tk)]
+    return np.broadcast_to(j, (B, Tk))
