@@ -9,8 +9,13 @@
  * path. cos and sin are the C library's, so they are the same on one
  * machine; another libm may differ in the last bit.
  *
- * Rows are split into blocks of QK_ROWS, one task each; a task owns its
- * rows, so the result does not depend on the thread count.
+ * A row pass goes over the row indices i of a side in blocks of QK_ROWS,
+ * one task each, a task owning its rows, so the result does not depend on
+ * the thread count. When the positions do not depend on the batch item
+ * (the default ones, (T,) positions, or B = 1), index i stands for the
+ * rows (b, i) of every b, which share one computation of the angles; and
+ * in self-attention with the default positions (Tq = Tk, not packed) a
+ * forward task turns q's and k's rows i with the same angles.
  */
 #include <math.h>
 #include <stddef.h>
@@ -45,31 +50,45 @@ typedef struct {
     const int64_t *pos;       /* (B, T) / (T,) positions or NULL         */
     size_t pos_bstride;
     int key;                  /* 1: the k side (key positions)           */
+    size_t nidx, nb, rstep;   /* indices i < nidx, each the rows
+                                 b rstep + i of b < nb (see above)      */
     int nth;                  /* threads of the row passes               */
-    double *cs;               /* per thread: cos, sin of one row's pairs */
+    double *cs;               /* per thread: cos, sin of one row's pairs
+                                 (rotary_dim), then a head (dk_max)     */
     size_t cs_stride;         /* doubles per thread, a multiple of 8     */
 } qk_side;
+
+/* The row indices of a side: i < T standing for rows (b, i) of every b
+   when the positions do not depend on b, else one index per row. */
+static qk_side qk_side_rows(qk_side s)
+{
+    const int per_i = s.cfg->B == 1 || s.pos == NULL || s.pos_bstride == 0;
+    s.nidx = per_i ? s.T : s.rows;
+    s.nb = per_i ? s.cfg->B : 1;
+    s.rstep = per_i ? s.T : 0;
+    return s;
+}
 
 static qk_side qk_side_q(const mha_config *cfg, const mha_layout *lay,
                          const size_t *qoff)
 {
-    return (qk_side){
+    return qk_side_rows((qk_side){
         .cfg = cfg, .T = cfg->Tq, .rows = cfg->B * cfg->Tq, .S = lay->Sq,
         .nh = cfg->H, .per = cfg->H / cfg->G, .off = qoff, .w = cfg->q_norm,
         .wstride = cfg->q_norm_hstride, .pos = cfg->positions,
         .pos_bstride = cfg->positions_bstride, .key = 0,
-    };
+    });
 }
 
 static qk_side qk_side_k(const mha_config *cfg, const mha_layout *lay,
                          const size_t *koff)
 {
-    return (qk_side){
+    return qk_side_rows((qk_side){
         .cfg = cfg, .T = cfg->Tk, .rows = cfg->B * cfg->Tk, .S = lay->Sk,
         .nh = cfg->G, .per = 1, .off = koff, .w = cfg->k_norm,
         .wstride = cfg->k_norm_hstride, .pos = cfg->key_positions,
         .pos_bstride = cfg->key_positions_bstride, .key = 1,
-    };
+    });
 }
 
 /* Width of head h of a side. */
@@ -105,8 +124,17 @@ static int64_t qk_pos(const qk_side *s, size_t r)
     return s->key ? mha_rules_key_pos(s->cfg, i) : mha_rules_query_pos(s->cfg, i);
 }
 
+/* q's and k's rows i have the same positions (self-attention with the
+   default ones): a forward task may turn both with one set of angles. */
+static int qk_share_angles(const mha_config *cfg)
+{
+    return cfg->rotary_dim > 0 && cfg->positions == NULL &&
+           cfg->key_positions == NULL && cfg->nseq == 0 && cfg->Tq == cfg->Tk;
+}
+
 /* cs (2 half,) = cos then sin of row r's angles pos inv_freq[c], c < half
-   = rotary_dim / 2, in double; once per row, for every head of it. */
+   = rotary_dim / 2, in double; once per row index, for every head (and
+   batch item) of it. */
 static void qk_angles(double *cs, const qk_side *s, size_t r)
 {
     const size_t half = s->cfg->rotary_dim / 2;
@@ -139,19 +167,22 @@ static int qk_threads(size_t ntasks, size_t elems)
     return nth;
 }
 
-/* Runs fn over the row blocks of side s, with each thread's cos / sin
+/* Runs fn over the blocks of row indices of side s, with each thread's
    scratch allocated here and freed before returning. */
 static mha_status qk_run_rows(qk_side *s, mha_task_fn fn, void *ctx)
 {
-    const size_t ntasks = (s->rows + QK_ROWS - 1) / QK_ROWS;
-    if (ntasks == 0)
+    const size_t ntasks = (s->nidx + QK_ROWS - 1) / QK_ROWS;
+    if (ntasks == 0 || s->rows == 0)
         return MHA_OK;
     size_t elems;
     if (!mha_mul_ok(&elems, s->rows, s->S))
         return MHA_ERR_SIZE;
     s->nth = qk_threads(ntasks, elems);
-    s->cs_stride = (s->cfg->rotary_dim + 7) / 8 * 8 + 8; /* rotary_dim <= dk */
-    size_t ncs;
+    size_t dmax = 0, ncs;
+    for (size_t h = 0; h < s->nh; h++)
+        dmax = qk_width(s, h) > dmax ? qk_width(s, h) : dmax;
+    // rotary_dim <= dk <= MHA_MAX_ELEMS: the sum cannot overflow.
+    s->cs_stride = (s->cfg->rotary_dim + dmax + 7) / 8 * 8 + 8;
     if (!mha_mul_ok(&ncs, (size_t)s->nth, s->cs_stride))
         return MHA_ERR_SIZE;
     mha_status st = mha_scratch((void **)&s->cs, ncs, sizeof(double));

@@ -28,41 +28,61 @@ typedef struct {
     double *rinv;     /* backward with the norm: (rows, nh) r values  */
     REAL *dw;         /* backward: the weight's gradient or NULL      */
     int fuse;         /* backward: pass C inside pass A's task        */
+    const void *also; /* forward: the k side's QK_CTX, turned by q's
+                         tasks with the same angles (qk_share_angles) */
 } QK_CTX;
 
 /* r = 1 / sqrt(mean(x^2) + eps) over one head's d features, the sum in
-   double in increasing order: the forward's r and the backward's are
-   bitwise the same. */
+   double in one fixed order: four partial sums over c mod 4 (for speed:
+   four independent chains), then (s0 + s1) + (s2 + s3). The forward's r
+   and the backward's are bitwise the same. */
 static double PICK(qk_rinv_f32, qk_rinv_f64)(const REAL *x, size_t d, double eps)
 {
-    double ss = 0;
-    for (size_t c = 0; c < d; c++)
-        ss += (double)x[c] * (double)x[c];
-    return 1.0 / sqrt(ss / (double)d + eps);
+    double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    size_t c = 0;
+    for (; c + 4 <= d; c += 4) {
+        s0 += (double)x[c] * (double)x[c];
+        s1 += (double)x[c + 1] * (double)x[c + 1];
+        s2 += (double)x[c + 2] * (double)x[c + 2];
+        s3 += (double)x[c + 3] * (double)x[c + 3];
+    }
+    for (; c < d; c++)
+        s0 += (double)x[c] * (double)x[c];
+    return 1.0 / sqrt(((s0 + s1) + (s2 + s3)) / (double)d + eps);
 }
 
 /* One head of one row: y (d,) = RoPE(x r w), or RoPE(x) without the
-   weight w; cs holds the row's cos, sin (qk_angles). */
+   weight w; cs holds the row's cos, sin (qk_angles), u is scratch of d
+   doubles. Loops without branches inside, so the compiler may vectorise
+   them (element-wise, so the bits do not change). */
 static void PICK(qk_head_fwd_f32, qk_head_fwd_f64)(REAL *y, const REAL *x,
                                                    size_t d, const REAL *w,
-                                                   const double *cs,
+                                                   const double *cs, double *u,
                                                    const mha_config *cfg)
 {
-    const double r = w != NULL ? PICK(qk_rinv_f32, qk_rinv_f64)(x, d, cfg->norm_eps) : 1.0;
+    if (w != NULL) {
+        const double r = PICK(qk_rinv_f32, qk_rinv_f64)(x, d, cfg->norm_eps);
+        for (size_t c = 0; c < d; c++)
+            u[c] = (double)x[c] * r * (double)w[c]; /* xhat w, xhat = x r */
+    } else {
+        for (size_t c = 0; c < d; c++)
+            u[c] = x[c];
+    }
     const size_t rot = cfg->rotary_dim, half = rot / 2;
-    for (size_t c = 0; c < half; c++) {
-        size_t ia, ib;
-        qk_pair(&ia, &ib, c, half, cfg->rope_interleaved);
-        double a = x[ia], b = x[ib];
-        if (w != NULL) {
-            a = a * r * (double)w[ia]; /* xhat w, xhat = x r */
-            b = b * r * (double)w[ib];
+    const double *co = cs, *si = cs + half;
+    if (cfg->rope_interleaved) {
+        for (size_t c = 0; c < half; c++) {
+            y[2 * c] = (REAL)(u[2 * c] * co[c] - u[2 * c + 1] * si[c]);
+            y[2 * c + 1] = (REAL)(u[2 * c] * si[c] + u[2 * c + 1] * co[c]);
         }
-        y[ia] = (REAL)(a * cs[c] - b * cs[half + c]);
-        y[ib] = (REAL)(a * cs[half + c] + b * cs[c]);
+    } else {
+        for (size_t c = 0; c < half; c++) {
+            y[c] = (REAL)(u[c] * co[c] - u[c + half] * si[c]);
+            y[c + half] = (REAL)(u[c] * si[c] + u[c + half] * co[c]);
+        }
     }
     for (size_t c = rot; c < d; c++)
-        y[c] = w != NULL ? (REAL)((double)x[c] * r * (double)w[c]) : x[c];
+        y[c] = (REAL)u[c];
 }
 
 /* Head h's weight, or NULL without the norm. */
@@ -71,21 +91,37 @@ static inline const REAL *PICK(qk_weight_f32, qk_weight_f64)(const qk_side *s, s
     return s->w != NULL ? (const REAL *)s->w + h * s->wstride : NULL;
 }
 
-/* Forward, one block of QK_ROWS rows: every head of each row, with the
-   row's angles computed once. */
+/* Forward, the rows of index i (every b of it, see qk.c): every head,
+   with the angles cs of i. */
+static void PICK(qk_fwd_index_f32, qk_fwd_index_f64)(const QK_CTX *c, size_t i,
+                                                     const double *cs, double *u)
+{
+    const qk_side *s = &c->s;
+    for (size_t b = 0; b < s->nb; b++) {
+        const size_t r = b * s->rstep + i;
+        for (size_t h = 0; h < s->nh; h++)
+            PICK(qk_head_fwd_f32, qk_head_fwd_f64)(
+                c->dst + r * s->S + s->off[h], c->x + r * s->S + s->off[h],
+                qk_width(s, h), PICK(qk_weight_f32, qk_weight_f64)(s, h), cs, u,
+                s->cfg);
+    }
+}
+
+/* Forward, one block of QK_ROWS row indices, the angles of each computed
+   once (and used for the k side too when c->also). */
 static void PICK(qk_fwd_task_f32, qk_fwd_task_f64)(void *vctx, size_t t, int ith)
 {
     const QK_CTX *c = vctx;
     const qk_side *s = &c->s;
     double *cs = s->cs + (size_t)ith * s->cs_stride;
-    const size_t r1 = (t + 1) * QK_ROWS < s->rows ? (t + 1) * QK_ROWS : s->rows;
-    for (size_t r = t * QK_ROWS; r < r1; r++) {
+    double *u = cs + s->cfg->rotary_dim;
+    const size_t i1 = (t + 1) * QK_ROWS < s->nidx ? (t + 1) * QK_ROWS : s->nidx;
+    for (size_t i = t * QK_ROWS; i < i1; i++) {
         if (s->cfg->rotary_dim > 0)
-            qk_angles(cs, s, r);
-        for (size_t h = 0; h < s->nh; h++)
-            PICK(qk_head_fwd_f32, qk_head_fwd_f64)(
-                c->dst + r * s->S + s->off[h], c->x + r * s->S + s->off[h],
-                qk_width(s, h), PICK(qk_weight_f32, qk_weight_f64)(s, h), cs, s->cfg);
+            qk_angles(cs, s, i);
+        PICK(qk_fwd_index_f32, qk_fwd_index_f64)(c, i, cs, u);
+        if (c->also != NULL)
+            PICK(qk_fwd_index_f32, qk_fwd_index_f64)(c->also, i, cs, u);
     }
 }
 
@@ -96,10 +132,18 @@ mha_status PICK(mha_qk_forward_f32, mha_qk_forward_f64)(
     // q, qt: (B, Tq, Sq); k, kt: (B, Tk, Sk).
     QK_CTX ctx[2] = {{.s = qk_side_q(cfg, lay, qoff), .dst = qt, .x = q},
                      {.s = qk_side_k(cfg, lay, koff), .dst = kt, .x = k}};
+    // Self-attention with the default positions: q's tasks turn k's rows
+    // too (same positions, so the same angles, computed once). The q side
+    // is active then, and its heads are as wide as every kv head.
+    const int share = qk_share_angles(cfg);
+    if (share)
+        ctx[0].also = &ctx[1];
     for (int side = 0; side < 2; side++) {
         if (!mha_qk_active(cfg, side))
             continue;
         mha_status st = qk_check(&ctx[side].s);
+        if (st == MHA_OK && share && side == 1)
+            continue; /* done by the q side's tasks */
         if (st == MHA_OK)
             st = qk_run_rows(&ctx[side].s, PICK(qk_fwd_task_f32, qk_fwd_task_f64),
                              &ctx[side]);
@@ -115,17 +159,22 @@ static void PICK(qk_head_norm_bwd_f32, qk_head_norm_bwd_f64)(REAL *g, const REAL
                                                              size_t d, const REAL *w,
                                                              double r)
 {
-    double m = 0;
-    for (size_t c = 0; c < d; c++)
-        m += ((double)g[c] * (double)w[c]) * ((double)x[c] * r);
-    m /= (double)d;
-    for (size_t c = 0; c < d; c++) {
+    double m0 = 0, m1 = 0; /* two chains, then m0 + m1: one fixed order */
+    size_t c = 0;
+    for (; c + 2 <= d; c += 2) {
+        m0 += ((double)g[c] * (double)w[c]) * ((double)x[c] * r);
+        m1 += ((double)g[c + 1] * (double)w[c + 1]) * ((double)x[c + 1] * r);
+    }
+    for (; c < d; c++)
+        m0 += ((double)g[c] * (double)w[c]) * ((double)x[c] * r);
+    const double m = (m0 + m1) / (double)d;
+    for (c = 0; c < d; c++) {
         const double dxhat = (double)g[c] * (double)w[c], xhat = (double)x[c] * r;
         g[c] = (REAL)(r * (dxhat - xhat * m));
     }
 }
 
-/* Pass A (and C when fused) for one block of QK_ROWS rows. Through
+/* Pass A (and C when fused) for one block of QK_ROWS row indices. Through
    `(a, b) -> (a cos - b sin, a sin + b cos)`: its transpose, the rotation
    by -angle, (ga, gb) -> (ga cos + gb sin, gb cos - ga sin). */
 static void PICK(qk_bwd_rows_task_f32, qk_bwd_rows_task_f64)(void *vctx, size_t t,
@@ -136,11 +185,12 @@ static void PICK(qk_bwd_rows_task_f32, qk_bwd_rows_task_f64)(void *vctx, size_t 
     const mha_config *cfg = s->cfg;
     const size_t half = cfg->rotary_dim / 2;
     double *cs = s->cs + (size_t)ith * s->cs_stride;
-    const size_t r1 = (t + 1) * QK_ROWS < s->rows ? (t + 1) * QK_ROWS : s->rows;
-    for (size_t r = t * QK_ROWS; r < r1; r++) {
+    const size_t i1 = (t + 1) * QK_ROWS < s->nidx ? (t + 1) * QK_ROWS : s->nidx;
+    for (size_t i = t * QK_ROWS; i < i1; i++) {
         if (half > 0)
-            qk_angles(cs, s, r);
-        for (size_t h = 0; h < s->nh; h++) {
+            qk_angles(cs, s, i);
+        for (size_t bh = 0; bh < s->nb * s->nh; bh++) {
+            const size_t r = (bh / s->nh) * s->rstep + i, h = bh % s->nh;
             REAL *g = c->dst + r * s->S + s->off[h];
             const REAL *x = c->x + r * s->S + s->off[h];
             const size_t d = qk_width(s, h);
@@ -162,20 +212,23 @@ static void PICK(qk_bwd_rows_task_f32, qk_bwd_rows_task_f64)(void *vctx, size_t 
     }
 }
 
-/* Pass C alone, for one block of QK_ROWS rows (after pass B read g). */
+/* Pass C alone, for one block of QK_ROWS row indices (after pass B read
+   g). */
 static void PICK(qk_bwd_norm_task_f32, qk_bwd_norm_task_f64)(void *vctx, size_t t,
                                                              int ith)
 {
     (void)ith;
     const QK_CTX *c = vctx;
     const qk_side *s = &c->s;
-    const size_t r1 = (t + 1) * QK_ROWS < s->rows ? (t + 1) * QK_ROWS : s->rows;
-    for (size_t r = t * QK_ROWS; r < r1; r++)
-        for (size_t h = 0; h < s->nh; h++)
+    const size_t i1 = (t + 1) * QK_ROWS < s->nidx ? (t + 1) * QK_ROWS : s->nidx;
+    for (size_t i = t * QK_ROWS; i < i1; i++)
+        for (size_t bh = 0; bh < s->nb * s->nh; bh++) {
+            const size_t r = (bh / s->nh) * s->rstep + i, h = bh % s->nh;
             PICK(qk_head_norm_bwd_f32, qk_head_norm_bwd_f64)(
                 c->dst + r * s->S + s->off[h], c->x + r * s->S + s->off[h],
                 qk_width(s, h), PICK(qk_weight_f32, qk_weight_f64)(s, h),
                 c->rinv[r * s->nh + h]);
+        }
 }
 
 /* Pass B, one task per QK_COLS columns of one weight row hw: through

@@ -70,7 +70,7 @@ static double now_s(void)
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-#define MAXG 4
+#define MAXG 8
 
 /* One test case. qn / kn: 0 off, 1 shared (d,) weight, 2 per head.
    pos / kpos: 0 default positions, 1 (B, T), 2 (T,). */
@@ -748,8 +748,69 @@ static const tcase k_cases[] = {
    their work over the threads. */
 static const tcase k_big = {"big", 2, 256, 256, 64, 4, 2, 16, {64}, 1, 1, 1, 2, 1, 32, 0, 0, 0, 0};
 
+static int cmp_double(const void *a, const void *b)
+{
+    const double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* ./test_qk bench [reps]: medians (thread CPU time, one thread, float32)
+   of the transforms alone and of forwards of T = 1024, d_model = 512,
+   8 heads, causal, with and without RoPE + q/k norm. */
+static void bench(int reps)
+{
+    const tcase c = {"bench", 1, 1024, 1024, 512, 8, 8, 64, {64}, 1, 1, 0, 1, 1, 64, 0, 0, 0, 0};
+    problem P;
+    problem_init(&P, &c);
+    mha_set_num_threads(1);
+    fwd_out o;
+    fwd_alloc(&o, &P, 0);
+    float *qt = malloc(1024 * 512 * sizeof *qt), *kt = malloc(1024 * 512 * sizeof *kt);
+    double t[64];
+    reps = reps < 1 ? 1 : (reps > 64 ? 64 : reps);
+    const char *names[4] = {"transforms alone", "forward, rope + norm", "forward, plain",
+                            "forward, rope only"};
+    for (int which = 0; which < 4; which++) {
+        cfg_bind(&P, 0);
+        if (which == 2)
+            P.cfg.q_norm = P.cfg.k_norm = NULL, P.cfg.rotary_dim = 0;
+        if (which == 3)
+            P.cfg.q_norm = P.cfg.k_norm = NULL, P.cfg.rotary_dim = 64;
+        for (int r = 0; r < reps; r++) {
+            struct timespec a, b;
+            clock_gettime(CLOCK_THREAD_CPUTIME_ID, &a);
+            if (which == 0) {
+                mha_qk_forward_f32(qt, kt, o.q, o.k, &P.cfg,
+                                   &(mha_layout){.Sq = P.Sq, .Sk = P.Sk, .Sv = P.Sv, .Svq = P.Svq},
+                                   P.qoff, P.koff);
+            } else {
+                const mha_config keep = P.cfg;
+                const typed_in *ti = &P.t[0];
+                mha_forward_f32(o.out, NULL, NULL, NULL, NULL, NULL, NULL, ti->x, ti->key,
+                                ti->value, ti->wq, ti->wk, ti->wv, ti->wo, NULL, NULL, NULL,
+                                NULL, &P.cfg);
+                P.cfg = keep;
+            }
+            clock_gettime(CLOCK_THREAD_CPUTIME_ID, &b);
+            t[r] = (double)(b.tv_sec - a.tv_sec) + 1e-9 * (double)(b.tv_nsec - a.tv_nsec);
+        }
+        qsort(t, (size_t)reps, sizeof t[0], cmp_double);
+        printf("%-22s median %.3f ms (min %.3f) of %d\n", names[which], 1e3 * t[reps / 2],
+               1e3 * t[0], reps);
+    }
+    mha_set_num_threads(0);
+    free(qt);
+    free(kt);
+    fwd_free(&o);
+    problem_free(&P);
+}
+
 int main(int argc, char **argv)
 {
+    if (argc > 1 && strcmp(argv[1], "bench") == 0) {
+        bench(argc > 2 ? atoi(argv[2]) : 7);
+        return 0;
+    }
     const int quick = argc > 1 && strcmp(argv[1], "quick") == 0;
     const double t0 = now_s();
     test_packed_positions();
