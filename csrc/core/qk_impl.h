@@ -139,14 +139,15 @@ mha_status PICK(mha_qk_forward_f32, mha_qk_forward_f64)(
     if (share)
         ctx[0].also = &ctx[1];
     for (int side = 0; side < 2; side++) {
-        if (!mha_qk_active(cfg, side))
-            continue;
-        mha_status st = qk_check(&ctx[side].s);
-        if (st == MHA_OK && share && side == 1)
-            continue; /* done by the q side's tasks */
-        if (st == MHA_OK)
-            st = qk_run_rows(&ctx[side].s, PICK(qk_fwd_task_f32, qk_fwd_task_f64),
-                             &ctx[side]);
+        const mha_status st = mha_qk_active(cfg, side) ? qk_check(&ctx[side].s) : MHA_OK;
+        if (st != MHA_OK)
+            return st;
+    }
+    for (int side = 0; side < 2; side++) {
+        if (!mha_qk_active(cfg, side) || (share && side == 1))
+            continue; /* off, or done by the q side's tasks */
+        const mha_status st = qk_run_rows(&ctx[side].s,
+                                          PICK(qk_fwd_task_f32, qk_fwd_task_f64), &ctx[side]);
         if (st != MHA_OK)
             return st;
     }

@@ -855,8 +855,33 @@ static void bench(int reps)
     problem_free(&P);
 }
 
+/* ./test_qk once plain|qk: one forward and one backward of the bench's
+   shape on one thread, float32, for an instruction count, e.g.
+   valgrind --tool=callgrind --toggle-collect=mha_forward_f32 ./test_qk once qk */
+static void once(int qk)
+{
+    const tcase c = {"once", 1, 1024, 1024, 512, 8, 8, 64, {64}, 1, 1, 0, 1, 1, 64, 0, 0, 0, 0};
+    problem P;
+    problem_init(&P, &c);
+    mha_set_num_threads(1);
+    if (!qk) {
+        P.c.qn = P.c.kn = 0;
+        P.cfg.rotary_dim = 0;
+    }
+    fwd_out o;
+    grads g;
+    fwd_bwd(&P, 0, &o, &g);
+    fwd_free(&o);
+    grads_free(&g);
+    problem_free(&P);
+}
+
 int main(int argc, char **argv)
 {
+    if (argc > 2 && strcmp(argv[1], "once") == 0) {
+        once(strcmp(argv[2], "qk") == 0);
+        return g_failures != 0;
+    }
     if (argc > 1 && strcmp(argv[1], "bench") == 0) {
         bench(argc > 2 ? atoi(argv[2]) : 7);
         return 0;
