@@ -1038,20 +1038,49 @@ static int variant_scalars(mha_config *cfg, PyObject *t)
 /* Copies the tuple's arrays into c->var, by dtype. */
 static int variant_arrays(call *c, PyObject *t)
 {
+    // typenum + 1 of each array (0: not an array), -1: x's dtype
     static const int kind[V_N] = {
-        [V_ALIBI] = NPY_DOUBLE, [V_KEY_MASK] = NPY_BOOL, [V_CU_Q] = NPY_INT64,
-        [V_CU_K] = NPY_INT64, [V_INV_FREQ] = NPY_DOUBLE,
-        [V_POSITIONS] = NPY_INT64, [V_KEY_POSITIONS] = NPY_INT64,
-        [V_SINKS] = -1, [V_Q_NORM] = -1, [V_K_NORM] = -1};
+        [V_ALIBI] = NPY_DOUBLE + 1, [V_KEY_MASK] = NPY_BOOL + 1,
+        [V_CU_Q] = NPY_INT64 + 1, [V_CU_K] = NPY_INT64 + 1,
+        [V_INV_FREQ] = NPY_DOUBLE + 1, [V_POSITIONS] = NPY_INT64 + 1,
+        [V_KEY_POSITIONS] = NPY_INT64 + 1, [V_SINKS] = -1, [V_Q_NORM] = -1,
+        [V_K_NORM] = -1};
     for (int i = 0; i < V_N; i++) {
         if (kind[i] == 0)
-            continue;   // not an array
-        const int typenum = kind[i] < 0 ? c->typenum : kind[i];
+            continue;
+        const int typenum = kind[i] < 0 ? c->typenum : kind[i] - 1;
         const int nd_max = (i == V_SINKS || i == V_CU_Q || i == V_CU_K ||
                             i == V_INV_FREQ) ? 1 : 2;
         if (variant_copy(&c->var[i], PyTuple_GET_ITEM(t, i), variant_name[i],
                          typenum, nd_max) < 0)
             return -1;
+    }
+    return 0;
+}
+
+/* Packed-sequence offsets cu (n + 1,) of the glue's copy: they index rows,
+   so they are checked here, naming the argument: B == 1, cu[0] == 0,
+   nondecreasing, cu[n] == total. */
+static int variant_offsets(PyArrayObject *a, const char *name, npy_intp B,
+                           npy_intp total)
+{
+    const npy_intp n = PyArray_DIM(a, 0);
+    const int64_t *cu = PyArray_DATA(a);
+    if (B != 1 || n < 2) {
+        PyErr_Format(PyExc_ValueError, "%s: packed sequences need B == 1 and at "
+                     "least 2 offsets, got B = %zd and %zd", name, (Py_ssize_t)B,
+                     (Py_ssize_t)n);
+        return -1;
+    }
+    for (npy_intp s = 0; s < n; s++) {
+        const int64_t lo = s == 0 ? 0 : cu[s - 1];
+        if (cu[s] < lo || cu[s] > (int64_t)total || (s == 0 && cu[0] != 0) ||
+            (s == n - 1 && cu[s] != (int64_t)total)) {
+            PyErr_Format(PyExc_ValueError, "%s: expected offsets 0 <= ... nondecreasing "
+                         "... == %zd, got %s[%zd] = %lld", name, (Py_ssize_t)total,
+                         name, (Py_ssize_t)s, (long long)cu[s]);
+            return -1;
+        }
     }
     return 0;
 }
@@ -1083,6 +1112,10 @@ static int variant_shapes(call *c, mha_config *cfg)
                         "as cu_seqlens");
         return -1;
     }
+    if (v[V_CU_Q] != NULL &&
+        (variant_offsets(v[V_CU_Q], "cu_seqlens", n[L_B], n[L_TQ]) < 0 ||
+         variant_offsets(v[V_CU_K], "key_cu_seqlens", n[L_B], n[L_TK]) < 0))
+        return -1;
     cfg->alibi = DATA(v[V_ALIBI]);
     cfg->sinks = DATA(v[V_SINKS]);
     cfg->key_mask = DATA(v[V_KEY_MASK]);

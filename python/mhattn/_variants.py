@@ -42,7 +42,8 @@ def variants_off(v: dict) -> bool:
     """Whether every keyword in ``v`` is at its default (off): O(1), for the
     fast branch."""
     for name, value in v.items():
-        if value is not None and not (name == "norm_eps" and value == 1e-6):
+        if value is not None and not (name == "norm_eps" and type(value) is float
+                                      and value == 1e-6):
             return False
     return True
 
