@@ -14,6 +14,7 @@
 #include "gemm.h"
 #include "kernels.h"
 #include "mha.h"
+#include "qk.h"
 #include "sizes.h"
 #include "threads.h"
 

@@ -10,12 +10,16 @@
  *
  *   1. d(concat) = dout wo^T, dwo = concat^T dout, dbo = colsum(dout)
  *   2. D = rowsum(dO * O) per (b, h, query row)
+ *  2b. with a q/k transform: qt, kt recomputed from q, k (core/qk.c, the
+ *      forward's function, so bitwise the forward's); the tiles read them
  *   3. pack q, d(concat) per (b, h) and k, v per (b, key block)
  *   4. dK, dV per (b, kv head, key block): per tile, S and P = exp(S - lse)
  *      recomputed, dP, dS = P (dP - D)
  *   5. dQ per (b, query head, query block), P recomputed;
  *      or 4 and 5 fused per (b, kv head) when those tasks fill the threads
  *      (bwd_plan_fused): bitwise the same gradients, with less work
+ *  5b. with a q/k transform: dq, dk from d(qt), d(kt) in place, and
+ *      dq_norm, dk_norm (core/qk.c)
  *   6. dwq, dbq, dx and likewise for k and v
  * Outside the tiles no pass contracts a * b + c or reassociates a sum, and
  * every reduction has one order: the gradients are bitwise the same for
@@ -53,6 +57,8 @@ typedef struct {
     size_t *off;            /* (2H + 2G,): qoff, cvoff, koff, voff    */
     REAL *dcat_s;           /* (B, Tq, Svq) d(concat), when W^O is there */
     REAL *D;                /* (B, H, Tq)                             */
+    REAL *qt, *kt;          /* (B, Tq, Sq) (B, Tk, Sk) transformed q, k
+                               (q/k transforms), else NULL            */
     BWD_CTX c;              /* the tiles' view; its buffers are scratch */
 } BWD_PLAN;
 
@@ -62,6 +68,8 @@ static void PICK(bwd_plan_free_f32, bwd_plan_free_f64)(BWD_PLAN *p)
     free(p->off);
     free(p->dcat_s);
     free(p->D);
+    free(p->qt);
+    free(p->kt);
     free(p->c.dq);
     free(p->c.dk);
     free(p->c.dv);
@@ -149,9 +157,11 @@ static mha_status PICK(bwd_plan_f32, bwd_plan_f64)(BWD_PLAN *p, BWD_ARGS *a,
     if ((st = PICK(bwd_check_args_f32, bwd_check_args_f64)(a, p)) != MHA_OK)
         return st;
     p->kern = mha_kernels_for(mha_get_isa(), MHA_F64);
-    p->need_dq = a->dx != NULL || a->dwq != NULL || a->dbq != NULL;
+    p->need_dq = a->dx != NULL || a->dwq != NULL || a->dbq != NULL ||
+                 (a->dq_norm != NULL && cfg->q_norm != NULL);
     p->need_dkv = a->dkey != NULL || a->dvalue != NULL || a->dwk != NULL ||
-                  a->dbk != NULL || a->dwv != NULL || a->dbv != NULL;
+                  a->dbk != NULL || a->dwv != NULL || a->dbv != NULL ||
+                  (a->dk_norm != NULL && cfg->k_norm != NULL);
     const int nth = mha_get_num_threads();
     p->nth = nth < 1 ? 1 : nth;
 
@@ -165,10 +175,18 @@ static mha_status PICK(bwd_plan_f32, bwd_plan_f64)(BWD_PLAN *p, BWD_ARGS *a,
     if ((p->need_dq || p->need_dkv || a->dsinks != NULL) &&
         (st = mha_scratch((void **)&p->D, cfg->B * H * cfg->Tq, sizeof(REAL))) != MHA_OK)
         return st;
+    // The q/k transforms' copies, for a side they change (pass 2b).
+    if ((p->need_dq || p->need_dkv) && mha_qk_active(cfg, 0) &&
+        (st = mha_scratch((void **)&p->qt, p->nq * p->lay.Sq, sizeof(REAL))) != MHA_OK)
+        return st;
+    if ((p->need_dq || p->need_dkv) && mha_qk_active(cfg, 1) &&
+        (st = mha_scratch((void **)&p->kt, p->nk * p->lay.Sk, sizeof(REAL))) != MHA_OK)
+        return st;
     p->c = (BWD_CTX){
         .cfg = cfg, .lay = &p->lay, .qoff = p->off, .cvoff = p->off + H,
-        .koff = p->off + 2 * H, .voff = p->off + 2 * H + G, .q = a->q,
-        .k = a->k, .v = a->v, .lse = a->lse, .D = p->D,
+        .koff = p->off + 2 * H, .voff = p->off + 2 * H + G,
+        .q = p->qt != NULL ? p->qt : a->q, .k = p->kt != NULL ? p->kt : a->k,
+        .v = a->v, .lse = a->lse, .D = p->D,
         .nqb = (cfg->Tq + MHA_BWD_BQ - 1) / MHA_BWD_BQ,
         .nkb = (cfg->Tk + MHA_BWD_BK - 1) / MHA_BWD_BK,
     };
@@ -259,6 +277,30 @@ static void PICK(bwd_pass_dsinks_f32, bwd_pass_dsinks_f64)(const BWD_PLAN *p,
             }
         a->dsinks[h] = (REAL)acc;
     }
+}
+
+/* Pass 2b: qt, kt = the forward's q/k transforms of q, k (pass 1b there),
+   recomputed by the same function, so the tiles see the forward's bits. */
+static mha_status PICK(bwd_pass_qk_f32, bwd_pass_qk_f64)(const BWD_PLAN *p,
+                                                         const BWD_ARGS *a)
+{
+    if (p->qt == NULL && p->kt == NULL)
+        return MHA_OK;
+    return PICK(mha_qk_forward_f32, mha_qk_forward_f64)(
+        p->qt, p->kt, a->q, a->k, p->cfg, &p->lay, p->c.qoff, p->c.koff);
+}
+
+/* Pass 5b: through `qt = RoPE(RMSNorm(q))` and likewise kt: dq, dk (which
+   the tiles filled with d(qt), d(kt)) become dL/dq, dL/dk in place, and
+   dq_norm, dk_norm are written when wanted and their norm is on. */
+static mha_status PICK(bwd_pass_qk_grad_f32, bwd_pass_qk_grad_f64)(const BWD_PLAN *p,
+                                                                   const BWD_ARGS *a)
+{
+    if (p->qt == NULL && p->kt == NULL)
+        return MHA_OK;
+    return PICK(mha_qk_backward_f32, mha_qk_backward_f64)(
+        p->c.dq, p->c.dk, a->dq_norm, a->dk_norm, a->q, a->k, p->cfg, &p->lay,
+        p->c.qoff, p->c.koff);
 }
 
 /* Passes 3-5, the tiles: pack the operands, then dK, dV and dQ, fused or
@@ -354,8 +396,13 @@ mha_status PICK(mha_backward_f32, mha_backward_f64)(
         PICK(bwd_pass_rowdot_f32, bwd_pass_rowdot_f64)(&p, &a);
         if (a.dsinks != NULL)
             PICK(bwd_pass_dsinks_f32, bwd_pass_dsinks_f64)(&p, &a);
-        if (p.need_dq || p.need_dkv)
-            st = PICK(bwd_pass_tiles_f32, bwd_pass_tiles_f64)(&p);
+        if (p.need_dq || p.need_dkv) {
+            st = PICK(bwd_pass_qk_f32, bwd_pass_qk_f64)(&p, &a);
+            if (st == MHA_OK)
+                st = PICK(bwd_pass_tiles_f32, bwd_pass_tiles_f64)(&p);
+            if (st == MHA_OK)
+                st = PICK(bwd_pass_qk_grad_f32, bwd_pass_qk_grad_f64)(&p, &a);
+        }
     }
     if (st == MHA_OK)
         st = PICK(bwd_pass_inputs_f32, bwd_pass_inputs_f64)(&p, &a);

@@ -7,6 +7,8 @@
  * call and allocates all scratch once, and each pass is one function.
  *   1. projections: q = x wq + bq, k = key wk + bk, v = value wv + bv
  *      (the document's Q = X W^Q, one GEMM over every head at once)
+ *  1b. q/k transforms, when on: qt = RoPE(RMSNorm(q)), kt likewise
+ *      (core/qk.c); the attention reads qt, kt, the kept q, k stay raw
  *   2. attention per (b, h, query block): scores, scale, masks, softmax
  *      and weights V, fused (kernels/flash.inc via attend())
  *   3. output: out = concat wo + bo, or out = concat (+ bo) without W^O
@@ -39,7 +41,10 @@ typedef struct {
     size_t *off;            /* (2H + 2G,): qoff, cvoff, koff, voff      */
     REAL *q, *k, *v;        /* (B, Tq, Sq) (B, Tk, Sk) (B, Tk, Sv)      */
     REAL *cat;              /* (B, Tq, Svq): the heads side by side     */
-    REAL *scratch[4];       /* what of q, k, v, cat is ours, else NULL  */
+    REAL *qt, *kt;          /* what the attention reads: transformed
+                               copies (B, Tq, Sq) (B, Tk, Sk) of q, k
+                               when a q/k transform is on, else q, k   */
+    REAL *scratch[6];       /* what of q, k, v, cat, qt, kt is ours     */
 } FWD_PLAN;
 
 /* Scratch for a buffer the caller does not keep: *use = given, or a new
@@ -88,14 +93,27 @@ static mha_status PICK(fwd_plan_f32, fwd_plan_f64)(FWD_PLAN *p, const FWD_ARGS *
         (st = PICK(fwd_buffer_f32, fwd_buffer_f64)(&p->v, &p->scratch[2], a->v,
                                                    nk * p->lay.Sv)) != MHA_OK)
         return st;
-    return PICK(fwd_buffer_f32, fwd_buffer_f64)(&p->cat, &p->scratch[3], cat,
-                                                nq * p->lay.Svq);
+    if ((st = PICK(fwd_buffer_f32, fwd_buffer_f64)(&p->cat, &p->scratch[3], cat,
+                                                   nq * p->lay.Svq)) != MHA_OK)
+        return st;
+    // The q/k transforms' copies, only for a side they change.
+    p->qt = p->q;
+    p->kt = p->k;
+    if (mha_qk_active(cfg, 0) &&
+        (st = PICK(fwd_buffer_f32, fwd_buffer_f64)(&p->qt, &p->scratch[4], NULL,
+                                                   nq * p->lay.Sq)) != MHA_OK)
+        return st;
+    if (mha_qk_active(cfg, 1) &&
+        (st = PICK(fwd_buffer_f32, fwd_buffer_f64)(&p->kt, &p->scratch[5], NULL,
+                                                   nk * p->lay.Sk)) != MHA_OK)
+        return st;
+    return MHA_OK;
 }
 
 static void PICK(fwd_plan_free_f32, fwd_plan_free_f64)(FWD_PLAN *p)
 {
     free(p->off);
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < 6; i++)
         free(p->scratch[i]);
 }
 
@@ -122,6 +140,16 @@ static mha_status PICK(fwd_pass_project_f32, fwd_pass_project_f64)(const FWD_PLA
     return MHA_OK;
 }
 
+/* Pass 1b: the q/k transforms (RMSNorm, RoPE) into qt, kt, when on. */
+static mha_status PICK(fwd_pass_qk_f32, fwd_pass_qk_f64)(const FWD_PLAN *p)
+{
+    const mha_config *cfg = p->cfg;
+    if (!mha_qk_active(cfg, 0) && !mha_qk_active(cfg, 1))
+        return MHA_OK;
+    return PICK(mha_qk_forward_f32, mha_qk_forward_f64)(
+        p->qt, p->kt, p->q, p->k, cfg, &p->lay, p->off, p->off + 2 * cfg->H);
+}
+
 /* Pass 2: the fused attention of every (b, h, query block). */
 static mha_status PICK(fwd_pass_attend_f32, fwd_pass_attend_f64)(const FWD_PLAN *p,
                                                                  const FWD_ARGS *a)
@@ -130,8 +158,8 @@ static mha_status PICK(fwd_pass_attend_f32, fwd_pass_attend_f64)(const FWD_PLAN 
     mha_flash_ctx fctx = {
         .cfg = p->cfg, .Sq = p->lay.Sq, .Sk = p->lay.Sk, .Sv = p->lay.Sv,
         .Svq = p->lay.Svq, .qoff = p->off, .cvoff = p->off + H,
-        .koff = p->off + 2 * H, .voff = p->off + 2 * H + G, .q = p->q,
-        .k = p->k, .v = p->v, .cat = p->cat, .weights = a->weights,
+        .koff = p->off + 2 * H, .voff = p->off + 2 * H + G, .q = p->qt,
+        .k = p->kt, .v = p->v, .cat = p->cat, .weights = a->weights,
         .lse = a->lse,
     };
     return attend(&fctx, mha_kernels_for(mha_get_isa(), MHA_F64));
@@ -171,6 +199,8 @@ mha_status PICK(mha_forward_f32, mha_forward_f64)(
     mha_status st = PICK(fwd_plan_f32, fwd_plan_f64)(&p, &a, cfg);
     if (st == MHA_OK)
         st = PICK(fwd_pass_project_f32, fwd_pass_project_f64)(&p, &a);
+    if (st == MHA_OK)
+        st = PICK(fwd_pass_qk_f32, fwd_pass_qk_f64)(&p);
     if (st == MHA_OK)
         st = PICK(fwd_pass_attend_f32, fwd_pass_attend_f64)(&p, &a);
     if (st == MHA_OK)
