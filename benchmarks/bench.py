@@ -6,6 +6,7 @@
     python benchmarks/bench.py --configs 1024x512x8 3x4x2 --dtypes f32
     python benchmarks/bench.py --json out.json
     python benchmarks/bench.py --no-backward      # forward tables only
+    python benchmarks/bench.py --variants-only    # issue 13's table alone
 
 A script that prints figures, not a timed test.  In one run it measures, for
 each configuration (T, d_model, h), batch size, dtype and causal flag:
@@ -23,6 +24,11 @@ AssertionError stops the run: the figures must compare one computation).
 Times are medians; ratios are taken between medians of the same run, because
 the machine this runs on is shared and noisy.  The FMA peak that "% peak"
 refers to is measured at start-up by benchmarks/peak.c, compiled with ``cc``.
+
+Then the variants of today's models (mhbench/models.py): a sliding window,
+softcap, ALiBi, sinks, RoPE, q/k norm and packed sequences, each against
+its baseline in the same run, with the issue's targets (--no-variants
+leaves it out).
 
 Then, for the float32 configurations with T >= 1024, the backward table
 of benchmarks/bench_backward.py (from mhbench/backward.py, which both
@@ -47,7 +53,7 @@ set_blas_env(THREADS)   # before NumPy is imported: its BLAS sizes its pool once
 
 import numpy as np  # noqa: E402  (after the thread variables, on purpose)
 
-from mhbench import backward, report  # noqa: E402
+from mhbench import backward, models, report  # noqa: E402
 from mhbench.configs import CAUSALS, CONFIGS, DTYPES, GPT3, config_name, parse_config  # noqa: E402
 from mhbench.figures import derive  # noqa: E402
 from mhbench.machine import CpuMeter  # noqa: E402
@@ -94,6 +100,10 @@ def parse_args(argv=None):
     p.add_argument("--backward", action=argparse.BooleanOptionalAction, default=True,
                    help="print bench_backward.py's table for the float32 configurations "
                         "with T >= 1024 (default: on)")
+    p.add_argument("--variants", action=argparse.BooleanOptionalAction, default=True,
+                   help="print the table of today's models' variants (default: on)")
+    p.add_argument("--variants-only", action="store_true",
+                   help="print the machine and the variants' table only")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cc", default=os.environ.get("CC", "cc"),
                    help="C compiler for peak.c (default $CC or cc)")
@@ -137,6 +147,9 @@ def main(argv=None) -> int:
     load_start = os.getloadavg()
     meter = CpuMeter()
     info = report.print_machine(threads, args, torch, load_start)
+    if args.variants_only:
+        models.report(rng, args.min_repeats, args.budget, args.settle)
+        return 0
     peak = start_peak(args.threads, args.scalar_peak, args.cc)
     report.print_method(args)
     ref_model = None
@@ -159,6 +172,8 @@ def main(argv=None) -> int:
         derive(r, peak)
 
     report.print_forward_tables(rows, [DTYPES[k] for k in args.dtypes], args, peak)
+    if args.variants:
+        models.report(rng, args.min_repeats, args.budget, args.settle)
     if args.backward:
         backward_tables(args)
     memory = []

@@ -581,6 +581,13 @@ static int broadcast_mask(PyObject **res, PyObject *mask_o, const npy_intp want[
     return 0;
 }
 
+/* The variants' tuple, position by position (see read_variants). */
+enum {
+    V_WINDOW, V_SOFTCAP, V_ALIBI, V_SINKS, V_KEY_MASK, V_CU_Q, V_CU_K,
+    V_Q_NORM, V_K_NORM, V_NORM_EPS, V_ROTARY_DIM, V_INTERLEAVED, V_INV_FREQ,
+    V_POSITIONS, V_KEY_POSITIONS, V_N
+};
+
 /* ---- one skeleton for forward() and backward() ------------------------- */
 /*
  * Both read their arguments by a table (one arg_spec per position),
@@ -637,6 +644,7 @@ typedef enum {
     ARG_MASK,        /* None or a mask: converted once the sizes are known */
     ARG_LENGTHS,     /* None or key lengths: likewise */
     ARG_BOOL,        /* any object, read as its truth value */
+    ARG_VARIANTS,    /* None or the variants' tuple (see read_variants) */
 } arg_kind;
 
 typedef struct {
@@ -660,6 +668,7 @@ typedef struct {
     const int *checks_x;       /* against x, key and value's sizes */
     const int *checks_widths;  /* against all, Sq, ..., Svq and Dout too */
     int x, key, value, wo, dk, dv, scales, mask, causal, key_lengths;
+    int variants;
     int broadcast_mask;     /* the mask may broadcast to (B, H, Tq, Tk) */
 } call_spec;
 
@@ -667,8 +676,8 @@ typedef struct {
    try that is not polled: a call takes at most MAX_RESTARTS + 1 times its
    time, whatever the signals (a SIGINT storm included). */
 #define MAX_RESTARTS 3
-#define MAX_ARGS 23   /* backward()'s */
-#define MAX_OUTS 11   /* backward()'s gradients */
+#define MAX_ARGS 24   /* backward()'s */
+#define MAX_OUTS 14   /* backward()'s gradients */
 
 /* One argument as passed: the object (borrowed from the caller, who keeps
    it alive for the call) and, for ARG_BOOL, its truth value. */
@@ -693,7 +702,11 @@ typedef struct {
     size_t *widths;               /* (2G,) PyMem: dk then dv, as size_t */
     double *scales;               /* (H,) PyMem */
     int64_t *lengths;             /* (B,) PyMem, or NULL for None */
-    mha_config cfg;               /* borrows widths, scales, mask, lengths */
+    /* owned: the glue's copies of the variants' arrays (read_variants),
+       NULL where absent */
+    PyArrayObject *var[V_N];
+    mha_config cfg;               /* borrows widths, scales, mask, lengths,
+                                     var */
 } call;
 
 /* Nulls what call_release frees. The rest is written before it is read:
@@ -702,6 +715,7 @@ static void call_init(call *c)
 {
     memset(c->in, 0, sizeof c->in);
     memset(c->out, 0, sizeof c->out);
+    memset(c->var, 0, sizeof c->var);
     c->widths = NULL;
     c->scales = NULL;
     c->lengths = NULL;
@@ -716,6 +730,8 @@ static void call_release(call *c)
         Py_XDECREF(c->in[i]);
     for (int i = 0; i < MAX_OUTS; i++)
         Py_XDECREF(c->out[i]);
+    for (int i = 0; i < V_N; i++)
+        Py_XDECREF(c->var[i]);
 }
 
 /* PyArg "O&" converters. */
@@ -779,12 +795,12 @@ static int parse_args(call *c, const call_spec *sp, PyObject *args,
     *f++ = ':';   // then the name, which fits: sp->name is a short literal
     memcpy(f, sp->name, strlen(sp->name) + 1);
 #define PAIR(i) cv[i], slot[i]
-    _Static_assert(MAX_ARGS == 23, "the call below passes MAX_ARGS pairs");
+    _Static_assert(MAX_ARGS == 24, "the call below passes MAX_ARGS pairs");
     const int ok = PyArg_ParseTupleAndKeywords(
         args, kwds, format, kwlist, PAIR(0), PAIR(1), PAIR(2), PAIR(3),
         PAIR(4), PAIR(5), PAIR(6), PAIR(7), PAIR(8), PAIR(9), PAIR(10),
         PAIR(11), PAIR(12), PAIR(13), PAIR(14), PAIR(15), PAIR(16), PAIR(17),
-        PAIR(18), PAIR(19), PAIR(20), PAIR(21), PAIR(22));
+        PAIR(18), PAIR(19), PAIR(20), PAIR(21), PAIR(22), PAIR(23));
 #undef PAIR
     return ok ? 0 : -1;
 }
@@ -908,6 +924,228 @@ static int convert_mask(call *c, const call_spec *sp, mha_mask_kind *kind,
     return res;
 }
 
+/* ---- the variants (issue 13) ------------------------------------------- */
+/*
+ * forward() and backward() take the variants of today's models as one
+ * argument: None (all off), or a tuple of V_N items in this order, as
+ * mhattn._core.variant_args makes it:
+ *   window         None or (left, right): ints, -1 for an unbounded side
+ *   softcap        float, 0 for off
+ *   alibi          None or float64 (1 or B, H)
+ *   sinks          None or (H,) of x's dtype
+ *   key_mask       None or bool (B, Tk)
+ *   cu_q, cu_k     None or int64 (n + 1,) each, both or neither
+ *   q_norm         None, (d,) or (H, d) of x's dtype
+ *   k_norm         None, (d,) or (G, d) of x's dtype
+ *   norm_eps       float
+ *   rotary_dim     int, 0 for off
+ *   interleaved    truth value
+ *   inv_freq       None or float64 (rotary_dim / 2,)
+ *   positions      None or int64 (1 or B, Tq)
+ *   key_positions  None or int64 (1 or B, Tk)
+ * Every array is copied into memory the call owns (they are small), so no
+ * index, offset or size the core uses lives where another thread can write
+ * during the call; mha_check_config then checks the copies.
+ */
+static const char *const variant_name[V_N] = {
+    "window", "softcap", "alibi_slopes", "sinks", "key_mask", "cu_seqlens",
+    "key_cu_seqlens", "q_norm", "k_norm", "norm_eps", "rotary_dim",
+    "interleaved", "inv_freq", "positions", "key_positions"};
+
+/* *res = a C-contiguous copy of obj (1 to nd_max dimensions) as typenum,
+   owned by the call, or NULL for None. */
+static int variant_copy(PyArrayObject **res, PyObject *obj, const char *name,
+                        int typenum, int nd_max)
+{
+    *res = NULL;
+    if (obj == Py_None)
+        return 0;
+    if (!PyArray_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s: expected a numpy.ndarray or None, got %s",
+                     name, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    *res = (PyArrayObject *)PyArray_FromAny(
+        obj, PyArray_DescrFromType(typenum), 1, nd_max,
+        NPY_ARRAY_CARRAY | NPY_ARRAY_ENSURECOPY, NULL);
+    if (*res == NULL) {
+        prefix_error(name);
+        return -1;
+    }
+    return 0;
+}
+
+/* 0 when a is absent or has one of the shapes (rows, n) or, when rows1,
+   (1, n) or, when flat, (n,); else ValueError naming it. *bstride = the
+   row stride in elements (0 for one shared row). */
+static int variant_rows(PyArrayObject *a, const char *name, npy_intp rows,
+                        npy_intp n, int rows1, int flat, size_t *bstride)
+{
+    *bstride = 0;
+    if (a == NULL)
+        return 0;
+    const int nd = PyArray_NDIM(a);
+    const npy_intp r = nd == 2 ? PyArray_DIM(a, 0) : 1;
+    const npy_intp cols = PyArray_DIM(a, nd - 1);
+    if (cols == n && ((nd == 1 && flat) || (nd == 2 && (r == rows || (rows1 && r == 1))))) {
+        *bstride = nd == 2 && r > 1 ? (size_t)n : 0;
+        return 0;
+    }
+    const npy_intp want[2] = {rows, n};
+    return check_shape(a, name, 2, want, "");
+}
+
+/* The window (left, right) of the tuple's first item into cfg. */
+static int variant_window(mha_config *cfg, PyObject *w)
+{
+    if (w == Py_None)
+        return 0;
+    long long left, right;
+    if (!PyTuple_Check(w) || !PyArg_ParseTuple(w, "LL", &left, &right)) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "window: expected None or a tuple of two ints "
+                     "(-1 for an unbounded side), got %R", w);
+        return -1;
+    }
+    cfg->windowed = 1;
+    cfg->window_left = left < 0 ? -1 : (int64_t)left;
+    cfg->window_right = right < 0 ? -1 : (int64_t)right;
+    return 0;
+}
+
+/* The scalars of the tuple t into cfg: softcap, norm_eps, rotary_dim,
+   interleaved. */
+static int variant_scalars(mha_config *cfg, PyObject *t)
+{
+    cfg->softcap = PyFloat_AsDouble(PyTuple_GET_ITEM(t, V_SOFTCAP));
+    cfg->norm_eps = PyFloat_AsDouble(PyTuple_GET_ITEM(t, V_NORM_EPS));
+    const Py_ssize_t rd = PyLong_AsSsize_t(PyTuple_GET_ITEM(t, V_ROTARY_DIM));
+    const int inter = PyObject_IsTrue(PyTuple_GET_ITEM(t, V_INTERLEAVED));
+    if (PyErr_Occurred()) {
+        prefix_error("variants");
+        return -1;
+    }
+    if (rd < 0 || !(cfg->softcap >= 0) || !(cfg->norm_eps >= 0)) {
+        PyErr_Format(PyExc_ValueError, "variants: expected softcap >= 0, norm_eps >= 0 "
+                     "and rotary_dim >= 0, got %R", t);
+        return -1;
+    }
+    cfg->rotary_dim = (size_t)rd;
+    cfg->rope_interleaved = inter;
+    return 0;
+}
+
+/* Copies the tuple's arrays into c->var, by dtype. */
+static int variant_arrays(call *c, PyObject *t)
+{
+    // typenum + 1 of each array (0: not an array), -1: x's dtype
+    static const int kind[V_N] = {
+        [V_ALIBI] = NPY_DOUBLE + 1, [V_KEY_MASK] = NPY_BOOL + 1,
+        [V_CU_Q] = NPY_INT64 + 1, [V_CU_K] = NPY_INT64 + 1,
+        [V_INV_FREQ] = NPY_DOUBLE + 1, [V_POSITIONS] = NPY_INT64 + 1,
+        [V_KEY_POSITIONS] = NPY_INT64 + 1, [V_SINKS] = -1, [V_Q_NORM] = -1,
+        [V_K_NORM] = -1};
+    for (int i = 0; i < V_N; i++) {
+        if (kind[i] == 0)
+            continue;
+        const int typenum = kind[i] < 0 ? c->typenum : kind[i] - 1;
+        const int nd_max = (i == V_SINKS || i == V_CU_Q || i == V_CU_K ||
+                            i == V_INV_FREQ) ? 1 : 2;
+        if (variant_copy(&c->var[i], PyTuple_GET_ITEM(t, i), variant_name[i],
+                         typenum, nd_max) < 0)
+            return -1;
+    }
+    return 0;
+}
+
+/* Packed-sequence offsets cu (n + 1,) of the glue's copy: they index rows,
+   so they are checked here, naming the argument: B == 1, cu[0] == 0,
+   nondecreasing, cu[n] == total. */
+static int variant_offsets(PyArrayObject *a, const char *name, npy_intp B,
+                           npy_intp total)
+{
+    const npy_intp n = PyArray_DIM(a, 0);
+    const int64_t *cu = PyArray_DATA(a);
+    if (B != 1 || n < 2) {
+        PyErr_Format(PyExc_ValueError, "%s: packed sequences need B == 1 and at "
+                     "least 2 offsets, got B = %zd and %zd", name, (Py_ssize_t)B,
+                     (Py_ssize_t)n);
+        return -1;
+    }
+    for (npy_intp s = 0; s < n; s++) {
+        const int64_t lo = s == 0 ? 0 : cu[s - 1];
+        if (cu[s] < lo || cu[s] > (int64_t)total || (s == 0 && cu[0] != 0) ||
+            (s == n - 1 && cu[s] != (int64_t)total)) {
+            PyErr_Format(PyExc_ValueError, "%s: expected offsets 0 <= ... nondecreasing "
+                         "... == %zd, got %s[%zd] = %lld", name, (Py_ssize_t)total,
+                         name, (Py_ssize_t)s, (long long)cu[s]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* The arrays' shapes against the call's sizes, and their pointers and
+   strides into cfg. */
+static int variant_shapes(call *c, mha_config *cfg)
+{
+    PyArrayObject *const *v = c->var;
+    const npy_intp *n = c->size, G = (npy_intp)cfg->G;
+    const npy_intp d = G > 0 ? (npy_intp)cfg->dk[0] : 0;
+    size_t unused;
+    if (variant_rows(v[V_ALIBI], "alibi_slopes", n[L_B], n[L_H], 1, 0,
+                     &cfg->alibi_bstride) < 0 ||
+        variant_rows(v[V_SINKS], "sinks", 1, n[L_H], 0, 1, &unused) < 0 ||
+        variant_rows(v[V_KEY_MASK], "key_mask", n[L_B], n[L_TK], 0, 0, &unused) < 0 ||
+        variant_rows(v[V_Q_NORM], "q_norm", n[L_H], d, 0, 1, &cfg->q_norm_hstride) < 0 ||
+        variant_rows(v[V_K_NORM], "k_norm", G, d, 0, 1, &cfg->k_norm_hstride) < 0 ||
+        variant_rows(v[V_INV_FREQ], "inv_freq", 1, (npy_intp)cfg->rotary_dim / 2, 0, 1,
+                     &unused) < 0 ||
+        variant_rows(v[V_POSITIONS], "positions", n[L_B], n[L_TQ], 1, 0,
+                     &cfg->positions_bstride) < 0 ||
+        variant_rows(v[V_KEY_POSITIONS], "key_positions", n[L_B], n[L_TK], 1, 0,
+                     &cfg->key_positions_bstride) < 0)
+        return -1;
+    if ((v[V_CU_Q] == NULL) != (v[V_CU_K] == NULL) ||
+        (v[V_CU_Q] != NULL && PyArray_DIM(v[V_CU_Q], 0) != PyArray_DIM(v[V_CU_K], 0))) {
+        PyErr_SetString(PyExc_ValueError, "key_cu_seqlens: expected as many offsets "
+                        "as cu_seqlens");
+        return -1;
+    }
+    if (v[V_CU_Q] != NULL &&
+        (variant_offsets(v[V_CU_Q], "cu_seqlens", n[L_B], n[L_TQ]) < 0 ||
+         variant_offsets(v[V_CU_K], "key_cu_seqlens", n[L_B], n[L_TK]) < 0))
+        return -1;
+    cfg->alibi = DATA(v[V_ALIBI]);
+    cfg->sinks = DATA(v[V_SINKS]);
+    cfg->key_mask = DATA(v[V_KEY_MASK]);
+    cfg->nseq = v[V_CU_Q] != NULL ? (size_t)PyArray_DIM(v[V_CU_Q], 0) - 1 : 0;
+    cfg->cu_q = DATA(v[V_CU_Q]);
+    cfg->cu_k = DATA(v[V_CU_K]);
+    cfg->q_norm = DATA(v[V_Q_NORM]);
+    cfg->k_norm = DATA(v[V_K_NORM]);
+    cfg->inv_freq = DATA(v[V_INV_FREQ]);
+    cfg->positions = DATA(v[V_POSITIONS]);
+    cfg->key_positions = DATA(v[V_KEY_POSITIONS]);
+    return 0;
+}
+
+/* The variants' argument (None or the tuple above) into c->cfg. */
+static int read_variants(call *c, PyObject *t)
+{
+    if (t == Py_None)
+        return 0;
+    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != V_N) {
+        PyErr_Format(PyExc_TypeError, "variants: expected None or a tuple of %d "
+                     "items, got %s", V_N, Py_TYPE(t)->tp_name);
+        return -1;
+    }
+    if (variant_window(&c->cfg, PyTuple_GET_ITEM(t, V_WINDOW)) < 0 ||
+        variant_scalars(&c->cfg, t) < 0 || variant_arrays(c, t) < 0)
+        return -1;
+    return variant_shapes(c, &c->cfg);
+}
+
 /*
  * The sizes (c->size) from x, key, value, dk, dv, scales and wo; the
  * shapes of the other arrays against them; the key lengths and the mask;
@@ -963,6 +1201,8 @@ static int build_config(call *c, const call_spec *sp)
         .key_lengths = c->lengths,
         .has_wo = wo != NULL, .interrupt = NULL,
     };
+    if (read_variants(c, c->arg[sp->variants].obj) < 0)
+        return -1;
     mha_layout lay;
     const mha_status st = mha_check_config(&lay, &c->cfg);
     if (st != MHA_OK) {
@@ -1055,7 +1295,7 @@ static PyObject *arrays_tuple(PyArrayObject *const *a, int n)
 
 PyDoc_STRVAR(forward_doc,
 "forward(x, key, value, wq, wk, wv, wo, bq, bk, bv, bo, dk, dv, scales,\n"
-"        mask, causal, key_lengths, want_weights, keep)\n"
+"        mask, causal, key_lengths, variants, want_weights, keep)\n"
 "--\n\n"
 "Multi-head attention forward pass (low level; see mhattn for the public\n"
 "API). x (B,Tq,Din), key (B,Tk,Dkin), value (B,Tk,Dvin), wq (Din,Sq),\n"
@@ -1063,14 +1303,17 @@ PyDoc_STRVAR(forward_doc,
 "all of one dtype (float32 or float64). dk, dv: int64 (G,); scales:\n"
 "float64 (H,); mask: None or bool or float, any strides, of shape\n"
 "(B,H,Tq,Tk) or one that broadcasts to it;\n"
-"key_lengths: None or int64 (B,).\n\n"
+"key_lengths: None or int64 (B,); variants: None or the tuple of\n"
+"mhattn._core.variant_args (window, softcap, ALiBi, sinks, key_mask,\n"
+"packed sequences, q/k norm, RoPE).\n\n"
 "Returns (out, weights or None, (q, k, v, concat, lse) or None).");
 
 /* forward()'s positional arguments. */
 enum {
     FWD_X, FWD_KEY, FWD_VALUE, FWD_WQ, FWD_WK, FWD_WV, FWD_WO,
     FWD_BQ, FWD_BK, FWD_BV, FWD_BO, FWD_DK, FWD_DV, FWD_SCALES, FWD_MASK,
-    FWD_CAUSAL, FWD_KEY_LENGTHS, FWD_WANT_WEIGHTS, FWD_KEEP, FWD_NARGS
+    FWD_CAUSAL, FWD_KEY_LENGTHS, FWD_VARIANTS, FWD_WANT_WEIGHTS, FWD_KEEP,
+    FWD_NARGS
 };
 
 static const arg_spec forward_args[FWD_NARGS] = {
@@ -1091,6 +1334,7 @@ static const arg_spec forward_args[FWD_NARGS] = {
     [FWD_MASK] = {.name = "mask", .kind = ARG_MASK},
     [FWD_CAUSAL] = {.name = "causal", .kind = ARG_BOOL},
     [FWD_KEY_LENGTHS] = {.name = "key_lengths", .kind = ARG_LENGTHS},
+    [FWD_VARIANTS] = {.name = "variants", .kind = ARG_VARIANTS},
     [FWD_WANT_WEIGHTS] = {.name = "want_weights", .kind = ARG_BOOL},
     [FWD_KEEP] = {.name = "keep", .kind = ARG_BOOL},
 };
@@ -1105,7 +1349,7 @@ static const call_spec forward_spec = {
     .x = FWD_X, .key = FWD_KEY, .value = FWD_VALUE, .wo = FWD_WO,
     .dk = FWD_DK, .dv = FWD_DV, .scales = FWD_SCALES, .mask = FWD_MASK,
     .causal = FWD_CAUSAL, .key_lengths = FWD_KEY_LENGTHS,
-    .broadcast_mask = 1,
+    .variants = FWD_VARIANTS, .broadcast_mask = 1,
 };
 
 /* forward()'s outputs, in the order mha_forward_<sfx> takes them. */
@@ -1204,8 +1448,8 @@ fail:
 
 PyDoc_STRVAR(backward_doc,
 "backward(dout, x, key, value, wq, wk, wv, wo, q, k, v, concat, lse, dk, dv,\n"
-"         scales, mask, causal, key_lengths, want_bq, want_bk, want_bv,\n"
-"         want_bo)\n"
+"         scales, mask, causal, key_lengths, variants, want_bq, want_bk,\n"
+"         want_bv, want_bo)\n"
 "--\n\n"
 "Backward pass of forward() (low level; see mhattn.backward). dout\n"
 "(B,Tq,Dout); x, key, value, wq, wk, wv, wo, dk, dv, scales, mask, causal,\n"
@@ -1213,14 +1457,15 @@ PyDoc_STRVAR(backward_doc,
 "value None means value is key (or x): their gradients are then added into\n"
 "x's (key's). q, k, v, concat, lse: forward()'s kept extras.\n\n"
 "Returns (dx, dkey or None, dvalue or None, dwq, dwk, dwv, dwo or None,\n"
-"dbq, dbk, dbv, dbo), each bias gradient None unless its want_* is true.");
+"dbq, dbk, dbv, dbo, dsinks, dq_norm, dk_norm), each bias gradient None\n"
+"unless its want_* is true, each variant's None unless it was given.");
 
 /* backward()'s positional arguments. */
 enum {
     BWD_DOUT, BWD_X, BWD_KEY, BWD_VALUE, BWD_WQ, BWD_WK, BWD_WV, BWD_WO,
     BWD_Q, BWD_K, BWD_V, BWD_CONCAT, BWD_LSE, BWD_DK, BWD_DV, BWD_SCALES,
-    BWD_MASK, BWD_CAUSAL, BWD_KEY_LENGTHS, BWD_WANT_BQ, BWD_WANT_BK,
-    BWD_WANT_BV, BWD_WANT_BO, BWD_NARGS
+    BWD_MASK, BWD_CAUSAL, BWD_KEY_LENGTHS, BWD_VARIANTS, BWD_WANT_BQ,
+    BWD_WANT_BK, BWD_WANT_BV, BWD_WANT_BO, BWD_NARGS
 };
 
 /* key None means key is x; value None means value is key (or x). */
@@ -1247,6 +1492,7 @@ static const arg_spec backward_args[BWD_NARGS] = {
     [BWD_MASK] = {.name = "mask", .kind = ARG_MASK},
     [BWD_CAUSAL] = {.name = "causal", .kind = ARG_BOOL},
     [BWD_KEY_LENGTHS] = {.name = "key_lengths", .kind = ARG_LENGTHS},
+    [BWD_VARIANTS] = {.name = "variants", .kind = ARG_VARIANTS},
     [BWD_WANT_BQ] = {.name = "want_bq", .kind = ARG_BOOL},
     [BWD_WANT_BK] = {.name = "want_bk", .kind = ARG_BOOL},
     [BWD_WANT_BV] = {.name = "want_bv", .kind = ARG_BOOL},
@@ -1264,13 +1510,14 @@ static const call_spec backward_spec = {
     .x = BWD_X, .key = BWD_KEY, .value = BWD_VALUE, .wo = BWD_WO,
     .dk = BWD_DK, .dv = BWD_DV, .scales = BWD_SCALES, .mask = BWD_MASK,
     .causal = BWD_CAUSAL, .key_lengths = BWD_KEY_LENGTHS,
-    .broadcast_mask = 0,
+    .variants = BWD_VARIANTS, .broadcast_mask = 0,
 };
 
 /* backward()'s gradients, in the order mha_backward_<sfx> takes them. */
 enum {
     BWD_DX, BWD_DKEY, BWD_DVALUE, BWD_DWQ, BWD_DWK, BWD_DWV, BWD_DWO,
-    BWD_DBQ, BWD_DBK, BWD_DBV, BWD_DBO, BWD_NOUTS
+    BWD_DBQ, BWD_DBK, BWD_DBV, BWD_DBO, BWD_DSINKS, BWD_DQ_NORM, BWD_DK_NORM,
+    BWD_NOUTS
 };
 _Static_assert(BWD_NARGS <= MAX_ARGS && BWD_NOUTS <= MAX_OUTS,
                "a call holds backward()'s arguments and gradients");
@@ -1294,7 +1541,8 @@ static const shape backward_outs[BWD_NOUTS] = {
     fn(DATA(out[BWD_DX]), dkey, dvalue, DATA(out[BWD_DWQ]),                   \
        DATA(out[BWD_DWK]), DATA(out[BWD_DWV]), DATA(out[BWD_DWO]),            \
        DATA(out[BWD_DBQ]), DATA(out[BWD_DBK]), DATA(out[BWD_DBV]),            \
-       DATA(out[BWD_DBO]), NULL, NULL, NULL, DATA(in[BWD_DOUT]),              \
+       DATA(out[BWD_DBO]), DATA(out[BWD_DSINKS]), DATA(out[BWD_DQ_NORM]),     \
+       DATA(out[BWD_DK_NORM]), DATA(in[BWD_DOUT]),                            \
        DATA(in[BWD_X]),                                                       \
        DATA(in[BWD_KEY]), DATA(in[BWD_VALUE]), DATA(in[BWD_WQ]),              \
        DATA(in[BWD_WK]), DATA(in[BWD_WV]), DATA(in[BWD_WO]), DATA(in[BWD_Q]), \
@@ -1311,6 +1559,24 @@ static mha_status backward_core(const call *c)
     if (c->typenum == NPY_FLOAT)
         return BACKWARD_CORE(mha_backward_f32, c->in, out, dkey, dvalue, &c->cfg);
     return BACKWARD_CORE(mha_backward_f64, c->in, out, dkey, dvalue, &c->cfg);
+}
+
+/* The learnable variants' gradients, shaped as they are: dsinks (H,),
+   dq_norm and dk_norm as q_norm and k_norm; none for an absent one. */
+static int variant_gradients(call *c)
+{
+    static const int grad[3] = {BWD_DSINKS, BWD_DQ_NORM, BWD_DK_NORM};
+    static const int param[3] = {V_SINKS, V_Q_NORM, V_K_NORM};
+    for (int i = 0; i < 3; i++) {
+        PyArrayObject *p = c->var[param[i]];
+        if (p == NULL)
+            continue;
+        c->out[grad[i]] = (PyArrayObject *)PyArray_EMPTY(
+            PyArray_NDIM(p), PyArray_DIMS(p), c->typenum, 0);
+        if (c->out[grad[i]] == NULL)
+            return -1;
+    }
+    return 0;
 }
 
 static PyObject *backward(PyObject *self, PyObject *args, PyObject *kwds)
@@ -1337,7 +1603,8 @@ static PyObject *backward(PyObject *self, PyObject *args, PyObject *kwds)
         [BWD_DWO] = c.in[BWD_WO] != NULL,
         [BWD_DBQ] = a[BWD_WANT_BQ].truth, [BWD_DBK] = a[BWD_WANT_BK].truth,
         [BWD_DBV] = a[BWD_WANT_BV].truth, [BWD_DBO] = a[BWD_WANT_BO].truth};
-    if (make_outputs(&c, BWD_NOUTS, backward_outs, want) < 0)
+    if (make_outputs(&c, BWD_NOUTS, backward_outs, want) < 0 ||
+        variant_gradients(&c) < 0)
         goto fail;
     // Unlike forward(), no small-call shortcut: a main-thread call always
     // polls for Ctrl-C.

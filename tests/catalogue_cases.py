@@ -337,7 +337,8 @@ def glue_args(**change):
     dk = np.array([2, 2])
     good = dict(x=x, key=x, value=x, wq=w, wk=w, wv=w, wo=None, bq=None, bk=None,
                 bv=None, bo=None, dk=dk, dv=dk, scales=np.ones(2), mask=None,
-                causal=False, key_lengths=None, want_weights=False, keep=False)
+                causal=False, key_lengths=None, variants=None, want_weights=False,
+                keep=False)
     good.update(change)
     return good
 

@@ -76,7 +76,7 @@ def test_glue_rechecks_shapes():
     sc = np.ones(2)
     good = dict(x=x, key=x, value=x, wq=w, wk=w, wv=w, wo=None, bq=None, bk=None,
                 bv=None, bo=None, dk=dk, dv=dk, scales=sc, mask=None, causal=False,
-                key_lengths=None, want_weights=False, keep=False)
+                key_lengths=None, variants=None, want_weights=False, keep=False)
     out, _, _ = _C.forward(**good)
     assert out.shape == (1, 3, 4)
     bad = [dict(wq=np.ones((4, 5))), dict(wk=np.ones((3, 4))), dict(x=np.ones((3, 4))),

@@ -440,7 +440,7 @@ def test_glue_broadcasts_the_mask_as_numpy_does(rng, shape, kind):
         m = np.asarray(np.where(rng.random(shape) < 0.6, 0.0, -np.inf) + rng.random(shape))
     args = dict(x=x, key=x, value=x, wq=w, wk=w, wv=w, wo=w, bq=None, bk=None, bv=None,
                 bo=None, dk=dk, dv=dk, scales=np.ones(2), causal=False,
-                key_lengths=None, want_weights=True, keep=False)
+                key_lengths=None, variants=None, want_weights=True, keep=False)
     got = _C.forward(mask=m, **args)
     want = _C.forward(mask=np.broadcast_to(m, (B, H, Tq, Tk)), **args)
     assert_same(got[:2], want[:2])
@@ -453,35 +453,36 @@ def test_glue_rejects_masks_that_do_not_broadcast(rng, shape):
     dk = np.array([2, 2])
     with pytest.raises(ValueError, match="mask"):
         _C.forward(x, x, x, w, w, w, None, None, None, None, None, dk, dk, np.ones(2),
-                   np.ones(shape, bool), False, None, False, False)
+                   np.ones(shape, bool), False, None, None, False, False)
 
 
 def test_glue_parses_positional_and_keyword_calls_alike(rng):
-    """forward() reads 19 positional arguments directly, anything else with
+    """forward() reads 20 positional arguments directly, anything else with
     PyArg_ParseTupleAndKeywords: both must agree, and both must raise."""
     x = rng.standard_normal((2, 3, 4))
     w = rng.standard_normal((4, 4))
     dk = np.array([2, 2])
     names = ["x", "key", "value", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "dk",
-             "dv", "scales", "mask", "causal", "key_lengths", "want_weights", "keep"]
+             "dv", "scales", "mask", "causal", "key_lengths", "variants", "want_weights",
+             "keep"]
     values = [x, x, x, w, w, w, w, None, None, None, None, dk, dk, np.ones(2),
-              np.ones((3, 3), bool), 1, np.array([3, 2]), np.True_, []]
+              np.ones((3, 3), bool), 1, np.array([3, 2]), None, np.True_, []]
     positional = _C.forward(*values)
     assert positional[1] is not None and positional[2] is None   # 1 and [] as truth
     assert_same(positional[:2], _C.forward(**dict(zip(names, values)))[:2])
     assert_same(positional[:2], _C.forward(*values[:10], **dict(zip(names[10:],
                                                                    values[10:])))[:2])
     with pytest.raises(TypeError):
-        _C.forward(*values[:18])
+        _C.forward(*values[:19])
     with pytest.raises(TypeError):
         _C.forward(*values, None)
     with pytest.raises(TypeError):
-        _C.forward(*values[:18], kept=False)
+        _C.forward(*values[:19], kept=False)
 
     class Bad:
         def __bool__(self):
             raise ZeroDivisionError("no truth")
 
-    for i in (15, 17, 18):
+    for i in (15, 18, 19):
         with pytest.raises(ZeroDivisionError):
             _C.forward(*values[:i], Bad(), *values[i + 1:])

@@ -460,11 +460,11 @@ def test_glue_rechecks_shapes():
     sc = np.array([0.5, 0.5])
     out, _, (q, k, v, cat, lse) = _C.forward(x, key, key, w, w, w, w, None, None, None,
                                              None, dk, dv, sc, None, False, None,
-                                             False, True)
+                                             None, False, True)
     args = [out, x, key, None, w, w, w, w, q, k, v, cat, lse, dk, dv, sc, None,
-            False, None, False, False, False, False]
+            False, None, None, False, False, False, False]
     res = _C.backward(*args)
-    assert len(res) == 11 and res[1].shape == key.shape and res[2] is None
+    assert len(res) == 14 and res[1].shape == key.shape and res[2] is None
     for pos, bad, msg in [(12, lse[:, :, :2], "lse"), (0, out[:, :2], "dout"),
                           (8, q[..., :3], "q"), (11, cat[:1], "concat"),
                           (3, rnd(rng, B, Tk + 1, d), "value"),

@@ -395,7 +395,7 @@ CHILD_COPY = textwrap.dedent(r"""
         x, key, wq, wk = a
         dk = np.array([4], np.int64)
         return _C.forward(x, key, key, wq, wk, wk, None, None, None, None, None,
-                          dk, dk, np.ones(1), None, False, None, False, False)
+                          dk, dk, np.ones(1), None, False, None, None, False, False)
 
     T = min(sized(make, run, 0.15), 20000)
     a = make(T)

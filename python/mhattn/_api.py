@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from . import _C, _core
 from ._core import make_context, run_core
+from ._variants import variants_off
 
 __all__ = ["multi_head_attention", "run_core"]
 
@@ -10,7 +11,11 @@ __all__ = ["multi_head_attention", "run_core"]
 def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None,
                          value=None, scale=None, return_weights=False, mask=None,
                          causal=False, key_lengths=None, num_kv_heads=None,
-                         b_q=None, b_k=None, b_v=None, b_o=None, return_context=False):
+                         b_q=None, b_k=None, b_v=None, b_o=None, return_context=False,
+                         window=None, softcap=None, alibi_slopes=None, sinks=None,
+                         q_norm=None, k_norm=None, norm_eps=1e-6, rope=None,
+                         positions=None, key_positions=None, key_mask=None,
+                         cu_seqlens=None, key_cu_seqlens=None):
     """Multi-head attention, computed by mhattn's C core.
 
     multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None,
@@ -62,6 +67,39 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None
         Also return a :class:`mhattn.Context` for :func:`mhattn.backward`
         (O(T d) state: the projections, the concatenation and each row's
         log-sum-exp), so gradients need no second forward pass.
+    window : (left, right), optional
+        Sliding window: key j is visible from query i iff
+        p_i - left <= j <= p_i + right, with p_i = i + (T_k - T_q); either
+        side may be None (unbounded).  Mistral's ``sliding_window=W`` is
+        ``window=(W-1, 0)`` with ``causal=True``.  Key blocks wholly outside
+        the window are skipped.
+    softcap : float > 0, optional
+        Gemma 2's logit softcapping: each scaled score s becomes
+        softcap * tanh(s / softcap), before ALiBi and the masks.
+    alibi_slopes : (h,) or (B, h), optional
+        ALiBi: adds -slope_h * |p_i - j| to the scores (no gradient).
+    sinks : (h,), optional
+        One learnable logit per query head, counted in the softmax's
+        denominator as an extra key of value zero (gpt-oss); the returned
+        weights exclude it, so a row sums to less than 1.
+    q_norm, k_norm : (d_k,), (h, d_k) / (num_kv_heads, d_k), optional
+        RMSNorm weights of each head's q and k over its d_k features, after
+        the projection and bias, before RoPE (Qwen3, Gemma 3).
+    norm_eps : float, default 1e-6
+        The RMSNorm's epsilon: x / sqrt(mean(x**2) + norm_eps) * weight.
+    rope : mhattn.RoPE, optional
+        Rotary embedding of q and k after the norm (see :class:`mhattn.RoPE`).
+    positions, key_positions : int (T_q,) / (B, T_q), (T_k,) / (B, T_k), optional
+        The positions RoPE uses (default p_i and j), e.g. HF's
+        ``position_ids`` for a left-padded batch.
+    key_mask : bool (T_k,) or (B, T_k), optional
+        True = a real key; any padding pattern.  ANDed with every other rule;
+        key blocks with no real key are skipped.
+    cu_seqlens : int (n+1,), optional
+        Packed sequences: x is (total, d_in) and holds n sequences at the
+        offsets [0, ..., total]; each attends only within itself (causal and
+        window too).  ``key_cu_seqlens`` gives the keys' offsets for packed
+        cross-attention.
 
     Returns
     -------
@@ -73,16 +111,34 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None
     A query row that may attend to no key at all is *fully masked*: its
     weights are 0 and each head contributes zeros, so its output is b_o (or
     0).  No NaN is produced for it.
+
+    The order of a score's life: project (+ bias), q/k norm, RoPE, q.k,
+    x scale, softcap, + ALiBi + additive mask, the visibility rules (mask,
+    causal, window, key_mask, key_lengths, packed sequences), softmax with
+    sinks, . V, concatenation, W^O.
+
+    Examples
+    --------
+    >>> tokens, X, w_q, w_k, w_v, w_o = mhattn.worked_example()
+    >>> mhattn.multi_head_attention(X, w_q, w_k, w_v, w_o).shape
+    (3, 4)
+    >>> out = mhattn.multi_head_attention(X, w_q, w_k, w_v, w_o, causal=True,
+    ...                                   window=(1, 0), softcap=30.0)
     """
+    variants = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                    sinks=sinks, q_norm=q_norm, k_norm=k_norm, norm_eps=norm_eps,
+                    rope=rope, positions=positions, key_positions=key_positions,
+                    key_mask=key_mask, cu_seqlens=cu_seqlens,
+                    key_cu_seqlens=key_cu_seqlens)
     args = call = None
-    if return_context is False:
+    if return_context is False and variants_off(variants):
         args = _core.fast(x, w_q, w_k, w_v, w_o, num_heads, key, value, scale,
                           return_weights, mask, causal, key_lengths, num_kv_heads,
                           b_q, b_k, b_v, b_o)
     if args is None:
         args, call = _core.slow(x, w_q, w_k, w_v, w_o, num_heads, key, value, scale,
                                 mask, causal, key_lengths, num_kv_heads, b_q, b_k, b_v,
-                                b_o, return_weights, return_context)
+                                b_o, return_weights, return_context, **variants)
     out, weights, extras = _C.forward(*args)
     if (x.ndim == 2) if call is None else not call.batched:
         out = out[0]

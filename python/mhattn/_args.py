@@ -394,7 +394,7 @@ def _cols(widths: Sequence[int], i: int) -> slice:
 
 def core_items(B: int, Tq: int, Tk: int, H: int, Sq: int, Sk: int, Sv: int,
                Svq: int, d_out: int, has_wo: bool, dtype: np.dtype, *,
-               weights: bool = False, keep: bool = False) -> list:
+               weights: bool = False, keep: bool = False, transforms: bool = False) -> list:
     """What the C core allocates for a call (see csrc/mha.h), for check_memory."""
     n = dtype.itemsize
     items = [("out", "B*T_q*d_out", (B, Tq, d_out), n),
@@ -407,6 +407,9 @@ def core_items(B: int, Tq: int, Tk: int, H: int, Sq: int, Sk: int, Sv: int,
         items.append(("return_weights=True", "B*h*T_q*T_k", (B, H, Tq, Tk), n))
     if keep:
         items.append(("the log-sum-exp", "B*h*T_q", (B, H, Tq), n))
+    if transforms:
+        items.append(("the normed / rotated q and k", "B*T_q*sum(d_k) + B*T_k*sum(d_k)",
+                      (B * Tq * Sq + B * Tk * Sk,), n))
     return items
 
 
@@ -446,6 +449,9 @@ def backward_items(call: "Call", threads: int) -> list:
     if call.w_o is not None:
         items += [("the gradient of w_o", "sum(d_v)*d_out", (Svq, d_out), n),
                   ("the backward's d(concat)", "B*T_q*sum(d_v)", (B, Tq, Svq), n)]
+    if call.var.transforms:
+        items.append(("the backward's normed / rotated q and k",
+                      "B*T_q*sum(d_k) + B*T_k*sum(d_k)", (B * Tq * Sq + B * Tk * Sk,), n))
     return items
 
 
@@ -750,7 +756,7 @@ def plan(call: Call, *, want_weights: bool = False, keep: bool = False) -> list:
     n = call.dtype.itemsize
     items = core_items(call.B, call.Tq, call.Tk, call.H, call.Sq, call.Sk, call.Sv,
                        call.Svq, call.d_out, call.w_o is not None, call.dtype,
-                       weights=want_weights, keep=keep)
+                       weights=want_weights, keep=keep, transforms=call.var.transforms)
     for name, a in (("x", call.x), ("key", call.key), ("value", call.value),
                     ("w_o", call.w_o)):
         if a is not None and _needs_copy(a):

@@ -29,8 +29,8 @@ from . import _C, _args
 from ._args import (PER_HEAD_BYTES, Call, bool_arg, check_memory, fused_widths,
                     head_scales, memory_limit, normalize, plan)
 
-__all__ = ["fast", "slow", "core_args", "head_arrays", "run_core", "Context",
-           "make_context"]
+__all__ = ["fast", "slow", "core_args", "variant_args", "head_arrays", "run_core",
+           "Context", "make_context"]
 
 _F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
 _BOOL = np.dtype(np.bool_)
@@ -59,12 +59,13 @@ _FAST_HEADS = 1024
 
 
 def slow(x, w_q, w_k, w_v, w_o, num_heads, key, value, scale, mask, causal,
-         key_lengths, num_kv_heads, b_q, b_k, b_v, b_o, want_weights, keep):
+         key_lengths, num_kv_heads, b_q, b_k, b_v, b_o, want_weights, keep, **variants):
     """The glue's arguments for any call, and its checked :class:`Call`:
     (args, call). Every check, every friendly error."""
     call = normalize(x, w_q, w_k, w_v, w_o, num_heads=num_heads, key=key, value=value,
                      scale=scale, mask=mask, causal=causal, key_lengths=key_lengths,
-                     num_kv_heads=num_kv_heads, b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o)
+                     num_kv_heads=num_kv_heads, b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o,
+                     **variants)
     want_weights = bool_arg("return_weights", want_weights)
     keep = bool_arg("return_context", keep)
     return core_args(call, want_weights=want_weights, keep=keep), call
@@ -83,8 +84,22 @@ def head_arrays(call: Call) -> tuple:
             np.asarray(call.scales, dtype=np.float64))
 
 
+def variant_args(call: Call):
+    """The glue's ``variants`` argument: None when every variant is off,
+    else the tuple whose layout csrc/mhattn_module.c (read_variants) gives."""
+    v = call.var
+    if not v.any:
+        return None
+    window = None
+    if v.window is not None:
+        window = tuple(-1 if side is None else side for side in v.window)
+    return (window, 0.0 if v.softcap is None else v.softcap, v.alibi, v.sinks,
+            v.key_mask, v.cu_q, v.cu_k, v.q_norm, v.k_norm, v.norm_eps, v.rotary_dim,
+            v.interleaved, v.inv_freq, v.positions, v.key_positions)
+
+
 def core_args(call: Call, *, want_weights: bool = False, keep: bool = False) -> tuple:
-    """The 19 arguments of ``_C.forward`` for a checked call, once its
+    """The 20 arguments of ``_C.forward`` for a checked call, once its
     allocations are known to fit (MemoryError otherwise)."""
     check_memory(plan(call, want_weights=want_weights, keep=keep))
     dk, dv, scales = head_arrays(call)
@@ -93,7 +108,7 @@ def core_args(call: Call, *, want_weights: bool = False, keep: bool = False) -> 
     return (call.x, call.key, call.value, call.wq.fused(), call.wk.fused(),
             call.wv.fused(), call.w_o, _fused_bias(call.bq), _fused_bias(call.bk),
             _fused_bias(call.bv), call.b_o, dk, dv, scales, call.mask, call.causal,
-            call.key_lengths, bool(want_weights), bool(keep))
+            call.key_lengths, variant_args(call), bool(want_weights), bool(keep))
 
 
 def run_core(call: Call, *, want_weights: bool = False, keep: bool = False):
@@ -358,7 +373,7 @@ def fast(x, w_q, w_k, w_v, w_o, num_heads, key, value, scale, want_weights, mask
             key_lengths := _fast_lengths(key_lengths, nd, B, Tk)) is None:
         return None
     return (x, k, v, w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o, heads[0], heads[1],
-            heads[2], mask, causal, key_lengths, want_weights, False)
+            heads[2], mask, causal, key_lengths, None, want_weights, False)
 
 
 # --- what the forward keeps for the backward ---------------------------------

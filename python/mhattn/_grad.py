@@ -21,7 +21,7 @@ import numpy as np
 from . import _C
 from ._args import (_check_numeric, _Heads, _to_array, backward_items, check_memory,
                     normalize, offsets, plan)
-from ._core import Context, head_arrays, make_context, run_core
+from ._core import Context, head_arrays, make_context, run_core, variant_args
 
 __all__ = ["Context", "backward", "multi_head_attention_grad"]
 
@@ -56,7 +56,9 @@ def backward(grad_out, ctx: Context) -> Dict[str, Any]:
     ``grad_out`` has the shape of the forward's ``out``.  The dict maps
     each argument's name to its gradient: 'x', then 'key' and 'value' when
     they were given, 'w_q', 'w_k', 'w_v', then 'w_o', 'b_q', 'b_k', 'b_v',
-    'b_o' when they were given (the mask gets none).  Each gradient has the
+    'b_o' when they were given (the mask gets none), then 'sinks', 'q_norm'
+    and 'k_norm' when they were given (ALiBi slopes, positions and the
+    key mask get none).  Each gradient has the
     form its argument came in (fused, stacked or a per-head list; batched or
     not), as new arrays of the compute dtype.  A per-head list gets one
     gradient per position, even where one array fills several positions
@@ -86,12 +88,13 @@ def backward(grad_out, ctx: Context) -> Dict[str, Any]:
 
     biases = ctx.bias_forms
     dk, dv, scales = head_arrays(call)
-    dx, dkey, dvalue, dwq, dwk, dwv, dwo, dbq, dbk, dbv, dbo = _C.backward(
+    (dx, dkey, dvalue, dwq, dwk, dwv, dwo, dbq, dbk, dbv, dbo, dsinks, dq_norm,
+     dk_norm) = _C.backward(
         g, call.x, call.key if call.key_given else None,
         call.value if call.value_given else None,
         call.wq.fused(), call.wk.fused(), call.wv.fused(), call.w_o,
         ctx.q, ctx.k, ctx.v, ctx.concat, ctx.lse, dk, dv, scales, call.mask,
-        call.causal, call.key_lengths, biases["b_q"] is not None,
+        call.causal, call.key_lengths, variant_args(call), biases["b_q"] is not None,
         biases["b_k"] is not None, biases["b_v"] is not None, call.b_o is not None)
 
     grads: Dict[str, Any] = {"x": call.unbatch(dx)}
@@ -110,13 +113,20 @@ def backward(grad_out, ctx: Context) -> Dict[str, Any]:
             grads[name] = _bias_like(gb, biases[name], heads.widths)
     if call.b_o is not None:
         grads["b_o"] = dbo
+    for name, gv in (("sinks", dsinks), ("q_norm", dq_norm), ("k_norm", dk_norm)):
+        if gv is not None:
+            grads[name] = gv
     return grads
 
 
 def multi_head_attention_grad(grad_out, x, w_q, w_k, w_v, w_o=None, *, num_heads=None,
                               key=None, value=None, scale=None, mask=None, causal=False,
                               key_lengths=None, num_kv_heads=None, b_q=None, b_k=None,
-                              b_v=None, b_o=None) -> Dict[str, Any]:
+                              b_v=None, b_o=None, window=None, softcap=None,
+                              alibi_slopes=None, sinks=None, q_norm=None, k_norm=None,
+                              norm_eps=1e-6, rope=None, positions=None,
+                              key_positions=None, key_mask=None, cu_seqlens=None,
+                              key_cu_seqlens=None) -> Dict[str, Any]:
     """Gradients of multi_head_attention with respect to each array argument.
 
     multi_head_attention_grad(grad_out, x, w_q, w_k, w_v, w_o=None, **keywords)
@@ -130,10 +140,23 @@ def multi_head_attention_grad(grad_out, x, w_q, w_k, w_v, w_o=None, *, num_heads
     O(T d) state) and then the backward pass; to reuse a forward pass, call
     ``multi_head_attention(..., return_context=True)`` and
     :func:`mhattn.backward`.
+
+    Examples
+    --------
+    >>> tokens, X, w_q, w_k, w_v, w_o = mhattn.worked_example()
+    >>> g = mhattn.multi_head_attention_grad(np.ones((3, 4)), X, w_q, w_k, w_v, w_o,
+    ...                                      sinks=np.zeros(2))
+    >>> sorted(g)
+    ['sinks', 'w_k', 'w_o', 'w_q', 'w_v', 'x']
     """
     call = normalize(x, w_q, w_k, w_v, w_o, num_heads=num_heads, key=key, value=value,
                      scale=scale, mask=mask, causal=causal, key_lengths=key_lengths,
-                     num_kv_heads=num_kv_heads, b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o)
+                     num_kv_heads=num_kv_heads, b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o,
+                     window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                     sinks=sinks, q_norm=q_norm, k_norm=k_norm, norm_eps=norm_eps,
+                     rope=rope, positions=positions, key_positions=key_positions,
+                     key_mask=key_mask, cu_seqlens=cu_seqlens,
+                     key_cu_seqlens=key_cu_seqlens)
     # The forward's kept state lives on through the backward: both must fit.
     check_memory(plan(call, keep=True) + backward_items(call, _C.get_num_threads()))
     _, _, extras = run_core(call, keep=True)

@@ -40,7 +40,11 @@ __all__ = ["MultiHeadAttention"]
 
 # Keywords of multi_head_attention that the layer sets itself from its weights.
 _OWNED = frozenset({"x", "w_q", "w_k", "w_v", "w_o", "num_heads", "num_kv_heads",
-                    "key", "value", "b_q", "b_k", "b_v", "b_o"})
+                    "key", "value", "b_q", "b_k", "b_v", "b_o", "sinks", "q_norm",
+                    "k_norm", "norm_eps"})
+# The learnable variants a layer may own, under their state_dict keys (the
+# names of gpt-oss's and Qwen3's attention modules).
+_VARIANT_KEYS = {"sinks": "sinks", "q_norm": "q_norm.weight", "k_norm": "k_norm.weight"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -97,6 +101,7 @@ class MultiHeadAttention:
 
     MultiHeadAttention(d_model, num_heads, *, num_kv_heads=None, d_k=None,
                        d_v=None, d_out=None, kdim=None, vdim=None, bias=False,
+                       sinks=False, qk_norm=False, norm_eps=1e-6,
                        dtype=np.float32, seed=None)
 
     Parameters
@@ -117,6 +122,15 @@ class MultiHeadAttention:
         default d_model.
     bias : bool
         Give every projection a bias (b_q, b_k, b_v and b_o), initialised to 0.
+    sinks : bool
+        Own one attention-sink logit per query head, ``sinks`` (h,),
+        initialised to 0 (gpt-oss; see multi_head_attention's ``sinks``).
+    qk_norm : False, True or "per_head"
+        Own RMSNorm weights for q and k, initialised to 1: ``q_norm`` and
+        ``k_norm`` (d_k,) shared by every head (Qwen3), or with "per_head"
+        ``q_norm`` (h, d_k) and ``k_norm`` (g, d_k).
+    norm_eps : float
+        The q/k RMSNorm's epsilon.
     dtype : np.float32 or np.float64
     seed : int, np.random.Generator or None
         Passed to np.random.default_rng.
@@ -128,24 +142,37 @@ class MultiHeadAttention:
     W^O keeps nn.Linear's default, kaiming_uniform(a=sqrt(5)), which is
     U(-1/sqrt(h*d_v), 1/sqrt(h*d_v)); biases are 0.
 
-    Attributes ``w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o`` are plain NumPy
-    arrays (biases None without ``bias``) and may be modified or replaced
-    with arrays of the same shape.
+    Attributes ``w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o`` (and ``sinks``,
+    ``q_norm``, ``k_norm``) are plain NumPy arrays (None when the layer does
+    not have them) and may be modified or replaced with arrays of the same
+    shape.  Options that are not learnable (``causal``, ``window``, ``rope``,
+    ``softcap``, ``alibi_slopes``, ``key_mask``, ...) are passed per call.
+
+    Examples
+    --------
+    >>> layer = mhattn.MultiHeadAttention(64, 8, num_kv_heads=2, sinks=True,
+    ...                                   qk_norm=True, seed=0)
+    >>> x = np.random.default_rng(0).standard_normal((2, 10, 64)).astype(np.float32)
+    >>> out = layer(x, causal=True, rope=mhattn.RoPE(), window=(3, 0))
+    >>> sorted(layer.state_dict())[-3:]
+    ['out_proj.weight', 'q_norm.weight', 'sinks']
     """
 
     def __init__(self, d_model: int, num_heads: int, *, num_kv_heads: Optional[int] = None,
                  d_k: Optional[int] = None, d_v: Optional[int] = None,
                  d_out: Optional[int] = None, kdim: Optional[int] = None,
-                 vdim: Optional[int] = None, bias: bool = False, dtype: Any = np.float32,
+                 vdim: Optional[int] = None, bias: bool = False, sinks: bool = False,
+                 qk_norm: Any = False, norm_eps: float = 1e-6, dtype: Any = np.float32,
                  seed: Any = None):
         self._configure(d_model, num_heads, num_kv_heads=num_kv_heads, d_k=d_k, d_v=d_v,
-                        d_out=d_out, kdim=kdim, vdim=vdim, bias=bias, dtype=dtype)
+                        d_out=d_out, kdim=kdim, vdim=vdim, bias=bias, dtype=dtype,
+                        sinks=sinks, qk_norm=qk_norm, norm_eps=norm_eps)
         self.reset_parameters(seed)
 
     # -- construction ---------------------------------------------------------
 
     def _configure(self, d_model, num_heads, *, num_kv_heads, d_k, d_v, d_out, kdim,
-                   vdim, bias, dtype) -> None:
+                   vdim, bias, dtype, sinks=False, qk_norm=False, norm_eps=1e-6) -> None:
         self.d_model = _int_arg("d_model", d_model, allow_none=False)
         self.num_heads = _int_arg("num_heads", num_heads, allow_none=False)
         g = _int_arg("num_kv_heads", num_kv_heads)
@@ -169,6 +196,13 @@ class MultiHeadAttention:
             raise TypeError(f"bias: expected True or False, got {bias!r}")
         self.bias = bool(bias)
         self.dtype = _layer_dtype(dtype)
+        if not isinstance(sinks, (bool, np.bool_)):
+            raise TypeError(f"sinks: expected True or False, got {sinks!r}")
+        if qk_norm not in (False, True, "per_head") or isinstance(qk_norm, np.ndarray):
+            raise ValueError(f"qk_norm: expected False, True or 'per_head', got {qk_norm!r}")
+        self.has_sinks = bool(sinks)
+        self.qk_norm = qk_norm if qk_norm == "per_head" else bool(qk_norm)
+        self.norm_eps = float(norm_eps)
 
     @property
     def _packed(self) -> bool:
@@ -182,6 +216,12 @@ class MultiHeadAttention:
         if self.bias:
             shapes.update(b_q=(h, self.d_k), b_k=(g, self.d_k), b_v=(g, self.d_v),
                           b_o=(self.d_out,))
+        if self.has_sinks:
+            shapes["sinks"] = (h,)
+        if self.qk_norm:
+            per_head = self.qk_norm == "per_head"
+            shapes["q_norm"] = (h, self.d_k) if per_head else (self.d_k,)
+            shapes["k_norm"] = (g, self.d_k) if per_head else (self.d_k,)
         return shapes
 
     def reset_parameters(self, seed: Any = None) -> None:
@@ -211,6 +251,10 @@ class MultiHeadAttention:
             self.b_o = np.zeros(self.d_out, dt)
         else:
             self.b_q = self.b_k = self.b_v = self.b_o = None
+        shapes = self._shapes()
+        self.sinks = np.zeros(shapes["sinks"], dt) if self.has_sinks else None
+        self.q_norm = np.ones(shapes["q_norm"], dt) if self.qk_norm else None
+        self.k_norm = np.ones(shapes["k_norm"], dt) if self.qk_norm else None
 
     # -- the forward pass -----------------------------------------------------
 
@@ -223,6 +267,8 @@ class MultiHeadAttention:
         ``mhattn.reference.multi_head_attention(x, **layer.arguments())``."""
         kw: Dict[str, Any] = dict(self.weights())
         kw["num_kv_heads"] = self.num_kv_heads
+        if self.qk_norm:
+            kw["norm_eps"] = self.norm_eps
         return kw
 
     def __call__(self, x, key=None, value=None, **options):
@@ -231,8 +277,10 @@ class MultiHeadAttention:
         :meth:`backward` appended when ``return_context=True``.
 
         ``options`` are multi_head_attention's: mask, causal, key_lengths,
-        scale, return_weights, return_context.  Anything else raises
-        TypeError.
+        scale, return_weights, return_context, window, softcap,
+        alibi_slopes, rope, positions, key_positions, key_mask, cu_seqlens,
+        key_cu_seqlens.  The layer's own arrays (sinks and the q/k norm
+        included) cannot be passed; anything else raises TypeError.
         """
         allowed = _call_options()
         for name in options:
@@ -267,6 +315,10 @@ class MultiHeadAttention:
             extra += f", kdim={self.kdim}"
         if self.vdim != self.d_model:
             extra += f", vdim={self.vdim}"
+        if self.has_sinks:
+            extra += ", sinks=True"
+        if self.qk_norm:
+            extra += f", qk_norm={self.qk_norm!r}, norm_eps={self.norm_eps!r}"
         return (f"MultiHeadAttention(d_model={self.d_model}, num_heads={self.num_heads}, "
                 f"num_kv_heads={self.num_kv_heads}, d_k={self.d_k}, d_v={self.d_v}, "
                 f"d_out={self.d_out}{extra}, bias={self.bias}, dtype={self.dtype.name})")
@@ -282,7 +334,9 @@ class MultiHeadAttention:
         with bias, ``in_proj_bias`` (rows,) and ``out_proj.bias`` (d_out,).
         Here rows = h*d_k + g*d_k + g*d_v, which is PyTorch's 3*embed_dim when
         :meth:`to_torch` is possible; other shapes generalise the layout and
-        round-trip through :meth:`load_state_dict` only.
+        round-trip through :meth:`load_state_dict` only.  A layer with sinks
+        or a q/k norm adds ``sinks`` (h,), ``q_norm.weight`` and
+        ``k_norm.weight`` (the names of gpt-oss's and Qwen3's modules).
         """
         wq, wk, wv = (np.ascontiguousarray(_fuse(w).T) for w in (self.w_q, self.w_k, self.w_v))
         sd: Dict[str, np.ndarray] = {}
@@ -296,6 +350,9 @@ class MultiHeadAttention:
         sd["out_proj.weight"] = np.ascontiguousarray(self.w_o.T)
         if self.bias:
             sd["out_proj.bias"] = self.b_o.copy()
+        for name, key in _VARIANT_KEYS.items():
+            if getattr(self, name, None) is not None:
+                sd[key] = getattr(self, name).copy()
         return sd
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -337,6 +394,9 @@ class MultiHeadAttention:
             self.b_k = b[nq:nq + nk].reshape(g, self.d_k).copy()
             self.b_v = b[nq + nk:].reshape(g, self.d_v).copy()
             self.b_o = arrays["out_proj.bias"].copy()
+        for name, key in _VARIANT_KEYS.items():
+            if key in arrays:
+                setattr(self, name, arrays[key])
 
     def _state_shapes(self) -> Dict[str, tuple]:
         """The shape of every state_dict entry, by key."""
@@ -352,6 +412,10 @@ class MultiHeadAttention:
         if self.bias:
             shapes["in_proj_bias"] = (nq + nk + nv,)
             shapes["out_proj.bias"] = (self.d_out,)
+        own = self._shapes()
+        for name, key in _VARIANT_KEYS.items():
+            if name in own:
+                shapes[key] = own[name]
         return shapes
 
     @classmethod
@@ -433,6 +497,9 @@ class MultiHeadAttention:
                            f"{self.d_model / self.num_heads:g}")
         if self.d_out != self.d_model:
             reasons.append(f"d_out={self.d_out} != d_model={self.d_model}")
+        if self.has_sinks or self.qk_norm:
+            reasons.append("the layer has attention sinks or a q/k norm, which "
+                           "nn.MultiheadAttention does not")
         if reasons:
             raise ValueError("to_torch: " + "; ".join(reasons))
         import torch
