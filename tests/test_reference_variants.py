@@ -364,7 +364,9 @@ def _core_case(name, dtype, rng):
     """(args, kwargs) of one call exercising the named keyword(s)."""
     B, T, d, H, G, dk = 2, 7, 16, 4, 2, 4
     x = rng.standard_normal((B, T, d))
-    wq, wk, wv, wo = _weights(rng, d, H, G, dk, dk, d)
+    # Weights of variance 1/d keep every stage O(1), so that float32's
+    # absolute floor of 1e-5 is a fair one.
+    wq, wk, wv, wo = (w / np.sqrt(d) for w in _weights(rng, d, H, G, dk, dk, d))
     km = np.ones((B, T), dtype=bool)
     km[0, :2] = False                          # left padding
     km[1, 3] = False
@@ -443,3 +445,35 @@ def test_core_matches_reference(rng, isa, name, dtype):
     np.testing.assert_array_equal(out2, got)
     lse = ctx.lse if ctx.call.batched else ctx.lse[0]
     np.testing.assert_allclose(lse, want_lse, **tol(dtype))
+
+
+_GRAD_ARGS = ("x", "w_q", "w_k", "w_v", "w_o")
+_GRAD_KW = ("key", "b_q", "b_k", "b_v", "b_o", "sinks", "q_norm", "k_norm")
+
+
+@pytest.mark.parametrize("name", CORE_CASES)
+def test_core_grad_matches_reference_derivative(rng, name):
+    """<dL/da, u> from mhattn.multi_head_attention_grad equals the reference's
+    central difference (L(a + e u) - L(a - e u)) / 2e along a random u, for
+    every argument a with a gradient; L = sum(out * grad_out), float64."""
+    args, kw = _core_case(name, np.float64, rng)
+    out = R.multi_head_attention(*args, **kw)
+    grad_out = rng.standard_normal(out.shape)
+    got = mhattn.multi_head_attention_grad(grad_out, *args, **kw)
+    named = dict(zip(_GRAD_ARGS, args))
+    named.update({k: kw[k] for k in _GRAD_KW if k in kw})
+    assert set(named) <= set(got), f"no gradient for {set(named) - set(got)}"
+    rest = {k: v for k, v in kw.items() if k not in named}
+    eps = 1e-5
+
+    def loss(**changed):
+        a = dict(named, **changed)
+        return float(np.sum(R.multi_head_attention(
+            *(a[n] for n in _GRAD_ARGS), **{k: a[k] for k in a if k not in _GRAD_ARGS},
+            **rest) * grad_out))
+    for arg, value in named.items():
+        u = rng.standard_normal(np.shape(value))
+        want = (loss(**{arg: value + eps * u}) - loss(**{arg: value - eps * u})) / (2 * eps)
+        have = float(np.sum(np.asarray(got[arg]) * u))
+        # Central differences err by O(eps^2) times the third derivative.
+        assert abs(have - want) <= 1e-6 * max(1.0, abs(want)), (arg, have, want)
