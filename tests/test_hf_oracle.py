@@ -358,14 +358,11 @@ def test_shipped_hf_agrees(case):
                    _hf_out(case, shipped=True), rtol=1e-5, atol=1e-6)
 
 
-def test_core_grad_matches_torch_autograd(case):
-    rng = np.random.default_rng(7)
-    grad_out = rng.standard_normal(_hf_out(case).shape)
-    if case.rows is not None:
-        grad_out[~case.rows] = 0       # rows HF leaves undefined carry no loss
+def _torch_grads(case, grad_out) -> dict:
+    """Autograd's gradients of sum(out * grad_out), float64 throughout, in
+    mhattn's names and forms."""
     xt = torch.from_numpy(case.x.copy()).requires_grad_(True)
-    tensors = {id(p): p for p, _ in case.params.values()}
-    for p in tensors.values():
+    for p, _ in case.params.values():
         p.grad = None
     with _float64_throughout():
         out = case.hf(xt, False)
@@ -373,6 +370,40 @@ def test_core_grad_matches_torch_autograd(case):
     want = {"x": _np(xt.grad)}
     for name, (p, to_mhattn) in case.params.items():
         want[name] = to_mhattn(_np(p.grad))
+    return want
+
+
+def _grad_out(case) -> np.ndarray:
+    grad_out = np.random.default_rng(7).standard_normal(_hf_out(case).shape)
+    if case.rows is not None:
+        grad_out[~case.rows] = 0       # rows HF leaves undefined carry no loss
+    return grad_out
+
+
+def test_torch_grads_are_the_reference_derivative(case):
+    """The expected gradients, mapped to mhattn's forms, are the derivative
+    of the reference: <dL/da, u> = central difference of L along u."""
+    grad_out = _grad_out(case)
+    want = _torch_grads(case, grad_out)
+    named = {k: v for k, v in case.kw.items() if k in want}
+    named["x"] = case.x
+    rest = {k: v for k, v in case.kw.items() if k not in named}
+    rng = np.random.default_rng(3)
+    eps = 1e-6
+
+    def loss(**changed):
+        a = dict(named, **changed)
+        return float(np.sum(R.multi_head_attention(a.pop("x"), **a, **rest) * grad_out))
+    for name, value in named.items():
+        u = rng.standard_normal(np.shape(value))
+        fd = (loss(**{name: value + eps * u}) - loss(**{name: value - eps * u})) / (2 * eps)
+        have = float(np.sum(want[name] * u))
+        assert abs(have - fd) <= 1e-6 * max(1.0, abs(fd)), (name, have, fd)
+
+
+def test_core_grad_matches_torch_autograd(case):
+    grad_out = _grad_out(case)
+    want = _torch_grads(case, grad_out)
     got = mhattn.multi_head_attention_grad(grad_out, case.x, **case.kw)
     assert set(want) <= set(got), f"mhattn returned no gradient for {set(want) - set(got)}"
     for name, w in want.items():
