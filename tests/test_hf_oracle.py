@@ -17,7 +17,7 @@ the modules exactly as shipped, to float32 accuracy, so that these three
 changes cannot hide a difference in meaning.
 """
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional
 from unittest import mock
 
@@ -98,7 +98,6 @@ class Case:
     params: dict                     # grad name -> (torch parameter, grad -> mhattn form)
     essential: tuple                 # keywords whose removal must change the answer
     rows: Optional[np.ndarray] = None   # rows of out HF defines (None: all)
-    modules: list = field(default_factory=list)
 
 
 def _linear(attn, prefix=""):

@@ -20,6 +20,7 @@ order of a score's life (``mhattn._variants``):
  7. + ALiBi + additive mask                :func:`alibi_bias`
  8. the visibility rules -> -inf           :func:`allowed_keys`
  9. softmax, with sinks                    :func:`softmax`, :func:`log_sum_exp`
+    (steps 2-9 of one head from its projections: :func:`head_scores`)
  10. . V;  11. concat;  12. W^O            :func:`weighted_values`,
                                            :func:`multi_head_attention`
 
@@ -39,7 +40,7 @@ from ._variants import key_positions_of, query_positions, sequence_ids
 
 __all__ = ["multi_head_attention", "lse", "softmax", "log_sum_exp", "attention",
            "score_steps", "weighted_values", "allowed_keys", "rms_norm", "rope",
-           "softcap", "alibi_bias", "param_count", "head_intermediates",
+           "softcap", "alibi_bias", "param_count", "head_intermediates", "head_scores",
            "worked_example"]
 
 
@@ -465,13 +466,49 @@ def head_intermediates(call: Call, b: int, h: int) -> dict:
     >>> sorted(head_intermediates(call, 0, 0))[:4]
     ['additive', 'allowed', 'bias', 'capped']
     """
-    var = call.var
-    B, Tq, Tk = call.B, call.Tq, call.Tk
     g = call.kv_head(h)
     # 1. project, plus bias
     q_proj = _project(call.x[b], call.wq.heads[h], None if call.bq is None else call.bq[h])
     k_proj = _project(call.key[b], call.wk.heads[g], None if call.bk is None else call.bk[g])
     v = _project(call.value[b], call.wv.heads[g], None if call.bv is None else call.bv[g])
+    # 2-9.
+    st = head_scores(call, b, h, q_proj, k_proj)
+    # 10. . V
+    return dict(st, v=v, head=weighted_values(st["weights"], v))
+
+
+def head_scores(call: Call, b: int, h: int, q_proj: np.ndarray, k_proj: np.ndarray) -> dict:
+    """Steps 2-9 of head h on batch item b, from its projections.
+
+    The C core keeps q and k *before* the norm and RoPE (``csrc/mha.h``):
+    this turns them, or the reference's own, into every later step.
+
+    Parameters
+    ----------
+    call : Call
+        A checked call (:func:`mhattn._args.normalize`).
+    b, h : int
+        The batch item and the query head.
+    q_proj : (Tq, dk) array
+        Head h's projected queries, bias included.
+    k_proj : (Tk, dk) array
+        Its kv head's projected keys, bias included.
+
+    Returns
+    -------
+    dict: the keys of :func:`head_intermediates` except v and head.
+
+    Examples
+    --------
+    >>> call = normalize(np.eye(3), np.eye(3), np.eye(3), np.eye(3), num_heads=1,
+    ...                  sinks=[0.0])
+    >>> st = head_scores(call, 0, 0, np.eye(3), np.eye(3))
+    >>> st["lse"]                  # log(e^(1/sqrt 3) + 1 + 1 + e^0): the sink counts
+    array([1.56471502, 1.56471502, 1.56471502])
+    """
+    var = call.var
+    B, Tq, Tk = call.B, call.Tq, call.Tk
+    g = call.kv_head(h)
     # 2. q/k RMSNorm
     wqn, wkn = _norm_row(var.q_norm, h), _norm_row(var.k_norm, g)
     q_normed = q_proj if wqn is None else rms_norm(q_proj, wqn, var.norm_eps)
@@ -497,14 +534,13 @@ def head_intermediates(call: Call, b: int, h: int) -> dict:
     # 4-8. the scores
     st = score_steps(q, k, call.scales[h], cap=var.softcap, bias=bias, additive=additive,
                      allowed=allowed)
-    # 9. softmax with the sink; 10. . V
+    # 9. softmax with the sink, which the weights exclude and the lse includes
     sink = None if var.sinks is None else var.sinks[h]
-    weights = softmax(st["scores"], sink)
     return dict(q_proj=q_proj, k_proj=k_proj, q_normed=q_normed, k_normed=k_normed,
-                q=q, k=k, v=v, raw_scores=st["raw_scores"], scaled=st["scaled"],
+                q=q, k=k, raw_scores=st["raw_scores"], scaled=st["scaled"],
                 capped=st["capped"], bias=bias, additive=additive, allowed=allowed,
-                scores=st["scores"], sink=sink, weights=weights,
-                lse=log_sum_exp(st["scores"], sink), head=weighted_values(weights, v))
+                scores=st["scores"], sink=sink, weights=softmax(st["scores"], sink),
+                lse=log_sum_exp(st["scores"], sink))
 
 
 def _run(call: Call):
