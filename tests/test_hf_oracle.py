@@ -410,3 +410,52 @@ def test_core_grad_matches_torch_autograd(case):
         assert g.shape == w.shape, name
         np.testing.assert_allclose(g, w, rtol=GRAD_RTOL,
                                    atol=1e-11 * max(1.0, np.abs(w).max()), err_msg=name)
+
+
+def _llama_decode(xt, cut):
+    """HF's two-step run: the prefix fills a DynamicCache, then the last
+    tokens attend to the whole cache.  Returns (module, rotary, out of the
+    second step)."""
+    from transformers.models.llama import modeling_llama as m
+    config = _config(transformers.LlamaConfig, attention_bias=True)
+    torch.manual_seed(0)
+    attn = m.LlamaAttention(config, 0).double().eval()
+    rotary = m.LlamaRotaryEmbedding(config).double()
+    cache = transformers.DynamicCache(config=config)
+    out = None
+    for lo, hi in ((0, cut), (cut, T)):
+        pos = torch.arange(lo, hi)[None].expand(B, hi - lo)
+        part = xt[:, lo:hi]
+        mask = create_causal_mask(config=config, inputs_embeds=part, attention_mask=None,
+                                  cache=cache, position_ids=pos)
+        out = attn(part, position_embeddings=_tables(rotary, part, pos, False),
+                   attention_mask=mask, cache=cache)[0]
+    return attn, rotary, out
+
+
+@pytest.mark.parametrize("cut", [4, 6])
+def test_decode_against_a_cache_matches_hf(isa, cut):
+    """New tokens against HF's KV cache: mhattn's bottom-right causal
+    alignment and default RoPE positions p_i = i + (T_k - T_q) are the cache's."""
+    x = _x()
+    xt = torch.from_numpy(x.copy()).requires_grad_(True)
+    with _float64_throughout():
+        attn, rotary, out = _llama_decode(xt, cut)
+    want = _np(out)
+    kw, params = _linear(attn)
+    kw.update(key=x, causal=True, rope=mhattn.RoPE(inv_freq=_np(rotary.inv_freq)))
+    case = Case(x[:, cut:], None, kw, params, essential=())
+    _check_forward(case, R.multi_head_attention(x[:, cut:], **kw), want)
+    _check_forward(case, mhattn.multi_head_attention(x[:, cut:], **kw), want)
+    grad_out = np.random.default_rng(5).standard_normal(want.shape)
+    with _float64_throughout():
+        (out * torch.from_numpy(grad_out)).sum().backward()
+    got = mhattn.multi_head_attention_grad(grad_out, x[:, cut:], **kw)
+    dx = np.array(got["key"])                  # x fed every key and value ...
+    dx[:, cut:] += got["x"]                    # ... and the new tokens' queries
+    np.testing.assert_allclose(dx, _np(xt.grad), rtol=GRAD_RTOL,
+                               atol=1e-11 * np.abs(dx).max())
+    for name, (p, to_mhattn) in params.items():
+        w = to_mhattn(_np(p.grad))
+        np.testing.assert_allclose(got[name], w, rtol=GRAD_RTOL,
+                                   atol=1e-11 * max(1.0, np.abs(w).max()), err_msg=name)
