@@ -477,3 +477,24 @@ def test_core_grad_matches_reference_derivative(rng, name):
         have = float(np.sum(np.asarray(got[arg]) * u))
         # Central differences err by O(eps^2) times the third derivative.
         assert abs(have - want) <= 1e-6 * max(1.0, abs(want)), (arg, have, want)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("name", ["combined", "packed_combined", "packed_cross"])
+def test_core_variants_bitwise_for_any_thread_count(rng, name, dtype):
+    args, kw = _core_case(name, dtype, rng)
+    grad_out = rng.standard_normal(R.multi_head_attention(*args, **kw).shape).astype(dtype)
+    before = mhattn.get_num_threads()
+    try:
+        runs = []
+        for n in (1, 2, 3):
+            mhattn.set_num_threads(n)
+            out, w = mhattn.multi_head_attention(*args, return_weights=True, **kw)
+            runs.append((out, w, mhattn.multi_head_attention_grad(grad_out, *args, **kw)))
+    finally:
+        mhattn.set_num_threads(before)
+    for out, w, grads in runs[1:]:
+        np.testing.assert_array_equal(out, runs[0][0])
+        np.testing.assert_array_equal(w, runs[0][1])
+        for k, g in grads.items():
+            np.testing.assert_array_equal(g, runs[0][2][k], err_msg=k)
