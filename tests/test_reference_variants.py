@@ -412,6 +412,25 @@ def _core_case(name, dtype, rng):
         kw = dict(key=keyp, cu_seqlens=cu, key_cu_seqlens=np.array([0, 2, 6, 9, 11]),
                   causal=True, window=(1, None), alibi_slopes=rng.uniform(0.1, 1, H),
                   rope=mhattn.RoPE())
+    elif name == "decode":
+        args = (x[:, -1:], wq, wk, wv, wo)
+        kw = dict(key=x, causal=True, window=(3, 0), sinks=rng.standard_normal(H),
+                  rope=mhattn.RoPE(), alibi_slopes=rng.uniform(0.1, 1, H))
+    elif name == "more_queries_than_keys":
+        # Causal with Tq > Tk: the first Tq - Tk rows see no key at all.
+        kw = dict(key=x[:, :3], causal=True, sinks=rng.standard_normal(H), softcap=1.0,
+                  key_mask=np.array([[True, False, True], [False, False, False]]),
+                  rope=mhattn.RoPE())
+    elif name == "packed_empty_keys":
+        # Sequence 0 has two queries and no key: fully masked rows.
+        args = (xp[:5], wq, wk, wv, wo)
+        kw = dict(key=keyp[:4], cu_seqlens=np.array([0, 2, 5]),
+                  key_cu_seqlens=np.array([0, 0, 4]), sinks=rng.standard_normal(H),
+                  q_norm=rng.uniform(0.5, 2, dk))
+    elif name == "unbatched":
+        args = (x[0], wq, wk, wv, wo)
+        kw = dict(key_mask=km[0], causal=True, window=(None, 0),
+                  alibi_slopes=rng.uniform(0.1, 1, H), rope=mhattn.RoPE(), positions=np.arange(T) + 5, key_positions=np.arange(T) + 5)
     elif name == "cross_window_alibi":
         kw = dict(key=rng.standard_normal((B, 10, d)), window=(2, 2),
                   alibi_slopes=rng.uniform(0.1, 1, H), causal=True)
@@ -427,7 +446,8 @@ def _core_case(name, dtype, rng):
 CORE_CASES = ["window", "window_causal", "window_left_open", "softcap", "alibi",
               "alibi_batched", "sinks", "q_norm", "k_norm_per_head", "rope",
               "rope_interleaved_partial", "rope_positions", "key_mask", "key_mask_empty_row",
-              "combined", "packed", "packed_combined", "packed_cross", "cross_window_alibi"]
+              "combined", "packed", "packed_combined", "packed_cross", "cross_window_alibi",
+              "decode", "more_queries_than_keys", "packed_empty_keys", "unbatched"]
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
