@@ -93,7 +93,7 @@ def _tables(rotary, x, position_ids, shipped, halves=True):
 class Case:
     """One HF attention module and the mhattn call that should equal it."""
     x: np.ndarray                    # mhattn's x: (B, T, D), or (total, D) when packed
-    hf: Callable                     # hf(x tensor of x's shape, shipped) -> out tensor
+    hf: Callable                     # hf(x tensor of x's shape, shipped) -> (out, weights)
     kw: dict                         # mhattn's arguments besides x (weights included)
     params: dict                     # grad name -> (torch parameter, grad -> mhattn form)
     essential: tuple                 # keywords whose removal must change the answer
@@ -138,7 +138,7 @@ def _rope_model(module_cls, rotary_cls, config, *, sliding=False, x_scale=1.0,
         mask = make_mask(config=config, inputs_embeds=xt, attention_mask=None, cache=None,
                          position_ids=pos)
         return attn(xt, position_embeddings=_tables(rotary, xt, pos, shipped, halves),
-                    attention_mask=mask)[0]
+                    attention_mask=mask)
     kw, params = _linear(attn)
     kw.update(causal=True, rope=mhattn.RoPE(inv_freq=_np(rotary.inv_freq)))
     scaling = float(rotary.attention_scaling)
@@ -226,7 +226,7 @@ def _llama_left_padded():
         mask = create_causal_mask(config=config, inputs_embeds=xt, attention_mask=am,
                                   cache=None, position_ids=pos)
         return attn(xt, position_embeddings=_tables(rotary, xt, pos, shipped),
-                    attention_mask=mask)[0]
+                    attention_mask=mask)
     kw, params = _linear(attn)
     kw.update(causal=True, rope=mhattn.RoPE(inv_freq=_np(rotary.inv_freq)),
               key_mask=_np(am).astype(bool), positions=_np(pos), key_positions=_np(pos))
@@ -252,8 +252,9 @@ def _llama_packed():
         xb = xt[None]
         mask = create_causal_mask(config=config, inputs_embeds=xb, attention_mask=None,
                                   cache=None, position_ids=pos)
-        return attn(xb, position_embeddings=_tables(rotary, xb, pos, shipped),
-                    attention_mask=mask)[0][0]
+        out, weights = attn(xb, position_embeddings=_tables(rotary, xb, pos, shipped),
+                            attention_mask=mask)
+        return out[0], weights[0]
     kw, params = _linear(attn)
     kw.update(causal=True, rope=mhattn.RoPE(inv_freq=_np(rotary.inv_freq)), cu_seqlens=cu)
     return Case(x, hf, kw, params, essential=("cu_seqlens",))
@@ -276,7 +277,7 @@ def _bloom(padded=False):
         alibi = m.build_alibi_tensor(am, H, xt.dtype)
         mask = create_causal_mask(config=config, inputs_embeds=xt, attention_mask=am,
                                   cache=None)
-        return attn(xt, torch.zeros_like(xt), alibi, mask)[0]
+        return attn(xt, torch.zeros_like(xt), alibi, mask)
     # BLOOM's fused query_key_value: row block h*3*HD holds head h's q, then k, then v.
     wt = _np(attn.query_key_value.weight).T           # (D, 3D)
     bias = _np(attn.query_key_value.bias)
@@ -312,9 +313,14 @@ def case(request):
     return MODELS[request.param]()
 
 
-def _hf_out(case, shipped=False) -> np.ndarray:
+def _hf_run(case, shipped=False):
+    """HF's (out, weights) as arrays."""
     with torch.no_grad(), (contextlib.nullcontext() if shipped else _float64_throughout()):
-        return _np(case.hf(torch.from_numpy(case.x), shipped))
+        return tuple(_np(a) for a in case.hf(torch.from_numpy(case.x), shipped))
+
+
+def _hf_out(case, shipped=False) -> np.ndarray:
+    return _hf_run(case, shipped)[0]
 
 
 def _rows(case, a):
@@ -336,6 +342,21 @@ def test_reference_matches_hf(case):
 
 def test_core_matches_hf(case, isa):
     _check_forward(case, mhattn.multi_head_attention(case.x, **case.kw), _hf_out(case))
+
+
+def test_weights_match_hf(case):
+    """The post-softmax weights (gpt-oss's without the sink column), from
+    the reference and the core."""
+    want = _hf_run(case)[1]
+    for fn in (R.multi_head_attention, mhattn.multi_head_attention):
+        got = fn(case.x, return_weights=True, **case.kw)[1]
+        assert got.shape == want.shape
+        if case.rows is not None:          # (B, H, T, T) -> (real rows, H, T)
+            got, want_rows = got.transpose(0, 2, 1, 3)[case.rows], \
+                want.transpose(0, 2, 1, 3)[case.rows]
+        else:
+            want_rows = want
+        np.testing.assert_allclose(got, want_rows, rtol=1e-9, atol=1e-13)
 
 
 def test_every_variant_matters(case):
@@ -364,7 +385,7 @@ def _torch_grads(case, grad_out) -> dict:
     for p, _ in case.params.values():
         p.grad = None
     with _float64_throughout():
-        out = case.hf(xt, False)
+        out = case.hf(xt, False)[0]
         (out * torch.from_numpy(grad_out)).sum().backward()
     want = {"x": _np(xt.grad)}
     for name, (p, to_mhattn) in case.params.items():
