@@ -518,3 +518,66 @@ def test_core_variants_bitwise_for_any_thread_count(rng, name, dtype):
         np.testing.assert_array_equal(w, runs[0][1])
         for k, g in grads.items():
             np.testing.assert_array_equal(g, runs[0][2][k], err_msg=k)
+
+
+def _random_call(seed):
+    """A random mix of shapes and variants (float64): (args, kwargs)."""
+    r = np.random.default_rng(seed)
+    G = int(r.choice([1, 2]))
+    H = G * int(r.choice([1, 2]))
+    dk = int(r.choice([2, 4, 6]))
+    dv = int(r.integers(1, 5))
+    d = int(r.integers(2, 9))
+    packed = r.random() < 0.3
+    cross = r.random() < 0.5
+    B = 1 if packed else int(r.integers(1, 3))
+    Tq = int(r.integers(1, 10))
+    Tk = int(r.integers(1, 10)) if cross else Tq
+    lead = () if packed else (B,)
+    x = r.standard_normal(lead + (Tq, d))
+    kw = dict(num_heads=H, num_kv_heads=G)
+    if cross:
+        kw["key"] = r.standard_normal(lead + (Tk, d))
+    w = [r.standard_normal((d, n)) / np.sqrt(d) for n in (H * dk, G * dk, G * dv)]
+    w.append(r.standard_normal((H * dv, d)) / np.sqrt(H * dv))
+    side = lambda: None if r.random() < 0.3 else int(r.integers(0, 12))  # noqa: E731
+    if r.random() < 0.5:
+        kw["window"] = (side(), side())
+    kw["causal"] = bool(r.random() < 0.5)
+    if r.random() < 0.4:
+        kw["softcap"] = float(r.uniform(0.3, 3))
+    if r.random() < 0.4:
+        kw["alibi_slopes"] = r.uniform(0, 1, H)
+    if r.random() < 0.4:
+        kw["sinks"] = r.standard_normal(H)
+    if r.random() < 0.3:
+        kw["q_norm"] = r.uniform(0.5, 2, (H, dk) if r.random() < 0.5 else dk)
+    if r.random() < 0.3:
+        kw["k_norm"] = r.uniform(0.5, 2, dk)
+    if r.random() < 0.4:
+        kw["rope"] = mhattn.RoPE(theta=float(r.uniform(2, 1e4)),
+                                 rotary_dim=2 * int(r.integers(1, dk // 2 + 1)),
+                                 interleaved=bool(r.random() < 0.5))
+    if r.random() < 0.3:
+        kw["key_mask"] = r.random(lead + (Tk,)) < 0.7
+    if packed:
+        n = int(r.integers(1, 4))
+        cu = np.sort(np.concatenate([[0, Tq], r.integers(0, Tq + 1, n - 1)]))
+        kw["cu_seqlens"] = cu
+        if cross:
+            kw["key_cu_seqlens"] = np.sort(np.concatenate([[0, Tk], r.integers(0, Tk + 1, n - 1)]))
+        else:
+            kw.pop("key", None)
+    return (x, *w), kw
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_core_matches_reference_random_mix(seed):
+    args, kw = _random_call(seed)
+    want, want_w = R.multi_head_attention(*args, return_weights=True, **kw)
+    got, got_w = mhattn.multi_head_attention(*args, return_weights=True, **kw)
+    np.testing.assert_allclose(got, want, **tol(np.float64))
+    np.testing.assert_allclose(got_w, want_w, **tol(np.float64))
+    grad_out = np.random.default_rng(seed).standard_normal(want.shape)
+    grads = mhattn.multi_head_attention_grad(grad_out, *args, **kw)
+    assert all(np.isfinite(np.asarray(g)).all() for g in grads.values())
