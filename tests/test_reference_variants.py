@@ -430,7 +430,8 @@ def _core_case(name, dtype, rng):
     elif name == "unbatched":
         args = (x[0], wq, wk, wv, wo)
         kw = dict(key_mask=km[0], causal=True, window=(None, 0),
-                  alibi_slopes=rng.uniform(0.1, 1, H), rope=mhattn.RoPE(), positions=np.arange(T) + 5, key_positions=np.arange(T) + 5)
+                  alibi_slopes=rng.uniform(0.1, 1, H), rope=mhattn.RoPE(),
+                  positions=np.arange(T) + 5, key_positions=np.arange(T) + 5)
     elif name == "cross_window_alibi":
         kw = dict(key=rng.standard_normal((B, 10, d)), window=(2, 2),
                   alibi_slopes=rng.uniform(0.1, 1, H), causal=True)
