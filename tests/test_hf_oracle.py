@@ -100,7 +100,7 @@ class Case:
     rows: Optional[np.ndarray] = None   # rows of out HF defines (None: all)
 
 
-def _linear(attn, prefix=""):
+def _linear(attn):
     """mhattn weights and gradient maps of q_proj, k_proj, v_proj, o_proj."""
     kw, params = {}, {}
     for name, lin in (("q", attn.q_proj), ("k", attn.k_proj), ("v", attn.v_proj),
