@@ -11,7 +11,9 @@ Each input is decoded into one call. The properties:
   * only TypeError, ValueError or MemoryError escape; a TypeError or
     ValueError names the argument before its first colon ("w_q[1]: ...");
   * a valid call returns arrays of the documented dtype and shape, and
-    when the reference's result is finite the C result matches it.
+    when the reference's result is finite the C result matches it;
+  * the variants (window, softcap, ALiBi, sinks, q/k norm, RoPE with its
+    positions, key_mask, packed sequences) come and go with the rest.
 Values are multiples of 1/4 in [-2, 2], so projections and scores are exact
 in float32 and the only differences left are exp's and the sums' rounding.
 
@@ -30,6 +32,11 @@ import numpy as np
 ARGS = ("x", "w_q", "w_k", "w_v", "w_o", "num_heads", "key", "value", "scale", "mask",
         "causal", "key_lengths", "num_kv_heads", "b_q", "b_k", "b_v", "b_o",
         "return_weights")
+# The variants of today's models (issue 13): decoded after the rest, from
+# bytes that older inputs do not have, so they replay as they always did.
+VARIANTS = ("window", "softcap", "alibi_slopes", "sinks", "q_norm", "k_norm", "norm_eps",
+            "rope", "positions", "key_positions", "key_mask", "cu_seqlens",
+            "key_cu_seqlens")
 
 
 class Data:
@@ -56,6 +63,10 @@ class Data:
     def chance(self, n: int) -> bool:
         """True with probability 1/n."""
         return self.int(0, n - 1) == 0
+
+    def rarely(self, n: int) -> bool:
+        """True with probability 1/n, and False once the bytes run out."""
+        return self.int(0, n - 1) == n - 1
 
 
 class Tagged(np.ndarray):
@@ -202,10 +213,68 @@ def build(d: Data):
     if d.chance(6):
         corrupted = d.pick(ARGS)
         kw[corrupted] = d.pick(GARBAGE)
+    variants(d, rng, kw, vals, batched, B, H, G, Tq, Tk, dk, cross)
+    if d.rarely(8):
+        corrupted = d.pick(VARIANTS)
+        kw[corrupted] = d.pick(GARBAGE)
     return kw, corrupted
 
 
-NAME_RE = re.compile(r"\b(" + "|".join(ARGS) + r"|d_model|d_k|d_v)\b")
+def _split(rng, total, n):
+    """n + 1 packed offsets [0, ..., total], empty sequences included."""
+    cuts = np.sort(rng.integers(0, total + 1, n - 1))
+    return np.concatenate([[0], cuts, [total]]).astype(np.int64)
+
+
+def variants(d, rng, kw, vals, batched, B, H, G, Tq, Tk, dk, cross):
+    """Adds the variants' keywords to kw, each now and then, sometimes with a
+    bad value (a negative window side, an odd rotary_dim...)."""
+    lead = (B,) if batched else ()
+    side = [None, 0, 1, 2, 5, -1]
+    if d.rarely(4):
+        kw["window"] = (d.pick(side), d.pick(side))
+    if d.rarely(4):
+        kw["softcap"] = d.pick([0.5, 1.0, 4.0, 30.0, 0.0, -1.0, np.nan])
+    if d.rarely(5):
+        kw["alibi_slopes"] = rng.random(lead + (H,) if d.chance(2) else (H,))
+    if d.rarely(4):
+        kw["sinks"] = vals((d.pick([H, H, H, H + 1]),))
+    same = len(set(dk)) == 1
+    if d.rarely(5):
+        kw["q_norm"] = vals((dk[0],) if same and d.chance(2) else (H, dk[0]))
+    if d.rarely(5):
+        kw["k_norm"] = vals((dk[0],) if same and d.chance(2) else (G, dk[0]))
+    if ("q_norm" in kw or "k_norm" in kw) and d.chance(3):
+        kw["norm_eps"] = d.pick([1e-6, 0.0, 0.25, -1.0])
+    if d.rarely(4):
+        rd = d.pick([None, 2, 4, min(dk), min(dk) - min(dk) % 2, 3])
+        kw["rope"] = mhattn_rope(rotary_dim=rd or None, interleaved=bool(d.int(0, 1)),
+                                 theta=d.pick([10000.0, 10.0, 1e6]))
+        if d.chance(3):
+            kw["positions"] = rng.integers(-4, 40, lead + (Tq,) if d.chance(2) else (Tq,))
+        if d.chance(3):
+            kw["key_positions"] = rng.integers(0, 40, (Tk,))
+    if d.rarely(4):
+        kw["key_mask"] = rng.random(lead + (Tk,)) > 0.3
+    if not batched and d.rarely(4):
+        n = d.int(1, 4)
+        kw["cu_seqlens"] = _split(rng, Tq, n)
+        if cross:
+            kw["key_cu_seqlens"] = _split(rng, Tk, n)
+        kw.pop("key_lengths", None)
+
+
+def mhattn_rope(**kw):
+    """mhattn.RoPE(**kw), or the garbage its checks refuse."""
+    import mhattn
+    try:
+        return mhattn.RoPE(**kw)
+    except (TypeError, ValueError):
+        return "not a RoPE"
+
+
+NAME_RE = re.compile(r"\b(" + "|".join(ARGS + VARIANTS) +
+                     r"|d_model|d_k|d_v|rotary_dim|inv_freq)\b")
 
 
 def check_error(exc: BaseException):

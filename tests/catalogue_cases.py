@@ -343,6 +343,16 @@ def glue_args(**change):
     return good
 
 
+def variants(**change):
+    """The glue's variants tuple (mhattn._core.variant_args's layout), all
+    off but what ``change`` sets."""
+    v = dict(window=None, softcap=0.0, alibi=None, sinks=None, key_mask=None, cu_q=None,
+             cu_k=None, q_norm=None, k_norm=None, norm_eps=1e-6, rotary_dim=0,
+             interleaved=False, inv_freq=None, positions=None, key_positions=None)
+    v.update(change)
+    return tuple(v.values())
+
+
 GLUE_BAD = {
     "wq_width": (VE, ["wq"], dict(wq=np.ones((4, 5)))),
     "wk_rows": (VE, ["wk"], dict(wk=np.ones((3, 4)))),
@@ -374,6 +384,45 @@ GLUE_BAD = {
     "key_lengths_float": (TE, ["key_lengths"], dict(key_lengths=np.array([1.5]))),
     "key_lengths_shape": (VE, ["key_lengths"], dict(key_lengths=np.array([1, 2]))),
     "missing_argument": (TE, ["forward"], None),
+    # The variants' tuple (csrc/mhattn_module.c, read_variants).
+    "variants_int": (TE, ["variants"], dict(variants=5)),
+    "variants_short": (TE, ["variants"], dict(variants=(None,))),
+    "window_str": (TE, ["window"], dict(variants=variants(window="ab"))),
+    "window_three": (TE, ["window"], dict(variants=variants(window=(1, 2, 3)))),
+    "softcap_negative": (VE, ["softcap"], dict(variants=variants(softcap=-1.0))),
+    "softcap_str": (TE, ["variants"], dict(variants=variants(softcap="a"))),
+    "rotary_negative": (VE, ["rotary_dim"], dict(variants=variants(rotary_dim=-2))),
+    "rotary_odd": (VE, ["mhattn"], dict(variants=variants(rotary_dim=1,
+                                                          inv_freq=np.ones(0)))),
+    "rotary_no_freq": (VE, ["mhattn"], dict(variants=variants(rotary_dim=2))),
+    "inv_freq_shape": (VE, ["inv_freq"], dict(variants=variants(rotary_dim=2,
+                                                                inv_freq=np.ones(2)))),
+    "alibi_shape": (VE, ["alibi_slopes"], dict(variants=variants(alibi=np.ones((1, 3))))),
+    "alibi_3d": (VE, ["alibi_slopes"], dict(variants=variants(alibi=np.ones((1, 1, 2))))),
+    "sinks_shape": (VE, ["sinks"], dict(variants=variants(sinks=np.ones(3)))),
+    "sinks_strings": (TE, ["sinks"], dict(variants=variants(sinks=np.array(["a", "b"])))),
+    "sinks_list": (TE, ["sinks"], dict(variants=variants(sinks=[1.0, 2.0]))),
+    "key_mask_shape": (VE, ["key_mask"], dict(variants=variants(key_mask=np.ones((1, 4),
+                                                                               bool)))),
+    "key_mask_float": (TE, ["key_mask"], dict(variants=variants(key_mask=np.ones((1, 3))))),
+    "q_norm_width": (VE, ["q_norm"], dict(variants=variants(q_norm=np.ones(3)))),
+    "k_norm_heads": (VE, ["k_norm"], dict(variants=variants(k_norm=np.ones((3, 2))))),
+    "positions_length": (VE, ["positions"], dict(variants=variants(
+        rotary_dim=2, inv_freq=np.ones(1), positions=np.ones((1, 4), np.int64)))),
+    "key_positions_float": (TE, ["key_positions"], dict(variants=variants(
+        rotary_dim=2, inv_freq=np.ones(1), key_positions=np.ones((1, 3))))),
+    "cu_one_side": (VE, ["key_cu_seqlens"], dict(variants=variants(cu_q=np.array([0, 3])))),
+    "cu_start": (VE, ["cu_seqlens"], dict(variants=variants(cu_q=np.array([1, 3]),
+                                                            cu_k=np.array([0, 3])))),
+    "cu_end": (VE, ["key_cu_seqlens"], dict(variants=variants(cu_q=np.array([0, 3]),
+                                                              cu_k=np.array([0, 2])))),
+    "cu_decreasing": (VE, ["cu_seqlens"], dict(variants=variants(
+        cu_q=np.array([0, 3, 1, 3]), cu_k=np.array([0, 1, 2, 3])))),
+    "cu_past_end": (VE, ["cu_seqlens"], dict(variants=variants(
+        cu_q=np.array([0, 2 ** 40, 3]), cu_k=np.array([0, 1, 3])))),
+    "cu_batched": (VE, ["cu_seqlens"], dict(x=np.ones((2, 3, 4)), key=np.ones((2, 3, 4)),
+                                            value=np.ones((2, 3, 4)), variants=variants(
+        cu_q=np.array([0, 3]), cu_k=np.array([0, 3])))),
 }
 for name, (exc, words, change) in GLUE_BAD.items():
     def thunk(change=change):

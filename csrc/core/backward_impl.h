@@ -99,6 +99,8 @@ static mha_status PICK(bwd_check_args_f32, bwd_check_args_f64)(BWD_ARGS *a,
         return MHA_ERR_ARG;
     if (!cfg->has_wo)
         a->dwo = NULL;
+    if (cfg->sinks == NULL)
+        a->dsinks = NULL;
     return MHA_OK;
 }
 
@@ -157,10 +159,10 @@ static mha_status PICK(bwd_plan_f32, bwd_plan_f64)(BWD_PLAN *p, BWD_ARGS *a,
     if ((st = mha_scratch((void **)&p->off, 2 * (H + G), sizeof *p->off)) != MHA_OK)
         return st;
     mha_head_offsets(p->off, p->off + H, p->off + 2 * H, p->off + 2 * H + G, cfg);
-    if (cfg->has_wo && (p->need_dq || p->need_dkv) &&
+    if (cfg->has_wo && (p->need_dq || p->need_dkv || a->dsinks != NULL) &&
         (st = mha_scratch((void **)&p->dcat_s, p->nq * p->lay.Svq, sizeof(REAL))) != MHA_OK)
         return st;
-    if ((p->need_dq || p->need_dkv) &&
+    if ((p->need_dq || p->need_dkv || a->dsinks != NULL) &&
         (st = mha_scratch((void **)&p->D, cfg->B * H * cfg->Tq, sizeof(REAL))) != MHA_OK)
         return st;
     p->c = (BWD_CTX){
@@ -232,6 +234,31 @@ static void PICK(bwd_pass_rowdot_f32, bwd_pass_rowdot_f64)(BWD_PLAN *p,
                 p->D[(b * H + h) * Tq + i] = acc;
             }
         }
+}
+
+/* Pass 2 (sinks): each row's softmax counted the sink h as a key of score
+   sink_h and value zero, weight P_sink = exp(sink_h - lse); its dP is 0,
+   so dS_sink = P_sink (0 - D) (bwd_tile_probs' softmax backward), and
+     dsinks[h] = -sum over b, i of exp(sink_h - lse[b, h, i]) D[b, h, i],
+   summed over b, then i, in increasing order (one order: bitwise for any
+   thread count). A row with lse = -inf (a sink of -inf that saw no key)
+   adds nothing; a fully masked row has O = 0, so D = 0 and adds 0. */
+static void PICK(bwd_pass_dsinks_f32, bwd_pass_dsinks_f64)(const BWD_PLAN *p,
+                                                           const BWD_ARGS *a)
+{
+    const mha_config *cfg = p->cfg;
+    const size_t B = cfg->B, H = cfg->H, Tq = cfg->Tq;
+    const REAL *sinks = (const REAL *)cfg->sinks;
+    for (size_t h = 0; h < H; h++) {
+        double acc = 0;
+        for (size_t b = 0; b < B; b++)
+            for (size_t i = 0; i < Tq; i++) {
+                const size_t at = (b * H + h) * Tq + i;
+                if (a->lse[at] != NINF)
+                    acc -= exp((double)sinks[h] - (double)a->lse[at]) * (double)p->D[at];
+            }
+        a->dsinks[h] = (REAL)acc;
+    }
 }
 
 /* Passes 3-5, the tiles: pack the operands, then dK, dV and dQ, fused or
@@ -323,9 +350,12 @@ mha_status PICK(mha_backward_f32, mha_backward_f64)(
     mha_status st = PICK(bwd_plan_f32, bwd_plan_f64)(&p, &a, cfg);
     if (st == MHA_OK)
         st = PICK(bwd_pass_output_f32, bwd_pass_output_f64)(&p, &a);
-    if (st == MHA_OK && (p.need_dq || p.need_dkv)) {
+    if (st == MHA_OK && (p.need_dq || p.need_dkv || a.dsinks != NULL)) {
         PICK(bwd_pass_rowdot_f32, bwd_pass_rowdot_f64)(&p, &a);
-        st = PICK(bwd_pass_tiles_f32, bwd_pass_tiles_f64)(&p);
+        if (a.dsinks != NULL)
+            PICK(bwd_pass_dsinks_f32, bwd_pass_dsinks_f64)(&p, &a);
+        if (p.need_dq || p.need_dkv)
+            st = PICK(bwd_pass_tiles_f32, bwd_pass_tiles_f64)(&p);
     }
     if (st == MHA_OK)
         st = PICK(bwd_pass_inputs_f32, bwd_pass_inputs_f64)(&p, &a);

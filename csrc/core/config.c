@@ -9,6 +9,7 @@
  * of float and double buffers fit in size_t and pointer differences, and
  * Tq, Tk can be used in signed ptrdiff_t arithmetic without overflow.
  */
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -40,6 +41,58 @@ static int count_ok(size_t a, size_t b, size_t c, size_t d)
     if (a == 0 || b == 0 || c == 0 || d == 0)
         return 1;
     return mul_ok(&r, a, b) && mul_ok(&r, r, c) && mul_ok(&r, r, d);
+}
+
+/* Packed offsets cu (nseq + 1,): cu[0] = 0, nondecreasing, cu[nseq] = n. */
+static int cu_ok(const int64_t *cu, size_t nseq, size_t n)
+{
+    if (cu == NULL || cu[0] != 0)
+        return 0;
+    for (size_t s = 0; s < nseq; s++)
+        if (cu[s + 1] < cu[s])
+            return 0;
+    return (uint64_t)cu[nseq] == (uint64_t)n;
+}
+
+/* The variants (mha.h): window, softcap, ALiBi, packed sequences. */
+static int variants_ok(const mha_config *cfg)
+{
+    if (!cfg->windowed && (cfg->window_left != 0 || cfg->window_right != 0))
+        return 0;
+    if (!(cfg->softcap >= 0) || !isfinite(cfg->softcap))
+        return 0;
+    if (cfg->alibi_bstride != 0 && (cfg->alibi == NULL || cfg->alibi_bstride != cfg->H))
+        return 0;
+    if (cfg->nseq > 0 &&
+        (cfg->B != 1 || cfg->nseq > MHA_MAX_ELEMS ||
+         !cu_ok(cfg->cu_q, cfg->nseq, cfg->Tq) || !cu_ok(cfg->cu_k, cfg->nseq, cfg->Tk)))
+        return 0;
+    return 1;
+}
+
+/* The q/k transforms (mha.h): RMSNorm and RoPE, their positions. */
+static int transforms_ok(const mha_config *cfg)
+{
+    const size_t G = cfg->G, d = cfg->dk[0];
+    if (cfg->rotary_dim % 2 != 0 || (cfg->rotary_dim > 0 && cfg->inv_freq == NULL))
+        return 0;
+    if (cfg->rope_interleaved != 0 && cfg->rope_interleaved != 1)
+        return 0;
+    for (size_t g = 0; g < G; g++) {
+        if (cfg->rotary_dim > cfg->dk[g])
+            return 0;
+        if ((cfg->q_norm != NULL || cfg->k_norm != NULL) && cfg->dk[g] != d)
+            return 0;
+    }
+    if ((cfg->q_norm_hstride != 0 && (cfg->q_norm == NULL || cfg->q_norm_hstride != d)) ||
+        (cfg->k_norm_hstride != 0 && (cfg->k_norm == NULL || cfg->k_norm_hstride != d)))
+        return 0;
+    if (!(cfg->norm_eps >= 0) || !isfinite(cfg->norm_eps))
+        return 0;
+    if ((cfg->positions_bstride != 0 && cfg->positions_bstride != cfg->Tq) ||
+        (cfg->key_positions_bstride != 0 && cfg->key_positions_bstride != cfg->Tk))
+        return 0;
+    return 1;
 }
 
 mha_status mha_check_config(mha_layout *lay, const mha_config *cfg)
@@ -99,6 +152,8 @@ mha_status mha_check_config(mha_layout *lay, const mha_config *cfg)
         !count_ok(B, Tq, cfg->Dout, one))                         // out
         return MHA_ERR_SIZE;
 
+    if (!variants_ok(cfg) || !transforms_ok(cfg))
+        return MHA_ERR_ARG;
     if (cfg->key_lengths != NULL) {
         for (size_t b = 0; b < B; b++) {
             const int64_t len = cfg->key_lengths[b];

@@ -9,24 +9,38 @@
  * bottom-right: query i sits at position p_i = i + (Tk - Tq), key j at j.
  *
  * Part 1 (plain C, any compile unit): which keys a query sees.
- *   key j is visible from query i iff
- *       j < len_b                              (key_lengths[b], else Tk)
- *   and j <= p_i                               (when causal)
- *   The visible keys of a row are one interval [0, mha_rules_key_end);
- *   it grows with i, so a block of rows sees at most what its last row
- *   sees, and a key block is skipped when no row of a tile sees it.
+ *   key j is visible from query i (at p_i; key j at pos(j), see below) iff
+ *       j < len_b                       (key_lengths[b], else Tk)
+ *   and j is in i's own sequence        (packed: cu_q, cu_k)
+ *   and pos(j) <= p_i                   (when causal)
+ *   and p_i - left <= pos(j) <= p_i + right   (windowed; a side < 0: none)
+ *   and key_mask[b, j] != 0             (pointwise)
+ *   and mask[b, h, i, j]                (the bool mask, pointwise)
+ *   The rules but the pointwise ones leave each row one interval
+ *   [lo(i), hi(i)) (mha_rules_key_range), both ends nondecreasing in i. So
+ *   a block of rows sees keys in [lo(first), hi(last)) only: the forward
+ *   tile iterates its key blocks over that range and skips a block no row
+ *   of a row group sees, the backward finds a key block's query rows by
+ *   binary search (mha_rules_query_range), and a key block key_mask
+ *   blocks wholly is skipped too (mha_rules_keys_masked). Skipped blocks
+ *   are never computed.
  *
  * Part 2 (per element type, inside a kernel unit): how a score is formed,
  * in this order (the reference's order, mhattn/reference.py):
  *   1. s = scale * (q_i . k_j)          by the tile's product
- *   2. s += mask[b, h, i, j]            additive mask
- *   3. s = -inf where mask[b,h,i,j] is False, or where j is not visible
- *   4. p = exp(s - max) / sum           the softmax, by the tile
+ *   2. s = c tanh(s / c)                softcap (c > 0)
+ *   3. s += -slope_bh |p_i - pos(j)|    ALiBi
+ *      s += mask[b, h, i, j]            additive mask
+ *   4. s = -inf where j is not visible (part 1)
+ *   5. p = exp(s - max) / (exp(sink_h - max) + sum)   the softmax, by the
+ *      tile; the sink (when given) is a key of value zero: weights
+ *      exclude it, lse includes it.
  *
- * Adding a rule: a visibility rule changes mha_rules_key_end (and, when it
- * makes the interval start later than 0, a mha_rules_key_begin beside it)
- * and mha_rules_first_query; a score rule is one step in
- * rules_score_row. Then its tests: the reference first, then every ISA.
+ * Adding a rule: a visibility rule that keeps rows intervals changes
+ * mha_rules_key_range; a pointwise one goes in rules_score_row (and, to
+ * skip blocks, beside mha_rules_keys_masked); a score rule is one step in
+ * rules_score_row, with its derivative in bwd_tile_probs. Then its tests:
+ * the reference first, then every ISA.
  */
 #ifndef MHA_RULES_H
 #define MHA_RULES_H
@@ -46,36 +60,6 @@ static inline size_t mha_rules_key_len(const mha_config *cfg, size_t b)
     if (len <= 0)
         return 0;
     return (uint64_t)len < (uint64_t)cfg->Tk ? (size_t)len : cfg->Tk;
-}
-
-/* Query i sees keys j < mha_rules_key_end(cfg, i, len_b): j < len_b and,
-   when causal, j <= i + Tk - Tq (the first Tq - Tk rows see nothing when
-   Tk < Tq). Nondecreasing in i. */
-static inline size_t mha_rules_key_end(const mha_config *cfg, size_t i,
-                                       size_t len_b)
-{
-    if (!cfg->causal)
-        return len_b;
-    if (i + cfg->Tk < cfg->Tq)
-        return 0;
-    const size_t e = i + cfg->Tk - cfg->Tq + 1; /* <= Tk, since i < Tq */
-    return e < len_b ? e : len_b;
-}
-
-/* The first query that may see key j0 (and every key after it): the
-   inverse of mha_rules_key_end. */
-static inline size_t mha_rules_first_query(const mha_config *cfg, size_t j0)
-{
-    if (!cfg->causal || j0 + cfg->Tq <= cfg->Tk)
-        return 0;
-    return j0 + cfg->Tq - cfg->Tk;
-}
-
-/* How many of the n keys j0 .. j0 + n - 1 a row whose visible keys end at
-   `end` sees. */
-static inline size_t mha_rules_visible_in(size_t end, size_t j0, size_t n)
-{
-    return end <= j0 ? 0 : (end - j0 < n ? end - j0 : n);
 }
 
 /* Packed sequences (cfg->nseq > 0): the sequence holding row r of a
@@ -126,6 +110,125 @@ static inline ptrdiff_t mha_rules_mask_at(const mha_config *cfg, size_t b,
            (ptrdiff_t)i * st[2] + (ptrdiff_t)j0 * st[3];
 }
 
+/* Where query i sits, and where its keys start: query i of a packed
+   sequence s sees keys cu_k[s] .. cu_k[s+1] - 1, key j at position
+   j - cu_k[s]. *base = cu_k[s] (0 unpacked), *nk = the sequence's key
+   count (Tk unpacked); returns p_i (mha_rules_query_pos). */
+static inline int64_t mha_rules_row_place(const mha_config *cfg, size_t i,
+                                          int64_t *base, int64_t *nk)
+{
+    if (cfg->nseq == 0) {
+        *base = 0;
+        *nk = (int64_t)cfg->Tk;
+        return (int64_t)i + ((int64_t)cfg->Tk - (int64_t)cfg->Tq);
+    }
+    const size_t s = mha_rules_seq_of(cfg->cu_q, cfg->nseq, i);
+    *base = cfg->cu_k[s];
+    *nk = cfg->cu_k[s + 1] - cfg->cu_k[s];
+    return ((int64_t)i - cfg->cu_q[s]) + (*nk - (cfg->cu_q[s + 1] - cfg->cu_q[s]));
+}
+
+/*
+ * The keys query i sees before the pointwise rules (key_mask, bool mask):
+ * the interval [*lo, *hi) of
+ *     its own sequence's keys (packed),  j < len_b (key_lengths),
+ *     pos(j) <= p_i (causal),  p_i - left <= pos(j) <= p_i + right
+ *     (windowed; a side < 0 is unbounded),
+ * clamped so that lo <= hi. Both ends are nondecreasing in i, across
+ * packed sequences too (each sequence's interval lies within its keys,
+ * and later sequences hold later keys): a block of rows i0 .. i1 sees
+ * keys in [lo(i0), hi(i1)) only.
+ */
+static inline void mha_rules_key_range(const mha_config *cfg, size_t i,
+                                       size_t len_b, size_t *lo, size_t *hi)
+{
+    int64_t base, nk;
+    const int64_t p = mha_rules_row_place(cfg, i, &base, &nk);
+    int64_t a = 0, e = nk; /* within the sequence: 0 <= a, e <= nk */
+    if (cfg->causal && p + 1 < e)
+        e = p + 1;
+    // -Tq <= p < nk, both within MHA_MAX_ELEMS: e - p - 1 and p - a fit
+    // in int64_t, and comparing a side with them first keeps p + right
+    // and p - left from overflowing.
+    const int64_t right = cfg->window_right, left = cfg->window_left;
+    if (cfg->windowed && right >= 0 && right < e - p - 1)
+        e = p + right + 1;
+    if (cfg->windowed && left >= 0 && left < p - a)
+        a = p - left;
+    e = e < 0 ? 0 : e;
+    size_t h = (size_t)(base + e), l = (size_t)(base + a);
+    h = h < len_b ? h : len_b;
+    *lo = l < h ? l : h;
+    *hi = h;
+}
+
+/* Within the keys j0 .. j0 + n - 1: the visible ones of [lo, hi) are
+   j0 + *a .. j0 + *e - 1 (*a == *e when none). */
+static inline void mha_rules_clip(size_t lo, size_t hi, size_t j0, size_t n,
+                                  size_t *a, size_t *e)
+{
+    const size_t j1 = j0 + n;
+    const size_t l = lo > j0 ? lo : j0, h = hi < j1 ? hi : j1;
+    *a = l < h ? l - j0 : 0;
+    *e = l < h ? h - j0 : 0;
+}
+
+/* The query rows [*ib, *ie) whose intervals meet the keys [j0, j1): since
+   lo and hi are nondecreasing, the first row with hi > j0 and the first
+   with lo >= j1, by binary search. Rows between them with an empty
+   interval see nothing and cost a masked tile row. */
+static inline void mha_rules_query_range(const mha_config *cfg, size_t len_b,
+                                         size_t j0, size_t j1, size_t *ib,
+                                         size_t *ie)
+{
+    size_t lo, hi, a = 0, b = cfg->Tq;
+    while (a < b) { /* first i with hi(i) > j0 */
+        const size_t mid = a + (b - a) / 2;
+        mha_rules_key_range(cfg, mid, len_b, &lo, &hi);
+        if (hi > j0)
+            b = mid;
+        else
+            a = mid + 1;
+    }
+    *ib = a;
+    b = cfg->Tq;
+    while (a < b) { /* first i >= *ib with lo(i) >= j1 */
+        const size_t mid = a + (b - a) / 2;
+        mha_rules_key_range(cfg, mid, len_b, &lo, &hi);
+        if (lo >= j1)
+            b = mid;
+        else
+            a = mid + 1;
+    }
+    *ie = a;
+}
+
+/* 1 when some query row of i0 .. i1 - 1 may see a key of j0 .. j1 - 1: a
+   tile spanning packed sequences has blocks between them that none of its
+   rows sees (the off-diagonal blocks), skipped like the rest. */
+static inline int mha_rules_block_seen(const mha_config *cfg, size_t len_b,
+                                       size_t i0, size_t i1, size_t j0,
+                                       size_t j1)
+{
+    size_t ib, ie;
+    mha_rules_query_range(cfg, len_b, j0, j1, &ib, &ie);
+    return (ib > i0 ? ib : i0) < (ie < i1 ? ie : i1);
+}
+
+/* 1 when key_mask (B, Tk) blocks every key j0 .. j0 + n - 1 of batch item
+   b: such a block is skipped, never computed. */
+static inline int mha_rules_keys_masked(const mha_config *cfg, size_t b,
+                                        size_t j0, size_t n)
+{
+    if (cfg->key_mask == NULL)
+        return 0;
+    const uint8_t *km = cfg->key_mask + b * cfg->Tk + j0;
+    unsigned char any = 0;
+    for (size_t j = 0; j < n; j++)
+        any |= km[j];
+    return any == 0;
+}
+
 #endif /* MHA_RULES_H */
 
 /*
@@ -134,48 +237,94 @@ static inline ptrdiff_t mha_rules_mask_at(const mha_config *cfg, size_t b,
  */
 #ifdef MHA_RULES_ROW
 /*
- * Steps 2 and 3 for one row: s (npad,) holds the scaled scores of query i
- * against keys j0 .. j0 + npad - 1 (npad a multiple of VLEN), of which the
- * first `vis` are visible (mha_rules_visible_in). The additive mask is
- * added to the visible scores, then keys the bool mask blocks, and every
- * key from vis on, become -inf. Vector body plus a leftovers tail; the
- * arithmetic is the same lane by lane, so the result does not depend on
- * where the vector body stops.
+ * Steps 2 and 3 for one row, query i of head h in batch item b: s (npad,)
+ * holds the scaled scores of keys j0 .. j0 + npad - 1 (npad a multiple of
+ * VLEN, s aligned), of which j0 + a .. j0 + e - 1 are visible by part 1
+ * (mha_rules_clip) and those from a rounded down to VLEN up to e were
+ * computed. In the header's order:
+ *   softcap   s = c tanh(s / c)                  (dcap[j] = 1 - tanh^2 when
+ *                                                 dcap is not NULL: the
+ *                                                 backward's derivative)
+ *   ALiBi     s += -slope |p_i - pos(j)|
+ *   additive  s += mask[b, h, i, j]
+ *   then -inf where the bool mask or key_mask blocks, and outside [a, e).
+ * Vector body plus a leftovers tail; the arithmetic is the same lane by
+ * lane (softcap's tanh and ALiBi's distances included: vexp.inc, the
+ * vocabulary's exact iota and abs), so the result depends neither on
+ * where the vector body stops nor on the ISA.
  */
 static void PICK(rules_score_row_f32, rules_score_row_f64)(
-    REAL *s, const mha_config *cfg, size_t b, size_t h, size_t i, size_t j0,
-    size_t vis, size_t npad)
+    REAL *s, REAL *dcap, const mha_config *cfg, size_t b, size_t h, size_t i,
+    size_t j0, size_t a, size_t e, size_t npad)
 {
     const ptrdiff_t sj = cfg->mask_stride[3];
+    const size_t a0 = a / VLEN * VLEN;
+    size_t j;
+    // Softcap and ALiBi read no memory, so they run whole vectors up to e
+    // rounded up (<= npad); the lanes past e become -inf below.
+    if (cfg->softcap > 0 && a < e) {
+        // s / c as s * (1 / c): within an ulp, and no division per lane.
+        const VEC c = VSET1((REAL)cfg->softcap), one = VSET1(1);
+        const VEC inv_c = VSET1((REAL)(1.0 / cfg->softcap));
+        for (j = a0; j < e; j += VLEN) {
+            const VEC t = VTANH(VMUL(VLOAD(s + j), inv_c));
+            VSTORE(s + j, VMUL(c, t));
+            if (dcap != NULL)
+                VSTORE(dcap + j, VFNMA(t, t, one));
+        }
+    }
+    if (cfg->alibi != NULL && a < e) {
+        // Key j0 + j of i's own sequence is at distance |d0 - j|, exact in
+        // REAL for any distance below 2^24.
+        int64_t base, nk;
+        const int64_t d0 = mha_rules_row_place(cfg, i, &base, &nk) + base - (int64_t)j0;
+        const VEC ns = VSET1((REAL)-cfg->alibi[b * cfg->alibi_bstride + h]);
+        const VEC d0v = VSET1((REAL)d0), iota = VIOTA();
+        for (j = a0; j < e; j += VLEN) {
+            const VEC dist = VABS(VSUB(d0v, VADD(VSET1((REAL)j), iota)));
+            VSTORE(s + j, VADD(VLOAD(s + j), VMUL(ns, dist)));
+        }
+    }
     const ptrdiff_t at = mha_rules_mask_at(cfg, b, h, i, j0);
-    size_t j = 0;
-    if (cfg->mask_kind == MHA_MASK_ADD && vis > 0) {
+    if (cfg->mask_kind == MHA_MASK_ADD && a < e) {
         const REAL *m = (const REAL *)cfg->mask + at;
+        j = a0;
         if (sj == 1) {
-            for (; j + VLEN <= vis; j += VLEN)
+            for (; j + VLEN <= e; j += VLEN)
                 VSTORE(s + j, VADD(VLOAD(s + j), VLOADU(m + j)));
         } else if (sj == 0) {
             const VEC mv = VSET1(m[0]);
-            for (; j + VLEN <= vis; j += VLEN)
+            for (; j + VLEN <= e; j += VLEN)
                 VSTORE(s + j, VADD(VLOAD(s + j), mv));
         }
-        for (; j < vis; j++)
+        for (; j < e; j++)
             s[j] += m[(ptrdiff_t)j * sj];
-    } else if (cfg->mask_kind == MHA_MASK_BOOL && vis > 0) {
+    } else if (cfg->mask_kind == MHA_MASK_BOOL && a < e) {
         const uint8_t *m = (const uint8_t *)cfg->mask + at;
+        j = a0;
         if (sj == 1) {
-            for (; j + VLEN <= vis; j += VLEN)
+            for (; j + VLEN <= e; j += VLEN)
                 VSTORE(s + j, VSELBOOL(VLOAD(s + j), m + j));
         } else if (sj == 0 && m[0] == 0) {
-            vis = 0; /* the whole row is blocked */
+            e = a; /* the whole row is blocked */
         } else if (sj == 0) {
-            j = vis;
+            j = e;
         }
-        for (; j < vis; j++)
+        for (; j < e; j++)
             if (m[(ptrdiff_t)j * sj] == 0)
                 s[j] = NINF;
     }
-    for (j = vis; j < npad; j++)
+    if (cfg->key_mask != NULL && a < e) {
+        const uint8_t *km = cfg->key_mask + b * cfg->Tk + j0;
+        for (j = a0; j + VLEN <= e; j += VLEN)
+            VSTORE(s + j, VSELBOOL(VLOAD(s + j), km + j));
+        for (; j < e; j++)
+            if (km[j] == 0)
+                s[j] = NINF;
+    }
+    for (j = 0; j < a; j++)
+        s[j] = NINF;
+    for (j = e; j < npad; j++)
         s[j] = NINF;
 }
 #endif /* MHA_RULES_ROW */

@@ -37,19 +37,22 @@ static inline size_t mha_round_up(size_t n, size_t m)
  * block), rows i0 .. i0 + BQ - 1 of query head h in batch item b. Its owner
  * computes everything those rows produce, with the online softmax:
  *
- *   for each key block j0 = 0, BK, ... below the tile's last visible key:
+ *   for each key block j0 = klo, klo + BK, ... below kend, [klo, kend) the
+ *   keys some row of the tile sees (core/rules.h), but those key_mask
+ *   blocks wholly:
  *     1. pack K_blk^T (dk, BK) and V_blk (BK, dv) into the thread's scratch;
- *     for each group of MR rows:
+ *     for each group of MR rows that sees a key of the block:
  *       2. S = scale * Q_rows K_blk^T, then the rules (core/rules.h):
  *          masks, and -inf for every key a row does not see;
  *       3. m' = max(m, rowmax S); P = exp(S - m'); alpha = exp(m - m');
  *          l = alpha l + rowsum P;
  *       4. O = alpha O + P V_blk;
  *   5. head output = O / l, lse = m + log l (0 and -inf when l == 0);
+ *      with a sink, m and l start at sink_h and 1 instead of -inf and 0;
  *   6. with weights wanted, a second sweep recomputes S and writes
  *      exp(S - m) / l with the final m and l, so the weights are exactly
  *      normalised and `out` does not depend on whether they were asked for.
- * Key blocks past the last key any row of the tile sees are never touched.
+ * Key blocks no row of the tile sees are never touched.
  * A tile is computed by one thread in one fixed order, with tile sizes
  * that depend on the ISA only: results do not depend on the thread count.
  *
@@ -88,9 +91,10 @@ static inline int mha_interrupted(const mha_config *cfg)
    uses the same, so the backward's plan does not depend on the ISA. */
 #define MHA_BWD_BQ ((size_t)64)
 #define MHA_BWD_BK ((size_t)64)
-/* Reals of one thread's tile scratch, S (BQ, BK) and dP (BQ, BK), rounded
-   up to a whole number of 64-byte cache lines for either element size. */
-#define MHA_BWD_TILE_STRIDE ((2 * MHA_BWD_BQ * MHA_BWD_BK + 15) / 16 * 16)
+/* Reals of one thread's tile scratch, S (BQ, BK), dP (BQ, BK) and the
+   softcap's derivative of one row (BK,), rounded up to a whole number of
+   64-byte cache lines for either element size. */
+#define MHA_BWD_TILE_STRIDE ((2 * MHA_BWD_BQ * MHA_BWD_BK + MHA_BWD_BK + 15) / 16 * 16)
 
 /*
  * What the backward's tasks read (core/backward.c fills it; the passes are

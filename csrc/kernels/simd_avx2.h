@@ -61,6 +61,23 @@ static inline double v_hmax_f64(v_f64 v) { return x86_hmax4_f64(v); }
 static inline float v_hsum_f32(v_f32 v) { return x86_hsum8_f32(v); }
 static inline double v_hsum_f64(v_f64 v) { return x86_hsum4_f64(v); }
 
+/* |v|, the magnitude of m with the sign of s (bit operations), and the
+   lane indices 0 .. VLEN - 1: as simd_ref.h. */
+static inline v_f32 v_abs_f32(v_f32 v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v); }
+static inline v_f64 v_abs_f64(v_f64 v) { return _mm256_andnot_pd(_mm256_set1_pd(-0.0), v); }
+static inline v_f32 v_copysign_f32(v_f32 m, v_f32 s)
+{
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    return _mm256_or_ps(_mm256_andnot_ps(sign, m), _mm256_and_ps(sign, s));
+}
+static inline v_f64 v_copysign_f64(v_f64 m, v_f64 s)
+{
+    const __m256d sign = _mm256_set1_pd(-0.0);
+    return _mm256_or_pd(_mm256_andnot_pd(sign, m), _mm256_and_pd(sign, s));
+}
+static inline v_f32 v_iota_f32(void) { return _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7); }
+static inline v_f64 v_iota_f64(void) { return _mm256_setr_pd(0, 1, 2, 3); }
+
 /* Lane l of v where the byte p[l] != 0, else -inf (8 or 4 bytes read). */
 static inline v_f32 v_selbool_f32(v_f32 v, const uint8_t *p)
 {

@@ -63,6 +63,38 @@ static inline double v_hmax_f64(v_f64 v) { return _mm512_reduce_max_pd(v); }
 static inline float v_hsum_f32(v_f32 v) { return _mm512_reduce_add_ps(v); }
 static inline double v_hsum_f64(v_f64 v) { return _mm512_reduce_add_pd(v); }
 
+/* |v|, the magnitude of m with the sign of s (integer bit operations:
+   AVX-512F has no float and/or), and the lane indices: as simd_ref.h. */
+static inline v_f32 v_abs_f32(v_f32 v)
+{
+    return _mm512_castsi512_ps(_mm512_andnot_si512(
+        _mm512_set1_epi32((int32_t)0x80000000u), _mm512_castps_si512(v)));
+}
+static inline v_f64 v_abs_f64(v_f64 v)
+{
+    return _mm512_castsi512_pd(_mm512_andnot_si512(
+        _mm512_set1_epi64((int64_t)0x8000000000000000u), _mm512_castpd_si512(v)));
+}
+static inline v_f32 v_copysign_f32(v_f32 m, v_f32 s)
+{
+    const __m512i sign = _mm512_set1_epi32((int32_t)0x80000000u);
+    return _mm512_castsi512_ps(
+        _mm512_or_si512(_mm512_andnot_si512(sign, _mm512_castps_si512(m)),
+                        _mm512_and_si512(sign, _mm512_castps_si512(s))));
+}
+static inline v_f64 v_copysign_f64(v_f64 m, v_f64 s)
+{
+    const __m512i sign = _mm512_set1_epi64((int64_t)0x8000000000000000u);
+    return _mm512_castsi512_pd(
+        _mm512_or_si512(_mm512_andnot_si512(sign, _mm512_castpd_si512(m)),
+                        _mm512_and_si512(sign, _mm512_castpd_si512(s))));
+}
+static inline v_f32 v_iota_f32(void)
+{
+    return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+static inline v_f64 v_iota_f64(void) { return _mm512_setr_pd(0, 1, 2, 3, 4, 5, 6, 7); }
+
 /* Lane l of v where the byte p[l] != 0, else -inf (16 or 8 bytes read). */
 static inline v_f32 v_selbool_f32(v_f32 v, const uint8_t *p)
 {

@@ -37,6 +37,10 @@
 #undef VPOW2
 #undef VTPACK
 #undef VEXP
+#undef VABS
+#undef VCOPYSIGN
+#undef VIOTA
+#undef VTANH
 
 #if MHA_F64
 #define VEC v_f64
@@ -65,6 +69,10 @@
 #define VPOW2 v_pow2_f64
 #define VTPACK v_tpack_f64
 #define VEXP v_exp_f64
+#define VABS v_abs_f64
+#define VCOPYSIGN v_copysign_f64
+#define VIOTA v_iota_f64
+#define VTANH v_tanh_f64
 
 #else /* float */
 #define VEC v_f32
@@ -93,4 +101,8 @@
 #define VPOW2 v_pow2_f32
 #define VTPACK v_tpack_f32
 #define VEXP v_exp_f32
+#define VABS v_abs_f32
+#define VCOPYSIGN v_copysign_f32
+#define VIOTA v_iota_f32
+#define VTANH v_tanh_f32
 #endif

@@ -76,6 +76,16 @@ static inline double v_hmax_f64(v_f64 v) { return v; }
 static inline float v_hsum_f32(v_f32 v) { return v; }
 static inline double v_hsum_f64(v_f64 v) { return v; }
 
+/* |v|, the magnitude of m with the sign of s, and the lane indices
+   (0, 1, ..., VLEN - 1): bit operations and exact values, the same bits on
+   every ISA (the softcap's tanh and ALiBi's distances, core/rules.h). */
+static inline v_f32 v_abs_f32(v_f32 v) { return fabsf(v); }
+static inline v_f64 v_abs_f64(v_f64 v) { return fabs(v); }
+static inline v_f32 v_copysign_f32(v_f32 m, v_f32 s) { return copysignf(m, s); }
+static inline v_f64 v_copysign_f64(v_f64 m, v_f64 s) { return copysign(m, s); }
+static inline v_f32 v_iota_f32(void) { return 0.0f; }
+static inline v_f64 v_iota_f64(void) { return 0.0; }
+
 /* Lane l of v where the byte p[l] != 0, else -inf. */
 static inline v_f32 v_selbool_f32(v_f32 v, const uint8_t *p) { return *p ? v : -INFINITY; }
 static inline v_f64 v_selbool_f64(v_f64 v, const uint8_t *p) { return *p ? v : -INFINITY; }

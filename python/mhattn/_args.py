@@ -416,7 +416,7 @@ def core_items(B: int, Tq: int, Tk: int, H: int, Sq: int, Sk: int, Sv: int,
 # The backward's tiles (csrc/kernels/kernels.h): key blocks of MHA_BWD_BK
 # rows, and per thread one S and one dP tile of MHA_BWD_BQ x MHA_BWD_BK.
 _BWD_BK = 64
-_BWD_TILE = 2 * 64 * 64
+_BWD_TILE = 2 * 64 * 64 + 64
 
 
 def backward_items(call: "Call", threads: int) -> list:

@@ -1,0 +1,1005 @@
+/*
+ * test_variants.c - the score-level variants of issue 13 in the fused core
+ * (csrc/core/rules.h, kernels/flash.inc, kernels/bwd.inc): sliding windows,
+ * softcap, ALiBi, attention sinks (and dsinks), key_mask and packed
+ * sequences, alone and together with the bool / additive masks and
+ * key_lengths.
+ *
+ * Build and run (see the Makefile beside this file):
+ *   make -C tests/c check
+ *   ./test_variants          everything (exit status 1 on any failure)
+ *   ./test_variants quick    fewer ISA / thread combinations (sanitizers)
+ *
+ * What is checked:
+ *   - the forward (out, weights, lse) of mha_forward_f32 / _f64 against a
+ *     naive dense reference in double written from mha.h's contract (loops,
+ *     one rule per line), on every ISA this CPU runs and at 1 and 3
+ *     threads, with bitwise equality across the thread counts; shapes are
+ *     awkward on purpose (T not a multiple of any tile, GQA G < H, Tq != Tk);
+ *   - the backward: central finite differences of sum(out * R) for a few
+ *     entries of x, wq, key and of the sinks (dsinks), per case; bitwise
+ *     equality of every gradient across thread counts (1 thread runs the
+ *     fused dK/dV/dQ pass, 3 threads the two-pass plan); a window's
+ *     gradients equal those of the same call with the window written as a
+ *     dense bool mask;
+ *   - block skipping: see test_skipping (NaN keys in blocks that must be
+ *     skipped; the backward's dQ product would turn them into NaN if the
+ *     block were computed) and test_skip_timing (a narrow window must cost
+ *     a fraction of the full causal call);
+ *   - mha_check_config rejects each malformed new field.
+ */
+#define _GNU_SOURCE /* clock_gettime */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "dispatch.h"
+#include "mha.h"
+#include "threads.h"
+
+static int g_failures;
+static long g_checks;
+
+#define CHECK(cond, ...)                                                      \
+    do {                                                                      \
+        g_checks++;                                                           \
+        if (!(cond)) {                                                        \
+            g_failures++;                                                     \
+            if (g_failures <= 40) {                                           \
+                fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);          \
+                fprintf(stderr, __VA_ARGS__);                                 \
+                fprintf(stderr, "\n");                                        \
+            }                                                                 \
+        }                                                                     \
+    } while (0)
+
+/* xorshift64*: reproducible inputs in [-1, 1) */
+static uint64_t g_rng = 0x9e3779b97f4a7c15ull;
+static uint64_t rng_u64(void)
+{
+    g_rng ^= g_rng >> 12;
+    g_rng ^= g_rng << 25;
+    g_rng ^= g_rng >> 27;
+    return g_rng * 2685821657736338717ull;
+}
+static double rng_unit(void) { return (double)(rng_u64() >> 11) * 0x1p-53 * 2.0 - 1.0; }
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static void *xcalloc(size_t n, size_t size)
+{
+    void *p = calloc(n ? n : 1, size);
+    if (p == NULL) {
+        fprintf(stderr, "out of memory\n");
+        exit(2);
+    }
+    return p;
+}
+
+/* ------------------------------------------------------------------ */
+/* One case: the options of a call.                                    */
+
+enum { KM_NONE, KM_PATTERN };       /* key_mask: none, or left/inner/right */
+enum { AL_NONE, AL_H, AL_BH };      /* ALiBi slopes (H,) or (B, H)         */
+
+typedef struct {
+    const char *name;
+    size_t B, Tq, Tk, Din, H, G, dk, dv;
+    int has_wo;
+    int causal, windowed;
+    int64_t wl, wr;
+    double softcap;
+    int alibi, sinks, key_mask;
+    mha_mask_kind mask_kind;
+    int key_lengths;             /* 1: key_lengths (B,), item 1 gets 0 keys */
+    size_t nseq;
+    int64_t cu_q[8], cu_k[8];
+    double scale;                /* multiplier of every head's 1/sqrt(dk)   */
+} spec;
+
+/* A problem: the spec's config and its inputs, in double (the float32
+   calls use the same values rounded to float, and so does the reference). */
+typedef struct {
+    spec sp;
+    mha_config cfg;
+    size_t dkv[8], dvv[8];
+    double scale[16], slopes[32], sinks[16];
+    int64_t klen[8];
+    size_t Sq, Sk, Sv, Svq, Dout;
+    double *x, *key, *value, *wq, *wk, *wv, *wo, *maskd, *R;
+    uint8_t *maskb, *km;
+} prob;
+
+static double *rand_vec(size_t n, double amp)
+{
+    double *v = xcalloc(n, sizeof *v);
+    for (size_t i = 0; i < n; i++)
+        v[i] = (double)(float)(amp * rng_unit());
+    return v;
+}
+
+static void prob_init(prob *P, const spec *sp)
+{
+    memset(P, 0, sizeof *P);
+    P->sp = *sp;
+    const size_t B = sp->B, Tq = sp->Tq, Tk = sp->Tk, H = sp->H, G = sp->G;
+    for (size_t g = 0; g < G; g++) {
+        P->dkv[g] = sp->dk;
+        P->dvv[g] = sp->dv;
+    }
+    for (size_t h = 0; h < H; h++) {
+        P->scale[h] = sp->scale / sqrt((double)sp->dk);
+        P->sinks[h] = (double)(float)(0.5 + rng_unit());
+    }
+    for (size_t e = 0; e < B * H; e++)
+        P->slopes[e] = 0.02 + 0.2 * fabs(rng_unit());
+    P->Sq = H * sp->dk, P->Sk = G * sp->dk, P->Sv = G * sp->dv, P->Svq = H * sp->dv;
+    P->Dout = sp->has_wo ? 20 : P->Svq;
+    P->x = rand_vec(B * Tq * sp->Din, 1);
+    P->key = rand_vec(B * Tk * sp->Din, 1);
+    P->value = rand_vec(B * Tk * sp->Din, 1);
+    P->wq = rand_vec(sp->Din * P->Sq, 0.5);
+    P->wk = rand_vec(sp->Din * P->Sk, 0.5);
+    P->wv = rand_vec(sp->Din * P->Sv, 0.5);
+    P->wo = sp->has_wo ? rand_vec(P->Svq * P->Dout, 0.5) : NULL;
+    P->R = rand_vec(B * Tq * P->Dout, 1);
+    P->maskd = rand_vec(B * H * Tq * Tk, 0.7);
+    P->maskb = xcalloc(B * H * Tq * Tk, 1);
+    for (size_t e = 0; e < B * H * Tq * Tk; e++)
+        P->maskb[e] = (rng_u64() % 5) != 0;
+    P->km = xcalloc(B * Tk, 1);
+    for (size_t b = 0; b < B; b++)
+        for (size_t j = 0; j < Tk; j++) {
+            // item 0: left padding; item 1: inner; item 2+: right padding
+            int real = 1;
+            if (b % 3 == 0)
+                real = j >= 70;
+            else if (b % 3 == 1)
+                real = j < 64 || j >= 140;
+            else
+                real = j < Tk - 45;
+            P->km[b * Tk + j] = (uint8_t)(real ? 1 + (rng_u64() % 3 != 0) * 7 : 0);
+        }
+    for (size_t b = 0; b < B; b++)
+        P->klen[b] = b == 1 ? 0 : (int64_t)(Tk - 7 * b);
+
+    mha_config *c = &P->cfg;
+    c->B = B, c->Tq = Tq, c->Tk = Tk;
+    c->Din = c->Dkin = c->Dvin = sp->Din;
+    c->Dout = P->Dout;
+    c->H = H, c->G = G, c->dk = P->dkv, c->dv = P->dvv, c->scale = P->scale;
+    c->causal = sp->causal;
+    c->has_wo = sp->has_wo;
+    c->mask_kind = sp->mask_kind;
+    c->mask = sp->mask_kind == MHA_MASK_BOOL ? (const void *)P->maskb
+              : sp->mask_kind == MHA_MASK_ADD ? (const void *)P->maskd : NULL;
+    c->mask_stride[0] = (ptrdiff_t)(H * Tq * Tk);
+    c->mask_stride[1] = (ptrdiff_t)(Tq * Tk);
+    c->mask_stride[2] = (ptrdiff_t)Tk;
+    c->mask_stride[3] = 1;
+    c->key_lengths = sp->key_lengths ? P->klen : NULL;
+    c->windowed = sp->windowed;
+    c->window_left = sp->wl, c->window_right = sp->wr;
+    c->softcap = sp->softcap;
+    c->alibi = sp->alibi ? P->slopes : NULL;
+    c->alibi_bstride = sp->alibi == AL_BH ? H : 0;
+    c->sinks = sp->sinks ? P->sinks : NULL; /* rebound per type by the runners */
+    c->key_mask = sp->key_mask ? P->km : NULL;
+    c->nseq = sp->nseq;
+    c->cu_q = sp->nseq ? P->sp.cu_q : NULL;
+    c->cu_k = sp->nseq ? P->sp.cu_k : NULL;
+}
+
+static void prob_free(prob *P)
+{
+    free(P->x), free(P->key), free(P->value), free(P->wq), free(P->wk);
+    free(P->wv), free(P->wo), free(P->maskd), free(P->R), free(P->maskb);
+    free(P->km);
+}
+
+/* ------------------------------------------------------------------ */
+/* The reference: mha.h's contract, densely, in double.                */
+
+/* Is key j visible from query i in batch item b, head h? */
+static int ref_visible(const prob *P, size_t b, size_t h, size_t i, size_t j)
+{
+    const mha_config *c = &P->cfg;
+    int64_t pi, pj;
+    if (c->nseq > 0) {
+        size_t s = 0;
+        while (!(c->cu_q[s] <= (int64_t)i && (int64_t)i < c->cu_q[s + 1]))
+            s++;
+        if ((int64_t)j < c->cu_k[s] || (int64_t)j >= c->cu_k[s + 1])
+            return 0; /* another sequence's key */
+        const int64_t nq = c->cu_q[s + 1] - c->cu_q[s], nk = c->cu_k[s + 1] - c->cu_k[s];
+        pi = (int64_t)i - c->cu_q[s] + nk - nq;
+        pj = (int64_t)j - c->cu_k[s];
+    } else {
+        pi = (int64_t)i + (int64_t)c->Tk - (int64_t)c->Tq;
+        pj = (int64_t)j;
+    }
+    if (c->key_lengths && (int64_t)j >= c->key_lengths[b])
+        return 0;
+    if (c->causal && pj > pi)
+        return 0;
+    if (c->windowed && c->window_left >= 0 && pj < pi - c->window_left)
+        return 0;
+    if (c->windowed && c->window_right >= 0 && pj > pi + c->window_right)
+        return 0;
+    if (c->key_mask && c->key_mask[b * c->Tk + j] == 0)
+        return 0;
+    if (c->mask_kind == MHA_MASK_BOOL &&
+        P->maskb[((b * c->H + h) * c->Tq + i) * c->Tk + j] == 0)
+        return 0;
+    return 1;
+}
+
+/* The score of (b, h, i, j) from the dot product q_i . k_j. */
+static double ref_score(const prob *P, size_t b, size_t h, size_t i, size_t j,
+                        double dot)
+{
+    const mha_config *c = &P->cfg;
+    double s = P->scale[h] * dot;
+    if (c->softcap > 0)
+        s = c->softcap * tanh(s / c->softcap);
+    if (c->alibi) {
+        int64_t pi = (int64_t)i + (int64_t)c->Tk - (int64_t)c->Tq, pj = (int64_t)j;
+        if (c->nseq > 0) {
+            size_t s_ = 0;
+            while (!(c->cu_q[s_] <= (int64_t)i && (int64_t)i < c->cu_q[s_ + 1]))
+                s_++;
+            pi = (int64_t)i - c->cu_q[s_] + (c->cu_k[s_ + 1] - c->cu_k[s_]) -
+                 (c->cu_q[s_ + 1] - c->cu_q[s_]);
+            pj = (int64_t)j - c->cu_k[s_];
+        }
+        s += -c->alibi[b * c->alibi_bstride + h] * (double)llabs(pi - pj);
+    }
+    if (c->mask_kind == MHA_MASK_ADD)
+        s += P->maskd[((b * c->H + h) * c->Tq + i) * c->Tk + j];
+    return s;
+}
+
+/* out (B, Tq, Dout), w (B, H, Tq, Tk), lse (B, H, Tq). `sinks` is the
+   sink values in use (NULL: none). */
+static void ref_forward(const prob *P, const double *sinks, double *out,
+                        double *w, double *lse)
+{
+    const spec *sp = &P->sp;
+    const size_t B = sp->B, Tq = sp->Tq, Tk = sp->Tk, H = sp->H, Din = sp->Din;
+    const size_t dk = sp->dk, dv = sp->dv, per = H / sp->G;
+    double *q = xcalloc(B * Tq * P->Sq, sizeof *q), *k = xcalloc(B * Tk * P->Sk, sizeof *k);
+    double *v = xcalloc(B * Tk * P->Sv, sizeof *v), *cat = xcalloc(B * Tq * P->Svq, sizeof *cat);
+    for (size_t r = 0; r < B * Tq; r++)
+        for (size_t c = 0; c < P->Sq; c++)
+            for (size_t d = 0; d < Din; d++)
+                q[r * P->Sq + c] += P->x[r * Din + d] * P->wq[d * P->Sq + c];
+    for (size_t r = 0; r < B * Tk; r++) {
+        for (size_t c = 0; c < P->Sk; c++)
+            for (size_t d = 0; d < Din; d++)
+                k[r * P->Sk + c] += P->key[r * Din + d] * P->wk[d * P->Sk + c];
+        for (size_t c = 0; c < P->Sv; c++)
+            for (size_t d = 0; d < Din; d++)
+                v[r * P->Sv + c] += P->value[r * Din + d] * P->wv[d * P->Sv + c];
+    }
+    double *s = xcalloc(Tk, sizeof *s);
+    for (size_t b = 0; b < B; b++)
+        for (size_t h = 0; h < H; h++)
+            for (size_t i = 0; i < Tq; i++) {
+                const size_t g = h / per;
+                double m = sinks ? sinks[h] : -INFINITY;
+                for (size_t j = 0; j < Tk; j++) {
+                    double dot = 0;
+                    for (size_t d = 0; d < dk; d++)
+                        dot += q[(b * Tq + i) * P->Sq + h * dk + d] *
+                               k[(b * Tk + j) * P->Sk + g * dk + d];
+                    s[j] = ref_visible(P, b, h, i, j) ? ref_score(P, b, h, i, j, dot)
+                                                      : -INFINITY;
+                    m = s[j] > m ? s[j] : m;
+                }
+                double *w_i = w + ((b * H + h) * Tq + i) * Tk;
+                double *o = cat + (b * Tq + i) * P->Svq + h * dv;
+                if (m == -INFINITY) { /* fully masked, no sink */
+                    for (size_t j = 0; j < Tk; j++)
+                        w_i[j] = 0;
+                    lse[(b * H + h) * Tq + i] = -INFINITY;
+                    continue;
+                }
+                double Z = sinks ? exp(sinks[h] - m) : 0;
+                for (size_t j = 0; j < Tk; j++)
+                    Z += exp(s[j] - m);
+                for (size_t j = 0; j < Tk; j++) {
+                    w_i[j] = exp(s[j] - m) / Z;
+                    for (size_t c = 0; c < dv; c++)
+                        o[c] += w_i[j] * v[(b * Tk + j) * P->Sv + g * dv + c];
+                }
+                lse[(b * H + h) * Tq + i] = m + log(Z);
+            }
+    for (size_t r = 0; r < B * Tq; r++)
+        for (size_t c = 0; c < P->Dout; c++) {
+            double acc = 0;
+            if (!sp->has_wo)
+                acc = cat[r * P->Svq + c];
+            else
+                for (size_t d = 0; d < P->Svq; d++)
+                    acc += cat[r * P->Svq + d] * P->wo[d * P->Dout + c];
+            out[r * P->Dout + c] = acc;
+        }
+    free(q), free(k), free(v), free(cat), free(s);
+}
+
+/* ------------------------------------------------------------------ */
+/* The core, either type, through double arrays.                       */
+
+typedef struct {
+    double *out, *w, *lse, *q, *k, *v, *cat;   /* forward outputs */
+} fwd_out;
+
+typedef struct {
+    double *dx, *dkey, *dvalue, *dwq, *dwk, *dwv, *dwo, *dsinks;
+} bwd_out;
+
+static float *to_f(const double *a, size_t n)
+{
+    if (a == NULL)
+        return NULL;
+    float *f = xcalloc(n, sizeof *f);
+    for (size_t i = 0; i < n; i++)
+        f[i] = (float)a[i];
+    return f;
+}
+
+static void from_f(double *a, const float *f, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        a[i] = (double)f[i];
+}
+
+static size_t nx(const prob *P) { return P->sp.B * P->sp.Tq * P->sp.Din; }
+static size_t nkey(const prob *P) { return P->sp.B * P->sp.Tk * P->sp.Din; }
+
+static void fwd_alloc(fwd_out *o, const prob *P)
+{
+    const size_t B = P->sp.B, Tq = P->sp.Tq, Tk = P->sp.Tk, H = P->sp.H;
+    o->out = xcalloc(B * Tq * P->Dout, sizeof(double));
+    o->w = xcalloc(B * H * Tq * Tk, sizeof(double));
+    o->lse = xcalloc(B * H * Tq, sizeof(double));
+    o->q = xcalloc(B * Tq * P->Sq, sizeof(double));
+    o->k = xcalloc(B * Tk * P->Sk, sizeof(double));
+    o->v = xcalloc(B * Tk * P->Sv, sizeof(double));
+    o->cat = xcalloc(B * Tq * P->Svq, sizeof(double));
+}
+
+static void fwd_free(fwd_out *o)
+{
+    free(o->out), free(o->w), free(o->lse), free(o->q), free(o->k), free(o->v);
+    free(o->cat);
+}
+
+/* The sizes of the forward's outputs, in the order of fwd_out. */
+static void fwd_sizes(const prob *P, size_t n[7])
+{
+    const size_t B = P->sp.B, Tq = P->sp.Tq, Tk = P->sp.Tk, H = P->sp.H;
+    n[0] = B * Tq * P->Dout, n[1] = B * H * Tq * Tk, n[2] = B * H * Tq;
+    n[3] = B * Tq * P->Sq, n[4] = B * Tk * P->Sk, n[5] = B * Tk * P->Sv;
+    n[6] = B * Tq * P->Svq;
+}
+
+static mha_status run_fwd(const prob *P, int f64, const fwd_out *o)
+{
+    size_t n[7];
+    fwd_sizes(P, n);
+    mha_config cfg = P->cfg;
+    // Every output starts as NaN: an element the core leaves unwritten
+    // fails the comparisons.
+    double *od0[7] = {o->out, o->w, o->lse, o->q, o->k, o->v, o->cat};
+    for (int t = 0; t < 7; t++)
+        for (size_t e = 0; od0[t] != NULL && e < n[t]; e++)
+            od0[t][e] = NAN;
+    if (f64) {
+        cfg.sinks = P->sp.sinks ? P->sinks : NULL;
+        return mha_forward_f64(o->out, o->w, o->q, o->k, o->v, o->cat, o->lse,
+                               P->x, P->key, P->value, P->wq, P->wk, P->wv,
+                               P->wo, NULL, NULL, NULL, NULL, &cfg);
+    }
+    const size_t Din = P->sp.Din;
+    float *x = to_f(P->x, nx(P)), *key = to_f(P->key, nkey(P));
+    float *value = to_f(P->value, nkey(P)), *wq = to_f(P->wq, Din * P->Sq);
+    float *wk = to_f(P->wk, Din * P->Sk), *wv = to_f(P->wv, Din * P->Sv);
+    float *wo = to_f(P->wo, P->Svq * P->Dout);
+    float *maskd = to_f(P->maskd, n[1]), *sinks = to_f(P->sinks, P->sp.H);
+    if (cfg.mask_kind == MHA_MASK_ADD)
+        cfg.mask = maskd;
+    cfg.sinks = P->sp.sinks ? sinks : NULL;
+    float *of[7];
+    for (int t = 0; t < 7; t++) {
+        of[t] = xcalloc(n[t], sizeof(float));
+        for (size_t e = 0; e < n[t]; e++)
+            of[t][e] = NAN;
+    }
+    const mha_status st = mha_forward_f32(of[0], of[1], of[3], of[4], of[5], of[6],
+                                          of[2], x, key, value, wq, wk, wv, wo,
+                                          NULL, NULL, NULL, NULL, &cfg);
+    double *od[7] = {o->out, o->w, o->lse, o->q, o->k, o->v, o->cat};
+    for (int t = 0; t < 7; t++) {
+        from_f(od[t], of[t], n[t]);
+        free(of[t]);
+    }
+    free(x), free(key), free(value), free(wq), free(wk), free(wv), free(wo);
+    free(maskd), free(sinks);
+    return st;
+}
+
+static void bwd_alloc(bwd_out *g, const prob *P)
+{
+    const size_t Din = P->sp.Din;
+    g->dx = xcalloc(nx(P), sizeof(double));
+    g->dkey = xcalloc(nkey(P), sizeof(double));
+    g->dvalue = xcalloc(nkey(P), sizeof(double));
+    g->dwq = xcalloc(Din * P->Sq, sizeof(double));
+    g->dwk = xcalloc(Din * P->Sk, sizeof(double));
+    g->dwv = xcalloc(Din * P->Sv, sizeof(double));
+    g->dwo = xcalloc(P->Svq * P->Dout, sizeof(double));
+    g->dsinks = xcalloc(P->sp.H, sizeof(double));
+}
+
+static void bwd_free(bwd_out *g)
+{
+    free(g->dx), free(g->dkey), free(g->dvalue), free(g->dwq), free(g->dwk);
+    free(g->dwv), free(g->dwo), free(g->dsinks);
+}
+
+static void bwd_sizes(const prob *P, size_t n[8])
+{
+    const size_t Din = P->sp.Din;
+    n[0] = nx(P), n[1] = nkey(P), n[2] = nkey(P), n[3] = Din * P->Sq;
+    n[4] = Din * P->Sk, n[5] = Din * P->Sv, n[6] = P->Svq * P->Dout;
+    n[7] = P->sp.H;
+}
+
+/* The backward of run_fwd's call with dout = P->R; fo holds that
+   forward's kept outputs (in double, exact for float ones). */
+static mha_status run_bwd(const prob *P, int f64, const fwd_out *fo, const bwd_out *g)
+{
+    size_t n[8], nf[7];
+    bwd_sizes(P, n);
+    fwd_sizes(P, nf);
+    mha_config cfg = P->cfg;
+    double *wo_d = P->sp.has_wo ? g->dwo : NULL;
+    if (f64) {
+        cfg.sinks = P->sp.sinks ? P->sinks : NULL;
+        return mha_backward_f64(g->dx, g->dkey, g->dvalue, g->dwq, g->dwk, g->dwv,
+                                wo_d, NULL, NULL, NULL, NULL, g->dsinks, NULL,
+                                NULL, P->R, P->x, P->key, P->value, P->wq, P->wk,
+                                P->wv, P->wo, fo->q, fo->k, fo->v, fo->cat,
+                                fo->lse, &cfg);
+    }
+    const size_t Din = P->sp.Din;
+    float *x = to_f(P->x, nx(P)), *key = to_f(P->key, nkey(P));
+    float *value = to_f(P->value, nkey(P)), *wq = to_f(P->wq, Din * P->Sq);
+    float *wk = to_f(P->wk, Din * P->Sk), *wv = to_f(P->wv, Din * P->Sv);
+    float *wo = to_f(P->wo, P->Svq * P->Dout), *R = to_f(P->R, nf[0]);
+    float *maskd = to_f(P->maskd, nf[1]), *sinks = to_f(P->sinks, P->sp.H);
+    float *q = to_f(fo->q, nf[3]), *k = to_f(fo->k, nf[4]), *v = to_f(fo->v, nf[5]);
+    float *cat = to_f(fo->cat, nf[6]), *lse = to_f(fo->lse, nf[2]);
+    if (cfg.mask_kind == MHA_MASK_ADD)
+        cfg.mask = maskd;
+    cfg.sinks = P->sp.sinks ? sinks : NULL;
+    float *gf[8];
+    for (int t = 0; t < 8; t++)
+        gf[t] = xcalloc(n[t], sizeof(float));
+    const mha_status st = mha_backward_f32(
+        gf[0], gf[1], gf[2], gf[3], gf[4], gf[5], P->sp.has_wo ? gf[6] : NULL,
+        NULL, NULL, NULL, NULL, gf[7], NULL, NULL, R, x, key, value, wq, wk, wv,
+        wo, q, k, v, cat, lse, &cfg);
+    double *gd[8] = {g->dx, g->dkey, g->dvalue, g->dwq, g->dwk, g->dwv, g->dwo, g->dsinks};
+    for (int t = 0; t < 8; t++) {
+        from_f(gd[t], gf[t], n[t]);
+        free(gf[t]);
+    }
+    free(x), free(key), free(value), free(wq), free(wk), free(wv), free(wo);
+    free(R), free(maskd), free(sinks), free(q), free(k), free(v), free(cat), free(lse);
+    return st;
+}
+
+/* ------------------------------------------------------------------ */
+/* Comparisons.                                                        */
+
+/* Largest |a - b| / (1 + |b|), with -inf == -inf and NaN anywhere = inf. */
+static double max_err(const double *a, const double *b, size_t n)
+{
+    double e = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (a[i] == b[i])
+            continue;
+        const double d = fabs(a[i] - b[i]) / (1 + fabs(b[i]));
+        e = (d > e || d != d) ? (d != d ? INFINITY : d) : e;
+    }
+    return e;
+}
+
+static int all_finite(const double *a, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (!isfinite(a[i]))
+            return 0;
+    return 1;
+}
+
+static int g_quick;
+static const int k_isas[] = {MHA_ISA_SCALAR, MHA_ISA_AVX2, MHA_ISA_AVX512};
+
+/* The forward of one case against the reference, on every ISA this CPU
+   runs, both types, 1 and 3 threads, and bitwise across the counts. */
+static void check_forward(const prob *P)
+{
+    size_t n[7];
+    fwd_sizes(P, n);
+    const size_t B = P->sp.B, Tq = P->sp.Tq, Tk = P->sp.Tk, H = P->sp.H;
+    double *out = xcalloc(n[0], sizeof(double)), *w = xcalloc(n[1], sizeof(double));
+    double *lse = xcalloc(n[2], sizeof(double));
+    ref_forward(P, P->sp.sinks ? P->sinks : NULL, out, w, lse);
+    (void)B, (void)Tq, (void)Tk, (void)H;
+    for (int ii = 0; ii < 3; ii++) {
+        if (mha_set_isa((mha_isa)k_isas[ii]) != k_isas[ii])
+            continue;
+        for (int f64 = 0; f64 <= 1; f64++) {
+            if (g_quick && ii == 0 && !f64)
+                continue;
+            const double tol = f64 ? 1e-11 : 3e-5;
+            fwd_out o[2];
+            for (int t = 0; t < 2; t++) {
+                fwd_alloc(&o[t], P);
+                mha_set_num_threads(t == 0 ? 1 : 3);
+                const mha_status st = run_fwd(P, f64, &o[t]);
+                CHECK(st == MHA_OK, "%s: forward status %d", P->sp.name, (int)st);
+            }
+            const char *isa = mha_isa_name((mha_isa)k_isas[ii]);
+            const double eo = max_err(o[0].out, out, n[0]);
+            const double ew = max_err(o[0].w, w, n[1]);
+            const double el = max_err(o[0].lse, lse, n[2]);
+            CHECK(eo <= tol, "%s %s f%d: out err %.3g", P->sp.name, isa, f64 ? 64 : 32, eo);
+            CHECK(ew <= tol, "%s %s f%d: weights err %.3g", P->sp.name, isa, f64 ? 64 : 32, ew);
+            CHECK(el <= tol, "%s %s f%d: lse err %.3g", P->sp.name, isa, f64 ? 64 : 32, el);
+            CHECK(all_finite(o[0].out, n[0]) && all_finite(o[0].w, n[1]),
+                  "%s %s: NaN or inf in out / weights", P->sp.name, isa);
+            CHECK(memcmp(o[0].out, o[1].out, n[0] * sizeof(double)) == 0 &&
+                      memcmp(o[0].w, o[1].w, n[1] * sizeof(double)) == 0 &&
+                      memcmp(o[0].lse, o[1].lse, n[2] * sizeof(double)) == 0,
+                  "%s %s f%d: forward differs between 1 and 3 threads", P->sp.name,
+                  isa, f64 ? 64 : 32);
+            fwd_free(&o[0]), fwd_free(&o[1]);
+        }
+    }
+    mha_set_isa(MHA_ISA_AVX512);
+    mha_set_num_threads(0);
+    free(out), free(w), free(lse);
+}
+
+/* sum(out * R) of the f64 core's forward (the loss the FD checks). */
+static double loss_f64(const prob *P)
+{
+    fwd_out o;
+    fwd_alloc(&o, P);
+    run_fwd(P, 1, &o);
+    double L = 0;
+    for (size_t e = 0; e < P->sp.B * P->sp.Tq * P->Dout; e++)
+        L += o.out[e] * P->R[e];
+    fwd_free(&o);
+    return L;
+}
+
+/* d loss / d *p by central differences. */
+static double fd(prob *P, double *p)
+{
+    const double h = 1e-5, keep = *p;
+    *p = keep + h;
+    const double up = loss_f64(P);
+    *p = keep - h;
+    const double dn = loss_f64(P);
+    *p = keep;
+    return (up - dn) / (2 * h);
+}
+
+/* The backward of one case: finite differences (f64, this ISA), and
+   bitwise equality across 1 and 3 threads on every ISA and type. */
+static void check_backward(prob *P)
+{
+    size_t n[8];
+    bwd_sizes(P, n);
+    fwd_out fo;
+    bwd_out g;
+    fwd_alloc(&fo, P);
+    bwd_alloc(&g, P);
+    mha_set_num_threads(1);
+    CHECK(run_fwd(P, 1, &fo) == MHA_OK, "%s: forward", P->sp.name);
+    CHECK(run_bwd(P, 1, &fo, &g) == MHA_OK, "%s: backward", P->sp.name);
+    // A few entries of x, wq and key, and every sink.
+    struct { double *arr, *grad; size_t n; const char *what; } t[3] = {
+        {P->x, g.dx, nx(P), "x"}, {P->wq, g.dwq, P->sp.Din * P->Sq, "wq"},
+        {P->key, g.dkey, nkey(P), "key"}};
+    for (int a = 0; a < 3; a++)
+        for (int r = 0; r < 3; r++) {
+            const size_t e = (size_t)(rng_u64() % t[a].n);
+            const double num = fd(P, t[a].arr + e);
+            CHECK(fabs(num - t[a].grad[e]) <= 2e-7 * (1 + fabs(num)),
+                  "%s: d%s[%zu] fd %.10g backward %.10g", P->sp.name, t[a].what, e,
+                  num, t[a].grad[e]);
+        }
+    for (size_t h = 0; P->sp.sinks && h < P->sp.H; h++) {
+        const double num = fd(P, P->sinks + h);
+        CHECK(fabs(num - g.dsinks[h]) <= 2e-7 * (1 + fabs(num)),
+              "%s: dsinks[%zu] fd %.10g backward %.10g", P->sp.name, h, num, g.dsinks[h]);
+    }
+    for (int f = 0; f < 8; f++) {
+        const double *gd[8] = {g.dx, g.dkey, g.dvalue, g.dwq, g.dwk, g.dwv, g.dwo, g.dsinks};
+        CHECK(all_finite(gd[f], n[f]), "%s: gradient %d not finite", P->sp.name, f);
+    }
+    bwd_free(&g);
+    fwd_free(&fo);
+
+    for (int ii = 0; ii < 3; ii++) {
+        if (mha_set_isa((mha_isa)k_isas[ii]) != k_isas[ii])
+            continue;
+        for (int f64 = 0; f64 <= 1; f64++) {
+            if (g_quick && !(ii == 1 && f64))
+                continue;
+            bwd_out gt[2];
+            fwd_alloc(&fo, P);
+            mha_set_num_threads(1);
+            run_fwd(P, f64, &fo);
+            for (int k = 0; k < 2; k++) {
+                bwd_alloc(&gt[k], P);
+                mha_set_num_threads(k == 0 ? 1 : 3);
+                CHECK(run_bwd(P, f64, &fo, &gt[k]) == MHA_OK, "%s: backward", P->sp.name);
+            }
+            const double *a[8] = {gt[0].dx, gt[0].dkey, gt[0].dvalue, gt[0].dwq,
+                                  gt[0].dwk, gt[0].dwv, gt[0].dwo, gt[0].dsinks};
+            const double *b[8] = {gt[1].dx, gt[1].dkey, gt[1].dvalue, gt[1].dwq,
+                                  gt[1].dwk, gt[1].dwv, gt[1].dwo, gt[1].dsinks};
+            for (int f = 0; f < 8; f++)
+                CHECK(memcmp(a[f], b[f], n[f] * sizeof(double)) == 0,
+                      "%s %s f%d: gradient %d differs between 1 and 3 threads",
+                      P->sp.name, mha_isa_name((mha_isa)k_isas[ii]), f64 ? 64 : 32, f);
+            bwd_free(&gt[0]), bwd_free(&gt[1]);
+            fwd_free(&fo);
+        }
+    }
+    mha_set_isa(MHA_ISA_AVX512);
+    mha_set_num_threads(0);
+}
+
+/* ------------------------------------------------------------------ */
+/* The cases.                                                          */
+
+/* A case overrides BASE's fields: designated initialisers, the last one
+   wins (C11 6.7.9), which GCC's -Wextra flags. */
+#pragma GCC diagnostic ignored "-Woverride-init"
+#define BASE .B = 2, .Tq = 203, .Tk = 203, .Din = 12, .H = 4, .G = 2, .dk = 16, \
+             .dv = 12, .has_wo = 1, .scale = 1.0
+
+static const spec k_cases[] = {
+    {.name = "plain", BASE},
+    {.name = "causal+window(20,0)", BASE, .causal = 1, .windowed = 1, .wl = 20, .wr = 0},
+    {.name = "window(15,9) Tq!=Tk", BASE, .Tq = 150, .Tk = 221, .windowed = 1, .wl = 15,
+     .wr = 9},
+    {.name = "window(None,12)", BASE, .Tq = 130, .windowed = 1, .wl = -1, .wr = 12},
+    {.name = "window(30,None)+bool", BASE, .windowed = 1, .wl = 30, .wr = -1,
+     .mask_kind = MHA_MASK_BOOL},
+    {.name = "causal+window Tq>Tk", BASE, .Tq = 211, .Tk = 150, .causal = 1, .windowed = 1,
+     .wl = 40, .wr = 5, .sinks = 1},
+    {.name = "window(3,150) Tq>>Tk", BASE, .Tq = 230, .Tk = 70, .windowed = 1, .wl = 3,
+     .wr = 150, .sinks = 1},
+    {.name = "window(150,0) Tq>>Tk", BASE, .Tq = 230, .Tk = 70, .windowed = 1, .wl = 150,
+     .wr = 0},
+    {.name = "softcap", BASE, .softcap = 1.5, .scale = 4.0},
+    {.name = "softcap+causal+add", BASE, .softcap = 2.0, .scale = 3.0, .causal = 1,
+     .mask_kind = MHA_MASK_ADD},
+    {.name = "alibi(H)", BASE, .alibi = AL_H},
+    {.name = "alibi(B,H)+causal", BASE, .alibi = AL_BH, .causal = 1, .Tq = 170},
+    {.name = "sinks", BASE, .sinks = 1},
+    {.name = "sinks+masked rows", BASE, .B = 3, .Tq = 230, .Tk = 190, .causal = 1,
+     .sinks = 1, .key_lengths = 1, .key_mask = KM_PATTERN},
+    {.name = "key_mask", BASE, .B = 3, .Tk = 230, .key_mask = KM_PATTERN},
+    {.name = "key_mask+causal+bool+lengths", BASE, .B = 3, .key_mask = KM_PATTERN,
+     .causal = 1, .mask_kind = MHA_MASK_BOOL, .key_lengths = 1},
+    {.name = "packed", BASE, .B = 1, .Tq = 197, .Tk = 230, .nseq = 4,
+     .cu_q = {0, 50, 50, 120, 197}, .cu_k = {0, 70, 100, 100, 230}},
+    {.name = "packed+causal+window+sinks+alibi", BASE, .B = 1, .Tq = 197, .Tk = 230,
+     .nseq = 4, .cu_q = {0, 50, 50, 120, 197}, .cu_k = {0, 70, 100, 100, 230},
+     .causal = 1, .windowed = 1, .wl = 25, .wr = 0, .sinks = 1, .alibi = AL_H},
+    {.name = "packed+add+key_mask+lengths", BASE, .B = 1, .Tq = 199, .Tk = 240, .nseq = 3,
+     .cu_q = {0, 99, 99, 199}, .cu_k = {0, 120, 180, 240}, .mask_kind = MHA_MASK_ADD,
+     .key_mask = KM_PATTERN, .key_lengths = 1, .softcap = 3.0},
+    {.name = "everything", BASE, .B = 3, .causal = 1, .windowed = 1, .wl = 50, .wr = 0,
+     .softcap = 2.5, .scale = 2.0, .alibi = AL_BH, .sinks = 1, .key_mask = KM_PATTERN,
+     .mask_kind = MHA_MASK_BOOL, .key_lengths = 1},
+    {.name = "tiny: Tq 1, Tk 5, window+sinks+softcap", BASE, .B = 2, .Tq = 1, .Tk = 5,
+     .windowed = 1, .wl = 2, .wr = 0, .sinks = 1, .softcap = 1.0, .key_lengths = 1},
+    {.name = "tiny packed: one query per sequence", BASE, .B = 1, .Tq = 3, .Tk = 4,
+     .nseq = 3, .cu_q = {0, 1, 2, 3}, .cu_k = {0, 0, 3, 4}, .causal = 1, .sinks = 1,
+     .alibi = AL_H},
+    {.name = "everything(add), no wo", BASE, .B = 2, .Tq = 97, .Tk = 260, .has_wo = 0,
+     .windowed = 1, .wl = 70, .wr = 30, .softcap = 2.5, .scale = 2.0, .alibi = AL_H,
+     .sinks = 1, .key_mask = KM_PATTERN, .mask_kind = MHA_MASK_ADD, .key_lengths = 1},
+};
+
+static void test_cases(void)
+{
+    for (size_t c = 0; c < sizeof k_cases / sizeof k_cases[0]; c++) {
+        prob P;
+        prob_init(&P, &k_cases[c]);
+        check_forward(&P);
+        if (!g_quick || c % 4 == 1)
+            check_backward(&P);
+        prob_free(&P);
+    }
+}
+
+/* A window's gradients equal those of the same call with the window
+   written as a dense bool mask (to rounding: the window skips blocks, so
+   some sums lose exact-zero terms, and the forward's blocks start at
+   different keys). */
+static void test_window_as_mask(void)
+{
+    spec sp = {.name = "window vs mask", BASE, .causal = 1, .windowed = 1, .wl = 37,
+               .wr = 0, .softcap = 2.0, .sinks = 1};
+    prob P;
+    prob_init(&P, &sp);
+    fwd_out fo[2];
+    bwd_out g[2];
+    mha_set_num_threads(3);
+    for (int k = 0; k < 2; k++) {
+        if (k == 1) { /* the window as a mask */
+            const size_t Tq = sp.Tq, Tk = sp.Tk;
+            for (size_t b = 0; b < sp.B; b++)
+                for (size_t h = 0; h < sp.H; h++)
+                    for (size_t i = 0; i < Tq; i++)
+                        for (size_t j = 0; j < Tk; j++)
+                            P.maskb[((b * sp.H + h) * Tq + i) * Tk + j] =
+                                j <= i && i - j <= 37;
+            P.cfg.windowed = 0, P.cfg.window_left = 0, P.cfg.window_right = 0;
+            P.cfg.causal = 0;
+            P.cfg.mask_kind = MHA_MASK_BOOL;
+            P.cfg.mask = P.maskb;
+        }
+        fwd_alloc(&fo[k], &P);
+        bwd_alloc(&g[k], &P);
+        CHECK(run_fwd(&P, 1, &fo[k]) == MHA_OK, "window vs mask: forward");
+        CHECK(run_bwd(&P, 1, &fo[k], &g[k]) == MHA_OK, "window vs mask: backward");
+    }
+    size_t n[8], nf[7];
+    bwd_sizes(&P, n);
+    fwd_sizes(&P, nf);
+    CHECK(max_err(fo[0].out, fo[1].out, nf[0]) <= 1e-13, "window vs mask: out");
+    const double *a[8] = {g[0].dx, g[0].dkey, g[0].dvalue, g[0].dwq, g[0].dwk,
+                          g[0].dwv, g[0].dwo, g[0].dsinks};
+    const double *b[8] = {g[1].dx, g[1].dkey, g[1].dvalue, g[1].dwq, g[1].dwk,
+                          g[1].dwv, g[1].dwo, g[1].dsinks};
+    for (int f = 0; f < 8; f++) {
+        const double e = max_err(a[f], b[f], n[f]);
+        CHECK(e <= 1e-12, "window vs mask: gradient %d err %.3g", f, e);
+    }
+    for (int k = 0; k < 2; k++)
+        fwd_free(&fo[k]), bwd_free(&g[k]);
+    prob_free(&P);
+    mha_set_num_threads(0);
+}
+
+/*
+ * Block skipping, by NaN keys. Keys (and values) of whole 64-key blocks of
+ * the backward's grid (kernels.h: MHA_BWD_BK) are set to NaN where no
+ * query may see them: before every row's window, under a key block
+ * key_mask blocks wholly, or in a packed sequence without queries. The
+ * forward masks a computed NaN score to -inf, so its output shows nothing
+ * about skipping (it only proves the rules right); but the backward's dQ
+ * product, dQ += dS k, multiplies a computed block's keys by dS = 0, and
+ * 0 * NaN = NaN: dx is finite only if every such block is skipped by the
+ * dQ pass and by the fused pass (1 thread runs the fused pass, 3 threads
+ * the separate dK/dV and dQ passes). dx must also match the same call with
+ * those keys finite. What cannot help it: dwk = key^T dk and dwv =
+ * value^T dv multiply the NaN inputs by exact zeros, and are NaN by IEEE
+ * rules whatever the core skips; they are not checked.
+ */
+static void check_nan_skip(const spec *sp, size_t j_lo, size_t j_hi, size_t b_nan)
+{
+    prob P;
+    prob_init(&P, sp);
+    fwd_out fo, fo_ref;
+    bwd_out g, g_ref;
+    const size_t Din = sp->Din, Tk = sp->Tk;
+    for (int ii = 0; ii < 3; ii++) {
+        if (mha_set_isa((mha_isa)k_isas[ii]) != k_isas[ii])
+            continue;
+        for (int t = 0; t < 2; t++) {
+            mha_set_num_threads(t == 0 ? 1 : 3);
+            // The finite call first, then the same with NaN keys.
+            fwd_alloc(&fo_ref, &P), bwd_alloc(&g_ref, &P);
+            run_fwd(&P, 1, &fo_ref);
+            run_bwd(&P, 1, &fo_ref, &g_ref);
+            double *keep = xcalloc(2 * (j_hi - j_lo) * Din, sizeof(double));
+            for (size_t j = j_lo; j < j_hi; j++)
+                for (size_t d = 0; d < Din; d++) {
+                    const size_t at = (b_nan * Tk + j) * Din + d;
+                    keep[2 * ((j - j_lo) * Din + d)] = P.key[at];
+                    keep[2 * ((j - j_lo) * Din + d) + 1] = P.value[at];
+                    P.key[at] = NAN;
+                    P.value[at] = NAN;
+                }
+            fwd_alloc(&fo, &P), bwd_alloc(&g, &P);
+            CHECK(run_fwd(&P, 1, &fo) == MHA_OK, "%s: forward", sp->name);
+            CHECK(run_bwd(&P, 1, &fo, &g) == MHA_OK, "%s: backward", sp->name);
+            const size_t n_out = sp->B * sp->Tq * P.Dout;
+            const char *isa = mha_isa_name((mha_isa)k_isas[ii]);
+            CHECK(all_finite(fo.out, n_out), "%s %s: NaN keys reached out", sp->name, isa);
+            CHECK(max_err(fo.out, fo_ref.out, n_out) <= 1e-13, "%s: out", sp->name);
+            CHECK(all_finite(g.dx, nx(&P)) && all_finite(g.dwq, Din * P.Sq),
+                  "%s %s %d threads: a skipped block's NaN keys reached dx / dwq "
+                  "(the block was computed)", sp->name, isa, t == 0 ? 1 : 3);
+            CHECK(all_finite(g.dkey, nkey(&P)) && all_finite(g.dvalue, nkey(&P)) &&
+                      all_finite(g.dwo, P.Svq * P.Dout),
+                  "%s %s: NaN in dkey / dvalue / dwo", sp->name, isa);
+            CHECK(max_err(g.dx, g_ref.dx, nx(&P)) <= 1e-12 &&
+                      max_err(g.dkey, g_ref.dkey, nkey(&P)) <= 1e-12,
+                  "%s %s: gradients differ from the finite call", sp->name, isa);
+            for (size_t j = j_lo; j < j_hi; j++)
+                for (size_t d = 0; d < Din; d++) {
+                    const size_t at = (b_nan * Tk + j) * Din + d;
+                    P.key[at] = keep[2 * ((j - j_lo) * Din + d)];
+                    P.value[at] = keep[2 * ((j - j_lo) * Din + d) + 1];
+                }
+            free(keep);
+            fwd_free(&fo), bwd_free(&g), fwd_free(&fo_ref), bwd_free(&g_ref);
+        }
+    }
+    mha_set_isa(MHA_ISA_AVX512);
+    mha_set_num_threads(0);
+    prob_free(&P);
+}
+
+static void test_skipping(void)
+{
+    // Window: query i sits at i + 170 and sees keys >= i + 150; keys
+    // 0 .. 127 (two blocks) are before every window.
+    const spec win = {.name = "skip: window", BASE, .B = 1, .Tq = 130, .Tk = 300,
+                      .causal = 1, .windowed = 1, .wl = 20, .wr = 0, .sinks = 1};
+    check_nan_skip(&win, 0, 128, 0);
+    // key_mask: item 1 has keys 64 .. 139 masked (KM_PATTERN), so block
+    // 64 .. 127 is masked wholly.
+    const spec km = {.name = "skip: key_mask", BASE, .B = 2, .Tq = 150, .Tk = 256,
+                     .key_mask = KM_PATTERN, .softcap = 2.0};
+    check_nan_skip(&km, 64, 128, 1);
+    // Packed: sequence 1 has keys 64 .. 191 and no query; the query tiles
+    // spanning sequences 0 and 2 must skip its blocks (off-diagonal).
+    const spec pk = {.name = "skip: packed", BASE, .B = 1, .Tq = 150, .Tk = 300,
+                     .nseq = 3, .cu_q = {0, 70, 70, 150}, .cu_k = {0, 64, 192, 300},
+                     .alibi = AL_H};
+    check_nan_skip(&pk, 64, 192, 0);
+    const spec pkc = {.name = "skip: packed causal", BASE, .B = 1, .Tq = 150, .Tk = 300,
+                      .nseq = 3, .cu_q = {0, 70, 70, 150}, .cu_k = {0, 64, 192, 300},
+                      .causal = 1, .windowed = 1, .wl = 9, .wr = 0};
+    check_nan_skip(&pkc, 64, 192, 0);
+}
+
+/* The forward of a narrow causal window must cost a fraction of the full
+   causal call's (each tile of 192 rows sees ~4 key blocks of 64 instead of
+   ~T / 128 on average): a forward that computed and masked the blocks
+   would take at least as long. Best of 5 each, on 1 thread. */
+static void test_skip_timing(void)
+{
+    const size_t T = 4096, D = 64, H = 2;
+    size_t dk[2] = {D, D}, dv[2] = {D, D};
+    double scale[2] = {0.125, 0.125};
+    float *x = xcalloc(T * D, sizeof(float)), *w = xcalloc(D * H * D, sizeof(float));
+    float *out = xcalloc(T * H * D, sizeof(float));
+    for (size_t e = 0; e < T * D; e++)
+        x[e] = (float)rng_unit();
+    for (size_t e = 0; e < D * H * D; e++)
+        w[e] = (float)(0.2 * rng_unit());
+    mha_config cfg = {.B = 1, .Tq = T, .Tk = T, .Din = D, .Dkin = D, .Dvin = D,
+                      .Dout = H * D, .H = H, .G = H, .dk = dk, .dv = dv,
+                      .scale = scale, .causal = 1};
+    mha_set_num_threads(1);
+    double best[2] = {1e9, 1e9};
+    for (int k = 0; k < 2; k++) {
+        cfg.windowed = k, cfg.window_left = k ? 63 : 0;
+        for (int r = 0; r < 5; r++) {
+            const double t0 = now_s();
+            const mha_status st = mha_forward_f32(out, NULL, NULL, NULL, NULL, NULL,
+                                                  NULL, x, x, x, w, w, w, NULL, NULL,
+                                                  NULL, NULL, NULL, &cfg);
+            const double dt = now_s() - t0;
+            CHECK(st == MHA_OK, "timing call");
+            best[k] = dt < best[k] ? dt : best[k];
+        }
+    }
+    printf("skip timing (T = %zu, 1 thread, best of 5): causal %.1f ms, "
+           "causal + window(63, 0) %.1f ms\n", T, 1e3 * best[0], 1e3 * best[1]);
+    CHECK(best[1] < 0.5 * best[0], "window(63, 0) took %.3g of the causal call",
+          best[1] / best[0]);
+    mha_set_num_threads(0);
+    free(x), free(w), free(out);
+}
+
+/* ------------------------------------------------------------------ */
+/* mha_check_config on the new fields.                                 */
+
+static void test_config(void)
+{
+    size_t dk[2] = {8, 8}, dv[2] = {4, 4}, dk_r[2] = {8, 6};
+    double scale[4] = {1, 1, 1, 1}, slopes[8] = {0};
+    int64_t cu_q[3] = {0, 3, 5}, cu_k[3] = {0, 4, 7}, bad_cu[3] = {0, 4, 3};
+    float qn[8] = {0};
+    mha_layout lay;
+    const mha_config base = {.B = 1, .Tq = 5, .Tk = 7, .Din = 3, .Dkin = 3, .Dvin = 3,
+                             .Dout = 2, .H = 4, .G = 2, .dk = dk, .dv = dv,
+                             .scale = scale, .has_wo = 1};
+    CHECK(mha_check_config(&lay, &base) == MHA_OK, "base config");
+    mha_config c;
+#define BAD(field_setting, what)                                              \
+    do {                                                                      \
+        c = base;                                                             \
+        field_setting;                                                        \
+        CHECK(mha_check_config(&lay, &c) == MHA_ERR_ARG, "accepted: %s", what); \
+    } while (0)
+#define GOOD(field_setting, what)                                             \
+    do {                                                                      \
+        c = base;                                                             \
+        field_setting;                                                        \
+        CHECK(mha_check_config(&lay, &c) == MHA_OK, "rejected: %s", what);    \
+    } while (0)
+    GOOD((c.windowed = 1, c.window_left = -1, c.window_right = 3), "window");
+    BAD((c.window_left = 3), "window without windowed");
+    GOOD(c.softcap = 30, "softcap");
+    BAD(c.softcap = -1, "softcap < 0");
+    BAD(c.softcap = NAN, "softcap NaN");
+    BAD(c.softcap = INFINITY, "softcap inf");
+    GOOD((c.alibi = slopes, c.alibi_bstride = 4), "alibi (B, H)");
+    GOOD((c.alibi = slopes), "alibi (H,)");
+    BAD((c.alibi = slopes, c.alibi_bstride = 3), "alibi_bstride 3");
+    BAD((c.alibi_bstride = 4), "alibi_bstride without alibi");
+    GOOD((c.nseq = 2, c.cu_q = cu_q, c.cu_k = cu_k), "packed");
+    BAD((c.nseq = 2, c.cu_q = cu_q, c.cu_k = NULL), "packed, cu_k NULL");
+    BAD((c.nseq = 2, c.cu_q = cu_q, c.cu_k = bad_cu), "packed, decreasing cu_k");
+    BAD((c.nseq = 2, c.cu_q = cu_k, c.cu_k = cu_k), "packed, cu_q[nseq] != Tq");
+    BAD((c.nseq = 2, c.cu_q = cu_q, c.cu_k = cu_k, c.B = 2), "packed, B = 2");
+    BAD((c.nseq = 1, c.cu_q = cu_q + 1, c.cu_k = cu_k), "packed, cu_q[0] != 0");
+    GOOD((c.rotary_dim = 8, c.inv_freq = slopes), "rotary_dim 8");
+    BAD((c.rotary_dim = 6), "rotary_dim without inv_freq");
+    BAD((c.rotary_dim = 5, c.inv_freq = slopes), "rotary_dim odd");
+    BAD((c.rotary_dim = 10, c.inv_freq = slopes), "rotary_dim > dk");
+    BAD((c.dk = dk_r, c.rotary_dim = 8, c.inv_freq = slopes), "rotary_dim > one dk");
+    GOOD((c.q_norm = qn, c.q_norm_hstride = 8, c.k_norm = qn), "q_norm, k_norm");
+    BAD((c.q_norm = qn, c.q_norm_hstride = 4), "q_norm_hstride");
+    BAD((c.k_norm = qn, c.k_norm_hstride = 7), "k_norm_hstride");
+    BAD((c.q_norm = qn, c.dk = dk_r), "q_norm with ragged heads");
+    BAD((c.norm_eps = -1e-6), "norm_eps < 0");
+    BAD((c.norm_eps = NAN), "norm_eps NaN");
+    GOOD((c.positions_bstride = 5, c.key_positions_bstride = 7), "positions strides");
+    BAD((c.positions_bstride = 7), "positions_bstride");
+    BAD((c.key_positions_bstride = 5), "key_positions_bstride");
+#undef BAD
+#undef GOOD
+}
+
+int main(int argc, char **argv)
+{
+    g_quick = argc > 1 && strcmp(argv[1], "quick") == 0;
+    test_config();
+    test_cases();
+    test_window_as_mask();
+    test_skipping();
+    if (!g_quick)
+        test_skip_timing();
+    printf("test_variants: %ld checks, %d failures (ISA detected: %s)\n", g_checks,
+           g_failures, mha_isa_name(mha_isa_detect()));
+    return g_failures != 0;
+}
