@@ -9,6 +9,21 @@ equation of the document, written as plainly as NumPy allows:
     head_i = Attention(X W_i^Q, X W_i^K, X W_i^V)       (one head)
     MultiHead(X) = Concat(head_1, ..., head_h) W^O      (combine)
 
+and the variants of today's models (issue 13), one function per rule, in the
+order of a score's life (``mhattn._variants``):
+
+ 1. project, plus bias                     :func:`_project`
+ 2. q/k RMSNorm                            :func:`rms_norm`
+ 3. RoPE                                   :func:`rope`
+ 4. q . k;  5. x scale                     :func:`score_steps`
+ 6. softcap: c tanh(s / c)                 :func:`softcap`
+ 7. + ALiBi + additive mask                :func:`alibi_bias`
+ 8. the visibility rules -> -inf           :func:`allowed_keys`
+ 9. softmax, with sinks                    :func:`softmax`, :func:`log_sum_exp`
+    (steps 2-9 of one head from its projections: :func:`head_scores`)
+ 10. . V;  11. concat;  12. W^O            :func:`weighted_values`,
+                                           :func:`multi_head_attention`
+
 It takes exactly the arguments of :func:`mhattn.multi_head_attention` and
 returns the same thing, computed in the same dtype (float32 stays float32).
 Speed is not a goal here: every head is a Python loop iteration and every
@@ -21,80 +36,379 @@ from typing import Optional
 import numpy as np
 
 from ._args import Call, bool_arg, check_memory, normalize, plan
+from ._variants import key_positions_of, query_positions, sequence_ids
 
-__all__ = ["multi_head_attention", "softmax", "attention", "weighted_values",
-           "allowed_keys", "param_count", "head_intermediates", "worked_example"]
+__all__ = ["multi_head_attention", "lse", "softmax", "log_sum_exp", "attention",
+           "score_steps", "weighted_values", "allowed_keys", "rms_norm", "rope",
+           "softcap", "alibi_bias", "param_count", "head_intermediates", "head_scores",
+           "worked_example"]
 
 
-def softmax(scores: np.ndarray) -> np.ndarray:
+def softmax(scores: np.ndarray, sink=None) -> np.ndarray:
     """Softmax over the last axis, subtracting the row maximum as the document does.
 
+    Parameters
+    ----------
+    scores : (..., Tk) array
+        The finished scores (scaled, capped, biased, masked: -inf = blocked).
+    sink : scalar, optional
+        An attention sink (gpt-oss): one extra logit per row, of value zero,
+        counted in the denominator only.  The returned weights exclude it, so
+        a row then sums to 1 - p_sink with p_sink = exp(sink) / (exp(sink) +
+        sum_j exp(s_j)).
+
+    Returns
+    -------
+    weights : array of the shape and dtype of ``scores``
+
     Entries of -inf are blocked keys and get weight 0.  A row with every entry
-    -inf is *fully masked*: its weights are all 0 (not NaN), so the head
-    attends to nothing and contributes a zero vector.  A NaN score, or a
-    +inf one (inf - inf), makes its row NaN, as IEEE arithmetic says: it is
-    never mistaken for a fully masked row.
+    -inf is *fully masked*: its weights are all 0 (not NaN), with or without a
+    sink (with one, all its mass is on the sink), so the head attends to
+    nothing and contributes a zero vector.  A NaN score, or a +inf one
+    (inf - inf), makes its row NaN, as IEEE arithmetic says: it is never
+    mistaken for a fully masked row.
+
+    Examples
+    --------
+    >>> softmax(np.array([0.0, 0.0]))
+    array([0.5, 0.5])
+    >>> softmax(np.array([0.0, 0.0]), sink=0.0)     # a third, invisible logit
+    array([0.33333333, 0.33333333])
+    >>> softmax(np.array([-np.inf, -np.inf]), sink=1.0)
+    array([0., 0.])
     """
-    # initial=-inf: with no key at all (T_k = 0) the row is fully masked too.
-    m = scores.max(axis=-1, keepdims=True, initial=-np.inf)
-    # A fully masked row has max -inf; subtracting 0 instead keeps exp(-inf) = 0
-    # rather than exp(-inf - -inf) = exp(nan).
-    m = np.where(np.isneginf(m), 0, m)
+    m = _row_max(scores, sink)
     w = np.exp(scores - m)
     total = w.sum(axis=-1, keepdims=True)
-    # Only a fully masked row sums to exactly 0 (the maximum contributes
-    # exp(0) = 1 otherwise); a NaN total stays NaN.
+    if sink is not None:
+        total = total + np.exp(scores.dtype.type(sink) - m)
+    # Only a fully masked row (and no sink) sums to exactly 0 (the maximum
+    # contributes exp(0) = 1 otherwise); a NaN total stays NaN.
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where(total == 0, 0, w / np.where(total == 0, 1, total)).astype(scores.dtype)
 
 
-def allowed_keys(call: Call, b: int, h: int) -> np.ndarray:
-    """(Tq, Tk) bool: which keys query row i of head h, batch item b may attend to.
+def _row_max(scores: np.ndarray, sink=None) -> np.ndarray:
+    """(..., 1): each row's maximum, the sink included, with a fully masked
+    row's -inf replaced by 0 so that exp(-inf - 0) = 0 rather than
+    exp(-inf - -inf) = exp(nan)."""
+    # initial=-inf: with no key at all (T_k = 0) the row is fully masked too.
+    m = scores.max(axis=-1, keepdims=True, initial=-np.inf)
+    if sink is not None:
+        m = np.maximum(m, scores.dtype.type(sink))
+    return np.where(np.isneginf(m), 0, m).astype(scores.dtype)
 
-    causal: query i sees keys j <= i + (Tk - Tq): the triangle is aligned
-    bottom-right (FlashAttention's convention), so one new query against a
-    long key cache sees every key.  key_lengths: keys j >= length are padding.
-    A boolean mask: True = may attend.
+
+def log_sum_exp(scores: np.ndarray, sink=None) -> np.ndarray:
+    """Each row's log-sum-exp, the sink's logit included: the lse the C core keeps.
+
+    Parameters
+    ----------
+    scores : (..., Tk) array
+        The finished scores, as given to :func:`softmax`.
+    sink : scalar, optional
+        The row's attention sink logit.
+
+    Returns
+    -------
+    lse : (...,) array of the dtype of ``scores``
+        log(exp(sink) + sum_j exp(s_j)); -inf for a fully masked row without
+        a sink, ``sink`` for one with.
+
+    Examples
+    --------
+    >>> log_sum_exp(np.array([[0.0, 0.0]]))          # log 2
+    array([0.69314718])
+    >>> log_sum_exp(np.array([[-np.inf]]), sink=0.5)
+    array([0.5])
     """
-    Tq, Tk = call.Tq, call.Tk
+    m = _row_max(scores, sink)
+    total = np.exp(scores - m).sum(axis=-1, keepdims=True)
+    if sink is not None:
+        total = total + np.exp(scores.dtype.type(sink) - m)
+    with np.errstate(divide="ignore"):
+        return (m + np.log(total)).astype(scores.dtype)[..., 0]
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """Step 2, the q/k RMSNorm of each row: y = x / sqrt(mean(x^2) + eps) * w.
+
+    Parameters
+    ----------
+    x : (T, d) array
+        One head's projected queries or keys.
+    w : (d,) array
+        The norm's weight (Qwen3's ``q_norm.weight``; note Gemma's norms
+        use 1 + weight).
+    eps : float
+        ``norm_eps``, added to the mean square.
+
+    Returns
+    -------
+    y : (T, d) array of the dtype of ``x``
+        Computed in float64 and rounded once, as the C core does.
+
+    Examples
+    --------
+    >>> rms_norm(np.array([[3.0, 4.0]]), np.ones(2), 0.0)   # RMS 5/sqrt(2)
+    array([[0.84852814, 1.13137085]])
+    """
+    x64 = x.astype(np.float64)
+    r = 1.0 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps)
+    return (x64 * r * np.asarray(w, dtype=np.float64)).astype(x.dtype)
+
+
+def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, rotary_dim: int,
+         interleaved: bool) -> np.ndarray:
+    """Step 3, rotary position embedding: turn pair c of row t by positions[t] * inv_freq[c].
+
+    Parameters
+    ----------
+    x : (T, d) array
+        One head's (normed) queries or keys.
+    positions : (T,) int array
+        Each row's position.
+    inv_freq : (rotary_dim/2,) float64 array
+        The frequencies.
+    rotary_dim : int
+        The first ``rotary_dim`` features turn; the rest pass unchanged.
+    interleaved : bool
+        False: pair c is features (c, c + rotary_dim/2), the rotate-half of
+        GPT-NeoX and Llama.  True: pair c is features (2c, 2c+1) (GPT-J).
+
+    Returns
+    -------
+    y : (T, d) array of the dtype of ``x``
+        ``(a, b) -> (a cos - b sin, a sin + b cos)``, the angle and the turn
+        computed in float64 and rounded once.
+
+    Examples
+    --------
+    >>> rope(np.array([[1.0, 0.0]]), np.array([1]), np.array([np.pi / 2]), 2, False)
+    array([[6.123234e-17, 1.000000e+00]])
+    """
+    half = rotary_dim // 2
+    c = np.arange(half)
+    ia, ib = (2 * c, 2 * c + 1) if interleaved else (c, c + half)
+    x64 = x.astype(np.float64)
+    angle = np.asarray(positions, dtype=np.float64)[:, None] * \
+        np.asarray(inv_freq, dtype=np.float64)[None, :]          # (T, rotary_dim/2)
+    cos, sin = np.cos(angle), np.sin(angle)
+    a, b = x64[:, ia], x64[:, ib]
+    y = x64.copy()
+    y[:, ia] = a * cos - b * sin
+    y[:, ib] = a * sin + b * cos
+    return y.astype(x.dtype)
+
+
+def softcap(scores: np.ndarray, cap: float) -> np.ndarray:
+    """Step 6, Gemma 2's logit soft-capping: c tanh(s / c), so |s| < c.
+
+    Parameters
+    ----------
+    scores : array
+        The scaled scores.
+    cap : float
+        c > 0 (``softcap=``).
+
+    Returns
+    -------
+    capped : array of the shape and dtype of ``scores``
+
+    Examples
+    --------
+    >>> softcap(np.array([0.0, 1.0, 1e9]), 2.0)
+    array([0.        , 0.92423431, 2.        ])
+    """
+    c = scores.dtype.type(cap)
+    return (c * np.tanh(scores / c)).astype(scores.dtype)
+
+
+def alibi_bias(slope: float, query_pos: np.ndarray, key_pos: np.ndarray,
+               dtype=np.float64) -> np.ndarray:
+    """Step 7, ALiBi's linear bias: -slope |p_i - j|.
+
+    Parameters
+    ----------
+    slope : float
+        The head's slope (``alibi_slopes[h]`` or ``[b, h]``).
+    query_pos : (Tq,) int array
+        p_i = i + (Tk - Tq), within its sequence when packed.
+    key_pos : (Tk,) int array
+        j, within its sequence when packed.
+    dtype : the result's dtype (computed in float64, rounded once)
+
+    Returns
+    -------
+    bias : (Tq, Tk) array, added to the (capped) scores
+
+    Examples
+    --------
+    >>> alibi_bias(0.5, np.array([2]), np.arange(3))
+    array([[-1. , -0.5, -0. ]])
+    """
+    d = np.abs(np.asarray(query_pos, dtype=np.float64)[:, None]
+               - np.asarray(key_pos, dtype=np.float64)[None, :])
+    return (-float(slope) * d).astype(dtype)
+
+
+def allowed_keys(call: Call, b: int, h: int) -> np.ndarray:
+    """Step 8, (Tq, Tk) bool: which keys query row i of head h, batch item b may attend to.
+
+    With p_i = i + (Tk - Tq) and key position j (both within their own
+    sequence when packed), every rule below must allow a key (AND):
+
+    - packed sequences (``cu_seqlens``): the query's and the key's sequences
+      are the same one;
+    - causal: j <= p_i, the triangle aligned bottom-right (FlashAttention's
+      convention), so one new query against a long key cache sees every key;
+    - window (left, right): p_i - left <= j <= p_i + right, a side of None
+      unbounded (with causal the right side is capped at 0 by the rule above);
+    - key_lengths: keys j >= length are padding;
+    - key_mask (B, Tk): False = padding;
+    - a boolean mask: True = may attend.
+
+    Parameters
+    ----------
+    call : Call
+        A checked call (:func:`mhattn._args.normalize`).
+    b, h : int
+        The batch item and the query head.
+
+    Returns
+    -------
+    allowed : (Tq, Tk) bool array
+
+    Examples
+    --------
+    >>> call = normalize(np.eye(4), np.eye(4), np.eye(4), np.eye(4), num_heads=1,
+    ...                  window=(1, 0))
+    >>> allowed_keys(call, 0, 0).astype(int)
+    array([[1, 0, 0, 0],
+           [1, 1, 0, 0],
+           [0, 1, 1, 0],
+           [0, 0, 1, 1]])
+    """
+    Tq, Tk, var = call.Tq, call.Tk, call.var
+    p = query_positions(var, call.B, Tq, Tk, for_rope=False)[b][:, None]    # (Tq, 1)
+    j = key_positions_of(var, call.B, Tk, for_rope=False)[b][None, :]       # (1, Tk)
     ok = np.ones((Tq, Tk), dtype=bool)
+    if var.packed:
+        ok &= (sequence_ids(var.cu_q, Tq)[:, None] == sequence_ids(var.cu_k, Tk)[None, :])
     if call.causal:
-        i = np.arange(Tq)[:, None]
-        j = np.arange(Tk)[None, :]
-        ok &= j <= i + (Tk - Tq)
+        ok &= j <= p
+    if var.window is not None:
+        left, right = var.window
+        if left is not None:
+            ok &= j >= p - left
+        if right is not None:
+            ok &= j <= p + right
     if call.key_lengths is not None:
         ok &= (np.arange(Tk) < call.key_lengths[b])[None, :]
+    if var.key_mask is not None:
+        ok &= var.key_mask[b][None, :]
     if call.mask is not None and call.mask.dtype == bool:
         ok &= call.mask[b, h]
     return ok
 
 
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
-              allowed: Optional[np.ndarray] = None,
-              additive: Optional[np.ndarray] = None):
-    """softmax(q k^T * scale [+ additive], blocked = -inf) v, for one head.
+def score_steps(q: np.ndarray, k: np.ndarray, scale: float, *, cap: Optional[float] = None,
+                bias: Optional[np.ndarray] = None, additive: Optional[np.ndarray] = None,
+                allowed: Optional[np.ndarray] = None) -> dict:
+    """Steps 4-8 of one head's scores, each kept.
 
-    q (Tq, dk), k (Tk, dk), v (Tk, dv).  Returns (raw, scores, weights, out):
-    raw = q k^T, scores = the scaled and masked scores, weights (Tq, Tk) and
-    out (Tq, dv).
+    Parameters
+    ----------
+    q : (Tq, dk), k : (Tk, dk)
+        The queries and keys as the scores use them (after norm and RoPE).
+    scale : float
+    cap : float, optional
+        The softcap c.
+    bias : (Tq, Tk), optional
+        The ALiBi bias.
+    additive : (Tq, Tk), optional
+        The float mask.
+    allowed : (Tq, Tk) bool, optional
+        :func:`allowed_keys`; False becomes -inf.
+
+    Returns
+    -------
+    dict with raw_scores = q k^T, scaled = raw * scale, capped (= scaled
+    without a softcap) and scores (capped + bias + additive, -inf where not
+    allowed), each (Tq, Tk) of q's dtype.
+
+    Examples
+    --------
+    >>> st = score_steps(np.ones((1, 2)), np.ones((1, 2)), 2.0, cap=1.0)
+    >>> st["scaled"], st["capped"]
+    (array([[4.]]), array([[0.9993293]]))
     """
     raw = q @ k.T
-    scores = raw * q.dtype.type(scale)
+    scaled = raw * q.dtype.type(scale)
+    capped = scaled if cap is None else softcap(scaled, cap)
+    scores = capped
+    if bias is not None:
+        scores = scores + bias
     if additive is not None:
         scores = scores + additive
     if allowed is not None:
-        scores = np.where(allowed, scores, -np.inf).astype(q.dtype)
-    weights = softmax(scores)
-    return raw, scores, weights, weighted_values(weights, v)
+        scores = np.where(allowed, scores, -np.inf)
+    scores = scores.astype(q.dtype)
+    return dict(raw_scores=raw, scaled=scaled, capped=capped, scores=scores)
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
+              allowed: Optional[np.ndarray] = None,
+              additive: Optional[np.ndarray] = None, *, cap: Optional[float] = None,
+              bias: Optional[np.ndarray] = None, sink=None):
+    """softmax(cap(q k^T * scale) [+ bias] [+ additive], blocked = -inf; sink) v, for one head.
+
+    Parameters
+    ----------
+    q : (Tq, dk), k : (Tk, dk), v : (Tk, dv)
+    scale : float
+    allowed : (Tq, Tk) bool, optional
+    additive : (Tq, Tk), optional
+    cap, bias : see :func:`score_steps`
+    sink : scalar, optional
+        The head's attention sink (:func:`softmax`).
+
+    Returns
+    -------
+    (raw, scores, weights, out): raw = q k^T, scores = the finished scores
+    (scaled, capped, biased, masked), weights (Tq, Tk) and out (Tq, dv).
+
+    Examples
+    --------
+    >>> raw, s, w, out = attention(np.ones((1, 1)), np.ones((2, 1)), np.eye(2), 1.0)
+    >>> w
+    array([[0.5, 0.5]])
+    """
+    st = score_steps(q, k, scale, cap=cap, bias=bias, additive=additive, allowed=allowed)
+    weights = softmax(st["scores"], sink)
+    return st["raw_scores"], st["scores"], weights, weighted_values(weights, v)
 
 
 def weighted_values(weights: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """weights @ v, where a key of weight exactly 0 adds nothing.
+    """Step 10, weights @ v, where a key of weight exactly 0 adds nothing.
 
     0 * inf is NaN, so with a plain product an Inf or NaN value at a blocked
     key (padding beyond key_lengths, a masked or causally hidden key) would
     poison the row.  Keys the row does not attend to are never read; the
     C core does the same.
+
+    Parameters
+    ----------
+    weights : (Tq, Tk), v : (Tk, dv)
+
+    Returns
+    -------
+    out : (Tq, dv)
+
+    Examples
+    --------
+    >>> weighted_values(np.array([[1.0, 0.0]]), np.array([[2.0], [np.inf]]))
+    array([[2.]])
     """
     if np.isfinite(v).all():
         return weights @ v
@@ -106,58 +420,244 @@ def weighted_values(weights: np.ndarray, v: np.ndarray) -> np.ndarray:
 
 
 def _project(inp: np.ndarray, w: np.ndarray, b: Optional[np.ndarray]) -> np.ndarray:
-    """X W (+ b): the document's row-vector convention."""
+    """Step 1, X W (+ b): the document's row-vector convention."""
     out = inp @ w
     return out if b is None else out + b
 
 
+def _norm_row(w: Optional[np.ndarray], head: int) -> Optional[np.ndarray]:
+    """The (d,) norm weight of one head: shared (d,) or row ``head`` of (n, d)."""
+    if w is None:
+        return None
+    return w if w.ndim == 1 else w[head]
+
+
 def head_intermediates(call: Call, b: int, h: int) -> dict:
-    """Every step of head h on batch item b, named as in the document."""
+    """Every step of head h on batch item b, named as in the document.
+
+    Parameters
+    ----------
+    call : Call
+        A checked call (:func:`mhattn._args.normalize`).
+    b, h : int
+        The batch item and the query head.
+
+    Returns
+    -------
+    dict of the steps, in the order of a score's life:
+
+    - q_proj (Tq, dk), k_proj (Tk, dk), v (Tk, dv): the projections plus bias;
+    - q_normed, k_normed: after the RMSNorm (the projections without one);
+    - q, k: as the scores use them, after RoPE (= q_normed, k_normed without);
+    - raw_scores = q k^T, scaled = raw * scale, capped = softcap(scaled)
+      (= scaled without one), each (Tq, Tk);
+    - bias (Tq, Tk) or None: ALiBi's -slope |p_i - j|;
+    - additive (Tq, Tk) or None: the float mask;
+    - allowed (Tq, Tk) bool: :func:`allowed_keys`;
+    - scores (Tq, Tk): capped + bias + additive, -inf where not allowed;
+    - sink: the head's sink logit or None;
+    - weights (Tq, Tk): softmax with the sink, which they exclude;
+    - lse (Tq,): each row's log-sum-exp, the sink included;
+    - head (Tq, dv): weights . v.
+
+    Examples
+    --------
+    >>> call = normalize(np.eye(3), np.eye(3), np.eye(3), np.eye(3), num_heads=1)
+    >>> sorted(head_intermediates(call, 0, 0))[:4]
+    ['additive', 'allowed', 'bias', 'capped']
+    """
     g = call.kv_head(h)
-    q = _project(call.x[b], call.wq.heads[h], None if call.bq is None else call.bq[h])
-    k = _project(call.key[b], call.wk.heads[g], None if call.bk is None else call.bk[g])
+    # 1. project, plus bias
+    q_proj = _project(call.x[b], call.wq.heads[h], None if call.bq is None else call.bq[h])
+    k_proj = _project(call.key[b], call.wk.heads[g], None if call.bk is None else call.bk[g])
     v = _project(call.value[b], call.wv.heads[g], None if call.bv is None else call.bv[g])
+    # 2-9.
+    st = head_scores(call, b, h, q_proj, k_proj)
+    # 10. . V
+    return dict(st, v=v, head=weighted_values(st["weights"], v))
+
+
+def head_scores(call: Call, b: int, h: int, q_proj: np.ndarray, k_proj: np.ndarray) -> dict:
+    """Steps 2-9 of head h on batch item b, from its projections.
+
+    The C core keeps q and k *before* the norm and RoPE (``csrc/mha.h``):
+    this turns them, or the reference's own, into every later step.
+
+    Parameters
+    ----------
+    call : Call
+        A checked call (:func:`mhattn._args.normalize`).
+    b, h : int
+        The batch item and the query head.
+    q_proj : (Tq, dk) array
+        Head h's projected queries, bias included.
+    k_proj : (Tk, dk) array
+        Its kv head's projected keys, bias included.
+
+    Returns
+    -------
+    dict: the keys of :func:`head_intermediates` except v and head.
+
+    Examples
+    --------
+    >>> call = normalize(np.eye(3), np.eye(3), np.eye(3), np.eye(3), num_heads=1,
+    ...                  sinks=[0.0])
+    >>> st = head_scores(call, 0, 0, np.eye(3), np.eye(3))
+    >>> st["lse"]                  # log(e^(1/sqrt 3) + 1 + 1 + e^0): the sink counts
+    array([1.56471502, 1.56471502, 1.56471502])
+    """
+    var = call.var
+    B, Tq, Tk = call.B, call.Tq, call.Tk
+    g = call.kv_head(h)
+    # 2. q/k RMSNorm
+    wqn, wkn = _norm_row(var.q_norm, h), _norm_row(var.k_norm, g)
+    q_normed = q_proj if wqn is None else rms_norm(q_proj, wqn, var.norm_eps)
+    k_normed = k_proj if wkn is None else rms_norm(k_proj, wkn, var.norm_eps)
+    # 3. RoPE, at positions= / key_positions= or the default positions
+    q, k = q_normed, k_normed
+    if var.rotary_dim:
+        q = rope(q_normed, query_positions(var, B, Tq, Tk)[b], var.inv_freq,
+                 var.rotary_dim, var.interleaved)
+        k = rope(k_normed, key_positions_of(var, B, Tk)[b], var.inv_freq,
+                 var.rotary_dim, var.interleaved)
+    # 7. the biases: ALiBi at the attention's own positions, and the float mask
+    bias = None
+    if var.alibi is not None:
+        slope = var.alibi[b if var.alibi.shape[0] > 1 else 0, h]
+        bias = alibi_bias(slope, query_positions(var, B, Tq, Tk, for_rope=False)[b],
+                          key_positions_of(var, B, Tk, for_rope=False)[b], call.dtype)
     additive = None
     if call.mask is not None and call.mask.dtype != bool:
         additive = call.mask[b, h]
-    raw, scores, weights, out = attention(q, k, v, call.scales[h],
-                                          allowed_keys(call, b, h), additive)
-    return dict(q=q, k=k, v=v, raw_scores=raw, scores=scores, weights=weights, head=out)
+    # 8. which keys the row sees
+    allowed = allowed_keys(call, b, h)
+    # 4-8. the scores
+    st = score_steps(q, k, call.scales[h], cap=var.softcap, bias=bias, additive=additive,
+                     allowed=allowed)
+    # 9. softmax with the sink, which the weights exclude and the lse includes
+    sink = None if var.sinks is None else var.sinks[h]
+    return dict(q_proj=q_proj, k_proj=k_proj, q_normed=q_normed, k_normed=k_normed,
+                q=q, k=k, raw_scores=st["raw_scores"], scaled=st["scaled"],
+                capped=st["capped"], bias=bias, additive=additive, allowed=allowed,
+                scores=st["scores"], sink=sink, weights=softmax(st["scores"], sink),
+                lse=log_sum_exp(st["scores"], sink))
 
 
-def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None,
-                         value=None, scale=None, return_weights=False, mask=None,
-                         causal=False, key_lengths=None, num_kv_heads=None,
-                         b_q=None, b_k=None, b_v=None, b_o=None):
-    """Reference multi-head attention; same arguments and results as
-    :func:`mhattn.multi_head_attention`."""
-    call = normalize(x, w_q, w_k, w_v, w_o, num_heads=num_heads, key=key, value=value,
-                     scale=scale, mask=mask, causal=causal, key_lengths=key_lengths,
-                     num_kv_heads=num_kv_heads, b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o)
-    return_weights = bool_arg("return_weights", return_weights)
+def _run(call: Call):
+    """(out (B, Tq, d_out), weights (B, H, Tq, Tk), lse (B, H, Tq)) of a call."""
     B, Tq, Tk, H = call.B, call.Tq, call.Tk, call.H
-    # The reference keeps every head's weights: check they fit first.
-    check_memory(plan(call, want_weights=True))
-    outs, all_weights = [], np.zeros((B, H, Tq, Tk), dtype=call.dtype)
+    outs = []
+    all_weights = np.zeros((B, H, Tq, Tk), dtype=call.dtype)
+    all_lse = np.zeros((B, H, Tq), dtype=call.dtype)
     for b in range(B):
         heads = []
         for h in range(H):
             step = head_intermediates(call, b, h)
             heads.append(step["head"])
             all_weights[b, h] = step["weights"]
-        # Concat(head_1, ..., head_h): side by side along the features.
+            all_lse[b, h] = step["lse"]
+        # 11. Concat(head_1, ..., head_h): side by side along the features.
         concat = np.concatenate(heads, axis=-1)
+        # 12. W^O
         out = concat @ call.w_o if call.w_o is not None else concat
         if call.b_o is not None:
             out = out + call.b_o
         outs.append(out)
-    d_out = call.d_out
-    out = np.stack(outs) if outs else np.zeros((0, Tq, d_out), dtype=call.dtype)
-    out = np.ascontiguousarray(out, dtype=call.dtype)
+    out = np.stack(outs) if outs else np.zeros((0, Tq, call.d_out), dtype=call.dtype)
+    return np.ascontiguousarray(out, dtype=call.dtype), all_weights, all_lse
+
+
+def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None,
+                         value=None, scale=None, return_weights=False, mask=None,
+                         causal=False, key_lengths=None, num_kv_heads=None,
+                         b_q=None, b_k=None, b_v=None, b_o=None,
+                         window=None, softcap=None, alibi_slopes=None, sinks=None,
+                         q_norm=None, k_norm=None, norm_eps=1e-6, rope=None,
+                         positions=None, key_positions=None, key_mask=None,
+                         cu_seqlens=None, key_cu_seqlens=None):
+    """Reference multi-head attention; same arguments and results as
+    :func:`mhattn.multi_head_attention`.
+
+    Parameters
+    ----------
+    x, w_q, w_k, w_v, w_o, num_heads, ..., b_o
+        As :func:`mhattn.multi_head_attention`.
+    window : (left, right), optional
+        Key j is visible from query i iff p_i - left <= j <= p_i + right
+        (None: unbounded).  Mistral's sliding_window=W is (W-1, 0).
+    softcap : float, optional
+        Scores become c tanh(s / c) after the scale.
+    alibi_slopes : (h,) or (B, h), optional
+        Adds -slope |p_i - j| after the softcap.
+    sinks : (h,), optional
+        One extra softmax logit of zero value per query head.
+    q_norm, k_norm : (d_k,) or (h, d_k) / (h_kv, d_k), optional
+        RMSNorm weights applied to the projected q / k, eps ``norm_eps``.
+    rope : mhattn.RoPE, optional
+        Rotary embedding after the norm, at ``positions`` (queries, default
+        p_i) and ``key_positions`` (keys, default j).
+    key_mask : (T_k,) or (B, T_k) bool, optional
+        False = a padding key.
+    cu_seqlens, key_cu_seqlens : (n+1,) int, optional
+        Packed sequences of a 2-D x (and key): a query sees only its own
+        sequence's keys, and positions, causal and window are per sequence.
+
+    Returns
+    -------
+    out : (T_q, d_out) or (B, T_q, d_out)
+    weights : (h, T_q, T_k) or (B, h, T_q, T_k), when ``return_weights``
+
+    Examples
+    --------
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.standard_normal((5, 8))
+    >>> w = rng.standard_normal((8, 8))
+    >>> out = multi_head_attention(x, w, w, w, w, num_heads=2, causal=True,
+    ...                            window=(2, 0), softcap=30.0)
+    >>> out.shape
+    (5, 8)
+    """
+    call = normalize(x, w_q, w_k, w_v, w_o, num_heads=num_heads, key=key, value=value,
+                     scale=scale, mask=mask, causal=causal, key_lengths=key_lengths,
+                     num_kv_heads=num_kv_heads, b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o,
+                     window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                     sinks=sinks, q_norm=q_norm, k_norm=k_norm, norm_eps=norm_eps,
+                     rope=rope, positions=positions, key_positions=key_positions,
+                     key_mask=key_mask, cu_seqlens=cu_seqlens,
+                     key_cu_seqlens=key_cu_seqlens)
+    return_weights = bool_arg("return_weights", return_weights)
+    # The reference keeps every head's weights: check they fit first.
+    check_memory(plan(call, want_weights=True))
+    out, weights, _ = _run(call)
     out = call.unbatch(out)
     if return_weights:
-        return out, call.unbatch(all_weights)
+        return out, call.unbatch(weights)
     return out
+
+
+def lse(x, w_q, w_k, w_v, w_o=None, **keywords) -> np.ndarray:
+    """Each query row's log-sum-exp per head, the sink included, as the C core keeps it.
+
+    Parameters
+    ----------
+    x, w_q, w_k, w_v, w_o, **keywords
+        As :func:`multi_head_attention` (not ``return_weights``).
+
+    Returns
+    -------
+    lse : (h, T_q) or (B, h, T_q)
+        log(exp(sink_h) + sum_j exp(s_ij)) over the finished scores; -inf for
+        a fully masked row without a sink.
+
+    Examples
+    --------
+    >>> x = np.zeros((2, 4)); w = np.eye(4)
+    >>> lse(x, w, w, w, num_heads=1)          # two equal scores: log 2
+    array([[0.69314718, 0.69314718]])
+    """
+    call = normalize(x, w_q, w_k, w_v, w_o, **keywords)
+    check_memory(plan(call, want_weights=True))
+    return call.unbatch(_run(call)[2])
 
 
 def param_count(d_model: int, num_heads: int, d_k: Optional[int] = None,
