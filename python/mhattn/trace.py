@@ -13,6 +13,17 @@ document's equations::
     concat       Concat(head_1, ..., head_h)
     output       Concat(...) W^O (+ b_o)
 
+With the variants of today's models, the trace holds their steps too, in
+the order of a score's life (only those the call uses):
+
+    q_proj, k_proj     X W^Q (+ b), before the q/k norm and RoPE
+    q_normed, k_normed RMSNorm(q_proj), RMSNorm(k_proj)     (q_norm, k_norm)
+    q, k               what the scores use: after the norm and RoPE
+    capped             softcap * tanh(raw_scores * scale / softcap)   (softcap)
+    bias               ALiBi's -slope * |p_i - j|                    (alibi_slopes)
+    scores             ... + bias + additive mask, -inf where a rule blocks
+    lse                the sinks included; ``sinks`` holds them     (sinks)
+
 The projections, weights, lse, concat and output come from mhattn's C core
 (the same numbers :func:`mhattn.multi_head_attention` computes); the raw and
 scaled scores and the row maximum are recomputed in NumPy from the core's q
@@ -39,8 +50,9 @@ import numpy as np
 from . import reference
 from ._core import run_core
 from ._args import Call, check_memory, normalize, plan
+from ._variants import key_positions_of, query_positions
 
-__all__ = ["trace", "Trace", "CompareReport", "StageDiff", "STAGES"]
+__all__ = ["trace", "Trace", "CompareReport", "StageDiff", "STAGES", "VARIANT_KEYS"]
 
 #: The stages :meth:`Trace.compare` checks, in the order they are computed.
 STAGES = ("q", "k", "v", "raw_scores", "scores", "weights", "heads", "concat", "output")
@@ -49,7 +61,15 @@ STAGES = ("q", "k", "v", "raw_scores", "scores", "weights", "heads", "concat", "
 KEYS = ("q", "k", "v", "raw_scores", "scores", "row_max", "lse", "weights",
         "heads", "concat", "output")
 
-_PER_HEAD = ("q", "k", "v", "heads")  # (h, T, d) or a ragged list
+#: The variants' stages, present when the call uses them (see the module doc).
+VARIANT_KEYS = ("q_proj", "k_proj", "q_normed", "k_normed", "capped", "bias")
+
+# Every stage in the order of a score's life.
+_ORDER = ("q_proj", "k_proj", "q_normed", "k_normed", "q", "k", "v", "raw_scores",
+          "capped", "bias", "scores", "row_max", "lse", "weights", "heads", "concat",
+          "output")
+
+_PER_HEAD = ("q", "k", "v", "heads", "q_proj", "k_proj", "q_normed", "k_normed")
 
 # What each step is, in the document's notation (shown by _repr_html_).
 _FORMULA = {
@@ -64,6 +84,12 @@ _FORMULA = {
     "heads": "head<sub>i</sub> = weights<sub>i</sub> V<sub>i</sub>",
     "concat": "Concat(head<sub>1</sub>, &hellip;, head<sub>h</sub>)",
     "output": "Concat(&hellip;) W<sup>O</sup>",
+    "q_proj": "X W<sub>i</sub><sup>Q</sup> (+ b), before the norm and RoPE",
+    "k_proj": "X W<sub>i</sub><sup>K</sup> (+ b), before the norm and RoPE",
+    "q_normed": "RMSNorm(q_proj) &middot; q_norm",
+    "k_normed": "RMSNorm(k_proj) &middot; k_norm",
+    "capped": "c &middot; tanh(raw_scores &middot; scale / c)",
+    "bias": "ALiBi: &minus;slope &middot; |p<sub>i</sub> &minus; j|",
 }
 
 # Aliases accepted by Trace.compare for the keys of a user's dict.
@@ -81,15 +107,17 @@ PerHead = Union[np.ndarray, List[np.ndarray]]
 def canonical_key(name: str) -> Optional[str]:
     """The Trace key a user's dict key stands for, or None (case-insensitive)."""
     low = str(name).lower()
-    if low in KEYS:
+    if low in KEYS or low in VARIANT_KEYS:
         return low
     return _ALIASES.get(low)
 
 
 def trace(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=None,
           scale=None, mask=None, causal=False, key_lengths=None, num_kv_heads=None,
-          b_q=None, b_k=None, b_v=None, b_o=None, tokens=None, key_tokens=None
-          ) -> "Trace":
+          b_q=None, b_k=None, b_v=None, b_o=None, tokens=None, key_tokens=None,
+          window=None, softcap=None, alibi_slopes=None, sinks=None, q_norm=None,
+          k_norm=None, norm_eps=1e-6, rope=None, positions=None, key_positions=None,
+          key_mask=None, cu_seqlens=None, key_cu_seqlens=None) -> "Trace":
     """Every intermediate step of multi-head attention, per head.
 
     trace(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=None,
@@ -98,7 +126,8 @@ def trace(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=None,
           tokens=None, key_tokens=None) -> Trace
 
     Takes exactly the arguments of :func:`mhattn.multi_head_attention` (there
-    is no ``return_weights``: the trace holds the weights), plus optional
+    is no ``return_weights``: the trace holds the weights; the variants
+    ``window`` ... ``key_cu_seqlens`` included), plus optional
     ``tokens`` (one label per query row) and ``key_tokens`` (one per key row;
     defaults to ``tokens`` for self-attention), used by the HTML display and
     by :func:`mhattn.plot_attention`.
@@ -119,7 +148,12 @@ def trace(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=None,
     """
     call = normalize(x, w_q, w_k, w_v, w_o, num_heads=num_heads, key=key, value=value,
                      scale=scale, mask=mask, causal=causal, key_lengths=key_lengths,
-                     num_kv_heads=num_kv_heads, b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o)
+                     num_kv_heads=num_kv_heads, b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o,
+                     window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                     sinks=sinks, q_norm=q_norm, k_norm=k_norm, norm_eps=norm_eps,
+                     rope=rope, positions=positions, key_positions=key_positions,
+                     key_mask=key_mask, cu_seqlens=cu_seqlens,
+                     key_cu_seqlens=key_cu_seqlens)
     return Trace.from_call(call, tokens=tokens, key_tokens=key_tokens)
 
 
@@ -135,6 +169,70 @@ def _trace_items(call: Call) -> list:
             ("the trace's per-head k and v", "B*T_k*h/g*(sum(d_k) + sum(d_v))",
              (B, Tk, group * (call.Sk + call.Sv)), n),
             ("the trace's row_max", "B*h*T_q", (B, H, Tq), n)]
+
+
+def _transformed(call: Call, q: np.ndarray, k: np.ndarray) -> tuple:
+    """(q_normed, k_normed, q, k), each in the core's fused layout: the
+    projections through the q/k norm, then through RoPE."""
+    var, B, Tq, Tk = call.var, call.B, call.Tq, call.Tk
+    qn, kn = q.copy(), k.copy()
+    for b in range(B):
+        for h in range(call.H):
+            if var.q_norm is not None:
+                w = var.q_norm if var.q_norm.ndim == 1 else var.q_norm[h]
+                qn[b, :, call.q_cols(h)] = reference.rms_norm(qn[b, :, call.q_cols(h)], w,
+                                                              var.norm_eps)
+        for g in range(call.G):
+            if var.k_norm is not None:
+                w = var.k_norm if var.k_norm.ndim == 1 else var.k_norm[g]
+                kn[b, :, call.k_cols(g)] = reference.rms_norm(kn[b, :, call.k_cols(g)], w,
+                                                              var.norm_eps)
+    if not var.rotary_dim:
+        return qn, kn, qn, kn
+    qr, kr = qn.copy(), kn.copy()
+    qpos, kpos = query_positions(var, B, Tq, Tk), key_positions_of(var, B, Tk)
+    rot = (var.inv_freq, var.rotary_dim, var.interleaved)
+    for b in range(B):
+        for h in range(call.H):
+            qr[b, :, call.q_cols(h)] = reference.rope(qn[b, :, call.q_cols(h)], qpos[b], *rot)
+        for g in range(call.G):
+            kr[b, :, call.k_cols(g)] = reference.rope(kn[b, :, call.k_cols(g)], kpos[b], *rot)
+    return qn, kn, qr, kr
+
+
+def _score_stages(call: Call, q: np.ndarray, k: np.ndarray) -> dict:
+    """The score stages of every (b, h) from the core's projections q (B, Tq,
+    Sq) and k (B, Tk, Sk), with the reference's steps: q_normed, k_normed,
+    q, k (fused layout); raw, capped, bias, scores (B, H, Tq, Tk), capped and
+    bias None when the call has no softcap / ALiBi."""
+    var, B, H, Tq, Tk = call.var, call.B, call.H, call.Tq, call.Tk
+    qn, kn, qr, kr = _transformed(call, q, k)
+    shape = (B, H, Tq, Tk)
+    raw, scores = np.empty(shape, call.dtype), np.empty(shape, call.dtype)
+    capped = np.empty(shape, call.dtype) if var.softcap is not None else None
+    bias = np.empty(shape, call.dtype) if var.alibi is not None else None
+    qpos = query_positions(var, B, Tq, Tk, for_rope=False)
+    kpos = key_positions_of(var, B, Tk, for_rope=False)
+    mask = call.mask
+    float_mask = mask is not None and mask.dtype != bool
+    # With no keys at all (T_k == 0) there is nothing to score.
+    for b in range(B if Tk else 0):
+        for h in range(H):
+            g = call.kv_head(h)
+            bh = None
+            if bias is not None:
+                bias[b, h] = bh = reference.alibi_bias(
+                    var.alibi[b if var.alibi.shape[0] > 1 else 0, h], qpos[b], kpos[b],
+                    call.dtype)
+            st = reference.score_steps(
+                qr[b, :, call.q_cols(h)], kr[b, :, call.k_cols(g)], call.scales[h],
+                cap=var.softcap, bias=bh, additive=mask[b, h] if float_mask else None,
+                allowed=reference.allowed_keys(call, b, h))
+            raw[b, h], scores[b, h] = st["raw_scores"], st["scores"]
+            if capped is not None:
+                capped[b, h] = st["capped"]
+    return dict(q_normed=qn, k_normed=kn, q=qr, k=kr, raw=raw, capped=capped, bias=bias,
+                scores=scores)
 
 
 def _labels(name: str, labels: Any, n: int) -> Optional[List[str]]:
@@ -186,6 +284,11 @@ class Trace:
         self.row_max, self.lse = arrays["row_max"], arrays["lse"]
         self.weights, self.heads = arrays["weights"], arrays["heads"]
         self.concat, self.output = arrays["concat"], arrays["output"]
+        # The variants' stages the call used, and its sinks (or None).
+        self.variant_stages = tuple(k for k in VARIANT_KEYS if arrays.get(k) is not None)
+        for k in VARIANT_KEYS:
+            setattr(self, k, arrays.get(k))
+        self.sinks = arrays.get("sinks")
         self.num_heads = int(num_heads)
         self.num_kv_heads = int(num_kv_heads)
         self.d_k = tuple(int(d) for d in d_k)
@@ -211,23 +314,9 @@ class Trace:
         key_tokens = _labels("key_tokens", key_tokens, Tk)
 
         # Scores are not kept by the core: recompute them from its q and k
-        # with the reference's own scaling and masking (one visible step each).
-        raw = np.empty((B, H, Tq, Tk), dtype=call.dtype)
-        scores = np.empty((B, H, Tq, Tk), dtype=call.dtype)
-        mask = call.mask
-        float_mask = mask is not None and mask.dtype != bool
-        # With no keys at all (T_k == 0) there is nothing to score; the
-        # reference's softmax cannot reduce an empty row, so skip it.
-        for b in range(B if Tk else 0):
-            for h in range(H):
-                g = call.kv_head(h)
-                additive = mask[b, h] if mask is not None and float_mask else None
-                r, s, _, _ = reference.attention(
-                    q[b, :, call.q_cols(h)], k[b, :, call.k_cols(g)],
-                    v[b, :, call.v_cols(g)], call.scales[h],
-                    reference.allowed_keys(call, b, h), additive)
-                raw[b, h] = r
-                scores[b, h] = s
+        # with the reference's own steps (one visible step each).
+        st = _score_stages(call, q, k)
+        scores = st["scores"]
         if Tk:
             row_max = scores.max(axis=-1)
         else:
@@ -243,15 +332,26 @@ class Trace:
                 return call.unbatch(stacked)
             return [np.ascontiguousarray(call.unbatch(p)) for p in parts]
 
+        kv_cols = lambda h: call.k_cols(call.kv_head(h))   # noqa: E731
         arrays = dict(
-            q=per_head(q, call.q_cols),
-            k=per_head(k, lambda h: call.k_cols(call.kv_head(h))),
+            q=per_head(st["q"], call.q_cols), k=per_head(st["k"], kv_cols),
             v=per_head(v, lambda h: call.v_cols(call.kv_head(h))),
-            raw_scores=call.unbatch(raw), scores=call.unbatch(scores),
+            raw_scores=call.unbatch(st["raw"]), scores=call.unbatch(scores),
             row_max=call.unbatch(row_max), lse=call.unbatch(lse),
             weights=call.unbatch(weights),
             heads=per_head(concat, call.concat_cols),
             concat=call.unbatch(concat), output=call.unbatch(out))
+        var = call.var
+        if var.transforms:
+            arrays.update(q_proj=per_head(q, call.q_cols), k_proj=per_head(k, kv_cols))
+        if var.q_norm is not None or var.k_norm is not None:
+            arrays.update(q_normed=per_head(st["q_normed"], call.q_cols),
+                          k_normed=per_head(st["k_normed"], kv_cols))
+        for name in ("capped", "bias"):
+            if st[name] is not None:
+                arrays[name] = call.unbatch(st[name])
+        if var.sinks is not None:
+            arrays["sinks"] = var.sinks.copy()
         return cls(arrays, num_heads=H, num_kv_heads=call.G, d_k=dk, d_v=dv,
                    scales=call.scales, batched=call.batched, dtype=call.dtype,
                    causal=call.causal,
@@ -261,18 +361,21 @@ class Trace:
     # ------------------------------------------------------------- accessors
     def to_dict(self) -> Dict[str, PerHead]:
         """{'q', 'k', 'v', 'raw_scores', 'scores', 'row_max', 'lse', 'weights',
-        'heads', 'concat', 'output'} -> plain NumPy arrays (a list of per-head
-        arrays for a ragged stage).  The arrays are the trace's own."""
-        return {k: getattr(self, k) for k in KEYS}
+        'heads', 'concat', 'output'} and the variants' stages the call used
+        (see the module doc) -> plain NumPy arrays (a list of per-head arrays
+        for a ragged stage), in computing order.  The arrays are the trace's
+        own."""
+        return {k: getattr(self, k) for k in self.keys()}
 
     def __getitem__(self, name: str) -> PerHead:
         key = canonical_key(name)
-        if key is None:
-            raise KeyError(f"{name!r}: a Trace holds {', '.join(KEYS)}")
+        if key is None or key not in self.keys():
+            raise KeyError(f"{name!r}: this Trace holds {', '.join(self.keys())}")
         return getattr(self, key)
 
     def keys(self):
-        return KEYS
+        """The stages this trace holds, in computing order."""
+        return tuple(k for k in _ORDER if k in KEYS or k in self.variant_stages)
 
     @property
     def ragged(self) -> bool:
@@ -428,7 +531,7 @@ class Trace:
 
     # --------------------------------------------------------------- display
     def __repr__(self) -> str:
-        parts = ", ".join(f"{k} {self.shape_of(k)}" for k in KEYS)
+        parts = ", ".join(f"{k} {self.shape_of(k)}" for k in self.keys())
         return f"<mhattn.Trace {self._config_text()}: {parts}>"
 
     def _config_text(self) -> str:
@@ -462,7 +565,7 @@ class Trace:
                '<table><thead><tr><th style="text-align:left">step</th>'
                '<th style="text-align:left">equation</th>'
                '<th style="text-align:left">shape</th></tr></thead><tbody>']
-        for k in KEYS:
+        for k in self.keys():
             out.append(f'<tr><td style="text-align:left"><code>{k}</code></td>'
                        f'<td style="text-align:left">{_FORMULA[k]}</td>'
                        f'<td style="text-align:left"><code>{esc(self.shape_of(k))}'
