@@ -439,7 +439,7 @@ def backward_items(call: "Call", threads: int) -> list:
               (B, Tk_blocks, Sv), n),
              ("the backward's dK and dV", "B*T_k*(sum(d_k) + sum(d_v))", (B, Tk, Sk + Sv), n),
              ("the backward's D", "B*h*T_q", (B, H, Tq), n),
-             ("the backward's tiles", "threads*2*64*64", (threads, _BWD_TILE), n),
+             ("the backward's tiles", "threads*(2*64*64 + 64)", (threads, _BWD_TILE), n),
              ("the biases' gradients", "sum(d_k) + sum(d_k) + sum(d_v) + d_out",
               (Sq + Sk + Sv + d_out,), n)]
     if call.key_given:
@@ -452,6 +452,9 @@ def backward_items(call: "Call", threads: int) -> list:
     if call.var.transforms:
         items.append(("the backward's normed / rotated q and k",
                       "B*T_q*sum(d_k) + B*T_k*sum(d_k)", (B * Tq * Sq + B * Tk * Sk,), n))
+    if call.var.q_norm is not None or call.var.k_norm is not None:
+        items.append(("the backward's RMSNorm factors", "B*T_q*h + B*T_k*g",
+                      (B * Tq * H + B * Tk * call.G,), 8))
     return items
 
 
