@@ -180,3 +180,20 @@ def test_measure_row_checks_agreement():
     wrong = variants.Variant("wrong", "wrong", lambda d, c: lambda: np.zeros((3, 4)))
     with pytest.raises(AssertionError, match="disagrees with mhattn"):
         rows.measure_row(case, data, [variants.MHATTN, wrong], _args(), None, notes)
+
+
+def test_variants_table_structure():
+    """mhbench/models.py on tiny sizes: every pair is checked and timed, the
+    table prints, and a ratio is compared with its target."""
+    from mhbench import models
+    rng = np.random.default_rng(0)
+    pairs = models.pairs(rng, T_long=64, T=32, packs=2, T_pack=16)
+    assert [p.target for p in pairs] == [0.5] + [1.25] * 5 + [1.2]
+    rows = models.measure(pairs, min_repeats=1, budget=0.0, settle=0.0)
+    assert len(rows) == len(pairs)
+    for r in rows:
+        assert r["ms"] > 0 and r["base_ms"] > 0
+        assert r["ok"] == (r["ratio"] <= r["target"])
+    buf = io.StringIO()
+    tables.print_table("t", models.COLUMNS, rows, file=buf)
+    assert "causal + window=(255, 0)" in buf.getvalue()

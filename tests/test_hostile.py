@@ -94,11 +94,11 @@ CHILD = textwrap.dedent(r"""
                 a["scales"], a["mask"], False, a["kl"])
 
     def c_fwd(a):
-        return _C.forward(*c_args(a), False, False)[0]
+        return _C.forward(*c_args(a), None, False, False)[0]
 
     def c_bwd_prep(a):
         # forward()'s extras, computed before the attack.
-        a["extras"] = _C.forward(*c_args(a), False, True)[2]
+        a["extras"] = _C.forward(*c_args(a), None, False, True)[2]
 
     def c_bwd(a):
         x, (wq, wk, wv, wo) = a["x"], a["w"]
@@ -107,7 +107,7 @@ CHILD = textwrap.dedent(r"""
         q, k, v, concat, lse = a["extras"]
         g = _C.backward(a["dout"], x, None, None, wq, wk, wv, wo, q, k, v, concat, lse,
                         a["dk"], a["dv"], a["scales"], a["mask"], False, a["kl"],
-                        False, False, False, False)
+                        None, False, False, False, False)
         return np.concatenate([np.ravel(v) for v in g if v is not None])
 
     def hostile(a, index_only):

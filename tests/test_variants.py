@@ -368,3 +368,45 @@ def test_trace_holds_every_step_of_the_variants(rng, name):
                                            err_msg=f"{stage} b={b} h={h}")
     if "sinks" in kw:
         np.testing.assert_array_equal(t.sinks, kw["sinks"])
+
+
+# --- the layer owns the learnable variants ------------------------------------
+
+@pytest.mark.parametrize("qk_norm", [True, "per_head"])
+def test_layer_owns_sinks_and_norms(rng, qk_norm):
+    layer = mhattn.MultiHeadAttention(32, 4, num_kv_heads=2, sinks=True, qk_norm=qk_norm,
+                                      dtype=np.float64, seed=3)
+    layer.sinks = rng.standard_normal(4)
+    layer.q_norm = rng.random(layer.q_norm.shape) + 0.5
+    layer.k_norm = rng.random(layer.k_norm.shape) + 0.5
+    x = rng.standard_normal((2, 11, 32))
+    opts = dict(causal=True, window=(4, 0), rope=mhattn.RoPE(), softcap=4.0)
+    out, ctx = layer(x, return_context=True, **opts)
+    want = mhattn.reference.multi_head_attention(x, **layer.arguments(), **opts)
+    np.testing.assert_allclose(out, want, rtol=1e-11, atol=1e-11)
+    # state_dict carries the three, and a fresh layer loaded from it agrees
+    sd = layer.state_dict()
+    assert {"sinks", "q_norm.weight", "k_norm.weight"} <= set(sd)
+    other = mhattn.MultiHeadAttention(32, 4, num_kv_heads=2, sinks=True, qk_norm=qk_norm,
+                                      dtype=np.float64, seed=9)
+    other.load_state_dict(sd)
+    assert other(x, **opts).tobytes() == out.tobytes()
+    sd["sinks"][0] += 1.0   # the layer shares no memory with its state dict
+    assert other(x, **opts).tobytes() == out.tobytes()
+    # gradients come back under the attributes' names and shapes
+    R = rng.standard_normal(out.shape)
+    g = layer.backward(R, ctx)
+    g2 = mhattn.multi_head_attention_grad(R, x, **layer.arguments(), **opts)
+    for name in ("sinks", "q_norm", "k_norm"):
+        assert g[name].shape == getattr(layer, name).shape
+        assert g[name].tobytes() == g2[name].tobytes()
+    with pytest.raises(TypeError, match="sinks"):
+        layer(x, sinks=np.zeros(4))
+    with pytest.raises(ValueError, match="to_torch"):
+        layer.to_torch()
+
+
+def test_layer_without_variants_is_unchanged(rng):
+    layer = mhattn.MultiHeadAttention(16, 2, seed=0)
+    assert layer.sinks is None and layer.q_norm is None and layer.k_norm is None
+    assert set(layer.state_dict()) == {"in_proj_weight", "out_proj.weight"}
