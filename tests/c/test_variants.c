@@ -41,39 +41,7 @@
 #include "mha.h"
 #include "threads.h"
 
-static int g_failures;
-static long g_checks;
-
-#define CHECK(cond, ...)                                                      \
-    do {                                                                      \
-        g_checks++;                                                           \
-        if (!(cond)) {                                                        \
-            g_failures++;                                                     \
-            if (g_failures <= 40) {                                           \
-                fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);          \
-                fprintf(stderr, __VA_ARGS__);                                 \
-                fprintf(stderr, "\n");                                        \
-            }                                                                 \
-        }                                                                     \
-    } while (0)
-
-/* xorshift64*: reproducible inputs in [-1, 1) */
-static uint64_t g_rng = 0x9e3779b97f4a7c15ull;
-static uint64_t rng_u64(void)
-{
-    g_rng ^= g_rng >> 12;
-    g_rng ^= g_rng << 25;
-    g_rng ^= g_rng >> 27;
-    return g_rng * 2685821657736338717ull;
-}
-static double rng_unit(void) { return (double)(rng_u64() >> 11) * 0x1p-53 * 2.0 - 1.0; }
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
+#include "harness.h"
 
 static void *xcalloc(size_t n, size_t size)
 {
