@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from . import _C, _core
 from ._core import make_context, run_core
-from ._variants import variants_off
+from ._variants import variant_kwargs, variants_off
 
 __all__ = ["multi_head_attention", "run_core"]
 
@@ -125,11 +125,7 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None
     >>> out = mhattn.multi_head_attention(X, w_q, w_k, w_v, w_o, causal=True,
     ...                                   window=(1, 0), softcap=30.0)
     """
-    variants = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                    sinks=sinks, q_norm=q_norm, k_norm=k_norm, norm_eps=norm_eps,
-                    rope=rope, positions=positions, key_positions=key_positions,
-                    key_mask=key_mask, cu_seqlens=cu_seqlens,
-                    key_cu_seqlens=key_cu_seqlens)
+    variants = variant_kwargs(locals())
     args = call = None
     if return_context is False and variants_off(variants):
         args = _core.fast(x, w_q, w_k, w_v, w_o, num_heads, key, value, scale,

@@ -22,6 +22,7 @@ from . import _C
 from ._args import (_check_numeric, _Heads, _to_array, backward_items, check_memory,
                     normalize, offsets, plan)
 from ._core import Context, head_arrays, make_context, run_core, variant_args
+from ._variants import variant_kwargs
 
 __all__ = ["Context", "backward", "multi_head_attention_grad"]
 
@@ -152,11 +153,7 @@ def multi_head_attention_grad(grad_out, x, w_q, w_k, w_v, w_o=None, *, num_heads
     call = normalize(x, w_q, w_k, w_v, w_o, num_heads=num_heads, key=key, value=value,
                      scale=scale, mask=mask, causal=causal, key_lengths=key_lengths,
                      num_kv_heads=num_kv_heads, b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o,
-                     window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                     sinks=sinks, q_norm=q_norm, k_norm=k_norm, norm_eps=norm_eps,
-                     rope=rope, positions=positions, key_positions=key_positions,
-                     key_mask=key_mask, cu_seqlens=cu_seqlens,
-                     key_cu_seqlens=key_cu_seqlens)
+                     **variant_kwargs(locals()))
     # The forward's kept state lives on through the backward: both must fit.
     check_memory(plan(call, keep=True) + backward_items(call, _C.get_num_threads()))
     _, _, extras = run_core(call, keep=True)

@@ -29,6 +29,7 @@ import numpy as np
 from ._arrays import _check_numeric, _to_array
 
 __all__ = ["RoPE", "Variants", "normalize_variants", "VARIANT_DEFAULTS", "variants_off",
+           "variant_kwargs",
            "query_positions", "key_positions_of", "sequence_ids"]
 
 #: Every variant keyword and its default (off).
@@ -36,6 +37,13 @@ VARIANT_DEFAULTS = dict(window=None, softcap=None, alibi_slopes=None, sinks=None
                         q_norm=None, k_norm=None, norm_eps=1e-6, rope=None,
                         positions=None, key_positions=None, key_mask=None,
                         cu_seqlens=None, key_cu_seqlens=None)
+
+
+def variant_kwargs(ns: dict) -> dict:
+    """The variants' keywords of a public function, from its ``locals()``:
+    every entry point takes them by name (for its signature and its docs)
+    and hands them on as one dict."""
+    return {name: ns[name] for name in VARIANT_DEFAULTS}
 
 
 def variants_off(v: dict) -> bool:

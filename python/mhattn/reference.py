@@ -36,7 +36,7 @@ from typing import Optional
 import numpy as np
 
 from ._args import Call, bool_arg, check_memory, normalize, plan
-from ._variants import key_positions_of, query_positions, sequence_ids
+from ._variants import key_positions_of, query_positions, sequence_ids, variant_kwargs
 
 __all__ = ["multi_head_attention", "lse", "softmax", "log_sum_exp", "attention",
            "score_steps", "weighted_values", "allowed_keys", "rms_norm", "rope",
@@ -620,11 +620,7 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None
     call = normalize(x, w_q, w_k, w_v, w_o, num_heads=num_heads, key=key, value=value,
                      scale=scale, mask=mask, causal=causal, key_lengths=key_lengths,
                      num_kv_heads=num_kv_heads, b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o,
-                     window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                     sinks=sinks, q_norm=q_norm, k_norm=k_norm, norm_eps=norm_eps,
-                     rope=rope, positions=positions, key_positions=key_positions,
-                     key_mask=key_mask, cu_seqlens=cu_seqlens,
-                     key_cu_seqlens=key_cu_seqlens)
+                     **variant_kwargs(locals()))
     return_weights = bool_arg("return_weights", return_weights)
     # The reference keeps every head's weights: check they fit first.
     check_memory(plan(call, want_weights=True))

@@ -50,7 +50,7 @@ import numpy as np
 from . import reference
 from ._core import run_core
 from ._args import Call, check_memory, normalize, plan
-from ._variants import key_positions_of, query_positions
+from ._variants import variant_kwargs
 
 __all__ = ["trace", "Trace", "CompareReport", "StageDiff", "STAGES", "VARIANT_KEYS"]
 
@@ -149,11 +149,7 @@ def trace(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=None,
     call = normalize(x, w_q, w_k, w_v, w_o, num_heads=num_heads, key=key, value=value,
                      scale=scale, mask=mask, causal=causal, key_lengths=key_lengths,
                      num_kv_heads=num_kv_heads, b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o,
-                     window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                     sinks=sinks, q_norm=q_norm, k_norm=k_norm, norm_eps=norm_eps,
-                     rope=rope, positions=positions, key_positions=key_positions,
-                     key_mask=key_mask, cu_seqlens=cu_seqlens,
-                     key_cu_seqlens=key_cu_seqlens)
+                     **variant_kwargs(locals()))
     return Trace.from_call(call, tokens=tokens, key_tokens=key_tokens)
 
 
@@ -171,68 +167,30 @@ def _trace_items(call: Call) -> list:
             ("the trace's row_max", "B*h*T_q", (B, H, Tq), n)]
 
 
-def _transformed(call: Call, q: np.ndarray, k: np.ndarray) -> tuple:
-    """(q_normed, k_normed, q, k), each in the core's fused layout: the
-    projections through the q/k norm, then through RoPE."""
-    var, B, Tq, Tk = call.var, call.B, call.Tq, call.Tk
-    qn, kn = q.copy(), k.copy()
-    for b in range(B):
-        for h in range(call.H):
-            if var.q_norm is not None:
-                w = var.q_norm if var.q_norm.ndim == 1 else var.q_norm[h]
-                qn[b, :, call.q_cols(h)] = reference.rms_norm(qn[b, :, call.q_cols(h)], w,
-                                                              var.norm_eps)
-        for g in range(call.G):
-            if var.k_norm is not None:
-                w = var.k_norm if var.k_norm.ndim == 1 else var.k_norm[g]
-                kn[b, :, call.k_cols(g)] = reference.rms_norm(kn[b, :, call.k_cols(g)], w,
-                                                              var.norm_eps)
-    if not var.rotary_dim:
-        return qn, kn, qn, kn
-    qr, kr = qn.copy(), kn.copy()
-    qpos, kpos = query_positions(var, B, Tq, Tk), key_positions_of(var, B, Tk)
-    rot = (var.inv_freq, var.rotary_dim, var.interleaved)
-    for b in range(B):
-        for h in range(call.H):
-            qr[b, :, call.q_cols(h)] = reference.rope(qn[b, :, call.q_cols(h)], qpos[b], *rot)
-        for g in range(call.G):
-            kr[b, :, call.k_cols(g)] = reference.rope(kn[b, :, call.k_cols(g)], kpos[b], *rot)
-    return qn, kn, qr, kr
-
-
 def _score_stages(call: Call, q: np.ndarray, k: np.ndarray) -> dict:
     """The score stages of every (b, h) from the core's projections q (B, Tq,
-    Sq) and k (B, Tk, Sk), with the reference's steps: q_normed, k_normed,
-    q, k (fused layout); raw, capped, bias, scores (B, H, Tq, Tk), capped and
+    Sq) and k (B, Tk, Sk), by the reference's steps
+    (:func:`mhattn.reference.head_scores`): q_normed, k_normed, q, k (in
+    the fused layout); raw, capped, bias, scores (B, H, Tq, Tk), capped and
     bias None when the call has no softcap / ALiBi."""
     var, B, H, Tq, Tk = call.var, call.B, call.H, call.Tq, call.Tk
-    qn, kn, qr, kr = _transformed(call, q, k)
+    qn, kn, qr, kr = q.copy(), k.copy(), q.copy(), k.copy()
     shape = (B, H, Tq, Tk)
-    raw, scores = np.empty(shape, call.dtype), np.empty(shape, call.dtype)
-    capped = np.empty(shape, call.dtype) if var.softcap is not None else None
-    bias = np.empty(shape, call.dtype) if var.alibi is not None else None
-    qpos = query_positions(var, B, Tq, Tk, for_rope=False)
-    kpos = key_positions_of(var, B, Tk, for_rope=False)
-    mask = call.mask
-    float_mask = mask is not None and mask.dtype != bool
+    out = dict(raw=np.empty(shape, call.dtype), scores=np.empty(shape, call.dtype),
+               capped=np.empty(shape, call.dtype) if var.softcap is not None else None,
+               bias=np.empty(shape, call.dtype) if var.alibi is not None else None)
     # With no keys at all (T_k == 0) there is nothing to score.
     for b in range(B if Tk else 0):
         for h in range(H):
-            g = call.kv_head(h)
-            bh = None
-            if bias is not None:
-                bias[b, h] = bh = reference.alibi_bias(
-                    var.alibi[b if var.alibi.shape[0] > 1 else 0, h], qpos[b], kpos[b],
-                    call.dtype)
-            st = reference.score_steps(
-                qr[b, :, call.q_cols(h)], kr[b, :, call.k_cols(g)], call.scales[h],
-                cap=var.softcap, bias=bh, additive=mask[b, h] if float_mask else None,
-                allowed=reference.allowed_keys(call, b, h))
-            raw[b, h], scores[b, h] = st["raw_scores"], st["scores"]
-            if capped is not None:
-                capped[b, h] = st["capped"]
-    return dict(q_normed=qn, k_normed=kn, q=qr, k=kr, raw=raw, capped=capped, bias=bias,
-                scores=scores)
+            qc, kc = call.q_cols(h), call.k_cols(call.kv_head(h))
+            st = reference.head_scores(call, b, h, q[b, :, qc], k[b, :, kc])
+            qn[b, :, qc], qr[b, :, qc] = st["q_normed"], st["q"]
+            kn[b, :, kc], kr[b, :, kc] = st["k_normed"], st["k"]
+            out["raw"][b, h], out["scores"][b, h] = st["raw_scores"], st["scores"]
+            for name in ("capped", "bias"):
+                if out[name] is not None:
+                    out[name][b, h] = st[name]
+    return dict(out, q_normed=qn, k_normed=kn, q=qr, k=kr)
 
 
 def _labels(name: str, labels: Any, n: int) -> Optional[List[str]]:
