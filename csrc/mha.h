@@ -149,6 +149,13 @@ typedef struct {
     const int64_t *positions, *key_positions;
     size_t positions_bstride, key_positions_bstride;
 
+    /* A KV cache (issue 17): lengths_aligned != 0 aligns each batch item's
+       queries bottom-right to its own key length instead of Tk: query i of
+       batch item b sits at p_i = i + key_len(b) - Tq (key_len(b) =
+       key_lengths[b], Tk without them). Causal, window, ALiBi and RoPE's
+       default positions all use it. Not with packed sequences. */
+    int lengths_aligned;
+
     /* Optional flag polled between work items; when it becomes nonzero the
        call stops early with MHA_ERR_INTERRUPTED. May be NULL. */
     volatile const int *interrupt;
@@ -263,6 +270,82 @@ mha_status mha_backward_f64(
     const double *wq, const double *wk, const double *wv, const double *wo,
     const double *q, const double *k, const double *v, const double *concat,
     const double *lse, const mha_config *cfg);
+
+/*
+ * Attention on tensors already projected (issue 17): the attention of
+ * mha_forward without its projections and W^O.
+ *
+ * mha_strides: element strides of a (B, heads, T, d) tensor whose d axis is
+ * contiguous: element (b, h, t, c) lies at b * sb + h * sh + t * st + c.
+ * So one entry point reads (B, H, T, d) ("bhtd"), (B, T, H, d) ("bthd") and
+ * a KV cache's (B, G, capacity, d) storage without copies.
+ *
+ *   out      (B, H, Tq, dv) at strides *so     required
+ *   weights  (B, H, Tq, Tk) contiguous          optional
+ *   lse      (B, H, Tq) contiguous              optional (natural log; -inf
+ *                                               for a fully masked row)
+ *   q        (B, H, Tq, dk) at *sq; k (B, G, Tk, dk) at *sk; v (B, G, Tk, dv)
+ *            at *sv
+ * cfg: B, Tq, Tk, H, G, dk, dv (every kv head the same widths), scale,
+ * masks, causal, key_lengths, lengths_aligned and the score variants
+ * (window, softcap, ALiBi, sinks, key_mask, packed sequences); Din, Dkin,
+ * Dvin, Dout and has_wo are ignored; the q/k transforms (q_norm, k_norm,
+ * rotary_dim) must be off (MHA_ERR_ARG): they belong to the projections
+ * (mha_project). Bitwise the same for any thread count: a call with few
+ * query rows splits its keys into a number of parts that depends on Tk
+ * alone, merged in a fixed order (split-K, as flash-decoding).
+ */
+typedef struct {
+    size_t sb, sh, st;
+} mha_strides;
+
+mha_status mha_attend_f32(float *out, float *weights, float *lse,
+                          const float *q, const float *k, const float *v,
+                          const mha_strides *sq, const mha_strides *sk,
+                          const mha_strides *sv, const mha_strides *so,
+                          const mha_config *cfg);
+mha_status mha_attend_f64(double *out, double *weights, double *lse,
+                          const double *q, const double *k, const double *v,
+                          const mha_strides *sq, const mha_strides *sk,
+                          const mha_strides *sv, const mha_strides *so,
+                          const mha_config *cfg);
+
+/*
+ * Backward of mha_attend, on contiguous fused tensors (the layout of
+ * mha_forward's q, k, v, concat): q (B, Tq, Sq), k (B, Tk, Sk), v (B, Tk, Sv),
+ * out and dout (B, Tq, Svq), lse (B, H, Tq) as mha_attend made it, or NULL
+ * to have it recomputed. Writes dq (B, Tq, Sq), dk (B, Tk, Sk), dv (B, Tk,
+ * Sv) and, with cfg->sinks, dsinks (H,); any may be NULL when not wanted.
+ * Bitwise the same for any thread count.
+ */
+mha_status mha_attend_backward_f32(float *dq, float *dk, float *dv, float *dsinks,
+                                   const float *dout, const float *q,
+                                   const float *k, const float *v,
+                                   const float *out, const float *lse,
+                                   const mha_config *cfg);
+mha_status mha_attend_backward_f64(double *dq, double *dk, double *dv,
+                                   double *dsinks, const double *dout,
+                                   const double *q, const double *k,
+                                   const double *v, const double *out,
+                                   const double *lse, const mha_config *cfg);
+
+/*
+ * The projections of mha_forward alone, with the q/k transforms (RMSNorm,
+ * RoPE at cfg's positions): q (B, Tq, Sq), k (B, Tk, Sk), v (B, Tk, Sv) as
+ * the attention would use them (after the transforms), from x, key, value
+ * and the weights and biases of mha_forward. For a KV cache: the new rows'
+ * projections, their keys turned at their positions in the cache.
+ */
+mha_status mha_project_f32(float *q, float *k, float *v,
+                           const float *x, const float *key, const float *value,
+                           const float *wq, const float *wk, const float *wv,
+                           const float *bq, const float *bk, const float *bv,
+                           const mha_config *cfg);
+mha_status mha_project_f64(double *q, double *k, double *v,
+                           const double *x, const double *key, const double *value,
+                           const double *wq, const double *wk, const double *wv,
+                           const double *bq, const double *bk, const double *bv,
+                           const mha_config *cfg);
 
 #ifdef __cplusplus
 }
