@@ -5,6 +5,8 @@ that the core is tested against.  See ``python -m mhattn`` for the document's
 worked example computed by the core.
 """
 from ._api import multi_head_attention
+from .attention import attention, attention_grad, merge_attention
+from .cache import KVCache
 from ._variants import RoPE
 from ._grad import Context, backward, multi_head_attention_grad
 from .reference import param_count, worked_example
@@ -16,7 +18,8 @@ from .trace import trace, Trace
 from .plot import plot_attention
 from .checker import check_prototype
 
-__all__ = ["multi_head_attention", "multi_head_attention_grad", "backward", "Context", "RoPE",
+__all__ = ["multi_head_attention", "attention", "attention_grad", "merge_attention",
+           "KVCache", "multi_head_attention_grad", "backward", "Context", "RoPE",
            "param_count", "reference", "worked_example",
            "MultiHeadAttention", "from_torch_masks", "to_torch_attn_mask",
            "get_isa", "set_num_threads", "get_num_threads",

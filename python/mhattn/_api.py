@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from . import _C, _core
 from ._core import make_context, run_core
+from .cache import cached_step
 from ._variants import variant_kwargs, variants_off
 
 __all__ = ["multi_head_attention", "run_core"]
@@ -15,7 +16,8 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None
                          window=None, softcap=None, alibi_slopes=None, sinks=None,
                          q_norm=None, k_norm=None, norm_eps=1e-6, rope=None,
                          positions=None, key_positions=None, key_mask=None,
-                         cu_seqlens=None, key_cu_seqlens=None):
+                         cu_seqlens=None, key_cu_seqlens=None, cache=None,
+                         new_lengths=None):
     """Multi-head attention, computed by mhattn's C core.
 
     multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None,
@@ -100,6 +102,23 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None
         offsets [0, ..., total]; each attends only within itself (causal and
         window too).  ``key_cu_seqlens`` gives the keys' offsets for packed
         cross-attention.
+    cache : mhattn.KVCache, optional
+        One step of a decoder through a key/value cache (prefill: many rows;
+        decode: one): x holds only the new rows, (B, T_new, d_in) (or
+        (T_new, d_in) with a cache of batch 1).  Only they are projected
+        (q_norm, k_norm and RoPE at positions ``cache.lengths[b] + i``),
+        their keys and values are appended to the cache, and the new
+        queries attend over each sequence's cached keys, aligned
+        bottom-right to its own length (pass ``causal=True`` for a
+        decoder).  Not with key, value, mask, key_lengths, key_mask,
+        positions, key_positions or packed sequences; the weights, if
+        returned, are (B, h, T_new, capacity).  No gradients flow through
+        a cache (``return_context=True`` raises).  On an error the cache
+        is unchanged.
+    new_lengths : int (B,), optional
+        With ``cache``, a ragged step (prompts of different lengths):
+        sequence b takes only the first new_lengths[b] rows of x; needs
+        ``causal=True``; the other rows' outputs are 0.
 
     Returns
     -------
@@ -124,8 +143,23 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None
     (3, 4)
     >>> out = mhattn.multi_head_attention(X, w_q, w_k, w_v, w_o, causal=True,
     ...                                   window=(1, 0), softcap=30.0)
+    >>> cache = mhattn.KVCache(1, 2, 16, 2)          # decode, one row at a time
+    >>> steps = [mhattn.multi_head_attention(X[i:i + 1], w_q, w_k, w_v, w_o,
+    ...                                      causal=True, cache=cache) for i in range(3)]
+    >>> np.allclose(np.concatenate(steps), mhattn.multi_head_attention(
+    ...     X, w_q, w_k, w_v, w_o, causal=True))
+    True
     """
     variants = variant_kwargs(locals())
+    if cache is not None:
+        return cached_step(x, w_q, w_k, w_v, w_o, cache=cache, num_heads=num_heads,
+                           scale=scale, return_weights=return_weights, causal=causal,
+                           num_kv_heads=num_kv_heads, b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o,
+                           return_context=return_context, key=key, value=value,
+                           mask=mask, key_lengths=key_lengths,
+                           new_lengths=new_lengths, **variants)
+    if new_lengths is not None:
+        raise ValueError("new_lengths: only with cache= (a ragged cached step)")
     args = call = None
     if return_context is False and variants_off(variants):
         args = _core.fast(x, w_q, w_k, w_v, w_o, num_heads, key, value, scale,

@@ -279,7 +279,12 @@ class MultiHeadAttention:
         ``options`` are multi_head_attention's: mask, causal, key_lengths,
         scale, return_weights, return_context, window, softcap,
         alibi_slopes, rope, positions, key_positions, key_mask, cu_seqlens,
-        key_cu_seqlens.  The layer's own arrays (sinks and the q/k norm
+        key_cu_seqlens, and ``cache=mhattn.KVCache(...)`` (with
+        ``new_lengths``) for one decoding step through a key/value cache:
+        ``layer(x_new, causal=True, cache=cache)`` projects only the new
+        rows, appends their keys and values, and attends over the cache
+        (see :func:`mhattn.multi_head_attention`; no gradients through a
+        cache).  The layer's own arrays (sinks and the q/k norm
         included) cannot be passed; anything else raises TypeError.
         """
         allowed = _call_options()

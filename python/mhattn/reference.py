@@ -41,7 +41,7 @@ from ._variants import key_positions_of, query_positions, sequence_ids, variant_
 __all__ = ["multi_head_attention", "lse", "softmax", "log_sum_exp", "attention",
            "score_steps", "weighted_values", "allowed_keys", "rms_norm", "rope",
            "softcap", "alibi_bias", "param_count", "head_intermediates", "head_scores",
-           "worked_example"]
+           "worked_example", "projected_attention"]
 
 
 def softmax(scores: np.ndarray, sink=None) -> np.ndarray:
@@ -654,6 +654,61 @@ def lse(x, w_q, w_k, w_v, w_o=None, **keywords) -> np.ndarray:
     call = normalize(x, w_q, w_k, w_v, w_o, **keywords)
     check_memory(plan(call, want_weights=True))
     return call.unbatch(_run(call)[2])
+
+
+def projected_attention(q, k, v, *, layout="bhtd", scale=None, mask=None, causal=False,
+                        key_lengths=None, **variants):
+    """Reference :func:`mhattn.attention`: attention on projected tensors.
+
+    Parameters
+    ----------
+    q : (B, H, T_q, d_k), k : (B, G, T_k, d_k), v : (B, G, T_k, d_v)
+        Or (B, T, heads, d) with ``layout="bthd"``; or unbatched 3-D.
+    layout, scale, mask, causal, key_lengths, **variants
+        As :func:`mhattn.attention` (window, softcap, alibi_slopes, sinks,
+        key_mask, cu_seqlens, key_cu_seqlens).
+
+    Returns
+    -------
+    (out, weights, lse): out in the layout of q, weights (B, H, T_q, T_k),
+    lse (B, H, T_q) (natural log, -inf for a fully masked row without
+    sinks); unbatched inputs drop B.
+
+    The heads are the columns of fused tensors and the projections are
+    identities, so this is :func:`multi_head_attention`'s own code: q x I
+    is exact.
+
+    Examples
+    --------
+    >>> q = k = v = np.ones((2, 3, 4))
+    >>> out, w, lse = projected_attention(q, k, v)
+    >>> out.shape, w.shape, lse.shape
+    ((2, 3, 4), (2, 3, 3), (2, 3))
+    """
+    arrays = [np.asarray(a) for a in (q, k, v)]
+    batched = arrays[0].ndim == 4
+    if not batched:
+        arrays = [a[np.newaxis] for a in arrays]
+    if layout == "bhtd":
+        arrays = [np.swapaxes(a, 1, 2) for a in arrays]
+    (B, Tq, H, dk), (_, Tk, G, _), (_, _, _, dv) = (a.shape for a in arrays)
+    fused = [a.reshape(a.shape[0], a.shape[1], -1) for a in arrays]
+    if not batched:
+        fused = [f[0] for f in fused]
+    call = normalize(fused[0], np.eye(H * dk), np.eye(G * dk), np.eye(G * dv),
+                     num_heads=H, num_kv_heads=G, key=fused[1], value=fused[2],
+                     scale=scale if scale is not None else 1.0 / np.sqrt(dk), mask=mask,
+                     causal=causal, key_lengths=key_lengths, **variants)
+    check_memory(plan(call, want_weights=True))
+    concat, weights, lse_ = _run(call)
+    out = concat.reshape(B, Tq, H, dv)
+    if layout == "bhtd":
+        out = np.ascontiguousarray(np.swapaxes(out, 1, 2))
+    dt = np.result_type(np.float32, *arrays)
+    out, weights, lse_ = (a.astype(dt) for a in (out, weights, lse_))
+    if not batched:
+        return out[0], weights[0], lse_[0]
+    return out, weights, lse_
 
 
 def param_count(d_model: int, num_heads: int, d_k: Optional[int] = None,

@@ -1,0 +1,349 @@
+"""Attention on tensors that are already projected: mhattn.attention, its
+gradient and the exact merge of attention over disjoint key sets.
+
+The letters follow ``csrc/mha.h``: B batch, H query heads, G key/value heads
+(G < H: grouped-query attention, query head h uses kv head h // (H // G)),
+Tq queries, Tk keys, dk and dv the head widths.
+
+Layouts: ``"bhtd"`` is q (B, H, Tq, dk), k (B, G, Tk, dk), v (B, G, Tk, dv);
+``"bthd"`` swaps the head and time axes, q (B, Tq, H, dk), as FlashAttention,
+JAX and Hugging Face's caches hold them.  Either may drop the batch axis.
+Both are handed to the C core as strided views (``np.swapaxes``), so nothing
+is copied when the last axis is contiguous.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any, Dict, Optional
+
+import numpy as np
+
+from . import _C
+from ._args import (_normalize_lengths, _normalize_mask, _scale_arg, bool_arg,
+                    check_memory, compute_dtype, head_scales)
+from ._arrays import _check_numeric, _to_array
+from ._core import variant_args
+from ._variants import Variants, normalize_variants
+
+__all__ = ["attention", "attention_grad", "merge_attention", "Projected",
+           "check_projected", "projected_variants"]
+
+_LAYOUTS = ("bhtd", "bthd")
+# The variant keywords of attention on projected tensors: the score rules.
+# The q/k transforms (q_norm, k_norm, rope) belong to the projections.
+_ATTENTION_VARIANTS = ("window", "softcap", "alibi_slopes", "sinks", "key_mask",
+                       "cu_seqlens", "key_cu_seqlens")
+
+
+class Projected(SimpleNamespace):
+    """The checked q, k, v of one call, as batched bhtd views of one dtype,
+    with B, H, G, Tq, Tk, dk, dv, dtype, batched and layout."""
+
+
+def _layout(layout: Any) -> str:
+    if layout not in _LAYOUTS:
+        raise ValueError(f"layout: expected 'bhtd' (B, H, T, d) or 'bthd' (B, T, H, d), "
+                         f"got {layout!r}")
+    return layout
+
+
+def _read(name: str, obj: Any) -> np.ndarray:
+    a = _to_array(name, obj)
+    _check_numeric(name, a)
+    if a.ndim not in (3, 4):
+        raise ValueError(f"{name}: expected a 4-D (B, heads, T, d) array or an unbatched "
+                         f"3-D one, got shape {a.shape}")
+    return a
+
+
+def check_projected(q, k, v, layout: str = "bhtd") -> Projected:
+    """Check q, k and v against each other; every error names the argument
+    and the shapes seen.  Returns a :class:`Projected` whose q, k, v are
+    bhtd views (B, heads, T, d) in the compute dtype (float32 or float64)."""
+    layout = _layout(layout)
+    arrays = [_read("q", q), _read("k", k), _read("v", v)]
+    seen = f"(q {arrays[0].shape}, k {arrays[1].shape}, v {arrays[2].shape}, " \
+           f"layout={layout!r})"
+    nd = arrays[0].ndim
+    for name, a in zip("kv", arrays[1:]):
+        if a.ndim != nd:
+            raise ValueError(f"{name}: has {a.ndim} dimensions but q has {nd} {seen}")
+    dtype = compute_dtype(arrays)
+    views = []
+    for a in arrays:
+        a = a if a.dtype == dtype else a.astype(dtype)
+        if nd == 3:
+            a = a[np.newaxis]
+        views.append(np.swapaxes(a, 1, 2) if layout == "bthd" else a)
+    qb, kb, vb = views
+    (B, H, Tq, dk), (Bk, G, Tk, dkk), (Bv, Gv, Tv, dv) = qb.shape, kb.shape, vb.shape
+    if Bk != B or Bv != B:
+        raise ValueError(f"{'k' if Bk != B else 'v'}: batch size disagrees with q's {seen}")
+    if Gv != G:
+        raise ValueError(f"v: has {Gv} heads but k has {G} {seen}")
+    if Tv != Tk:
+        raise ValueError(f"v: has {Tv} keys but k has {Tk}; they must share T_k {seen}")
+    if dkk != dk:
+        raise ValueError(f"k: its width d_k = {dkk} differs from q's {dk} {seen}")
+    if G == 0 or H == 0 or H % G:
+        raise ValueError(f"k: its {G} heads must divide q's {H} heads (grouped-query "
+                         f"attention) {seen}")
+    if dk == 0 or dv == 0:
+        raise ValueError(f"{'q' if dk == 0 else 'v'}: heads of width 0 {seen}")
+    return Projected(q=qb, k=kb, v=vb, B=B, H=H, G=G, Tq=Tq, Tk=Tk, dk=dk, dv=dv,
+                     dtype=dtype, batched=nd == 4, layout=layout)
+
+
+def projected_variants(p: Projected, variants: Dict[str, Any],
+                       key_lengths: Any = None) -> Variants:
+    """The checked score variants of a call on projected tensors."""
+    return normalize_variants(variants, batched=p.batched, B=p.B, Tq=p.Tq, Tk=p.Tk,
+                              H=p.H, G=p.G, dk=[p.dk] * p.G, dtype=p.dtype,
+                              key_given=True, key_lengths=key_lengths)
+
+
+def _glue_args(p: Projected, scale, mask, causal, key_lengths, variants) -> tuple:
+    """(scales, mask, causal, key_lengths, variants) as the glue takes them."""
+    var = projected_variants(p, variants, key_lengths)
+    scales = np.asarray(head_scales(p.H, p.G, [p.dk] * p.G, _scale_arg(scale)),
+                        dtype=np.float64)
+    causal = bool_arg("causal", causal)
+    m = _normalize_mask(mask, p.batched, p.B, p.H, p.Tq, p.Tk, p.dtype)
+    kl = _normalize_lengths(key_lengths, p.batched, p.B, p.Tk)
+    return scales, m, causal, kl, variant_args(SimpleNamespace(var=var))
+
+
+def _unbatch(p: Projected, a):
+    return a if a is None or p.batched else a[0]
+
+
+def _bhtd(p: Projected, a: np.ndarray) -> np.ndarray:
+    """A (B, H, T, d) result in the call's layout, unbatched if the call was."""
+    if p.layout == "bthd":
+        a = np.ascontiguousarray(np.swapaxes(a, 1, 2))
+    return _unbatch(p, a)
+
+
+def attention(q, k, v, *, layout="bhtd", scale=None, mask=None, causal=False,
+              key_lengths=None, return_weights=False, return_lse=False, window=None,
+              softcap=None, alibi_slopes=None, sinks=None, key_mask=None,
+              cu_seqlens=None, key_cu_seqlens=None):
+    """Scaled dot-product attention on tensors that are already projected.
+
+    attention(q, k, v, *, layout="bhtd", scale=None, mask=None, causal=False,
+              key_lengths=None, return_weights=False, return_lse=False, **variants)
+        -> out | (out, weights) | (out, lse) | (out, weights, lse)
+
+    For each query head h: softmax(q_h k_g^T * scale) v_g with g = h // (H // G),
+    computed by the C core's fused kernels (no Python loop over heads), on
+    every ISA, bitwise the same for any thread count.
+
+    Parameters
+    ----------
+    q : (B, H, T_q, d_k), or (B, T_q, H, d_k) with ``layout="bthd"``
+    k : (B, G, T_k, d_k), or (B, T_k, G, d_k)
+    v : (B, G, T_k, d_v), or (B, T_k, G, d_v)
+        G < H is grouped-query attention (G must divide H).  Each may drop
+        the batch axis (unbatched 3-D inputs, all three alike).  Any strides
+        are read in place when the last axis is contiguous; float32 stays
+        float32, anything else follows NumPy promotion with a float32 floor.
+    layout : "bhtd" (default) or "bthd"
+    scale : float, optional
+        Multiplier of q k^T; default 1/sqrt(d_k).
+    mask, causal, key_lengths
+        As :func:`mhattn.multi_head_attention`: ``mask`` bool (True = may
+        attend) or float (added), broadcastable to (B, H, T_q, T_k);
+        ``causal`` bottom-right aligned (query i sees keys j <= i + T_k - T_q);
+        ``key_lengths`` (B,) (a scalar unbatched): keys >= the length are
+        padding.
+    return_weights : bool, default False
+        Also return the post-softmax weights (B, H, T_q, T_k).
+    return_lse : bool, default False
+        Also return each row's log-sum-exp (B, H, T_q) of its finished
+        scores, in **natural log** (not base 2), the sinks included, and
+        **-inf for a fully masked row** (without sinks).  Always (B, H, T_q),
+        whatever the layout; :func:`merge_attention` takes it.
+    window, softcap, alibi_slopes, sinks, key_mask, cu_seqlens, key_cu_seqlens
+        The score variants of :func:`mhattn.multi_head_attention`, with the
+        same meanings and checks.  Packed sequences take unbatched 3-D
+        inputs, the tokens along T.  The q/k transforms (q_norm, k_norm,
+        RoPE) are not attention keywords: apply them before.
+
+    Returns
+    -------
+    out : in the layout of q: (B, H, T_q, d_v) or (B, T_q, H, d_v), new and
+        C-contiguous.  A fully masked query row gets 0, never NaN.
+    weights : (B, H, T_q, T_k), when ``return_weights``.
+    lse : (B, H, T_q), when ``return_lse``.
+
+    Examples
+    --------
+    >>> rng = np.random.default_rng(0)
+    >>> q = rng.standard_normal((2, 8, 5, 16)).astype(np.float32)
+    >>> k = rng.standard_normal((2, 2, 7, 16)).astype(np.float32)   # GQA, G = 2
+    >>> v = rng.standard_normal((2, 2, 7, 16)).astype(np.float32)
+    >>> out, lse = mhattn.attention(q, k, v, causal=True, return_lse=True)
+    >>> out.shape, lse.shape
+    ((2, 8, 5, 16), (2, 8, 5))
+    """
+    p = check_projected(q, k, v, layout)
+    want_w = bool_arg("return_weights", return_weights)
+    want_lse = bool_arg("return_lse", return_lse)
+    variants = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                    key_mask=key_mask, cu_seqlens=cu_seqlens, key_cu_seqlens=key_cu_seqlens)
+    scales, m, c, kl, var = _glue_args(p, scale, mask, causal, key_lengths, variants)
+    n = p.dtype.itemsize
+    check_memory([("out", "B*h*T_q*d_v", (p.B, p.H, p.Tq, p.dv), n),
+                  ("the log-sum-exp", "B*h*T_q", (p.B, p.H, p.Tq), n)]
+                 + ([("return_weights=True", "B*h*T_q*T_k", (p.B, p.H, p.Tq, p.Tk), n)]
+                    if want_w else []))
+    out, weights, lse = _C.attention(p.q, p.k, p.v, scales, m, c, kl, var, False,
+                                     p.layout == "bthd", want_w, want_lse)
+    result = (_unbatch(p, out),)
+    if want_w:
+        result += (_unbatch(p, weights),)
+    if want_lse:
+        result += (_unbatch(p, lse),)
+    return result if len(result) > 1 else result[0]
+
+
+def attention_grad(grad_out, q, k, v, *, layout="bhtd", scale=None, mask=None,
+                   causal=False, key_lengths=None, window=None, softcap=None,
+                   alibi_slopes=None, sinks=None, key_mask=None, cu_seqlens=None,
+                   key_cu_seqlens=None, lse=None, out=None) -> Dict[str, np.ndarray]:
+    """Gradients of :func:`attention` with respect to q, k, v (and sinks).
+
+    attention_grad(grad_out, q, k, v, *, <attention's keywords>, lse=None,
+                   out=None) -> {'q': dq, 'k': dk, 'v': dv(, 'sinks': dsinks)}
+
+    Parameters
+    ----------
+    grad_out : the shape of attention's ``out``
+        dL/dout of a scalar loss L.
+    q, k, v, layout, scale, mask, causal, key_lengths, window, softcap,
+    alibi_slopes, sinks, key_mask, cu_seqlens, key_cu_seqlens
+        As :func:`attention` (not ``return_weights`` / ``return_lse``).
+    lse : (B, H, T_q), optional
+        The forward's ``return_lse=True`` result; None has it recomputed.
+    out : the forward's ``out``, optional
+        Given with ``lse``, no forward pass is run; otherwise the forward
+        is recomputed (the backward needs out), keeping its lse.
+
+    Returns
+    -------
+    dict
+        'q', 'k', 'v': gradients in their arguments' layouts and shapes
+        (new arrays of the compute dtype); 'sinks' (H,) when ``sinks`` is
+        given.  ALiBi slopes and masks get none.  Fully masked rows
+        contribute zero.
+
+    Examples
+    --------
+    >>> q = k = v = np.random.default_rng(0).standard_normal((1, 2, 4, 8))
+    >>> out, lse = mhattn.attention(q, k, v, causal=True, return_lse=True)
+    >>> g = mhattn.attention_grad(np.ones_like(out), q, k, v, causal=True,
+    ...                           lse=lse, out=out)
+    >>> sorted(g), g['q'].shape
+    (['k', 'q', 'v'], (1, 2, 4, 8))
+    """
+    p = check_projected(q, k, v, layout)
+    variants = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                    key_mask=key_mask, cu_seqlens=cu_seqlens, key_cu_seqlens=key_cu_seqlens)
+    scales, m, c, kl, var = _glue_args(p, scale, mask, causal, key_lengths, variants)
+    want = (p.B, p.Tq, p.H, p.dv) if p.layout == "bthd" else (p.B, p.H, p.Tq, p.dv)
+    want = want if p.batched else want[1:]
+    g = _as_like("grad_out", grad_out, want, p)
+    if out is not None and lse is not None:
+        o = _as_like("out", out, want, p)
+        ls = _as_like("lse", lse, (p.B, p.H, p.Tq) if p.batched else (p.H, p.Tq), p,
+                      swap=False)
+    else:
+        o, _, ls = _C.attention(p.q, p.k, p.v, scales, m, c, kl, var, False, False,
+                                False, True)
+    dq, dk, dv, dsinks = _C.attention_backward(g, p.q, p.k, p.v, o, ls, scales, m, c, kl,
+                                               var, False)
+    grads = {"q": _bhtd(p, dq), "k": _bhtd(p, dk), "v": _bhtd(p, dv)}
+    if sinks is not None:
+        grads["sinks"] = dsinks
+    return grads
+
+
+def _as_like(name: str, obj: Any, shape: tuple, p: Projected, swap: bool = True):
+    """grad_out, out or lse checked against ``shape`` (in the call's layout),
+    as a batched bhtd view of the compute dtype."""
+    a = _to_array(name, obj)
+    _check_numeric(name, a)
+    if a.shape != shape:
+        raise ValueError(f"{name}: expected shape {shape} (the forward's), got {a.shape}")
+    a = a if a.dtype == p.dtype else a.astype(p.dtype)
+    if not p.batched:
+        a = a[np.newaxis]
+    return np.swapaxes(a, 1, 2) if swap and p.layout == "bthd" else a
+
+
+def merge_attention(outs, lses, *, layout="bhtd"):
+    """Merge attention computed over disjoint sets of keys into the attention
+    over their union: exactly one softmax over all the keys.
+
+    merge_attention(outs, lses, *, layout="bhtd") -> (out, lse)
+
+    With parts i of outputs o_i and log-sum-exps l_i (natural log), the
+    merged lse is L = log(sum_i exp(l_i)) and out = sum_i exp(l_i - L) o_i.
+
+    Parameters
+    ----------
+    outs : sequence of arrays, each (..., H, T_q, d_v) ("bhtd") or
+        (..., T_q, H, d_v) ("bthd"), as :func:`attention` returns them
+    lses : sequence of arrays, each (..., H, T_q)
+        Their ``return_lse=True`` results.  A part whose lse is -inf (no key
+        visible: fully masked) gets weight 0, and no NaN arises; a row that
+        is -inf in every part stays lse -inf, out 0.
+    layout : "bhtd" (default) or "bthd", the layout of ``outs``
+
+    Returns
+    -------
+    (out, lse) : the merged output, shaped as each part, and lse (..., H, T_q).
+
+    Parts computed with ``sinks`` each count the sink once: merge parts
+    without sinks (the sinks belong to the whole softmax, not to a part).
+
+    Examples
+    --------
+    >>> q, k, v = (np.random.default_rng(0).standard_normal((1, 2, 3, 4)) for _ in "qkv")
+    >>> a = mhattn.attention(q, k[:, :, :2], v[:, :, :2], return_lse=True)
+    >>> b = mhattn.attention(q, k[:, :, 2:], v[:, :, 2:], return_lse=True)
+    >>> out, lse = mhattn.merge_attention([a[0], b[0]], [a[1], b[1]])
+    >>> np.allclose(out, mhattn.attention(q, k, v))
+    True
+    """
+    layout = _layout(layout)
+    outs = [_to_array(f"outs[{i}]", o) for i, o in enumerate(outs)]
+    lses = [_to_array(f"lses[{i}]", s) for i, s in enumerate(lses)]
+    if not outs or len(outs) != len(lses):
+        raise ValueError(f"outs, lses: expected the same non-zero number of parts, got "
+                         f"{len(outs)} and {len(lses)}")
+    for i, (o, s) in enumerate(zip(outs, lses)):
+        _check_numeric(f"outs[{i}]", o)
+        _check_numeric(f"lses[{i}]", s)
+        if o.ndim < 3:
+            raise ValueError(f"outs[{i}]: expected (..., H, T_q, d_v), got shape {o.shape}")
+        lead = o.shape[:-3] + ((o.shape[-3], o.shape[-2]) if layout == "bhtd"
+                               else (o.shape[-2], o.shape[-3]))
+        if o.ndim < 3 or s.shape != lead or o.shape != outs[0].shape:
+            raise ValueError(f"lses[{i}]: shape {s.shape} does not match outs[{i}] "
+                             f"{o.shape} (layout={layout!r}), or the parts' shapes differ")
+    dtype = compute_dtype(outs + lses)
+    lse_all = np.stack([s.astype(dtype, copy=False) for s in lses])
+    top = lse_all.max(axis=0)
+    top = np.where(np.isfinite(top), top, 0)
+    w = np.exp(lse_all - top)            # exp(-inf) = 0: a masked part weighs 0
+    total = w.sum(axis=0)
+    with np.errstate(divide="ignore"):
+        lse = np.where(total > 0, top + np.log(np.where(total > 0, total, 1)), -np.inf)
+    share = np.where(total > 0, w / np.where(total > 0, total, 1), 0).astype(dtype)
+    if layout == "bthd":
+        share = np.swapaxes(share, -1, -2)
+    out = np.zeros(outs[0].shape, dtype)
+    for part, o in zip(share, outs):
+        out += part[..., np.newaxis] * o
+    return out, lse.astype(dtype)

@@ -1,0 +1,347 @@
+"""A preallocated key/value cache, and the cached layer step that uses it.
+
+:class:`KVCache` holds the keys and values of B sequences in storage of
+shape (B, G, capacity, d) with per-sequence ``lengths`` (B,).
+:func:`cached_step` is ``multi_head_attention(x_new, ..., cache=cache)``:
+it projects only the new rows (``_C.project``: biases, k_norm / q_norm and
+RoPE at positions ``lengths[b] + i``), appends the new keys and values, and
+attends from the new queries over each sequence's cached keys
+(``_C.attention`` on the storage itself, aligned bottom-right per sequence),
+then applies W^O.  Letters follow ``csrc/mha.h``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from types import SimpleNamespace
+from typing import Any, Optional
+
+import numpy as np
+
+from . import _C
+from ._args import _to_array, bool_arg, normalize
+from ._core import _fused_bias, head_arrays, variant_args
+
+__all__ = ["KVCache", "cached_step"]
+
+
+def _size(name: str, value: Any) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) \
+            or int(value) <= 0:
+        raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+    return int(value)
+
+
+class KVCache:
+    """A preallocated key/value cache for decoding, B sequences at a time.
+
+    KVCache(batch, num_kv_heads, capacity, d_k, d_v=None, dtype=np.float32)
+
+    Parameters
+    ----------
+    batch : int
+        B, the number of sequences.
+    num_kv_heads : int
+        G, the number of key/value heads (the layer's ``num_kv_heads``).
+    capacity : int
+        The most keys any one sequence may hold.
+    d_k, d_v : int
+        Head widths of the keys and values; d_v defaults to d_k.
+    dtype : np.float32 (default) or np.float64
+
+    Attributes
+    ----------
+    key_storage : (B, G, capacity, d_k) array
+        Item b's keys are ``key_storage[b, :, :lengths[b]]``; rows past a
+        length are stale and never read.
+    value_storage : (B, G, capacity, d_v) array
+    lengths : (B,) int64, read-only view
+        How many keys each sequence holds.
+    nbytes : int
+        The memory held: B * G * capacity * (d_k + d_v) * itemsize, plus
+        8 * B for the lengths, allocated once, at construction.
+
+    The cache is filled by :meth:`append` or by
+    ``multi_head_attention(x_new, ..., cache=cache)`` /
+    ``layer(x_new, cache=cache)``.  No gradient flows through a cache.
+    It pickles (only the filled rows are saved) and :meth:`reset` empties it.
+
+    Examples
+    --------
+    >>> cache = mhattn.KVCache(2, 4, 128, 16)
+    >>> k = np.ones((2, 4, 3, 16), np.float32)
+    >>> cache.append(k, k)
+    >>> cache.lengths, cache.keys.shape
+    (array([3, 3]), (2, 4, 3, 16))
+    >>> cache.nbytes
+    131088
+    """
+
+    def __init__(self, batch, num_kv_heads, capacity, d_k, d_v=None, dtype=np.float32):
+        B, G = _size("batch", batch), _size("num_kv_heads", num_kv_heads)
+        C, dk = _size("capacity", capacity), _size("d_k", d_k)
+        dv = dk if d_v is None else _size("d_v", d_v)
+        try:
+            dt = np.dtype(dtype)
+        except TypeError:
+            raise ValueError(f"dtype: expected np.float32 or np.float64, got {dtype!r}") \
+                from None
+        if dt not in (np.dtype(np.float32), np.dtype(np.float64)):
+            raise ValueError(f"dtype: expected np.float32 or np.float64, got {dt}")
+        self.key_storage = np.zeros((B, G, C, dk), dt)
+        self.value_storage = np.zeros((B, G, C, dv), dt)
+        self._lengths = np.zeros(B, np.int64)
+
+    # -- sizes ----------------------------------------------------------------
+
+    batch = property(lambda self: self.key_storage.shape[0], doc="B")
+    num_kv_heads = property(lambda self: self.key_storage.shape[1], doc="G")
+    capacity = property(lambda self: self.key_storage.shape[2], doc="keys per sequence")
+    d_k = property(lambda self: self.key_storage.shape[3], doc="key width")
+    d_v = property(lambda self: self.value_storage.shape[3], doc="value width")
+    dtype = property(lambda self: self.key_storage.dtype, doc="float32 or float64")
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """(B,) int64, read-only: how many keys each sequence holds."""
+        view = self._lengths.view()
+        view.flags.writeable = False
+        return view
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the storage and the lengths."""
+        return self.key_storage.nbytes + self.value_storage.nbytes + self._lengths.nbytes
+
+    @property
+    def keys(self) -> np.ndarray:
+        """(B, G, max(lengths), d_k) view of the storage; item b's keys are its
+        first lengths[b] rows (the rest, in a ragged batch, are stale)."""
+        return self.key_storage[:, :, :int(self._lengths.max(initial=0))]
+
+    @property
+    def values(self) -> np.ndarray:
+        """(B, G, max(lengths), d_v) view, as :attr:`keys`."""
+        return self.value_storage[:, :, :int(self._lengths.max(initial=0))]
+
+    def reset(self) -> None:
+        """Empty every sequence (lengths to 0; the storage is kept)."""
+        self._lengths[:] = 0
+
+    def __repr__(self) -> str:
+        return (f"KVCache(batch={self.batch}, num_kv_heads={self.num_kv_heads}, "
+                f"capacity={self.capacity}, d_k={self.d_k}, d_v={self.d_v}, "
+                f"dtype={self.dtype.name}, lengths={self._lengths.tolist()})")
+
+    # -- pickling: only the filled rows -----------------------------------------
+
+    def __getstate__(self) -> dict:
+        n = int(self._lengths.max(initial=0))
+        return {"shape": (self.batch, self.num_kv_heads, self.capacity, self.d_k,
+                          self.d_v), "dtype": self.dtype.str,
+                "keys": self.key_storage[:, :, :n].copy(),
+                "values": self.value_storage[:, :, :n].copy(),
+                "lengths": self._lengths.copy()}
+
+    def __setstate__(self, state: dict) -> None:
+        B, G, C, dk, dv = state["shape"]
+        self.__init__(B, G, C, dk, dv, np.dtype(state["dtype"]))
+        n = state["keys"].shape[2]
+        self.key_storage[:, :, :n] = state["keys"]
+        self.value_storage[:, :, :n] = state["values"]
+        self._lengths[:] = state["lengths"]
+
+    # -- writing ----------------------------------------------------------------
+
+    def _check_new(self, name: str, a: Any, width: int, what: str) -> np.ndarray:
+        a = _to_array(name, a)
+        want = f"(B, G, T_new, {what}) = ({self.batch}, {self.num_kv_heads}, T_new, {width})"
+        if a.ndim != 4 or a.shape[0] != self.batch or a.shape[1] != self.num_kv_heads \
+                or a.shape[3] != width:
+            raise ValueError(f"{name}: expected shape {want} for {self!r}, got {a.shape}")
+        if a.dtype != self.dtype:
+            raise ValueError(f"{name}: dtype {a.dtype}, but the cache holds {self.dtype}; "
+                             f"pass {name}.astype(np.{self.dtype.name})")
+        return a
+
+    def check_room(self, counts: np.ndarray, name: str = "k_new") -> None:
+        """Raise ValueError, changing nothing, unless every sequence b has room
+        for counts[b] more keys."""
+        after = self._lengths + counts
+        if (after > self.capacity).any():
+            b = int(np.argmax(after > self.capacity))
+            raise ValueError(f"{name}: appending {int(counts[b])} keys to sequence {b}, "
+                             f"which holds {int(self._lengths[b])}, exceeds the cache's "
+                             f"capacity {self.capacity}; the cache is unchanged")
+
+    def append(self, k_new, v_new, *, lengths=None) -> None:
+        """Write new keys and values after each sequence's last, in place.
+
+        Parameters
+        ----------
+        k_new : (B, G, T_new, d_k), of the cache's dtype
+        v_new : (B, G, T_new, d_v), of the cache's dtype
+        lengths : (B,) ints in [0, T_new], optional
+            A ragged append: sequence b takes only its first lengths[b] new
+            rows.  Default: all T_new rows for every sequence.
+
+        Raises ValueError naming the argument, with the cache unchanged, for
+        a wrong shape, dtype, head count or width, or an append past the
+        capacity.
+
+        Examples
+        --------
+        >>> cache = mhattn.KVCache(2, 1, 8, 4)
+        >>> kv = np.zeros((2, 1, 3, 4), np.float32)
+        >>> cache.append(kv, kv, lengths=[3, 1])
+        >>> cache.lengths
+        array([3, 1])
+        """
+        k = self._check_new("k_new", k_new, self.d_k, "d_k")
+        v = self._check_new("v_new", v_new, self.d_v, "d_v")
+        T = k.shape[2]
+        if v.shape[2] != T:
+            raise ValueError(f"v_new: has {v.shape[2]} rows but k_new has {T}")
+        counts = np.full(self.batch, T, np.int64)
+        if lengths is not None:
+            n = _to_array("lengths", lengths)
+            if n.dtype.kind not in "iu" or n.shape != (self.batch,):
+                raise ValueError(f"lengths: expected ({self.batch},) integers, got "
+                                 f"{n.dtype} {n.shape}")
+            if (n < 0).any() or (n > T).any():
+                raise ValueError(f"lengths: each must lie in [0, T_new={T}], got "
+                                 f"{n.tolist()}")
+            counts = n.astype(np.int64)
+        self.check_room(counts)
+        self._write(k, v, counts)
+
+    def _write(self, k: np.ndarray, v: np.ndarray, counts: np.ndarray) -> None:
+        """Write checked new rows: counts[b] rows of item b."""
+        if (counts == counts[0]).all() and (self._lengths == self._lengths[0]).all():
+            start, n = int(self._lengths[0]), int(counts[0])
+            self.key_storage[:, :, start:start + n] = k[:, :, :n]
+            self.value_storage[:, :, start:start + n] = v[:, :, :n]
+        else:
+            for b in range(self.batch):
+                start, n = int(self._lengths[b]), int(counts[b])
+                self.key_storage[b, :, start:start + n] = k[b, :, :n]
+                self.value_storage[b, :, start:start + n] = v[b, :, :n]
+        self._lengths += counts
+
+
+# Keywords of multi_head_attention that a cached step cannot take.
+_NOT_WITH_CACHE = ("key", "value", "mask", "key_lengths", "key_mask", "cu_seqlens",
+                   "key_cu_seqlens", "positions", "key_positions")
+
+
+def _check_cache(cache: Any, call, T: int) -> None:
+    """The cache must fit the call: ValueError naming ``cache`` otherwise."""
+    if not isinstance(cache, KVCache):
+        raise TypeError(f"cache: expected a mhattn.KVCache, got {type(cache).__name__}")
+    problems = []
+    if cache.batch != call.B:
+        problems.append(f"batch {cache.batch} but x has {call.B} sequences")
+    if cache.num_kv_heads != call.G:
+        problems.append(f"{cache.num_kv_heads} kv heads but the weights have {call.G}")
+    if set(call.dk) != {cache.d_k} or set(call.dv) != {cache.d_v}:
+        problems.append(f"widths d_k={cache.d_k}, d_v={cache.d_v} but the heads have "
+                        f"d_k={sorted(set(call.dk))}, d_v={sorted(set(call.dv))}")
+    if cache.dtype != call.dtype:
+        problems.append(f"dtype {cache.dtype} but the call computes in {call.dtype}")
+    if problems:
+        raise ValueError(f"cache: {'; '.join(problems)} ({cache!r})")
+    cache.check_room(np.full(call.B, T, np.int64), "x")
+
+
+def _new_lengths(new_lengths: Any, B: int, T: int, causal: bool) -> Optional[np.ndarray]:
+    """(B,) int64 in [0, T], or None for every row of every sequence."""
+    if new_lengths is None:
+        return None
+    n = _to_array("new_lengths", new_lengths)
+    if n.dtype.kind not in "iu" or n.shape not in ((B,), ()):
+        raise ValueError(f"new_lengths: expected ({B},) integers (one per sequence), got "
+                         f"{n.dtype} {n.shape}")
+    n = np.broadcast_to(n, (B,)).astype(np.int64)
+    if (n < 0).any() or (n > T).any():
+        raise ValueError(f"new_lengths: each must lie in [0, T_new={T}], got {n.tolist()}")
+    if not causal and (n < T).any():
+        raise ValueError("new_lengths: shorter than T_new needs causal=True (the padding "
+                         "rows are keys that a real query would otherwise see)")
+    return n
+
+
+def cached_step(x, w_q, w_k, w_v, w_o, *, cache, num_heads=None, scale=None,
+                return_weights=False, causal=False, num_kv_heads=None, b_q=None,
+                b_k=None, b_v=None, b_o=None, return_context=False, new_lengths=None,
+                **options):
+    """One step of multi_head_attention through a :class:`KVCache`:
+    ``multi_head_attention(x_new, ..., cache=cache)`` calls this.
+
+    1. project only the new rows x (B, T_new, d_in) (or (T_new, d_in) with a
+       cache of batch 1), with q_norm / k_norm and RoPE at positions
+       lengths[b] + i;  2. append the new keys and values;  3. attend from
+    the new queries over each sequence's lengths[b] + T_new keys, aligned
+    bottom-right per sequence (``causal=True`` for a decoder's prefill);
+    4. apply W^O (+ b_o).  ``new_lengths`` (B,) makes the step ragged:
+    sequence b takes only its first new_lengths[b] rows of x (causal=True);
+    its other rows are padding, their outputs 0.  Returns out (B, T_new, d_out) (and the weights
+    (B, H, T_new, capacity) with ``return_weights``; keys past a sequence's
+    length get 0).  No gradients through a cache: ``return_context=True``
+    raises.  On any error the cache is unchanged.
+    """
+    for name in _NOT_WITH_CACHE:
+        if options.get(name) is not None:
+            raise ValueError(f"{name}: not with cache= (the keys are the cache's, at "
+                             "positions lengths[b] + i)")
+    if bool_arg("return_context", return_context):
+        raise ValueError("return_context: no gradients flow through a KV cache")
+    want_w = bool_arg("return_weights", return_weights)
+    xa = _to_array("x", x)
+    T = xa.shape[-2] if xa.ndim in (2, 3) else 0
+    rope = options.get("rope")
+    if rope is not None and isinstance(cache, KVCache):
+        pos = cache._lengths[:, np.newaxis] + np.arange(T, dtype=np.int64)
+        pos = pos if xa.ndim == 3 else pos[0]
+        options = dict(options, positions=pos, key_positions=pos)
+    call = normalize(xa, w_q, w_k, w_v, w_o, num_heads=num_heads, scale=scale,
+                     causal=causal, num_kv_heads=num_kv_heads, b_q=b_q, b_k=b_k,
+                     b_v=b_v, b_o=b_o, **options)
+    _check_cache(cache, call, call.Tq)
+    counts = _new_lengths(new_lengths, call.B, call.Tq, call.causal)
+    dk, dv, scales = head_arrays(call)
+    q, k, v = _C.project(call.x, call.key, call.value, call.wq.fused(), call.wk.fused(),
+                         call.wv.fused(), _fused_bias(call.bq), _fused_bias(call.bk),
+                         _fused_bias(call.bv), dk, dv, scales, variant_args(call))
+    B, Tq, H, G = call.B, call.Tq, call.H, call.G
+    q4 = q.reshape(B, Tq, H, cache.d_k).swapaxes(1, 2)
+    k4 = k.reshape(B, Tq, G, cache.d_k).swapaxes(1, 2)
+    v4 = v.reshape(B, Tq, G, cache.d_v).swapaxes(1, 2)
+    scores_only = dataclasses.replace(call.var, q_norm=None, k_norm=None, rotary_dim=0,
+                                      inv_freq=None, positions=None, key_positions=None)
+    before = cache._lengths.copy()
+    cache._write(k4, v4, np.full(B, Tq, np.int64))
+    try:
+        # Every new row is written and attended at lengths[b] + i, so the
+        # real rows sit where they belong; with new_lengths the padding rows
+        # are then dropped from the lengths (causal: no real query saw them).
+        concat, weights, _ = _C.attention(
+            q4, cache.key_storage, cache.value_storage, scales, None, call.causal,
+            cache._lengths.copy(), variant_args(SimpleNamespace(var=scores_only)), True,
+            True, want_w, False)
+    except BaseException:
+        cache._lengths[:] = before      # a failed (or interrupted) step appends nothing
+        raise
+    if counts is not None:
+        cache._lengths[:] = before + counts
+        concat[np.arange(Tq)[np.newaxis, :] >= counts[:, np.newaxis]] = 0
+        if weights is not None:
+            weights[np.arange(Tq)[np.newaxis, :] >= counts[:, np.newaxis]] = 0
+    out = concat.reshape(B, Tq, H * cache.d_v)
+    if call.w_o is not None:
+        out = out @ call.w_o
+    if call.b_o is not None:
+        out = out + call.b_o
+    if counts is not None:
+        out[np.arange(Tq)[np.newaxis, :] >= counts[:, np.newaxis]] = 0
+    out = call.unbatch(np.ascontiguousarray(out))
+    return (out, call.unbatch(weights)) if want_w else out
