@@ -310,3 +310,30 @@ def test_merge_of_one_part_and_bad_parts():
         mhattn.merge_attention([o, o], [s, s[:, :2]])
     with pytest.raises(ValueError, match="^outs, lses:"):
         mhattn.merge_attention([o], [s, s])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_decode_is_bitwise_the_same_for_any_thread_count(dtype):
+    """A decode (T_q = 1) splits its keys into parts chosen from T_k alone."""
+    rng = np.random.default_rng(9)
+    q = rng.standard_normal((2, 8, 1, 64)).astype(dtype)
+    k = rng.standard_normal((2, 2, 3000, 64)).astype(dtype)
+    v = rng.standard_normal((2, 2, 3000, 64)).astype(dtype)
+    kw = dict(key_lengths=np.array([3000, 1777]), sinks=np.linspace(-1, 1, 8).astype(dtype),
+              return_lse=True)
+    before = mhattn.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 3):
+            mhattn.set_num_threads(n)
+            results.append(mhattn.attention(q, k, v, **kw))
+    finally:
+        mhattn.set_num_threads(before)
+    for out, lse in results[1:]:
+        np.testing.assert_array_equal(out, results[0][0])
+        np.testing.assert_array_equal(lse, results[0][1])
+    ref_out, _, ref_lse = R.projected_attention(q, k, v, **{n: a for n, a in kw.items()
+                                                            if n != "return_lse"})
+    tol = TOL[dtype] if dtype == np.float64 else dict(rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(results[0][0], ref_out, **tol)
+    np.testing.assert_allclose(results[0][1], ref_lse, **tol)

@@ -104,6 +104,10 @@ def projected_variants(p: Projected, variants: Dict[str, Any],
 
 def _glue_args(p: Projected, scale, mask, causal, key_lengths, variants) -> tuple:
     """(scales, mask, causal, key_lengths, variants) as the glue takes them."""
+    if p.batched and variants.get("cu_seqlens") is not None:
+        raise ValueError(f"cu_seqlens: packed sequences take unbatched 3-D q, k, v, the "
+                         f"tokens along T (q (H, total, d_k) with layout='bhtd'); got q "
+                         f"of {p.B} batch items")
     var = projected_variants(p, variants, key_lengths)
     scales = np.asarray(head_scales(p.H, p.G, [p.dk] * p.G, _scale_arg(scale)),
                         dtype=np.float64)
