@@ -1616,6 +1616,273 @@ fail:
     return result;
 }
 
+/* ---- attention (issue 17) ---------------------------------------------- */
+
+PyDoc_STRVAR(attention_doc,
+"attention(q, k, v, scales, mask, causal, key_lengths, variants,\n"
+"          lengths_aligned, out_bthd, want_weights, want_lse)\n"
+"--\n\n"
+"Attention on tensors already projected (low level; see mhattn.attention).\n"
+"q (B,H,Tq,dk), k (B,G,Tk,dk), v (B,G,Tk,dv): 4-D arrays of one dtype\n"
+"(float32 or float64); any non-negative strides with a contiguous last\n"
+"axis are read in place, anything else is copied. scales: float64 (H,);\n"
+"mask, causal, key_lengths, variants as for forward() (variants' q/k\n"
+"transforms must be off); lengths_aligned: align each batch item's queries\n"
+"to its own key length (a KV cache).\n\n"
+"Returns (out, weights or None, lse or None): out (B,H,Tq,dv), or with\n"
+"out_bthd (B,Tq,H,dv), C-contiguous; weights (B,H,Tq,Tk); lse (B,H,Tq),\n"
+"natural log, -inf for a fully masked row.");
+
+/* attention()'s positional arguments. */
+enum {
+    ATT_Q, ATT_K, ATT_V, ATT_SCALES, ATT_MASK, ATT_CAUSAL, ATT_KEY_LENGTHS,
+    ATT_VARIANTS, ATT_ALIGNED, ATT_OUT_BTHD, ATT_WANT_WEIGHTS, ATT_WANT_LSE,
+    ATT_NARGS
+};
+
+static const arg_spec attention_args[ATT_NARGS] = {
+    [ATT_Q] = {.name = "q", .kind = ARG_ARRAY},
+    [ATT_K] = {.name = "k", .kind = ARG_ARRAY},
+    [ATT_V] = {.name = "v", .kind = ARG_ARRAY},
+    [ATT_SCALES] = {.name = "scales", .kind = ARG_FLOAT64},
+    [ATT_MASK] = {.name = "mask", .kind = ARG_MASK},
+    [ATT_CAUSAL] = {.name = "causal", .kind = ARG_BOOL},
+    [ATT_KEY_LENGTHS] = {.name = "key_lengths", .kind = ARG_LENGTHS},
+    [ATT_VARIANTS] = {.name = "variants", .kind = ARG_VARIANTS},
+    [ATT_ALIGNED] = {.name = "lengths_aligned", .kind = ARG_BOOL},
+    [ATT_OUT_BTHD] = {.name = "out_bthd", .kind = ARG_BOOL},
+    [ATT_WANT_WEIGHTS] = {.name = "want_weights", .kind = ARG_BOOL},
+    [ATT_WANT_LSE] = {.name = "want_lse", .kind = ARG_BOOL},
+};
+_Static_assert(ATT_NARGS <= MAX_ARGS, "a call holds attention()'s arguments");
+
+/* Only the fields parse_args, read_positional and convert_mask read. */
+static const call_spec attention_spec = {
+    .name = "attention", .nargs = ATT_NARGS, .args = attention_args,
+    .mask = ATT_MASK, .broadcast_mask = 1,
+};
+
+/* One attention() call: the skeleton's call, and the element strides of
+   q, k, v and out (mha_strides) beside it. */
+typedef struct {
+    call c;              /* first: a `const call *` is an attention_call's */
+    mha_strides st[4];   /* q, k, v, out */
+} attention_call;
+
+/*
+ * c->in[pos] = the argument at pos as a 4-D array of dtype typenum (or of
+ * any float dtype when typenum is 0: q's sets the call's): itself when it
+ * is aligned and native with non-negative strides, each a multiple of the
+ * item size, and a contiguous last axis, else a C-contiguous copy. *st =
+ * its element strides over (B, heads, T) (the last axis is contiguous).
+ */
+static int attention_array(call *c, int pos, mha_strides *st)
+{
+    const char *name = attention_args[pos].name;
+    PyObject *obj = c->arg[pos].obj;
+    if (!PyArray_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s: expected a numpy.ndarray, got %s", name,
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    PyArrayObject *a = (PyArrayObject *)obj;
+    const int t = PyArray_TYPE(a);
+    if (pos == ATT_Q && t != NPY_FLOAT && t != NPY_DOUBLE) {
+        PyErr_Format(PyExc_TypeError, "q: expected dtype float32 or float64, got %R",
+                     (PyObject *)PyArray_DESCR(a));
+        return -1;
+    }
+    if (pos == ATT_Q)
+        c->typenum = t;
+    if (t != c->typenum) {
+        PyErr_Format(PyExc_TypeError, "%s: expected dtype %s (the dtype of q), got %R",
+                     name, dtype_name(c->typenum), (PyObject *)PyArray_DESCR(a));
+        return -1;
+    }
+    if (PyArray_NDIM(a) != 4) {
+        PyObject *g = dims_tuple(PyArray_NDIM(a), PyArray_DIMS(a));
+        if (g != NULL)
+            PyErr_Format(PyExc_ValueError, "%s: expected a 4-D array, got shape %R",
+                         name, g);
+        Py_XDECREF(g);
+        return -1;
+    }
+    const npy_intp item = PyArray_ITEMSIZE(a);
+    int in_place = PyArray_ISALIGNED(a) && PyArray_ISNOTSWAPPED(a) &&
+                   (PyArray_DIM(a, 3) <= 1 || PyArray_STRIDE(a, 3) == item);
+    for (int d = 0; d < 3; d++)
+        in_place &= PyArray_STRIDE(a, d) >= 0 && PyArray_STRIDE(a, d) % item == 0;
+    if (in_place) {
+        Py_INCREF(a);
+        c->in[pos] = a;
+    } else if ((c->in[pos] = (PyArrayObject *)PyArray_NewCopy(a, NPY_CORDER)) == NULL) {
+        return -1;
+    }
+    PyArrayObject *u = c->in[pos];
+    *st = (mha_strides){(size_t)(PyArray_STRIDE(u, 0) / item),
+                        (size_t)(PyArray_STRIDE(u, 1) / item),
+                        (size_t)(PyArray_STRIDE(u, 2) / item)};
+    return 0;
+}
+
+/* k, v and scales against q's sizes: k (B, G, Tk, dk), v (B, G, Tk, dv),
+   scales (H,), H a positive multiple of G, widths >= 1. */
+static int attention_shapes(const call *c)
+{
+    PyArrayObject *q = c->in[ATT_Q], *k = c->in[ATT_K], *v = c->in[ATT_V];
+    const npy_intp B = PyArray_DIM(q, 0), H = PyArray_DIM(q, 1);
+    const npy_intp G = PyArray_DIM(k, 1), Tk = PyArray_DIM(k, 2);
+    const npy_intp want_k[4] = {B, G, Tk, PyArray_DIM(q, 3)};
+    const npy_intp want_v[4] = {B, G, Tk, PyArray_DIM(v, 3)};
+    const npy_intp want_s = H;
+    if (check_shape(k, "k", 4, want_k, "(B, G, Tk, dk) from q's B and dk") < 0 ||
+        check_shape(v, "v", 4, want_v, "(B, G, Tk, dv) from k") < 0 ||
+        check_shape(c->in[ATT_SCALES], "scales", 1, &want_s, "(H,) from q") < 0)
+        return -1;
+    if (G == 0 || H % G != 0) {
+        PyErr_Format(PyExc_ValueError, "k: the number of query heads H = %zd (q's axis "
+                     "1) must be a positive multiple of the number of kv heads G = %zd",
+                     (Py_ssize_t)H, (Py_ssize_t)G);
+        return -1;
+    }
+    if (PyArray_DIM(q, 3) == 0 || PyArray_DIM(v, 3) == 0) {
+        PyErr_SetString(PyExc_ValueError, PyArray_DIM(q, 3) == 0
+                        ? "q: head width dk must be at least 1"
+                        : "v: head width dv must be at least 1");
+        return -1;
+    }
+    return 0;
+}
+
+/* The variants as for forward(), but the q/k transforms, which belong to
+   the projections: ValueError naming the first one given. */
+static int attention_variants(call *c)
+{
+    if (read_variants(c, c->arg[ATT_VARIANTS].obj) < 0)
+        return -1;
+    const mha_config *cfg = &c->cfg;
+    const char *on = cfg->q_norm ? "q_norm" : cfg->k_norm ? "k_norm"
+                     : cfg->rotary_dim ? "rotary_dim" : cfg->positions ? "positions"
+                     : cfg->key_positions ? "key_positions" : NULL;
+    if (on != NULL) {
+        PyErr_Format(PyExc_ValueError, "variants: %s is a q/k transform, applied with "
+                     "the projections; attention() takes q and k already "
+                     "transformed (%s must be off)", on, on);
+        return -1;
+    }
+    if (cfg->lengths_aligned && cfg->nseq > 0) {
+        PyErr_SetString(PyExc_ValueError, "lengths_aligned: not with packed sequences "
+                        "(cu_seqlens)");
+        return -1;
+    }
+    return 0;
+}
+
+/* The arrays, the sizes and c->cfg of an attention() call. */
+static int attention_config(attention_call *ac)
+{
+    call *c = &ac->c;
+    if (attention_array(c, ATT_Q, &ac->st[0]) < 0 ||
+        attention_array(c, ATT_K, &ac->st[1]) < 0 ||
+        attention_array(c, ATT_V, &ac->st[2]) < 0 ||
+        as_vector(&c->in[ATT_SCALES], c->arg[ATT_SCALES].obj, "scales", NPY_DOUBLE) < 0 ||
+        attention_shapes(c) < 0)
+        return -1;
+    PyArrayObject *q = c->in[ATT_Q], *k = c->in[ATT_K], *v = c->in[ATT_V];
+    npy_intp *n = c->size;
+    memset(n, 0, sizeof c->size);
+    n[L_B] = PyArray_DIM(q, 0), n[L_H] = PyArray_DIM(q, 1);
+    n[L_TQ] = PyArray_DIM(q, 2), n[L_TK] = PyArray_DIM(k, 2);
+    const size_t G = (size_t)PyArray_DIM(k, 1);
+    if ((c->widths = PyMem_Malloc(2 * G * sizeof *c->widths)) == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (size_t g = 0; g < G; g++) {
+        c->widths[g] = (size_t)PyArray_DIM(q, 3);
+        c->widths[G + g] = (size_t)PyArray_DIM(v, 3);
+    }
+    mha_mask_kind mask_kind;
+    ptrdiff_t ms[4];
+    if (as_lengths(&c->lengths, c->arg[ATT_KEY_LENGTHS].obj, n[L_B], n[L_TK]) < 0 ||
+        convert_mask(c, &attention_spec, &mask_kind, ms) < 0 ||
+        snapshot_scales(&c->scales, c->in[ATT_SCALES]) < 0)
+        return -1;
+    c->cfg = (mha_config){
+        .B = (size_t)n[L_B], .Tq = (size_t)n[L_TQ], .Tk = (size_t)n[L_TK],
+        .H = (size_t)n[L_H], .G = G, .dk = c->widths, .dv = c->widths + G,
+        .scale = c->scales, .causal = c->arg[ATT_CAUSAL].truth,
+        .mask_kind = mask_kind, .mask = DATA(c->in[ATT_MASK]),
+        .mask_stride = {ms[0], ms[1], ms[2], ms[3]},
+        .key_lengths = c->lengths, .has_wo = 1,
+        .lengths_aligned = c->arg[ATT_ALIGNED].truth,
+    };
+    return attention_variants(c);
+}
+
+static mha_status attention_core(const call *c)
+{
+    const attention_call *ac = (const attention_call *)c;
+    const mha_strides *s = ac->st;
+    void *w = DATA(c->out[1]), *l = DATA(c->out[2]);
+    if (c->typenum == NPY_FLOAT)
+        return mha_attend_f32(DATA(c->out[0]), w, l, DATA(c->in[ATT_Q]),
+                              DATA(c->in[ATT_K]), DATA(c->in[ATT_V]), &s[0], &s[1],
+                              &s[2], &s[3], &c->cfg);
+    return mha_attend_f64(DATA(c->out[0]), w, l, DATA(c->in[ATT_Q]), DATA(c->in[ATT_K]),
+                          DATA(c->in[ATT_V]), &s[0], &s[1], &s[2], &s[3], &c->cfg);
+}
+
+/* out (B, H, Tq, dv) or, out_bthd, (B, Tq, H, dv); weights, lse if wanted;
+   ac->st[3] = out's strides. */
+static int attention_outputs(attention_call *ac)
+{
+    call *c = &ac->c;
+    const npy_intp *n = c->size, dv = PyArray_DIM(c->in[ATT_V], 3);
+    const npy_intp B = n[L_B], H = n[L_H], Tq = n[L_TQ];
+    const int bthd = c->arg[ATT_OUT_BTHD].truth;
+    const npy_intp od[4] = {B, bthd ? Tq : H, bthd ? H : Tq, dv};
+    const npy_intp wd[4] = {B, H, Tq, n[L_TK]};
+    ac->st[3] = bthd ? (mha_strides){(size_t)(Tq * H * dv), (size_t)dv, (size_t)(H * dv)}
+                     : (mha_strides){(size_t)(H * Tq * dv), (size_t)(Tq * dv), (size_t)dv};
+    if ((c->out[0] = (PyArrayObject *)PyArray_EMPTY(4, od, c->typenum, 0)) == NULL)
+        return -1;
+    if (c->arg[ATT_WANT_WEIGHTS].truth &&
+        (c->out[1] = (PyArrayObject *)PyArray_EMPTY(4, wd, c->typenum, 0)) == NULL)
+        return -1;
+    if (c->arg[ATT_WANT_LSE].truth &&
+        (c->out[2] = (PyArrayObject *)PyArray_EMPTY(3, wd, c->typenum, 0)) == NULL)
+        return -1;
+    return 0;
+}
+
+static PyObject *attention(PyObject *self, PyObject *const *argv, Py_ssize_t nargs,
+                           PyObject *kwnames)
+{
+    (void)self;
+    const call_spec *sp = &attention_spec;
+    attention_call ac;
+    call *c = &ac.c;
+    PyObject *result = NULL;
+    call_init(c);
+    const int parsed = kwnames == NULL && nargs == ATT_NARGS
+                           ? read_positional(c, sp, argv)
+                           : parse_fastcall(c, sp, argv, nargs, kwnames);
+    if (parsed < 0 || attention_config(&ac) < 0 || attention_outputs(&ac) < 0)
+        goto fail;
+    // As forward(): a small call runs without the Ctrl-C handler.
+    const npy_intp *n = c->size;
+    const double work = (double)n[L_B] * (double)n[L_H] * (double)n[L_TQ] *
+                        (double)n[L_TK] *
+                        (double)(c->cfg.dk[0] + c->cfg.dv[0]);
+    if (run_core(c, attention_core, work > MHA_SMALL_WORK && on_main_thread()) < 0)
+        goto fail;
+    result = arrays_tuple(c->out, 3);
+fail:
+    call_release(c);
+    return result;
+}
+
 PyDoc_STRVAR(get_isa_doc,
 "get_isa()\n"
 "--\n\n"
@@ -1697,6 +1964,8 @@ static PyMethodDef mhattn_methods[] = {
     {"set_num_threads", set_num_threads, METH_O, set_num_threads_doc},
     {"backward", (PyCFunction)(void (*)(void))backward,
      METH_VARARGS | METH_KEYWORDS, backward_doc},
+    {"attention", (PyCFunction)(void (*)(void))attention,
+     METH_FASTCALL | METH_KEYWORDS, attention_doc},
     {NULL, NULL, 0, NULL},
 };
 

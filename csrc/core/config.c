@@ -54,7 +54,8 @@ static int cu_ok(const int64_t *cu, size_t nseq, size_t n)
     return (uint64_t)cu[nseq] == (uint64_t)n;
 }
 
-/* The variants (mha.h): window, softcap, ALiBi, packed sequences. */
+/* The variants (mha.h): window, softcap, ALiBi, packed sequences,
+   lengths_aligned. */
 static int variants_ok(const mha_config *cfg)
 {
     if (!cfg->windowed && (cfg->window_left != 0 || cfg->window_right != 0))
@@ -66,6 +67,10 @@ static int variants_ok(const mha_config *cfg)
     if (cfg->nseq > 0 &&
         (cfg->B != 1 || cfg->nseq > MHA_MAX_ELEMS ||
          !cu_ok(cfg->cu_q, cfg->nseq, cfg->Tq) || !cu_ok(cfg->cu_k, cfg->nseq, cfg->Tk)))
+        return 0;
+    // Packed sequences place their queries by their own sequence's keys:
+    // lengths_aligned (a KV cache's batch items) has no meaning with them.
+    if (cfg->lengths_aligned && cfg->nseq > 0)
         return 0;
     return 1;
 }

@@ -7,6 +7,7 @@
  */
 #include <stddef.h>
 #include <stdint.h>
+#include <math.h>
 #include <stdlib.h>
 
 #include "alloc.h"
@@ -15,7 +16,76 @@
 #include "kernels.h"
 #include "mha.h"
 #include "qk.h"
+#include "sizes.h"
 #include "threads.h"
+
+/*
+ * Split-K (mha_attend): a call with few query rows per (b, h) has too few
+ * tiles to keep the threads busy, and a decode step (Tq = 1) reads K and V
+ * once, so each (b, h)'s keys are cut into parts worked in parallel and
+ * merged in a fixed order. The parts are chosen from Tk alone, never from
+ * the thread count, so the bits do not depend on it: about one part per
+ * MHA_SPLIT_KEYS keys, at most MHA_SPLIT_MAX, each a whole number of 64-key
+ * blocks. Weights are exactly normalised by the tile's second sweep, which
+ * needs the final m, l: a call that wants them is not split.
+ */
+static void attend_split_plan(mha_flash_ctx *ctx)
+{
+    const mha_config *cfg = ctx->cfg;
+    ctx->nparts = 1;
+    ctx->part_len = cfg->Tk;
+    if (cfg->Tq > MHA_SPLIT_ROWS || ctx->weights != NULL ||
+        cfg->Tk < 2 * MHA_SPLIT_KEYS)
+        return;
+    size_t P = (cfg->Tk + MHA_SPLIT_KEYS - 1) / MHA_SPLIT_KEYS;
+    P = P < MHA_SPLIT_MAX ? P : MHA_SPLIT_MAX;
+    const size_t len = mha_round_up((cfg->Tk + P - 1) / P, 64);
+    ctx->part_len = len;
+    ctx->nparts = (cfg->Tk + len - 1) / len;
+}
+
+/* The tasks, on nth threads with their scratch: tasks of one tile each,
+   or (split-K) of one part each, then the merge of each tile's parts. */
+static mha_status attend_run(mha_flash_ctx *ctx, const mha_kernels *kern,
+                             size_t ntiles, int nth, size_t real_size,
+                             mha_task_fn merge)
+{
+    const size_t P = ctx->nparts;
+    const size_t per = kern->flash_scratch_bytes(ctx->dk_max, ctx->dv_max);
+    if (per == 0 || per > (SIZE_MAX - 64) / (size_t)nth)
+        return MHA_ERR_SIZE;
+    void *raw, *parts = NULL;
+    mha_status st = mha_scratch(&raw, (size_t)nth, per);
+    if (st != MHA_OK)
+        return st;
+    ctx->scratch = raw;
+    ctx->scratch_stride = per;
+    if (P > 1) {
+        // Partials (mha_flash_ctx): slots x BQ x (dv_max + 2) reals.
+        size_t slots, n;
+        if (!mha_mul_ok(&slots, ntiles, P) || !mha_mul_ok(&n, slots, ctx->bq) ||
+            !mha_mul_ok(&n, n, ctx->dv_max + 2))
+            st = MHA_ERR_SIZE;
+        else
+            st = mha_scratch(&parts, n, real_size);
+        if (st == MHA_OK) {
+            unsigned char *at = parts;
+            ctx->part_o = at;
+            ctx->part_m = at + slots * ctx->bq * ctx->dv_max * real_size;
+            ctx->part_l = at + slots * ctx->bq * (ctx->dv_max + 1) * real_size;
+            st = mha_parallel_for_n(ntiles * P, nth, kern->flash_part_task, ctx);
+        }
+        if (st == MHA_OK && !atomic_load(&ctx->stop))
+            st = mha_parallel_for_n(ntiles, nth, merge, ctx);
+    } else {
+        st = mha_parallel_for_n(ntiles, nth, kern->flash_task, ctx);
+    }
+    free(parts);
+    free(raw);
+    if (st == MHA_OK && atomic_load(&ctx->stop))
+        st = MHA_ERR_INTERRUPTED;
+    return st;
+}
 
 /*
  * Pass 2 of the forward, for either element type. ctx comes filled in but
@@ -23,16 +93,23 @@
  * into tiles (b, h, query block) of a size fixed by the kernel, each owned
  * by one thread, so the result does not depend on the thread count. Every
  * thread gets its own scratch, allocated here for the thread count handed
- * to the pool and padded to cache lines by the kernel's size.
+ * to the pool and padded to cache lines by the kernel's size. merge != NULL
+ * (mha_attend) allows split-K (attend_split_plan), its tasks merging the
+ * parts of one tile; elements of real_size bytes.
  */
-static mha_status attend(mha_flash_ctx *ctx, const mha_kernels *kern)
+static mha_status attend(mha_flash_ctx *ctx, const mha_kernels *kern,
+                         size_t real_size, mha_task_fn merge)
 {
     const mha_config *cfg = ctx->cfg;
     atomic_init(&ctx->stop, 0);
+    ctx->nparts = 1;
+    ctx->bq = kern->flash_bq;
     if (cfg->B == 0 || cfg->Tq == 0)
         return MHA_OK;
     ctx->nqb = (cfg->Tq + kern->flash_bq - 1) / kern->flash_bq;
     const size_t ntasks = cfg->B * cfg->H * ctx->nqb; /* <= B * H * Tq */
+    if (merge != NULL)
+        attend_split_plan(ctx);
 
     // Widest kv head. Without keys no tile touches the K / V scratch, so
     // absurd head widths need not be allocated for.
@@ -47,8 +124,8 @@ static mha_status attend(mha_flash_ctx *ctx, const mha_kernels *kern)
     int nth = mha_get_num_threads();
     if (nth < 1)
         nth = 1;
-    if ((size_t)nth > ntasks)
-        nth = (int)ntasks;
+    if ((size_t)nth > ntasks * ctx->nparts)
+        nth = (int)(ntasks * ctx->nparts);
     // Waking a sleeping worker costs tens of microseconds: a small call
     // (the document's example does ~100 multiply-adds) runs on the caller
     // alone. Only speed depends on this; tiles, and so results, do not.
@@ -56,21 +133,7 @@ static mha_status attend(mha_flash_ctx *ctx, const mha_kernels *kern)
                         (double)cfg->Tk * (double)(dk_max + dv_max);
     if (work < MHA_SMALL_WORK)
         nth = 1;
-    const size_t per = kern->flash_scratch_bytes(dk_max, dv_max);
-    if (per == 0 || per > (SIZE_MAX - 64) / (size_t)nth)
-        return MHA_ERR_SIZE;
-    void *raw;
-    const mha_status st_alloc = mha_scratch(&raw, (size_t)nth, per);
-    if (st_alloc != MHA_OK)
-        return st_alloc;
-    ctx->scratch = raw;
-    ctx->scratch_stride = per;
-
-    mha_status st = mha_parallel_for_n(ntasks, nth, kern->flash_task, ctx);
-    free(raw);
-    if (st == MHA_OK && atomic_load(&ctx->stop))
-        st = MHA_ERR_INTERRUPTED;
-    return st;
+    return attend_run(ctx, kern, ntasks, nth, real_size, merge);
 }
 
 #define MHA_F64 0

@@ -157,12 +157,14 @@ static mha_status PICK(fwd_pass_attend_f32, fwd_pass_attend_f64)(const FWD_PLAN 
     const size_t H = p->cfg->H, G = p->cfg->G;
     mha_flash_ctx fctx = {
         .cfg = p->cfg, .Sq = p->lay.Sq, .Sk = p->lay.Sk, .Sv = p->lay.Sv,
-        .Svq = p->lay.Svq, .qoff = p->off, .cvoff = p->off + H,
+        .Svq = p->lay.Svq, .q_bs = p->cfg->Tq * p->lay.Sq,
+        .k_bs = p->cfg->Tk * p->lay.Sk, .v_bs = p->cfg->Tk * p->lay.Sv,
+        .c_bs = p->cfg->Tq * p->lay.Svq, .qoff = p->off, .cvoff = p->off + H,
         .koff = p->off + 2 * H, .voff = p->off + 2 * H + G, .q = p->qt,
         .k = p->kt, .v = p->v, .cat = p->cat, .weights = a->weights,
         .lse = a->lse,
     };
-    return attend(&fctx, mha_kernels_for(mha_get_isa(), MHA_F64));
+    return attend(&fctx, mha_kernels_for(mha_get_isa(), MHA_F64), sizeof(REAL), NULL);
 }
 
 /* Pass 3: out = concat @ wo + bo, or out = concat (+ bo) without W^O. */
@@ -206,6 +208,157 @@ mha_status PICK(mha_forward_f32, mha_forward_f64)(
     if (st == MHA_OK)
         st = PICK(fwd_pass_output_f32, fwd_pass_output_f64)(&p, &a);
     PICK(fwd_plan_free_f32, fwd_plan_free_f64)(&p);
+    return st;
+}
+
+/* ---- mha_attend: attention on tensors already projected (mha.h) ---- */
+
+/*
+ * Split-K's merge, task t = tile (b, h, query block) as flash_tile_init
+ * numbers it: the parts p = 0, 1, ..., nparts - 1 of each row, in that
+ * order, into one softmax (flash-decoding), in double:
+ *   m = max(sink, max_p m_p),  w_p = exp(m_p - m),
+ *   l = exp(sink - m) + sum_p w_p l_p,  o = sum_p w_p o_p,
+ *   out = o / l,  lse = m + log l.
+ * A part that saw no key (l_p == 0) is skipped; a row that saw none, nor a
+ * sink, gets 0 and lse -inf, as flash_tile_finish gives.
+ */
+static void PICK(attend_merge_task_f32, attend_merge_task_f64)(void *ctxp, size_t t,
+                                                               int ith)
+{
+    (void)ith;
+    const mha_flash_ctx *ctx = ctxp;
+    const mha_config *cfg = ctx->cfg;
+    const size_t H = cfg->H, nqb = ctx->nqb, P = ctx->nparts, BQ = ctx->bq;
+    const size_t b = t / (H * nqb), h = t / nqb % H, g = h / (H / cfg->G);
+    const size_t i0 = (nqb - 1 - t % nqb) * BQ, dv = cfg->dv[g], dvm = ctx->dv_max;
+    const size_t nq = cfg->Tq - i0 < BQ ? cfg->Tq - i0 : BQ;
+    const REAL *po = (const REAL *)ctx->part_o + t * P * BQ * dvm;
+    const REAL *pm = (const REAL *)ctx->part_m + t * P * BQ;
+    const REAL *pl = (const REAL *)ctx->part_l + t * P * BQ;
+    REAL *cat_b = (REAL *)ctx->cat + b * ctx->c_bs + ctx->cvoff[h];
+    REAL *lse_bh = ctx->lse ? (REAL *)ctx->lse + (b * H + h) * cfg->Tq : NULL;
+    const double sink = cfg->sinks ? (double)((const REAL *)cfg->sinks)[h] : -INFINITY;
+    double w[MHA_SPLIT_MAX];
+    for (size_t r = 0; r < nq; r++) {
+        REAL *out_i = cat_b + (i0 + r) * ctx->Svq;
+        double m = sink, l = 0;
+        for (size_t p = 0; p < P; p++)
+            if (pl[p * BQ + r] != 0 && (double)pm[p * BQ + r] > m)
+                m = (double)pm[p * BQ + r];
+        if (m == -INFINITY) { /* no key seen, no sink */
+            for (size_t c = 0; c < dv; c++)
+                out_i[c] = 0;
+            if (lse_bh)
+                lse_bh[i0 + r] = NINF;
+            continue;
+        }
+        if (sink != -INFINITY)
+            l = exp(sink - m);
+        for (size_t p = 0; p < P; p++) {
+            const REAL l_p = pl[p * BQ + r];
+            w[p] = l_p != 0 ? exp((double)pm[p * BQ + r] - m) : 0;
+            l += l_p != 0 ? w[p] * (double)l_p : 0;
+        }
+        for (size_t c = 0; c < dv; c++) {
+            double o = 0;
+            for (size_t p = 0; p < P; p++)
+                if (w[p] != 0)
+                    o += w[p] * (double)po[(p * BQ + r) * dvm + c];
+            out_i[c] = (REAL)(o / l);
+        }
+        if (lse_bh)
+            lse_bh[i0 + r] = (REAL)(m + log(l));
+    }
+}
+
+/* 1 when the last element of a (B, n, T, d) tensor at strides st lies
+   within MHA_MAX_ELEMS of its first (or it has none). */
+static int PICK(attend_extent_ok_f32, attend_extent_ok_f64)(const mha_strides *st,
+                                                             size_t B, size_t n,
+                                                             size_t T, size_t d)
+{
+    if (B == 0 || n == 0 || T == 0 || d == 0)
+        return 1;
+    size_t a, e, c;
+    if (!mha_mul_ok(&a, B - 1, st->sb) || !mha_mul_ok(&e, n - 1, st->sh) ||
+        !mha_add_ok(&a, a, e) || !mha_mul_ok(&c, T - 1, st->st) ||
+        !mha_add_ok(&a, a, c) || !mha_add_ok(&a, a, d))
+        return 0;
+    return a <= MHA_MAX_ELEMS;
+}
+
+/* mha_attend's checks: *lc = cfg with the projections' sizes ignored, as
+   mha_check_config then checks it; q/k transforms off; every kv head the
+   same widths; the buffers there and their extents within bounds. */
+static mha_status PICK(attend_check_f32, attend_check_f64)(
+    mha_config *lc, const void *out, const void *q, const void *k, const void *v,
+    const mha_strides *sq, const mha_strides *sk, const mha_strides *sv,
+    const mha_strides *so, const mha_config *cfg)
+{
+    if (cfg == NULL || sq == NULL || sk == NULL || sv == NULL || so == NULL)
+        return MHA_ERR_ARG;
+    *lc = *cfg;
+    lc->Din = lc->Dkin = lc->Dvin = lc->Dout = 0;
+    lc->has_wo = 1;
+    mha_layout lay;
+    mha_status st = mha_check_config(&lay, lc);
+    if (st != MHA_OK)
+        return st;
+    if (cfg->q_norm != NULL || cfg->k_norm != NULL || cfg->rotary_dim != 0)
+        return MHA_ERR_ARG;
+    const size_t dk = cfg->dk[0], dv = cfg->dv[0];
+    for (size_t g = 1; g < cfg->G; g++)
+        if (cfg->dk[g] != dk || cfg->dv[g] != dv)
+            return MHA_ERR_ARG;
+    const size_t B = cfg->B, Tq = cfg->Tq, Tk = cfg->Tk, H = cfg->H, G = cfg->G;
+    if ((out == NULL && B * Tq != 0) || (q == NULL && B * Tq != 0) ||
+        ((k == NULL || v == NULL) && B * Tk != 0))
+        return MHA_ERR_ARG;
+    if (!PICK(attend_extent_ok_f32, attend_extent_ok_f64)(sq, B, H, Tq, dk) ||
+        !PICK(attend_extent_ok_f32, attend_extent_ok_f64)(so, B, H, Tq, dv) ||
+        !PICK(attend_extent_ok_f32, attend_extent_ok_f64)(sk, B, G, Tk, dk) ||
+        !PICK(attend_extent_ok_f32, attend_extent_ok_f64)(sv, B, G, Tk, dv))
+        return MHA_ERR_SIZE;
+    return MHA_OK;
+}
+
+mha_status PICK(mha_attend_f32, mha_attend_f64)(REAL *out, REAL *weights, REAL *lse,
+                                                const REAL *q, const REAL *k,
+                                                const REAL *v, const mha_strides *sq,
+                                                const mha_strides *sk,
+                                                const mha_strides *sv,
+                                                const mha_strides *so,
+                                                const mha_config *cfg)
+{
+    // out (B, H, Tq, dv) at *so; weights (B, H, Tq, Tk), lse (B, H, Tq)
+    // contiguous; q (B, H, Tq, dk) at *sq; k, v (B, G, Tk, dk | dv) at *sk, *sv.
+    mha_config lc;
+    mha_status st = PICK(attend_check_f32, attend_check_f64)(&lc, out, q, k, v, sq, sk,
+                                                             sv, so, cfg);
+    if (st != MHA_OK)
+        return st;
+    const size_t H = lc.H, G = lc.G;
+    size_t *off;
+    if ((st = mha_scratch((void **)&off, 2 * (H + G), sizeof *off)) != MHA_OK)
+        return st;
+    for (size_t h = 0; h < H; h++) {
+        off[h] = h * sq->sh;
+        off[H + h] = h * so->sh;
+    }
+    for (size_t g = 0; g < G; g++) {
+        off[2 * H + g] = g * sk->sh;
+        off[2 * H + G + g] = g * sv->sh;
+    }
+    mha_flash_ctx fctx = {
+        .cfg = &lc, .Sq = sq->st, .Sk = sk->st, .Sv = sv->st, .Svq = so->st,
+        .q_bs = sq->sb, .k_bs = sk->sb, .v_bs = sv->sb, .c_bs = so->sb,
+        .qoff = off, .cvoff = off + H, .koff = off + 2 * H, .voff = off + 2 * H + G,
+        .q = q, .k = k, .v = v, .cat = out, .weights = weights, .lse = lse,
+    };
+    st = attend(&fctx, mha_kernels_for(mha_get_isa(), MHA_F64), sizeof(REAL),
+                PICK(attend_merge_task_f32, attend_merge_task_f64));
+    free(off);
     return st;
 }
 

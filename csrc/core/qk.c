@@ -121,7 +121,7 @@ static int64_t qk_pos(const qk_side *s, size_t r)
     const size_t b = r / s->T, i = r % s->T;
     if (s->pos != NULL)
         return s->pos[b * s->pos_bstride + i];
-    return s->key ? mha_rules_key_pos(s->cfg, i) : mha_rules_query_pos(s->cfg, i);
+    return s->key ? mha_rules_key_pos(s->cfg, i) : mha_rules_query_pos(s->cfg, b, i);
 }
 
 /* q's and k's rows i have the same positions (self-attention with the
@@ -129,7 +129,8 @@ static int64_t qk_pos(const qk_side *s, size_t r)
 static int qk_share_angles(const mha_config *cfg)
 {
     return cfg->rotary_dim > 0 && cfg->positions == NULL &&
-           cfg->key_positions == NULL && cfg->nseq == 0 && cfg->Tq == cfg->Tk;
+           cfg->key_positions == NULL && cfg->nseq == 0 && cfg->Tq == cfg->Tk &&
+           !cfg->lengths_aligned; /* which moves query rows by key_len(b) */
 }
 
 /* cs (2 half,) = cos then sin of row r's angles pos inv_freq[c], c < half

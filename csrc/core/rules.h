@@ -6,7 +6,10 @@
  * backward cannot drift apart.
  *
  * Letters (see mha.h): Tq queries, Tk keys. Rows of a query i are aligned
- * bottom-right: query i sits at position p_i = i + (Tk - Tq), key j at j.
+ * bottom-right: query i sits at position p_i = i + (Tk - Tq), key j at j;
+ * with cfg->lengths_aligned (a KV cache) at p_i = i + (len_b - Tq) instead,
+ * len_b = mha_rules_key_len(cfg, b), so each batch item's queries end at its
+ * own last key (causal, window, ALiBi and RoPE's default positions alike).
  *
  * Part 1 (plain C, any compile unit): which keys a query sees.
  *   key j is visible from query i (at p_i; key j at pos(j), see below) iff
@@ -79,13 +82,16 @@ static inline size_t mha_rules_seq_of(const int64_t *cu, size_t nseq, size_t r)
     return lo;
 }
 
-/* The position of query i, p_i = i + (Tk - Tq), within its own sequence
-   when packed: query r of a sequence of nq queries and nk keys sits at
+/* The position of query i of batch item b, p_i = i + (Tk - Tq) (or
+   i + (len_b - Tq) with lengths_aligned), within its own sequence when
+   packed: query r of a sequence of nq queries and nk keys sits at
    r + nk - nq. May be negative (more queries than keys). */
-static inline int64_t mha_rules_query_pos(const mha_config *cfg, size_t i)
+static inline int64_t mha_rules_query_pos(const mha_config *cfg, size_t b, size_t i)
 {
-    if (cfg->nseq == 0)
-        return (int64_t)i + ((int64_t)cfg->Tk - (int64_t)cfg->Tq);
+    if (cfg->nseq == 0) {
+        const size_t tk = cfg->lengths_aligned ? mha_rules_key_len(cfg, b) : cfg->Tk;
+        return (int64_t)i + ((int64_t)tk - (int64_t)cfg->Tq);
+    }
     const size_t s = mha_rules_seq_of(cfg->cu_q, cfg->nseq, i);
     return ((int64_t)i - cfg->cu_q[s]) +
            ((cfg->cu_k[s + 1] - cfg->cu_k[s]) - (cfg->cu_q[s + 1] - cfg->cu_q[s]));
@@ -113,14 +119,18 @@ static inline ptrdiff_t mha_rules_mask_at(const mha_config *cfg, size_t b,
 /* Where query i sits, and where its keys start: query i of a packed
    sequence s sees keys cu_k[s] .. cu_k[s+1] - 1, key j at position
    j - cu_k[s]. *base = cu_k[s] (0 unpacked), *nk = the sequence's key
-   count (Tk unpacked); returns p_i (mha_rules_query_pos). */
+   count (Tk unpacked); returns p_i (mha_rules_query_pos). len_b is the
+   row's batch item's key count (mha_rules_key_len), which places the row
+   under lengths_aligned (never packed: mha_check_config). */
 static inline int64_t mha_rules_row_place(const mha_config *cfg, size_t i,
-                                          int64_t *base, int64_t *nk)
+                                          size_t len_b, int64_t *base,
+                                          int64_t *nk)
 {
     if (cfg->nseq == 0) {
+        const size_t tk = cfg->lengths_aligned ? len_b : cfg->Tk;
         *base = 0;
         *nk = (int64_t)cfg->Tk;
-        return (int64_t)i + ((int64_t)cfg->Tk - (int64_t)cfg->Tq);
+        return (int64_t)i + ((int64_t)tk - (int64_t)cfg->Tq);
     }
     const size_t s = mha_rules_seq_of(cfg->cu_q, cfg->nseq, i);
     *base = cfg->cu_k[s];
@@ -134,7 +144,9 @@ static inline int64_t mha_rules_row_place(const mha_config *cfg, size_t i,
  *     its own sequence's keys (packed),  j < len_b (key_lengths),
  *     pos(j) <= p_i (causal),  p_i - left <= pos(j) <= p_i + right
  *     (windowed; a side < 0 is unbounded),
- * clamped so that lo <= hi. Both ends are nondecreasing in i, across
+ * clamped so that lo <= hi. len_b = mha_rules_key_len(cfg, b) of the
+ * row's batch item (it also places the row under lengths_aligned). Both
+ * ends are nondecreasing in i (per batch item), across
  * packed sequences too (each sequence's interval lies within its keys,
  * and later sequences hold later keys): a block of rows i0 .. i1 sees
  * keys in [lo(i0), hi(i1)) only.
@@ -143,7 +155,7 @@ static inline void mha_rules_key_range(const mha_config *cfg, size_t i,
                                        size_t len_b, size_t *lo, size_t *hi)
 {
     int64_t base, nk;
-    const int64_t p = mha_rules_row_place(cfg, i, &base, &nk);
+    const int64_t p = mha_rules_row_place(cfg, i, len_b, &base, &nk);
     int64_t a = 0, e = nk; /* within the sequence: 0 <= a, e <= nk */
     if (cfg->causal && p + 1 < e)
         e = p + 1;
@@ -277,7 +289,8 @@ static void PICK(rules_score_row_f32, rules_score_row_f64)(
         // Key j0 + j of i's own sequence is at distance |d0 - j|, exact in
         // REAL for any distance below 2^24.
         int64_t base, nk;
-        const int64_t d0 = mha_rules_row_place(cfg, i, &base, &nk) + base - (int64_t)j0;
+        const int64_t d0 = mha_rules_row_place(cfg, i, mha_rules_key_len(cfg, b),
+                                               &base, &nk) + base - (int64_t)j0;
         const VEC ns = VSET1((REAL)-cfg->alibi[b * cfg->alibi_bstride + h]);
         const VEC d0v = VSET1((REAL)d0), iota = VIOTA();
         for (j = a0; j < e; j += VLEN) {

@@ -61,7 +61,12 @@ static inline size_t mha_round_up(size_t n, size_t m)
  */
 typedef struct {
     const mha_config *cfg;
-    size_t Sq, Sk, Sv, Svq;
+    /* Where each operand lies: element (b, h, t, c) of q at
+       b q_bs + qoff[h] + t Sq + c, and likewise k, v (kv head g: koff,
+       voff) and cat (cvoff). mha_forward's fused buffers have q_bs = Tq Sq
+       and so on; mha_attend's strided ones any strides (mha_strides). */
+    size_t Sq, Sk, Sv, Svq;       /* row strides of q, k, v and cat    */
+    size_t q_bs, k_bs, v_bs, c_bs; /* batch strides                   */
     const size_t *qoff, *cvoff;   /* (H,): head offsets in q and cat   */
     const size_t *koff, *voff;    /* (G,): head offsets in k and v     */
     const void *q;                /* (B, Tq, Sq)                       */
@@ -74,8 +79,24 @@ typedef struct {
     size_t dk_max, dv_max;        /* the scratch is laid out for these */
     unsigned char *scratch;       /* nth * scratch_stride bytes, 64-aligned */
     size_t scratch_stride;        /* bytes per thread, a multiple of 64 */
+    /* Split-K (flash_part_task, mha_attend): the keys of each (b, h) in
+       nparts parts of part_len keys (the last may be shorter); part p of
+       tile (b, h, block) leaves its rows' unnormalised o and running m, l,
+       without the sink, at slot s = ((b H + h) nqb + block) nparts + p:
+         part_o (slots, BQ, dv_max), part_m, part_l (slots, BQ).
+       1 part: the tiles above, no partials. */
+    size_t nparts, part_len;
+    void *part_o, *part_m, *part_l;
+    size_t bq;                    /* the kernel's BQ                   */
     atomic_int stop;              /* set once cfg->interrupt was seen  */
 } mha_flash_ctx;
+
+/* Split-K (core/forward.c, attend_split_plan): calls of at most
+   MHA_SPLIT_ROWS query rows split each (b, h)'s keys into about one part
+   per MHA_SPLIT_KEYS keys, at most MHA_SPLIT_MAX parts. */
+#define MHA_SPLIT_ROWS ((size_t)16)
+#define MHA_SPLIT_KEYS ((size_t)512)
+#define MHA_SPLIT_MAX ((size_t)64)
 
 /* The caller's interrupt flag (cfg->interrupt, may be NULL) is raised: the
    one poll of the core. Drivers poll it between stages (a GEMM is not
@@ -168,6 +189,9 @@ typedef struct {
        ctx an mha_flash_ctx, in the scratch of thread ith. */
     mha_task_fn flash_task;
     size_t flash_bq;     /* BQ, query rows per tile                    */
+    /* Split-K: task(ctx, t, ith), t = tile nparts + part: the part's keys
+       only, its partials into ctx->part_* (see mha_flash_ctx). */
+    mha_task_fn flash_part_task;
     /* Scratch bytes one thread needs for kv heads up to dk_max x dv_max
        wide (a multiple of 64), or 0 when that overflows size_t. */
     size_t (*flash_scratch_bytes)(size_t dk_max, size_t dv_max);
