@@ -143,7 +143,7 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None
     (3, 4)
     >>> out = mhattn.multi_head_attention(X, w_q, w_k, w_v, w_o, causal=True,
     ...                                   window=(1, 0), softcap=30.0)
-    >>> cache = mhattn.KVCache(1, 2, 16, 2)          # decode, one row at a time
+    >>> cache = mhattn.KVCache(1, 2, 16, 2, dtype=X.dtype)   # decode, row by row
     >>> steps = [mhattn.multi_head_attention(X[i:i + 1], w_q, w_k, w_v, w_o,
     ...                                      causal=True, cache=cache) for i in range(3)]
     >>> np.allclose(np.concatenate(steps), mhattn.multi_head_attention(
