@@ -33,6 +33,9 @@ _LAYOUTS = ("bhtd", "bthd")
 # The q/k transforms (q_norm, k_norm, rope) belong to the projections.
 _ATTENTION_VARIANTS = ("window", "softcap", "alibi_slopes", "sinks", "key_mask",
                        "cu_seqlens", "key_cu_seqlens")
+_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+# (H, dk, scale) -> the glue's read-only scales (H,): a decode step builds none.
+_SCALES: Dict[tuple, np.ndarray] = {}
 
 
 class Projected(SimpleNamespace):
@@ -68,7 +71,9 @@ def check_projected(q, k, v, layout: str = "bhtd") -> Projected:
     for name, a in zip("kv", arrays[1:]):
         if a.ndim != nd:
             raise ValueError(f"{name}: has {a.ndim} dimensions but q has {nd} {seen}")
-    dtype = compute_dtype(arrays)
+    dts = {a.dtype for a in arrays}
+    dtype = dts.pop() if len(dts) == 1 and arrays[0].dtype in _FLOATS else \
+        compute_dtype(arrays)
     views = []
     for a in arrays:
         a = a if a.dtype == dtype else a.astype(dtype)
@@ -108,13 +113,28 @@ def _glue_args(p: Projected, scale, mask, causal, key_lengths, variants) -> tupl
         raise ValueError(f"cu_seqlens: packed sequences take unbatched 3-D q, k, v, the "
                          f"tokens along T (q (H, total, d_k) with layout='bhtd'); got q "
                          f"of {p.B} batch items")
-    var = projected_variants(p, variants, key_lengths)
-    scales = np.asarray(head_scales(p.H, p.G, [p.dk] * p.G, _scale_arg(scale)),
-                        dtype=np.float64)
+    var = None
+    if any(a is not None for a in variants.values()):
+        var = variant_args(SimpleNamespace(var=projected_variants(p, variants,
+                                                                  key_lengths)))
+    scales = _scales(p.H, p.dk, _scale_arg(scale))
     causal = bool_arg("causal", causal)
     m = _normalize_mask(mask, p.batched, p.B, p.H, p.Tq, p.Tk, p.dtype)
     kl = _normalize_lengths(key_lengths, p.batched, p.B, p.Tk)
-    return scales, m, causal, kl, variant_args(SimpleNamespace(var=var))
+    return scales, m, causal, kl, var
+
+
+def _scales(H: int, dk: int, scale: Optional[float]) -> np.ndarray:
+    """The glue's scales (H,) float64, read-only, kept for the next call."""
+    key = (H, dk, scale)
+    a = _SCALES.get(key)
+    if a is None:
+        a = np.asarray(head_scales(H, H, [dk] * H, scale), dtype=np.float64)
+        a.flags.writeable = False
+        # NaN != NaN, and 0.0 == -0.0 would hand one the other's array.
+        if len(_SCALES) < 256 and (scale is None or (scale == scale and scale)):
+            _SCALES[key] = a
+    return a
 
 
 def _unbatch(p: Projected, a):
