@@ -1883,6 +1883,385 @@ fail:
     return result;
 }
 
+/* ---- project and attention_backward (issue 17) -------------------------- */
+
+PyDoc_STRVAR(project_doc,
+"project(x, key, value, wq, wk, wv, bq, bk, bv, dk, dv, scales, variants)\n"
+"--\n\n"
+"The projections of forward() alone (low level): x, key, value, wq, wk,\n"
+"wv, biases, dk, dv, scales and variants as given to forward(). Returns\n"
+"(q (B,Tq,Sq), k (B,Tk,Sk), v (B,Tk,Sv)), q and k after the q/k norm and\n"
+"RoPE (positions from the variants tuple, or the defaults).");
+
+/* project()'s positional arguments. PRJ_NONE is a slot past them that
+   holds None (false): project() has no W^O, mask, causal or key_lengths,
+   and the skeleton reads those from there. */
+enum {
+    PRJ_X, PRJ_KEY, PRJ_VALUE, PRJ_WQ, PRJ_WK, PRJ_WV, PRJ_BQ, PRJ_BK, PRJ_BV,
+    PRJ_DK, PRJ_DV, PRJ_SCALES, PRJ_VARIANTS, PRJ_NARGS, PRJ_NONE = PRJ_NARGS
+};
+_Static_assert(PRJ_NONE < MAX_ARGS, "a call holds project()'s arguments");
+
+static const arg_spec project_args[PRJ_NARGS] = {
+    [PRJ_X] = {"x", ARG_ARRAY, SHAPE3(L_B, L_TQ, L_DIN), 0},
+    [PRJ_KEY] = {"key", ARG_ARRAY, SHAPE3(L_B, L_TK, L_DKIN), 0},
+    [PRJ_VALUE] = {"value", ARG_ARRAY, SHAPE3(L_B, L_TK, L_DVIN), 0},
+    [PRJ_WQ] = {"wq", ARG_ARRAY, SHAPE2(L_DIN, L_SQ), 0},
+    [PRJ_WK] = {"wk", ARG_ARRAY, SHAPE2(L_DKIN, L_SK), 0},
+    [PRJ_WV] = {"wv", ARG_ARRAY, SHAPE2(L_DVIN, L_SV), 0},
+    [PRJ_BQ] = {"bq", ARG_ARRAY_OPT, SHAPE1(L_SQ), 0},
+    [PRJ_BK] = {"bk", ARG_ARRAY_OPT, SHAPE1(L_SK), 0},
+    [PRJ_BV] = {"bv", ARG_ARRAY_OPT, SHAPE1(L_SV), 0},
+    [PRJ_DK] = {.name = "dk", .kind = ARG_INT64},
+    [PRJ_DV] = {.name = "dv", .kind = ARG_INT64},
+    [PRJ_SCALES] = {.name = "scales", .kind = ARG_FLOAT64},
+    [PRJ_VARIANTS] = {.name = "variants", .kind = ARG_VARIANTS},
+};
+
+static const int project_checks_x[] = {PRJ_KEY, PRJ_VALUE, -1};
+static const int project_checks_widths[] = {
+    PRJ_WQ, PRJ_WK, PRJ_WV, PRJ_BQ, PRJ_BK, PRJ_BV, -1};
+
+static const call_spec project_spec = {
+    .name = "project", .nargs = PRJ_NARGS, .args = project_args,
+    .checks_x = project_checks_x, .checks_widths = project_checks_widths,
+    .x = PRJ_X, .key = PRJ_KEY, .value = PRJ_VALUE, .wo = PRJ_NONE,
+    .dk = PRJ_DK, .dv = PRJ_DV, .scales = PRJ_SCALES, .mask = PRJ_NONE,
+    .causal = PRJ_NONE, .key_lengths = PRJ_NONE, .variants = PRJ_VARIANTS,
+    .broadcast_mask = 0,
+};
+
+static const shape project_outs[3] = {
+    SHAPE3(L_B, L_TQ, L_SQ), SHAPE3(L_B, L_TK, L_SK), SHAPE3(L_B, L_TK, L_SV)};
+
+/* mha_project_f32 and _f64 take the same arguments, each in its dtype. */
+#define PROJECT_CORE(fn, in, out, cfg)                                        \
+    fn(DATA(out[0]), DATA(out[1]), DATA(out[2]), DATA(in[PRJ_X]),             \
+       DATA(in[PRJ_KEY]), DATA(in[PRJ_VALUE]), DATA(in[PRJ_WQ]),              \
+       DATA(in[PRJ_WK]), DATA(in[PRJ_WV]), DATA(in[PRJ_BQ]),                  \
+       DATA(in[PRJ_BK]), DATA(in[PRJ_BV]), cfg)
+
+static mha_status project_core(const call *c)
+{
+    if (c->typenum == NPY_FLOAT)
+        return PROJECT_CORE(mha_project_f32, c->in, c->out, &c->cfg);
+    return PROJECT_CORE(mha_project_f64, c->in, c->out, &c->cfg);
+}
+
+static PyObject *project(PyObject *self, PyObject *const *argv, Py_ssize_t nargs,
+                         PyObject *kwnames)
+{
+    (void)self;
+    const call_spec *sp = &project_spec;
+    call c;
+    PyObject *result = NULL;
+    call_init(&c);
+    const int parsed = kwnames == NULL && nargs == PRJ_NARGS
+                           ? read_positional(&c, sp, argv)
+                           : parse_fastcall(&c, sp, argv, nargs, kwnames);
+    c.arg[PRJ_NONE] = (arg_value){Py_None, 0};
+    if (parsed < 0 || convert_arrays(&c, sp) < 0 || build_config(&c, sp) < 0)
+        goto fail;
+    const int want[3] = {1, 1, 1};
+    if (make_outputs(&c, 3, project_outs, want) < 0)
+        goto fail;
+    const npy_intp *n = c.size;
+    const double work = (double)n[L_B] * ((double)n[L_TQ] * (double)n[L_DIN] * (double)n[L_SQ] +
+                                          (double)n[L_TK] * ((double)n[L_DKIN] * (double)n[L_SK] +
+                                                             (double)n[L_DVIN] * (double)n[L_SV]));
+    if (run_core(&c, project_core, work > MHA_SMALL_WORK && on_main_thread()) < 0)
+        goto fail;
+    result = arrays_tuple(c.out, 3);
+fail:
+    call_release(&c);
+    return result;
+}
+
+PyDoc_STRVAR(attention_backward_doc,
+"attention_backward(dout, q, k, v, out, lse, scales, mask, causal,\n"
+"                   key_lengths, variants, lengths_aligned)\n"
+"--\n\n"
+"Backward of attention on projected tensors (low level; see\n"
+"mhattn.attention_grad). dout, out (B,H,Tq,dv), q (B,H,Tq,dk),\n"
+"k (B,G,Tk,dk), v (B,G,Tk,dv): 4-D arrays of one dtype (float32 or\n"
+"float64), any strides; lse (B,H,Tq) or None (recomputed); scales float64\n"
+"(H,); mask, causal, key_lengths, variants as for forward() (the q/k\n"
+"transforms off); lengths_aligned: a truth value.\n\n"
+"Returns (dq (B,H,Tq,dk), dk (B,G,Tk,dk), dv (B,G,Tk,dv), dsinks (H,) or\n"
+"None), C-contiguous.");
+
+/* attention_backward()'s positional arguments. */
+enum {
+    ABW_DOUT, ABW_Q, ABW_K, ABW_V, ABW_OUT, ABW_LSE, ABW_SCALES, ABW_MASK,
+    ABW_CAUSAL, ABW_KEY_LENGTHS, ABW_VARIANTS, ABW_LENGTHS_ALIGNED, ABW_NARGS
+};
+_Static_assert(ABW_NARGS <= MAX_ARGS, "a call holds attention_backward()'s arguments");
+
+/* The shapes are checked by attn_arrays, not by the skeleton's tables. */
+static const arg_spec attention_backward_args[ABW_NARGS] = {
+    [ABW_DOUT] = {.name = "dout", .kind = ARG_ARRAY},
+    [ABW_Q] = {.name = "q", .kind = ARG_ARRAY},
+    [ABW_K] = {.name = "k", .kind = ARG_ARRAY},
+    [ABW_V] = {.name = "v", .kind = ARG_ARRAY},
+    [ABW_OUT] = {.name = "out", .kind = ARG_ARRAY},
+    [ABW_LSE] = {.name = "lse", .kind = ARG_ARRAY_OPT},
+    [ABW_SCALES] = {.name = "scales", .kind = ARG_FLOAT64},
+    [ABW_MASK] = {.name = "mask", .kind = ARG_MASK},
+    [ABW_CAUSAL] = {.name = "causal", .kind = ARG_BOOL},
+    [ABW_KEY_LENGTHS] = {.name = "key_lengths", .kind = ARG_LENGTHS},
+    [ABW_VARIANTS] = {.name = "variants", .kind = ARG_VARIANTS},
+    [ABW_LENGTHS_ALIGNED] = {.name = "lengths_aligned", .kind = ARG_BOOL},
+};
+
+static const call_spec attention_backward_spec = {
+    .name = "attention_backward", .nargs = ABW_NARGS,
+    .args = attention_backward_args, .mask = ABW_MASK, .causal = ABW_CAUSAL,
+    .key_lengths = ABW_KEY_LENGTHS, .variants = ABW_VARIANTS,
+    .broadcast_mask = 1,
+};
+
+/* *res = a new reference to obj when it is a float ndarray of dtype
+   typenum (q's) and nd dimensions, NULL for None when allow_none; else -1
+   with an exception naming it. */
+static int attn_array(PyArrayObject **res, PyObject *obj, const char *name, int typenum,
+                      int nd, int allow_none)
+{
+    *res = NULL;
+    if (obj == Py_None && allow_none)
+        return 0;
+    if (!PyArray_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s: expected a numpy.ndarray%s, got %s", name,
+                     allow_none ? " or None" : "", Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    PyArrayObject *a = (PyArrayObject *)obj;
+    if (PyArray_TYPE(a) != typenum) {
+        PyErr_Format(PyExc_TypeError, "%s: expected dtype %s (the dtype of q), got %R", name,
+                     dtype_name(typenum), (PyObject *)PyArray_DESCR(a));
+        return -1;
+    }
+    if (PyArray_NDIM(a) != nd) {
+        PyObject *g = dims_tuple(PyArray_NDIM(a), PyArray_DIMS(a));
+        if (g != NULL)
+            PyErr_Format(PyExc_ValueError, "%s: expected a %d-D array, got shape %R", name, nd, g);
+        Py_XDECREF(g);
+        return -1;
+    }
+    Py_INCREF(a);
+    *res = a;
+    return 0;
+}
+
+/* A new (B, T, heads, d) C-contiguous array: the fused layout (B, T,
+   heads d) of a (B, heads, T, d) one. */
+static PyArrayObject *fused_empty(const npy_intp dims[4], int typenum)
+{
+    const npy_intp f[4] = {dims[0], dims[2], dims[1], dims[3]};
+    return (PyArrayObject *)PyArray_EMPTY(4, f, typenum, 0);
+}
+
+/* fused's axes 1 and 2 swapped: a (B, heads, T, d) view of it. */
+static PyArrayObject *fused_view(PyArrayObject *fused)
+{
+    npy_intp perm[4] = {0, 2, 1, 3};
+    PyArray_Dims p = {perm, 4};
+    return (PyArrayObject *)PyArray_Transpose(fused, &p);
+}
+
+/* *dst = a copy of a (B, heads, T, d), any strides, in the fused layout. */
+static int fused_copy(PyArrayObject **dst, PyArrayObject *a)
+{
+    PyArrayObject *f = fused_empty(PyArray_DIMS(a), PyArray_TYPE(a)), *view;
+    if (f == NULL || (view = fused_view(f)) == NULL) {
+        Py_XDECREF(f);
+        return -1;
+    }
+    const int res = PyArray_CopyInto(view, a);
+    Py_DECREF(view);
+    if (res < 0) {
+        Py_DECREF(f);
+        return -1;
+    }
+    *dst = f;
+    return 0;
+}
+
+/* The arrays of attention_backward(): dtype and dimensions, then shapes
+   against q's (B, H, Tq, dk), k's (G, Tk) and v's dv, in positional order.
+   a[]: new references, NULL for lse None. */
+static int attn_arrays(call *c, PyArrayObject *a[ABW_SCALES])
+{
+    static const int nd[ABW_SCALES] = {4, 4, 4, 4, 4, 3};
+    static const char *const letters[ABW_SCALES] = {
+        "(B, H, Tq, dv)", "(B, H, Tq, dk)", "(B, G, Tk, dk)", "(B, G, Tk, dv)",
+        "(B, H, Tq, dv)", "(B, H, Tq)"};
+    PyObject *q_o = c->arg[ABW_Q].obj;
+    const int tq = PyArray_Check(q_o) ? PyArray_TYPE((PyArrayObject *)q_o) : -1;
+    if (tq != NPY_FLOAT && tq != NPY_DOUBLE) {
+        if (tq < 0)
+            PyErr_Format(PyExc_TypeError, "q: expected a numpy.ndarray, got %s",
+                         Py_TYPE(q_o)->tp_name);
+        else
+            PyErr_Format(PyExc_TypeError, "q: expected dtype float32 or float64, got %R",
+                         (PyObject *)PyArray_DESCR((PyArrayObject *)q_o));
+        return -1;
+    }
+    c->typenum = tq;
+    for (int i = 0; i < ABW_SCALES; i++)
+        if (attn_array(&a[i], c->arg[i].obj, attention_backward_args[i].name, tq, nd[i],
+                       i == ABW_LSE) < 0)
+            return -1;
+    const npy_intp *q = PyArray_DIMS(a[ABW_Q]), *k = PyArray_DIMS(a[ABW_K]);
+    const npy_intp dv = PyArray_DIM(a[ABW_V], 3);
+    const npy_intp want[ABW_SCALES][4] = {
+        {q[0], q[1], q[2], dv}, {q[0], q[1], q[2], q[3]}, {q[0], k[1], k[2], q[3]},
+        {q[0], k[1], k[2], dv}, {q[0], q[1], q[2], dv}, {q[0], q[1], q[2]}};
+    for (int i = 0; i < ABW_SCALES; i++)
+        if (a[i] != NULL && check_shape(a[i], attention_backward_args[i].name, nd[i], want[i],
+                                        letters[i]) < 0)
+            return -1;
+    return 0;
+}
+
+/* The sizes by letter and the head widths (c->widths) of a (B, H, Tq, dk)
+   q, (B, G, Tk, dk) k and (B, G, Tk, dv) v; the fused widths are heads
+   times width. */
+static int attn_sizes(call *c, PyArrayObject *const a[ABW_SCALES])
+{
+    npy_intp *n = c->size;
+    const npy_intp B = PyArray_DIM(a[ABW_Q], 0), H = PyArray_DIM(a[ABW_Q], 1);
+    const npy_intp G = PyArray_DIM(a[ABW_K], 1), dk = PyArray_DIM(a[ABW_Q], 3);
+    const npy_intp dv = PyArray_DIM(a[ABW_V], 3);
+    if (G == 0 || H % G != 0 || dk == 0 || dv == 0) {
+        PyErr_Format(PyExc_ValueError, "k: expected G >= 1 kv heads dividing the H = %zd "
+                     "query heads, and head widths >= 1, got G = %zd, dk = %zd, dv = %zd",
+                     (Py_ssize_t)H, (Py_ssize_t)G, (Py_ssize_t)dk, (Py_ssize_t)dv);
+        return -1;
+    }
+    if ((size_t)dk > MHA_MAX_ELEMS / (size_t)H || (size_t)dv > MHA_MAX_ELEMS / (size_t)H) {
+        PyErr_SetString(PyExc_ValueError, "q, v: sizes overflow");
+        return -1;
+    }
+    if ((c->widths = PyMem_Malloc(2 * (size_t)G * sizeof *c->widths)) == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (npy_intp g = 0; g < G; g++)
+        c->widths[g] = (size_t)dk, c->widths[G + g] = (size_t)dv;
+    n[L_B] = B, n[L_H] = H, n[L_TQ] = PyArray_DIM(a[ABW_Q], 2), n[L_TK] = PyArray_DIM(a[ABW_K], 2);
+    n[L_SQ] = n[L_DIN] = H * dk, n[L_SK] = n[L_DKIN] = G * dk;
+    n[L_SV] = n[L_DVIN] = G * dv, n[L_SVQ] = n[L_DOUT] = H * dv;
+    return 0;
+}
+
+/* attention_backward()'s config: sizes, scales, lengths, mask and the
+   variants (the q/k transforms off), checked by the core; then the
+   snapshot of every array in the fused layout (lse as a copy). */
+static int attn_config(call *c, const call_spec *sp)
+{
+    PyArrayObject *a[ABW_SCALES] = {NULL};
+    int res = -1;
+    if (attn_arrays(c, a) < 0 || attn_sizes(c, a) < 0 ||
+        as_vector(&c->in[ABW_SCALES], c->arg[ABW_SCALES].obj, "scales", NPY_DOUBLE) < 0 ||
+        check_shape(c->in[ABW_SCALES], "scales", 1, &c->size[L_H], "(H,)") < 0)
+        goto done;
+    const npy_intp *n = c->size;
+    mha_mask_kind mask_kind;
+    ptrdiff_t ms[4];
+    if (as_lengths(&c->lengths, c->arg[ABW_KEY_LENGTHS].obj, n[L_B], n[L_TK]) < 0 ||
+        convert_mask(c, sp, &mask_kind, ms) < 0 ||
+        snapshot_scales(&c->scales, c->in[ABW_SCALES]) < 0)
+        goto done;
+    const size_t G = (size_t)PyArray_DIM(a[ABW_K], 1);
+    c->cfg = (mha_config){
+        .B = (size_t)n[L_B], .Tq = (size_t)n[L_TQ], .Tk = (size_t)n[L_TK],
+        .Din = (size_t)n[L_DIN], .Dkin = (size_t)n[L_DKIN], .Dvin = (size_t)n[L_DVIN],
+        .Dout = (size_t)n[L_DOUT], .H = (size_t)n[L_H], .G = G,
+        .dk = c->widths, .dv = c->widths + G, .scale = c->scales,
+        .causal = c->arg[ABW_CAUSAL].truth, .mask_kind = mask_kind,
+        .mask = DATA(c->in[ABW_MASK]), .mask_stride = {ms[0], ms[1], ms[2], ms[3]},
+        .key_lengths = c->lengths, .lengths_aligned = c->arg[ABW_LENGTHS_ALIGNED].truth,
+    };
+    if (read_variants(c, c->arg[ABW_VARIANTS].obj) < 0)
+        goto done;
+    if (c->cfg.q_norm != NULL || c->cfg.k_norm != NULL || c->cfg.rotary_dim != 0) {
+        PyErr_SetString(PyExc_ValueError, "variants: q_norm, k_norm and RoPE belong to the "
+                        "projections (project()), not to attention_backward()");
+        goto done;
+    }
+    mha_layout lay;
+    const mha_status st = mha_check_config(&lay, &c->cfg);
+    if (st != MHA_OK) {
+        raise_status(st);
+        goto done;
+    }
+    for (int i = 0; i < ABW_LSE; i++)
+        if (fused_copy(&c->in[i], a[i]) < 0)
+            goto done;
+    if (a[ABW_LSE] != NULL &&
+        (c->in[ABW_LSE] = (PyArrayObject *)PyArray_NewCopy(a[ABW_LSE], NPY_CORDER)) == NULL)
+        goto done;
+    res = 0;
+done:
+    for (int i = 0; i < ABW_SCALES; i++)
+        Py_XDECREF(a[i]);
+    return res;
+}
+
+/* mha_attend_backward_f32 and _f64 take the same arguments, each in its
+   dtype: fused dq, dk, dv (out[0..2]), dsinks (out[3]). */
+#define ATTEND_BACKWARD_CORE(fn, in, out, cfg)                                \
+    fn(DATA(out[0]), DATA(out[1]), DATA(out[2]), DATA(out[3]),                \
+       DATA(in[ABW_DOUT]), DATA(in[ABW_Q]), DATA(in[ABW_K]), DATA(in[ABW_V]), \
+       DATA(in[ABW_OUT]), DATA(in[ABW_LSE]), cfg)
+
+static mha_status attention_backward_core(const call *c)
+{
+    if (c->typenum == NPY_FLOAT)
+        return ATTEND_BACKWARD_CORE(mha_attend_backward_f32, c->in, c->out, &c->cfg);
+    return ATTEND_BACKWARD_CORE(mha_attend_backward_f64, c->in, c->out, &c->cfg);
+}
+
+static PyObject *attention_backward(PyObject *self, PyObject *const *argv,
+                                    Py_ssize_t nargs, PyObject *kwnames)
+{
+    (void)self;
+    const call_spec *sp = &attention_backward_spec;
+    call c;
+    PyObject *result = NULL;
+    PyArrayObject *grad[3] = {NULL, NULL, NULL};
+    call_init(&c);
+    const int parsed = kwnames == NULL && nargs == ABW_NARGS
+                           ? read_positional(&c, sp, argv)
+                           : parse_fastcall(&c, sp, argv, nargs, kwnames);
+    if (parsed < 0 || attn_config(&c, sp) < 0)
+        goto fail;
+    // The gradients in the fused layout, as q, k, v's snapshots.
+    for (int i = 0; i < 3; i++)
+        if ((c.out[i] = (PyArrayObject *)PyArray_EMPTY(4, PyArray_DIMS(c.in[ABW_Q + i]),
+                                                       c.typenum, 0)) == NULL)
+            goto fail;
+    if (c.var[V_SINKS] != NULL &&
+        (c.out[3] = (PyArrayObject *)PyArray_EMPTY(1, &c.size[L_H], c.typenum, 0)) == NULL)
+        goto fail;
+    if (run_core(&c, attention_backward_core, on_main_thread()) < 0)
+        goto fail;
+    for (int i = 0; i < 3; i++) {
+        PyArrayObject *view = fused_view(c.out[i]);
+        grad[i] = view != NULL ? (PyArrayObject *)PyArray_NewCopy(view, NPY_CORDER) : NULL;
+        Py_XDECREF(view);
+        if (grad[i] == NULL)
+            goto fail;
+    }
+    result = PyTuple_Pack(4, (PyObject *)grad[0], (PyObject *)grad[1], (PyObject *)grad[2],
+                          c.out[3] != NULL ? (PyObject *)c.out[3] : Py_None);
+fail:
+    for (int i = 0; i < 3; i++)
+        Py_XDECREF(grad[i]);
+    call_release(&c);
+    return result;
+}
+
 PyDoc_STRVAR(get_isa_doc,
 "get_isa()\n"
 "--\n\n"
@@ -1966,6 +2345,10 @@ static PyMethodDef mhattn_methods[] = {
      METH_VARARGS | METH_KEYWORDS, backward_doc},
     {"attention", (PyCFunction)(void (*)(void))attention,
      METH_FASTCALL | METH_KEYWORDS, attention_doc},
+    {"project", (PyCFunction)(void (*)(void))project,
+     METH_FASTCALL | METH_KEYWORDS, project_doc},
+    {"attention_backward", (PyCFunction)(void (*)(void))attention_backward,
+     METH_FASTCALL | METH_KEYWORDS, attention_backward_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -59,6 +59,9 @@ typedef struct {
     REAL *D;                /* (B, H, Tq)                             */
     REAL *qt, *kt;          /* (B, Tq, Sq) (B, Tk, Sk) transformed q, k
                                (q/k transforms), else NULL            */
+    REAL *grad_s[3];        /* dq, dk, dv scratch, where the tiles do not
+                               write into the caller's (mha_attend_backward) */
+    REAL *lse_s;            /* (B, H, Tq) lse recomputed, else NULL   */
     BWD_CTX c;              /* the tiles' view; its buffers are scratch */
 } BWD_PLAN;
 
@@ -70,9 +73,9 @@ static void PICK(bwd_plan_free_f32, bwd_plan_free_f64)(BWD_PLAN *p)
     free(p->D);
     free(p->qt);
     free(p->kt);
-    free(p->c.dq);
-    free(p->c.dk);
-    free(p->c.dv);
+    for (int i = 0; i < 3; i++)
+        free(p->grad_s[i]);
+    free(p->lse_s);
     free(p->c.scratch);
     free(p->c.qh);
     free(p->c.doh);
@@ -114,7 +117,8 @@ static mha_status PICK(bwd_check_args_f32, bwd_check_args_f64)(BWD_ARGS *a,
 
 /* Allocates the tiles' scratch: per-thread S and dP tiles, the packed
    operands (kh, kT: B nkb BK Sk reals, vT: B nkb BK Sv, with B nkb BK <
-   B Tk + B BK; qh: B Tq Sq, doh: B Tq Svq) and dq, dk, dv as needed. */
+   B Tk + B BK; qh: B Tq Sq, doh: B Tq Svq) and dq, dk, dv as needed,
+   unless c->dq, c->dk, c->dv already point at the caller's. */
 static mha_status PICK(bwd_plan_tiles_f32, bwd_plan_tiles_f64)(BWD_PLAN *p)
 {
     BWD_CTX *c = &p->c;
@@ -134,12 +138,15 @@ static mha_status PICK(bwd_plan_tiles_f32, bwd_plan_tiles_f64)(BWD_PLAN *p)
             (st = mha_scratch((void **)&c->doh, p->nq * p->lay.Svq, sizeof(REAL))) != MHA_OK)
             return st;
     }
-    if (p->need_dkv &&
-        ((st = mha_scratch((void **)&c->dk, p->nk * Sk, sizeof(REAL))) != MHA_OK ||
-         (st = mha_scratch((void **)&c->dv, p->nk * Sv, sizeof(REAL))) != MHA_OK))
-        return st;
-    if (p->need_dq)
-        st = mha_scratch((void **)&c->dq, p->nq * p->lay.Sq, sizeof(REAL));
+    REAL **grad[3] = {&c->dq, &c->dk, &c->dv};
+    const int need[3] = {p->need_dq, p->need_dkv, p->need_dkv};
+    const size_t n[3] = {p->nq * p->lay.Sq, p->nk * Sk, p->nk * Sv};
+    for (int i = 0; i < 3 && st == MHA_OK; i++) {
+        if (!need[i] || *grad[i] != NULL)
+            continue;
+        st = mha_scratch((void **)&p->grad_s[i], n[i], sizeof(REAL));
+        *grad[i] = p->grad_s[i];
+    }
     return st;
 }
 
@@ -406,6 +413,82 @@ mha_status PICK(mha_backward_f32, mha_backward_f64)(
     }
     if (st == MHA_OK)
         st = PICK(bwd_pass_inputs_f32, bwd_pass_inputs_f64)(&p, &a);
+    PICK(bwd_plan_free_f32, bwd_plan_free_f64)(&p);
+    return st;
+}
+
+/*
+ * mha_attend_backward: the plan and passes of mha_backward on attention
+ * alone. No pass 1 (no W^O: d(concat) is dout, concat is out), no pass 2b
+ * or 5b (no q/k transform: the caller's q, k are what the tiles read), no
+ * pass 6 (no input projection): pass 2 (D = rowsum(dout * out), dsinks),
+ * then the tiles of passes 3-5, which write dq, dk, dv straight into the
+ * caller's buffers (scratch for one not wanted but written by a fused
+ * task). The gradients are the tiles' d(qt), d(kt), dv of mha_backward,
+ * bitwise, on the same problem.
+ */
+static mha_status PICK(bwd_attend_plan_f32, bwd_attend_plan_f64)(
+    BWD_PLAN *p, BWD_ARGS *a, REAL *dq, REAL *dk, REAL *dv, const mha_config *cfg)
+{
+    *p = (BWD_PLAN){.cfg = cfg};
+    mha_status st = mha_check_config(&p->lay, cfg);
+    if (st != MHA_OK)
+        return st;
+    // The q/k transforms belong to the projections (mha_project).
+    if (cfg->q_norm != NULL || cfg->k_norm != NULL || cfg->rotary_dim != 0)
+        return MHA_ERR_ARG;
+    const size_t nq = p->nq = cfg->B * cfg->Tq, nk = p->nk = cfg->B * cfg->Tk;
+    if (cfg->sinks == NULL)
+        a->dsinks = NULL;
+    p->need_dq = dq != NULL;
+    p->need_dkv = dk != NULL || dv != NULL;
+    const int any = p->need_dq || p->need_dkv || a->dsinks != NULL;
+    if (any && ((nq != 0 && (a->dout == NULL || a->q == NULL || a->concat == NULL)) ||
+                (nk != 0 && (a->k == NULL || a->v == NULL))))
+        return MHA_ERR_ARG;
+    // TODO(issue 17): lse NULL is recomputed by mha_attend once it lands.
+    if (any && nq != 0 && a->lse == NULL)
+        return MHA_ERR_ARG;
+    p->kern = mha_kernels_for(mha_get_isa(), MHA_F64);
+    const int nth = mha_get_num_threads();
+    p->nth = nth < 1 ? 1 : nth;
+    const size_t H = cfg->H, G = cfg->G;
+    if ((st = mha_scratch((void **)&p->off, 2 * (H + G), sizeof *p->off)) != MHA_OK)
+        return st;
+    mha_head_offsets(p->off, p->off + H, p->off + 2 * H, p->off + 2 * H + G, cfg);
+    if (any && (st = mha_scratch((void **)&p->D, cfg->B * H * cfg->Tq, sizeof(REAL))) != MHA_OK)
+        return st;
+    p->c = (BWD_CTX){
+        .cfg = cfg, .lay = &p->lay, .qoff = p->off, .cvoff = p->off + H,
+        .koff = p->off + 2 * H, .voff = p->off + 2 * H + G,
+        .q = a->q, .k = a->k, .v = a->v, .dcat = a->dout, .lse = a->lse, .D = p->D,
+        .dq = dq, .dk = dk, .dv = dv,
+        .nqb = (cfg->Tq + MHA_BWD_BQ - 1) / MHA_BWD_BQ,
+        .nkb = (cfg->Tk + MHA_BWD_BK - 1) / MHA_BWD_BK,
+    };
+    return PICK(bwd_plan_tiles_f32, bwd_plan_tiles_f64)(p);
+}
+
+mha_status PICK(mha_attend_backward_f32, mha_attend_backward_f64)(
+    REAL *dq, REAL *dk, REAL *dv, REAL *dsinks, const REAL *dout, const REAL *q,
+    const REAL *k, const REAL *v, const REAL *out, const REAL *lse,
+    const mha_config *cfg)
+{
+    // dq, q (B, Tq, Sq); dk, k (B, Tk, Sk); dv, v (B, Tk, Sv);
+    // dout, out (B, Tq, Svq); lse (B, H, Tq); dsinks (H,).
+    BWD_ARGS a = {.dsinks = dsinks, .dout = dout, .q = q, .k = k, .v = v,
+                  .concat = out, .lse = lse};
+    BWD_PLAN p;
+    mha_status st = PICK(bwd_attend_plan_f32, bwd_attend_plan_f64)(&p, &a, dq, dk, dv, cfg);
+    if (st == MHA_OK && (p.need_dq || p.need_dkv || a.dsinks != NULL)) {
+        PICK(bwd_pass_rowdot_f32, bwd_pass_rowdot_f64)(&p, &a);
+        if (a.dsinks != NULL)
+            PICK(bwd_pass_dsinks_f32, bwd_pass_dsinks_f64)(&p, &a);
+        if (mha_interrupted(cfg))
+            st = MHA_ERR_INTERRUPTED;
+        if (st == MHA_OK && (p.need_dq || p.need_dkv))
+            st = PICK(bwd_pass_tiles_f32, bwd_pass_tiles_f64)(&p);
+    }
     PICK(bwd_plan_free_f32, bwd_plan_free_f64)(&p);
     return st;
 }

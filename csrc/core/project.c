@@ -1,0 +1,26 @@
+/*
+ * project.c - mha_project (contract in mha.h): the projections of
+ * mha_forward alone (its pass 1), then the q/k transforms (its pass 1b),
+ * with no attention. The per-type function is project_impl.h, included
+ * twice below. It calls the forward's GEMM and core/qk.c's transform in
+ * the forward's order, so q, k and v are bitwise those the forward's
+ * attention reads.
+ */
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "alloc.h"
+#include "gemm.h"
+#include "kernels.h"
+#include "mha.h"
+#include "qk.h"
+#include "threads.h"
+
+#define MHA_F64 0
+#include "project_impl.h"
+#undef MHA_F64
+
+#define MHA_F64 1
+#include "project_impl.h"
+#undef MHA_F64

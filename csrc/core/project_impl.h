@@ -1,0 +1,84 @@
+/*
+ * project_impl.h - mha_project, once per element type; included by
+ * project.c with MHA_F64 defined (0 float, 1 double) and PICK naming each
+ * function in full. No include guard on purpose.
+ *
+ * Legend: see mha.h.
+ *   1. projections: q = x wq + bq, k = key wk + bk, v = value wv + bv
+ *      (one GEMM each, as the forward's fwd_pass_project)
+ *  1b. q/k transforms, when on: q = RoPE(RMSNorm(q)), k likewise
+ *      (mha_qk_forward, as the forward's fwd_pass_qk), from scratch copies
+ *      of the raw projections into the caller's q, k
+ * A NULL output is not computed; with a q/k transform on, q and k are
+ * computed together when either is wanted (one task of mha_qk_forward may
+ * turn both sides' rows), the unwanted one into scratch.
+ */
+#if !defined(MHA_F64)
+#error "project_impl.h needs MHA_F64"
+#endif
+#include "dtype.h"
+
+mha_status PICK(mha_project_f32, mha_project_f64)(
+    REAL *q, REAL *k, REAL *v, const REAL *x, const REAL *key, const REAL *value,
+    const REAL *wq, const REAL *wk, const REAL *wv, const REAL *bq, const REAL *bk,
+    const REAL *bv, const mha_config *cfg)
+{
+    // q (B, Tq, Sq), k (B, Tk, Sk), v (B, Tk, Sv); x (B, Tq, Din),
+    // key (B, Tk, Dkin), value (B, Tk, Dvin); wq (Din, Sq), wk (Dkin, Sk),
+    // wv (Dvin, Sv); bq (Sq,), bk (Sk,), bv (Sv,) or NULL.
+    mha_layout lay;
+    mha_status st = mha_check_config(&lay, cfg);
+    if (st != MHA_OK)
+        return st;
+    const REAL *input[3] = {x, key, value}, *w[3] = {wq, wk, wv}, *bias[3] = {bq, bk, bv};
+    REAL *dst[3] = {q, k, v};
+    const size_t rows[3] = {cfg->B * cfg->Tq, cfg->B * cfg->Tk, cfg->B * cfg->Tk};
+    const size_t d_in[3] = {cfg->Din, cfg->Dkin, cfg->Dvin};
+    const size_t S[3] = {lay.Sq, lay.Sk, lay.Sv};
+    const int qk_on = mha_qk_active(cfg, 0) || mha_qk_active(cfg, 1);
+    int need[3];
+    for (int r = 0; r < 3; r++) {
+        need[r] = dst[r] != NULL || (r < 2 && qk_on && (q != NULL || k != NULL));
+        if (need[r] && ((input[r] == NULL && rows[r] * d_in[r] != 0) ||
+                        (w[r] == NULL && d_in[r] != 0)))
+            return MHA_ERR_ARG;
+    }
+    // raw[r]: where projection r goes; scratch[r] holds what is ours of
+    // it, scratch[3 + r] an unwanted side's transformed copy.
+    REAL *raw[3] = {q, k, v}, *scratch[5] = {NULL, NULL, NULL, NULL, NULL};
+    size_t *off = NULL;
+    for (int r = 0; r < 2 && qk_on && st == MHA_OK; r++) {
+        if (!need[r])
+            continue;
+        if (dst[r] == NULL) {   // unwanted, but turned with the other side
+            st = mha_scratch((void **)&scratch[3 + r], rows[r] * S[r], sizeof(REAL));
+            dst[r] = scratch[3 + r];
+        }
+        if (st == MHA_OK && mha_qk_active(cfg, r))
+            st = mha_scratch((void **)&scratch[r], rows[r] * S[r], sizeof(REAL));
+        raw[r] = scratch[r] != NULL ? scratch[r] : dst[r];
+    }
+    for (int r = 0; r < 3 && st == MHA_OK; r++) {
+        if (!need[r])
+            continue;
+        st = GEMM(raw[r], S[r], input[r], d_in[r], 0, w[r], S[r], 0, bias[r],
+                  rows[r], S[r], d_in[r], 0);
+        if (st == MHA_OK && mha_interrupted(cfg))
+            st = MHA_ERR_INTERRUPTED;
+    }
+    if (st == MHA_OK && qk_on && (need[0] || need[1])) {
+        const size_t H = cfg->H, G = cfg->G;
+        st = mha_scratch((void **)&off, 2 * (H + G), sizeof *off);
+        if (st == MHA_OK) {
+            mha_head_offsets(off, off + H, off + 2 * H, off + 2 * H + G, cfg);
+            st = PICK(mha_qk_forward_f32, mha_qk_forward_f64)(
+                mha_qk_active(cfg, 0) ? dst[0] : NULL,
+                mha_qk_active(cfg, 1) ? dst[1] : NULL, raw[0], raw[1], cfg, &lay,
+                off, off + 2 * H);
+        }
+    }
+    free(off);
+    for (int i = 0; i < 5; i++)
+        free(scratch[i]);
+    return st;
+}
