@@ -337,3 +337,26 @@ def test_decode_is_bitwise_the_same_for_any_thread_count(dtype):
     tol = TOL[dtype] if dtype == np.float64 else dict(rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(results[0][0], ref_out, **tol)
     np.testing.assert_allclose(results[0][1], ref_lse, **tol)
+
+
+@pytest.mark.parametrize("layout", ["bhtd", "bthd"])
+def test_strided_keys_are_read_in_place(layout):
+    """A (B, G, capacity, d) cache storage, or a bthd view of one, is not
+    copied: NumPy's traced memory stays far below the keys' size."""
+    import tracemalloc
+    rng = np.random.default_rng(0)
+    store = rng.standard_normal((1, 4, 8192, 64)).astype(np.float32)     # 8 MiB each
+    vals = rng.standard_normal((1, 4, 8192, 64)).astype(np.float32)
+    q = rng.standard_normal((1, 8, 1, 64)).astype(np.float32)
+    tr = (lambda a: np.swapaxes(a, 1, 2)) if layout == "bthd" else (lambda a: a)
+    tracemalloc.start()
+    try:
+        out = mhattn.attention(tr(q), tr(store[:, :, :5000]), tr(vals[:, :, :5000]),
+                               layout=layout, key_lengths=np.array([4000]))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < store.nbytes // 8, peak
+    np.testing.assert_allclose(out, R.projected_attention(
+        tr(q), tr(store[:, :, :4000]), tr(vals[:, :, :4000]), layout=layout)[0],
+        rtol=1e-4, atol=1e-5)
