@@ -11,9 +11,7 @@ then applies W^O.  Letters follow ``csrc/mha.h``.
 """
 from __future__ import annotations
 
-import dataclasses
 import numbers
-from types import SimpleNamespace
 from typing import Any, Optional
 
 import numpy as np
@@ -270,6 +268,18 @@ def _new_lengths(new_lengths: Any, B: int, T: int, causal: bool) -> Optional[np.
     return n
 
 
+def _scores_only(variants: Optional[tuple]) -> Optional[tuple]:
+    """The variants' tuple (csrc/mhattn_module.c, read_variants) without the
+    q/k transforms, which the projections applied: None when no score rule
+    (window, softcap, ALiBi, sinks, key_mask) is left."""
+    if variants is None:
+        return None
+    rules = variants[:7]
+    if rules[1] == 0.0 and all(a is None for i, a in enumerate(rules) if i != 1):
+        return None
+    return rules + (None, None, variants[9], 0, False, None, None, None)
+
+
 def cached_step(x, w_q, w_k, w_v, w_o, *, cache, num_heads=None, scale=None,
                 return_weights=False, causal=False, num_kv_heads=None, b_q=None,
                 b_k=None, b_v=None, b_o=None, return_context=False, new_lengths=None,
@@ -309,15 +319,15 @@ def cached_step(x, w_q, w_k, w_v, w_o, *, cache, num_heads=None, scale=None,
     _check_cache(cache, call, call.Tq)
     counts = _new_lengths(new_lengths, call.B, call.Tq, call.causal)
     dk, dv, scales = head_arrays(call)
+    variants = variant_args(call)
     q, k, v = _C.project(call.x, call.key, call.value, call.wq.fused(), call.wk.fused(),
                          call.wv.fused(), _fused_bias(call.bq), _fused_bias(call.bk),
-                         _fused_bias(call.bv), dk, dv, scales, variant_args(call))
+                         _fused_bias(call.bv), dk, dv, scales, variants)
     B, Tq, H, G = call.B, call.Tq, call.H, call.G
     q4 = q.reshape(B, Tq, H, cache.d_k).swapaxes(1, 2)
     k4 = k.reshape(B, Tq, G, cache.d_k).swapaxes(1, 2)
     v4 = v.reshape(B, Tq, G, cache.d_v).swapaxes(1, 2)
-    scores_only = dataclasses.replace(call.var, q_norm=None, k_norm=None, rotary_dim=0,
-                                      inv_freq=None, positions=None, key_positions=None)
+    scores_only = _scores_only(variants)
     before = cache._lengths.copy()
     cache._write(k4, v4, np.full(B, Tq, np.int64))
     try:
@@ -326,7 +336,7 @@ def cached_step(x, w_q, w_k, w_v, w_o, *, cache, num_heads=None, scale=None,
         # are then dropped from the lengths (causal: no real query saw them).
         concat, weights, _ = _C.attention(
             q4, cache.key_storage, cache.value_storage, scales, None, call.causal,
-            cache._lengths.copy(), variant_args(SimpleNamespace(var=scores_only)), True,
+            cache._lengths.copy(), scores_only, True,
             True, want_w, False)
     except BaseException:
         cache._lengths[:] = before      # a failed (or interrupted) step appends nothing
