@@ -182,7 +182,7 @@ def test_lse_none_recomputed(name):
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_against_torch(name):
+def test_against_torch(name, isa):
     rng = np.random.default_rng(17)
     args, opts = build(name, rng)
     dq, dk, dv, dsinks = run(args)
