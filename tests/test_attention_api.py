@@ -360,3 +360,21 @@ def test_strided_keys_are_read_in_place(layout):
     np.testing.assert_allclose(out, R.projected_attention(
         tr(q), tr(store[:, :, :4000]), tr(vals[:, :, :4000]), layout=layout)[0],
         rtol=1e-4, atol=1e-5)
+
+
+def test_backward_recomputes_lse_per_batch_item():
+    """_C.attention_backward with lse=None recomputes it for every batch item
+    (the recompute's flash context needs the batch strides)."""
+    rng = np.random.default_rng(8)
+    q = rng.standard_normal((3, 4, 5, 8))
+    k = rng.standard_normal((3, 2, 7, 8))
+    v = rng.standard_normal((3, 2, 7, 8))
+    out, lse = mhattn.attention(q, k, v, causal=True, return_lse=True)
+    g = rng.standard_normal(out.shape)
+    scales = np.full(4, 8 ** -0.5)
+    given = mhattn._C.attention_backward(g, q, k, v, out, lse, scales, None, True, None,
+                                         None, False)
+    redone = mhattn._C.attention_backward(g, q, k, v, out, None, scales, None, True, None,
+                                          None, False)
+    for a, b in zip(given[:3], redone[:3]):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-13)

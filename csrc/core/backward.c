@@ -10,6 +10,7 @@
 #include <stdlib.h>
 
 #include "alloc.h"
+#include "attend_fused.h"
 #include "dispatch.h"
 #include "gemm.h"
 #include "kernels.h"

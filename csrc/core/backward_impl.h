@@ -421,8 +421,9 @@ mha_status PICK(mha_backward_f32, mha_backward_f64)(
  * mha_attend_backward: the plan and passes of mha_backward on attention
  * alone. No pass 1 (no W^O: d(concat) is dout, concat is out), no pass 2b
  * or 5b (no q/k transform: the caller's q, k are what the tiles read), no
- * pass 6 (no input projection): pass 2 (D = rowsum(dout * out), dsinks),
- * then the tiles of passes 3-5, which write dq, dk, dv straight into the
+ * pass 6 (no input projection): pass 0 (the lse, when not given, by the
+ * forward's attention pass), pass 2 (D = rowsum(dout * out), dsinks), then
+ * the tiles of passes 3-5, which write dq, dk, dv straight into the
  * caller's buffers (scratch for one not wanted but written by a fused
  * task). The gradients are the tiles' d(qt), d(kt), dv of mha_backward,
  * bitwise, on the same problem.
@@ -446,9 +447,6 @@ static mha_status PICK(bwd_attend_plan_f32, bwd_attend_plan_f64)(
     if (any && ((nq != 0 && (a->dout == NULL || a->q == NULL || a->concat == NULL)) ||
                 (nk != 0 && (a->k == NULL || a->v == NULL))))
         return MHA_ERR_ARG;
-    // TODO(issue 17): lse NULL is recomputed by mha_attend once it lands.
-    if (any && nq != 0 && a->lse == NULL)
-        return MHA_ERR_ARG;
     p->kern = mha_kernels_for(mha_get_isa(), MHA_F64);
     const int nth = mha_get_num_threads();
     p->nth = nth < 1 ? 1 : nth;
@@ -458,6 +456,12 @@ static mha_status PICK(bwd_attend_plan_f32, bwd_attend_plan_f64)(
     mha_head_offsets(p->off, p->off + H, p->off + 2 * H, p->off + 2 * H + G, cfg);
     if (any && (st = mha_scratch((void **)&p->D, cfg->B * H * cfg->Tq, sizeof(REAL))) != MHA_OK)
         return st;
+    // Without lse, pass 0 recomputes it (bwd_attend_lse).
+    if (any && a->lse == NULL && nq != 0) {
+        if ((st = mha_scratch((void **)&p->lse_s, cfg->B * H * cfg->Tq, sizeof(REAL))) != MHA_OK)
+            return st;
+        a->lse = p->lse_s;
+    }
     p->c = (BWD_CTX){
         .cfg = cfg, .lay = &p->lay, .qoff = p->off, .cvoff = p->off + H,
         .koff = p->off + 2 * H, .voff = p->off + 2 * H + G,
@@ -467,6 +471,21 @@ static mha_status PICK(bwd_attend_plan_f32, bwd_attend_plan_f64)(
         .nkb = (cfg->Tk + MHA_BWD_BK - 1) / MHA_BWD_BK,
     };
     return PICK(bwd_plan_tiles_f32, bwd_plan_tiles_f64)(p);
+}
+
+/* Pass 0, without the caller's lse: the forward's attention pass on q,
+   k, v recomputes it (into p->lse_s; its output goes to scratch), so it is
+   bitwise mha_forward's on the same problem. */
+static mha_status PICK(bwd_attend_lse_f32, bwd_attend_lse_f64)(const BWD_PLAN *p,
+                                                               const BWD_ARGS *a)
+{
+    REAL *cat;
+    mha_status st = mha_scratch((void **)&cat, p->nq * p->lay.Svq, sizeof(REAL));
+    if (st == MHA_OK)
+        st = PICK(mha_attend_fused_f32, mha_attend_fused_f64)(cat, p->lse_s, a->q, a->k,
+                                                              a->v, p->cfg);
+    free(cat);
+    return st;
 }
 
 mha_status PICK(mha_attend_backward_f32, mha_attend_backward_f64)(
@@ -480,6 +499,8 @@ mha_status PICK(mha_attend_backward_f32, mha_attend_backward_f64)(
                   .concat = out, .lse = lse};
     BWD_PLAN p;
     mha_status st = PICK(bwd_attend_plan_f32, bwd_attend_plan_f64)(&p, &a, dq, dk, dv, cfg);
+    if (st == MHA_OK && p.lse_s != NULL)
+        st = PICK(bwd_attend_lse_f32, bwd_attend_lse_f64)(&p, &a);
     if (st == MHA_OK && (p.need_dq || p.need_dkv || a.dsinks != NULL)) {
         PICK(bwd_pass_rowdot_f32, bwd_pass_rowdot_f64)(&p, &a);
         if (a.dsinks != NULL)

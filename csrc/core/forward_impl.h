@@ -362,5 +362,34 @@ mha_status PICK(mha_attend_f32, mha_attend_f64)(REAL *out, REAL *weights, REAL *
     return st;
 }
 
+/* Pass 2 alone (attend_fused.h): mha_attend_backward's recomputed lse. */
+mha_status PICK(mha_attend_fused_f32, mha_attend_fused_f64)(REAL *cat, REAL *lse,
+                                                           const REAL *q, const REAL *k,
+                                                           const REAL *v,
+                                                           const mha_config *cfg)
+{
+    // cat (B, Tq, Svq), lse (B, H, Tq); q (B, Tq, Sq), k (B, Tk, Sk), v (B, Tk, Sv).
+    mha_layout lay;
+    mha_status st = mha_check_config(&lay, cfg);
+    if (st != MHA_OK)
+        return st;
+    if (mha_qk_active(cfg, 0) || mha_qk_active(cfg, 1))
+        return MHA_ERR_ARG;
+    const size_t H = cfg->H, G = cfg->G;
+    size_t *off;
+    if ((st = mha_scratch((void **)&off, 2 * (H + G), sizeof *off)) != MHA_OK)
+        return st;
+    mha_head_offsets(off, off + H, off + 2 * H, off + 2 * H + G, cfg);
+    mha_flash_ctx fctx = {
+        .cfg = cfg, .Sq = lay.Sq, .Sk = lay.Sk, .Sv = lay.Sv, .Svq = lay.Svq,
+        .q_bs = cfg->Tq * lay.Sq, .k_bs = cfg->Tk * lay.Sk, .v_bs = cfg->Tk * lay.Sv,
+        .c_bs = cfg->Tq * lay.Svq, .qoff = off, .cvoff = off + H, .koff = off + 2 * H, .voff = off + 2 * H + G,
+        .q = q, .k = k, .v = v, .cat = cat, .weights = NULL, .lse = lse,
+    };
+    st = attend(&fctx, mha_kernels_for(mha_get_isa(), MHA_F64), sizeof(REAL), NULL);
+    free(off);
+    return st;
+}
+
 #undef FWD_ARGS
 #undef FWD_PLAN

@@ -19,7 +19,10 @@
  *     with identity projections and no W^O (dx == dq, dkey == dk, dvalue
  *     == dv, dsinks), on every ISA this CPU runs, float and double; a
  *     subset of the gradients (dq only, dk only) equals the full call's;
- *   - q/k transforms in cfg and a missing lse are MHA_ERR_ARG;
+ *     ragged heads (kv heads of different widths) likewise;
+ *   - lse NULL (recomputed by the forward's attention pass) gives the bits
+ *     of the forward's lse;
+ *   - q/k transforms in cfg and missing inputs are MHA_ERR_ARG;
  *   - mha_project: without transforms, bitwise mha_forward's kept q, k, v
  *     (biases included); with q_norm, k_norm and RoPE, a naive RMSNorm +
  *     RoPE in double; NULL outputs skip a projection and leave the others'
@@ -348,7 +351,8 @@ static mha_status call_bwd_f32(const prob *P, int mode, const fwd_res *o, float 
 {
     float *q = to_f(P->q, P->nq * P->Sq), *k = to_f(P->k, P->nk * P->Sk);
     float *v = to_f(P->v, P->nk * P->Sv), *R = to_f(P->R, P->nq * P->Svq);
-    float *out = to_f(o->out, P->nq * P->Svq), *lse = to_f(o->lse, P->sp.B * P->sp.H * P->sp.Tq);
+    float *out = to_f(o->out, P->nq * P->Svq);
+    float *lse = o->lse ? to_f(o->lse, P->sp.B * P->sp.H * P->sp.Tq) : NULL;
     float *maskd = to_f(P->maskd, P->nm), *sinks = to_f(P->sinks, P->sp.H);
     if (cfg->mask_kind == MHA_MASK_ADD)
         cfg->mask = maskd;
@@ -496,13 +500,14 @@ static void check_case(const spec *sp)
             CHECK(max_err(o.out, rout, nout) <= tol && max_err(o.lse, rlse, nlse) <= tol,
                   "%s %s f%d: forward vs reference %.3g %.3g", sp->name, isa, f64 ? 64 : 32,
                   max_err(o.out, rout, nout), max_err(o.lse, rlse, nlse));
-            grads G[4];
-            for (int r = 0; r < 4; r++) {
+            grads G[5];
+            const fwd_res no_lse = {o.out, NULL};
+            for (int r = 0; r < 5; r++) {
                 grads_alloc(&G[r], &P);
                 mha_set_num_threads(r == 1 ? 3 : 1);
                 const int mode = r == 2;
                 const int want = r == 3 ? (int)(1 + rng_below(6)) : want_all;
-                const mha_status st = run_bwd(&P, f64, mode, want, &o, &G[r]);
+                const mha_status st = run_bwd(&P, f64, mode, want, r == 4 ? &no_lse : &o, &G[r]);
                 CHECK(st == MHA_OK, "%s: backward %d status %d", sp->name, r, (int)st);
                 for (int t = 0; r == 3 && t < 4; t++)
                     CHECK(!((want >> t) & 1) || same_values(G[3].g[t], G[0].g[t], n[t]),
@@ -513,6 +518,9 @@ static void check_case(const spec *sp)
                     continue;
                 CHECK(memcmp(G[0].g[t], G[1].g[t], n[t] * sizeof(double)) == 0,
                       "%s %s f%d: gradient %d differs between 1 and 3 threads", sp->name, isa,
+                      f64 ? 64 : 32, t);
+                CHECK(memcmp(G[0].g[t], G[4].g[t], n[t] * sizeof(double)) == 0,
+                      "%s %s f%d: gradient %d differs with lse recomputed", sp->name, isa,
                       f64 ? 64 : 32, t);
                 CHECK(same_values(G[0].g[t], G[2].g[t], n[t]),
                       "%s %s f%d: gradient %d differs from mha_backward's (err %.3g)", sp->name,
@@ -526,7 +534,7 @@ static void check_case(const spec *sp)
             }
             if (f64 && ii == 0)
                 check_fd(&P, &G[0]);
-            for (int r = 0; r < 4; r++)
+            for (int r = 0; r < 5; r++)
                 grads_free(&G[r]);
             free(o.out), free(o.lse);
         }
@@ -538,8 +546,7 @@ static void check_case(const spec *sp)
     prob_free(&P);
 }
 
-/* q/k transforms are the projections' (MHA_ERR_ARG); so, for now, is a
-   missing lse. */
+/* q/k transforms are the projections' (MHA_ERR_ARG); required inputs. */
 static void test_errors(void)
 {
     const spec sp = {.name = "errors", 1, 5, 7, 2, 1, 4, 4, .causal = 0};
@@ -591,6 +598,53 @@ static void test_cases(void)
     for (size_t c = 0; c < n; c++)
         if (!g_quick || c % 3 == 0)
             check_case(&cases[c]);
+}
+
+/* Ragged heads (kv head widths differ), GQA: mha_attend_backward, with
+   and without lse, equals mha_backward over identity projections, and is
+   the same at 1 and 3 threads. */
+static void test_ragged(void)
+{
+    const spec sp = {.name = "ragged", 2, 45, 90, 4, 2, 4, 5, .causal = 1, .sinks = 1};
+    prob P;
+    prob_init(&P, &sp);
+    const size_t dks[2] = {4, 7}, dvs[2] = {5, 3};
+    P.Sq = P.Sk = P.Sv = P.Svq = 0;
+    for (size_t g = 0; g < 2; g++) {
+        P.dkv[g] = dks[g], P.dvv[g] = dvs[g];
+        P.Sk += dks[g], P.Sv += dvs[g], P.Sq += 2 * dks[g], P.Svq += 2 * dvs[g];
+    }
+    free(P.q), free(P.k), free(P.v), free(P.R);
+    P.q = rand_vec(P.nq * P.Sq, 1.2), P.k = rand_vec(P.nk * P.Sk, 1.2);
+    P.v = rand_vec(P.nk * P.Sv, 1), P.R = rand_vec(P.nq * P.Svq, 1);
+    P.cfg.Din = P.Sq, P.cfg.Dkin = P.Sk, P.cfg.Dvin = P.Sv, P.cfg.Dout = P.Svq;
+    size_t n[4];
+    grad_sizes(&P, n);
+    for (int f64 = 0; f64 <= 1; f64++) {
+        fwd_res o = {xcalloc(P.nq * P.Svq, sizeof(double)),
+                     xcalloc(sp.B * sp.H * sp.Tq, sizeof(double))};
+        const fwd_res no_lse = {o.out, NULL};
+        CHECK(run_fwd(&P, f64, &o) == MHA_OK, "ragged forward");
+        grads G[4];
+        for (int r = 0; r < 4; r++) {
+            grads_alloc(&G[r], &P);
+            mha_set_num_threads(r == 1 ? 3 : 1);
+            CHECK(run_bwd(&P, f64, r == 2, 15, r == 3 ? &no_lse : &o, &G[r]) == MHA_OK,
+                  "ragged backward %d", r);
+        }
+        for (int t = 0; t < 4; t++) {
+            CHECK(memcmp(G[0].g[t], G[1].g[t], n[t] * sizeof(double)) == 0 &&
+                      memcmp(G[0].g[t], G[3].g[t], n[t] * sizeof(double)) == 0,
+                  "ragged f%d: gradient %d differs (threads or lse recomputed)", f64 ? 64 : 32, t);
+            CHECK(same_values(G[0].g[t], G[2].g[t], n[t]),
+                  "ragged f%d: gradient %d differs from mha_backward's", f64 ? 64 : 32, t);
+        }
+        for (int r = 0; r < 4; r++)
+            grads_free(&G[r]);
+        free(o.out), free(o.lse);
+    }
+    mha_set_num_threads(0);
+    prob_free(&P);
 }
 
 /* ------------------------------------------------------------------ */
@@ -787,6 +841,7 @@ int main(int argc, char **argv)
     g_quick = argc > 1 && strcmp(argv[1], "quick") == 0;
     test_errors();
     test_cases();
+    test_ragged();
     test_project();
     printf("test_attend_bwd: %ld checks, %d failures (ISA detected: %s)\n", g_checks,
            g_failures, mha_isa_name(mha_isa_detect()));
