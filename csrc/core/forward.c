@@ -62,18 +62,20 @@ static mha_status attend_run(mha_flash_ctx *ctx, const mha_kernels *kern,
     ctx->scratch = raw;
     ctx->scratch_stride = per;
     if (P > 1) {
-        // Partials (mha_flash_ctx): slots x BQ x (dv_max + 2) reals.
+        // Partials (mha_flash_ctx): slots x Tq x (dv_max + 2) reals, Tq
+        // <= MHA_SPLIT_ROWS: small, so not on fresh huge pages either.
+        const size_t rows = ctx->cfg->Tq;
         size_t slots, n;
-        if (!mha_mul_ok(&slots, ntiles, P) || !mha_mul_ok(&n, slots, ctx->bq) ||
+        if (!mha_mul_ok(&slots, ntiles, P) || !mha_mul_ok(&n, slots, rows) ||
             !mha_mul_ok(&n, n, ctx->dv_max + 2))
             st = MHA_ERR_SIZE;
         else
-            st = mha_scratch(&parts, n, real_size);
+            st = mha_scratch_small(&parts, n, real_size);
         if (st == MHA_OK) {
             unsigned char *at = parts;
             ctx->part_o = at;
-            ctx->part_m = at + slots * ctx->bq * ctx->dv_max * real_size;
-            ctx->part_l = at + slots * ctx->bq * (ctx->dv_max + 1) * real_size;
+            ctx->part_m = at + slots * rows * ctx->dv_max * real_size;
+            ctx->part_l = at + slots * rows * (ctx->dv_max + 1) * real_size;
             st = mha_parallel_for_n(ntiles * P, nth, kern->flash_part_task, ctx);
         }
         if (st == MHA_OK && !atomic_load(&ctx->stop))

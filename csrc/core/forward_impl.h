@@ -233,9 +233,11 @@ static void PICK(attend_merge_task_f32, attend_merge_task_f64)(void *ctxp, size_
     const size_t b = t / (H * nqb), h = t / nqb % H, g = h / (H / cfg->G);
     const size_t i0 = (nqb - 1 - t % nqb) * BQ, dv = cfg->dv[g], dvm = ctx->dv_max;
     const size_t nq = cfg->Tq - i0 < BQ ? cfg->Tq - i0 : BQ;
-    const REAL *po = (const REAL *)ctx->part_o + t * P * BQ * dvm;
-    const REAL *pm = (const REAL *)ctx->part_m + t * P * BQ;
-    const REAL *pl = (const REAL *)ctx->part_l + t * P * BQ;
+    // Slots of Tq rows (one block per (b, h), see mha_flash_ctx).
+    const size_t R = cfg->Tq;
+    const REAL *po = (const REAL *)ctx->part_o + t * P * R * dvm;
+    const REAL *pm = (const REAL *)ctx->part_m + t * P * R;
+    const REAL *pl = (const REAL *)ctx->part_l + t * P * R;
     REAL *cat_b = (REAL *)ctx->cat + b * ctx->c_bs + ctx->cvoff[h];
     REAL *lse_bh = ctx->lse ? (REAL *)ctx->lse + (b * H + h) * cfg->Tq : NULL;
     const double sink = cfg->sinks ? (double)((const REAL *)cfg->sinks)[h] : -INFINITY;
@@ -244,8 +246,8 @@ static void PICK(attend_merge_task_f32, attend_merge_task_f64)(void *ctxp, size_
         REAL *out_i = cat_b + (i0 + r) * ctx->Svq;
         double m = sink, l = 0;
         for (size_t p = 0; p < P; p++)
-            if (pl[p * BQ + r] != 0 && (double)pm[p * BQ + r] > m)
-                m = (double)pm[p * BQ + r];
+            if (pl[p * R + r] != 0 && (double)pm[p * R + r] > m)
+                m = (double)pm[p * R + r];
         if (m == -INFINITY) { /* no key seen, no sink */
             for (size_t c = 0; c < dv; c++)
                 out_i[c] = 0;
@@ -256,15 +258,15 @@ static void PICK(attend_merge_task_f32, attend_merge_task_f64)(void *ctxp, size_
         if (sink != -INFINITY)
             l = exp(sink - m);
         for (size_t p = 0; p < P; p++) {
-            const REAL l_p = pl[p * BQ + r];
-            w[p] = l_p != 0 ? exp((double)pm[p * BQ + r] - m) : 0;
+            const REAL l_p = pl[p * R + r];
+            w[p] = l_p != 0 ? exp((double)pm[p * R + r] - m) : 0;
             l += l_p != 0 ? w[p] * (double)l_p : 0;
         }
         for (size_t c = 0; c < dv; c++) {
             double o = 0;
             for (size_t p = 0; p < P; p++)
                 if (w[p] != 0)
-                    o += w[p] * (double)po[(p * BQ + r) * dvm + c];
+                    o += w[p] * (double)po[(p * R + r) * dvm + c];
             out_i[c] = (REAL)(o / l);
         }
         if (lse_bh)
@@ -355,6 +357,7 @@ mha_status PICK(mha_attend_f32, mha_attend_f64)(REAL *out, REAL *weights, REAL *
         .q_bs = sq->sb, .k_bs = sk->sb, .v_bs = sv->sb, .c_bs = so->sb,
         .qoff = off, .cvoff = off + H, .koff = off + 2 * H, .voff = off + 2 * H + G,
         .q = q, .k = k, .v = v, .cat = out, .weights = weights, .lse = lse,
+        .decode = weights == NULL,
     };
     st = attend(&fctx, mha_kernels_for(mha_get_isa(), MHA_F64), sizeof(REAL),
                 PICK(attend_merge_task_f32, attend_merge_task_f64));

@@ -83,11 +83,16 @@ typedef struct {
        nparts parts of part_len keys (the last may be shorter); part p of
        tile (b, h, block) leaves its rows' unnormalised o and running m, l,
        without the sink, at slot s = ((b H + h) nqb + block) nparts + p:
-         part_o (slots, BQ, dv_max), part_m, part_l (slots, BQ).
+         part_o (slots, Tq, dv_max), part_m, part_l (slots, Tq)
+       (a split call has Tq <= MHA_SPLIT_ROWS <= BQ: one block per (b, h)).
        1 part: the tiles above, no partials. */
     size_t nparts, part_len;
     void *part_o, *part_m, *part_l;
     size_t bq;                    /* the kernel's BQ                   */
+    /* mha_attend without weights: one-row tiles use the decode kernels
+       (flash_tile_row1), whose sums differ in rounding from the register
+       blocks' (the weights' second sweep recomputes with the latter). */
+    int decode;
     atomic_int stop;              /* set once cfg->interrupt was seen  */
 } mha_flash_ctx;
 
@@ -189,8 +194,9 @@ typedef struct {
        ctx an mha_flash_ctx, in the scratch of thread ith. */
     mha_task_fn flash_task;
     size_t flash_bq;     /* BQ, query rows per tile                    */
-    /* Split-K: task(ctx, t, ith), t = tile nparts + part: the part's keys
-       only, its partials into ctx->part_* (see mha_flash_ctx). */
+    /* Split-K: task(ctx, t, ith), one per (tile, part) (the order in
+       flash.inc): the part's keys only, its partials into ctx->part_* at
+       slot tile nparts + part (see mha_flash_ctx). */
     mha_task_fn flash_part_task;
     /* Scratch bytes one thread needs for kv heads up to dk_max x dv_max
        wide (a multiple of 64), or 0 when that overflows size_t. */
