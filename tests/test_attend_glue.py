@@ -46,7 +46,7 @@ def heads(a, n):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("opts", [
     {}, {"causal": True}, {"key_lengths": np.array([9, 0, 30], np.int64)},
-    {"variants": "all"},
+    {"variants": "all"}, {"mask": "bool"}, {"mask": "add", "causal": True},
 ])
 def test_equals_forward_bitwise(dtype, opts):
     rng = np.random.default_rng(1)
@@ -57,6 +57,10 @@ def test_equals_forward_bitwise(dtype, opts):
                                     alibi=np.linspace(0.1, 0.4, H)[None],
                                     sinks=np.linspace(-1, 1, H).astype(dtype),
                                     key_mask=rng.random((B, Tk)) > 0.3)
+    if opts.get("mask") == "bool":
+        opts["mask"] = rng.random((B, 1, Tq, Tk)) > 0.3
+    elif opts.get("mask") == "add":
+        opts["mask"] = rng.standard_normal((Tq, Tk)).astype(dtype)
     concat, lse, q, k, v, scales = project(rng, dtype, B, Tq, Tk, H, G, dk, dv, **opts)
     out, w, l = _C.attention(heads(q, H), heads(k, G), heads(v, G), scales,
                              opts.get("mask"), opts.get("causal", False),

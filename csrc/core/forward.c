@@ -51,6 +51,7 @@ static mha_status attend_run(mha_flash_ctx *ctx, const mha_kernels *kern,
                              size_t ntiles, int nth, size_t real_size,
                              mha_task_fn merge)
 {
+    const mha_config *cfg = ctx->cfg;
     const size_t P = ctx->nparts;
     const size_t per = kern->flash_scratch_bytes(ctx->dk_max, ctx->dv_max);
     if (per == 0 || per > (SIZE_MAX - 64) / (size_t)nth)
@@ -76,7 +77,9 @@ static mha_status attend_run(mha_flash_ctx *ctx, const mha_kernels *kern,
             ctx->part_o = at;
             ctx->part_m = at + slots * rows * ctx->dv_max * real_size;
             ctx->part_l = at + slots * rows * (ctx->dv_max + 1) * real_size;
-            st = mha_parallel_for_n(ntiles * P, nth, kern->flash_part_task, ctx);
+            // Grouped: one task per (b, g, part) instead of (b, h, part).
+            const size_t ntask = ctx->group ? ntiles * P / (cfg->H / cfg->G) : ntiles * P;
+            st = mha_parallel_for_n(ntask, nth, kern->flash_part_task, ctx);
         }
         if (st == MHA_OK && !atomic_load(&ctx->stop))
             st = mha_parallel_for_n(ntiles, nth, merge, ctx);
@@ -113,6 +116,9 @@ static mha_status attend(mha_flash_ctx *ctx, const mha_kernels *kern,
     const size_t ntasks = cfg->B * cfg->H * ctx->nqb; /* <= B * H * Tq */
     if (merge != NULL)
         attend_split_plan(ctx);
+    // The query heads of a kv head in one task's rows: see flash.inc.
+    ctx->group = ctx->decode && ctx->nparts > 1 && cfg->Tq == 1 &&
+                 cfg->H / cfg->G <= kern->flash_bq;
 
     // Widest kv head. Without keys no tile touches the K / V scratch, so
     // absurd head widths need not be allocated for.
@@ -127,8 +133,10 @@ static mha_status attend(mha_flash_ctx *ctx, const mha_kernels *kern,
     int nth = mha_get_num_threads();
     if (nth < 1)
         nth = 1;
-    if ((size_t)nth > ntasks * ctx->nparts)
-        nth = (int)(ntasks * ctx->nparts);
+    const size_t nwork = ctx->group ? ntasks * ctx->nparts / (cfg->H / cfg->G)
+                                    : ntasks * ctx->nparts;
+    if ((size_t)nth > nwork)
+        nth = (int)nwork;
     // Waking a sleeping worker costs tens of microseconds: a small call
     // (the document's example does ~100 multiply-adds) runs on the caller
     // alone. Only speed depends on this; tiles, and so results, do not.

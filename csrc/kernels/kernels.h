@@ -93,6 +93,9 @@ typedef struct {
        (flash_tile_row1), whose sums differ in rounding from the register
        blocks' (the weights' second sweep recomputes with the latter). */
     int decode;
+    /* Split-K of a decode step (Tq = 1, decode, H / G <= BQ): one task per
+       (b, g, part) works every query head of kv head g (flash.inc). */
+    int group;
     atomic_int stop;              /* set once cfg->interrupt was seen  */
 } mha_flash_ctx;
 

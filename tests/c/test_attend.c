@@ -416,6 +416,10 @@ static const spec k_cases[] = {
     {"split Tq 7 variants", .B = 3, .Tq = 7, .Tk = 1900, .H = 4, .G = 2, .dk = 12,
      .dv = 20, .causal = 1, .key_lengths = 1, .aligned = 1, .windowed = 1, .wl = 700,
      .wr = -1, .alibi = 2, .softcap = 3, .key_mask = 1, .sinks = 1, .layout = L_BTHD},
+    {"split group heads", .B = 2, .Tq = 1, .Tk = 1500, .H = 6, .G = 2, .dk = 20,
+     .dv = 36, .mask_kind = MHA_MASK_BOOL, .alibi = 2, .softcap = 4, .layout = L_BTHD},
+    {"split group add mask", .B = 2, .Tq = 1, .Tk = 1300, .H = 4, .G = 1, .dk = 8,
+     .dv = 8, .mask_kind = MHA_MASK_ADD, .key_lengths = 1, .aligned = 1, .causal = 1},
     {"split masked", .B = 2, .Tq = 16, .Tk = 1100, .H = 2, .G = 1, .dk = 8, .dv = 8,
      .mask_kind = MHA_MASK_BOOL, .key_lengths = 1},
 };
