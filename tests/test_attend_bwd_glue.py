@@ -366,3 +366,55 @@ def test_project_errors():
         args[pos] = value
         with pytest.raises(exc, match=f"^{name}"):
             _C.project(*args)
+
+
+def test_no_leaks():
+    """Reference counts and NumPy's traced memory stay flat over good and
+    failing calls of both functions; outputs hold no extra reference."""
+    import gc
+    import sys
+    import tracemalloc
+
+    rng = np.random.default_rng(8)
+    q, k, v, R, scales = problem(rng, B=1, Tq=5, Tk=9)
+    out, lse = forward(q, k, v, scales, None, False, None, None)
+    sinks = rng.standard_normal(4)
+    var = variants(sinks=sinks, window=(3, -1))
+    pa = project_inputs(rng)
+    good = [lambda: _C.attention_backward(R, q, k, v, out, lse, scales, None, True, None, var,
+                                          False),
+            lambda: _C.attention_backward(R, q, k, v, out, None, scales, None, False, None,
+                                          None, False),
+            lambda: _C.project(*pa, None)]
+    bad = [lambda: _C.attention_backward(R, q, k[:, :, :-1], v, out, lse, scales, None, True,
+                                         None, var, False),
+           lambda: _C.attention_backward(R, q, k, v, out, lse, scales, None, False, None,
+                                         variants(q_norm=np.ones(8)), False),
+           lambda: _C.project(pa[0][:1], *pa[1:], None)]
+
+    def steps(n):
+        for i in range(n):
+            good[i % 3]()
+            with pytest.raises((TypeError, ValueError)):
+                bad[i % 3]()
+
+    tracked = [q, k, v, R, out, lse, scales, sinks] + list(pa[:9])
+    steps(30)
+    gc.collect()
+    before = [sys.getrefcount(a) for a in tracked]
+    tracemalloc.start()
+    try:
+        start = tracemalloc.get_traced_memory()[0]
+        steps(600)
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - start
+    finally:
+        tracemalloc.stop()
+    assert [sys.getrefcount(a) for a in tracked] == before
+    assert grown < 64 * 1024
+    dq, dk, dv, ds = _C.attention_backward(R, q, k, v, out, lse, scales, None, True, None,
+                                           var, False)
+    assert sys.getrefcount(dq) == 2 and sys.getrefcount(dk) == 2
+    assert sys.getrefcount(dv) == 2 and sys.getrefcount(ds) == 2
+    pq, pk, pv = _C.project(*pa, None)
+    assert sys.getrefcount(pq) == 2 and sys.getrefcount(pk) == 2 and sys.getrefcount(pv) == 2
