@@ -418,3 +418,38 @@ def test_no_leaks():
     assert sys.getrefcount(dv) == 2 and sys.getrefcount(ds) == 2
     pq, pk, pv = _C.project(*pa, None)
     assert sys.getrefcount(pq) == 2 and sys.getrefcount(pk) == 2 and sys.getrefcount(pv) == 2
+
+
+def test_ctrl_c_interrupts_attention_backward():
+    """A long call stops within about a second of SIGINT, with
+    KeyboardInterrupt (in a child process, so that pytest is not hit)."""
+    import subprocess
+    import sys
+    code = r"""
+import os, signal, threading, time
+import numpy as np
+from mhattn import _C
+rng = np.random.default_rng(0)
+B, H, T, d = 1, 8, 3072, 64
+q, k, v, R, out = (rng.standard_normal((B, H, T, d)).astype(np.float32) for _ in range(5))
+lse = np.zeros((B, H, T), np.float32)
+t0 = time.perf_counter()
+_C.attention_backward(R, q, k, v, out, lse, np.ones(H), None, False, None, None, False)
+full = time.perf_counter() - t0
+threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+t0 = time.perf_counter()
+try:
+    _C.attention_backward(R, q, k, v, out, lse, np.ones(H), None, False, None, None, False)
+    print("finished", full, time.perf_counter() - t0)
+except KeyboardInterrupt:
+    print("interrupted", full, time.perf_counter() - t0)
+"""
+    env = dict(__import__("os").environ)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, env=env)
+    words = res.stdout.split()
+    assert res.returncode == 0 and words, res.stderr
+    what, full, took = words[0], float(words[1]), float(words[2])
+    if full < 0.8:
+        pytest.skip(f"the call takes {full:.2f} s here: too short to interrupt")
+    assert what == "interrupted" and took < 0.2 + 0.5 * full, res.stdout
