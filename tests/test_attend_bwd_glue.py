@@ -275,6 +275,10 @@ def test_attention_backward_errors():
     args[2], args[3] = k[:, :1].repeat(3, axis=1), v[:, :1].repeat(3, axis=1)
     with pytest.raises(ValueError, match="^k: expected G >= 1 kv heads dividing"):
         _C.attention_backward(*args)
+    args = [a[:, :0] if i in (0, 1, 4, 5) else a for i, a in enumerate(ok)]   # H = 0
+    args[6] = scales[:0]
+    with pytest.raises(ValueError, match="^k: expected G >= 1 kv heads dividing"):
+        _C.attention_backward(*args)
     with pytest.raises(TypeError):
         _C.attention_backward(*ok[:-1])
     kw = dict(zip(["dout", "q", "k", "v", "out", "lse", "scales", "mask", "causal",
