@@ -2132,7 +2132,7 @@ static int attn_sizes(call *c, PyArrayObject *const a[ABW_SCALES])
     const npy_intp B = PyArray_DIM(a[ABW_Q], 0), H = PyArray_DIM(a[ABW_Q], 1);
     const npy_intp G = PyArray_DIM(a[ABW_K], 1), dk = PyArray_DIM(a[ABW_Q], 3);
     const npy_intp dv = PyArray_DIM(a[ABW_V], 3);
-    if (G == 0 || H % G != 0 || dk == 0 || dv == 0) {
+    if (G == 0 || H == 0 || H % G != 0 || dk == 0 || dv == 0) {
         PyErr_Format(PyExc_ValueError, "k: expected G >= 1 kv heads dividing the H = %zd "
                      "query heads, and head widths >= 1, got G = %zd, dk = %zd, dv = %zd",
                      (Py_ssize_t)H, (Py_ssize_t)G, (Py_ssize_t)dk, (Py_ssize_t)dv);

@@ -275,6 +275,10 @@ def test_attention_backward_errors():
     args[2], args[3] = k[:, :1].repeat(3, axis=1), v[:, :1].repeat(3, axis=1)
     with pytest.raises(ValueError, match="^k: expected G >= 1 kv heads dividing"):
         _C.attention_backward(*args)
+    args = [a[:, :0] if i in (0, 1, 4, 5) else a for i, a in enumerate(ok)]   # H = 0
+    args[6] = scales[:0]
+    with pytest.raises(ValueError, match="^k: expected G >= 1 kv heads dividing"):
+        _C.attention_backward(*args)
     with pytest.raises(TypeError):
         _C.attention_backward(*ok[:-1])
     kw = dict(zip(["dout", "q", "k", "v", "out", "lse", "scales", "mask", "causal",
@@ -366,3 +370,90 @@ def test_project_errors():
         args[pos] = value
         with pytest.raises(exc, match=f"^{name}"):
             _C.project(*args)
+
+
+def test_no_leaks():
+    """Reference counts and NumPy's traced memory stay flat over good and
+    failing calls of both functions; outputs hold no extra reference."""
+    import gc
+    import sys
+    import tracemalloc
+
+    rng = np.random.default_rng(8)
+    q, k, v, R, scales = problem(rng, B=1, Tq=5, Tk=9)
+    out, lse = forward(q, k, v, scales, None, False, None, None)
+    sinks = rng.standard_normal(4)
+    var = variants(sinks=sinks, window=(3, -1))
+    pa = project_inputs(rng)
+    good = [lambda: _C.attention_backward(R, q, k, v, out, lse, scales, None, True, None, var,
+                                          False),
+            lambda: _C.attention_backward(R, q, k, v, out, None, scales, None, False, None,
+                                          None, False),
+            lambda: _C.project(*pa, None)]
+    bad = [lambda: _C.attention_backward(R, q, k[:, :, :-1], v, out, lse, scales, None, True,
+                                         None, var, False),
+           lambda: _C.attention_backward(R, q, k, v, out, lse, scales, None, False, None,
+                                         variants(q_norm=np.ones(8)), False),
+           lambda: _C.project(pa[0][:1], *pa[1:], None)]
+
+    def steps(n):
+        for i in range(n):
+            good[i % 3]()
+            with pytest.raises((TypeError, ValueError)):
+                bad[i % 3]()
+
+    tracked = [q, k, v, R, out, lse, scales, sinks] + list(pa[:9])
+    steps(30)
+    gc.collect()
+    before = [sys.getrefcount(a) for a in tracked]
+    tracemalloc.start()
+    try:
+        start = tracemalloc.get_traced_memory()[0]
+        steps(600)
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - start
+    finally:
+        tracemalloc.stop()
+    assert [sys.getrefcount(a) for a in tracked] == before
+    assert grown < 64 * 1024
+    dq, dk, dv, ds = _C.attention_backward(R, q, k, v, out, lse, scales, None, True, None,
+                                           var, False)
+    assert sys.getrefcount(dq) == 2 and sys.getrefcount(dk) == 2
+    assert sys.getrefcount(dv) == 2 and sys.getrefcount(ds) == 2
+    pq, pk, pv = _C.project(*pa, None)
+    assert sys.getrefcount(pq) == 2 and sys.getrefcount(pk) == 2 and sys.getrefcount(pv) == 2
+
+
+def test_ctrl_c_interrupts_attention_backward():
+    """A long call stops within about a second of SIGINT, with
+    KeyboardInterrupt (in a child process, so that pytest is not hit)."""
+    import subprocess
+    import sys
+    code = r"""
+import os, signal, threading, time
+import numpy as np
+from mhattn import _C
+rng = np.random.default_rng(0)
+B, H, T, d = 1, 8, 3072, 64
+q, k, v, R, out = (rng.standard_normal((B, H, T, d)).astype(np.float32) for _ in range(5))
+lse = np.zeros((B, H, T), np.float32)
+t0 = time.perf_counter()
+_C.attention_backward(R, q, k, v, out, lse, np.ones(H), None, False, None, None, False)
+full = time.perf_counter() - t0
+threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+t0 = time.perf_counter()
+try:
+    _C.attention_backward(R, q, k, v, out, lse, np.ones(H), None, False, None, None, False)
+    print("finished", full, time.perf_counter() - t0)
+except KeyboardInterrupt:
+    print("interrupted", full, time.perf_counter() - t0)
+"""
+    env = dict(__import__("os").environ)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, env=env)
+    words = res.stdout.split()
+    assert res.returncode == 0 and words, res.stderr
+    what, full, took = words[0], float(words[1]), float(words[2])
+    if full < 0.8:
+        pytest.skip(f"the call takes {full:.2f} s here: too short to interrupt")
+    assert what == "interrupted" and took < 0.2 + 0.5 * full, res.stdout
