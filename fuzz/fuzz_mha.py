@@ -217,7 +217,40 @@ def build(d: Data):
     if d.rarely(8):
         corrupted = d.pick(VARIANTS)
         kw[corrupted] = d.pick(GARBAGE)
+    if d.rarely(3):
+        kw["_attention"] = attention_case(d, rng, vals, batched, B, H, G, Tq, Tk)
     return kw, corrupted
+
+
+def attention_case(d, rng, vals, batched, B, H, G, Tq, Tk):
+    """mhattn.attention's keywords on projected tensors of the decoded sizes:
+    either layout, any memory layout, the score variants, now and then a
+    bad value."""
+    layout = d.pick(["bhtd", "bthd"])
+    dk, dv = d.int(1, 4), d.int(1, 4)
+
+    def t(heads, T, width):
+        shape = (heads, T, width) if layout == "bhtd" else (T, heads, width)
+        a = vals(((B,) if batched else ()) + shape)
+        return d.pick(LAYOUTS[:9])(a) if d.chance(3) else a
+    kw = dict(q=t(H, Tq, dk), k=t(G, Tk, dk), v=t(G, Tk, dv), layout=layout,
+              causal=bool(d.int(0, 1)))
+    lead = (B,) if batched else ()
+    if d.chance(3):
+        kw["window"] = (d.pick([None, 0, 1, 3]), d.pick([None, 0, 2]))
+    if d.chance(4):
+        kw["softcap"] = d.pick([1.0, 5.0, -1.0])
+    if d.chance(4):
+        kw["sinks"] = vals((d.pick([H, H, H + 1]),))
+    if d.chance(4):
+        kw["key_mask"] = rng.random(lead + (Tk,)) > 0.3
+    if d.chance(4):
+        kw["alibi_slopes"] = rng.random((H,))
+    if d.chance(4):
+        kw["return_lse"] = True
+    if d.chance(6):
+        kw[d.pick(["q", "k", "v", "layout", "window", "scale"])] = d.pick(GARBAGE)
+    return kw
 
 
 def _split(rng, total, n):
@@ -274,7 +307,7 @@ def mhattn_rope(**kw):
 
 
 NAME_RE = re.compile(r"\b(" + "|".join(ARGS + VARIANTS) +
-                     r"|d_model|d_k|d_v|rotary_dim|inv_freq)\b")
+                     r"|d_model|d_k|d_v|rotary_dim|inv_freq|q|k|v|layout)\b")
 
 
 def check_error(exc: BaseException):
@@ -305,6 +338,9 @@ def test_one_input(data: bytes) -> None:
     from mhattn import reference
 
     kw, corrupted = build(Data(data))
+    att = kw.pop("_attention", None)
+    if att is not None:
+        check_attention(att)
     with warnings.catch_warnings(), np.errstate(all="ignore"):
         warnings.simplefilter("ignore")
         try:
@@ -320,6 +356,28 @@ def test_one_input(data: bytes) -> None:
         compare(got[1], ref[1], "weights")
     else:
         compare(got, ref, "out")
+
+
+def check_attention(kw):
+    """mhattn.attention against the reference's, or a named error."""
+    import mhattn
+    from mhattn import reference
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("ignore")
+        try:
+            got = mhattn.attention(**kw)
+        except (TypeError, ValueError) as e:
+            check_error(e)
+            return
+        except MemoryError:
+            return
+        ref_out, _, ref_lse = reference.projected_attention(
+            **{k: v for k, v in kw.items() if k != "return_lse"})
+    if kw.get("return_lse"):
+        compare(got[0], ref_out, "attention out")
+        compare(got[1], ref_lse, "attention lse")
+    else:
+        compare(got, ref_out, "attention out")
 
 
 # atheris's name for the one-input function

@@ -716,6 +716,82 @@ for dt in (np.float32, np.float64):
                                                     [None].repeat(2, 0)]).all()
 
 
+# --- attention on projected tensors and the KV cache (issue 17) -------------
+Q4 = rng.standard_normal((2, 4, 3, 2))     # (B, H, Tq, d)
+K4 = rng.standard_normal((2, 2, 5, 2))     # (B, G, Tk, d)
+
+
+def att(q=Q4, k=K4, v=K4, **kw):
+    return mhattn.attention(q, k, v, **kw)
+
+
+table("attention", raises(VE, words=["q"]), [
+    ("q_2d", lambda: att(q=np.ones((3, 2)))),
+    ("q_5d", lambda: att(q=np.ones((1, 2, 4, 3, 2)))),
+])
+table("attention", raises(VE, words=["k"]), [
+    ("k_width", lambda: att(k=np.ones((2, 2, 5, 3)))),
+    ("k_heads", lambda: att(k=np.ones((2, 3, 5, 2)), v=np.ones((2, 3, 5, 2)))),
+    ("k_batch", lambda: att(k=np.ones((3, 2, 5, 2)), v=np.ones((3, 2, 5, 2)))),
+])
+table("attention", raises(VE, words=["v"]), [
+    ("v_rows", lambda: att(v=np.ones((2, 2, 4, 2)))),
+])
+table("attention", raises(VE, words=["layout"]), [("layout", lambda: att(layout="bdht"))])
+table("attention", raises(TE, words=["q"]), [
+    ("q_complex", lambda: att(q=Q4.astype(complex))),
+    ("q_string", lambda: att(q="q")),
+])
+table("attention", raises(VE, words=["window"]), [("window", lambda: att(window=(-1, 0)))])
+table("attention", raises(VE, words=["sinks"]), [("sinks", lambda: att(sinks=np.ones(3)))])
+table("attention", raises(VE, words=["key_mask"]), [
+    ("key_mask", lambda: att(key_mask=np.ones((2, 4), bool)))])
+table("glue_attention", raises(VE, words=["variants"]), [
+    ("transforms", lambda: _C.attention(Q4, K4, K4, np.ones(4), None, False, None,
+                                        variants(rotary_dim=2, inv_freq=np.ones(1)),
+                                        False, False, False, False))])
+table("glue_attention", raises(VE, words=["k"]), [
+    ("k_width", lambda: _C.attention(Q4, np.ones((2, 2, 5, 3)), K4, np.ones(4), None, False,
+                                     None, None, False, False, False, False))])
+table("glue_attention_backward", raises(VE, words=["lse"]), [
+    ("lse_shape", lambda: _C.attention_backward(Q4, Q4, K4, K4, Q4, np.ones((2, 4, 2)),
+                                                np.ones(4), None, False, None, None, False))])
+
+
+def cache(**kw):
+    c = mhattn.KVCache(2, 2, 4, 2, dtype=np.float64, **kw)
+    c.append(np.ones((2, 2, 3, 2)), np.ones((2, 2, 3, 2)))
+    return c
+
+
+def cache_unchanged_after(bad):
+    c = cache()
+    before = (c.lengths.copy(), c.keys.copy())
+    try:
+        bad(c)
+    finally:
+        assert (c.lengths == before[0]).all() and np.array_equal(c.keys, before[1])
+
+
+table("cache", raises(VE, words=["k_new"]), [
+    ("past_capacity", lambda: cache_unchanged_after(
+        lambda c: c.append(np.ones((2, 2, 2, 2)), np.ones((2, 2, 2, 2))))),
+    ("heads", lambda: cache_unchanged_after(
+        lambda c: c.append(np.ones((2, 3, 1, 2)), np.ones((2, 3, 1, 2))))),
+    ("width", lambda: cache_unchanged_after(
+        lambda c: c.append(np.ones((2, 2, 1, 3)), np.ones((2, 2, 1, 2))))),
+])
+table("cache", raises(TE, VE, words=["k_new"]), [
+    ("complex", lambda: cache_unchanged_after(
+        lambda c: c.append(np.ones((2, 2, 1, 2), complex), np.ones((2, 2, 1, 2))))),
+])
+table("cache", raises(VE, words=["cache"]), [
+    ("wrong_heads", lambda: mha(XB, W, W, W, num_heads=2, num_kv_heads=2,
+                                cache=mhattn.KVCache(2, 1, 8, 2))),
+    ("wrong_batch", lambda: mha(XB, W, W, W, num_heads=2, cache=mhattn.KVCache(3, 2, 8, 2))),
+])
+
+
 # --- the child-process runner ------------------------------------------------
 def run_case(name):
     fn, expect = CASES[name]

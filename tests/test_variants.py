@@ -294,6 +294,7 @@ BAD = [
     (dict(window=(-1, 0)), ValueError, "window"),
     (dict(window=(0, -2)), ValueError, "window"),
     (dict(window=5), TypeError, "window"),
+    (dict(window=np.array(np.nan)), TypeError, "window"),   # found by the fuzzer
     (dict(window=(1, 2, 3)), ValueError, "window"),
     (dict(alibi_slopes=np.ones(H + 1)), ValueError, "alibi_slopes"),
     (dict(alibi_slopes=np.ones((B + 1, H))), ValueError, "alibi_slopes"),

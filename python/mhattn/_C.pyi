@@ -34,6 +34,10 @@ def forward(
                                               # or a shape that broadcasts to it
     causal: bool,                     # query i sees keys j <= i + (Tk - Tq)
     key_lengths: Optional[npt.NDArray[np.int64]],  # (B,) or None
+    variants: Optional[tuple],        # None, or mhattn._core.variant_args's tuple:
+                                      # (window, softcap, alibi, sinks, key_mask, cu_q,
+                                      #  cu_k, q_norm, k_norm, norm_eps, rotary_dim,
+                                      #  interleaved, inv_freq, positions, key_positions)
     want_weights: bool,
     keep: bool,
 ) -> Tuple[
@@ -44,7 +48,7 @@ def forward(
     #  lse (B, H, Tq)) when keep
 ]:
     """forward(x, key, value, wq, wk, wv, wo, bq, bk, bv, bo, dk, dv, scales,
-    mask, causal, key_lengths, want_weights, keep)
+    mask, causal, key_lengths, variants, want_weights, keep)
     -> (out, weights or None, (q, k, v, concat, lse) or None)
 
     All float arrays share one dtype, float32 or float64.  Outputs are new
@@ -69,6 +73,8 @@ def get_num_threads() -> int:
 def set_num_threads(n: int) -> None:
     """Use n threads (at most 256) from the next call on; 0 restores the
     default (MHATTN_NUM_THREADS, else the CPUs this process may use)."""
+    ...
+
 def backward(
     dout: _Float,                     # (B, Tq, Dout): dL/dout
     x: _Float,                        # (B, Tq, Din)
@@ -89,24 +95,74 @@ def backward(
     mask: Optional[npt.NDArray[np.generic]],  # (B, H, Tq, Tk) bool or float, any strides
     causal: bool,
     key_lengths: Optional[npt.NDArray[np.int64]],
+    variants: Optional[tuple],        # as forward()'s
     want_bq: bool,
     want_bk: bool,
     want_bv: bool,
     want_bo: bool,
 ) -> Tuple[_Float, Optional[_Float], Optional[_Float], _Float, _Float, _Float,
            Optional[_Float], Optional[_Float], Optional[_Float], Optional[_Float],
-           Optional[_Float]]:
+           Optional[_Float], Optional[_Float], Optional[_Float], Optional[_Float]]:
     """backward(dout, x, key, value, wq, wk, wv, wo, q, k, v, concat, lse, dk,
-    dv, scales, mask, causal, key_lengths, want_bq, want_bk, want_bv, want_bo)
-    -> (dx, dkey, dvalue, dwq, dwk, dwv, dwo, dbq, dbk, dbv, dbo)
+    dv, scales, mask, causal, key_lengths, variants, want_bq, want_bk, want_bv,
+    want_bo)
+    -> (dx, dkey, dvalue, dwq, dwk, dwv, dwo, dbq, dbk, dbv, dbo, dsinks,
+        dq_norm, dk_norm)
 
     Backward pass of forward(): new C-contiguous gradients of the compute
     dtype, fused like the arguments. key None means key is x and value None
     means value is key: that role's gradient is then added into x's (key's),
     and dkey (dvalue) is None. dwo is None without wo; each bias gradient is
-    None unless its want_* is true. Fully masked query rows contribute zero.
-    Bitwise the same for any thread count.
+    None unless its want_* is true; dsinks, dq_norm, dk_norm are None unless
+    the variants give sinks, q_norm, k_norm. Fully masked query rows
+    contribute zero. Bitwise the same for any thread count.
     """
     ...
 
+def attention(
+    q: _Float,                        # (B, H, Tq, dk), any strides, last axis contiguous
+    k: _Float,                        # (B, G, Tk, dk)
+    v: _Float,                        # (B, G, Tk, dv)
+    scales: npt.NDArray[np.float64],  # (H,)
+    mask: Optional[npt.NDArray[np.generic]],
+    causal: bool,
+    key_lengths: Optional[npt.NDArray[np.int64]],
+    variants: Optional[tuple],        # forward()'s, the q/k transforms off
+    lengths_aligned: bool,            # queries aligned to each item's key length
+    out_bthd: bool,                   # out (B, Tq, H, dv) instead of (B, H, Tq, dv)
+    want_weights: bool,
+    want_lse: bool,
+) -> Tuple[_Float, Optional[_Float], Optional[_Float]]:
+    """attention(...) -> (out, weights or None, lse or None): attention on
+    projected tensors (mha_attend), read in place through their strides."""
+    ...
+
+def attention_backward(
+    dout: _Float,                     # (B, H, Tq, dv), any strides
+    q: _Float,                        # (B, H, Tq, dk)
+    k: _Float,                        # (B, G, Tk, dk)
+    v: _Float,                        # (B, G, Tk, dv)
+    out: _Float,                      # (B, H, Tq, dv): attention()'s
+    lse: Optional[_Float],            # (B, H, Tq), or None: recomputed
+    scales: npt.NDArray[np.float64],
+    mask: Optional[npt.NDArray[np.generic]],
+    causal: bool,
+    key_lengths: Optional[npt.NDArray[np.int64]],
+    variants: Optional[tuple],
+    lengths_aligned: bool,
+) -> Tuple[_Float, _Float, _Float, Optional[_Float]]:
+    """attention_backward(...) -> (dq, dk, dv, dsinks or None), C-contiguous
+    (B, H, Tq, dk), (B, G, Tk, dk), (B, G, Tk, dv) (mha_attend_backward)."""
+    ...
+
+def project(
+    x: _Float, key: _Float, value: _Float,   # as forward()'s
+    wq: _Float, wk: _Float, wv: _Float,
+    bq: Optional[_Float], bk: Optional[_Float], bv: Optional[_Float],
+    dk: npt.NDArray[np.int64], dv: npt.NDArray[np.int64],
+    scales: npt.NDArray[np.float64],
+    variants: Optional[tuple],
+) -> Tuple[_Float, _Float, _Float]:
+    """project(...) -> (q (B, Tq, Sq), k (B, Tk, Sk), v (B, Tk, Sv)): the
+    projections with the q/k norm and RoPE applied (mha_project)."""
     ...

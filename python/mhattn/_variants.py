@@ -183,8 +183,9 @@ def _real_array(name: str, obj: Any) -> np.ndarray:
 def _window(window: Any) -> Optional[tuple]:
     if window is None:
         return None
-    if isinstance(window, (str, bytes)) or not isinstance(window, Sequence) \
-            and not isinstance(window, np.ndarray):
+    if isinstance(window, (str, bytes)) or not (
+            isinstance(window, Sequence) or (isinstance(window, np.ndarray)
+                                             and window.ndim == 1)):
         raise TypeError(f"window: expected (left, right), each an int >= 0 or None, "
                         f"got {window!r}; Mistral's sliding_window=W is window=(W-1, 0)")
     sides = list(window)

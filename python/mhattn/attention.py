@@ -44,7 +44,7 @@ class Projected(SimpleNamespace):
 
 
 def _layout(layout: Any) -> str:
-    if layout not in _LAYOUTS:
+    if not isinstance(layout, str) or layout not in _LAYOUTS:
         raise ValueError(f"layout: expected 'bhtd' (B, H, T, d) or 'bthd' (B, T, H, d), "
                          f"got {layout!r}")
     return layout

@@ -692,7 +692,7 @@ def projected_attention(q, k, v, *, layout="bhtd", scale=None, mask=None, causal
     if layout == "bhtd":
         arrays = [np.swapaxes(a, 1, 2) for a in arrays]
     (B, Tq, H, dk), (_, Tk, G, _), (_, _, _, dv) = (a.shape for a in arrays)
-    fused = [a.reshape(a.shape[0], a.shape[1], -1) for a in arrays]
+    fused = [a.reshape(a.shape[0], a.shape[1], a.shape[2] * a.shape[3]) for a in arrays]
     if not batched:
         fused = [f[0] for f in fused]
     call = normalize(fused[0], np.eye(H * dk), np.eye(G * dk), np.eye(G * dv),
