@@ -391,6 +391,15 @@ class Context:
     A context may be used for any number of backward calls.  It holds
     references, not copies: modifying an input or weight in place between
     the forward and the backward call gives wrong gradients.
+
+    Examples
+    --------
+    >>> tokens, X, w_q, w_k, w_v, w_o = mhattn.worked_example()
+    >>> out, ctx = mhattn.multi_head_attention(X, w_q, w_k, w_v, w_o, return_context=True)
+    >>> ctx
+    <mhattn.Context B=1 Tq=3 Tk=3 H=2 G=2 dtype=float64>
+    >>> ctx.lse.shape                 # (B, H, T_q), batched even for an unbatched call
+    (1, 2, 3)
     """
     __slots__ = ("call", "q", "k", "v", "concat", "lse", "bias_forms")
 

@@ -68,6 +68,13 @@ def backward(grad_out, ctx: Context) -> Dict[str, Any]:
     When ``key`` was not given, x also fed the keys and values, and 'x'
     includes those contributions; likewise 'key' includes the values' when
     ``value`` was not given.  Fully masked query rows contribute zero.
+
+    Examples
+    --------
+    >>> tokens, X, w_q, w_k, w_v, w_o = mhattn.worked_example()
+    >>> out, ctx = mhattn.multi_head_attention(X, w_q, w_k, w_v, w_o, return_context=True)
+    >>> sorted(mhattn.backward(np.ones_like(out), ctx))
+    ['w_k', 'w_o', 'w_q', 'w_v', 'x']
     """
     if not isinstance(ctx, Context):
         raise TypeError(f"ctx: expected the context returned by multi_head_attention("

@@ -22,6 +22,11 @@ def get_isa() -> str:
 
     Detected once from the CPU and OS; the environment variable
     ``MHATTN_ISA=scalar|avx2|avx512`` (read at the first call) caps it.
+
+    Examples
+    --------
+    >>> mhattn.get_isa() in ("scalar", "avx2", "avx512")
+    True
     """
     return _C.get_isa()
 
@@ -43,6 +48,13 @@ def set_num_threads(n: Optional[int] = None) -> None:
     The default is ``MHATTN_NUM_THREADS`` when set to a positive integer,
     else the number of CPUs this process may run on. Counts above 256 are
     capped. Results do not depend on the thread count.
+
+    Examples
+    --------
+    >>> mhattn.set_num_threads(1)
+    >>> mhattn.get_num_threads()
+    1
+    >>> mhattn.set_num_threads(None)      # back to the default
     """
     if n is None:
         n = 0
@@ -58,5 +70,11 @@ def set_num_threads(n: Optional[int] = None) -> None:
 
 
 def get_num_threads() -> int:
-    """The number of threads the core uses for the next call."""
+    """The number of threads the core uses for the next call.
+
+    Examples
+    --------
+    >>> mhattn.get_num_threads() >= 1
+    True
+    """
     return _C.get_num_threads()

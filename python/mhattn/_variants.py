@@ -83,9 +83,12 @@ class RoPE:
 
     Examples
     --------
-    >>> rope = mhattn.RoPE(theta=500000.0)
-    >>> out = mhattn.multi_head_attention(x, w_q, w_k, w_v, w_o, num_heads=8,
-    ...                                   causal=True, rope=rope)
+    >>> rope = mhattn.RoPE(theta=500000.0)            # Llama 3's base
+    >>> x = np.random.default_rng(0).standard_normal((5, 16))
+    >>> w = np.eye(16)
+    >>> mhattn.multi_head_attention(x, w, w, w, num_heads=2, causal=True,
+    ...                             rope=rope).shape
+    (5, 16)
     """
 
     def __init__(self, theta: float = 10000.0, rotary_dim: Optional[int] = None,

@@ -556,6 +556,14 @@ def check_prototype(fn: Callable, *, trials: int = 4, dtype=np.float64,
     Returns a :class:`PrototypeReport`: ``.ok``, ``.mistake``, ``.title``,
     ``.explanation``, ``.trials``; ``print(report)`` gives plain text, and
     Jupyter renders it as HTML.
+
+    Examples
+    --------
+    >>> def prototype(x, w_q, w_k, w_v, w_o, h):    # forgot the 1/sqrt(d_k)
+    ...     return mhattn.reference.multi_head_attention(x, w_q, w_k, w_v, w_o,
+    ...                                                  num_heads=h, scale=1.0)
+    >>> mhattn.check_prototype(prototype).mistake
+    'no_scaling'
     """
     if not callable(fn):
         raise TypeError(f"fn: expected a callable fn(x, w_q, w_k, w_v, w_o, num_heads), "

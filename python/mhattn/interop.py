@@ -91,6 +91,11 @@ def from_torch_masks(attn_mask: Any = None, key_padding_mask: Any = None, *,
     Pass the result as ``mask=`` to mhattn.multi_head_attention or to a
     MultiHeadAttention layer.  A query row that every key is blocked for is
     NaN in PyTorch but gives output b_o (and weights 0) in mhattn.
+
+    Examples
+    --------
+    >>> mhattn.from_torch_masks(key_padding_mask=np.array([[False, False, True]]))
+    array([[ True,  True, False]])
     """
     num_heads = _int_arg("num_heads", num_heads)
     batch_size = _int_arg("batch_size", batch_size)
@@ -185,6 +190,12 @@ def to_torch_attn_mask(mask: Any, *, num_heads: Optional[int] = None,
     Returns a new C-contiguous NumPy array, or a torch.Tensor with
     ``as_tensor=True`` (which imports PyTorch).  (F.scaled_dot_product_attention
     needs no conversion: its boolean masks already use mhattn's sense.)
+
+    Examples
+    --------
+    >>> mhattn.to_torch_attn_mask(np.tril(np.ones((2, 2), bool)))   # True = blocked
+    array([[False,  True],
+           [False, False]])
     """
     m = _as_numpy("mask", mask)
     num_heads = _int_arg("num_heads", num_heads)

@@ -97,6 +97,12 @@ def plot_attention(weights: Any, tokens: Optional[Sequence[Any]] = None,
     ------
     ImportError
         When matplotlib is not installed: ``pip install 'mhattn[plot]'``.
+
+    Examples
+    --------
+    >>> tokens, X, w_q, w_k, w_v, w_o = mhattn.worked_example()
+    >>> t = mhattn.trace(X, w_q, w_k, w_v, w_o, tokens=tokens)
+    >>> fig = mhattn.plot_attention(t.weights, tokens)   # doctest: +SKIP
     """
     from .trace import Trace
 

@@ -718,6 +718,11 @@ def param_count(d_model: int, num_heads: int, d_k: Optional[int] = None,
     h heads of d_model x d_k for W^Q and W^K, h of d_model x d_v for W^V and
     (h d_v) x d_model for W^O.  Under the convention d_k = d_v = d_model / h
     this is 4 d_model^2, whatever h is.
+
+    Examples
+    --------
+    >>> mhattn.param_count(512, 8), mhattn.param_count(512, 1)   # 4 * 512**2 both
+    (1048576, 1048576)
     """
     from ._args import _int_arg
     d_model = _int_arg("d_model", d_model, allow_none=False)
@@ -739,6 +744,12 @@ def worked_example():
     Three tokens ball, full, it with 4-d embeddings; two heads of width 2.
     Head 1 reads the entity and bias columns, head 2 the adjective and bias
     columns, and both heads share one value projection.  W^O is the identity.
+
+    Examples
+    --------
+    >>> tokens, X, w_q, w_k, w_v, w_o = mhattn.worked_example()
+    >>> tokens, X.shape, len(w_q)
+    (['ball', 'full', 'it'], (3, 4), 2)
     """
     tokens = ["ball", "full", "it"]
     X = np.array([[3, 0, 0, 1], [0, 3, 0, 1], [1, 1, 0, 1]], dtype=float)

@@ -215,6 +215,13 @@ class Trace:
     Methods: ``to_dict()``, ``head(i, b=None)``, ``compare(other)``; the
     HTML display (``_repr_html_``) shows every step with its shape, and the
     values when the matrices are small.
+
+    Examples
+    --------
+    >>> tokens, X, w_q, w_k, w_v, w_o = mhattn.worked_example()
+    >>> t = mhattn.trace(X, w_q, w_k, w_v, w_o, tokens=tokens)
+    >>> t.weights.shape, t.keys()[:3]
+    ((2, 3, 3), ('q', 'k', 'v'))
     """
 
     q: PerHead
