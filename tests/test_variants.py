@@ -411,3 +411,19 @@ def test_layer_without_variants_is_unchanged(rng):
     layer = mhattn.MultiHeadAttention(16, 2, seed=0)
     assert layer.sinks is None and layer.q_norm is None and layer.k_norm is None
     assert set(layer.state_dict()) == {"in_proj_weight", "out_proj.weight"}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("cap", [1e-3, 0.3, 30.0, 2.0 ** 70])
+def test_softcap_keeps_relative_accuracy(rng, isa, dtype, cap):
+    """c tanh(s / c) for any c: a huge cap is the identity (the fuzzer found
+    the exp formula's 1 - exp(-2|x|) losing every digit of small x), a tiny
+    one flattens the scores; the core's tanh matches NumPy's on both sides
+    of its switch from the series to the exp formula (|x| = 1/4)."""
+    p = _params(rng, dtype)
+    out = mhattn.multi_head_attention(**p, softcap=cap)
+    ref = mhattn.reference.multi_head_attention(**p, softcap=cap)
+    _check_close(out, ref, dtype, scale=float(np.abs(ref).max()))
+    if cap > 1e6:
+        plain = mhattn.multi_head_attention(**p)
+        _check_close(out, plain, dtype, scale=float(np.abs(plain).max()))
