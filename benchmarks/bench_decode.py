@@ -24,13 +24,19 @@ A script that prints figures, not a timed test. In one run it measures:
 
 Timing: the variants of one row are interleaved round by round (each round
 times each variant once, in rotating order), so a neighbour's load falls on
-all of them alike; medians over the rounds. "K/V GB/s" is 2 G Tk d 4 bytes
-over mhattn's median; "% bw" is that over the bandwidth of step 1 (the
-beyond-LLC figure for caches past the LLC, the in-LLC one otherwise).
+all of them alike (JAX, whose pool spins after its call, in a block of its
+own after them: ALONE); medians over the rounds. "K/V GB/s" is 2 G Tk d 4 bytes
+over mhattn's median; "stream" is the read rate of stream.c over a buffer
+of its own of the same size (read once, or as often as makes 64 MiB when
+it is smaller, so from cache as a cache that fits is), timed in the same
+rotation (at the same moment of a shared machine's load), and "% bw" is mhattn's rate over it:
+how close the step is to reading K and V at the machine's rate. Step 1's
+figures are printed for context.
 """
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import ctypes
 import os
 import statistics
@@ -178,21 +184,55 @@ def variants(H, G, Tk, d, threads):
     return out
 
 
+# Timed in a block of their own after the others: JAX's pool keeps spinning
+# after a call (it halved the next library's second core when it ran in the
+# rotation) and it works on its own copies of q, k and v.
+ALONE = ("jax",)
+
+
 def time_row(fns, args, rounds):
     names = list(fns)
     ts = {n: [] for n in names}
     for n in names:     # warm-up (and ORT's / JAX's first-call set-up)
         fns[n](*args)
+    inter = [n for n in names if n not in ALONE]
     for r in range(rounds):
-        for n in names[r % len(names):] + names[:r % len(names)]:
+        for n in inter[r % len(inter):] + inter[:r % len(inter)]:
             t0 = time.perf_counter()
             fns[n](*args)
             ts[n].append(time.perf_counter() - t0)
+    for n in names:
+        if n in ALONE:
+            for r in range(rounds):
+                t0 = time.perf_counter()
+                fns[n](*args)
+                ts[n].append(time.perf_counter() - t0)
     return {n: statistics.median(v) for n, v in ts.items()}
 
 
-def attention_rows(tks, threads, rounds, bw_far, bw_near, llc):
+def stream_step(lib, nbytes: int, pool, threads: int):
+    """A call(q, k, v) that reads a buffer of its own of nbytes once on
+    `threads` threads (this one and threads - 1 of the pool's), as a decode step reads K and V: timed in
+    the same rotation as the libraries, it is the read rate at that moment."""
+    buf = np.ones(nbytes // 4, np.float32)
+    n = buf.size // threads
+    ptr = buf.ctypes.data
+    reps = max(1, (64 << 20) // nbytes)   # a small buffer: read again, in cache
+
+    def call(q, k, v, buf=buf):
+        # slices 1.. on the pool's threads, slice 0 on this one meanwhile
+        futs = [pool.submit(lib.stream_read, ptr + 4 * i * n, n, reps)
+                for i in range(1, threads)]
+        lib.stream_read(ptr, n, reps)
+        for f in futs:
+            f.result()
+        return reps
+    return call
+
+
+def attention_rows(tks, threads, rounds, lib, llc):
     rows = []
+    pool = concurrent.futures.ThreadPoolExecutor(max(1, threads - 1))
     for d_model, H, G in CONFIGS:
         d = d_model // H
         for Tk in tks:
@@ -202,15 +242,18 @@ def attention_rows(tks, threads, rounds, bw_far, bw_near, llc):
             v = rng.standard_normal((1, G, Tk, d), dtype=np.float32)
             fns = variants(H, G, Tk, d, threads)
             ref = fns["mhattn"](q, k, v)
-            for n, f in fns.items():
+            kv = 2 * G * Tk * d * 4
+            for n, f in list(fns.items()):
                 err = float(np.abs(np.asarray(f(q, k, v)) - ref).max())
                 if err > 1e-4:
                     raise SystemExit(f"{n} differs from mhattn by {err:g} at "
                                      f"d_model {d_model}, Tk {Tk}")
-            kv = 2 * G * Tk * d * 4
+            fns["stream"] = stream_step(lib, kv, pool, threads)
             r = max(5, rounds if kv < (64 << 20) else rounds // 3)
             med = time_row(fns, (q, k, v), r)
-            rows.append((d_model, H, G, Tk, kv, med, kv > llc, bw_far, bw_near))
+            med["stream reps"] = fns["stream"](q, k, v)
+            rows.append((d_model, H, G, Tk, kv, med, kv > llc))
+    pool.shutdown()
     return rows
 
 
@@ -218,15 +261,16 @@ def print_rows(rows):
     peers = ["torch SDPA", "onnxruntime", "jax"]
     print(f"{'config':>16} {'Tk':>6} {'K/V MiB':>8} {'LLC':>4} {'mhattn ms':>10} "
           + "".join(f"{p + ' ms':>15}" for p in peers)
-          + f" {'best peer':>12} {'vs best':>8} {'target':>7} {'K/V GB/s':>9} {'% bw':>6}")
-    for d_model, H, G, Tk, kv, med, beyond, bw_far, bw_near in rows:
+          + f" {'best peer':>12} {'vs best':>8} {'target':>7} {'K/V GB/s':>9} {'stream':>7}"
+          f" {'% bw':>6}")
+    for d_model, H, G, Tk, kv, med, beyond in rows:
         mine = med["mhattn"]
         have = {p: med[p] for p in peers if p in med}
         best = min(have, key=have.get) if have else None
         ratio = have[best] / mine if best else float("nan")
         want = 1.0 if beyond else 1.2
         rate = kv / mine / 1e9
-        bw = bw_far if beyond else bw_near
+        bw = kv * med["stream reps"] / med["stream"] / 1e9
         cfg = f"{d_model}/h{H}/g{G}"
         print(f"{cfg:>16} {Tk:>6} {kv / 2**20:>8.1f} {'out' if beyond else 'in':>4} "
               f"{mine * 1e3:>10.3f} "
@@ -234,7 +278,7 @@ def print_rows(rows):
                         for p in peers)
               + f" {best or '-':>12} {ratio:>7.2f}x "
               f"{('PASS' if ratio >= want else 'MISS') + f'>={want}':>7} "
-              f"{rate:>9.1f} {100 * rate / bw:>5.0f}%")
+              f"{rate:>9.1f} {bw:>7.1f} {100 * rate / bw:>5.0f}%")
         if "mhattn.attention" in med:
             print(f"{'':>16} mhattn.attention: {med['mhattn.attention'] * 1e3:.3f} ms")
 
@@ -294,7 +338,7 @@ def main(argv=None):
           f"load average at start {load}")
     print(f"read bandwidth (stream.c, {a.threads} threads): {bw_far:.1f} GB/s beyond the "
           f"LLC, {bw_near:.1f} GB/s within it")
-    rows = attention_rows(a.tk, a.threads, a.rounds, bw_far, bw_near, llc)
+    rows = attention_rows(a.tk, a.threads, a.rounds, lib, llc)
     print_rows(rows)
     layer_rows(a.threads, a.rounds)
 

@@ -197,3 +197,33 @@ def test_variants_table_structure():
     buf = io.StringIO()
     tables.print_table("t", models.COLUMNS, rows, file=buf)
     assert "causal + window=(255, 0)" in buf.getvalue()
+
+
+def test_bench_decode_rotation_and_stream_step():
+    """bench_decode.time_row rotates the libraries round by round and times
+    the ALONE ones (JAX) in a block after them; stream_step reads its own
+    buffer on every thread and says how many times."""
+    import concurrent.futures
+    import bench_decode
+
+    order = []
+    fns = {n: (lambda n=n: order.append(n)) for n in ("mhattn", "torch", "jax", "ort")}
+    med = bench_decode.time_row(fns, (), rounds=3)
+    assert set(med) == set(fns) and all(t >= 0 for t in med.values())
+    timed = order[len(fns):]                       # after one warm-up each
+    assert timed[:9] == ["mhattn", "torch", "ort", "torch", "ort", "mhattn",
+                         "ort", "mhattn", "torch"]
+    assert timed[9:] == ["jax"] * 3
+
+    calls = []
+
+    class Lib:
+        def stream_read(self, ptr, n, reps):
+            calls.append((ptr, n, reps))
+            return 0.0
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        step = bench_decode.stream_step(Lib(), 1 << 20, pool, threads=2)
+        assert step(None, None, None) == 64       # 1 MiB read 64 times: 64 MiB
+    ptrs = sorted(c[0] for c in calls)
+    assert len(calls) == 2 and ptrs[1] - ptrs[0] == (1 << 20) // 2
+    assert all(c[1] == (1 << 20) // 8 and c[2] == 64 for c in calls)

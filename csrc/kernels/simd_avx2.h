@@ -60,6 +60,8 @@ static inline float v_hmax_f32(v_f32 v) { return x86_hmax8_f32(v); }
 static inline double v_hmax_f64(v_f64 v) { return x86_hmax4_f64(v); }
 static inline float v_hsum_f32(v_f32 v) { return x86_hsum8_f32(v); }
 static inline double v_hsum_f64(v_f64 v) { return x86_hsum4_f64(v); }
+static inline void v_hsum4_f32(const v_f32 *a, float *out) { x86_hsum8x4_f32(a, out); }
+static inline void v_hsum4_f64(const v_f64 *a, double *out) { x86_hsum4x4_f64(a, out); }
 
 /* |v|, the magnitude of m with the sign of s (bit operations), and the
    lane indices 0 .. VLEN - 1: as simd_ref.h. */

@@ -62,6 +62,17 @@ static inline float v_hmax_f32(v_f32 v) { return _mm512_reduce_max_ps(v); }
 static inline double v_hmax_f64(v_f64 v) { return _mm512_reduce_max_pd(v); }
 static inline float v_hsum_f32(v_f32 v) { return _mm512_reduce_add_ps(v); }
 static inline double v_hsum_f64(v_f64 v) { return _mm512_reduce_add_pd(v); }
+/* out[u] = v_hsum(a[u]) for u < 4 (the reduction's own order, four times). */
+static inline void v_hsum4_f32(const v_f32 *a, float *out)
+{
+    for (int u = 0; u < 4; u++)
+        out[u] = _mm512_reduce_add_ps(a[u]);
+}
+static inline void v_hsum4_f64(const v_f64 *a, double *out)
+{
+    for (int u = 0; u < 4; u++)
+        out[u] = _mm512_reduce_add_pd(a[u]);
+}
 
 /* |v|, the magnitude of m with the sign of s (integer bit operations:
    AVX-512F has no float and/or), and the lane indices: as simd_ref.h. */

@@ -33,6 +33,7 @@
 #undef VMIN
 #undef VHMAX
 #undef VHSUM
+#undef VHSUM4
 #undef VSELBOOL
 #undef VPOW2
 #undef VTPACK
@@ -65,6 +66,7 @@
 #define VMIN v_min_f64
 #define VHMAX v_hmax_f64
 #define VHSUM v_hsum_f64
+#define VHSUM4 v_hsum4_f64
 #define VSELBOOL v_selbool_f64
 #define VPOW2 v_pow2_f64
 #define VTPACK v_tpack_f64
@@ -97,6 +99,7 @@
 #define VMIN v_min_f32
 #define VHMAX v_hmax_f32
 #define VHSUM v_hsum_f32
+#define VHSUM4 v_hsum4_f32
 #define VSELBOOL v_selbool_f32
 #define VPOW2 v_pow2_f32
 #define VTPACK v_tpack_f32

@@ -75,6 +75,17 @@ static inline float v_hmax_f32(v_f32 v) { return v; }
 static inline double v_hmax_f64(v_f64 v) { return v; }
 static inline float v_hsum_f32(v_f32 v) { return v; }
 static inline double v_hsum_f64(v_f64 v) { return v; }
+/* out[u] = v_hsum(a[u]) for u < 4, bit for bit (one lane: a copy). */
+static inline void v_hsum4_f32(const v_f32 *a, float *out)
+{
+    for (int u = 0; u < 4; u++)
+        out[u] = a[u];
+}
+static inline void v_hsum4_f64(const v_f64 *a, double *out)
+{
+    for (int u = 0; u < 4; u++)
+        out[u] = a[u];
+}
 
 /* |v|, the magnitude of m with the sign of s, and the lane indices
    (0, 1, ..., VLEN - 1): bit operations and exact values, the same bits on

@@ -133,6 +133,38 @@ static inline float x86_hsum8_f32(__m256 v)
     return _mm_cvtss_f32(x);
 }
 
+/* The four sums x86_hsum8_f32(a[u]) at once, bit for bit: every lane is
+   added in the same order (halves, then lanes two apart, then
+   neighbours), four vectors to a shuffle. a[0] and a[2] share the 128-bit
+   halves of one register, a[1] and a[3] of another. */
+static inline void x86_hsum8x4_f32(const __m256 *a, float *out)
+{
+    // halves: lane 0 holds p = a[u].lo + a[u].hi of a[0] (then a[1]),
+    // lane 1 of a[2] (then a[3])
+    const __m256 t02 = _mm256_add_ps(_mm256_permute2f128_ps(a[0], a[2], 0x20),
+                                     _mm256_permute2f128_ps(a[0], a[2], 0x31));
+    const __m256 t13 = _mm256_add_ps(_mm256_permute2f128_ps(a[1], a[3], 0x20),
+                                     _mm256_permute2f128_ps(a[1], a[3], 0x31));
+    // p0 + p2, p1 + p3, interleaved: (q0 of a[0], q0 of a[1], q1 of a[0], q1 of a[1])
+    const __m256 u = _mm256_add_ps(_mm256_unpacklo_ps(t02, t13), _mm256_unpackhi_ps(t02, t13));
+    // q0 + q1 (= q1 + q0: addition commutes bit for bit)
+    const __m256 w = _mm256_add_ps(u, _mm256_castpd_ps(_mm256_unpackhi_pd(
+                                          _mm256_castps_pd(u), _mm256_castps_pd(u))));
+    const __m128 lo = _mm256_castps256_ps128(w), hi = _mm256_extractf128_ps(w, 1);
+    _mm_storeu_ps(out, _mm_movelh_ps(lo, hi));
+}
+
+/* The four sums x86_hsum4_f64(a[u]) at once, bit for bit (halves, then
+   neighbours). */
+static inline void x86_hsum4x4_f64(const __m256d *a, double *out)
+{
+    const __m256d t02 = _mm256_add_pd(_mm256_permute2f128_pd(a[0], a[2], 0x20),
+                                      _mm256_permute2f128_pd(a[0], a[2], 0x31));
+    const __m256d t13 = _mm256_add_pd(_mm256_permute2f128_pd(a[1], a[3], 0x20),
+                                      _mm256_permute2f128_pd(a[1], a[3], 0x31));
+    _mm256_storeu_pd(out, _mm256_hadd_pd(t02, t13));
+}
+
 static inline float x86_hmax8_f32(__m256 v)
 {
     __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
