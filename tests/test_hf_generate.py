@@ -86,15 +86,22 @@ def test_gpt2_generate_matches_the_cached_step():
         h = _layer_norm(h, sd["transformer.ln_f.weight"], sd["transformer.ln_f.bias"], eps)
         return h @ sd["transformer.wte.weight"].T
 
-    ids = np.random.default_rng(0).integers(1, config.vocab_size, (B, PROMPT))
+    _check_against_hf(model, step, cache, seed=0, kv_tol=dict(rtol=1e-9, atol=1e-12))
+
+
+def _check_against_hf(model, step, cache, seed, kv_tol):
+    """Greedy decoding through `step` and the cache picks HF generate()'s
+    tokens with its logits, and the cache ends up holding HF's keys and
+    values (past_key_values) of the one layer."""
+    ids = np.random.default_rng(seed).integers(1, model.config.vocab_size, (B, PROMPT))
     hf_tokens, hf_logits, past = _hf_generate(model, ids)
     tokens, logits = _greedy(step, ids, cache)
     np.testing.assert_array_equal(tokens, hf_tokens)
     np.testing.assert_allclose(logits, hf_logits, **LOGITS)
     k, v = _hf_layer_kv(past)
     n = k.shape[2]
-    np.testing.assert_allclose(cache.keys[:, :, :n], k, rtol=1e-9, atol=1e-12)
-    np.testing.assert_allclose(cache.values[:, :, :n], v, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(cache.keys[:, :, :n], k, **kv_tol)
+    np.testing.assert_allclose(cache.values[:, :, :n], v, **kv_tol)
 
 
 def _rms(x, w, eps):
@@ -130,14 +137,6 @@ def test_llama_generate_matches_the_cached_step():
         h = h + (gate / (1 + np.exp(-gate)) * up) @ sd[p + "mlp.down_proj.weight"].T
         return _rms(h, sd["model.norm.weight"], eps) @ sd["lm_head.weight"].T
 
-    ids = np.random.default_rng(1).integers(1, config.vocab_size, (B, PROMPT))
-    hf_tokens, hf_logits, past = _hf_generate(model, ids)
-    tokens, logits = _greedy(step, ids, cache)
-    np.testing.assert_array_equal(tokens, hf_tokens)
-    np.testing.assert_allclose(logits, hf_logits, **LOGITS)
     # HF caches the keys after RoPE, as mhattn does (HF's float32 RMSNorm
     # and rotary angles: float32 rounding).
-    k, v = _hf_layer_kv(past)
-    n = k.shape[2]
-    np.testing.assert_allclose(cache.keys[:, :, :n], k, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(cache.values[:, :, :n], v, rtol=1e-5, atol=1e-6)
+    _check_against_hf(model, step, cache, seed=1, kv_tol=dict(rtol=1e-5, atol=1e-6))
