@@ -2265,8 +2265,8 @@ fail:
 PyDoc_STRVAR(get_isa_doc,
 "get_isa()\n"
 "--\n\n"
-"The instruction set of the kernels now in force: 'avx512', 'avx2' or\n"
-"'scalar' (detected once, capped by MHATTN_ISA or set_isa).");
+"The instruction set of the kernels now in force: 'avx512', 'avx2',\n"
+"'neon' or 'scalar' (detected once, capped by MHATTN_ISA or set_isa).");
 
 static PyObject *get_isa(PyObject *self, PyObject *noargs)
 {
@@ -2278,13 +2278,14 @@ static PyObject *get_isa(PyObject *self, PyObject *noargs)
 PyDoc_STRVAR(set_isa_doc,
 "set_isa(name)\n"
 "--\n\n"
-"Caps the instruction set at name ('scalar', 'avx2' or 'avx512'), lowered\n"
-"to what this CPU supports; for tests. Returns the ISA now in force.");
+"Caps the instruction set at name ('scalar', 'avx2', 'avx512' or 'neon'),\n"
+"lowered to what this CPU supports; for tests. Returns the ISA now in force.");
 
 static PyObject *set_isa(PyObject *self, PyObject *name)
 {
     (void)self;
-    static const mha_isa all[] = {MHA_ISA_SCALAR, MHA_ISA_AVX2, MHA_ISA_AVX512};
+    static const mha_isa all[] = {MHA_ISA_SCALAR, MHA_ISA_AVX2, MHA_ISA_AVX512,
+                                  MHA_ISA_NEON};
     if (!PyUnicode_Check(name)) {
         PyErr_Format(PyExc_TypeError, "name: expected a str, got %s",
                      Py_TYPE(name)->tp_name);
@@ -2296,7 +2297,7 @@ static PyObject *set_isa(PyObject *self, PyObject *name)
                 mha_isa_name((mha_isa)mha_set_isa(all[i])));
     }
     PyErr_Format(PyExc_ValueError,
-                 "name: expected 'scalar', 'avx2' or 'avx512', got %R", name);
+                 "name: expected 'scalar', 'avx2', 'avx512' or 'neon', got %R", name);
     return NULL;
 }
 

@@ -35,7 +35,8 @@ def _supported_isas():
     before = mhattn.get_isa()
     best = mhattn._set_isa("avx512")   # capped at what the CPU supports
     mhattn._set_isa(before)
-    names = ["scalar", "avx2", "avx512"]
+    # each architecture's ladder (aarch64: NEON is the only SIMD path)
+    names = ["scalar", "neon"] if best == "neon" else ["scalar", "avx2", "avx512"]
     return names[:names.index(best) + 1]
 
 

@@ -4,6 +4,7 @@
  * Detection is cpuid for what the CPU implements plus xgetbv for what the
  * OS saves on a context switch: a CPU may have AVX-512 while the kernel (or
  * a hypervisor) does not enable zmm state, and then the instructions fault.
+ * On aarch64 there is nothing to detect: NEON is part of the base ISA.
  */
 #include "dispatch.h"
 #include "kernels.h"
@@ -28,6 +29,24 @@ static unsigned long long read_xcr0(void)
 }
 #endif
 
+#if defined(__aarch64__)
+#define MHA_AARCH64 1
+#endif
+
+/* The ISA in force under a cap `want`: the best this CPU has at or below
+   it on this architecture's ladder (dispatch.h). aarch64's ladder is
+   scalar < neon, so a cap of scalar is scalar, and any other (neon, or an
+   x86 name) leaves NEON; on x86 the enum's order is the ladder, and neon,
+   above it, caps nothing. */
+static mha_isa isa_cap(mha_isa want, mha_isa detected)
+{
+#ifdef MHA_AARCH64
+    return want == MHA_ISA_SCALAR ? MHA_ISA_SCALAR : detected;
+#else
+    return want < detected ? want : detected;
+#endif
+}
+
 mha_isa mha_isa_detect(void)
 {
 #ifdef MHA_X86
@@ -51,6 +70,8 @@ mha_isa mha_isa_detect(void)
     if (avx512f && (xcr0 & 0xe6) == 0xe6)
         return MHA_ISA_AVX512;
     return MHA_ISA_AVX2;
+#elif defined(MHA_AARCH64)
+    return MHA_ISA_NEON;
 #else
     return MHA_ISA_SCALAR;
 #endif
@@ -71,9 +92,11 @@ static mha_isa isa_from_env(mha_isa detected)
             want = MHA_ISA_AVX2;
         else if (strcmp(s, "avx512") == 0)
             want = MHA_ISA_AVX512;
+        else if (strcmp(s, "neon") == 0)
+            want = MHA_ISA_NEON;
         /* anything else (empty, misspelt) leaves the detected ISA */
     }
-    return want < detected ? want : detected;
+    return isa_cap(want, detected);
 }
 
 mha_isa mha_get_isa(void)
@@ -96,8 +119,9 @@ int mha_set_isa(mha_isa isa)
     int v = (int)isa;
     if (v < (int)MHA_ISA_SCALAR)
         v = MHA_ISA_SCALAR;
-    if (v > (int)detected)
-        v = (int)detected;
+    if (v > (int)MHA_ISA_NEON)
+        v = (int)MHA_ISA_NEON;
+    v = (int)isa_cap((mha_isa)v, detected);
     atomic_store(&g_isa, v);
     return v;
 }
@@ -108,6 +132,7 @@ const char *mha_isa_name(mha_isa isa)
     case MHA_ISA_SCALAR: return "scalar";
     case MHA_ISA_AVX2: return "avx2";
     case MHA_ISA_AVX512: return "avx512";
+    case MHA_ISA_NEON: return "neon";
     }
     return "unknown";
 }
@@ -122,6 +147,10 @@ const mha_kernels *mha_kernels_for(mha_isa isa, int f64)
         return f64 ? &mha_kernels_avx512_f64 : &mha_kernels_avx512_f32;
     case MHA_ISA_AVX2:
         return f64 ? &mha_kernels_avx2_f64 : &mha_kernels_avx2_f32;
+#endif
+#ifdef MHA_HAVE_NEON_KERNELS
+    case MHA_ISA_NEON:
+        return f64 ? &mha_kernels_neon_f64 : &mha_kernels_neon_f32;
 #endif
     default:
         return f64 ? &mha_kernels_ref_f64 : &mha_kernels_ref_f32;

@@ -1,10 +1,14 @@
 /*
  * dispatch.h - which SIMD kernels the core runs.
  *
- * The instruction set is detected once (cpuid + xgetbv), then capped once by
- * the environment variable MHATTN_ISA=scalar|avx2|avx512 at first use. A cap
- * above what the CPU (and the OS, for the wide register state) supports is
- * lowered to what it supports, so forcing is only ever downward.
+ * The instruction set is detected once (cpuid + xgetbv on x86; NEON on
+ * every aarch64 CPU), then capped once by the environment variable
+ * MHATTN_ISA=scalar|avx2|avx512|neon at first use. A cap above what the CPU
+ * (and the OS, for the wide register state) supports is lowered to what it
+ * supports, so forcing is only ever downward. Each architecture has its own
+ * ladder, scalar < avx2 < avx512 on x86 and scalar < neon on aarch64; a
+ * name from another architecture's ladder caps nothing (it is, like any
+ * ISA this CPU lacks, lowered to the best this CPU has).
  */
 #ifndef MHA_DISPATCH_H
 #define MHA_DISPATCH_H
@@ -17,6 +21,7 @@ typedef enum {
     MHA_ISA_SCALAR = 0, /* portable C, always compiled and always tested */
     MHA_ISA_AVX2 = 1,   /* AVX2 + FMA, with OS support for ymm state     */
     MHA_ISA_AVX512 = 2, /* AVX-512F (+ AVX2, FMA), OS support for zmm    */
+    MHA_ISA_NEON = 3,   /* AArch64 Advanced SIMD: every aarch64 CPU      */
 } mha_isa;
 
 /* The best ISA this CPU and OS support (ignores the environment). */
@@ -31,7 +36,7 @@ mha_isa mha_get_isa(void);
    may go back up to the detected ISA. Returns the ISA now in force. */
 int mha_set_isa(mha_isa isa);
 
-/* "scalar", "avx2", "avx512" ("unknown" for anything else). */
+/* "scalar", "avx2", "avx512", "neon" ("unknown" for anything else). */
 const char *mha_isa_name(mha_isa isa);
 
 #ifdef __cplusplus

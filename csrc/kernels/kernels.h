@@ -1,7 +1,7 @@
 /*
  * kernels.h - the per-ISA kernels of the core, internal to csrc/: one table
  * of kernel pointers per (ISA, element type), filled by that ISA's compile
- * unit (isa_ref.c, isa_avx2.c, isa_avx512.c) and chosen by
+ * unit (isa_ref.c, isa_avx2.c, isa_avx512.c, isa_neon.c) and chosen by
  * mha_kernels_for(): the only ISA switch in the core.
  *
  * Legend (see mha.h): B batch, Tq queries, Tk keys, H query heads, G kv
@@ -218,6 +218,10 @@ extern const mha_kernels mha_kernels_ref_f32, mha_kernels_ref_f64;
 #define MHA_HAVE_X86_KERNELS 1
 extern const mha_kernels mha_kernels_avx2_f32, mha_kernels_avx2_f64;
 extern const mha_kernels mha_kernels_avx512_f32, mha_kernels_avx512_f64;
+#endif
+#if defined(__aarch64__)
+#define MHA_HAVE_NEON_KERNELS 1
+extern const mha_kernels mha_kernels_neon_f32, mha_kernels_neon_f64;
 #endif
 
 /* The kernels of `isa` for float (f64 == 0) or double elements. */

@@ -58,11 +58,11 @@ def forward(
     ...
 
 def get_isa() -> str:
-    """The instruction set of the kernels in force: 'avx512', 'avx2' or 'scalar'."""
+    """The instruction set of the kernels in force: 'avx512', 'avx2', 'neon' or 'scalar'."""
     ...
 
 def set_isa(name: str) -> str:
-    """Caps the instruction set at name ('scalar', 'avx2' or 'avx512'),
+    """Caps the instruction set at name ('scalar', 'avx2', 'avx512' or 'neon'),
     lowered to what the CPU supports; returns the one now in force."""
     ...
 

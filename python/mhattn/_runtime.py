@@ -1,7 +1,7 @@
 """Run-time settings of the C core: the SIMD instruction set and threads.
 
-The core picks its kernels from the CPU (AVX-512, AVX2 + FMA, or portable
-C) and runs on a persistent pool of threads. Every result is the same
+The core picks its kernels from the CPU (AVX-512 or AVX2 + FMA on x86-64,
+NEON on aarch64, or portable C) and runs on a persistent pool of threads. Every result is the same
 whatever the thread count: work is split into fixed tiles, each computed
 by one thread.
 """
@@ -14,18 +14,20 @@ from . import _C
 
 __all__ = ["get_isa", "set_num_threads", "get_num_threads", "_set_isa"]
 
-_ISAS = ("scalar", "avx2", "avx512")
+_ISAS = ("scalar", "avx2", "avx512", "neon")
 
 
 def get_isa() -> str:
-    """The instruction set of the kernels in force: "avx512", "avx2" or "scalar".
+    """The instruction set of the kernels in force: "avx512", "avx2", "neon" or "scalar".
 
-    Detected once from the CPU and OS; the environment variable
-    ``MHATTN_ISA=scalar|avx2|avx512`` (read at the first call) caps it.
+    Detected once from the CPU and OS: "avx512" or "avx2" on x86-64, "neon"
+    on every aarch64 CPU, "scalar" (portable C) elsewhere. The environment
+    variable ``MHATTN_ISA=scalar|avx2|avx512|neon`` (read at the first call)
+    caps it; ``MHATTN_ISA=scalar`` forces the portable path everywhere.
 
     Examples
     --------
-    >>> mhattn.get_isa() in ("scalar", "avx2", "avx512")
+    >>> mhattn.get_isa() in ("scalar", "avx2", "avx512", "neon")
     True
     """
     return _C.get_isa()
@@ -35,7 +37,10 @@ def _set_isa(name: str) -> str:
     """Caps the instruction set at ``name`` (for tests); returns the one in force.
 
     A cap above what the CPU supports is lowered to what it supports, so
-    ``_set_isa("avx512")`` restores the detected set and reveals it.
+    ``_set_isa("avx512")`` restores the detected set and reveals it. Each
+    architecture has its own ladder (scalar < avx2 < avx512 on x86-64,
+    scalar < neon on aarch64); another architecture's name is a set this
+    CPU lacks, so it too gives the detected one.
     """
     if name not in _ISAS:
         raise ValueError(f"name: expected one of {', '.join(map(repr, _ISAS))}, got {name!r}")
