@@ -52,8 +52,30 @@ static inline void v_store_f32(float *p, v_f32 v) { vst1q_f32(p, v); }
 static inline void v_store_f64(double *p, v_f64 v) { vst1q_f64(p, v); }
 static inline void v_storeu_f32(float *p, v_f32 v) { vst1q_f32(p, v); }
 static inline void v_storeu_f64(double *p, v_f64 v) { vst1q_f64(p, v); }
-static inline v_f32 v_bcast_f32(const float *p) { return vld1q_dup_f32(p); }
-static inline v_f64 v_bcast_f64(const double *p) { return vld1q_dup_f64(p); }
+/*
+ * The broadcast is an ld1r the compiler may neither merge nor move: the
+ * kernels' register blocks (6 x 4 or 8 x 3 = 24 accumulators) use it once
+ * per row per k. Left to itself, GCC 12 turns each vld1q_dup into a scalar
+ * load and a by-element fmla and hoists the loads of all six rows (and,
+ * unrolled, of the next k) ahead of the FMAs: 24 + 4 + 6 live registers,
+ * two more than there are, and two accumulators spilled to the stack on
+ * every k. As volatile asm, the broadcasts stay in program order, each
+ * register dies after its row's FMAs, and the 6 x 4 block fits in 29
+ * registers with no spill (aarch64-linux-gnu-gcc 12 -O2; counted in the
+ * assembly, see tools/ci/aarch64.sh).
+ */
+static inline v_f32 v_bcast_f32(const float *p)
+{
+    v_f32 r;
+    __asm__ volatile("ld1r {%0.4s}, %1" : "=w"(r) : "Q"(*p));
+    return r;
+}
+static inline v_f64 v_bcast_f64(const double *p)
+{
+    v_f64 r;
+    __asm__ volatile("ld1r {%0.2d}, %1" : "=w"(r) : "Q"(*p));
+    return r;
+}
 
 static inline v_f32 v_madd_f32(v_f32 a, v_f32 b, v_f32 c) { return vfmaq_f32(c, a, b); }
 static inline v_f64 v_madd_f64(v_f64 a, v_f64 b, v_f64 c) { return vfmaq_f64(c, a, b); }
