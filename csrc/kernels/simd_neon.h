@@ -61,8 +61,10 @@ static inline void v_storeu_f64(double *p, v_f64 v) { vst1q_f64(p, v); }
  * two more than there are, and two accumulators spilled to the stack on
  * every k. As volatile asm, the broadcasts stay in program order, each
  * register dies after its row's FMAs, and the 6 x 4 block fits in 29
- * registers with no spill (aarch64-linux-gnu-gcc 12 -O2; counted in the
- * assembly, see tools/ci/aarch64.sh).
+ * registers with no spill (aarch64-linux-gnu-gcc 12 -O2, counted in the
+ * assembly). Clang 14 schedules the 4-times unrolled k loop its own way and
+ * still keeps two of the 24 accumulators on the stack there (8 extra loads,
+ * 9 stores per 4 k); not yet addressed.
  */
 static inline v_f32 v_bcast_f32(const float *p)
 {
