@@ -53,7 +53,7 @@ static inline void v_store_f64(double *p, v_f64 v) { vst1q_f64(p, v); }
 static inline void v_storeu_f32(float *p, v_f32 v) { vst1q_f32(p, v); }
 static inline void v_storeu_f64(double *p, v_f64 v) { vst1q_f64(p, v); }
 /*
- * The broadcast is an ld1r the compiler may neither merge nor move: the
+ * The broadcast is an ld1r the compiler keeps as written and in order: the
  * kernels' register blocks (6 x 4 or 8 x 3 = 24 accumulators) use it once
  * per row per k. Left to itself, GCC 12 turns each vld1q_dup into a scalar
  * load and a by-element fmla and hoists the loads of all six rows (and,
