@@ -13,9 +13,14 @@
 #                                     `quick` mode (minutes: qemu emulates
 #                                     every FMA in software)
 #   MHATTN_ARM_FULL=1 bash ...        the C tests' full grids (much slower)
-#   MHATTN_ARM_TESTS="test_qk ..."    only these C tests after the driver
-#                                     (default: all five; test_gemm is the
-#                                     slowest under qemu, 10+ min here)
+#   MHATTN_ARM_TESTS="test_qk ..."    these C tests after the driver
+#                                     (default: test_qk test_attend
+#                                     test_attend_bwd test_variants)
+# test_gemm runs its dispatch checks (`env`) only by default: its quick mode
+# takes ~19 min under qemu here, and its fork-with-a-live-pool check dies
+# inside qemu-user 7.2 itself (assertion in accel/tcg/cpu-exec.c: cpu ==
+# current_cpu, the child exits 127); its 26962 other checks passed on the
+# scalar and NEON paths (MHATTN_ARM_TESTS=test_gemm runs it).
 #
 # Installs gcc-aarch64-linux-gnu, libc6-dev-arm64-cross and qemu-user from
 # Debian when missing. Exit status non-zero on any build warning or failed
@@ -86,7 +91,7 @@ else
     cat "$out/driver.log"
     fail=1
 fi
-for t in ${MHATTN_ARM_TESTS:-test_qk test_attend test_attend_bwd test_variants test_gemm}; do
+for t in ${MHATTN_ARM_TESTS:-test_qk test_attend test_attend_bwd test_variants}; do
     t0=$(date +%s)
     ran=$((ran + 1))
     if run "$out/$t" $mode >>"$log" 2>&1; then
