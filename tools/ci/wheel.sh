@@ -121,7 +121,7 @@ CC="$wsrc/tools/zig-cc" ZIG_PYTHON="$tpy" ZIG_TARGET=x86_64-linux-gnu.2.28 \
     "$tpy" -m build --wheel -o "$work/raw" "$wsrc" >"$work/wheel-build.log" 2>&1 \
     || { tail -n 40 "$work/wheel-build.log"; exit 1; }
 raw=$(ls "$work"/raw/mhattn-*.whl)
-show=$("$work/tools/bin/auditwheel" show "$raw")
+show=$("$tpy" -m auditwheel show "$raw")
 echo "$show"
 tag=$(grep -o -E 'manylinux_2_[0-9]+_x86_64' <<<"$show" | head -n 1)
 minor=${tag#manylinux_2_}
@@ -130,7 +130,7 @@ if [ -z "$tag" ] || [ "$minor" -gt 28 ]; then
     echo "wheel: auditwheel rates the wheel ${tag:-unknown}, newer than manylinux_2_28"
     exit 1
 fi
-"$work/tools/bin/auditwheel" repair --plat manylinux_2_28_x86_64 -w "$work/wheelhouse" "$raw" \
+"$tpy" -m auditwheel repair --plat manylinux_2_28_x86_64 -w "$work/wheelhouse" "$raw" \
     >"$work/repair.log" 2>&1 || { cat "$work/repair.log"; exit 1; }
 whl=$(ls "$work"/wheelhouse/mhattn-*.whl)
 so_bytes=$("$tpy" - "$whl" <<'PY'
