@@ -4,6 +4,7 @@ The compute core is C; :mod:`mhattn.reference` is the pure-NumPy reference
 that the core is tested against.  See ``python -m mhattn`` for the document's
 worked example computed by the core.
 """
+from ._version import __version__
 from ._api import multi_head_attention
 from .attention import attention, attention_grad, merge_attention
 from .cache import KVCache
@@ -24,5 +25,4 @@ __all__ = ["multi_head_attention", "attention", "attention_grad", "merge_attenti
            "MultiHeadAttention", "from_torch_masks", "to_torch_attn_mask",
            "get_isa", "set_num_threads", "get_num_threads",
            "trace", "Trace", "plot_attention", "check_prototype"]
-__version__ = "0.1.0"
 
