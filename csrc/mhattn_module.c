@@ -202,13 +202,13 @@ static void raise_status(mha_status st)
  * installs are counted, so whichever call leaves last restores the
  * previous handler, exactly once.
  *
- * Free-threaded Python (no GIL): the installs are counted under the
- * platform layer's lock, the flag is a sig_atomic_t that every concurrent
- * main-thread... there is one main thread, so at most one polled call at
- * a time reads it, and the others neither read nor lower it except under
- * that lock (mha_sigint_install). sigint_main_ident is written at import
- * (module exec, before any call can run) and in a fork child (where only
- * the forking thread lives), and only read otherwise.
+ * Free-threaded Python (3.13t, no GIL): this state needs no GIL. The
+ * install count and the saved handler are guarded by the platform layer's
+ * own lock; the flag is raised by the handler, lowered only under that
+ * lock, and read by the core as it already is with the GIL released.
+ * sigint_main_ident is written at module exec (under the import lock,
+ * before any call) and in a fork child (where only the forking thread
+ * lives), and only read otherwise.
  */
 static unsigned long sigint_main_ident; // Python's main thread
 
@@ -2280,18 +2280,57 @@ static PyMethodDef mhattn_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+/*
+ * Multi-phase init (PEP 489), so that the module can declare its slots.
+ *
+ * Py_mod_gil = Py_MOD_GIL_NOT_USED (3.13+, PEP 703): this module is safe to
+ * run without the GIL. The argument for each piece of shared state:
+ *   - the core already runs with the GIL released, concurrently with other
+ *     calls, so nothing it touches relied on the GIL: the thread pool
+ *     (csrc/core/threads.c: one owner at a time by compare-and-swap, the
+ *     others run inline; the settings are atomics), the ISA choice
+ *     (dispatch.c: an atomic) and the scratch (per call);
+ *   - the glue's own state is the SIGINT state above (argued there) and
+ *     nothing else mutable: every other static is const. Each call's
+ *     arguments, conversions and outputs are its own; arrays a caller
+ *     shares between threads are read (or written) as they already are
+ *     while the GIL is released;
+ *   - the Python fast path's caches (python/mhattn/_core.py, _HEADS and
+ *     _LENGTHS) are dicts whose single operations are atomic in the
+ *     free-threaded build, hold read-only arrays, and at worst are filled
+ *     twice with equal values by racing threads (argued there).
+ * Py_mod_multiple_interpreters: not supported (3.12+), as for the
+ * single-phase module this was: the SIGINT state and the pool are
+ * process-wide, and NumPy does not support subinterpreters.
+ */
+static int mhattn_exec(PyObject *module)
+{
+    (void)module;
+    import_array1(-1);
+    return sigint_setup();
+}
+
+static PyModuleDef_Slot mhattn_slots[] = {
+    {Py_mod_exec, (void *)mhattn_exec},
+#if PY_VERSION_HEX >= 0x030C0000
+    {Py_mod_multiple_interpreters, Py_MOD_MULTIPLE_INTERPRETERS_NOT_SUPPORTED},
+#endif
+#if PY_VERSION_HEX >= 0x030D0000
+    {Py_mod_gil, Py_MOD_GIL_NOT_USED},
+#endif
+    {0, NULL},
+};
+
 static struct PyModuleDef mhattn_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "mhattn._C",
     .m_doc = "C core of mhattn (multi-head attention).",
-    .m_size = -1,
+    .m_size = 0,
     .m_methods = mhattn_methods,
+    .m_slots = mhattn_slots,
 };
 
 PyMODINIT_FUNC PyInit__C(void)
 {
-    import_array();
-    if (sigint_setup() < 0)
-        return NULL;
-    return PyModule_Create(&mhattn_module);
+    return PyModuleDef_Init(&mhattn_module);
 }
