@@ -165,7 +165,7 @@ if command -v wine >/dev/null 2>&1; then
             if timeout 1200 bash -c "$run" </dev/null >"$out/$name.out" 2>&1 &&
                { [ $name != test_platform ] || ! grep -q "skipped" "$out/$name.out"; }; then
                 n_tests_ok=$((n_tests_ok + 1))
-                echo "-- ok   $name.exe under wine ($(( $(date +%s) - t0 )) s): $(grep -i 'checks' "$out/$name.out" | tail -1)"
+                echo "-- ok   $name.exe under wine ($(( $(date +%s) - t0 )) s): $(grep -i 'checks' "$out/$name.out" | tail -1 | sed 's/\x1b\[[?0-9;]*[a-zA-Z]//g' | tr -d '\r')"
             else
                 echo "-- FAIL $name.exe under wine:"; tail -20 "$out/$name.out"
             fi
