@@ -16,12 +16,14 @@
 #define PY_ARRAY_UNIQUE_SYMBOL mhattn_ARRAY_API
 #include <numpy/arrayobject.h>
 
+#include <errno.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 
 #include "dispatch.h"
 #include "mha.h"
+#include "platform.h"
 #include "threads.h"
 
 static const char *dtype_name(int typenum)
@@ -189,100 +191,46 @@ static void raise_status(mha_status st)
  * Ctrl-C during a long call. Python's own SIGINT handler only sets a flag
  * that the interpreter reads between bytecodes, which never happens while
  * the core runs with the GIL released. So while the main thread is inside
- * the core, a C handler is installed that raises sigint_flag, which the
- * core polls between work items (cfg->interrupt), and then calls the
- * handler it replaced (Python's), so Python still sees the signal: after
- * the GIL is re-acquired PyErr_CheckSignals() runs the Python-level handler,
- * which raises KeyboardInterrupt by default. Only main-thread calls poll
- * the flag, since Python delivers KeyboardInterrupt to the main thread
- * alone; installs are counted under a mutex, so whichever call leaves last
- * restores the previous handler, exactly once. SIG_IGN and SIG_DFL are left
- * alone: ignored stays ignored, and the default ends the process anyway.
+ * the core, the platform layer's handler is installed (mha_sigint_install,
+ * csrc/core/platform.c: a SIGINT handler chained to Python's on POSIX, a
+ * console control handler ahead of the C runtime's on Windows). It raises
+ * the flag the core polls between work items (cfg->interrupt) and lets
+ * Python's handler run too, so Python still sees the signal: after the GIL
+ * is re-acquired PyErr_CheckSignals() runs the Python-level handler, which
+ * raises KeyboardInterrupt by default. Only main-thread calls poll the
+ * flag, since Python delivers KeyboardInterrupt to the main thread alone;
+ * installs are counted, so whichever call leaves last restores the
+ * previous handler, exactly once.
+ *
+ * Free-threaded Python (3.13t, no GIL): this state needs no GIL. The
+ * install count and the saved handler are guarded by the platform layer's
+ * own lock; the flag is raised by the handler, lowered only under that
+ * lock, and read by the core as it already is with the GIL released.
+ * sigint_main_ident is written at module exec (under the import lock,
+ * before any call) and in a fork child (where only the forking thread
+ * lives), and only read otherwise.
  */
-#if defined(__unix__) || defined(__APPLE__)
-#include <errno.h>
-#include <pthread.h>
-#include <signal.h>
-
-_Static_assert(_Generic((sig_atomic_t)0, int: 1, default: 0),
-               "cfg->interrupt points to an int: sig_atomic_t must be int");
-
-static volatile sig_atomic_t sigint_flag;
-static struct sigaction sigint_prev;    // what our handler replaced
-static int sigint_installs;             // guarded by sigint_lock
-static int sigint_active;               // our handler is in place; ditto
 static unsigned long sigint_main_ident; // Python's main thread
-static pthread_mutex_t sigint_lock = PTHREAD_MUTEX_INITIALIZER;
 
-static void sigint_handler(int sig, siginfo_t *info, void *ctx)
-{
-    sigint_flag = 1;
-    if (sigint_prev.sa_flags & SA_SIGINFO)
-        sigint_prev.sa_sigaction(sig, info, ctx);
-    else if (sigint_prev.sa_handler != SIG_DFL && sigint_prev.sa_handler != SIG_IGN)
-        sigint_prev.sa_handler(sig);
-}
-
-static void sigint_install(void)
-{
-    pthread_mutex_lock(&sigint_lock);
-    // A flag left raised by an earlier call must not stop this one, even
-    // when no handler is installed (SIG_IGN) to raise it again: the flag is
-    // lowered by every call that starts, so a call sees only signals that
-    // come while it runs.
-    sigint_flag = 0;
-    if (sigint_installs++ == 0) {
-        struct sigaction cur, sa;
-        sigint_active = 0;
-        if (sigaction(SIGINT, NULL, &cur) == 0 && (cur.sa_flags & SA_SIGINFO) &&
-            cur.sa_sigaction == sigint_handler) {
-            // Ours already (never expected): chaining to it would loop.
-            sigint_active = 1;
-        } else if (sigaction(SIGINT, NULL, &cur) == 0 &&
-                   ((cur.sa_flags & SA_SIGINFO) ||
-                    (cur.sa_handler != SIG_DFL && cur.sa_handler != SIG_IGN))) {
-            memset(&sa, 0, sizeof sa);
-            sa.sa_sigaction = sigint_handler;
-            sa.sa_mask = cur.sa_mask;
-            sa.sa_flags = SA_SIGINFO | (cur.sa_flags & (SA_ONSTACK | SA_RESTART));
-            sigint_prev = cur;
-            sigint_active = sigaction(SIGINT, &sa, NULL) == 0;
-        }
-    }
-    pthread_mutex_unlock(&sigint_lock);
-}
-
-/*
- * In the child of a fork(), only the forking thread lives: no call is in
- * progress there, whatever the parent's threads were doing. So the child
- * starts from the state of no call: the previous handler back in place if
- * ours was installed, no install counted, the flag low, and a fresh lock
- * (another thread may have held it at the fork). Without this, the child
- * inherits sigint_installs > 0, never lowers the flag again, and every
- * later call stops at once. Only async-signal-safe calls here.
- */
+/* In a fork child the forking thread is the only one, and Python makes it
+   the main thread: the calls it makes are the ones to poll. */
 static void sigint_atfork_child(void)
 {
-    struct sigaction cur;
-    if (sigint_active && sigaction(SIGINT, NULL, &cur) == 0 &&
-        (cur.sa_flags & SA_SIGINFO) && cur.sa_sigaction == sigint_handler)
-        sigaction(SIGINT, &sigint_prev, NULL);
-    sigint_installs = 0;
-    sigint_active = 0;
-    sigint_flag = 0;
-    pthread_mutex_init(&sigint_lock, NULL);
-    sigint_main_ident = PyThread_get_thread_ident();   // Python's too
+    sigint_main_ident = PyThread_get_thread_ident();
 }
 
 /*
- * Once, at import: registers the fork handler and records the ident of
+ * Once, at import: registers the fork handlers and records the ident of
  * Python's main thread, from threading.main_thread() (mhattn is imported
  * on the main thread in practice, but need not be). -1 with an exception
  * set on failure.
  */
 static int sigint_setup(void)
 {
-    const int err = pthread_atfork(NULL, NULL, sigint_atfork_child);
+    static int atfork_done;
+    int err = mha_sigint_setup();
+    if (err == 0 && !atfork_done && (err = mha_atfork_child(sigint_atfork_child)) == 0)
+        atfork_done = 1;
     if (err != 0) {
         errno = err;
         PyErr_SetFromErrno(PyExc_OSError);
@@ -300,34 +248,14 @@ static int sigint_setup(void)
     return PyErr_Occurred() ? -1 : 0;
 }
 
-static void sigint_uninstall(void)
-{
-    pthread_mutex_lock(&sigint_lock);
-    if (--sigint_installs == 0 && sigint_active) {
-        struct sigaction cur;
-        // Put the previous handler back unless someone replaced ours since.
-        if (sigaction(SIGINT, NULL, &cur) == 0 && (cur.sa_flags & SA_SIGINFO) &&
-            cur.sa_sigaction == sigint_handler)
-            sigaction(SIGINT, &sigint_prev, NULL);
-        sigint_active = 0;
-    }
-    pthread_mutex_unlock(&sigint_lock);
-}
-
-/* 1 when called from Python's main thread (the one signals are handled in).
-   It runs no Python code, which could run a pending signal handler and
-   then lose the exception it raised. */
+/* 1 when called from Python's main thread (the one signals are handled in)
+   and Ctrl-C can be seen during a call here. It runs no Python code, which
+   could run a pending signal handler and then lose the exception it
+   raised. */
 static int on_main_thread(void)
 {
-    return PyThread_get_thread_ident() == sigint_main_ident;
+    return mha_sigint_supported() && PyThread_get_thread_ident() == sigint_main_ident;
 }
-#else  /* no sigaction: a long call finishes before Ctrl-C is seen */
-static volatile int sigint_flag;
-static void sigint_install(void) {}
-static void sigint_uninstall(void) {}
-static int sigint_setup(void) { return 0; }
-static int on_main_thread(void) { return 0; }
-#endif
 
 /*
  * After a core call made with the GIL released, on the main thread: puts
@@ -340,8 +268,8 @@ static int sigint_after_call(int main_thread, mha_status st)
 {
     if (!main_thread)
         return 0;
-    const int signalled = sigint_flag != 0;
-    sigint_uninstall();
+    const int signalled = *mha_sigint_flag() != 0;
+    mha_sigint_uninstall();
     if (signalled || st == MHA_ERR_INTERRUPTED) {
         if (PyErr_CheckSignals() < 0)
             return -1;
@@ -1230,7 +1158,7 @@ static int make_outputs(call *c, int nout, const shape *shapes, const int *want)
 }
 
 /*
- * Runs core(c) with the GIL released. Ctrl-C: see sigint_handler; only
+ * Runs core(c) with the GIL released. Ctrl-C: see sigint_setup; only
  * when main_thread is the handler installed and the flag polled. A Python
  * handler that does not raise lets the call start over, as if the signal
  * had come just before it (every output is overwritten, so a partial run
@@ -1250,12 +1178,12 @@ static int run_core(call *c, mha_status (*core)(const call *), int main_thread)
     do {
         c->cfg.interrupt = NULL;
         if (main_thread) {
-            sigint_install();
-            c->cfg.interrupt = (volatile const int *)&sigint_flag;
+            mha_sigint_install();
+            c->cfg.interrupt = mha_sigint_flag();
             // A signal that came before the install (while the glue copied
             // an input, say) is Python's to handle: now, not after the call.
             if (PyErr_CheckSignals() < 0) {
-                sigint_uninstall();
+                mha_sigint_uninstall();
                 return -1;
             }
         }
@@ -2353,18 +2281,57 @@ static PyMethodDef mhattn_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+/*
+ * Multi-phase init (PEP 489), so that the module can declare its slots.
+ *
+ * Py_mod_gil = Py_MOD_GIL_NOT_USED (3.13+, PEP 703): this module is safe to
+ * run without the GIL. The argument for each piece of shared state:
+ *   - the core already runs with the GIL released, concurrently with other
+ *     calls, so nothing it touches relied on the GIL: the thread pool
+ *     (csrc/core/threads.c: one owner at a time by compare-and-swap, the
+ *     others run inline; the settings are atomics), the ISA choice
+ *     (dispatch.c: an atomic) and the scratch (per call);
+ *   - the glue's own state is the SIGINT state above (argued there) and
+ *     nothing else mutable: every other static is const. Each call's
+ *     arguments, conversions and outputs are its own; arrays a caller
+ *     shares between threads are read (or written) as they already are
+ *     while the GIL is released;
+ *   - the Python fast path's caches (python/mhattn/_core.py, _HEADS and
+ *     _LENGTHS) are dicts whose single operations are atomic in the
+ *     free-threaded build, hold read-only arrays, and at worst are filled
+ *     twice with equal values by racing threads (argued there).
+ * Py_mod_multiple_interpreters: not supported (3.12+), as for the
+ * single-phase module this was: the SIGINT state and the pool are
+ * process-wide, and NumPy does not support subinterpreters.
+ */
+static int mhattn_exec(PyObject *module)
+{
+    (void)module;
+    import_array1(-1);
+    return sigint_setup();
+}
+
+static PyModuleDef_Slot mhattn_slots[] = {
+    {Py_mod_exec, (void *)mhattn_exec},
+#if PY_VERSION_HEX >= 0x030C0000
+    {Py_mod_multiple_interpreters, Py_MOD_MULTIPLE_INTERPRETERS_NOT_SUPPORTED},
+#endif
+#if PY_VERSION_HEX >= 0x030D0000
+    {Py_mod_gil, Py_MOD_GIL_NOT_USED},
+#endif
+    {0, NULL},
+};
+
 static struct PyModuleDef mhattn_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "mhattn._C",
     .m_doc = "C core of mhattn (multi-head attention).",
-    .m_size = -1,
+    .m_size = 0,
     .m_methods = mhattn_methods,
+    .m_slots = mhattn_slots,
 };
 
 PyMODINIT_FUNC PyInit__C(void)
 {
-    import_array();
-    if (sigint_setup() < 0)
-        return NULL;
-    return PyModule_Create(&mhattn_module);
+    return PyModuleDef_Init(&mhattn_module);
 }

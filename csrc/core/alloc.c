@@ -1,16 +1,12 @@
 /*
- * alloc.c - the core's scratch allocations (contract in alloc.h).
+ * alloc.c - the core's scratch allocations (contract in alloc.h). The
+ * aligned blocks and the huge-page advice come from platform.h.
  */
-#define _GNU_SOURCE /* madvise, MADV_HUGEPAGE */
-
 #include "alloc.h"
 
 #include <stdint.h>
-#include <stdlib.h>
 
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
+#include "platform.h"
 
 #define HUGE_PAGE ((size_t)2 << 20)
 
@@ -23,19 +19,15 @@ static mha_status scratch(void **p, size_t n, size_t size, int huge_ok)
     if (bytes > SIZE_MAX - HUGE_PAGE)
         return MHA_ERR_SIZE;
     if (!huge_ok || bytes < MHA_HUGE_MIN) {
-        /* aligned_alloc wants a multiple of the alignment, and not 0 */
+        /* a multiple of the alignment, and never 0 */
         bytes = bytes == 0 ? 64 : (bytes + 63) / 64 * 64;
-        *p = aligned_alloc(64, bytes);
+        *p = mha_aligned_alloc(64, bytes);
         return *p ? MHA_OK : MHA_ERR_NOMEM;
     }
     bytes = (bytes + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE;
-    if (posix_memalign(p, HUGE_PAGE, bytes) != 0) {
-        *p = NULL;
+    if ((*p = mha_aligned_alloc(HUGE_PAGE, bytes)) == NULL)
         return MHA_ERR_NOMEM;
-    }
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-    (void)madvise(*p, bytes, MADV_HUGEPAGE); /* advice: failure is harmless */
-#endif
+    mha_advise_huge(*p, bytes);
     return MHA_OK;
 }
 
@@ -47,4 +39,9 @@ mha_status mha_scratch(void **p, size_t n, size_t size)
 mha_status mha_scratch_small(void **p, size_t n, size_t size)
 {
     return scratch(p, n, size, 0);
+}
+
+void mha_scratch_free(void *p)
+{
+    mha_aligned_free(p);
 }

@@ -4,7 +4,9 @@
  * mha_scratch(&p, n, size) allocates n elements of `size` bytes, checks
  * the byte count, never asks for 0 bytes (so NULL always means failure),
  * and aligns the block to a cache line (64 bytes), which the SIMD kernels'
- * aligned loads and the per-thread padding assume. Free with free().
+ * aligned loads and the per-thread padding assume. Free with
+ * mha_scratch_free(), never free(): on Windows the block comes from
+ * _aligned_malloc, which only _aligned_free may release (platform.h).
  *
  * Blocks of MHA_HUGE_MIN bytes and more are aligned to 2 MiB and advised
  * as transparent huge pages (Linux, where THP is in "madvise" mode, the
@@ -34,5 +36,8 @@ mha_status mha_scratch(void **p, size_t n, size_t size);
    T = 128, d_model 512, float64, 2 threads: median 2.0 ms with the GEMM's
    1 MiB buffer on huge pages, 1.5 ms without. */
 mha_status mha_scratch_small(void **p, size_t n, size_t size);
+
+/* Frees a block of either; NULL is a no-op. */
+void mha_scratch_free(void *p);
 
 #endif /* MHA_ALLOC_H */

@@ -68,20 +68,20 @@ typedef struct {
 /* Frees every buffer of the plan (NULL ones included). */
 static void PICK(bwd_plan_free_f32, bwd_plan_free_f64)(BWD_PLAN *p)
 {
-    free(p->off);
-    free(p->dcat_s);
-    free(p->D);
-    free(p->qt);
-    free(p->kt);
+    mha_scratch_free(p->off);
+    mha_scratch_free(p->dcat_s);
+    mha_scratch_free(p->D);
+    mha_scratch_free(p->qt);
+    mha_scratch_free(p->kt);
     for (int i = 0; i < 3; i++)
-        free(p->grad_s[i]);
-    free(p->lse_s);
-    free(p->c.scratch);
-    free(p->c.qh);
-    free(p->c.doh);
-    free(p->c.kh);
-    free(p->c.kT);
-    free(p->c.vT);
+        mha_scratch_free(p->grad_s[i]);
+    mha_scratch_free(p->lse_s);
+    mha_scratch_free(p->c.scratch);
+    mha_scratch_free(p->c.qh);
+    mha_scratch_free(p->c.doh);
+    mha_scratch_free(p->c.kh);
+    mha_scratch_free(p->c.kT);
+    mha_scratch_free(p->c.vT);
 }
 
 /* The arguments a call must have: required buffers may only be NULL when
@@ -484,7 +484,7 @@ static mha_status PICK(bwd_attend_lse_f32, bwd_attend_lse_f64)(const BWD_PLAN *p
     if (st == MHA_OK)
         st = PICK(mha_attend_fused_f32, mha_attend_fused_f64)(cat, p->lse_s, a->q, a->k,
                                                               a->v, p->cfg);
-    free(cat);
+    mha_scratch_free(cat);
     return st;
 }
 

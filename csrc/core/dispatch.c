@@ -13,12 +13,40 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__x86_64__) || defined(__i386__)
+/* x86 detection, the one compiler-specific part of this file: <cpuid.h>
+   and inline asm with gcc and clang, <intrin.h> with MSVC (clang-cl takes
+   the MSVC branch). */
+#if defined(_MSC_VER) && (defined(_M_X64) || defined(_M_IX86))
+#include <intrin.h>
+#define MHA_X86 1
+/* leaf, subleaf -> eax, ebx, ecx, edx; 0 when leaf is past the maximum */
+static int x86_cpuid(unsigned leaf, unsigned sub, unsigned r[4])
+{
+    int v[4];
+    __cpuid(v, 0);
+    if ((unsigned)v[0] < leaf)
+        return 0;
+    __cpuidex(v, (int)leaf, (int)sub);
+    for (int i = 0; i < 4; i++)
+        r[i] = (unsigned)v[i];
+    return 1;
+}
+/* XCR0, the mask of register state the OS saves. MSVC's _xgetbv needs no
+   target flag. */
+static unsigned long long read_xcr0(void)
+{
+    return _xgetbv(0);
+}
+#elif defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
 #define MHA_X86 1
-#endif
-
-#ifdef MHA_X86
+static int x86_cpuid(unsigned leaf, unsigned sub, unsigned r[4])
+{
+    if ((unsigned)__get_cpuid_max(0, NULL) < leaf) /* int in clang, unsigned in gcc */
+        return 0;
+    __cpuid_count(leaf, sub, r[0], r[1], r[2], r[3]);
+    return 1;
+}
 /* XCR0, the mask of register state the OS saves. Inline asm rather than
    _xgetbv() so this file needs no -mxsave / target attribute. */
 static unsigned long long read_xcr0(void)
@@ -50,9 +78,10 @@ static mha_isa isa_cap(mha_isa want, mha_isa detected)
 mha_isa mha_isa_detect(void)
 {
 #ifdef MHA_X86
-    unsigned int a, b, c, d;
-    if (!__get_cpuid(1, &a, &b, &c, &d))
+    unsigned r[4]; /* eax, ebx, ecx, edx */
+    if (!x86_cpuid(1, 0, r))
         return MHA_ISA_SCALAR;
+    const unsigned c = r[2];
     const int osxsave = (c >> 27) & 1, avx = (c >> 28) & 1, fma = (c >> 12) & 1;
     if (!osxsave || !avx || !fma)
         return MHA_ISA_SCALAR;
@@ -60,9 +89,9 @@ mha_isa mha_isa_detect(void)
     /* bit 1 SSE (xmm), bit 2 AVX (upper ymm) */
     if ((xcr0 & 0x6) != 0x6)
         return MHA_ISA_SCALAR;
-    if (__get_cpuid_max(0, NULL) < 7)
+    if (!x86_cpuid(7, 0, r))
         return MHA_ISA_SCALAR;
-    __cpuid_count(7, 0, a, b, c, d);
+    const unsigned b = r[1];
     const int avx2 = (b >> 5) & 1, avx512f = (b >> 16) & 1;
     if (!avx2)
         return MHA_ISA_SCALAR;

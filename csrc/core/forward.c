@@ -86,8 +86,8 @@ static mha_status attend_run(mha_flash_ctx *ctx, const mha_kernels *kern,
     } else {
         st = mha_parallel_for_n(ntiles, nth, kern->flash_task, ctx);
     }
-    free(parts);
-    free(raw);
+    mha_scratch_free(parts);
+    mha_scratch_free(raw);
     if (st == MHA_OK && atomic_load(&ctx->stop))
         st = MHA_ERR_INTERRUPTED;
     return st;

@@ -112,9 +112,9 @@ static mha_status PICK(fwd_plan_f32, fwd_plan_f64)(FWD_PLAN *p, const FWD_ARGS *
 
 static void PICK(fwd_plan_free_f32, fwd_plan_free_f64)(FWD_PLAN *p)
 {
-    free(p->off);
+    mha_scratch_free(p->off);
     for (int i = 0; i < 6; i++)
-        free(p->scratch[i]);
+        mha_scratch_free(p->scratch[i]);
 }
 
 /* Pass 1: the three projections, each `proj (rows, S) = input (rows,
@@ -361,7 +361,7 @@ mha_status PICK(mha_attend_f32, mha_attend_f64)(REAL *out, REAL *weights, REAL *
     };
     st = attend(&fctx, mha_kernels_for(mha_get_isa(), MHA_F64), sizeof(REAL),
                 PICK(attend_merge_task_f32, attend_merge_task_f64));
-    free(off);
+    mha_scratch_free(off);
     return st;
 }
 
@@ -390,7 +390,7 @@ mha_status PICK(mha_attend_fused_f32, mha_attend_fused_f64)(REAL *cat, REAL *lse
         .q = q, .k = k, .v = v, .cat = cat, .weights = NULL, .lse = lse,
     };
     st = attend(&fctx, mha_kernels_for(mha_get_isa(), MHA_F64), sizeof(REAL), NULL);
-    free(off);
+    mha_scratch_free(off);
     return st;
 }
 

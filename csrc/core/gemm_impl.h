@@ -405,7 +405,7 @@ mha_status PICK(mha_gemm_f32, mha_gemm_f64)(REAL *C, size_t ldc,
     }
 
 fail:
-    free(buf);
+    mha_scratch_free(buf);
     return st;
 }
 

@@ -77,8 +77,8 @@ mha_status PICK(mha_project_f32, mha_project_f64)(
                 off, off + 2 * H);
         }
     }
-    free(off);
+    mha_scratch_free(off);
     for (int i = 0; i < 5; i++)
-        free(scratch[i]);
+        mha_scratch_free(scratch[i]);
     return st;
 }

@@ -189,7 +189,7 @@ static mha_status qk_run_rows(qk_side *s, mha_task_fn fn, void *ctx)
     mha_status st = mha_scratch((void **)&s->cs, ncs, sizeof(double));
     if (st == MHA_OK)
         st = mha_parallel_for_n(ntasks, s->nth, fn, ctx);
-    free(s->cs);
+    mha_scratch_free(s->cs);
     s->cs = NULL;
     if (st == MHA_OK && mha_interrupted(s->cfg))
         st = MHA_ERR_INTERRUPTED;

@@ -284,7 +284,7 @@ static mha_status PICK(qk_bwd_side_f32, qk_bwd_side_f64)(QK_CTX *c)
         if (st == MHA_OK)
             st = qk_run_rows(s, PICK(qk_bwd_norm_task_f32, qk_bwd_norm_task_f64), c);
     }
-    free(c->rinv);
+    mha_scratch_free(c->rinv);
     c->rinv = NULL;
     return st;
 }

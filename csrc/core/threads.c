@@ -1,5 +1,5 @@
 /*
- * threads.c - a small persistent pthread pool (see threads.h).
+ * threads.c - a small persistent thread pool (see threads.h).
  *
  * One pool per process, used by one caller at a time. Whoever wins the
  * g_busy flag (a compare-and-swap, never a blocking lock) owns the pool for
@@ -15,38 +15,31 @@
  * every participant of g has counted itself out.
  *
  * Fork: the child inherits the memory of the pool but none of its threads
- * (and maybe a mutex held by a thread that no longer exists), so the
- * pthread_atfork child handler forgets the pool (leaking it, deliberately)
- * and clears g_busy; the next call builds a fresh one. Nothing is locked
- * around fork, so the parent can never deadlock on it.
+ * (and maybe a mutex held by a thread that no longer exists), so the fork
+ * child handler (mha_atfork_child) forgets the pool (leaking it,
+ * deliberately) and clears g_busy; the next call builds a fresh one.
+ * Nothing is locked around fork, so the parent can never deadlock on it.
+ *
+ * Threads, locks, the CPU count and the clock come from platform.h: this
+ * file is ISO C11.
  */
-#define _GNU_SOURCE /* sched_getaffinity, CPU_COUNT */
-
 #include "threads.h"
 
-#include <pthread.h>
-#include <sched.h>
-#include <signal.h>
-#include <stdatomic.h>
-#include <stdlib.h>
-#include <time.h>
-#include <unistd.h>
+#include "platform.h"
 
-#if defined(__x86_64__) || defined(__i386__)
-#define cpu_relax() __builtin_ia32_pause()
-#else
-#define cpu_relax() ((void)0)
-#endif
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
 
 /* How long a worker (or the waiting caller) spins before sleeping: long
    enough to bridge back-to-back calls such as the pack and compute phases
    of one GEMM, short enough not to hold a core hostage. */
-#define SPIN_NS 50000L
+#define SPIN_NS 50000
 
 typedef struct {
-    pthread_mutex_t lock;
-    pthread_cond_t wake; /* workers: a new generation was published */
-    pthread_cond_t done; /* caller: pending reached 0               */
+    mha_mutex lock;
+    mha_cond wake; /* workers: a new generation was published */
+    mha_cond done; /* caller: pending reached 0               */
     int nworkers;        /* spawned workers, ith 1..nworkers; owner only */
     /* The job; written under lock before gen moves, read under lock. */
     mha_task_fn fn;
@@ -71,13 +64,6 @@ static atomic_int g_nth_set;      /* 0: default                       */
 static atomic_int g_nth_default;  /* 0: not yet computed              */
 static _Thread_local int tls_in_task;
 
-static long now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (long)ts.tv_sec * 1000000000L + ts.tv_nsec;
-}
-
 static void run_tasks(pool_t *p, mha_task_fn fn, void *ctx, size_t ntasks,
                       int ith)
 {
@@ -90,7 +76,7 @@ static void run_tasks(pool_t *p, mha_task_fn fn, void *ctx, size_t ntasks,
     }
 }
 
-static void *worker_main(void *argp)
+static void worker_main(void *argp)
 {
     worker_arg arg = *(worker_arg *)argp;
     free(argp);
@@ -99,33 +85,32 @@ static void *worker_main(void *argp)
     tls_in_task = 1; /* anything a task calls runs inline */
     for (;;) {
         /* 1. wait for a new generation: spin a little, then sleep */
-        const long t0 = now_ns();
+        const int64_t t0 = mha_now_ns();
         for (unsigned i = 1;
              atomic_load_explicit(&p->gen, memory_order_acquire) == seen; i++) {
-            cpu_relax();
-            if ((i & 255) == 0 && now_ns() - t0 > SPIN_NS)
+            mha_cpu_relax();
+            if ((i & 255) == 0 && mha_now_ns() - t0 > SPIN_NS)
                 break;
         }
-        pthread_mutex_lock(&p->lock);
+        mha_mutex_lock(&p->lock);
         while (atomic_load_explicit(&p->gen, memory_order_relaxed) == seen)
-            pthread_cond_wait(&p->wake, &p->lock);
+            mha_cond_wait(&p->wake, &p->lock);
         seen = atomic_load_explicit(&p->gen, memory_order_relaxed);
         const int active = arg.ith <= p->nactive;
         const mha_task_fn fn = p->fn;
         void *const ctx = p->ctx;
         const size_t ntasks = p->ntasks;
-        pthread_mutex_unlock(&p->lock);
+        mha_mutex_unlock(&p->lock);
         if (!active)
             continue;
         /* 2. work, then count out; the last one out wakes the caller */
         run_tasks(p, fn, ctx, ntasks, arg.ith);
         if (atomic_fetch_sub(&p->pending, 1) == 1) {
-            pthread_mutex_lock(&p->lock);
-            pthread_cond_signal(&p->done);
-            pthread_mutex_unlock(&p->lock);
+            mha_mutex_lock(&p->lock);
+            mha_cond_signal(&p->done);
+            mha_mutex_unlock(&p->lock);
         }
     }
-    return NULL;
 }
 
 static void atfork_child(void)
@@ -141,25 +126,25 @@ static pool_t *pool_get(int nwant)
     pool_t *p = g_pool;
     if (p == NULL) {
         if (!g_atfork_registered) {
-            if (pthread_atfork(NULL, NULL, atfork_child) != 0)
+            if (mha_atfork_child(atfork_child) != 0)
                 return NULL; /* unsafe across fork: stay single-threaded */
             g_atfork_registered = 1;
         }
         p = calloc(1, sizeof *p);
         if (p == NULL)
             return NULL;
-        if (pthread_mutex_init(&p->lock, NULL) != 0) {
+        if (mha_mutex_init(&p->lock) != 0) {
             free(p);
             return NULL;
         }
-        if (pthread_cond_init(&p->wake, NULL) != 0) {
-            pthread_mutex_destroy(&p->lock);
+        if (mha_cond_init(&p->wake) != 0) {
+            mha_mutex_destroy(&p->lock);
             free(p);
             return NULL;
         }
-        if (pthread_cond_init(&p->done, NULL) != 0) {
-            pthread_cond_destroy(&p->wake);
-            pthread_mutex_destroy(&p->lock);
+        if (mha_cond_init(&p->done) != 0) {
+            mha_cond_destroy(&p->wake);
+            mha_mutex_destroy(&p->lock);
             free(p);
             return NULL;
         }
@@ -171,15 +156,9 @@ static pool_t *pool_get(int nwant)
     if (p->nworkers >= nwant)
         return p;
 
-    /* Workers block every signal, so that signals (SIGINT for Python's
-       KeyboardInterrupt) go to the threads that expect them. */
-    pthread_attr_t attr;
-    if (pthread_attr_init(&attr) != 0)
-        return p;
-    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    sigset_t all, old;
-    sigfillset(&all);
-    pthread_sigmask(SIG_SETMASK, &all, &old);
+    /* Workers block every signal (mha_thread_spawn), so that signals
+       (SIGINT for Python's KeyboardInterrupt) go to the threads that
+       expect them. */
     while (p->nworkers < nwant) {
         worker_arg *arg = malloc(sizeof *arg);
         if (arg == NULL)
@@ -187,15 +166,12 @@ static pool_t *pool_get(int nwant)
         arg->p = p;
         arg->ith = p->nworkers + 1;
         arg->gen0 = atomic_load(&p->gen);
-        pthread_t tid;
-        if (pthread_create(&tid, &attr, worker_main, arg) != 0) {
+        if (mha_thread_spawn(worker_main, arg) != 0) {
             free(arg);
             break; /* run with fewer workers: results do not change */
         }
         p->nworkers++;
     }
-    pthread_sigmask(SIG_SETMASK, &old, NULL);
-    pthread_attr_destroy(&attr);
     return p;
 }
 
@@ -239,7 +215,7 @@ mha_status mha_parallel_for_n(size_t ntasks, int nth, mha_task_fn fn,
     const int nactive = nth - 1 < p->nworkers ? nth - 1 : p->nworkers;
 
     /* 1. publish the job */
-    pthread_mutex_lock(&p->lock);
+    mha_mutex_lock(&p->lock);
     p->fn = fn;
     p->ctx = ctx;
     p->ntasks = ntasks;
@@ -247,8 +223,8 @@ mha_status mha_parallel_for_n(size_t ntasks, int nth, mha_task_fn fn,
     atomic_store(&p->next, 0);
     atomic_store(&p->pending, nactive);
     atomic_fetch_add_explicit(&p->gen, 1, memory_order_release);
-    pthread_cond_broadcast(&p->wake);
-    pthread_mutex_unlock(&p->lock);
+    mha_cond_broadcast(&p->wake);
+    mha_mutex_unlock(&p->lock);
 
     /* 2. work alongside */
     tls_in_task = 1;
@@ -256,17 +232,17 @@ mha_status mha_parallel_for_n(size_t ntasks, int nth, mha_task_fn fn,
     tls_in_task = 0;
 
     /* 3. wait for the workers: spin a little, then sleep */
-    const long t0 = now_ns();
+    const int64_t t0 = mha_now_ns();
     for (unsigned i = 1; atomic_load(&p->pending) != 0; i++) {
-        cpu_relax();
-        if ((i & 255) == 0 && now_ns() - t0 > SPIN_NS)
+        mha_cpu_relax();
+        if ((i & 255) == 0 && mha_now_ns() - t0 > SPIN_NS)
             break;
     }
     if (atomic_load(&p->pending) != 0) {
-        pthread_mutex_lock(&p->lock);
+        mha_mutex_lock(&p->lock);
         while (atomic_load(&p->pending) != 0)
-            pthread_cond_wait(&p->done, &p->lock);
-        pthread_mutex_unlock(&p->lock);
+            mha_cond_wait(&p->done, &p->lock);
+        mha_mutex_unlock(&p->lock);
     }
     atomic_store(&g_busy, 0);
     return MHA_OK;
@@ -293,14 +269,8 @@ static int default_threads(void)
             v = n > MHA_MAX_THREADS ? MHA_MAX_THREADS : (int)n;
     }
     if (v == 0) {
-        cpu_set_t set;
-        CPU_ZERO(&set);
-        if (sched_getaffinity(0, sizeof set, &set) == 0)
-            v = CPU_COUNT(&set);
-    }
-    if (v <= 0) {
-        const long n = sysconf(_SC_NPROCESSORS_ONLN);
-        v = n > 0 ? (n > MHA_MAX_THREADS ? MHA_MAX_THREADS : (int)n) : 1;
+        const int n = mha_cpu_count();
+        v = n > MHA_MAX_THREADS ? MHA_MAX_THREADS : n;
     }
     if (v > MHA_MAX_THREADS)
         v = MHA_MAX_THREADS;

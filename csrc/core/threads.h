@@ -1,5 +1,5 @@
 /*
- * threads.h - the core's persistent thread pool (pthreads, not OpenMP).
+ * threads.h - the core's persistent thread pool (platform.h threads, not OpenMP).
  *
  * mha_parallel_for runs fn(ctx, task, ith) once for every task index in
  * [0, ntasks). Tasks are grabbed dynamically, so which thread runs a task

@@ -47,6 +47,13 @@ _HEADS = {}
 # Unbatched key_lengths=n -> int64 (1,) read-only array.
 _LENGTHS = {}
 _CACHE_MAX = 256
+# Thread safety, with or without the GIL (the glue declares Py_mod_gil =
+# Py_MOD_GIL_NOT_USED): each cache is only read with .get / [key] and
+# written with one [key] = value, single dict operations that are atomic in
+# the free-threaded build too. Values are read-only arrays and tuples, never
+# changed after they are stored. Two threads that miss the same key both
+# build an equal value and one store wins; the len() < _CACHE_MAX test may
+# let a cache grow past the cap by at most the number of racing threads.
 # The fast branch only takes calls whose every allocation is small, so that
 # the memory check of the slow branch (which costs more than such a call)
 # can be skipped: at most this many elements in inputs, projections,

@@ -1,15 +1,26 @@
 /*
  * harness.h - what every C test here shares: a CHECK that counts checks
  * and failures (printing the first 40), reproducible random numbers
- * (xorshift64*) and a monotonic clock. Include it once, after the system
- * headers, from a test's single compile unit.
+ * (xorshift64*), allocation that cannot fail, a monotonic clock, threads
+ * that can be waited for, and the naive attention reference (mha.h's
+ * contract, densely, in double, one rule per line) that the attention
+ * tests compare the core with. Include it once, after the system headers,
+ * from a test's single compile unit.
+ *
+ * Everything OS-specific comes from the core's platform layer
+ * (csrc/core/platform.h), so the tests build wherever the core does
+ * (Linux, macOS, Windows).
  */
 #ifndef MHA_TEST_HARNESS_H
 #define MHA_TEST_HARNESS_H
 
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
-#include <time.h>
+#include <stdlib.h>
+
+#include "mha.h"
+#include "platform.h"
 
 static int g_failures;
 static long g_checks;
@@ -29,7 +40,7 @@ static long g_checks;
 
 /* xorshift64*: reproducible inputs in [-1, 1) */
 static uint64_t g_rng = 0x9e3779b97f4a7c15ull;
-static uint64_t rng_u64(void)
+static inline uint64_t rng_u64(void)
 {
     g_rng ^= g_rng >> 12;
     g_rng ^= g_rng << 25;
@@ -42,11 +53,192 @@ static inline double rng_unit(void)
 }
 static inline size_t rng_below(size_t n) { return n ? (size_t)(rng_u64() % n) : 0; }
 
+/* Seconds on a monotonic clock. */
 static inline double now_s(void)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+    return 1e-9 * (double)mha_now_ns();
+}
+
+/* calloc that exits the test (status 2) when memory runs out. */
+static inline void *xcalloc(size_t n, size_t size)
+{
+    void *p = calloc(n ? n : 1, size);
+    if (p == NULL) {
+        fprintf(stderr, "out of memory\n");
+        exit(2);
+    }
+    return p;
+}
+
+/* n doubles, uniform in [-amp, amp), each exactly a float (so that the
+   float32 calls see the same values as the float64 ones). */
+static inline double *rand_vec(size_t n, double amp)
+{
+    double *v = xcalloc(n, sizeof *v);
+    for (size_t i = 0; i < n; i++)
+        v[i] = (double)(float)(amp * rng_unit());
+    return v;
+}
+
+/* ------------------------------------------------------------------ */
+/* Threads that can be waited for, on the platform layer's.            */
+
+typedef struct {
+    mha_mutex lock;
+    mha_cond done;
+    int left;
+} harness_latch;
+
+typedef struct {
+    void (*fn)(void *);
+    void *arg;
+    harness_latch *latch;
+} harness_job;
+
+static inline void harness_job_run(void *p)
+{
+    harness_job *j = p;
+    j->fn(j->arg);
+    mha_mutex_lock(&j->latch->lock);
+    if (--j->latch->left == 0)
+        mha_cond_signal(&j->latch->done);
+    mha_mutex_unlock(&j->latch->lock);
+}
+
+/* Runs fn(args[t]) for t < n (at most 16), each on a thread of its own
+   (inline where a thread cannot be had), and returns when all are done. */
+static inline void run_threads(int n, void (*fn)(void *), void *const *args)
+{
+    harness_latch latch;
+    harness_job jobs[16];
+    if (n > 16)
+        n = 16;
+    if (mha_mutex_init(&latch.lock) != 0 || mha_cond_init(&latch.done) != 0) {
+        fprintf(stderr, "run_threads: no mutex / condition variable\n");
+        exit(2);
+    }
+    latch.left = n;
+    for (int t = 0; t < n; t++) {
+        jobs[t] = (harness_job){fn, args[t], &latch};
+        if (mha_thread_spawn(harness_job_run, &jobs[t]) != 0)
+            harness_job_run(&jobs[t]);
+    }
+    mha_mutex_lock(&latch.lock);
+    while (latch.left > 0)
+        mha_cond_wait(&latch.done, &latch.lock);
+    mha_mutex_unlock(&latch.lock);
+    mha_cond_destroy(&latch.done);
+    mha_mutex_destroy(&latch.lock);
+}
+
+/* ------------------------------------------------------------------ */
+/* The reference: which keys a query sees and how a score is formed,   */
+/* from mha.h's contract; then one row of softmax attention.            */
+/* maskb / maskd: the bool / additive mask as dense (B, H, Tq, Tk)      */
+/* arrays in double (the config's mask may be rebound to a float copy). */
+
+/* Positions of query i and key j of batch item b (packed: within their
+   sequence); 0 when j is in another packed sequence. */
+static inline int ref_place(const mha_config *c, size_t b, size_t i, size_t j,
+                            int64_t *pi, int64_t *pj)
+{
+    if (c->nseq > 0) {
+        size_t s = 0;
+        while (!(c->cu_q[s] <= (int64_t)i && (int64_t)i < c->cu_q[s + 1]))
+            s++;
+        const int64_t nq = c->cu_q[s + 1] - c->cu_q[s], nk = c->cu_k[s + 1] - c->cu_k[s];
+        *pi = (int64_t)i - c->cu_q[s] + nk - nq;
+        *pj = (int64_t)j - c->cu_k[s];
+        return (int64_t)j >= c->cu_k[s] && (int64_t)j < c->cu_k[s + 1];
+    }
+    int64_t tk = (int64_t)c->Tk;
+    if (c->lengths_aligned && c->key_lengths)
+        tk = c->key_lengths[b];
+    *pi = (int64_t)i + tk - (int64_t)c->Tq;
+    *pj = (int64_t)j;
+    return 1;
+}
+
+/* Is key j visible from query i in batch item b, head h? */
+static inline int ref_visible(const mha_config *c, const uint8_t *maskb, size_t b,
+                              size_t h, size_t i, size_t j)
+{
+    int64_t pi, pj;
+    if (!ref_place(c, b, i, j, &pi, &pj))
+        return 0; /* another sequence's key */
+    if (c->key_lengths && (int64_t)j >= c->key_lengths[b])
+        return 0;
+    if (c->causal && pj > pi)
+        return 0;
+    if (c->windowed && c->window_left >= 0 && pj < pi - c->window_left)
+        return 0;
+    if (c->windowed && c->window_right >= 0 && pj > pi + c->window_right)
+        return 0;
+    if (c->key_mask && c->key_mask[b * c->Tk + j] == 0)
+        return 0;
+    if (c->mask_kind == MHA_MASK_BOOL &&
+        maskb[((b * c->H + h) * c->Tq + i) * c->Tk + j] == 0)
+        return 0;
+    return 1;
+}
+
+/* The score of (b, h, i, j) from the dot product q_i . k_j: scale, then
+   softcap, then ALiBi and the additive mask. */
+static inline double ref_score(const mha_config *c, double scale, const double *maskd,
+                               size_t b, size_t h, size_t i, size_t j, double dot)
+{
+    double s = scale * dot;
+    if (c->softcap > 0)
+        s = c->softcap * tanh(s / c->softcap);
+    if (c->alibi) {
+        int64_t pi, pj;
+        ref_place(c, b, i, j, &pi, &pj);
+        s += -c->alibi[b * c->alibi_bstride + h] * (double)llabs(pi - pj);
+    }
+    if (c->mask_kind == MHA_MASK_ADD)
+        s += maskd[((b * c->H + h) * c->Tq + i) * c->Tk + j];
+    return s;
+}
+
+/* One row of attention: query q_i (dk wide) of batch item b, head h,
+   against keys k_j = k + j * kst (dk wide) and values v_j = v + j * vst
+   (dv wide), j < Tk. sink: the head's sink logit or NULL. Writes the
+   output row o (dv), the weights w (Tk; NULL: not wanted) and returns the
+   lse: -inf, o = 0, w = 0 when no key is visible and there is no sink. */
+static inline double ref_row(const mha_config *c, double scale, const uint8_t *maskb,
+                             const double *maskd, const double *sink, size_t b,
+                             size_t h, size_t i, const double *q_i, const double *k,
+                             size_t kst, const double *v, size_t vst, size_t dk,
+                             size_t dv, double *o, double *w)
+{
+    const size_t Tk = c->Tk;
+    double *s = xcalloc(Tk, sizeof *s);
+    double m = sink ? *sink : -INFINITY, Z = 0;
+    for (size_t j = 0; j < Tk; j++) {
+        s[j] = -INFINITY;
+        if (!ref_visible(c, maskb, b, h, i, j))
+            continue;
+        double dot = 0;
+        for (size_t d = 0; d < dk; d++)
+            dot += q_i[d] * k[j * kst + d];
+        s[j] = ref_score(c, scale, maskd, b, h, i, j, dot);
+        m = s[j] > m ? s[j] : m;
+    }
+    if (sink)
+        Z += exp(*sink - m);
+    for (size_t j = 0; j < Tk; j++)
+        Z += s[j] == -INFINITY ? 0 : exp(s[j] - m);
+    for (size_t d = 0; d < dv; d++)
+        o[d] = 0;
+    for (size_t j = 0; j < Tk; j++) {
+        const double p = Z == 0 || s[j] == -INFINITY ? 0 : exp(s[j] - m) / Z;
+        if (w != NULL)
+            w[j] = p;
+        for (size_t d = 0; p != 0 && d < dv; d++)
+            o[d] += p * v[j * vst + d];
+    }
+    free(s);
+    return Z == 0 ? -INFINITY : m + log(Z);
 }
 
 #endif /* MHA_TEST_HARNESS_H */

@@ -21,30 +21,17 @@
  *   - the checks: q/k transforms, NULL buffers, ragged heads, packed with
  *     lengths_aligned, overflowing strides are refused.
  */
-#define _GNU_SOURCE /* clock_gettime */
-
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "dispatch.h"
 #include "mha.h"
 #include "threads.h"
 
 #include "harness.h"
-
-static void *xcalloc(size_t n, size_t size)
-{
-    void *p = calloc(n ? n : 1, size);
-    if (p == NULL) {
-        fprintf(stderr, "out of memory\n");
-        exit(2);
-    }
-    return p;
-}
 
 enum { L_BHTD, L_BTHD, L_CACHE };   /* layouts of q, k, v and out */
 
@@ -90,14 +77,6 @@ static mha_strides layout_strides(int layout, size_t B, size_t n, size_t T,
     *len = B * n * cap * d;
     (void)B;
     return s;
-}
-
-static double *rand_vec(size_t n, double amp)
-{
-    double *v = xcalloc(n, sizeof *v);
-    for (size_t i = 0; i < n; i++)
-        v[i] = (double)(float)(amp * rng_unit());
-    return v;
 }
 
 static void prob_init(prob *P, const spec *sp)
@@ -167,109 +146,23 @@ static size_t at(const mha_strides *s, size_t b, size_t h, size_t t)
 }
 
 /* ------------------------------------------------------------------ */
-/* The reference: mha.h's contract, densely, in double.                */
-
-/* Positions of query i and key j of batch item b; 0 when j is in another
-   packed sequence. */
-static int ref_place(const prob *P, size_t b, size_t i, size_t j, int64_t *pi,
-                     int64_t *pj)
-{
-    const mha_config *c = &P->cfg;
-    if (c->nseq > 0) {
-        size_t s = 0;
-        while (!(c->cu_q[s] <= (int64_t)i && (int64_t)i < c->cu_q[s + 1]))
-            s++;
-        const int64_t nq = c->cu_q[s + 1] - c->cu_q[s], nk = c->cu_k[s + 1] - c->cu_k[s];
-        *pi = (int64_t)i - c->cu_q[s] + nk - nq;
-        *pj = (int64_t)j - c->cu_k[s];
-        return (int64_t)j >= c->cu_k[s] && (int64_t)j < c->cu_k[s + 1];
-    }
-    int64_t tk = (int64_t)c->Tk;
-    if (c->lengths_aligned && c->key_lengths)
-        tk = c->key_lengths[b];
-    *pi = (int64_t)i + tk - (int64_t)c->Tq;
-    *pj = (int64_t)j;
-    return 1;
-}
-
-static int ref_visible(const prob *P, size_t b, size_t h, size_t i, size_t j)
-{
-    const mha_config *c = &P->cfg;
-    int64_t pi, pj;
-    if (!ref_place(P, b, i, j, &pi, &pj))
-        return 0;
-    if (c->key_lengths && (int64_t)j >= c->key_lengths[b])
-        return 0;
-    if (c->causal && pj > pi)
-        return 0;
-    if (c->windowed && c->window_left >= 0 && pj < pi - c->window_left)
-        return 0;
-    if (c->windowed && c->window_right >= 0 && pj > pi + c->window_right)
-        return 0;
-    if (c->key_mask && c->key_mask[b * c->Tk + j] == 0)
-        return 0;
-    if (c->mask_kind == MHA_MASK_BOOL &&
-        P->maskb[((b * c->H + h) * c->Tq + i) * c->Tk + j] == 0)
-        return 0;
-    return 1;
-}
-
-static double ref_score(const prob *P, size_t b, size_t h, size_t i, size_t j,
-                        double dot)
-{
-    const mha_config *c = &P->cfg;
-    double s = P->scale[h] * dot;
-    if (c->softcap > 0)
-        s = c->softcap * tanh(s / c->softcap);
-    if (c->alibi) {
-        int64_t pi, pj;
-        ref_place(P, b, i, j, &pi, &pj);
-        s += -c->alibi[b * c->alibi_bstride + h] * (double)llabs(pi - pj);
-    }
-    if (c->mask_kind == MHA_MASK_ADD)
-        s += P->maskd[((b * c->H + h) * c->Tq + i) * c->Tk + j];
-    return s;
-}
+/* The reference (harness.h's ref_row), over the spec's layout.       */
 
 /* out (B, H, Tq, dv) contiguous, w (B, H, Tq, Tk), lse (B, H, Tq). */
 static void ref_attend(const prob *P, double *out, double *w, double *lse)
 {
     const mha_config *c = &P->cfg;
     const size_t Tq = c->Tq, Tk = c->Tk, H = c->H, dk = P->sp.dk, dv = P->sp.dv;
-    double *s = xcalloc(Tk, sizeof *s);
     for (size_t b = 0; b < c->B; b++)
         for (size_t h = 0; h < H; h++)
             for (size_t i = 0; i < Tq; i++) {
                 const size_t g = h / (H / c->G), bhi = (b * H + h) * Tq + i;
-                const double *q_i = P->q + at(&P->sq, b, h, i);
-                double m = P->sp.sinks ? P->sinks[h] : -INFINITY, l = 0;
-                for (size_t j = 0; j < Tk; j++) {
-                    s[j] = -INFINITY;
-                    if (!ref_visible(P, b, h, i, j))
-                        continue;
-                    const double *k_j = P->k + at(&P->sk, b, g, j);
-                    double dot = 0;
-                    for (size_t d = 0; d < dk; d++)
-                        dot += q_i[d] * k_j[d];
-                    s[j] = ref_score(P, b, h, i, j, dot);
-                    m = s[j] > m ? s[j] : m;
-                }
-                if (P->sp.sinks)
-                    l += exp(P->sinks[h] - m);
-                for (size_t j = 0; j < Tk; j++)
-                    l += s[j] == -INFINITY ? 0 : exp(s[j] - m);
-                lse[bhi] = l == 0 ? -INFINITY : m + log(l);
-                for (size_t c2 = 0; c2 < dv; c2++)
-                    out[bhi * dv + c2] = 0;
-                for (size_t j = 0; j < Tk; j++) {
-                    const double p = l == 0 || s[j] == -INFINITY ? 0 : exp(s[j] - m) / l;
-                    w[bhi * Tk + j] = p;
-                    const double *v_j = P->v + at(&P->sv, b, g, j);
-                    for (size_t c2 = 0; p != 0 && c2 < dv; c2++)
-                        out[bhi * dv + c2] += p * v_j[c2];
-                }
+                lse[bhi] = ref_row(c, P->scale[h], P->maskb, P->maskd,
+                                   P->sp.sinks ? &P->sinks[h] : NULL, b, h, i,
+                                   P->q + at(&P->sq, b, h, i), P->k + at(&P->sk, b, g, 0),
+                                   P->sk.st, P->v + at(&P->sv, b, g, 0), P->sv.st, dk, dv,
+                                   out + bhi * dv, w + bhi * Tk);
             }
-    free(s);
 }
 
 /* ------------------------------------------------------------------ */

@@ -28,30 +28,17 @@
  *     RoPE in double; NULL outputs skip a projection and leave the others'
  *     bits unchanged.
  */
-#define _GNU_SOURCE /* clock_gettime */
-
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "dispatch.h"
 #include "mha.h"
 #include "threads.h"
 
 #include "harness.h"
-
-static void *xcalloc(size_t n, size_t size)
-{
-    void *p = calloc(n ? n : 1, size);
-    if (p == NULL) {
-        fprintf(stderr, "out of memory\n");
-        exit(2);
-    }
-    return p;
-}
 
 enum { AL_NONE, AL_H, AL_BH };
 
@@ -79,14 +66,6 @@ typedef struct {
     double *q, *k, *v, *R, *maskd;
     uint8_t *maskb, *km;
 } prob;
-
-static double *rand_vec(size_t n, double amp)
-{
-    double *v = xcalloc(n, sizeof *v);
-    for (size_t i = 0; i < n; i++)
-        v[i] = (double)(float)(amp * rng_unit());
-    return v;
-}
 
 static void prob_init(prob *P, const spec *sp)
 {
@@ -150,48 +129,7 @@ static void prob_free(prob *P)
 }
 
 /* ------------------------------------------------------------------ */
-/* The reference: attention alone, densely, in double.                 */
-
-/* Positions of query i and key j (packed: within their sequence); -1 for
-   pj when j is another sequence's key. */
-static void ref_pos(const prob *P, size_t i, size_t j, int64_t *pi, int64_t *pj)
-{
-    const mha_config *c = &P->cfg;
-    if (c->nseq == 0) {
-        *pi = (int64_t)i + (int64_t)c->Tk - (int64_t)c->Tq;
-        *pj = (int64_t)j;
-        return;
-    }
-    size_t s = 0;
-    while (!(c->cu_q[s] <= (int64_t)i && (int64_t)i < c->cu_q[s + 1]))
-        s++;
-    const int64_t nq = c->cu_q[s + 1] - c->cu_q[s], nk = c->cu_k[s + 1] - c->cu_k[s];
-    *pi = (int64_t)i - c->cu_q[s] + nk - nq;
-    *pj = ((int64_t)j < c->cu_k[s] || (int64_t)j >= c->cu_k[s + 1]) ? -1
-                                                                    : (int64_t)j - c->cu_k[s];
-}
-
-static int ref_visible(const prob *P, size_t b, size_t h, size_t i, size_t j)
-{
-    const mha_config *c = &P->cfg;
-    int64_t pi, pj;
-    ref_pos(P, i, j, &pi, &pj);
-    if (pj < 0)
-        return 0;
-    if (c->key_lengths && (int64_t)j >= c->key_lengths[b])
-        return 0;
-    if (c->causal && pj > pi)
-        return 0;
-    if (c->windowed && c->window_left >= 0 && pj < pi - c->window_left)
-        return 0;
-    if (c->windowed && c->window_right >= 0 && pj > pi + c->window_right)
-        return 0;
-    if (c->key_mask && c->key_mask[b * c->Tk + j] == 0)
-        return 0;
-    if (c->mask_kind == MHA_MASK_BOOL && P->maskb[((b * c->H + h) * c->Tq + i) * c->Tk + j] == 0)
-        return 0;
-    return 1;
-}
+/* The reference: attention alone (harness.h's ref_row).              */
 
 /* sum(out * R) of attention on q, k, v with the sinks given (NULL: none);
    out (B, Tq, Svq) and lse (B, H, Tq) written when not NULL. */
@@ -199,44 +137,19 @@ static double ref_attend(const prob *P, const double *q, const double *k, const 
                          const double *sinks, double *out, double *lse)
 {
     const spec *sp = &P->sp;
-    const mha_config *c = &P->cfg;
     const size_t B = sp->B, Tq = sp->Tq, Tk = sp->Tk, H = sp->H, dk = sp->dk, dv = sp->dv;
-    double *s = xcalloc(Tk, sizeof *s), *o = xcalloc(dv, sizeof *o), loss = 0;
+    double *o = xcalloc(dv, sizeof *o), loss = 0;
     for (size_t b = 0; b < B; b++)
         for (size_t h = 0; h < H; h++)
             for (size_t i = 0; i < Tq; i++) {
                 const size_t g = h / (H / sp->G);
-                double m = sinks ? sinks[h] : -INFINITY;
-                for (size_t j = 0; j < Tk; j++) {
-                    double dot = 0;
-                    for (size_t d = 0; d < dk; d++)
-                        dot += q[(b * Tq + i) * P->Sq + h * dk + d] *
-                               k[(b * Tk + j) * P->Sk + g * dk + d];
-                    double sc = P->scale[h] * dot;
-                    if (c->softcap > 0)
-                        sc = c->softcap * tanh(sc / c->softcap);
-                    int64_t pi, pj;
-                    ref_pos(P, i, j, &pi, &pj);
-                    if (c->alibi)
-                        sc += -c->alibi[b * c->alibi_bstride + h] * (double)llabs(pi - pj);
-                    if (c->mask_kind == MHA_MASK_ADD)
-                        sc += P->maskd[((b * H + h) * Tq + i) * Tk + j];
-                    s[j] = ref_visible(P, b, h, i, j) ? sc : -INFINITY;
-                    m = s[j] > m ? s[j] : m;
-                }
-                for (size_t d = 0; d < dv; d++)
-                    o[d] = 0;
-                double Z = 0;
-                if (m != -INFINITY) {
-                    Z = sinks ? exp(sinks[h] - m) : 0;
-                    for (size_t j = 0; j < Tk; j++)
-                        Z += exp(s[j] - m);
-                    for (size_t j = 0; j < Tk; j++)
-                        for (size_t d = 0; d < dv; d++)
-                            o[d] += exp(s[j] - m) / Z * v[(b * Tk + j) * P->Sv + g * dv + d];
-                }
+                const double l = ref_row(&P->cfg, P->scale[h], P->maskb, P->maskd,
+                                         sinks ? &sinks[h] : NULL, b, h, i,
+                                         q + (b * Tq + i) * P->Sq + h * dk,
+                                         k + b * Tk * P->Sk + g * dk, P->Sk,
+                                         v + b * Tk * P->Sv + g * dv, P->Sv, dk, dv, o, NULL);
                 if (lse)
-                    lse[(b * H + h) * Tq + i] = m == -INFINITY ? -INFINITY : m + log(Z);
+                    lse[(b * H + h) * Tq + i] = l;
                 for (size_t d = 0; d < dv; d++) {
                     const size_t at = (b * Tq + i) * P->Svq + h * dv + d;
                     loss += o[d] * P->R[at];
@@ -244,7 +157,7 @@ static double ref_attend(const prob *P, const double *q, const double *k, const 
                         out[at] = o[d];
                 }
             }
-    free(s), free(o);
+    free(o);
     return loss;
 }
 

@@ -26,18 +26,20 @@
  *   - the pool: every task exactly once, ith < nth, nesting, two OS threads
  *     calling at once, resizing during calls, and fork().
  */
-#define _GNU_SOURCE /* for clock_gettime in c11 mode, fork, waitpid */
+#ifndef _WIN32
+#define _GNU_SOURCE /* fork, waitpid: the one POSIX-only check, not on Windows */
+#endif
 
 #include <math.h>
-#include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#ifndef _WIN32
 #include <sys/wait.h>
-#include <time.h>
 #include <unistd.h>
+#endif
 
 #include "dispatch.h"
 #include "gemm.h"
@@ -368,7 +370,7 @@ typedef struct {
     int bad;
 } conc_ctx;
 
-static void *conc_main(void *p)
+static void conc_main(void *p)
 {
     conc_ctx *x = p;
     float *C = malloc(x->M * x->N * sizeof *C);
@@ -381,7 +383,6 @@ static void *conc_main(void *p)
             x->bad++;
     }
     free(C);
-    return NULL;
 }
 
 static void test_concurrency_and_fork(void)
@@ -396,23 +397,23 @@ static void test_concurrency_and_fork(void)
     mha_set_num_threads(2);
 
     enum { NT = 4 };
-    pthread_t tid[NT];
     conc_ctx cx[NT];
+    void *args[NT];
     for (int t = 0; t < NT; t++) {
         cx[t] = (conc_ctx){A, B, E, M, N, K, 30, t == NT - 1, 0};
-        pthread_create(&tid[t], NULL, conc_main, &cx[t]);
+        args[t] = &cx[t];
     }
-    for (int t = 0; t < NT; t++) {
-        pthread_join(tid[t], NULL);
+    run_threads(NT, conc_main, args);
+    for (int t = 0; t < NT; t++)
         CHECK(cx[t].bad == 0, "concurrent caller %d: %d results differ", t,
               cx[t].bad);
-    }
 
     /* fork with a live pool: the child must rebuild it and get the same
-       result; the parent must carry on. */
+       result; the parent must carry on. (Windows has no fork.) */
     mha_set_num_threads(2);
     float *C = malloc(M * N * sizeof *C);
     mha_gemm_f32(C, N, A, K, 0, B, N, 0, NULL, M, N, K, 0);
+#ifndef _WIN32
     fflush(NULL);
     const pid_t pid = fork();
     if (pid == 0) {
@@ -429,6 +430,7 @@ static void test_concurrency_and_fork(void)
     waitpid(pid, &status, 0);
     CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0,
           "child after fork: status %d", status);
+#endif
     memset(C, 0, M * N * sizeof *C);
     mha_gemm_f32(C, N, A, K, 0, B, N, 0, NULL, M, N, K, 0);
     CHECK(memcmp(C, E, M * N * sizeof *C) == 0, "parent after fork");
@@ -498,7 +500,7 @@ typedef struct { long iters; double gflops; double sink; } peak_arg;
 
 /* The burst uses the vectors of the ISA in force, so "ratio" is against
    the peak of the kernels being timed. */
-static void *peak_main(void *p)
+static void peak_main(void *p)
 {
     peak_arg *x = p;
     double lanes = 8;
@@ -512,26 +514,21 @@ static void *peak_main(void *p)
     }
 #endif
     x->gflops = (double)x->iters * 12 * lanes * 2 / (now_s() - t0) * 1e-9;
-    return NULL;
 }
 
 /* f32 FMA throughput of nth threads together, GFLOP/s, over ~10 ms. */
 static double peak_burst(int nth)
 {
-    pthread_t tid[2];
     peak_arg args[2];
+    void *argp[2] = {NULL, NULL};
     double sum = 0;
     for (int t = 0; t < nth; t++) {
         args[t].iters = 4000000;
-        if (t > 0)
-            pthread_create(&tid[t], NULL, peak_main, &args[t]);
+        argp[t] = &args[t];
     }
-    peak_main(&args[0]);
-    sum = args[0].gflops;
-    for (int t = 1; t < nth; t++) {
-        pthread_join(tid[t], NULL);
+    run_threads(nth, peak_main, argp);
+    for (int t = 0; t < nth; t++)
         sum += args[t].gflops;
-    }
     return sum;
 }
 
@@ -556,9 +553,9 @@ static double median(double *v, int n)
     static void bench_##sfx(size_t M, size_t N, size_t K, int tA, int tB,     \
                             int nth, int reps, double out[5])                 \
     {                                                                         \
-        real *A = aligned_alloc(64, (M * K * sizeof(real) + 63) / 64 * 64);   \
-        real *B = aligned_alloc(64, (K * N * sizeof(real) + 63) / 64 * 64);   \
-        real *C = aligned_alloc(64, (M * N * sizeof(real) + 63) / 64 * 64);   \
+        real *A = mha_aligned_alloc(64, (M * K * sizeof(real) + 63) / 64 * 64);   \
+        real *B = mha_aligned_alloc(64, (K * N * sizeof(real) + 63) / 64 * 64);   \
+        real *C = mha_aligned_alloc(64, (M * N * sizeof(real) + 63) / 64 * 64);   \
         for (size_t i = 0; i < M * K; i++) A[i] = (real)rng_unit();          \
         for (size_t i = 0; i < K * N; i++) B[i] = (real)rng_unit();          \
         double g[64], pk[64], ratio[64];                                      \
@@ -578,7 +575,7 @@ static double median(double *v, int n)
         out[2] = median(ratio, reps);                                         \
         out[3] = g[reps - 1];  /* sorted by median(): the best run */         \
         out[4] = pk[reps - 1];                                                \
-        free(A); free(B); free(C);                                            \
+        mha_aligned_free(A); mha_aligned_free(B); mha_aligned_free(C);        \
     }
 DEFINE_BENCH(float, f32, 1.0)
 DEFINE_BENCH(double, f64, 2.0)

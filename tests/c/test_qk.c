@@ -22,7 +22,9 @@
  *   - a backward asked for dq_norm / dk_norm alone gives the same bits;
  *   - bitwise equality of every output and gradient for 1 and 3 threads.
  */
-#define _GNU_SOURCE /* clock_gettime in c11 mode */
+#ifndef _WIN32
+#define _GNU_SOURCE /* CLOCK_THREAD_CPUTIME_ID, for the bench alone */
+#endif
 
 #include <math.h>
 #include <stdint.h>
@@ -775,6 +777,19 @@ static int cmp_double(const void *a, const void *b)
 /* ./test_qk bench [reps]: medians (thread CPU time, one thread, float32)
    of the transforms alone and of forwards of T = 1024, d_model = 512,
    8 heads, causal, with and without RoPE + q/k norm. */
+/* Seconds of this thread's CPU time where POSIX has the clock (steadier
+   on a shared machine), else of the monotonic clock. */
+static double cpu_s(void)
+{
+#if defined(CLOCK_THREAD_CPUTIME_ID)
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+#else
+    return now_s();
+#endif
+}
+
 static void bench(int reps)
 {
     const tcase c = {"bench", 1, 1024, 1024, 512, 8, 8, 64, {64}, 1, 1, 0, 1, 1, 64, 0, 0, 0, 0};
@@ -795,8 +810,7 @@ static void bench(int reps)
         if (which == 3)
             P.cfg.q_norm = P.cfg.k_norm = NULL, P.cfg.rotary_dim = 64;
         for (int r = 0; r < reps; r++) {
-            struct timespec a, b;
-            clock_gettime(CLOCK_THREAD_CPUTIME_ID, &a);
+            const double a = cpu_s();
             if (which == 0) {
                 mha_qk_forward_f32(qt, kt, o.q, o.k, &P.cfg,
                                    &(mha_layout){.Sq = P.Sq, .Sk = P.Sk, .Sv = P.Sv, .Svq = P.Svq},
@@ -809,8 +823,7 @@ static void bench(int reps)
                                 NULL, &P.cfg);
                 P.cfg = keep;
             }
-            clock_gettime(CLOCK_THREAD_CPUTIME_ID, &b);
-            t[r] = (double)(b.tv_sec - a.tv_sec) + 1e-9 * (double)(b.tv_nsec - a.tv_nsec);
+            t[r] = cpu_s() - a;
         }
         qsort(t, (size_t)reps, sizeof t[0], cmp_double);
         printf("%-22s median %.3f ms (min %.3f) of %d\n", names[which], 1e3 * t[reps / 2],

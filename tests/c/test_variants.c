@@ -28,30 +28,17 @@
  *     a fraction of the full causal call);
  *   - mha_check_config rejects each malformed new field.
  */
-#define _GNU_SOURCE /* clock_gettime */
-
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "dispatch.h"
 #include "mha.h"
 #include "threads.h"
 
 #include "harness.h"
-
-static void *xcalloc(size_t n, size_t size)
-{
-    void *p = calloc(n ? n : 1, size);
-    if (p == NULL) {
-        fprintf(stderr, "out of memory\n");
-        exit(2);
-    }
-    return p;
-}
 
 /* ------------------------------------------------------------------ */
 /* One case: the options of a call.                                    */
@@ -86,14 +73,6 @@ typedef struct {
     double *x, *key, *value, *wq, *wk, *wv, *wo, *maskd, *R;
     uint8_t *maskb, *km;
 } prob;
-
-static double *rand_vec(size_t n, double amp)
-{
-    double *v = xcalloc(n, sizeof *v);
-    for (size_t i = 0; i < n; i++)
-        v[i] = (double)(float)(amp * rng_unit());
-    return v;
-}
 
 static void prob_init(prob *P, const spec *sp)
 {
@@ -175,66 +154,7 @@ static void prob_free(prob *P)
 }
 
 /* ------------------------------------------------------------------ */
-/* The reference: mha.h's contract, densely, in double.                */
-
-/* Is key j visible from query i in batch item b, head h? */
-static int ref_visible(const prob *P, size_t b, size_t h, size_t i, size_t j)
-{
-    const mha_config *c = &P->cfg;
-    int64_t pi, pj;
-    if (c->nseq > 0) {
-        size_t s = 0;
-        while (!(c->cu_q[s] <= (int64_t)i && (int64_t)i < c->cu_q[s + 1]))
-            s++;
-        if ((int64_t)j < c->cu_k[s] || (int64_t)j >= c->cu_k[s + 1])
-            return 0; /* another sequence's key */
-        const int64_t nq = c->cu_q[s + 1] - c->cu_q[s], nk = c->cu_k[s + 1] - c->cu_k[s];
-        pi = (int64_t)i - c->cu_q[s] + nk - nq;
-        pj = (int64_t)j - c->cu_k[s];
-    } else {
-        pi = (int64_t)i + (int64_t)c->Tk - (int64_t)c->Tq;
-        pj = (int64_t)j;
-    }
-    if (c->key_lengths && (int64_t)j >= c->key_lengths[b])
-        return 0;
-    if (c->causal && pj > pi)
-        return 0;
-    if (c->windowed && c->window_left >= 0 && pj < pi - c->window_left)
-        return 0;
-    if (c->windowed && c->window_right >= 0 && pj > pi + c->window_right)
-        return 0;
-    if (c->key_mask && c->key_mask[b * c->Tk + j] == 0)
-        return 0;
-    if (c->mask_kind == MHA_MASK_BOOL &&
-        P->maskb[((b * c->H + h) * c->Tq + i) * c->Tk + j] == 0)
-        return 0;
-    return 1;
-}
-
-/* The score of (b, h, i, j) from the dot product q_i . k_j. */
-static double ref_score(const prob *P, size_t b, size_t h, size_t i, size_t j,
-                        double dot)
-{
-    const mha_config *c = &P->cfg;
-    double s = P->scale[h] * dot;
-    if (c->softcap > 0)
-        s = c->softcap * tanh(s / c->softcap);
-    if (c->alibi) {
-        int64_t pi = (int64_t)i + (int64_t)c->Tk - (int64_t)c->Tq, pj = (int64_t)j;
-        if (c->nseq > 0) {
-            size_t s_ = 0;
-            while (!(c->cu_q[s_] <= (int64_t)i && (int64_t)i < c->cu_q[s_ + 1]))
-                s_++;
-            pi = (int64_t)i - c->cu_q[s_] + (c->cu_k[s_ + 1] - c->cu_k[s_]) -
-                 (c->cu_q[s_ + 1] - c->cu_q[s_]);
-            pj = (int64_t)j - c->cu_k[s_];
-        }
-        s += -c->alibi[b * c->alibi_bstride + h] * (double)llabs(pi - pj);
-    }
-    if (c->mask_kind == MHA_MASK_ADD)
-        s += P->maskd[((b * c->H + h) * c->Tq + i) * c->Tk + j];
-    return s;
-}
+/* The reference: the projections, harness.h's ref_row, W^O.          */
 
 /* out (B, Tq, Dout), w (B, H, Tq, Tk), lse (B, H, Tq). `sinks` is the
    sink values in use (NULL: none). */
@@ -258,38 +178,16 @@ static void ref_forward(const prob *P, const double *sinks, double *out,
             for (size_t d = 0; d < Din; d++)
                 v[r * P->Sv + c] += P->value[r * Din + d] * P->wv[d * P->Sv + c];
     }
-    double *s = xcalloc(Tk, sizeof *s);
     for (size_t b = 0; b < B; b++)
         for (size_t h = 0; h < H; h++)
             for (size_t i = 0; i < Tq; i++) {
-                const size_t g = h / per;
-                double m = sinks ? sinks[h] : -INFINITY;
-                for (size_t j = 0; j < Tk; j++) {
-                    double dot = 0;
-                    for (size_t d = 0; d < dk; d++)
-                        dot += q[(b * Tq + i) * P->Sq + h * dk + d] *
-                               k[(b * Tk + j) * P->Sk + g * dk + d];
-                    s[j] = ref_visible(P, b, h, i, j) ? ref_score(P, b, h, i, j, dot)
-                                                      : -INFINITY;
-                    m = s[j] > m ? s[j] : m;
-                }
-                double *w_i = w + ((b * H + h) * Tq + i) * Tk;
-                double *o = cat + (b * Tq + i) * P->Svq + h * dv;
-                if (m == -INFINITY) { /* fully masked, no sink */
-                    for (size_t j = 0; j < Tk; j++)
-                        w_i[j] = 0;
-                    lse[(b * H + h) * Tq + i] = -INFINITY;
-                    continue;
-                }
-                double Z = sinks ? exp(sinks[h] - m) : 0;
-                for (size_t j = 0; j < Tk; j++)
-                    Z += exp(s[j] - m);
-                for (size_t j = 0; j < Tk; j++) {
-                    w_i[j] = exp(s[j] - m) / Z;
-                    for (size_t c = 0; c < dv; c++)
-                        o[c] += w_i[j] * v[(b * Tk + j) * P->Sv + g * dv + c];
-                }
-                lse[(b * H + h) * Tq + i] = m + log(Z);
+                const size_t g = h / per, bhi = (b * H + h) * Tq + i;
+                lse[bhi] = ref_row(&P->cfg, P->scale[h], P->maskb, P->maskd,
+                                   sinks ? &sinks[h] : NULL, b, h, i,
+                                   q + (b * Tq + i) * P->Sq + h * dk,
+                                   k + b * Tk * P->Sk + g * dk, P->Sk,
+                                   v + b * Tk * P->Sv + g * dv, P->Sv, dk, dv,
+                                   cat + (b * Tq + i) * P->Svq + h * dv, w + bhi * Tk);
             }
     for (size_t r = 0; r < B * Tq; r++)
         for (size_t c = 0; c < P->Dout; c++) {
@@ -301,7 +199,7 @@ static void ref_forward(const prob *P, const double *sinks, double *out,
                     acc += cat[r * P->Svq + d] * P->wo[d * P->Dout + c];
             out[r * P->Dout + c] = acc;
         }
-    free(q), free(k), free(v), free(cat), free(s);
+    free(q), free(k), free(v), free(cat);
 }
 
 /* ------------------------------------------------------------------ */
