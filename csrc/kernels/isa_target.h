@@ -32,7 +32,8 @@
                                         apply_to = function))
 #define MHA_TARGET_END MHA_PRAGMA(clang attribute mha.pop)
 #elif defined(__GNUC__)
-#define MHA_TARGET_BEGIN(isa) MHA_PRAGMA(GCC push_options) MHA_PRAGMA(GCC target(isa))
+#define MHA_TARGET_BEGIN(isa)                                                 \
+    MHA_PRAGMA(GCC push_options) MHA_PRAGMA(GCC target(isa))
 #define MHA_TARGET_END MHA_PRAGMA(GCC pop_options)
 #else
 #define MHA_TARGET_BEGIN(isa)
