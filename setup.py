@@ -1,27 +1,76 @@
 """Build of mhattn: the pure-Python package under python/ and the C core.
 
 Project metadata lives in pyproject.toml; this file only describes the
-extension. Flags are portable on purpose: no fast-math flags of any kind
-(masked softmax relies on infinities, and fast-math links code that flushes
-subnormals for the whole process) and no tuning for the build machine's CPU
-(wheels must run anywhere; ISA-specific code is chosen at run time). Set MHATTN_SANITIZE=1 to build with AddressSanitizer and
-UndefinedBehaviorSanitizer.
+extension and its flags, chosen per compiler (build_ext_flags below): gcc
+and clang take GNU-style flags, MSVC its own. The ISA kernels need no flag
+of their own: each ISA's file marks its functions for its target
+(csrc/kernels/isa_target.h). Flags are portable on purpose: no fast-math
+flags of any kind (masked softmax relies on infinities, and fast-math links
+code that flushes subnormals for the whole process), no contraction of
+a * b + c into a fused multiply-add (clang's default: the same source must
+give the same bits from every compiler), and no tuning for the build
+machine's CPU (wheels must run anywhere; ISA-specific code is chosen at run
+time).
+
+Release builds carry no debug information and no static symbol table
+(gcc 12 on x86-64: 0.5 MB instead of 3.3 MB). Environment:
+  MHATTN_DEBUG=1     keep debug information (-g; /Zi and /DEBUG on MSVC)
+  MHATTN_SANITIZE=1  build with AddressSanitizer and UndefinedBehaviorSanitizer
+                     (gcc or clang; implies MHATTN_DEBUG=1)
 """
 import glob
 import os
+import sys
 
 import numpy
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
-compile_args = ["-std=c11", "-O3", "-Wall", "-Wextra", "-fvisibility=hidden", "-pthread"]
-link_args = ["-pthread"]
-if os.environ.get("MHATTN_SANITIZE") == "1":
-    # -fno-wrapv undoes the -fwrapv in Python's own CFLAGS, so that UBSan
-    # reports signed overflow in the core instead of letting it wrap.
-    sanitize = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer",
-                "-fno-wrapv", "-O1", "-g"]
-    compile_args += sanitize  # the later -O1 overrides -O3
-    link_args += sanitize
+SANITIZE = os.environ.get("MHATTN_SANITIZE") == "1"
+DEBUG = SANITIZE or os.environ.get("MHATTN_DEBUG") == "1"
+
+
+def unix_flags():
+    """(compile, link) flags for gcc and clang."""
+    compile_args = ["-std=c11", "-O3", "-Wall", "-Wextra", "-fvisibility=hidden",
+                    "-ffp-contract=off", "-pthread"]
+    link_args = ["-pthread"]
+    if DEBUG:
+        compile_args += ["-g"]
+    else:
+        # -g0 undoes the -g in Python's own CFLAGS; the link strips symbols.
+        compile_args += ["-g0"]
+        link_args += ["-Wl,-S", "-Wl,-x"] if sys.platform == "darwin" else ["-s"]
+    if SANITIZE:
+        # -fno-wrapv undoes the -fwrapv in Python's own CFLAGS, so that UBSan
+        # reports signed overflow in the core instead of letting it wrap.
+        sanitize = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer",
+                    "-fno-wrapv", "-O1"]
+        compile_args += sanitize  # the later -O1 overrides -O3
+        link_args += sanitize
+    return compile_args, link_args
+
+
+def msvc_flags():
+    """(compile, link) flags for MSVC: <stdatomic.h> needs Visual Studio
+    2022 17.5 or later and /experimental:c11atomics."""
+    if SANITIZE:
+        sys.exit("MHATTN_SANITIZE=1 needs gcc or clang")
+    compile_args = ["/std:c11", "/experimental:c11atomics", "/O2", "/W3"]
+    return (compile_args + ["/Zi"], ["/DEBUG"]) if DEBUG else (compile_args, [])
+
+
+class build_ext_flags(build_ext):
+    """build_ext with the flags of the compiler it found."""
+
+    def build_extensions(self):
+        msvc = self.compiler.compiler_type == "msvc"
+        compile_args, link_args = msvc_flags() if msvc else unix_flags()
+        for ext in self.extensions:
+            ext.extra_compile_args = compile_args
+            ext.extra_link_args = link_args
+        super().build_extensions()
+
 
 ext = Extension(
     "mhattn._C",
@@ -39,8 +88,6 @@ ext = Extension(
         # Built against NumPy 2, run against NumPy >= 1.23.5.
         ("NPY_TARGET_VERSION", "NPY_1_23_API_VERSION"),
     ],
-    extra_compile_args=compile_args,
-    extra_link_args=link_args,
 )
 
 setup(
@@ -48,4 +95,5 @@ setup(
     packages=["mhattn"],
     package_data={"mhattn": ["*.pyi", "py.typed"]},
     ext_modules=[ext],
+    cmdclass={"build_ext": build_ext_flags},
 )

@@ -17,6 +17,9 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
+#if defined(_MSC_VER) && (defined(_M_X64) || defined(_M_IX86))
+#include <xmmintrin.h> /* _mm_prefetch, SSE: baseline on x86-64 */
+#endif
 
 #include "alloc.h"
 #include "dispatch.h"
@@ -24,15 +27,20 @@
 #include "sizes.h"
 #include "threads.h"
 
-#ifdef __GNUC__
+/* The packers' bodies, inlined into each of their callers. */
+#if defined(__GNUC__)
 #define MHA_INLINE inline __attribute__((always_inline))
+#elif defined(_MSC_VER)
+#define MHA_INLINE __forceinline
 #else
 #define MHA_INLINE inline
 #endif
 #define MHA_ALIGN64 _Alignas(64)
 /* A hint only: prefetching past the end of a row cannot fault. */
-#ifdef __GNUC__
+#if defined(__GNUC__)
 #define MHA_PREFETCH(p) __builtin_prefetch((p), 0, 3)
+#elif defined(_MSC_VER) && (defined(_M_X64) || defined(_M_IX86))
+#define MHA_PREFETCH(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
 #else
 #define MHA_PREFETCH(p) ((void)0)
 #endif

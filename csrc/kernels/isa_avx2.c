@@ -2,9 +2,10 @@
  * isa_avx2.c - the kernels on AVX2 + FMA (simd_avx2.h), float32 and
  * float64.
  *
- * ISA flags: this file only, through #pragma GCC target, because setuptools
- * applies extra_compile_args to every source. Nothing here runs unless
- * mha_get_isa() >= MHA_ISA_AVX2 (dispatch.c checks cpuid and xgetbv).
+ * ISA flags: this file only, through MHA_TARGET_BEGIN (isa_target.h), which
+ * gcc, clang and MSVC all take: no build needs per-file flags. Nothing here
+ * runs unless mha_get_isa() >= MHA_ISA_AVX2 (dispatch.c checks cpuid and
+ * xgetbv).
  *
  * Blocking: isa_x86.h, shared with AVX-512; the backward's tile product
  * keeps 4 rows x 2 vectors of C in registers.
@@ -13,8 +14,14 @@
 
 #ifdef MHA_HAVE_X86_KERNELS
 
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
+/* System headers first: they stay outside the region (isa_target.h). */
+#include <immintrin.h>
+#include <math.h>
+#include <string.h>
+
+#include "isa_target.h"
+
+MHA_TARGET_BEGIN("avx2,fma")
 #include "simd_avx2.h"
 
 /* Parameters of both types, beyond isa_x86.h's. */
@@ -27,7 +34,7 @@
 
 #include "kernels.inc"
 
-#pragma GCC pop_options
+MHA_TARGET_END
 
 #else
 /* Not x86: nothing to compile; ISO C forbids an empty translation unit. */

@@ -2,10 +2,10 @@
  * isa_avx512.c - the kernels on AVX-512F (simd_avx512.h), float32 and
  * float64.
  *
- * ISA flags: this file only, through #pragma GCC target, because setuptools
- * applies extra_compile_args to every source. Nothing here runs unless
- * mha_get_isa() == MHA_ISA_AVX512, i.e. cpuid reports AVX-512F and XCR0
- * shows the OS saves opmask and zmm state.
+ * ISA flags: this file only, through MHA_TARGET_BEGIN (isa_target.h), which
+ * gcc, clang and MSVC all take: no build needs per-file flags. Nothing here
+ * runs unless mha_get_isa() == MHA_ISA_AVX512, i.e. cpuid reports AVX-512F
+ * and XCR0 shows the OS saves opmask and zmm state.
  *
  * Blocking: isa_x86.h, shared with AVX2 (vectors twice as wide), except:
  *   flash    float key blocks are 128 keys, not 64: that halves the per-row
@@ -26,8 +26,14 @@
 
 #ifdef MHA_HAVE_X86_KERNELS
 
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx2,fma")
+/* System headers first: they stay outside the region (isa_target.h). */
+#include <immintrin.h>
+#include <math.h>
+#include <string.h>
+
+#include "isa_target.h"
+
+MHA_TARGET_BEGIN("avx512f,avx2,fma")
 #include "simd_avx512.h"
 
 /* Parameters of both types, beyond isa_x86.h's. */
@@ -40,7 +46,7 @@
 
 #include "kernels.inc"
 
-#pragma GCC pop_options
+MHA_TARGET_END
 
 #else
 /* Not x86: nothing to compile; ISO C forbids an empty translation unit. */

@@ -1,7 +1,7 @@
 /*
  * simd_avx2.h - the vector vocabulary on AVX2 + FMA (256-bit ymm): the
  * names of simd_ref.h, with 8 float or 4 double lanes. Included by
- * isa_avx2.c only, inside its target pragma: nothing here runs unless
+ * isa_avx2.c only, inside its target region: nothing here runs unless
  * mha_get_isa() >= MHA_ISA_AVX2 (dispatch.c checks cpuid and xgetbv).
  * v_madd and v_fma are both the fused multiply-add.
  */

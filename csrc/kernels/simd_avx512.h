@@ -1,7 +1,7 @@
 /*
  * simd_avx512.h - the vector vocabulary on AVX-512F (512-bit zmm): the
  * names of simd_ref.h, with 16 float or 8 double lanes. Included by
- * isa_avx512.c only, inside its target pragma: nothing here runs unless
+ * isa_avx512.c only, inside its target region: nothing here runs unless
  * mha_get_isa() == MHA_ISA_AVX512 (dispatch.c: cpuid reports AVX-512F and
  * XCR0 shows the OS saves opmask and zmm state). The transposing copy
  * stays on 256-bit registers (simd_x86.h).

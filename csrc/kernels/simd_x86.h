@@ -2,7 +2,8 @@
  * simd_x86.h - what the AVX2 and AVX-512 vocabularies share (AVX-512F
  * implies AVX2): transposing copies on 256-bit registers and horizontal
  * reductions in a fixed order. Included by simd_avx2.h and simd_avx512.h,
- * inside their compile unit's target pragma, after <immintrin.h>.
+ * inside their compile unit's target region (isa_target.h), after
+ * <immintrin.h>.
  */
 #ifndef MHA_SIMD_X86_H
 #define MHA_SIMD_X86_H
@@ -13,7 +14,11 @@
 
 /* Kernel helpers whose calls must disappear: a function made of prefetches
    alone, which GCC would otherwise deem free of effects and delete. */
+#if defined(_MSC_VER) && !defined(__clang__)
+#define MHA_ALWAYS_INLINE __forceinline
+#else
 #define MHA_ALWAYS_INLINE inline __attribute__((always_inline))
+#endif
 
 /*
  * dst[p*ldd + r] = src[r*lds + p] for r < rows, p < kc: 8 x 8 (float) or
