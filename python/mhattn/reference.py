@@ -1,7 +1,8 @@
 """The pure-NumPy reference: the document's code, generalised.
 
 This module is what mhattn's C core is tested against, and what a learner can
-read next to ``shared/seed/multi-head-attention.txt``.  Each function is one
+read next to the document *Multi-Head Attention Mechanism* (the specification
+mhattn implements; not part of this repository).  Each function is one
 equation of the document, written as plainly as NumPy allows:
 
     Q = X W^Q      K = X W^K      V = X W^V             (project)

@@ -41,16 +41,6 @@
 
 #include "harness.h"
 
-static void *xcalloc(size_t n, size_t size)
-{
-    void *p = calloc(n ? n : 1, size);
-    if (p == NULL) {
-        fprintf(stderr, "out of memory\n");
-        exit(2);
-    }
-    return p;
-}
-
 typedef struct {
     const char *name;
     size_t B, Tq, Tk, Din, Dkin, Dvin, Dout, H, G;
@@ -299,7 +289,7 @@ static const int k_threads[3] = {1, 2, 3};
    the other counts give the same bits. */
 typedef void (*run_fn)(results *R, problem *P, int f64);
 
-static void run_threads(results *R, problem *P, int f64, mha_isa isa, run_fn fn,
+static void run_at_threads(results *R, problem *P, int f64, mha_isa isa, run_fn fn,
                         const char *what)
 {
     mha_set_isa(isa);
@@ -430,10 +420,10 @@ int main(int argc, char **argv)
         problem_make(&P, &k_specs[s]);
         for (int f64 = 0; f64 < 2; f64++) {
             results ref, fast;
-            run_threads(&ref, &P, f64, MHA_ISA_SCALAR, run_problem, "fwd+bwd");
+            run_at_threads(&ref, &P, f64, MHA_ISA_SCALAR, run_problem, "fwd+bwd");
             double worst = 0;
             if (best != MHA_ISA_SCALAR) {
-                run_threads(&fast, &P, f64, best, run_problem, "fwd+bwd");
+                run_at_threads(&fast, &P, f64, best, run_problem, "fwd+bwd");
                 worst = compare(&fast, &ref, &P, f64, "fwd+bwd", best);
                 results_free(&fast);
             }
@@ -451,10 +441,10 @@ int main(int argc, char **argv)
         g_aspec = &k_aspecs[s];
         for (int f64 = 0; f64 < 2; f64++) {
             results ref, fast;
-            run_threads(&ref, &P, f64, MHA_ISA_SCALAR, run_attend, "attend");
+            run_at_threads(&ref, &P, f64, MHA_ISA_SCALAR, run_attend, "attend");
             double worst = 0;
             if (best != MHA_ISA_SCALAR) {
-                run_threads(&fast, &P, f64, best, run_attend, "attend");
+                run_at_threads(&fast, &P, f64, best, run_attend, "attend");
                 worst = compare(&fast, &ref, &P, f64, "attend", best);
                 results_free(&fast);
             }

@@ -72,7 +72,7 @@ done
 
 echo "== clang: make -C tests/c check CC=clang"
 t0=$SECONDS
-if ! make -C tests/c check CC=clang OUT="$dir/ctest" >ctest.log 2>&1; then
+if ! make -j2 -C tests/c check CC=clang OUT="$dir/ctest" >ctest.log 2>&1; then
     tail -40 ctest.log
     echo "FAIL: make -C tests/c check CC=clang"
     exit 1
