@@ -229,8 +229,9 @@ BUGGY = [
 
 
 def test_every_mistake_has_a_buggy_prototype():
-    assert {m for m, _ in BUGGY} == set(MISTAKES)
-    assert {m for m, _, _ in VARIANTS} == set(MISTAKES)
+    assert {m for m, _ in BUGGY} <= set(MISTAKES)
+    attention_only = {"mask_inverted", "mask_after_softmax", "causal_top_left"}
+    assert {m for m, _, _ in VARIANTS} == set(MISTAKES) - attention_only
 
 
 @pytest.mark.parametrize("fn", [proto_correct, proto_correct_vectorised])
@@ -322,15 +323,30 @@ def test_raising_prototype_records_the_exception():
         return np.concatenate(heads, axis=-1) @ w_o
 
     rep = mhattn.check_prototype(assumes_dk_equals_dv)
-    assert not rep.ok and rep.mistake is None
+    assert not rep.ok and rep.mistake == "v_sliced_with_dk", str(rep)
+    assert rep.exact and rep.candidates == ["v_sliced_with_dk"]
     raised = [t for t in rep.trials if t.status == "raised"]
     assert raised and all("ValueError" in t.error for t in raised)
     dims = {t.name: t for t in rep.trials}
     assert dims["worked_example"].ok
     text = str(rep)
     assert "raised ValueError" in text
-    assert "transposed" in text                   # shape errors hint at transposes
+    # no transpose makes these shapes fit: no transposed-matrix hint
+    assert not any("transposed matrix" in h for h in rep.hints), rep.hints
     assert "d_k != d_v" in text                   # it fails exactly there
+    assert rep.standard_ok is True and 'convention="standard"' in text
+    assert mhattn.check_prototype(assumes_dk_equals_dv, convention="standard").ok
+
+
+def test_transposed_hint_only_when_a_transpose_fits():
+    def wo_t(x, w_q, w_k, w_v, w_o, num_heads):
+        return proto_correct(x, w_q, w_k, w_v, w_o.T, num_heads)
+
+    rep = mhattn.check_prototype(wo_t)
+    assert rep.mistake == "wo_transposed"
+    raised = [t for t in rep.trials if t.status == "raised"]
+    assert raised
+    assert any("transposed matrix" in h for h in rep.hints), rep.hints
 
 
 def test_prototype_raising_everywhere():
@@ -420,5 +436,5 @@ def test_argument_checks():
 
 
 def test_docstring_carries_signature():
-    assert "check_prototype(fn, *, trials=4, dtype=np.float64, seed=0)" in \
-        mhattn.check_prototype.__doc__
+    assert ('check_prototype(fn, *, trials=4, dtype=np.float64, seed=0, '
+            'convention="general")') in mhattn.check_prototype.__doc__

@@ -17,12 +17,13 @@ from .interop import from_torch_masks, to_torch_attn_mask
 from ._runtime import get_isa, set_num_threads, get_num_threads, _set_isa
 from .trace import trace, Trace
 from .plot import plot_attention
-from .checker import check_prototype
+from .checker import check_prototype, check_attention_prototype
 
 __all__ = ["multi_head_attention", "attention", "attention_grad", "merge_attention",
            "KVCache", "multi_head_attention_grad", "backward", "Context", "RoPE",
            "param_count", "reference", "worked_example",
            "MultiHeadAttention", "from_torch_masks", "to_torch_attn_mask",
            "get_isa", "set_num_threads", "get_num_threads",
-           "trace", "Trace", "plot_attention", "check_prototype"]
+           "trace", "Trace", "plot_attention", "check_prototype",
+           "check_attention_prototype"]
 

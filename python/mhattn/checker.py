@@ -16,17 +16,21 @@ most trials) is named, with an explanation of the fix.
 from __future__ import annotations
 
 import html
+import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ._api import multi_head_attention
+from . import _steps
 from ._args import check_memory
+from .attention import attention as _attention
 from .reference import worked_example
 from .trace import CompareReport, canonical_key, trace
 
-__all__ = ["check_prototype", "PrototypeReport", "TrialResult", "MISTAKES"]
+__all__ = ["check_prototype", "check_attention_prototype", "PrototypeReport", "TrialResult",
+           "MISTAKES"]
 
 
 # --------------------------------------------------------------------------
@@ -68,126 +72,10 @@ def _correct(x, w_q, w_k, w_v, w_o, h):
     return np.concatenate(_heads(x, w_q, w_k, w_v, h), axis=-1) @ w_o
 
 
-def _no_scaling(x, w_q, w_k, w_v, w_o, h):
-    heads = _heads(x, w_q, w_k, w_v, h, scale=lambda dk, dm: 1.0)
-    return np.concatenate(heads, axis=-1) @ w_o
-
-
-def _scale_by_dk(x, w_q, w_k, w_v, w_o, h):
-    heads = _heads(x, w_q, w_k, w_v, h, scale=lambda dk, dm: 1.0 / dk)
-    return np.concatenate(heads, axis=-1) @ w_o
-
-
-def _scale_by_sqrt_dmodel(x, w_q, w_k, w_v, w_o, h):
-    heads = _heads(x, w_q, w_k, w_v, h, scale=lambda dk, dm: 1.0 / np.sqrt(dm))
-    return np.concatenate(heads, axis=-1) @ w_o
-
-
-def _softmax_wrong_axis(x, w_q, w_k, w_v, w_o, h):
-    heads = _heads(x, w_q, w_k, w_v, h, softmax=lambda s: _softmax(s, axis=0))
-    return np.concatenate(heads, axis=-1) @ w_o
-
-
-def _heads_averaged(x, w_q, w_k, w_v, w_o, h):
-    return np.mean(_heads(x, w_q, w_k, w_v, h), axis=0)
-
-
-def _heads_averaged_projected(x, w_q, w_k, w_v, w_o, h):
-    # each head's answer through its own block of W^O, then the average
-    heads = _heads(x, w_q, w_k, w_v, h)
-    d_v = heads[0].shape[1]
-    return sum(hd @ w_o[i * d_v:(i + 1) * d_v] for i, hd in enumerate(heads)) / h
-
-
-def _heads_averaged_first_rows(x, w_q, w_k, w_v, w_o, h):
-    heads = _heads(x, w_q, w_k, w_v, h)
-    return np.mean(heads, axis=0) @ w_o[:heads[0].shape[1]]
-
-
-def _heads_summed(x, w_q, w_k, w_v, w_o, h):
-    return np.sum(_heads(x, w_q, w_k, w_v, h), axis=0)
-
-
-def _heads_summed_first_rows(x, w_q, w_k, w_v, w_o, h):
-    heads = _heads(x, w_q, w_k, w_v, h)
-    return np.sum(heads, axis=0) @ w_o[:heads[0].shape[1]]
-
-
-def _wo_skipped(x, w_q, w_k, w_v, w_o, h):
-    return np.concatenate(_heads(x, w_q, w_k, w_v, h), axis=-1)
-
-
-def _wo_transposed(x, w_q, w_k, w_v, w_o, h):
-    return np.concatenate(_heads(x, w_q, w_k, w_v, h), axis=-1) @ w_o.T
-
-
-def _projections_transposed(x, w_q, w_k, w_v, w_o, h):
-    Q, K, V = x @ w_q.T, x @ w_k.T, x @ w_v.T
-    d_k, d_v = w_q.shape[1] // h, w_v.shape[1] // h
-    heads = []
-    for i in range(h):
-        q, k = Q[:, i * d_k:(i + 1) * d_k], K[:, i * d_k:(i + 1) * d_k]
-        v = V[:, i * d_v:(i + 1) * d_v]
-        heads.append(_softmax((q @ k.T) / x.dtype.type(np.sqrt(d_k))) @ v)
-    return np.concatenate(heads, axis=-1) @ w_o
-
-
 def _no_max_subtraction(x, w_q, w_k, w_v, w_o, h):
     heads = _heads(x, w_q, w_k, w_v, h, softmax=_naive_softmax)
     return np.concatenate(heads, axis=-1) @ w_o
 
-
-def _heads_split_sequence(x, w_q, w_k, w_v, w_o, h):
-    # np.split along the rows (tokens): head i sees tokens [i*T/h, (i+1)*T/h)
-    Q, K, V = x @ w_q, x @ w_k, x @ w_v
-    d_k = w_q.shape[1] // h
-    outs = [_softmax((q @ k.T) / x.dtype.type(np.sqrt(d_k))) @ v
-            for q, k, v in zip(np.split(Q, h, axis=0), np.split(K, h, axis=0),
-                               np.split(V, h, axis=0))]
-    return np.concatenate(outs, axis=0) @ w_o
-
-
-def _heads_split_sequence_reshape(x, w_q, w_k, w_v, w_o, h):
-    # reshape (T, h*d) straight to (h, T, d): the rows get dealt out to heads
-    T = x.shape[0]
-    d_k, d_v = w_q.shape[1] // h, w_v.shape[1] // h
-    Q = (x @ w_q).reshape(h, T, d_k)
-    K = (x @ w_k).reshape(h, T, d_k)
-    V = (x @ w_v).reshape(h, T, d_v)
-    out = _softmax(Q @ K.transpose(0, 2, 1) / x.dtype.type(np.sqrt(d_k))) @ V
-    return out.reshape(T, h * d_v) @ w_o
-
-
-def _same_projection_every_head(x, w_q, w_k, w_v, w_o, h):
-    d_k, d_v = w_q.shape[1] // h, w_v.shape[1] // h
-    q, k, v = x @ w_q[:, :d_k], x @ w_k[:, :d_k], x @ w_v[:, :d_v]
-    head = _softmax((q @ k.T) / x.dtype.type(np.sqrt(d_k))) @ v
-    return np.concatenate([head] * h, axis=-1) @ w_o
-
-
-# (mistake, how it was written, function); several ways of writing one mistake.
-VARIANTS: List[Tuple[str, str, Callable]] = [
-    ("no_scaling", "softmax(Q K^T) V", _no_scaling),
-    ("scale_by_dk", "softmax(Q K^T / d_k) V", _scale_by_dk),
-    ("scale_by_sqrt_dmodel", "softmax(Q K^T / sqrt(d_model)) V", _scale_by_sqrt_dmodel),
-    ("softmax_wrong_axis", "softmax over axis 0 (the queries)", _softmax_wrong_axis),
-    ("heads_averaged", "mean of the heads, no W^O", _heads_averaged),
-    ("heads_averaged", "mean over heads of head_i W^O_i", _heads_averaged_projected),
-    ("heads_averaged", "mean of the heads times the first d_v rows of W^O",
-     _heads_averaged_first_rows),
-    ("heads_summed", "sum of the heads, no W^O", _heads_summed),
-    ("heads_summed", "sum of the heads times the first d_v rows of W^O",
-     _heads_summed_first_rows),
-    ("wo_skipped", "Concat(heads) without W^O", _wo_skipped),
-    ("wo_transposed", "Concat(heads) @ W^O.T", _wo_transposed),
-    ("projections_transposed", "Q = X @ W^Q.T", _projections_transposed),
-    ("no_max_subtraction", "exp(scores) without subtracting the row max",
-     _no_max_subtraction),
-    ("heads_split_sequence", "np.split(Q, h, axis=0)", _heads_split_sequence),
-    ("heads_split_sequence", "Q.reshape(h, T, d_k)", _heads_split_sequence_reshape),
-    ("same_projection_every_head", "head 0's columns for every head",
-     _same_projection_every_head),
-]
 
 _CODE_FIX = """\
     d_k = w_q.shape[1] // num_heads          # one head's width
@@ -302,6 +190,100 @@ MISTAKES: Dict[str, Tuple[str, str]] = {
         "one. In the document, head_i = Attention(X W_i^Q, X W_i^K, X W_i^V) uses\n"
         "head i's own matrices (active recall 6). Slice by the head index:\n"
         "    q = x @ w_q[:, i*d_k:(i+1)*d_k]   # and likewise k, v with i"),
+    "v_with_wk": (
+        "V is computed with W^K",
+        "Your prototype computes the values with the key weights, V = X W^K. The\n"
+        "document gives each role its own matrix: Q = X W^Q, K = X W^K, V = X W^V.\n"
+        "Fix:\n"
+        "    v = x @ w_v[:, i*d_v:(i+1)*d_v]"),
+    "split_reshape_no_transpose": (
+        "the heads are split with reshape(h, T, d) instead of reshape(T, h, d) + transpose",
+        "Your prototype splits the fused (T, h*d) projection with Q.reshape(h, T, d).\n"
+        "That deals the rows out to the heads instead of the columns: head i owns\n"
+        "columns [i*d, (i+1)*d) of X W^Q. Reshape to (T, h, d) first, then move the\n"
+        "heads axis to the front:\n"
+        "    Qh = Q.reshape(T, h, d_k).transpose(1, 0, 2)   # (h, T, d_k)"),
+    "merge_reshape_no_transpose": (
+        "the heads are merged with reshape(T, h*d) without the transpose back",
+        "Your prototype merges the stacked heads (h, T, d_v) with .reshape(T, h*d_v).\n"
+        "That interleaves rows of different tokens. Concat(head_1, ..., head_h) puts\n"
+        "each token's heads side by side: move the heads axis back first:\n"
+        "    z = out.transpose(1, 0, 2).reshape(T, h * d_v)\n"
+        "    # or: z = np.concatenate(list(out), axis=-1)"),
+    "heads_wrong_order": (
+        "the heads are concatenated in the wrong order",
+        "Your prototype concatenates the heads in another order than head_1, ...,\n"
+        "head_h. W^O's rows [i*d_v, (i+1)*d_v) read head i, so the order matters.\n"
+        "Fix:\n"
+        "    z = np.concatenate([head_0, head_1, ..., head_(h-1)], axis=-1)"),
+    "dk_from_dmodel": (
+        "d_k is taken as d_model // h, but the weights say otherwise",
+        "Your prototype computes a head's width as d_model // num_heads. That is the\n"
+        "document's usual choice, not a rule: a head's width is whatever its weights\n"
+        "have, d_k = w_q.shape[1] // num_heads (and d_v = w_v.shape[1] // num_heads).\n"
+        "Fix:\n"
+        "    d_k = w_q.shape[1] // num_heads\n"
+        "    d_v = w_v.shape[1] // num_heads"),
+    "v_sliced_with_dk": (
+        "V is sliced into heads with d_k instead of d_v",
+        "Your prototype slices V with the query/key width d_k, as in the document's\n"
+        "recap where W^V is d_model x d_k. That is right only when d_v == d_k; in\n"
+        "general V's heads are d_v = w_v.shape[1] // num_heads wide. Fix:\n"
+        "    d_v = w_v.shape[1] // num_heads\n"
+        "    v = x @ w_v[:, i*d_v:(i+1)*d_v]"),
+    "scale_by_sqrt_dv": (
+        "the scores are divided by sqrt(d_v) instead of sqrt(d_k)",
+        "Your prototype divides Q K^T by the square root of the value width d_v. The\n"
+        "scale belongs to the dot product of a query and a key, which has d_k terms:\n"
+        "softmax(Q K^T / sqrt(d_k)) V. Fix:\n"
+        "    scores = q @ k.T / np.sqrt(q.shape[-1])"),
+    "scale_after_softmax": (
+        "the 1/sqrt(d_k) is applied after the softmax",
+        "Your prototype scales after the softmax, softmax(Q K^T) / sqrt(d_k). The\n"
+        "scale must shape the distribution, so it goes inside:\n"
+        "softmax(Q K^T / sqrt(d_k)); after the softmax the weights no longer sum\n"
+        "to 1. Fix:\n"
+        "    w = softmax(q @ k.T / np.sqrt(d_k))"),
+    "softmax_over_heads": (
+        "the softmax normalises over the heads axis",
+        "Your softmax runs over the heads axis of the stacked (h, T, T) scores. Each\n"
+        "head is its own attention: each query's row, in each head, must sum to 1\n"
+        "over the keys. Normalise along the last axis:\n"
+        "    w = np.exp(s - s.max(axis=-1, keepdims=True))\n"
+        "    w = w / w.sum(axis=-1, keepdims=True)"),
+    "softmax_whole_matrix": (
+        "the softmax normalises over the whole score matrix",
+        "Your softmax divides by the sum of the whole T x T matrix, so all the\n"
+        "weights together sum to 1. Each query's row must be its own distribution\n"
+        "over the keys (in the worked example, 'it' gives [0.7337, 0.0879, 0.1784]).\n"
+        "Sum along the last axis only:\n"
+        "    w = w / w.sum(axis=-1, keepdims=True)"),
+    "weights_transposed": (
+        "the weights are transposed before @ V",
+        "Your prototype multiplies weights.T @ V. Row i of the weights belongs to\n"
+        "query i, and head_i's row i is the weighted average of the values with that\n"
+        "row's weights: head = weights @ V, (T_q, T_k) @ (T_k, d_v). Fix:\n"
+        "    head = w @ v"),
+    "mask_inverted": (
+        "the mask (or the causal triangle) is inverted",
+        "Your prototype blocks the keys that may be seen and keeps the others.\n"
+        "mhattn's boolean masks say True = may attend; causal lets query i see\n"
+        "keys j <= i (+ T_k - T_q). Fix:\n"
+        "    scores = np.where(mask, scores, -np.inf)"),
+    "mask_after_softmax": (
+        "the mask is applied after the softmax",
+        "Your prototype zeroes the blocked weights after the softmax, so the rest no\n"
+        "longer sum to 1. Mask the scores with -inf before it, and the softmax\n"
+        "renormalises over the keys that are left:\n"
+        "    scores = np.where(mask, scores, -np.inf)\n"
+        "    w = softmax(scores)"),
+    "causal_top_left": (
+        "the causal mask is aligned top-left instead of bottom-right",
+        "Your causal mask lets query i see keys j <= i. With more keys than queries\n"
+        "(a cache, or a prefix) the queries are the last T_q positions, so query i\n"
+        "sees keys j <= i + T_k - T_q (bottom-right aligned, as in mhattn, PyTorch's\n"
+        "is_causal with a cache and FlashAttention). Fix:\n"
+        "    allowed = np.tril(np.ones((T_q, T_k), bool), k=T_k - T_q)"),
 }
 
 
@@ -320,6 +302,7 @@ class _Trial:
     w_o: np.ndarray
     num_heads: int
     large: bool = False
+    kwargs: Dict[str, Any] = field(default_factory=dict)  # mask=, causal=
 
     @property
     def args(self):
@@ -398,25 +381,48 @@ def _large_trial(rng, dtype) -> _Trial:
 _TRIAL_BYTES = 64 * 1024
 
 
-def _trials(n_random: int, dtype, seed: int) -> List[_Trial]:
+def _trials(n_random: int, dtype, seed: int, convention: str = "general",
+            keywords: Sequence[str] = ()) -> List[_Trial]:
+    """The designed trials, then ``n_random`` random ones.  ``convention``
+    "standard" keeps to d_k = d_v = d_model / h; ``keywords`` ('mask',
+    'causal') adds a trial passing that option (only for prototypes that
+    accept it)."""
     rng = np.random.default_rng(seed)
-    trials = [
-        _worked_example_trial(dtype),
-        _random_trial(rng, "dk_ne_dv", "d_k != d_v, three heads, non-square W^O",
-                      6, 6, 3, 2, 3, 5, dtype),
-        _random_trial(rng, "square", "four heads; square projections and W^O",
-                      4, 8, 4, 2, 2, 8, dtype),
-        _random_trial(rng, "dk_ne_dv_square", "d_k != d_v, square W^O, T=5",
-                      5, 6, 2, 3, 4, 8, dtype),
-        _large_trial(rng, dtype),
-    ]
+    std = convention == "standard"
+    trials = [_worked_example_trial(dtype)]
+    if std:
+        trials.append(_random_trial(rng, "three_heads", "three heads, non-square W^O",
+                                    6, 6, 3, 2, 2, 5, dtype))
+    else:
+        trials.append(_random_trial(rng, "dk_ne_dv", "d_k != d_v, three heads, "
+                                    "non-square W^O", 6, 6, 3, 2, 3, 5, dtype))
+    trials.append(_random_trial(rng, "square", "four heads; square projections and W^O",
+                                4, 8, 4, 2, 2, 8, dtype))
+    if not std:
+        trials.append(_random_trial(rng, "dk_ne_dv_square", "d_k != d_v, square W^O, T=5, "
+                                    "d_model != h*d_k", 5, 8, 2, 3, 4, 8, dtype))
+    trials.append(_large_trial(rng, dtype))
     for i in range(n_random):
         h = int(rng.integers(2, 5))
         d_k, d_v = int(rng.integers(1, 5)), int(rng.integers(1, 5))
         T = int(rng.integers(3, 7))
         d_model, d_out = int(rng.integers(2, 9)), int(rng.integers(2, 9))
+        if std:
+            d_v, d_model = d_k, h * d_k
         trials.append(_random_trial(rng, f"random_{i + 1}", "random shapes",
                                     T, d_model, h, d_k, d_v, d_out, dtype))
+    if "mask" in keywords:
+        t = _random_trial(rng, "mask", "a boolean mask (True = may attend)",
+                          5, 6, 2, 3, 3 if std else 2, 5, dtype)
+        m = rng.random((5, 5)) < 0.6
+        m[np.arange(5), rng.integers(0, 5, 5)] = True      # every row sees a key
+        t.kwargs = {"mask": m}
+        trials.append(t)
+    if "causal" in keywords:
+        t = _random_trial(rng, "causal", "causal=True", 5, 6, 2, 3, 3 if std else 4,
+                          6, dtype)
+        t.kwargs = {"causal": True}
+        trials.append(t)
     return trials
 
 
@@ -428,12 +434,15 @@ class _BadReturn(Exception):
     """The prototype returned something that is not an output array."""
 
 
-def _run(fn: Callable, args) -> Tuple[Any, Optional[Mapping]]:
+def _run(fn: Callable, args, kwargs: Optional[Mapping] = None
+         ) -> Tuple[Any, Optional[Mapping]]:
     """(output array or exception, dict of intermediates or None)."""
     copies = [np.array(a, copy=True) if isinstance(a, np.ndarray) else a for a in args]
+    kw = {k: (np.array(v, copy=True) if isinstance(v, np.ndarray) else v)
+          for k, v in (kwargs or {}).items()}
     try:
         with np.errstate(all="ignore"):
-            res = fn(*copies)
+            res = fn(*copies, **kw)
     except Exception as exc:  # the finding for this trial
         return exc, None
     inter = None
@@ -497,7 +506,9 @@ class TrialResult:
     expected_shape: Optional[Tuple[int, ...]] = None
     got_shape: Optional[Tuple[int, ...]] = None
     stages: Optional[CompareReport] = None  # when fn returned intermediates
-    matches: List[str] = field(default_factory=list)  # mistakes matching here
+    matches: List[str] = field(default_factory=list)  # = matching (older name)
+    #: the mistakes (a pair as 'a + b') matching this trial; empty when it passes
+    matching: List[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -522,40 +533,475 @@ def _short_exc(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {msg}" if msg else type(exc).__name__
 
 
-def check_prototype(fn: Callable, *, trials: int = 4, dtype=np.float64,
-                    seed: int = 0) -> "PrototypeReport":
-    """Check a multi-head attention prototype against mhattn; name its mistake.
+# --------------------------------------------------------------------------
+# The search: every single and every pair of step substitutions
+# --------------------------------------------------------------------------
 
-    check_prototype(fn, *, trials=4, dtype=np.float64, seed=0) -> PrototypeReport
+def _same(got: Any, model: Any, tol: float) -> bool:
+    """A re-enactment's outcome matches the prototype's: arrays as
+    :func:`_distance`; an exception only an exception of the same type raised
+    by the same operation (the sizes in a shape error's message)."""
+    if isinstance(model, _steps.Raised) or isinstance(got, BaseException):
+        if not (isinstance(model, _steps.Raised) and isinstance(got, BaseException)):
+            return False
+        return model.key == _steps.exception_key(got)
+    return _distance(got, model, tol)[0]
+
+
+@dataclass
+class _Candidate:
+    names: Tuple[str, ...]          # one mistake, or two (in step order)
+    forms: Tuple[str, ...]
+    steps: Tuple[int, ...]
+    order: int
+    outcomes: List[Any]
+    matches: List[bool] = field(default_factory=list)
+
+
+def _search(steps, starts: List[Dict[str, Any]], user: List[Any], tol: float,
+            first_stage: Optional[str], passing: Sequence[int] = ()) -> List[_Candidate]:
+    """Every single substitution and every pair at two different steps, run
+    on every trial from the correct run's saved states; pairs whose first
+    member contradicts the first divergent stage are not run."""
+    base = [_steps.run(steps, s, {}, keep=True)[1] for s in starts]
+    stage_rank = {s: i for i, s in enumerate(_STAGE_ORDER)}
+    limit = stage_rank.get(first_stage) if first_stage else None
+
+    def allowed(step_i: int) -> bool:
+        if limit is None:
+            return True
+        return stage_rank.get(steps[step_i].stage, 0) <= limit
+
+    singles = []
+    order = 0
+    for si, step in enumerate(steps):
+        for name, form, fn in step.wrong:
+            outs, kept = [], []
+            for t in range(len(starts)):
+                o, st = _steps.run(steps, base[t][si], {si: fn}, from_step=si, keep=True)
+                outs.append(o)
+                kept.append(st)
+            singles.append((si, name, form, fn, outs, kept))
+            order += 1
+    cands: List[_Candidate] = []
+    for n, (si, name, form, fn, outs, kept) in enumerate(singles):
+        if allowed(si):
+            cands.append(_Candidate((name,), (form,), (si,), n, outs))
+    for c in cands:
+        c.matches = [_same(u, o, tol) for u, o in zip(user, c.outcomes)]
+    if any(all(c.matches) for c in cands):
+        return cands                  # a single explains everything: no pairs needed
+    for n, (si, name, form, fn, outs, kept) in enumerate(singles):
+        if not allowed(si):
+            continue
+        for m, (sj, name2, form2, fn2, _, _) in enumerate(singles):
+            if sj <= si or name2 == name:
+                continue
+            pouts = []
+            for t in range(len(starts)):
+                st = kept[t]
+                if len(st) <= sj - si:        # the first one raised before step sj
+                    pouts.append(outs[t])
+                    continue
+                o, _ = _steps.run(steps, st[sj - si], {sj: fn2}, from_step=sj)
+                pouts.append(o)
+            c = _Candidate((name, name2), (form, form2), (si, sj),
+                           len(singles) * (1 + n) + m, pouts)
+            c.matches = [_same(u, o, tol) for u, o in zip(user, c.outcomes)]
+            cands.append(c)
+    return cands
+
+
+_STAGE_ORDER = ("q", "k", "v", "raw_scores", "scores", "weights", "heads", "concat",
+                "output")
+
+
+def _rank(cands: List[_Candidate], fails: List[int], user: List[Any], n: int):
+    """(ranked candidates, exact?): the candidates matching every trial, else
+    those explaining the most failing trials.  Candidates whose output shape
+    differs from the prototype's where both returned arrays are dropped, and
+    failing trials on which every remaining candidate behaves alike (no
+    discrimination) do not count."""
+    def shape_ok(c: _Candidate) -> bool:
+        for u, o in zip(user, c.outcomes):
+            if isinstance(u, np.ndarray) and isinstance(o, np.ndarray) \
+                    and u.shape != o.shape:
+                return False
+        return True
+
+    live = [c for c in cands if shape_ok(c) and any(c.matches[i] for i in fails)]
+    full = [c for c in live if all(c.matches)]
+    if full:
+        singles = [c for c in full if len(c.names) == 1]
+        full = singles or full
+        full.sort(key=lambda c: c.order)
+        return full, True
+    informative = [i for i in fails
+                   if len({c.matches[i] for c in live}) > 1] or list(fails)
+    for c in live:
+        c.explained = sum(c.matches[i] for i in informative)  # type: ignore[attr-defined]
+    live = [c for c in live if c.explained > 0]              # type: ignore[attr-defined]
+    live.sort(key=lambda c: (-c.explained, -sum(c.matches),  # type: ignore[attr-defined]
+                             len(c.names), c.order))
+    return live, False
+
+
+def _paragraphs(text: str) -> List[Tuple[str, str]]:
+    """Split text into ('prose' | 'code', text) in written order: code is a run
+    of lines indented by four spaces (kept without the indent)."""
+    out: List[Tuple[str, str]] = []
+    for block in text.split("\n\n"):
+        kind, lines = None, []
+        for line in block.split("\n"):
+            k = "code" if line.startswith("    ") else "prose"
+            if k != kind and lines:
+                out.append((kind, "\n".join(lines)))
+                lines = []
+            kind = k
+            lines.append(line[4:] if k == "code" else line)
+        if lines:
+            out.append((kind, "\n".join(lines)))
+    return out
+
+
+def _accepts(fn: Callable, name: str) -> bool:
+    """Whether fn takes the keyword ``name`` (a parameter of that name, or **kw)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return False
+    for p in sig.parameters.values():
+        if p.kind is p.VAR_KEYWORD:
+            return True
+        if p.name == name and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+            return True
+    return False
+
+
+def _compare_result(r: "TrialResult", got: Any, want: np.ndarray, tol: float) -> None:
+    """Fill r's status and errors from the prototype's outcome ``got``."""
+    if isinstance(got, BaseException):
+        r.status = "raised"
+        r.error = _short_exc(got)
+        return
+    r.got_shape = got.shape
+    if got.shape != want.shape:
+        r.status = "shape"
+        return
+    w64 = want.astype(np.float64)
+    fg, fw = np.isfinite(got), np.isfinite(w64)
+    if not np.array_equal(fg, fw):
+        r.status = "nonfinite"
+        r.max_abs = r.max_rel = float("inf")
+        return
+    ok, rel = _distance(got, w64, tol)
+    diff = np.abs(got[fg] - w64[fw])
+    r.max_abs = float(diff.max()) if diff.size else 0.0
+    r.max_rel = rel
+    r.status = "ok" if ok else "differs"
+
+
+def _layer_start(t: _Trial) -> Dict[str, Any]:
+    return dict(x=t.x, w_q=t.w_q, w_k=t.w_k, w_v=t.w_v, w_o=t.w_o, h=t.num_heads,
+                d_model=t.x.shape[1], dtype=t.x.dtype, mask=t.kwargs.get("mask"),
+                causal=bool(t.kwargs.get("causal")))
+
+
+def _layer_model(keywords: Sequence[str]) -> List[_steps.Step]:
+    steps = _steps.layer_steps()
+    if keywords:
+        at = [s.name for s in steps].index("scale") + 1
+        steps.insert(at, _steps.Step("mask", "scores", _steps.mask, [
+            ("mask_inverted", "the mask inverted", _steps.mask_inverted),
+            ("mask_after_softmax", "the mask applied after the softmax",
+             _steps.mask_after_softmax)]))
+    return steps
+
+
+_F32_TOL = 2e-4     # normwise relative: what float32 rounding reaches on these trials
+
+
+def _diagnose(kind: str, results: List["TrialResult"], user_out: List[Any],
+              steps: List[_steps.Step], starts: List[Dict[str, Any]], tol: float,
+              dtype: np.dtype, standard_ok: Optional[bool], convention: str,
+              features: List[Dict[str, bool]]) -> "PrototypeReport":
+    n = len(results)
+    fails = [i for i, r in enumerate(results) if not r.ok]
+    stage, stage_note = None, ""
+    for r in results:
+        if r.stages is not None and r.stages.first_divergence is not None:
+            stage = r.stages.first_divergence
+            stage_note = (f"The first of your intermediates that differs from "
+                          f"mhattn's is '{stage}' (trial {r.name}): {r.stages.summary()}")
+            break
+    if not fails:
+        verdict = (f"Your prototype agrees with mhattn on all {n} trials"
+                   + (", including the document's worked example, d_k != d_v, more "
+                      "than two heads and inputs large enough to overflow a naive "
+                      "softmax." if kind == "layer" and convention == "general" else "."))
+        if kind == "layer" and convention == "standard":
+            verdict += (" These were the standard convention's trials only "
+                        "(d_k = d_v = d_model / h).")
+        if stage_note:
+            verdict += ("\nThe output is right, but some intermediates you returned "
+                        "are not what mhattn calls them. " + stage_note)
+        return PrototypeReport(True, None, "matches mhattn", verdict, results,
+                               first_divergent_stage=stage)
+
+    # float32 rounding: every differing trial agrees to float32's precision
+    f32 = (dtype == np.float64 and all(results[i].status == "differs" and
+                                       results[i].max_rel <= _F32_TOL for i in fails))
+    if f32:
+        worst = max(results[i].max_rel for i in fails)
+        expl = [f"{len(fails)} of {n} trials differ from mhattn, but only by float32 "
+                f"rounding (max relative error {worst:.2g}, within float32's "
+                f"{_F32_TOL:g}): your prototype computes in float32 (or casts to it), "
+                "and these trials are float64. Check it in float32:",
+                "    mhattn.check_prototype(fn, dtype=np.float32)" if kind == "layer"
+                else "    mhattn.check_attention_prototype(fn, dtype=np.float32)"]
+        text = "\n".join(expl)
+        return PrototypeReport(False, None, "agrees with mhattn to float32 rounding only",
+                               text, results, float32_rounding=True,
+                               hints=["every trial that differs agrees to float32 "
+                                      "rounding: check with dtype=np.float32."])
+
+    cands = _search(steps, starts, user_out, tol, stage)
+    passing = [i for i in range(n) if i not in fails]
+    cands = [c for c in cands if all(c.matches[i] for i in passing)]
+    ranked, exact = _rank(cands, fails, user_out, n)
+    best = ranked[0] if ranked else None
+
+    def label(c: _Candidate) -> str:
+        return " + ".join(c.names)
+
+    candidates: List[str] = []
+    shown = ranked if exact else [c for c in ranked if c.explained == best.explained]
+    for c in (ranked if exact else []):
+        if label(c) not in candidates:
+            candidates.append(label(c))
+    for i, r in enumerate(results):
+        r.matching = []
+        if i in fails:
+            for c in (ranked if exact else shown):
+                if c.matches[i] and label(c) not in r.matching:
+                    r.matching.append(label(c))
+        r.matches = r.matching
+
+    summary = f"{len(fails)} of {n} trials differ from mhattn."
+    if best is None:
+        title = "the outputs differ, and not like any known mistake"
+        expl = [summary, "No known mistake, nor any pair of them, reproduces your "
+                "outputs. The document's computation, per head i, is\n"
+                "    head_i = softmax(Q_i K_i^T / sqrt(d_k)) V_i,  "
+                "Q_i = X W_i^Q, K_i = X W_i^K, V_i = X W_i^V\n"
+                "    MultiHead(X) = Concat(head_1, ..., head_h) W^O\n"
+                "In NumPy, with fused weights:\n" + _CODE_FIX]
+        mistakes: Tuple[str, ...] = ()
+        form = None
+    else:
+        mistakes = best.names
+        form = "; ".join(best.forms)
+        n_ok = sum(best.matches)
+        if len(mistakes) == 1:
+            title = MISTAKES[mistakes[0]][0]
+            what = f"Most likely mistake: {mistakes[0]} ({title})."
+        else:
+            title = "two mistakes: " + "; and ".join(MISTAKES[m][0] for m in mistakes)
+            what = ("Most likely two mistakes: " + " and ".join(
+                f"{m} ({MISTAKES[m][0]})" for m in mistakes) + ".")
+        if exact:
+            how = (f"{what} Re-enacted as '{form}', "
+                   f"{'it reproduces' if len(mistakes) == 1 else 'together they reproduce'}"
+                   f" your outputs on all {n} trials.")
+        else:
+            how = (f"Closest known {'mistake' if len(mistakes) == 1 else 'pair'}: "
+                   f"{label(best)}. Re-enacted as '{form}', it reproduces your outputs "
+                   f"on {n_ok} of {n} trials only ({best.explained} of the failing "
+                   "trials that tell the candidates apart), so there may be another "
+                   "mistake.")
+        expl = [summary, how] + [MISTAKES[m][1] for m in mistakes]
+        others = [c for c in candidates if c != label(best)]
+        if others:
+            expl.append("These fit the trials equally well: " + ", ".join(others) + ".")
+    if stage_note:
+        expl.append(stage_note)
+    hints = _hints(results, fails, features, mistakes if exact else (), cands,
+                   standard_ok)
+    if standard_ok:
+        expl.append("Your prototype passes every trial of the standard convention "
+                    "(d_k = d_v = d_model / h) but fails the general ones. If you wrote "
+                    "it for that convention, check it with\n"
+                    "    mhattn.check_prototype(fn, convention=\"standard\")")
+    if hints:
+        expl.append("\n".join("Hint: " + h for h in hints))
+    return PrototypeReport(False, mistakes[0] if mistakes else None, title,
+                           "\n\n".join(expl), results, exact=exact and best is not None,
+                           candidates=candidates,
+                           form=form, first_divergent_stage=stage, hints=hints,
+                           mistakes=mistakes, standard_ok=standard_ok)
+
+
+def _hints(results, fails, features, mistakes, cands, standard_ok) -> List[str]:
+    """Patterns in the failing trials; ``mistakes`` are those that explain
+    every trial, if any (then hints pointing elsewhere are left out)."""
+    hints: List[str] = []
+    failing = set(fails)
+    n = len(results)
+    if features:
+        for feat in features[0]:
+            having = {i for i, f in enumerate(features) if f[feat]}
+            if having and having == failing and len(having) < n:
+                hints.append(f"it fails exactly on the trials with {feat}.")
+    raised = [results[i] for i in fails if results[i].status == "raised"]
+    if raised:
+        hints.append(f"your function raised on {len(raised)} of {n} trials, first on "
+                     f"{raised[0].name} ({raised[0].shapes}): {raised[0].error}.")
+        # a transpose would make the shapes fit: a transposed re-enactment
+        # raises the very same shape error on some trial
+        transposes = {"projections_transposed", "wo_transposed"}
+        if not mistakes or set(mistakes) & transposes:
+            fit = any(c.names[0] in transposes and len(c.names) == 1 and
+                      any(c.matches[i] and results[i].status == "raised" for i in fails)
+                      for c in cands)
+            if fit:
+                hints.append("this shape error is the one a transposed matrix gives: "
+                             "mhattn and the document use row vectors, Q = X W^Q with "
+                             "W^Q (d_model, h*d_k), and Concat(...) W^O with W^O "
+                             "(h*d_v, d_out).")
+    for i in fails:
+        r = results[i]
+        if r.status == "shape" and r.got_shape and r.expected_shape and \
+                len(r.got_shape) == 2 and "d_v=" in r.shapes:
+            dims = dict(p.split("=") for p in r.shapes.replace(" ", "").split(","))
+            if r.got_shape == (int(dims["T"]), int(dims["d_v"])) and \
+                    int(dims["d_v"]) != int(dims["d_out"]):
+                hints.append(f"your output on {r.name} is (T, d_v) = {r.got_shape}: one "
+                             "head's width, so the heads were combined without Concat "
+                             "(summed or averaged).")
+                break
+    for i in fails:
+        st = results[i].stages
+        if st is None:
+            continue
+        try:
+            row = st["concat"]
+        except KeyError:
+            continue
+        if row.ok is False and row.other_shape and "d_k=" in results[i].shapes:
+            dims = dict(p.split("=") for p in results[i].shapes.replace(" ", "").split(","))
+            hk = int(dims["h"]) * int(dims["d_k"])
+            if hk != int(dims["h"]) * int(dims["d_v"]) and row.other_shape.endswith(
+                    f", {hk})"):
+                hints.append(f"your concatenation on {results[i].name} is h*d_k = {hk} "
+                             "wide: V was sliced with d_k.")
+                break
+    if (not mistakes or "no_max_subtraction" in mistakes) and any(
+            results[i].status == "nonfinite" for i in fails):
+        hints.append("some outputs hold inf or nan where the answer is finite: "
+                     "an overflow, typically exp() of large scores without "
+                     "subtracting the row max.")
+    if standard_ok:
+        hints.append("it passes the standard convention's trials (d_k = d_v = d_model/h): "
+                     "try convention=\"standard\".")
+    return hints
+
+
+# --------------------------------------------------------------------------
+# The public checks
+# --------------------------------------------------------------------------
+
+def _check_common(dtype, trials) -> np.dtype:
+    dtype = np.dtype(dtype)
+    if dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
+        raise TypeError(f"dtype: expected float32 or float64, got {dtype}")
+    if isinstance(trials, bool) or not isinstance(trials, (int, np.integer)) or trials < 0:
+        raise ValueError(f"trials: expected a non-negative integer, got {trials!r}")
+    # Every trial, its result and its re-enactments are kept until the report
+    # is built: the whole need is checked before the first one is drawn.
+    check_memory([(f"trials={int(trials)}", "(trials + 7)*bytes per trial",
+                   (int(trials) + 7, _TRIAL_BYTES), 1)])
+    return dtype
+
+
+def _run_layer_trials(fn, cases, dtype, tol):
+    results: List[TrialResult] = []
+    user_out: List[Any] = []
+    for t in cases:
+        want = multi_head_attention(*t.args[:5], num_heads=t.num_heads, **t.kwargs)
+        got, inter = _run(fn, t.args, t.kwargs)
+        user_out.append(got)
+        r = TrialResult(t.name, t.about, t.shapes(), "ok", expected_shape=want.shape)
+        _compare_result(r, got, want, tol)
+        if inter is not None:
+            given = {k: v for k, v in inter.items() if canonical_key(k) is not None}
+            if given:
+                ref = trace(*t.args[:5], num_heads=t.num_heads, **t.kwargs)
+                rtol, atol = (1e-4, 1e-5) if dtype == np.float32 else (1e-7, 1e-9)
+                r.stages = ref.compare(given, rtol=rtol, atol=atol)
+        results.append(r)
+    return results, user_out
+
+
+def check_prototype(fn: Callable, *, trials: int = 4, dtype=np.float64,
+                    seed: int = 0, convention: str = "general") -> "PrototypeReport":
+    """Check a multi-head attention prototype against mhattn; name its mistakes.
+
+    check_prototype(fn, *, trials=4, dtype=np.float64, seed=0, convention="general")
+        -> PrototypeReport
 
     ``fn(x, w_q, w_k, w_v, w_o, num_heads)`` gets x (T, d_model) and fused
     2-D weights: w_q and w_k (d_model, h*d_k), w_v (d_model, h*d_v) with head
     i owning columns [i*d, (i+1)*d), and w_o (h*d_v, d_out).  It returns the
     output (T, d_out); or a dict of intermediates, whose 'output' (or 'out')
     is the output and whose other known keys ('q', 'k', 'v', 'raw_scores',
-    'scores', 'weights', 'heads', 'concat'; per-head arrays stacked (h, T, d),
-    fused (T, h*d) or as a list) are compared with :func:`mhattn.trace`; or
-    a tuple (output, weights).
+    'scores', 'weights', 'heads', 'concat' and the aliases of
+    :meth:`mhattn.Trace.compare`; per-head arrays stacked (h, T, d), fused
+    (T, h*d) or as a list) are compared with :func:`mhattn.trace`; or a
+    tuple (output, weights).
 
-    It runs on five designed configurations — the document's worked example
+    Parameters
+    ----------
+    fn : callable
+        The prototype.  When its signature takes a ``mask`` or ``causal``
+        keyword (a parameter of that name, or ``**kwargs``), a trial with a
+        boolean mask (True = may attend) or ``causal=True`` is added, and the
+        mask mistakes are searched for too; otherwise it is never passed one.
+    trials : int, default 4
+        How many random configurations to add to the designed ones.
+    dtype : np.float64 (default) or np.float32
+        The trials' dtype; the tolerance follows it (float32: 2e-4
+        relative, float64: 1e-7).
+    seed : int, default 0
+    convention : "general" (default) or "standard"
+        "general" tests any widths, d_k != d_v and d_model != h*d_k
+        included; "standard" only d_k = d_v = d_model / h, for prototypes
+        written to that convention.  When a prototype fails the general
+        trials but passes the standard ones, the report says so.
+
+    It runs on the designed configurations — the document's worked example
     (w_q = concat(W_Q1, W_Q2), W^O = I), d_k != d_v with three heads and a
     non-square W^O, four heads with square weights, d_k != d_v with a square
     W^O, and inputs so large that exp() of the raw scores overflows — plus
     ``trials`` random ones, all in ``dtype`` and drawn from ``seed``.
 
     When the outputs differ from :func:`mhattn.multi_head_attention`, the
-    report names the known mistake whose re-enactment matches the
-    prototype's outputs on every trial (or on the most trials):
-    'no_scaling', 'scale_by_dk', 'scale_by_sqrt_dmodel', 'softmax_wrong_axis',
-    'heads_averaged', 'heads_summed', 'wo_skipped', 'wo_transposed',
-    'projections_transposed', 'no_max_subtraction', 'heads_split_sequence',
-    'same_projection_every_head'; None when the prototype is right or the
-    mistake is not one of these.  An exception raised by ``fn`` is recorded
-    as that trial's finding.
+    reference is re-enacted as its steps (project, split heads, scores,
+    scale, [mask], softmax, weights @ V, merge heads, W^O) with every single
+    known mistake (see :data:`MISTAKES`) and every pair of them at two
+    different steps substituted, and the substitution matching the
+    prototype on every trial is named (a single before a pair); failing
+    that, the one explaining the most failing trials that tell the
+    candidates apart.  An exception matches only the same exception type
+    raised by the same operation (the sizes in its message).  When every
+    differing trial agrees to float32 rounding, the report says so instead.
 
-    Returns a :class:`PrototypeReport`: ``.ok``, ``.mistake``, ``.title``,
-    ``.explanation``, ``.trials``; ``print(report)`` gives plain text, and
-    Jupyter renders it as HTML.
+    Returns
+    -------
+    PrototypeReport
+        ``.ok``, ``.mistake`` (the first named), ``.mistakes`` (all named),
+        ``.title``, ``.explanation``, ``.paragraphs``, ``.hints``,
+        ``.float32_rounding``, ``.trials`` (each with ``.matching``);
+        ``print(report)`` gives plain text, and Jupyter renders it as HTML.
 
     Examples
     --------
@@ -568,73 +1014,164 @@ def check_prototype(fn: Callable, *, trials: int = 4, dtype=np.float64,
     if not callable(fn):
         raise TypeError(f"fn: expected a callable fn(x, w_q, w_k, w_v, w_o, num_heads), "
                         f"got {type(fn).__name__}")
-    dtype = np.dtype(dtype)
-    if dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
-        raise TypeError(f"dtype: expected float32 or float64, got {dtype}")
-    if isinstance(trials, bool) or not isinstance(trials, (int, np.integer)) or trials < 0:
-        raise ValueError(f"trials: expected a non-negative integer, got {trials!r}")
-    # normwise relative tolerance: rounding differences only
+    if convention not in ("general", "standard"):
+        raise ValueError(f"convention: expected 'general' or 'standard', got {convention!r}")
+    dtype = _check_common(dtype, trials)
     tol = 2e-4 if dtype == np.float32 else 1e-7
-    # Every trial, its result and its re-enactments are kept until the report
-    # is built: the whole need is checked before the first one is drawn.
-    check_memory([(f"trials={int(trials)}", "(trials + 5)*bytes per trial",
-                   (int(trials) + 5, _TRIAL_BYTES), 1)])
-    cases = _trials(int(trials), dtype, seed)
+    keywords = [k for k in ("mask", "causal") if _accepts(fn, k)]
+    cases = _trials(int(trials), dtype, seed, convention, keywords)
+    results, user_out = _run_layer_trials(fn, cases, dtype, tol)
+    standard_ok = None
+    if convention == "general" and not all(r.ok for r in results):
+        std = _trials(int(trials), dtype, seed, "standard", keywords)
+        standard_ok = all(r.ok for r in _run_layer_trials(fn, std, dtype, tol)[0])
+    return _diagnose("layer", results, user_out, _layer_model(keywords),
+                     [_layer_start(t) for t in cases], tol, dtype, standard_ok,
+                     convention, [t.features() for t in cases])
+
+
+# ------------------------------------------------------------ attention alone
+
+@dataclass
+class _AttnTrial:
+    name: str
+    about: str
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    kwargs: Dict[str, Any] = field(default_factory=dict)
+
+    def shapes(self) -> str:
+        h, tq, dk = self.q.shape
+        return (f"h={h}, T_q={tq}, T_k={self.k.shape[1]}, d_k={dk}, "
+                f"d_v={self.v.shape[2]}" + (", mask" if "mask" in self.kwargs else "")
+                + (", causal" if self.kwargs.get("causal") else ""))
+
+    def features(self) -> Dict[str, bool]:
+        h, tq, dk = self.q.shape
+        return {"d_k != d_v": dk != self.v.shape[2], "T_q != T_k": tq != self.k.shape[1],
+                "a mask": "mask" in self.kwargs, "causal": bool(self.kwargs.get("causal"))}
+
+
+def _attention_trials(n_random: int, dtype, seed: int, keywords) -> List[_AttnTrial]:
+    rng = np.random.default_rng(seed)
+
+    def make(name, about, h, tq, tk, dk, dv, gain=1.5):
+        return _AttnTrial(name, about,
+                          (rng.standard_normal((h, tq, dk)) * gain).astype(dtype),
+                          (rng.standard_normal((h, tk, dk)) * gain).astype(dtype),
+                          rng.standard_normal((h, tk, dv)).astype(dtype))
+    out = [make("square", "T_q = T_k, d_k = d_v", 2, 4, 4, 3, 3),
+           make("dk_ne_dv", "T_q != T_k, d_k != d_v, three heads", 3, 3, 5, 2, 4),
+           make("one_query", "a single query row (decode)", 2, 1, 6, 4, 2)]
+    big = make("large_inputs", "", 2, 3, 4, 3, 3)
+    big.q = (big.q * 40).astype(dtype)
+    big.k = (big.k * 40).astype(dtype)
+    big.about = "scores far beyond exp's range: the answer is finite, naive exp is not"
+    out.append(big)
+    for i in range(n_random):
+        h, tq, tk = (int(rng.integers(1, 5)), int(rng.integers(1, 6)),
+                     int(rng.integers(2, 7)))
+        out.append(make(f"random_{i + 1}", "random shapes", h, tq, tk,
+                        int(rng.integers(1, 5)), int(rng.integers(1, 5))))
+    if "mask" in keywords:
+        t = make("mask", "a boolean mask (True = may attend), T_q != T_k", 2, 4, 6, 3, 2)
+        m = rng.random((4, 6)) < 0.6
+        m[np.arange(4), rng.integers(0, 6, 4)] = True
+        t.kwargs = {"mask": m}
+        out.append(t)
+    if "causal" in keywords:
+        t = make("causal", "causal=True with more keys than queries", 2, 3, 6, 3, 3)
+        t.kwargs = {"causal": True}
+        out.append(t)
+    return out
+
+
+def check_attention_prototype(fn: Callable, *, trials: int = 4, dtype=np.float64,
+                              seed: int = 0) -> "PrototypeReport":
+    """Check a scaled dot-product attention prototype against mhattn.attention.
+
+    check_attention_prototype(fn, *, trials=4, dtype=np.float64, seed=0)
+        -> PrototypeReport
+
+    ``fn(q, k, v, mask=None)`` gets one sequence's projected heads, q
+    (h, T_q, d_k), k (h, T_k, d_k), v (h, T_k, d_v), and returns
+    softmax(q k^T / sqrt(d_k)) v per head, (h, T_q, d_v).  When its signature
+    takes ``mask`` (or ``causal``) a trial passes a boolean mask (T_q, T_k),
+    True = may attend (or ``causal=True``, bottom-right aligned: query i
+    sees keys j <= i + T_k - T_q).  The answer is :func:`mhattn.attention`'s;
+    a fully masked row's answer is 0.
+
+    The diagnosis is :func:`check_prototype`'s, with the attention steps
+    only (scores, scale, mask, softmax, weights @ V): every single mistake
+    and every pair, among 'no_scaling', 'scale_by_dk', 'scale_by_sqrt_dv',
+    'scale_after_softmax', 'mask_inverted', 'mask_after_softmax',
+    'causal_top_left', 'softmax_wrong_axis', 'no_max_subtraction',
+    'softmax_over_heads', 'softmax_whole_matrix', 'weights_transposed'.
+
+    Parameters
+    ----------
+    fn : callable
+    trials : int, default 4
+        Random configurations added to the designed ones.
+    dtype : np.float64 (default) or np.float32
+    seed : int, default 0
+
+    Returns
+    -------
+    PrototypeReport
+
+    Examples
+    --------
+    >>> def attend(q, k, v, mask=None):
+    ...     s = q @ k.transpose(0, 2, 1) / np.sqrt(q.shape[-1])
+    ...     if mask is not None:
+    ...         s = np.where(mask, s, -np.inf)
+    ...     w = np.exp(s - s.max(axis=-1, keepdims=True))
+    ...     return (w / w.sum(axis=-1, keepdims=True)) @ v
+    >>> mhattn.check_attention_prototype(attend).ok
+    True
+    """
+    if not callable(fn):
+        raise TypeError(f"fn: expected a callable fn(q, k, v, mask=None), "
+                        f"got {type(fn).__name__}")
+    dtype = _check_common(dtype, trials)
+    tol = 2e-4 if dtype == np.float32 else 1e-7
+    keywords = [k for k in ("mask", "causal") if _accepts(fn, k)]
+    cases = _attention_trials(int(trials), dtype, seed, keywords)
     results: List[TrialResult] = []
     user_out: List[Any] = []
+    starts = []
     for t in cases:
-        want = multi_head_attention(*t.args[:5], num_heads=t.num_heads)
-        got, inter = _run(fn, t.args)
+        want = _attention(t.q, t.k, t.v, **t.kwargs)
+        got, _ = _run(fn, (t.q, t.k, t.v), t.kwargs)
         user_out.append(got)
         r = TrialResult(t.name, t.about, t.shapes(), "ok", expected_shape=want.shape)
-        if isinstance(got, BaseException):
-            r.status = "raised"
-            r.error = _short_exc(got)
-        else:
-            r.got_shape = got.shape
-            if got.shape != want.shape:
-                r.status = "shape"
-            else:
-                w64 = want.astype(np.float64)
-                fg, fw = np.isfinite(got), np.isfinite(w64)
-                if not np.array_equal(fg, fw):
-                    r.status = "nonfinite"
-                    r.max_abs = r.max_rel = float("inf")
-                else:
-                    ok, rel = _distance(got, w64, tol)
-                    diff = np.abs(got[fg] - w64[fw])
-                    r.max_abs = float(diff.max()) if diff.size else 0.0
-                    r.max_rel = rel
-                    r.status = "ok" if ok else "differs"
-        if inter is not None:
-            given = {k: v for k, v in inter.items() if canonical_key(k) is not None}
-            if given:
-                ref = trace(*t.args[:5], num_heads=t.num_heads)
-                rtol, atol = (1e-4, 1e-5) if dtype == np.float32 else (1e-7, 1e-9)
-                r.stages = ref.compare(given, rtol=rtol, atol=atol)
+        _compare_result(r, got, want, tol)
         results.append(r)
+        starts.append(dict(q=list(t.q), k=list(t.k), v=list(t.v), dtype=t.q.dtype,
+                           mask=t.kwargs.get("mask"), causal=bool(t.kwargs.get("causal"))))
+    steps = _steps.attention_steps("mask" in keywords, "causal" in keywords)
+    return _diagnose("attention", results, user_out, steps, starts, tol, dtype, None,
+                     "general", [t.features() for t in cases])
 
-    # Re-enact each known mistake on the same trials.
-    fails = [i for i, r in enumerate(results) if not r.ok]
-    scored = []
-    for order, (mistake, form, vfn) in enumerate(VARIANTS):
-        matches, value_hits, errs = [], 0, []
-        for i, t in enumerate(cases):
-            want, _ = _run(vfn, t.args)
-            ok, dist = _distance(user_out[i], want, tol)
-            matches.append(ok)
-            if ok and not isinstance(want, BaseException):
-                value_hits += int(i in fails)
-            errs.append(min(dist, 1e3))
-        for i, ok in enumerate(matches):
-            if ok and mistake not in results[i].matches:
-                results[i].matches.append(mistake)
-        explained = sum(matches[i] for i in fails)
-        scored.append(dict(mistake=mistake, form=form, order=order, n_match=sum(matches),
-                           full=all(matches), explained=explained, value_hits=value_hits,
-                           dist=float(np.mean(errs))))
 
-    return PrototypeReport._build(results, scored, fails, cases)
+def _variant_fn(steps_fn, step_i: int, alt: Callable) -> Callable:
+    def reenact(x, w_q, w_k, w_v, w_o, h):
+        steps = steps_fn()
+        start = _layer_start(_Trial("", "", x, w_q, w_k, w_v, w_o, h))
+        out, _ = _steps.run(steps, start, {step_i: alt})
+        if isinstance(out, _steps.Raised):
+            raise out.exc
+        return out
+    return reenact
+
+
+#: (mistake, how it was written, re-enactment fn(x, w_q, w_k, w_v, w_o, h)):
+#: every single substitution of the step model of check_prototype.
+VARIANTS: List[Tuple[str, str, Callable]] = [
+    (name, form, _variant_fn(_steps.layer_steps, i, alt))
+    for i, step in enumerate(_steps.layer_steps()) for name, form, alt in step.wrong]
 
 
 class PrototypeReport:
@@ -660,15 +1197,30 @@ class PrototypeReport:
     first_divergent_stage : str or None
         When ``fn`` returned intermediates: the first that differs.
     hints : list of str
-        Patterns in the failing trials (shapes they share, exceptions).
+        Patterns in the failing trials (shapes they share, exceptions,
+        output shapes), each one sentence.
+    mistakes : tuple of str
+        Every mistake named: one, or two for a pair (in step order); ().
+    paragraphs : list of (kind, text)
+        The explanation in written order, kind "prose" or "code" (code
+        without its four-space indent), for renderers.
+    float32_rounding : bool
+        Every differing trial agrees with mhattn to float32 rounding.
+    standard_ok : bool or None
+        With the general convention and a failing prototype: whether it
+        passes every trial of the standard one (d_k = d_v = d_model / h).
     trials : list of TrialResult
+        Each with ``.matching``: the mistakes (a pair as 'a + b') matching
+        that trial, empty on passing trials.
     """
 
     def __init__(self, ok: bool, mistake: Optional[str], title: str, explanation: str,
                  trials: List[TrialResult], *, exact: bool = False,
                  candidates: Optional[List[str]] = None, form: Optional[str] = None,
                  first_divergent_stage: Optional[str] = None,
-                 hints: Optional[List[str]] = None):
+                 hints: Optional[List[str]] = None,
+                 mistakes: Optional[Tuple[str, ...]] = None,
+                 float32_rounding: bool = False, standard_ok: Optional[bool] = None):
         self.ok = ok
         self.mistake = mistake
         self.title = title
@@ -679,116 +1231,17 @@ class PrototypeReport:
         self.form = form
         self.first_divergent_stage = first_divergent_stage
         self.hints = list(hints or [])
-
-    @classmethod
-    def _build(cls, results: List[TrialResult], scored: List[dict], fails: List[int],
-               cases: List[_Trial]) -> "PrototypeReport":
-        n = len(results)
-        stage: Optional[str] = None
-        stage_note = ""
-        for r in results:
-            if r.stages is not None and r.stages.first_divergence is not None:
-                stage = r.stages.first_divergence
-                stage_note = (f"The first of your intermediates that differs from "
-                              f"mhattn's is '{stage}' (trial {r.name}): "
-                              f"{r.stages.summary()}")
-                break
-
-        if not fails:
-            verdict = (f"Your prototype agrees with mhattn on all {n} trials, including "
-                       "the document's worked example, d_k != d_v, more than two heads "
-                       "and inputs large enough to overflow a naive softmax.")
-            if stage_note:
-                verdict += ("\nThe output is right, but some intermediates you returned "
-                            "are not what mhattn calls them. " + stage_note)
-            return cls(True, None, "matches mhattn", verdict, results,
-                       first_divergent_stage=stage)
-
-        full = [s for s in scored if s["full"]]
-        full.sort(key=lambda s: (-s["value_hits"], s["order"]))
-        candidates: List[str] = []
-        for s in full:
-            if s["mistake"] not in candidates:
-                candidates.append(s["mistake"])
-        if full:
-            best, exact = full[0], True
-        else:
-            ranked = sorted(scored, key=lambda s: (-s["value_hits"], -s["explained"],
-                                                   -s["n_match"], s["dist"], s["order"]))
-            best, exact = ranked[0], False
-            if best["value_hits"] == 0:
-                best = None
-        hints = cls._hints(results, fails, cases,
-                           None if best is None or not exact else best["mistake"])
-
-        summary = f"{len(fails)} of {n} trials differ from mhattn."
-        if best is None:
-            title = "the outputs differ, and not like any known mistake"
-            expl = [summary, "No known mistake reproduces your outputs. The document's "
-                    "computation, per head i, is\n"
-                    "    head_i = softmax(Q_i K_i^T / sqrt(d_k)) V_i,  "
-                    "Q_i = X W_i^Q, K_i = X W_i^K, V_i = X W_i^V\n"
-                    "    MultiHead(X) = Concat(head_1, ..., head_h) W^O\n"
-                    "In NumPy, with fused weights:\n" + _CODE_FIX]
-            mistake, form = None, None
-        else:
-            mistake, form = best["mistake"], best["form"]
-            title, text = MISTAKES[mistake]
-            if exact:
-                how = (f"Most likely mistake: {mistake} ({title}). Re-enacted as "
-                       f"'{form}', it reproduces your outputs on all {n} trials.")
-            else:
-                how = (f"Closest known mistake: {mistake} ({title}). Re-enacted as "
-                       f"'{form}', it reproduces your outputs on {best['n_match']} of "
-                       f"{n} trials only, so there may be more than one mistake.")
-            expl = [summary, how, text]
-            others = [c for c in candidates if c != mistake]
-            if others:
-                expl.append("These mistakes fit the trials equally well: "
-                            + ", ".join(others) + ".")
-        if stage_note:
-            expl.append(stage_note)
-        if hints:
-            expl.append("\n".join("Hint: " + h for h in hints))
-        return cls(False, mistake, title, "\n\n".join(expl), results, exact=exact,
-                   candidates=candidates, form=form, first_divergent_stage=stage,
-                   hints=hints)
-
-    @staticmethod
-    def _hints(results: List[TrialResult], fails: List[int], cases: List[_Trial],
-               mistake: Optional[str]) -> List[str]:
-        """Patterns in the failing trials; ``mistake`` is the one that explains
-        every trial, if any (then hints pointing elsewhere are left out)."""
-        hints = []
-        failing = set(fails)
-        names = list(cases[0].features())
-        for feat in names:
-            having = {i for i, t in enumerate(cases) if t.features()[feat]}
-            if having and having == failing and len(having) < len(cases):
-                hints.append(f"it fails exactly on the trials with {feat}.")
-        raised = [results[i] for i in fails if results[i].status == "raised"]
-        if raised:
-            hints.append(f"your function raised on {len(raised)} of {len(results)} "
-                         f"trials, first on {raised[0].name} ({raised[0].shapes}): "
-                         f"{raised[0].error}.")
-            if mistake in (None, "wo_transposed", "projections_transposed") and any(
-                    _is_shape_error_text(r.error) for r in raised):
-                hints.append("a shape error often means a transposed matrix: mhattn and "
-                             "the document use row vectors, Q = X W^Q with W^Q "
-                             "(d_model, h*d_k), and Concat(...) W^O with W^O "
-                             "(h*d_v, d_out).")
-        if mistake in (None, "no_max_subtraction") and any(
-                results[i].status == "nonfinite" for i in fails):
-            hints.append("some outputs hold inf or nan where the answer is finite: "
-                         "an overflow, typically exp() of large scores without "
-                         "subtracting the row max.")
-        return hints
+        self.mistakes = tuple(mistakes) if mistakes else ((mistake,) if mistake else ())
+        self.float32_rounding = bool(float32_rounding)
+        self.standard_ok = standard_ok
+        self.paragraphs = _paragraphs(explanation)
 
     # ------------------------------------------------------------ display
     def __str__(self) -> str:
         head = ("check_prototype: OK - " if self.ok else "check_prototype: ") + self.title
-        if self.mistake:
-            head += f"  [mistake: {self.mistake}]"
+        if self.mistakes:
+            head += f"  [mistake{'s' if len(self.mistakes) > 1 else ''}: " \
+                    f"{', '.join(self.mistakes)}]"
         lines = [head, "", self.explanation, "", "Trials:"]
         width = max(len(r.name) for r in self.trials)
         for r in self.trials:
@@ -806,7 +1259,7 @@ class PrototypeReport:
         parts = ['<div class="mhattn-check">',
                  f'<p style="font-weight:bold;color:{colour}">check_prototype: '
                  f"{verdict} &mdash; {esc(self.title)}"
-                 + (f" <code>{esc(self.mistake)}</code>" if self.mistake else "")
+                 + (f" <code>{esc(' + '.join(self.mistakes))}</code>" if self.mistakes else "")
                  + "</p>"]
         for para in self.explanation.split("\n\n"):
             prose: List[str] = []

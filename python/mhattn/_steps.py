@@ -1,0 +1,423 @@
+"""The reference computation as steps, each with its known wrong alternatives.
+
+:func:`mhattn.check_prototype` and :func:`mhattn.check_attention_prototype`
+re-enact a learner's prototype as the reference pipeline with one or two of
+its steps swapped for a known mistake.  A *state* is a dict of the arrays
+computed so far; a step reads it and returns a new one (never mutating the
+arrays it was given), so that the states of the correct run can be kept and
+a substitution at step i re-runs only steps i, i+1, ...
+
+Per-head arrays are lists of 2-D arrays (one per head), so that a mistake
+that changes a head's shape (np.split along the tokens, V sliced with d_k)
+is still a state the later steps can run on, or fail on as the learner's
+code would.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+State = Dict[str, Any]
+StepFn = Callable[[State], State]
+
+
+def _new(st: State, **kw) -> State:
+    out = dict(st)
+    out.update(kw)
+    return out
+
+
+def _f(st: State, value: float):
+    """A Python float as the computation's dtype (as the learner's np.sqrt would)."""
+    return st["dtype"].type(value)
+
+
+# ------------------------------------------------------------------ project
+def project(st: State) -> State:
+    x = st["x"]
+    return _new(st, Q=x @ st["w_q"], K=x @ st["w_k"], V=x @ st["w_v"])
+
+
+def project_transposed(st: State) -> State:
+    x = st["x"]
+    return _new(st, Q=x @ st["w_q"].T, K=x @ st["w_k"].T, V=x @ st["w_v"].T)
+
+
+def project_v_with_wk(st: State) -> State:
+    x = st["x"]
+    return _new(st, Q=x @ st["w_q"], K=x @ st["w_k"], V=x @ st["w_k"])
+
+
+# ------------------------------------------------------------------ split
+def _slices(a: np.ndarray, h: int, d: int, same: bool = False) -> List[np.ndarray]:
+    return [a[:, (0 if same else i) * d:((0 if same else i) + 1) * d] for i in range(h)]
+
+
+def split(st: State) -> State:
+    h = st["h"]
+    dk, dv = st["w_q"].shape[1] // h, st["w_v"].shape[1] // h
+    return _new(st, q=_slices(st["Q"], h, dk), k=_slices(st["K"], h, dk),
+                v=_slices(st["V"], h, dv), dk_scale=dk)
+
+
+def split_same_head(st: State) -> State:
+    h = st["h"]
+    dk, dv = st["w_q"].shape[1] // h, st["w_v"].shape[1] // h
+    return _new(st, q=_slices(st["Q"], h, dk, True), k=_slices(st["K"], h, dk, True),
+                v=_slices(st["V"], h, dv, True), dk_scale=dk)
+
+
+def split_sequence(st: State) -> State:
+    """np.split(Q, h) along the tokens: every 'head' is a block of rows."""
+    h = st["h"]
+    dk = st["w_q"].shape[1] // h
+    return _new(st, q=np.split(st["Q"], h, axis=0), k=np.split(st["K"], h, axis=0),
+                v=np.split(st["V"], h, axis=0), dk_scale=dk, rows=True)
+
+
+def _reshape_h_first(a: np.ndarray, h: int) -> List[np.ndarray]:
+    T = a.shape[0]
+    return list(a.reshape(h, T, -1))
+
+
+def split_reshape_h_first(st: State) -> State:
+    h = st["h"]
+    dk = st["w_q"].shape[1] // h
+    return _new(st, q=_reshape_h_first(st["Q"], h), k=_reshape_h_first(st["K"], h),
+                v=_reshape_h_first(st["V"], h), dk_scale=dk)
+
+
+def split_reshape_both(st: State) -> State:
+    """reshape(h, T, d) at the split and reshape(T, h*d) at the merge."""
+    return _new(split_reshape_h_first(st), merge_h_first=True)
+
+
+def split_dk_from_dmodel(st: State) -> State:
+    h = st["h"]
+    d = st["x"].shape[1] // h
+    return _new(st, q=_slices(st["Q"], h, d), k=_slices(st["K"], h, d),
+                v=_slices(st["V"], h, d), dk_scale=d)
+
+
+def split_v_with_dk(st: State) -> State:
+    h = st["h"]
+    dk = st["w_q"].shape[1] // h
+    return _new(st, q=_slices(st["Q"], h, dk), k=_slices(st["K"], h, dk),
+                v=_slices(st["V"], h, dk), dk_scale=dk)
+
+
+# ------------------------------------------------------------------ scores, scale
+def scores(st: State) -> State:
+    return _new(st, s=[q @ k.T for q, k in zip(st["q"], st["k"])])
+
+
+def _scaled(st: State, factor: float) -> State:
+    f = _f(st, factor)
+    return _new(st, s=[s * f for s in st["s"]])
+
+
+def _dk(st: State) -> int:
+    return st.get("dk_scale") or st["q"][0].shape[-1]
+
+
+def scale(st: State) -> State:
+    return _scaled(st, 1.0 / np.sqrt(_dk(st)))
+
+
+def scale_none(st: State) -> State:
+    return st
+
+
+def scale_dk(st: State) -> State:
+    return _scaled(st, 1.0 / _dk(st))
+
+
+def scale_sqrt_dmodel(st: State) -> State:
+    return _scaled(st, 1.0 / np.sqrt(st["d_model"]))
+
+
+def scale_sqrt_dv(st: State) -> State:
+    return _scaled(st, 1.0 / np.sqrt(st["v"][0].shape[-1]))
+
+
+def scale_after_softmax(st: State) -> State:
+    return _new(st, post_scale=1.0 / np.sqrt(_dk(st)))
+
+
+# ------------------------------------------------------------------ mask / causal
+def _allowed(st: State, top_left: bool = False) -> Optional[np.ndarray]:
+    Tq, Tk = st["s"][0].shape
+    allowed = np.ones((Tq, Tk), dtype=bool)
+    if st.get("mask") is not None:
+        allowed &= np.broadcast_to(np.asarray(st["mask"], dtype=bool), (Tq, Tk))
+    if st.get("causal"):
+        off = 0 if top_left else Tk - Tq
+        allowed &= np.arange(Tk)[None, :] <= np.arange(Tq)[:, None] + off
+    return allowed
+
+
+def _apply(st: State, allowed: np.ndarray) -> State:
+    ninf = _f(st, -np.inf)
+    return _new(st, s=[np.where(allowed, s, ninf) for s in st["s"]])
+
+
+def mask(st: State) -> State:
+    if st.get("mask") is None and not st.get("causal"):
+        return st
+    return _apply(st, _allowed(st))
+
+
+def mask_inverted(st: State) -> State:
+    if st.get("mask") is None and not st.get("causal"):
+        return st
+    return _apply(st, ~_allowed(st))
+
+
+def mask_after_softmax(st: State) -> State:
+    if st.get("mask") is None and not st.get("causal"):
+        return st
+    return _new(st, post_mask=_allowed(st))
+
+
+def causal_top_left(st: State) -> State:
+    if not st.get("causal"):
+        return mask(st)
+    return _apply(st, _allowed(st, top_left=True))
+
+
+# ------------------------------------------------------------------ softmax
+def _softmax(s: np.ndarray, axis=-1) -> np.ndarray:
+    m = np.max(s, axis=axis, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0)
+    e = np.exp(s - m)
+    tot = e.sum(axis=axis, keepdims=True)
+    return np.where(tot > 0, e / np.where(tot > 0, tot, 1), 0).astype(s.dtype)
+
+
+def _finish(st: State, w: List[np.ndarray]) -> State:
+    if st.get("post_mask") is not None:
+        w = [np.where(st["post_mask"], a, 0).astype(a.dtype) for a in w]
+    if st.get("post_scale") is not None:
+        f = _f(st, st["post_scale"])
+        w = [a * f for a in w]
+    return _new(st, w=w)
+
+
+def softmax(st: State) -> State:
+    return _finish(st, [_softmax(s) for s in st["s"]])
+
+
+def softmax_axis0(st: State) -> State:
+    return _finish(st, [_softmax(s, axis=0) for s in st["s"]])
+
+
+def softmax_naive(st: State) -> State:
+    out = []
+    for s in st["s"]:
+        e = np.exp(s)
+        out.append(e / e.sum(axis=-1, keepdims=True))
+    return _finish(st, out)
+
+
+def softmax_heads_axis(st: State) -> State:
+    return _finish(st, list(_softmax(np.stack(st["s"]), axis=0)))
+
+
+def softmax_whole_matrix(st: State) -> State:
+    return _finish(st, [_softmax(s, axis=None) for s in st["s"]])
+
+
+# ------------------------------------------------------------------ weights @ V
+def weights_v(st: State) -> State:
+    return _new(st, o=[w @ v for w, v in zip(st["w"], st["v"])])
+
+
+def weights_t_v(st: State) -> State:
+    return _new(st, o=[w.T @ v for w, v in zip(st["w"], st["v"])])
+
+
+# ------------------------------------------------------------------ merge
+def merge(st: State) -> State:
+    o = st["o"]
+    if st.get("merge_h_first"):
+        return merge_h_first(st)
+    return _new(st, z=np.concatenate(o, axis=0 if st.get("rows") else -1))
+
+
+def merge_h_first(st: State) -> State:
+    stacked = np.stack(st["o"])                     # (h, T, d)
+    return _new(st, z=stacked.reshape(stacked.shape[1], -1))
+
+
+def merge_reversed(st: State) -> State:
+    return _new(st, z=np.concatenate(st["o"][::-1], axis=0 if st.get("rows") else -1))
+
+
+def merge_mean(st: State) -> State:
+    return _new(st, z=np.mean(st["o"], axis=0), wo="skip")
+
+
+def merge_mean_first_rows(st: State) -> State:
+    return _new(st, z=np.mean(st["o"], axis=0), wo="first_rows")
+
+
+def merge_mean_per_head_wo(st: State) -> State:
+    # mean over i of head_i W^O_i == Concat(heads) W^O / h
+    return _new(st, z=np.concatenate(st["o"], axis=-1) / _f(st, len(st["o"])))
+
+
+def merge_sum(st: State) -> State:
+    return _new(st, z=np.sum(st["o"], axis=0), wo="skip")
+
+
+def merge_sum_first_rows(st: State) -> State:
+    return _new(st, z=np.sum(st["o"], axis=0), wo="first_rows")
+
+
+# ------------------------------------------------------------------ W^O
+def out_proj(st: State) -> State:
+    z, w_o = st["z"], st["w_o"]
+    how = st.get("wo")
+    if how == "skip":
+        return _new(st, out=z)
+    if how == "first_rows":
+        return _new(st, out=z @ w_o[:z.shape[-1]])
+    return _new(st, out=z @ w_o)
+
+
+def out_skipped(st: State) -> State:
+    return _new(st, out=st["z"])
+
+
+def out_transposed(st: State) -> State:
+    if st.get("wo") is not None:
+        return out_proj(st)
+    return _new(st, out=st["z"] @ st["w_o"].T)
+
+
+def stack_heads(st: State) -> State:
+    """check_attention_prototype's output: the heads stacked (h, T_q, d_v)."""
+    return _new(st, out=np.stack(st["o"]))
+
+
+# ------------------------------------------------------------------ the model
+class Step:
+    """One step: its name, the trace stage it first writes, the correct
+    function and its wrong alternatives (mistake id, how written, fn)."""
+
+    def __init__(self, name: str, stage: str, fn: StepFn,
+                 wrong: Sequence[Tuple[str, str, StepFn]]):
+        self.name, self.stage, self.fn, self.wrong = name, stage, fn, list(wrong)
+
+
+def layer_steps() -> List[Step]:
+    """The steps of MultiHead(X) = Concat(head_1..head_h) W^O, in order."""
+    return [
+        Step("project", "q", project, [
+            ("projections_transposed", "Q = X @ W^Q.T", project_transposed),
+            ("v_with_wk", "V = X @ W^K", project_v_with_wk)]),
+        Step("split heads", "q", split, [
+            ("same_projection_every_head", "head 0's columns for every head",
+             split_same_head),
+            ("heads_split_sequence", "np.split(Q, h, axis=0)", split_sequence),
+            ("heads_split_sequence", "Q.reshape(h, T, d_k) ... out.reshape(T, h*d_v)",
+             split_reshape_both),
+            ("split_reshape_no_transpose", "Q.reshape(h, T, d_k) without the transpose",
+             split_reshape_h_first),
+            ("dk_from_dmodel", "d_k = d_model // h", split_dk_from_dmodel),
+            ("v_sliced_with_dk", "V[:, i*d_k:(i+1)*d_k]", split_v_with_dk)]),
+        Step("scores", "raw_scores", scores, []),
+        Step("scale", "scores", scale, [
+            ("no_scaling", "softmax(Q K^T) V", scale_none),
+            ("scale_by_dk", "softmax(Q K^T / d_k) V", scale_dk),
+            ("scale_by_sqrt_dmodel", "softmax(Q K^T / sqrt(d_model)) V", scale_sqrt_dmodel),
+            ("scale_by_sqrt_dv", "softmax(Q K^T / sqrt(d_v)) V", scale_sqrt_dv),
+            ("scale_after_softmax", "softmax(Q K^T) / sqrt(d_k) V", scale_after_softmax)]),
+        Step("softmax", "weights", softmax, [
+            ("softmax_wrong_axis", "softmax over axis 0 (the queries)", softmax_axis0),
+            ("no_max_subtraction", "exp(scores) without subtracting the row max",
+             softmax_naive),
+            ("softmax_over_heads", "softmax over the heads axis", softmax_heads_axis),
+            ("softmax_whole_matrix", "normalised over the whole T x T matrix",
+             softmax_whole_matrix)]),
+        Step("weights @ V", "heads", weights_v, [
+            ("weights_transposed", "weights.T @ V", weights_t_v)]),
+        Step("merge heads", "concat", merge, [
+            ("heads_averaged", "mean of the heads, no W^O", merge_mean),
+            ("heads_averaged", "mean over heads of head_i W^O_i", merge_mean_per_head_wo),
+            ("heads_averaged", "mean of the heads times the first d_v rows of W^O",
+             merge_mean_first_rows),
+            ("heads_summed", "sum of the heads, no W^O", merge_sum),
+            ("heads_summed", "sum of the heads times the first d_v rows of W^O",
+             merge_sum_first_rows),
+            ("merge_reshape_no_transpose", "np.stack(heads).reshape(T, h*d_v)",
+             merge_h_first),
+            ("heads_wrong_order", "the heads concatenated in reverse order",
+             merge_reversed)]),
+        Step("W^O", "output", out_proj, [
+            ("wo_skipped", "Concat(heads) without W^O", out_skipped),
+            ("wo_transposed", "Concat(heads) @ W^O.T", out_transposed)]),
+    ]
+
+
+def attention_steps(with_mask: bool, with_causal: bool) -> List[Step]:
+    """The steps of softmax(q k^T / sqrt(d_k) [masked]) v, per head."""
+    layer = {s.name: s for s in layer_steps()}
+    mask_wrong = []
+    if with_mask or with_causal:
+        mask_wrong += [("mask_inverted", "the mask (or causal triangle) inverted",
+                        mask_inverted),
+                       ("mask_after_softmax", "the mask applied after the softmax",
+                        mask_after_softmax)]
+    if with_causal:
+        mask_wrong.append(("causal_top_left", "causal aligned top-left (j <= i)",
+                           causal_top_left))
+    sc = layer["scale"]
+    return [layer["scores"],
+            Step("scale", "scores", sc.fn,
+                 [w for w in sc.wrong if w[0] not in ("scale_by_sqrt_dmodel",)]),
+            Step("mask", "scores", mask, mask_wrong),
+            layer["softmax"], layer["weights @ V"],
+            Step("output", "output", stack_heads, [])]
+
+
+# ------------------------------------------------------------------ running
+class Raised:
+    """An exception raised by a step (or by the learner's function)."""
+
+    def __init__(self, exc: BaseException, step: Optional[str] = None):
+        self.exc, self.step = exc, step
+        self.key = exception_key(exc)
+
+
+def exception_key(exc: BaseException) -> tuple:
+    """What must agree for two exceptions to be 'the same': the type and, for
+    shape errors, the sizes the message names (the sizes identify the
+    operation that failed, and so the step, whichever way it was written)."""
+    msg = str(exc)
+    if isinstance(exc, (ValueError, IndexError)):
+        return (type(exc).__name__, tuple(sorted(set(int(n) for n in re.findall(r"\d+", msg)))))
+    return (type(exc).__name__, msg)
+
+
+def run(steps: Sequence[Step], start: State, choice: Dict[int, StepFn],
+        from_step: int = 0, keep: bool = False):
+    """Run steps[from_step:] on ``start`` with ``choice`` replacing some.
+
+    Returns (output array or Raised, list of the states before each step run
+    when ``keep``)."""
+    st = start
+    states: List[State] = []
+    for i in range(from_step, len(steps)):
+        if keep:
+            states.append(st)
+        fn = choice.get(i, steps[i].fn)
+        try:
+            with np.errstate(all="ignore"):
+                st = fn(st)
+        except Exception as exc:  # the step fails as the learner's code would
+            return Raised(exc, steps[i].name), states
+    out = st["out"]
+    return np.asarray(out, dtype=np.float64), states
