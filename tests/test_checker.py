@@ -282,6 +282,8 @@ def test_variants_are_pairwise_distinguishable():
             for b in keys[i + 1:]:
                 if a[0] == b[0]:
                     continue
+                if "wo_cut_to_fit" in (a[0], b[0]) and "correct" in (a[0], b[0]):
+                    continue    # shows only after another mistake narrows Concat
                 same = all(_distance(x, y, tol)[0] for x, y in zip(outs[a], outs[b]))
                 assert not same, (dtype, a, b)
 
@@ -438,3 +440,201 @@ def test_argument_checks():
 def test_docstring_carries_signature():
     assert ('check_prototype(fn, *, trials=4, dtype=np.float64, seed=0, '
             'convention="general")') in mhattn.check_prototype.__doc__
+
+
+# ------------------------------------------------------------ the step model
+
+def test_pair_is_named_with_both_mistakes():
+    def classmate(x, w_q, w_k, w_v, w_o, num_heads):
+        # "single-head attention run h times, then averaged" (active recall 6)
+        d_k = w_q.shape[1] // num_heads
+        d_v = w_v.shape[1] // num_heads
+        q, k, v = x @ w_q[:, :d_k], x @ w_k[:, :d_k], x @ w_v[:, :d_v]
+        answers = [_softmax_rows(q @ k.T / np.sqrt(d_k)) @ v for _ in range(num_heads)]
+        return np.mean(answers, axis=0)
+
+    rep = mhattn.check_prototype(classmate)
+    assert set(rep.mistakes) == {"same_projection_every_head", "heads_averaged"}, str(rep)
+    assert rep.exact and rep.candidates == ["same_projection_every_head + heads_averaged"]
+    assert "two mistakes" in rep.title
+    for m in rep.mistakes:
+        assert MISTAKES[m][1].splitlines()[0] in rep.explanation
+
+
+def test_weights_transposed_not_confused_with_column_softmax():
+    """On the worked example W^Q = W^K, so weights.T looks like a column
+    softmax: only candidates that fit every trial are named."""
+    def wt(x, w_q, w_k, w_v, w_o, num_heads):
+        heads = []
+        for i in range(num_heads):
+            Q, K, V = _per_head(x, w_q, w_k, w_v, num_heads, i)
+            heads.append(_softmax_rows(Q @ K.T / np.sqrt(Q.shape[1])).T @ V)
+        return np.concatenate(heads, axis=-1) @ w_o
+
+    rep = mhattn.check_prototype(wt)
+    assert rep.mistakes == ("weights_transposed",) and rep.exact
+    assert all("softmax_wrong_axis" not in t.matching for t in rep.trials)
+
+
+def test_exception_matches_only_the_same_operation():
+    """A prototype that raises a shape error somewhere no mistake does is
+    not matched by a mistake that raises the same type elsewhere."""
+    def raises(x, w_q, w_k, w_v, w_o, num_heads):
+        if w_o.shape[0] != w_o.shape[1]:
+            raise ValueError("matmul: size 997 is different from 991")
+        return proto_correct(x, w_q, w_k, w_v, w_o, num_heads)
+
+    rep = mhattn.check_prototype(raises)
+    assert rep.mistake is None, str(rep)
+    assert "wo_transposed" not in str(rep)
+    assert not any("transposed matrix" in h for h in rep.hints)
+
+
+def test_float32_prototype_is_named_as_float32_rounding():
+    def in_f32(x, w_q, w_k, w_v, w_o, num_heads):
+        args = [a.astype(np.float32) for a in (x, w_q, w_k, w_v, w_o)]
+        return proto_correct(*args, num_heads)
+
+    rep = mhattn.check_prototype(in_f32)
+    assert not rep.ok and rep.float32_rounding and rep.mistake is None
+    assert "float32 rounding" in rep.explanation
+    assert "dtype=np.float32" in rep.explanation
+    assert mhattn.check_prototype(in_f32, dtype=np.float32).ok
+    # a real mistake is not float32 rounding
+    assert not mhattn.check_prototype(proto_no_scaling).float32_rounding
+
+
+def test_standard_convention():
+    def standard_only(x, w_q, w_k, w_v, w_o, num_heads):
+        d = x.shape[1] // num_heads                      # assumes d_k = d_v = d_model/h
+        T = x.shape[0]
+        Q = (x @ w_q).reshape(T, num_heads, d).transpose(1, 0, 2)
+        K = (x @ w_k).reshape(T, num_heads, d).transpose(1, 0, 2)
+        V = (x @ w_v).reshape(T, num_heads, d).transpose(1, 0, 2)
+        o = _softmax_rows(Q @ K.transpose(0, 2, 1) / np.sqrt(d)) @ V
+        return o.transpose(1, 0, 2).reshape(T, -1) @ w_o
+
+    rep = mhattn.check_prototype(standard_only, convention="standard")
+    assert rep.ok, str(rep)
+    assert all(t.dims["d_k"] == t.dims["d_v"] == t.dims["d_model"] // t.dims["h"]
+               for t in mhattn.checker._trials(4, np.dtype(np.float64), 0, "standard"))
+    rep = mhattn.check_prototype(standard_only)
+    assert not rep.ok and rep.standard_ok is True
+    assert "passes every trial of the standard convention" in rep.explanation
+    assert not mhattn.check_prototype(proto_no_scaling).standard_ok
+    with pytest.raises(ValueError):
+        mhattn.check_prototype(proto_correct, convention="llama")
+
+
+def test_paragraphs_keep_the_written_order():
+    rep = mhattn.check_prototype(proto_heads_split_sequence)
+    kinds = [k for k, _ in rep.paragraphs]
+    assert set(kinds) == {"prose", "code"}
+    texts = [t for _, t in rep.paragraphs]
+    fix = next(i for i, t in enumerate(texts) if t.endswith("Fix (either form):"))
+    assert rep.paragraphs[fix + 1][0] == "code"
+    assert rep.paragraphs[fix + 2] == ("prose", "not np.split(Q, h, axis=0) or "
+                                                "Q.reshape(h, T, d_k).")
+    # the paragraphs are the explanation, in order
+    joined = " ".join(t for _, t in rep.paragraphs)
+    pos = [joined.find(t) for t in texts]
+    assert pos == sorted(pos)
+    assert isinstance(rep.hints, list) and all(isinstance(h, str) for h in rep.hints)
+
+
+def test_mask_keyword_is_passed_only_when_accepted():
+    seen = []
+
+    def with_mask(x, w_q, w_k, w_v, w_o, num_heads, mask=None):
+        seen.append(mask is not None)
+        return mhattn.multi_head_attention(x, w_q, w_k, w_v, w_o, num_heads=num_heads,
+                                           mask=None if mask is None else ~mask)
+
+    rep = mhattn.check_prototype(with_mask)
+    assert any(seen) and rep.mistakes == ("mask_inverted",), str(rep)
+    seen.clear()
+
+    def without(x, w_q, w_k, w_v, w_o, num_heads):
+        return proto_correct(x, w_q, w_k, w_v, w_o, num_heads)
+    assert mhattn.check_prototype(without).ok
+    assert not any(t.name == "mask" for t in mhattn.check_prototype(without).trials)
+
+
+def test_report_is_fast():
+    import time
+    t0 = time.perf_counter()
+    mhattn.check_prototype(proto_correct)
+    mhattn.check_prototype(proto_no_scaling)
+    assert time.perf_counter() - t0 < 4.0
+
+
+# ------------------------------------------------------------ attention alone
+
+def _attend(q, k, v, mask=None, *, scale=None, axis=-1, post_mask=False, wt=False):
+    s = q @ k.transpose(0, 2, 1)
+    s = s / np.sqrt(q.shape[-1]) if scale is None else s * scale
+    if mask is not None and not post_mask:
+        s = np.where(mask, s, -np.inf)
+    e = np.exp(s - s.max(axis=axis, keepdims=True))
+    w = e / e.sum(axis=axis, keepdims=True)
+    if mask is not None and post_mask:
+        w = w * mask
+    return (w.transpose(0, 2, 1) if wt else w) @ v
+
+
+def test_check_attention_prototype_correct_and_mistakes():
+    assert mhattn.check_attention_prototype(_attend).ok
+    assert mhattn.check_attention_prototype(
+        lambda q, k, v, mask=None: _attend(q, k, v, mask), dtype=np.float32).ok
+    cases = [
+        (lambda q, k, v, mask=None: _attend(q, k, v, mask, scale=1.0), ("no_scaling",)),
+        (lambda q, k, v, mask=None: _attend(q, k, v, mask, axis=1),
+         ("softmax_wrong_axis",)),
+        (lambda q, k, v, mask=None: _attend(q, k, v, mask, post_mask=True),
+         ("mask_after_softmax",)),
+        (lambda q, k, v, mask=None: _attend(q, k, v, None if mask is None else ~mask),
+         ("mask_inverted",)),
+        (lambda q, k, v, mask=None: _attend(q, k, v, mask, scale=1.0, wt=True),
+         ("no_scaling", "weights_transposed")),
+    ]
+    for fn, expected in cases:
+        rep = mhattn.check_attention_prototype(fn)
+        assert set(rep.mistakes) == set(expected), str(rep)
+
+
+def test_check_attention_prototype_causal():
+    def top_left(q, k, v, causal=False):
+        s = q @ k.transpose(0, 2, 1) / np.sqrt(q.shape[-1])
+        if causal:
+            s = np.where(np.tril(np.ones(s.shape[1:], bool)), s, -np.inf)
+        e = np.exp(s - s.max(axis=-1, keepdims=True))
+        return e / e.sum(axis=-1, keepdims=True) @ v
+
+    rep = mhattn.check_attention_prototype(top_left)
+    assert rep.mistakes == ("causal_top_left",), str(rep)
+    with pytest.raises(TypeError):
+        mhattn.check_attention_prototype(3)
+
+
+# ------------------------------------------------------------ Trace.compare
+
+def test_compare_accepts_aliases_and_lists_unused_keys():
+    tokens, X, w_q, w_k, w_v, w_o = mhattn.worked_example()
+    wq, wk, wv = (np.concatenate(w, axis=1) for w in (w_q, w_k, w_v))
+    tr = mhattn.trace(X, wq, wk, wv, w_o, num_heads=2)
+    d = tr.to_dict()
+    rep = tr.compare({"attn_output": d["output"], "context": d["concat"],
+                      "attention_scores": d["scores"], "softmax": d["weights"],
+                      "bogus": 1, "row_max": d["row_max"]})
+    assert rep.ok
+    for stage in ("output", "concat", "scores", "weights"):
+        assert rep[stage].ok is True
+    assert rep.unused == ["bogus", "row_max"]
+    assert "'bogus'" in rep.summary() and "'row_max'" in str(rep)
+    rep = tr.compare({"attention_probs": d["weights"], "scores_scaled": d["scores"],
+                      "weights": d["weights"]})
+    assert rep["weights"].ok and rep["scores"].ok and rep.unused == ["weights"]
+    assert tr.compare({"output": d["output"]}).unused == []
+    for alias in ("attn_output", "context", "attention_scores", "attention_probs",
+                  "softmax", "scores_scaled"):
+        assert alias in mhattn.Trace.compare.__doc__

@@ -46,8 +46,9 @@ def project_transposed(st: State) -> State:
 
 
 def project_v_with_wk(st: State) -> State:
+    """V = X W^K, sliced into heads as K is (the k line copied)."""
     x = st["x"]
-    return _new(st, Q=x @ st["w_q"], K=x @ st["w_k"], V=x @ st["w_k"])
+    return _new(st, Q=x @ st["w_q"], K=x @ st["w_k"], V=x @ st["w_k"], v_is_k=True)
 
 
 # ------------------------------------------------------------------ split
@@ -58,6 +59,8 @@ def _slices(a: np.ndarray, h: int, d: int, same: bool = False) -> List[np.ndarra
 def split(st: State) -> State:
     h = st["h"]
     dk, dv = st["w_q"].shape[1] // h, st["w_v"].shape[1] // h
+    if st.get("v_is_k"):
+        dv = dk
     return _new(st, q=_slices(st["Q"], h, dk), k=_slices(st["K"], h, dk),
                 v=_slices(st["V"], h, dv), dk_scale=dk)
 
@@ -297,6 +300,13 @@ def out_transposed(st: State) -> State:
     return _new(st, out=st["z"] @ st["w_o"].T)
 
 
+def out_cut_to_fit(st: State) -> State:
+    if st.get("wo") is not None:
+        return out_proj(st)
+    z = st["z"]
+    return _new(st, out=z @ st["w_o"][:z.shape[-1]])
+
+
 def stack_heads(st: State) -> State:
     """check_attention_prototype's output: the heads stacked (h, T_q, d_v)."""
     return _new(st, out=np.stack(st["o"]))
@@ -358,7 +368,8 @@ def layer_steps() -> List[Step]:
              merge_reversed)]),
         Step("W^O", "output", out_proj, [
             ("wo_skipped", "Concat(heads) without W^O", out_skipped),
-            ("wo_transposed", "Concat(heads) @ W^O.T", out_transposed)]),
+            ("wo_transposed", "Concat(heads) @ W^O.T", out_transposed),
+            ("wo_cut_to_fit", "Concat(heads) @ W^O[:width]", out_cut_to_fit)]),
     ]
 
 

@@ -264,6 +264,14 @@ MISTAKES: Dict[str, Tuple[str, str]] = {
         "query i, and head_i's row i is the weighted average of the values with that\n"
         "row's weights: head = weights @ V, (T_q, T_k) @ (T_k, d_v). Fix:\n"
         "    head = w @ v"),
+    "wo_cut_to_fit": (
+        "W^O is cut to the concatenation's width",
+        "Your prototype multiplies by the first rows of W^O only, as many as the\n"
+        "concatenation is wide. W^O is (h*d_v) x d_out, one block of d_v rows per\n"
+        "head; when the concatenation is narrower than W^O, the heads are wrong\n"
+        "(sliced with the wrong width, or combined without Concat), and cutting\n"
+        "W^O only hides it. Fix the heads, then use all of W^O:\n"
+        "    return np.concatenate(heads, axis=-1) @ w_o"),
     "mask_inverted": (
         "the mask (or the causal triangle) is inverted",
         "Your prototype blocks the keys that may be seen and keeps the others.\n"

@@ -94,11 +94,20 @@ _FORMULA = {
 
 # Aliases accepted by Trace.compare for the keys of a user's dict.
 _ALIASES = {
-    "out": "output", "y": "output", "result": "output",
-    "raw": "raw_scores", "qk": "raw_scores", "logits": "scores",
-    "scaled_scores": "scores", "attn": "weights", "attention": "weights",
-    "attn_weights": "weights", "attention_weights": "weights", "probs": "weights",
-    "head": "heads", "head_outputs": "heads", "z": "concat", "concatenated": "concat",
+    "out": "output", "y": "output", "result": "output", "attn_output": "output",
+    "attn_out": "output", "attention_output": "output",
+    "query": "q", "queries": "q", "key": "k", "keys": "k", "value": "v", "values": "v",
+    "raw": "raw_scores", "qk": "raw_scores", "qkt": "raw_scores", "dots": "raw_scores",
+    "raw_attention_scores": "raw_scores", "unscaled_scores": "raw_scores",
+    "logits": "scores", "scaled_scores": "scores", "scores_scaled": "scores",
+    "scaled": "scores", "attention_scores": "scores", "attn_scores": "scores",
+    "attn": "weights", "attention": "weights", "attn_weights": "weights",
+    "attention_weights": "weights", "probs": "weights", "attention_probs": "weights",
+    "attn_probs": "weights", "softmax": "weights", "probabilities": "weights",
+    "head": "heads", "head_outputs": "heads", "head_outs": "heads",
+    "z": "concat", "concatenated": "concat", "concat_heads": "concat",
+    "heads_concat": "concat", "merged": "concat", "context": "concat",
+    "context_layer": "concat",
 }
 
 PerHead = Union[np.ndarray, List[np.ndarray]]
@@ -390,24 +399,43 @@ class Trace:
         Stage by stage (q, k, v, raw_scores, scores, weights, heads, concat,
         output), the maximum absolute and relative error of ``other`` against
         this trace, and the first stage where they diverge.  ``other`` is a
-        Trace or a dict of arrays (keys as in :meth:`to_dict`; 'out' is read
-        as 'output'); stages missing from a dict are skipped.  A per-head
-        stage of a dict may also be given fused, (T, h*d) — the layout of
-        ``X @ w_q`` — or as a list of per-head arrays.
+        Trace or a dict of arrays (keys as in :meth:`to_dict`, case-insensitive,
+        or these common aliases:
+
+        - output: out, y, result, attn_output, attn_out, attention_output
+        - q, k, v: query, queries, key, keys, value, values
+        - raw_scores: raw, qk, qkt, dots, raw_attention_scores, unscaled_scores
+        - scores: logits, scaled_scores, scores_scaled, scaled,
+          attention_scores, attn_scores
+        - weights: attn, attention, attn_weights, attention_weights, probs,
+          attention_probs, attn_probs, softmax, probabilities
+        - heads: head, head_outputs, head_outs
+        - concat: z, concatenated, concat_heads, heads_concat, merged,
+          context, context_layer
+
+        ); stages missing from a dict are skipped.  Every key it did not use
+        (unknown, a second name for a stage already given, or a stage that is
+        not compared such as 'row_max') is listed in the report's ``unused``
+        and in its summary.  A per-head stage of a dict may also be given
+        fused, (T, h*d) — the layout of ``X @ w_q`` — or as a list of
+        per-head arrays.
 
         A stage diverges when some element fails |a - b| <= atol + rtol*|b|
         (b = this trace; -inf matches -inf).  The defaults follow the lower
         precision of the two: rtol 1e-7, atol 1e-9 for float64; rtol 1e-4,
         atol 1e-5 for float32.
         """
+        unused: List[str] = []
         if isinstance(other, Trace):
             theirs = other.to_dict()
         elif isinstance(other, Mapping):
             theirs = {}
             for name, val in other.items():
                 key = canonical_key(name)
-                if key is not None and key not in theirs:
+                if key in STAGES and key not in theirs:
                     theirs[key] = val
+                else:
+                    unused.append(str(name))
         else:
             raise TypeError(f"compare: expected a Trace or a dict of arrays, got "
                             f"{type(other).__name__}")
@@ -431,7 +459,7 @@ class Trace:
                                       None, "not given"))
                 continue
             rows.append(self._diff(stage, mine, theirs[stage], rtol, atol))
-        return CompareReport(rows, rtol=rtol, atol=atol)
+        return CompareReport(rows, rtol=rtol, atol=atol, unused=unused)
 
     def _coerce(self, stage: str, mine: PerHead, theirs: Any) -> Optional[PerHead]:
         """Bring another layout of a stage to this trace's; None if impossible."""
@@ -659,10 +687,13 @@ class CompareReport:
     ``_repr_html_`` an HTML one.
     """
 
-    def __init__(self, stages: List[StageDiff], *, rtol: float, atol: float):
+    def __init__(self, stages: List[StageDiff], *, rtol: float, atol: float,
+                 unused: Sequence[str] = ()):
         self.stages = stages
         self.rtol = rtol
         self.atol = atol
+        #: the keys of the other side that compare did not use
+        self.unused = list(unused)
         self.first_divergence = next((s.stage for s in stages if s.ok is False), None)
 
     @property
@@ -676,6 +707,13 @@ class CompareReport:
         raise KeyError(stage)
 
     def summary(self) -> str:
+        text = self._summary()
+        if self.unused:
+            text += (" Not used (unknown or repeated keys): "
+                     + ", ".join(repr(k) for k in self.unused) + ".")
+        return text
+
+    def _summary(self) -> str:
         compared = [s for s in self.stages if s.ok is not None]
         if not compared:
             return "No stage in common to compare."

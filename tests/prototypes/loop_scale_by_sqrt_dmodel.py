@@ -1,0 +1,18 @@
+"""Divides by sqrt(d_model)."""
+import numpy as np
+
+EXPECTED = ('scale_by_sqrt_dmodel',)
+
+def prototype(x, w_q, w_k, w_v, w_o, num_heads):
+    d_k = w_q.shape[1] // num_heads
+    d_v = w_v.shape[1] // num_heads
+    heads = []
+    for i in range(num_heads):
+        q = x @ w_q[:, i*d_k:(i+1)*d_k]
+        k = x @ w_k[:, i*d_k:(i+1)*d_k]
+        v = x @ w_v[:, i*d_v:(i+1)*d_v]
+        s = q @ k.T / np.sqrt(x.shape[1])
+        e = np.exp(s - s.max(axis=-1, keepdims=True))
+        w = e / e.sum(axis=-1, keepdims=True)
+        heads.append(w @ v)
+    return np.concatenate(heads, axis=-1) @ w_o

@@ -1,0 +1,21 @@
+"""Dict of lists: scale after the softmax, and weights.T @ V."""
+import numpy as np
+
+EXPECTED = ('scale_after_softmax', 'weights_transposed')
+
+def prototype(x, w_q, w_k, w_v, w_o, num_heads):
+    d_k = w_q.shape[1] // num_heads
+    d_v = w_v.shape[1] // num_heads
+    out = {"scores": [], "weights": [], "heads": []}
+    for i in range(num_heads):
+        q = x @ w_q[:, i*d_k:(i+1)*d_k]
+        k = x @ w_k[:, i*d_k:(i+1)*d_k]
+        v = x @ w_v[:, i*d_v:(i+1)*d_v]
+        s = q @ k.T
+        e = np.exp(s - s.max(axis=-1, keepdims=True))
+        w = e / e.sum(axis=-1, keepdims=True) / np.sqrt(d_k)
+        out["scores"].append(s)
+        out["weights"].append(w)
+        out["heads"].append(w.T @ v)
+    out["output"] = np.concatenate(out["heads"], axis=-1) @ w_o
+    return out

@@ -1,0 +1,18 @@
+"""Two slips."""
+import numpy as np
+
+EXPECTED = ('v_with_wk', 'softmax_wrong_axis')
+
+def prototype(x, w_q, w_k, w_v, w_o, num_heads):
+    d_k = w_q.shape[1] // num_heads
+    d_v = w_v.shape[1] // num_heads
+    heads = []
+    for i in range(num_heads):
+        q = x @ w_q[:, i*d_k:(i+1)*d_k]
+        k = x @ w_k[:, i*d_k:(i+1)*d_k]
+        v = x @ w_k[:, i*d_k:(i+1)*d_k]
+        s = q @ k.T / np.sqrt(d_k)
+        e = np.exp(s - s.max(axis=0))
+        w = e / e.sum(axis=0)
+        heads.append(w @ v)
+    return np.concatenate(heads, axis=-1) @ w_o

@@ -1,0 +1,17 @@
+"""reshape(h, T, d) both ways: heads split the tokens."""
+import numpy as np
+
+EXPECTED = ('heads_split_sequence',)
+
+def prototype(x, w_q, w_k, w_v, w_o, num_heads):
+    T, h = x.shape[0], num_heads
+    Q, K, V = x @ w_q, x @ w_k, x @ w_v
+    q = Q.reshape(h, T, -1)
+    k = K.reshape(h, T, -1)
+    v = V.reshape(h, T, -1)
+    s = q @ k.transpose(0, 2, 1) / np.sqrt(q.shape[-1])
+    a = np.exp(s - s.max(axis=-1, keepdims=True))
+    a = a / a.sum(axis=-1, keepdims=True)
+    o = a @ v
+    z = o.reshape(T, -1)
+    return z @ w_o

@@ -1,0 +1,116 @@
+"""Run mhattn.check_prototype on the prototype corpus, tests/prototypes/.
+
+    PYTHONPATH=python python tools/checker_corpus.py [--before REV] [-v]
+
+Each file there defines ``prototype(x, w_q, w_k, w_v, w_o, num_heads, ...)``
+and declares its planted mistakes, ``EXPECTED = ("no_scaling",)`` (() for a
+correct one; ``DTYPE = "float32"`` to check it in float32).  The table says,
+per prototype, what the checker names AFTER (this tree's checker) and BEFORE
+(the checker.py of git revision REV, default ``main``, loaded from ``git
+show`` as a module of this mhattn), and counts:
+
+* prototypes fully named: correct ones reported ok, every planted mistake
+  named and nothing else;
+* planted mistakes named, of all planted.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+CORPUS = ROOT / "tests" / "prototypes"
+
+
+def load_corpus():
+    out = []
+    for path in sorted(CORPUS.glob("*.py")):
+        if path.name.startswith("_"):
+            continue
+        spec = importlib.util.spec_from_file_location(f"_proto_{path.stem}", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        out.append((path.stem, tuple(mod.EXPECTED), np.dtype(getattr(mod, "DTYPE", "float64")),
+                    mod.prototype))
+    return out
+
+
+def old_checker(rev: str):
+    """checker.py at ``rev``, as the module mhattn._checker_before."""
+    src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:python/mhattn/checker.py"],
+                         check=True, capture_output=True, text=True).stdout
+    import mhattn
+    spec = importlib.util.spec_from_loader("mhattn._checker_before", loader=None)
+    mod = importlib.util.module_from_spec(spec)
+    mod.__package__ = "mhattn"
+    mod.__file__ = str(Path(mhattn.__file__).parent / "_checker_before.py")
+    sys.modules[spec.name] = mod
+    exec(compile(src, mod.__file__, "exec"), mod.__dict__)
+    return mod
+
+
+def named(rep) -> tuple:
+    return tuple(getattr(rep, "mistakes", None) or ((rep.mistake,) if rep.mistake else ()))
+
+
+def score(expected, rep):
+    """(fully named?, planted mistakes named)"""
+    got = named(rep)
+    if not expected:
+        return bool(rep.ok), 0
+    hits = sum(m in got for m in expected)
+    return set(got) == set(expected), hits
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--before", default="main", help="git revision of the old checker")
+    ap.add_argument("-v", action="store_true", help="print every row")
+    args = ap.parse_args(argv)
+    import mhattn
+    corpus = load_corpus()
+    before = old_checker(args.before)
+    rows, tot = [], dict(b_full=0, a_full=0, b_hits=0, a_hits=0, planted=0)
+    times = []
+    for name, expected, dtype, fn in corpus:
+        rb = before.check_prototype(fn, dtype=dtype)
+        t0 = time.perf_counter()
+        ra = mhattn.check_prototype(fn, dtype=dtype)
+        times.append(time.perf_counter() - t0)
+        fb, hb = score(expected, rb)
+        fa, ha = score(expected, ra)
+        tot["b_full"] += fb
+        tot["a_full"] += fa
+        tot["b_hits"] += hb
+        tot["a_hits"] += ha
+        tot["planted"] += len(expected)
+        rows.append((name, "+".join(expected) or "(correct)",
+                     "ok" if rb.ok else "+".join(named(rb)) or "-", fb,
+                     "ok" if ra.ok else "+".join(named(ra)) or "-", fa))
+    w = max(len(r[0]) for r in rows)
+    print(f"{'prototype':<{w}}  {'planted':<48} {'BEFORE':<30}   {'AFTER':<48}")
+    for name, exp, b, fb, a, fa in rows:
+        print(f"{name:<{w}}  {exp:<48} {b:<30} {'Y' if fb else '.'} "
+              f"{a:<48} {'Y' if fa else '.'}")
+    n = len(rows)
+    n_c = sum(1 for _, e, _, _ in corpus if not e)
+    print()
+    print(f"{n} prototypes ({n_c} correct, {n - n_c} with planted mistakes: "
+          f"{tot['planted']} mistakes)")
+    print(f"fully named (correct = ok; every planted mistake and nothing else): "
+          f"BEFORE {tot['b_full']}/{n}, AFTER {tot['a_full']}/{n}")
+    print(f"planted mistakes named: BEFORE {tot['b_hits']}/{tot['planted']}, "
+          f"AFTER {tot['a_hits']}/{tot['planted']}")
+    print(f"AFTER's time per report: median {np.median(times) * 1e3:.0f} ms, "
+          f"max {max(times) * 1e3:.0f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
