@@ -41,18 +41,28 @@ def load_corpus():
     return out
 
 
-def old_checker(rev: str):
-    """checker.py at ``rev``, as the module mhattn._checker_before."""
-    src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:python/mhattn/checker.py"],
+def _module_at(rev: str, path: str, name: str, replace=()):
+    """The file ``path`` at git revision ``rev``, as the module mhattn.<name>."""
+    src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{path}"],
                          check=True, capture_output=True, text=True).stdout
+    for old, new in replace:
+        src = src.replace(old, new)
     import mhattn
-    spec = importlib.util.spec_from_loader("mhattn._checker_before", loader=None)
+    spec = importlib.util.spec_from_loader(f"mhattn.{name}", loader=None)
     mod = importlib.util.module_from_spec(spec)
     mod.__package__ = "mhattn"
-    mod.__file__ = str(Path(mhattn.__file__).parent / "_checker_before.py")
+    mod.__file__ = str(Path(mhattn.__file__).parent / f"{name}.py")
     sys.modules[spec.name] = mod
     exec(compile(src, mod.__file__, "exec"), mod.__dict__)
     return mod
+
+
+def old_checker(rev: str):
+    """checker.py at ``rev`` with the trace.py of ``rev`` (its key aliases),
+    the rest of mhattn being this tree's."""
+    _module_at(rev, "python/mhattn/trace.py", "_trace_before")
+    return _module_at(rev, "python/mhattn/checker.py", "_checker_before",
+                      [("from .trace import", "from ._trace_before import")])
 
 
 def named(rep) -> tuple:

@@ -729,6 +729,38 @@ def _layer_model(keywords: Sequence[str]) -> List[_steps.Step]:
 _F32_TOL = 2e-4     # normwise relative: what float32 rounding reaches on these trials
 
 
+def _ok_report(kind, results, convention, stage, stage_note) -> "PrototypeReport":
+    n = len(results)
+    verdict = (f"Your prototype agrees with mhattn on all {n} trials"
+               + (", including the document's worked example, d_k != d_v, more "
+                  "than two heads and inputs large enough to overflow a naive "
+                  "softmax." if kind == "layer" and convention == "general" else "."))
+    if kind == "layer" and convention == "standard":
+        verdict += (" These were the standard convention's trials only "
+                    "(d_k = d_v = d_model / h).")
+    if stage_note:
+        verdict += ("\nThe output is right, but some intermediates you returned "
+                    "are not what mhattn calls them. " + stage_note)
+    return PrototypeReport(True, None, "matches mhattn", verdict, results,
+                           first_divergent_stage=stage)
+
+
+def _float32_report(kind, results, fails) -> "PrototypeReport":
+    """Every differing trial agrees to float32's precision."""
+    n = len(results)
+    worst = max(results[i].max_rel for i in fails)
+    text = (f"{len(fails)} of {n} trials differ from mhattn, but only by float32 "
+            f"rounding (max relative error {worst:.2g}, within float32's "
+            f"{_F32_TOL:g}): your prototype computes in float32 (or casts to it), "
+            "and these trials are float64. Check it in float32:\n"
+            + ("    mhattn.check_prototype(fn, dtype=np.float32)" if kind == "layer"
+               else "    mhattn.check_attention_prototype(fn, dtype=np.float32)"))
+    return PrototypeReport(False, None, "agrees with mhattn to float32 rounding only",
+                           text, results, float32_rounding=True,
+                           hints=["every trial that differs agrees to float32 "
+                                  "rounding: check with dtype=np.float32."])
+
+
 def _diagnose(kind: str, results: List["TrialResult"], user_out: List[Any],
               steps: List[_steps.Step], starts: List[Dict[str, Any]], tol: float,
               dtype: np.dtype, standard_ok: Optional[bool], convention: str,
@@ -743,35 +775,10 @@ def _diagnose(kind: str, results: List["TrialResult"], user_out: List[Any],
                           f"mhattn's is '{stage}' (trial {r.name}): {r.stages.summary()}")
             break
     if not fails:
-        verdict = (f"Your prototype agrees with mhattn on all {n} trials"
-                   + (", including the document's worked example, d_k != d_v, more "
-                      "than two heads and inputs large enough to overflow a naive "
-                      "softmax." if kind == "layer" and convention == "general" else "."))
-        if kind == "layer" and convention == "standard":
-            verdict += (" These were the standard convention's trials only "
-                        "(d_k = d_v = d_model / h).")
-        if stage_note:
-            verdict += ("\nThe output is right, but some intermediates you returned "
-                        "are not what mhattn calls them. " + stage_note)
-        return PrototypeReport(True, None, "matches mhattn", verdict, results,
-                               first_divergent_stage=stage)
-
-    # float32 rounding: every differing trial agrees to float32's precision
-    f32 = (dtype == np.float64 and all(results[i].status == "differs" and
-                                       results[i].max_rel <= _F32_TOL for i in fails))
-    if f32:
-        worst = max(results[i].max_rel for i in fails)
-        expl = [f"{len(fails)} of {n} trials differ from mhattn, but only by float32 "
-                f"rounding (max relative error {worst:.2g}, within float32's "
-                f"{_F32_TOL:g}): your prototype computes in float32 (or casts to it), "
-                "and these trials are float64. Check it in float32:",
-                "    mhattn.check_prototype(fn, dtype=np.float32)" if kind == "layer"
-                else "    mhattn.check_attention_prototype(fn, dtype=np.float32)"]
-        text = "\n".join(expl)
-        return PrototypeReport(False, None, "agrees with mhattn to float32 rounding only",
-                               text, results, float32_rounding=True,
-                               hints=["every trial that differs agrees to float32 "
-                                      "rounding: check with dtype=np.float32."])
+        return _ok_report(kind, results, convention, stage, stage_note)
+    if dtype == np.float64 and all(results[i].status == "differs" and
+                                   results[i].max_rel <= _F32_TOL for i in fails):
+        return _float32_report(kind, results, fails)
 
     cands = _search(steps, starts, user_out, tol, stage)
     passing = [i for i in range(n) if i not in fails]
