@@ -230,8 +230,9 @@ BUGGY = [
 
 def test_every_mistake_has_a_buggy_prototype():
     assert {m for m, _ in BUGGY} <= set(MISTAKES)
-    attention_only = {"mask_inverted", "mask_after_softmax", "causal_top_left"}
-    assert {m for m, _, _ in VARIANTS} == set(MISTAKES) - attention_only
+    keyword_only = {"mask_inverted", "mask_after_softmax", "causal_top_left", "rope_on_v",
+                    "rope_pairing_wrong", "softcap_after_mask", "sink_in_numerator"}
+    assert {m for m, _, _ in VARIANTS} == set(MISTAKES) - keyword_only
 
 
 @pytest.mark.parametrize("fn", [proto_correct, proto_correct_vectorised])
@@ -612,6 +613,7 @@ def test_check_attention_prototype_causal():
 
     rep = mhattn.check_attention_prototype(top_left)
     assert rep.mistakes == ("causal_top_left",), str(rep)
+    assert any(t.name == "causal" for t in rep.trials)
     with pytest.raises(TypeError):
         mhattn.check_attention_prototype(3)
 
@@ -638,3 +640,35 @@ def test_compare_accepts_aliases_and_lists_unused_keys():
     for alias in ("attn_output", "context", "attention_scores", "attention_probs",
                   "softmax", "scores_scaled"):
         assert alias in mhattn.Trace.compare.__doc__
+
+
+def _capped(q, k, v, mask=None, softcap=None, sinks=None, *, late=False, num=False):
+    s = q @ k.transpose(0, 2, 1) / np.sqrt(q.shape[-1])
+    if softcap is not None and not late:
+        s = softcap * np.tanh(s / softcap)
+    if mask is not None:
+        s = np.where(mask, s, -np.inf)
+    if softcap is not None and late:
+        s = softcap * np.tanh(s / softcap)
+    if sinks is None:
+        e = np.exp(s - s.max(-1, keepdims=True))
+        return e / e.sum(-1, keepdims=True) @ v
+    sk = np.asarray(sinks)[:, None, None]
+    m = np.maximum(s.max(-1, keepdims=True), sk)
+    e, es = np.exp(s - m), np.exp(sk - m)
+    return ((e + es) if num else e) / (e.sum(-1, keepdims=True) + es) @ v
+
+
+def test_check_attention_prototype_softcap_and_sinks():
+    assert mhattn.check_attention_prototype(_capped).ok
+    rep = mhattn.check_attention_prototype(
+        lambda q, k, v, mask=None, softcap=None, sinks=None:
+        _capped(q, k, v, mask, softcap, sinks, late=True))
+    assert rep.mistakes == ("softcap_after_mask",), str(rep)
+    rep = mhattn.check_attention_prototype(
+        lambda q, k, v, mask=None, softcap=None, sinks=None:
+        _capped(q, k, v, mask, softcap, sinks, num=True))
+    assert rep.mistakes == ("sink_in_numerator",), str(rep)
+    # a prototype without the keywords is never passed them
+    names = [t.name for t in mhattn.check_attention_prototype(_attend).trials]
+    assert "softcap" not in names and "sinks" not in names and "mask" in names

@@ -111,6 +111,68 @@ def split_v_with_dk(st: State) -> State:
                 v=_slices(st["V"], h, dk), dk_scale=dk)
 
 
+# ------------------------------------------------------------------ RoPE (after the split)
+def _turn(a: np.ndarray, inv_freq: np.ndarray, interleaved: bool, offset: int = 0):
+    d = a.shape[-1]
+    half = d // 2
+    c = np.arange(half)
+    ia, ib = (2 * c, 2 * c + 1) if interleaved else (c, c + half)
+    angle = (np.arange(a.shape[0]) + offset)[:, None] * inv_freq[None, :half]
+    cos, sin = np.cos(angle), np.sin(angle)
+    x = a.astype(np.float64)
+    y = x.copy()
+    y[:, ia] = x[:, ia] * cos - x[:, ib] * sin
+    y[:, ib] = x[:, ia] * sin + x[:, ib] * cos
+    return y.astype(a.dtype)
+
+
+def _rope(st: State, interleaved=None, on_v: bool = False) -> State:
+    r = st.get("rope")
+    if r is None:
+        return st
+    il = r.interleaved if interleaved is None else interleaved
+    f = r.frequencies(st["q"][0].shape[-1])
+    out = dict(q=[_turn(a, f, il) for a in st["q"]], k=[_turn(a, f, il) for a in st["k"]])
+    if on_v:
+        out["v"] = [_turn(a, r.frequencies(a.shape[-1]), il) for a in st["v"]]
+    return _new(st, **out)
+
+
+def rope(st: State) -> State:
+    return _rope(st)
+
+
+def rope_on_v(st: State) -> State:
+    return _rope(st, on_v=True)
+
+
+def rope_pairing_swapped(st: State) -> State:
+    r = st.get("rope")
+    return _rope(st, interleaved=None if r is None else not r.interleaved)
+
+
+# ------------------------------------------------------------------ softcap
+def softcap(st: State) -> State:
+    c = st.get("softcap")
+    if c is None:
+        return st
+    c = _f(st, c)
+    return _new(st, s=[c * np.tanh(s / c) for s in st["s"]])
+
+
+def softcap_after_mask(st: State) -> State:
+    return st if st.get("softcap") is None else _new(st, cap_late=st["softcap"])
+
+
+def _final_scores(st: State) -> List[np.ndarray]:
+    """The scores the softmax reads (a softcap put after the mask applied)."""
+    c = st.get("cap_late")
+    if c is None:
+        return st["s"]
+    c = _f(st, c)
+    return [c * np.tanh(s / c) for s in st["s"]]
+
+
 # ------------------------------------------------------------------ scores, scale
 def scores(st: State) -> State:
     return _new(st, s=[q @ k.T for q, k in zip(st["q"], st["k"])])
@@ -208,28 +270,51 @@ def _finish(st: State, w: List[np.ndarray]) -> State:
     return _new(st, w=w)
 
 
+def _sink_softmax(s: np.ndarray, sink: float, in_numerator: bool = False) -> np.ndarray:
+    """Softmax with one extra logit ``sink`` per row in the denominator (and,
+    the mistake, added to every numerator too)."""
+    sk = s.dtype.type(sink)
+    m = np.maximum(np.max(s, axis=-1, keepdims=True), sk)
+    e = np.exp(s - m)
+    es = np.exp(sk - m)
+    tot = e.sum(axis=-1, keepdims=True) + es
+    return (((e + es) if in_numerator else e) / tot).astype(s.dtype)
+
+
 def softmax(st: State) -> State:
-    return _finish(st, [_softmax(s) for s in st["s"]])
+    sinks = st.get("sinks")
+    if sinks is not None:
+        return _finish(st, [_sink_softmax(s, sinks[i])
+                            for i, s in enumerate(_final_scores(st))])
+    return _finish(st, [_softmax(s) for s in _final_scores(st)])
+
+
+def softmax_sink_in_numerator(st: State) -> State:
+    sinks = st.get("sinks")
+    if sinks is None:
+        return softmax(st)
+    return _finish(st, [_sink_softmax(s, sinks[i], True)
+                        for i, s in enumerate(_final_scores(st))])
 
 
 def softmax_axis0(st: State) -> State:
-    return _finish(st, [_softmax(s, axis=0) for s in st["s"]])
+    return _finish(st, [_softmax(s, axis=0) for s in _final_scores(st)])
 
 
 def softmax_naive(st: State) -> State:
     out = []
-    for s in st["s"]:
+    for s in _final_scores(st):
         e = np.exp(s)
         out.append(e / e.sum(axis=-1, keepdims=True))
     return _finish(st, out)
 
 
 def softmax_heads_axis(st: State) -> State:
-    return _finish(st, list(_softmax(np.stack(st["s"]), axis=0)))
+    return _finish(st, list(_softmax(np.stack(_final_scores(st)), axis=0)))
 
 
 def softmax_whole_matrix(st: State) -> State:
-    return _finish(st, [_softmax(s, axis=None) for s in st["s"]])
+    return _finish(st, [_softmax(s, axis=None) for s in _final_scores(st)])
 
 
 # ------------------------------------------------------------------ weights @ V
@@ -373,8 +458,9 @@ def layer_steps() -> List[Step]:
     ]
 
 
-def attention_steps(with_mask: bool, with_causal: bool) -> List[Step]:
-    """The steps of softmax(q k^T / sqrt(d_k) [masked]) v, per head."""
+def attention_steps(with_mask: bool, with_causal: bool, with_softcap: bool = False,
+                    with_sinks: bool = False) -> List[Step]:
+    """The steps of softmax(q k^T / sqrt(d_k) [capped, masked]) v, per head."""
     layer = {s.name: s for s in layer_steps()}
     mask_wrong = []
     if with_mask or with_causal:
@@ -385,12 +471,19 @@ def attention_steps(with_mask: bool, with_causal: bool) -> List[Step]:
     if with_causal:
         mask_wrong.append(("causal_top_left", "causal aligned top-left (j <= i)",
                            causal_top_left))
-    sc = layer["scale"]
+    sc, sm = layer["scale"], layer["softmax"]
+    cap_wrong = ([("softcap_after_mask", "the softcap applied after the mask",
+                   softcap_after_mask)] if with_softcap and (with_mask or with_causal)
+                 else [])
+    sink_wrong = ([("sink_in_numerator", "the sink added to the numerator too",
+                    softmax_sink_in_numerator)] if with_sinks else [])
     return [layer["scores"],
             Step("scale", "scores", sc.fn,
                  [w for w in sc.wrong if w[0] not in ("scale_by_sqrt_dmodel",)]),
+            Step("softcap", "scores", softcap, cap_wrong),
             Step("mask", "scores", mask, mask_wrong),
-            layer["softmax"], layer["weights @ V"],
+            Step("softmax", "weights", sm.fn, sm.wrong + sink_wrong),
+            layer["weights @ V"],
             Step("output", "output", stack_heads, [])]
 
 

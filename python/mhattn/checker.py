@@ -272,6 +272,35 @@ MISTAKES: Dict[str, Tuple[str, str]] = {
         "(sliced with the wrong width, or combined without Concat), and cutting\n"
         "W^O only hides it. Fix the heads, then use all of W^O:\n"
         "    return np.concatenate(heads, axis=-1) @ w_o"),
+    "rope_on_v": (
+        "RoPE is applied to V too",
+        "Your prototype rotates the values as well. RoPE encodes positions in the\n"
+        "dot product q . k only: rotate q and k (after the q/k norm, before the\n"
+        "scores) and leave V as X W^V. Fix:\n"
+        "    q, k = rope(q, positions), rope(k, positions)    # not v"),
+    "rope_pairing_wrong": (
+        "RoPE pairs the wrong features (interleaved vs rotate-half)",
+        "Your RoPE turns other pairs of features than the model's. Rotate-half\n"
+        "(GPT-NeoX, Llama; mhattn.RoPE's default) pairs feature c with\n"
+        "c + d/2; interleaved (GPT-J, RoFormer; RoPE(interleaved=True)) pairs\n"
+        "(2c, 2c+1). With half = d // 2 and c = np.arange(half):\n"
+        "    ia, ib = c, c + half          # rotate-half\n"
+        "    ia, ib = 2 * c, 2 * c + 1     # interleaved"),
+    "softcap_after_mask": (
+        "the softcap is applied after the mask",
+        "Your prototype soft-caps the scores after masking them, so a blocked key's\n"
+        "-inf becomes -c and gets a weight. The cap shapes the real scores:\n"
+        "cap first, then mask:\n"
+        "    s = c * np.tanh(s / c)\n"
+        "    s = np.where(mask, s, -np.inf)"),
+    "sink_in_numerator": (
+        "the sink is added to the numerator too",
+        "Your softmax adds the sink's exp(sink) to every weight as well as to the\n"
+        "denominator. A sink is one extra logit per row counted in the denominator\n"
+        "only, so a row's weights sum to 1 - p_sink:\n"
+        "    m = np.maximum(s.max(-1, keepdims=True), sink)\n"
+        "    e = np.exp(s - m)\n"
+        "    w = e / (e.sum(-1, keepdims=True) + np.exp(sink - m))"),
     "mask_inverted": (
         "the mask (or the causal triangle) is inverted",
         "Your prototype blocks the keys that may be seen and keeps the others.\n"
@@ -430,6 +459,12 @@ def _trials(n_random: int, dtype, seed: int, convention: str = "general",
         t = _random_trial(rng, "causal", "causal=True", 5, 6, 2, 3, 3 if std else 4,
                           6, dtype)
         t.kwargs = {"causal": True}
+        trials.append(t)
+    if "rope" in keywords:
+        from ._variants import RoPE
+        t = _random_trial(rng, "rope", "rope=mhattn.RoPE(theta=10.0) (rotate-half)",
+                          6, 8, 2, 4, 4 if std else 2, 6, dtype)
+        t.kwargs = {"rope": RoPE(theta=10.0)}
         trials.append(t)
     return trials
 
@@ -712,12 +747,18 @@ def _compare_result(r: "TrialResult", got: Any, want: np.ndarray, tol: float) ->
 def _layer_start(t: _Trial) -> Dict[str, Any]:
     return dict(x=t.x, w_q=t.w_q, w_k=t.w_k, w_v=t.w_v, w_o=t.w_o, h=t.num_heads,
                 d_model=t.x.shape[1], dtype=t.x.dtype, mask=t.kwargs.get("mask"),
-                causal=bool(t.kwargs.get("causal")))
+                causal=bool(t.kwargs.get("causal")), rope=t.kwargs.get("rope"))
 
 
 def _layer_model(keywords: Sequence[str]) -> List[_steps.Step]:
     steps = _steps.layer_steps()
-    if keywords:
+    if "rope" in keywords:
+        at = [s.name for s in steps].index("split heads") + 1
+        steps.insert(at, _steps.Step("RoPE", "q", _steps.rope, [
+            ("rope_on_v", "RoPE applied to V too", _steps.rope_on_v),
+            ("rope_pairing_wrong", "interleaved pairs instead of rotate-half (or back)",
+             _steps.rope_pairing_swapped)]))
+    if "mask" in keywords or "causal" in keywords:
         at = [s.name for s in steps].index("scale") + 1
         steps.insert(at, _steps.Step("mask", "scores", _steps.mask, [
             ("mask_inverted", "the mask inverted", _steps.mask_inverted),
@@ -977,10 +1018,11 @@ def check_prototype(fn: Callable, *, trials: int = 4, dtype=np.float64,
     Parameters
     ----------
     fn : callable
-        The prototype.  When its signature takes a ``mask`` or ``causal``
-        keyword (a parameter of that name, or ``**kwargs``), a trial with a
-        boolean mask (True = may attend) or ``causal=True`` is added, and the
-        mask mistakes are searched for too; otherwise it is never passed one.
+        The prototype.  When its signature takes a ``mask``, ``causal`` or
+        ``rope`` keyword (a parameter of that name, or ``**kwargs``), a trial
+        with a boolean mask (True = may attend), ``causal=True`` or
+        ``rope=mhattn.RoPE(theta=10.0)`` is added, and the mask or RoPE
+        mistakes are searched for too; otherwise it is never passed one.
     trials : int, default 4
         How many random configurations to add to the designed ones.
     dtype : np.float64 (default) or np.float32
@@ -1001,7 +1043,7 @@ def check_prototype(fn: Callable, *, trials: int = 4, dtype=np.float64,
 
     When the outputs differ from :func:`mhattn.multi_head_attention`, the
     reference is re-enacted as its steps (project, split heads, scores,
-    scale, [mask], softmax, weights @ V, merge heads, W^O) with every single
+    [RoPE], scale, [mask], softmax, weights @ V, merge heads, W^O) with every single
     known mistake (see :data:`MISTAKES`) and every pair of them at two
     different steps substituted, and the substitution matching the
     prototype on every trial is named (a single before a pair); failing
@@ -1033,7 +1075,7 @@ def check_prototype(fn: Callable, *, trials: int = 4, dtype=np.float64,
         raise ValueError(f"convention: expected 'general' or 'standard', got {convention!r}")
     dtype = _check_common(dtype, trials)
     tol = 2e-4 if dtype == np.float32 else 1e-7
-    keywords = [k for k in ("mask", "causal") if _accepts(fn, k)]
+    keywords = [k for k in ("mask", "causal", "rope") if _accepts(fn, k)]
     cases = _trials(int(trials), dtype, seed, convention, keywords)
     results, user_out = _run_layer_trials(fn, cases, dtype, tol)
     standard_ok = None
@@ -1099,6 +1141,20 @@ def _attention_trials(n_random: int, dtype, seed: int, keywords) -> List[_AttnTr
         t = make("causal", "causal=True with more keys than queries", 2, 3, 6, 3, 3)
         t.kwargs = {"causal": True}
         out.append(t)
+    if "softcap" in keywords:
+        t = make("softcap", "softcap=2.0" + (" with a mask" if "mask" in keywords else ""),
+                 2, 4, 5, 3, 3, gain=2.0)
+        t.kwargs = {"softcap": 2.0}
+        if "mask" in keywords:
+            m = rng.random((4, 5)) < 0.5
+            m[:, 0] = True
+            t.kwargs["mask"] = m
+        out.append(t)
+    if "sinks" in keywords:
+        t = make("sinks", "sinks=[0.5, -1.0] (one logit per head, denominator only)",
+                 2, 3, 4, 3, 2)
+        t.kwargs = {"sinks": np.array([0.5, -1.0])}
+        out.append(t)
     return out
 
 
@@ -1112,17 +1168,20 @@ def check_attention_prototype(fn: Callable, *, trials: int = 4, dtype=np.float64
     ``fn(q, k, v, mask=None)`` gets one sequence's projected heads, q
     (h, T_q, d_k), k (h, T_k, d_k), v (h, T_k, d_v), and returns
     softmax(q k^T / sqrt(d_k)) v per head, (h, T_q, d_v).  When its signature
-    takes ``mask`` (or ``causal``) a trial passes a boolean mask (T_q, T_k),
-    True = may attend (or ``causal=True``, bottom-right aligned: query i
-    sees keys j <= i + T_k - T_q).  The answer is :func:`mhattn.attention`'s;
-    a fully masked row's answer is 0.
+    takes ``mask`` (or ``causal``, ``softcap``, ``sinks``) a trial passes a
+    boolean mask (T_q, T_k), True = may attend (or ``causal=True``,
+    bottom-right aligned: query i sees keys j <= i + T_k - T_q;
+    ``softcap=2.0``, with a mask when ``mask`` is taken too; ``sinks`` of
+    shape (h,)).  The answer is :func:`mhattn.attention`'s; a fully masked
+    row's answer is 0.
 
     The diagnosis is :func:`check_prototype`'s, with the attention steps
     only (scores, scale, mask, softmax, weights @ V): every single mistake
     and every pair, among 'no_scaling', 'scale_by_dk', 'scale_by_sqrt_dv',
-    'scale_after_softmax', 'mask_inverted', 'mask_after_softmax',
-    'causal_top_left', 'softmax_wrong_axis', 'no_max_subtraction',
-    'softmax_over_heads', 'softmax_whole_matrix', 'weights_transposed'.
+    'scale_after_softmax', 'softcap_after_mask', 'mask_inverted',
+    'mask_after_softmax', 'causal_top_left', 'softmax_wrong_axis',
+    'no_max_subtraction', 'softmax_over_heads', 'softmax_whole_matrix',
+    'sink_in_numerator', 'weights_transposed'.
 
     Parameters
     ----------
@@ -1152,7 +1211,7 @@ def check_attention_prototype(fn: Callable, *, trials: int = 4, dtype=np.float64
                         f"got {type(fn).__name__}")
     dtype = _check_common(dtype, trials)
     tol = 2e-4 if dtype == np.float32 else 1e-7
-    keywords = [k for k in ("mask", "causal") if _accepts(fn, k)]
+    keywords = [k for k in ("mask", "causal", "softcap", "sinks") if _accepts(fn, k)]
     cases = _attention_trials(int(trials), dtype, seed, keywords)
     results: List[TrialResult] = []
     user_out: List[Any] = []
@@ -1165,8 +1224,10 @@ def check_attention_prototype(fn: Callable, *, trials: int = 4, dtype=np.float64
         _compare_result(r, got, want, tol)
         results.append(r)
         starts.append(dict(q=list(t.q), k=list(t.k), v=list(t.v), dtype=t.q.dtype,
-                           mask=t.kwargs.get("mask"), causal=bool(t.kwargs.get("causal"))))
-    steps = _steps.attention_steps("mask" in keywords, "causal" in keywords)
+                           mask=t.kwargs.get("mask"), causal=bool(t.kwargs.get("causal")),
+                           softcap=t.kwargs.get("softcap"), sinks=t.kwargs.get("sinks")))
+    steps = _steps.attention_steps("mask" in keywords, "causal" in keywords,
+                                   "softcap" in keywords, "sinks" in keywords)
     return _diagnose("attention", results, user_out, steps, starts, tol, dtype, None,
                      "general", [t.features() for t in cases])
 
