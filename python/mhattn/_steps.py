@@ -207,6 +207,10 @@ def scale_sqrt_dv(st: State) -> State:
     return _scaled(st, 1.0 / np.sqrt(st["v"][0].shape[-1]))
 
 
+def scale_dk_from_dmodel(st: State) -> State:
+    return _scaled(st, 1.0 / np.sqrt(st["d_model"] // st["h"]))
+
+
 def scale_after_softmax(st: State) -> State:
     return _new(st, post_scale=1.0 / np.sqrt(_dk(st)))
 
@@ -429,6 +433,7 @@ def layer_steps() -> List[Step]:
             ("scale_by_dk", "softmax(Q K^T / d_k) V", scale_dk),
             ("scale_by_sqrt_dmodel", "softmax(Q K^T / sqrt(d_model)) V", scale_sqrt_dmodel),
             ("scale_by_sqrt_dv", "softmax(Q K^T / sqrt(d_v)) V", scale_sqrt_dv),
+            ("dk_from_dmodel", "softmax(Q K^T / sqrt(d_model // h)) V", scale_dk_from_dmodel),
             ("scale_after_softmax", "softmax(Q K^T) / sqrt(d_k) V", scale_after_softmax)]),
         Step("softmax", "weights", softmax, [
             ("softmax_wrong_axis", "softmax over axis 0 (the queries)", softmax_axis0),
