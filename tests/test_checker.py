@@ -672,3 +672,50 @@ def test_check_attention_prototype_softcap_and_sinks():
     # a prototype without the keywords is never passed them
     names = [t.name for t in mhattn.check_attention_prototype(_attend).trials]
     assert "softcap" not in names and "sinks" not in names and "mask" in names
+
+
+def test_misnamed_intermediate_does_not_hide_a_later_mistake():
+    def raw_as_scores_and_wo_t(x, w_q, w_k, w_v, w_o, num_heads):
+        raw = [q @ k.T for q, k, _ in (_per_head(x, w_q, w_k, w_v, num_heads, i)
+                                       for i in range(num_heads))]
+        return {"scores": np.stack(raw),          # raw scores under the name 'scores'
+                "output": proto_correct(x, w_q, w_k, w_v, w_o.T, num_heads)}
+
+    rep = mhattn.check_prototype(raw_as_scores_and_wo_t)
+    assert rep.mistakes == ("wo_transposed",), str(rep)
+    assert rep.first_divergent_stage == "scores"
+    assert "another quantity under mhattn's name" in rep.explanation
+
+
+def test_first_divergent_stage_prunes_candidates():
+    def scale_dk_with_scores(x, w_q, w_k, w_v, w_o, num_heads):
+        d_k = w_q.shape[1] // num_heads
+        heads, scores = [], []
+        for i in range(num_heads):
+            q, k, v = _per_head(x, w_q, w_k, w_v, num_heads, i)
+            s = q @ k.T / d_k
+            scores.append(s)
+            heads.append(_softmax_rows(s) @ v)
+        return {"scores": np.stack(scores),
+                "output": np.concatenate(heads, axis=-1) @ w_o}
+
+    from mhattn import checker
+    seen = []
+    real = checker._search
+
+    def spy(steps, starts, user, tol, first_stage, passing=()):
+        out = real(steps, starts, user, tol, first_stage, passing)
+        seen.append((first_stage, out))
+        return out
+    checker._search, old = spy, checker._search
+    try:
+        rep = mhattn.check_prototype(scale_dk_with_scores)
+    finally:
+        checker._search = old
+    assert rep.mistakes == ("scale_by_dk",)
+    stage, cands = seen[0]
+    assert stage == "scores"
+    # nothing after the scores was tried as the first (or only) mistake
+    later = {"weights_transposed", "heads_averaged", "wo_skipped", "wo_transposed",
+             "softmax_wrong_axis", "heads_wrong_order"}
+    assert not any(c.names[0] in later for c in cands)

@@ -689,6 +689,17 @@ def _rank(cands: List[_Candidate], fails: List[int], user: List[Any], n: int):
     return live, False
 
 
+def _search_and_rank(steps, starts, user_out, tol, stage, fails):
+    """(candidates, ranked, exact): the search, its candidates that agree
+    on every passing trial, ranked."""
+    n = len(user_out)
+    cands = _search(steps, starts, user_out, tol, stage)
+    passing = [i for i in range(n) if i not in fails]
+    cands = [c for c in cands if all(c.matches[i] for i in passing)]
+    ranked, exact = _rank(cands, fails, user_out, n)
+    return cands, ranked, exact
+
+
 def _paragraphs(text: str) -> List[Tuple[str, str]]:
     """Split text into ('prose' | 'code', text) in written order: code is a run
     of lines indented by four spaces (kept without the indent)."""
@@ -821,10 +832,16 @@ def _diagnose(kind: str, results: List["TrialResult"], user_out: List[Any],
                                    results[i].max_rel <= _F32_TOL for i in fails):
         return _float32_report(kind, results, fails)
 
-    cands = _search(steps, starts, user_out, tol, stage)
-    passing = [i for i in range(n) if i not in fails]
-    cands = [c for c in cands if all(c.matches[i] for i in passing)]
-    ranked, exact = _rank(cands, fails, user_out, n)
+    cands, ranked, exact = _search_and_rank(steps, starts, user_out, tol, stage, fails)
+    if not exact and stage is not None:
+        # the divergent intermediate may only be named differently from
+        # mhattn's: search again without it, and say so if that explains all
+        again = _search_and_rank(steps, starts, user_out, tol, None, fails)
+        if again[2]:
+            cands, ranked, exact = again
+            stage_note += (" No mistake that starts at or before that stage explains "
+                           "your outputs, but one that starts later does: that "
+                           "intermediate may be another quantity under mhattn's name.")
     best = ranked[0] if ranked else None
 
     def label(c: _Candidate) -> str:
