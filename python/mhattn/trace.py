@@ -683,8 +683,9 @@ class CompareReport:
 
     ``stages`` lists a :class:`StageDiff` per stage; ``first_divergence`` is
     the name of the first stage that differs (None if none does); ``ok`` is
-    True when every stage given agrees.  ``str()`` is a plain-text table and
-    ``_repr_html_`` an HTML one.
+    True when every stage given agrees; ``unused`` lists the keys of a
+    compared dict that were not used (also named in :meth:`summary`).
+    ``str()`` is a plain-text table and ``_repr_html_`` an HTML one.
     """
 
     def __init__(self, stages: List[StageDiff], *, rtol: float, atol: float,
@@ -709,7 +710,7 @@ class CompareReport:
     def summary(self) -> str:
         text = self._summary()
         if self.unused:
-            text += (" Not used (unknown or repeated keys): "
+            text += (" Not used (unknown, repeated or not compared): "
                      + ", ".join(repr(k) for k in self.unused) + ".")
         return text
 
