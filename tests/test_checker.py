@@ -231,7 +231,8 @@ BUGGY = [
 def test_every_mistake_has_a_buggy_prototype():
     assert {m for m, _ in BUGGY} <= set(MISTAKES)
     keyword_only = {"mask_inverted", "mask_after_softmax", "causal_top_left", "rope_on_v",
-                    "rope_pairing_wrong", "softcap_after_mask", "sink_in_numerator"}
+                    "rope_pairing_wrong", "softcap_after_mask", "sink_in_numerator",
+                    "rope_not_offset"}
     assert {m for m, _, _ in VARIANTS} == set(MISTAKES) - keyword_only
 
 
@@ -719,3 +720,25 @@ def test_first_divergent_stage_prunes_candidates():
     later = {"weights_transposed", "heads_averaged", "wo_skipped", "wo_transposed",
              "softmax_wrong_axis", "heads_wrong_order"}
     assert not any(c.names[0] in later for c in cands)
+
+
+def test_check_attention_prototype_rope_offset():
+    from mhattn.reference import rope as turn
+
+    def make(offset=True, interleaved=None):
+        def attend(q, k, v, rope=None):
+            if rope is not None:
+                tq, tk, d = q.shape[1], k.shape[1], q.shape[2]
+                f = 1.0 / rope.theta ** (np.arange(0, d, 2) / d)
+                il = rope.interleaved if interleaved is None else interleaved
+                qpos = np.arange(tq) + (tk - tq if offset else 0)
+                q = np.stack([turn(a, qpos, f, d, il) for a in q])
+                k = np.stack([turn(a, np.arange(tk), f, d, il) for a in k])
+            return _attend(q, k, v)
+        return attend
+
+    assert mhattn.check_attention_prototype(make()).ok
+    rep = mhattn.check_attention_prototype(make(offset=False))
+    assert rep.mistakes == ("rope_not_offset",), str(rep)
+    rep = mhattn.check_attention_prototype(make(interleaved=True))
+    assert rep.mistakes == ("rope_pairing_wrong",), str(rep)

@@ -35,7 +35,8 @@ def test_corpus_is_large_and_varied():
     assert sum(1 for e in expected if not e) >= 5          # correct ones
     assert sum(1 for e in expected if len(e) == 1) >= 25   # single mistakes
     assert sum(1 for e in expected if len(e) == 2) >= 8    # pairs
-    attention_only = {"causal_top_left", "softcap_after_mask", "sink_in_numerator"}
+    attention_only = {"causal_top_left", "softcap_after_mask", "sink_in_numerator",
+                      "rope_not_offset"}
     assert {m for e in expected for m in e} == set(MISTAKES) - attention_only
     styles = {p.stem.split("_")[0] for p in FILES}
     assert {"loop", "reshape", "einsum", "split", "dict", "pair", "correct"} <= styles

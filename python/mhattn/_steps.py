@@ -126,13 +126,16 @@ def _turn(a: np.ndarray, inv_freq: np.ndarray, interleaved: bool, offset: int = 
     return y.astype(a.dtype)
 
 
-def _rope(st: State, interleaved=None, on_v: bool = False) -> State:
+def _rope(st: State, interleaved=None, on_v: bool = False, offset: bool = True) -> State:
+    """Queries at positions i + T_k - T_q (the last T_q of the keys'), keys at j."""
     r = st.get("rope")
     if r is None:
         return st
     il = r.interleaved if interleaved is None else interleaved
     f = r.frequencies(st["q"][0].shape[-1])
-    out = dict(q=[_turn(a, f, il) for a in st["q"]], k=[_turn(a, f, il) for a in st["k"]])
+    off = st["k"][0].shape[0] - st["q"][0].shape[0] if offset else 0
+    out = dict(q=[_turn(a, f, il, off) for a in st["q"]],
+               k=[_turn(a, f, il) for a in st["k"]])
     if on_v:
         out["v"] = [_turn(a, r.frequencies(a.shape[-1]), il) for a in st["v"]]
     return _new(st, **out)
@@ -144,6 +147,10 @@ def rope(st: State) -> State:
 
 def rope_on_v(st: State) -> State:
     return _rope(st, on_v=True)
+
+
+def rope_not_offset(st: State) -> State:
+    return _rope(st, offset=False)
 
 
 def rope_pairing_swapped(st: State) -> State:
@@ -464,7 +471,7 @@ def layer_steps() -> List[Step]:
 
 
 def attention_steps(with_mask: bool, with_causal: bool, with_softcap: bool = False,
-                    with_sinks: bool = False) -> List[Step]:
+                    with_sinks: bool = False, with_rope: bool = False) -> List[Step]:
     """The steps of softmax(q k^T / sqrt(d_k) [capped, masked]) v, per head."""
     layer = {s.name: s for s in layer_steps()}
     mask_wrong = []
@@ -482,7 +489,12 @@ def attention_steps(with_mask: bool, with_causal: bool, with_softcap: bool = Fal
                  else [])
     sink_wrong = ([("sink_in_numerator", "the sink added to the numerator too",
                     softmax_sink_in_numerator)] if with_sinks else [])
-    return [layer["scores"],
+    first = ([Step("RoPE", "q", rope, [
+        ("rope_not_offset", "query positions from 0, not T_k - T_q", rope_not_offset),
+        ("rope_on_v", "RoPE applied to V too", rope_on_v),
+        ("rope_pairing_wrong", "interleaved pairs instead of rotate-half (or back)",
+         rope_pairing_swapped)])] if with_rope else [])
+    return first + [layer["scores"],
             Step("scale", "scores", sc.fn,
                  [w for w in sc.wrong if w[0] not in ("scale_by_sqrt_dmodel",)]),
             Step("softcap", "scores", softcap, cap_wrong),

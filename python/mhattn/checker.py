@@ -286,6 +286,14 @@ MISTAKES: Dict[str, Tuple[str, str]] = {
         "(2c, 2c+1). With half = d // 2 and c = np.arange(half):\n"
         "    ia, ib = c, c + half          # rotate-half\n"
         "    ia, ib = 2 * c, 2 * c + 1     # interleaved"),
+    "rope_not_offset": (
+        "RoPE's query positions are not offset by the cache length",
+        "Your prototype turns the queries as if they sat at positions 0, 1, ...\n"
+        "With a cache (more keys than queries), the new queries are the last T_q\n"
+        "of the T_k positions: query i sits at i + T_k - T_q, key j at j, so that\n"
+        "the angle of q_i . k_j depends on the true distance. Fix:\n"
+        "    q = rope(q, positions=np.arange(T_q) + T_k - T_q)\n"
+        "    k = rope(k, positions=np.arange(T_k))"),
     "softcap_after_mask": (
         "the softcap is applied after the mask",
         "Your prototype soft-caps the scores after masking them, so a blocked key's\n"
@@ -1167,12 +1175,33 @@ def _attention_trials(n_random: int, dtype, seed: int, keywords) -> List[_AttnTr
             m[:, 0] = True
             t.kwargs["mask"] = m
         out.append(t)
+    if "rope" in keywords:
+        from ._variants import RoPE
+        t = make("rope", "rope=mhattn.RoPE(theta=10.0), 2 queries after 5 keys (a cache)",
+                 2, 2, 5, 4, 2)
+        t.kwargs = {"rope": RoPE(theta=10.0)}
+        out.append(t)
     if "sinks" in keywords:
         t = make("sinks", "sinks=[0.5, -1.0] (one logit per head, denominator only)",
                  2, 3, 4, 3, 2)
         t.kwargs = {"sinks": np.array([0.5, -1.0])}
         out.append(t)
     return out
+
+
+def _attention_reference(t: _AttnTrial) -> np.ndarray:
+    """mhattn.attention's answer; with ``rope``, q and k turned first by
+    mhattn.reference.rope (queries at the last T_q of the T_k positions)."""
+    kw = dict(t.kwargs)
+    r = kw.pop("rope", None)
+    q, k = t.q, t.k
+    if r is not None:
+        from .reference import rope as _turn
+        tq, tk, d = q.shape[1], k.shape[1], q.shape[2]
+        f = r.frequencies(d)
+        q = np.stack([_turn(a, np.arange(tq) + tk - tq, f, d, r.interleaved) for a in q])
+        k = np.stack([_turn(a, np.arange(tk), f, d, r.interleaved) for a in k])
+    return _attention(q, k, t.v, **kw)
 
 
 def check_attention_prototype(fn: Callable, *, trials: int = 4, dtype=np.float64,
@@ -1185,16 +1214,19 @@ def check_attention_prototype(fn: Callable, *, trials: int = 4, dtype=np.float64
     ``fn(q, k, v, mask=None)`` gets one sequence's projected heads, q
     (h, T_q, d_k), k (h, T_k, d_k), v (h, T_k, d_v), and returns
     softmax(q k^T / sqrt(d_k)) v per head, (h, T_q, d_v).  When its signature
-    takes ``mask`` (or ``causal``, ``softcap``, ``sinks``) a trial passes a
+    takes ``mask`` (or ``causal``, ``softcap``, ``sinks``, ``rope``) a trial passes a
     boolean mask (T_q, T_k), True = may attend (or ``causal=True``,
     bottom-right aligned: query i sees keys j <= i + T_k - T_q;
     ``softcap=2.0``, with a mask when ``mask`` is taken too; ``sinks`` of
-    shape (h,)).  The answer is :func:`mhattn.attention`'s; a fully masked
+    shape (h,); ``rope=mhattn.RoPE(theta=10.0)`` with 2 queries after 5
+    keys, q and k not yet turned: the queries sit at positions
+    i + T_k - T_q).  The answer is :func:`mhattn.attention`'s; a fully masked
     row's answer is 0.
 
     The diagnosis is :func:`check_prototype`'s, with the attention steps
     only (scores, scale, mask, softmax, weights @ V): every single mistake
-    and every pair, among 'no_scaling', 'scale_by_dk', 'scale_by_sqrt_dv',
+    and every pair, among 'rope_not_offset', 'rope_on_v', 'rope_pairing_wrong',
+    'no_scaling', 'scale_by_dk', 'scale_by_sqrt_dv',
     'scale_after_softmax', 'softcap_after_mask', 'mask_inverted',
     'mask_after_softmax', 'causal_top_left', 'softmax_wrong_axis',
     'no_max_subtraction', 'softmax_over_heads', 'softmax_whole_matrix',
@@ -1228,13 +1260,14 @@ def check_attention_prototype(fn: Callable, *, trials: int = 4, dtype=np.float64
                         f"got {type(fn).__name__}")
     dtype = _check_common(dtype, trials)
     tol = 2e-4 if dtype == np.float32 else 1e-7
-    keywords = [k for k in ("mask", "causal", "softcap", "sinks") if _accepts(fn, k)]
+    keywords = [k for k in ("mask", "causal", "softcap", "sinks", "rope")
+                if _accepts(fn, k)]
     cases = _attention_trials(int(trials), dtype, seed, keywords)
     results: List[TrialResult] = []
     user_out: List[Any] = []
     starts = []
     for t in cases:
-        want = _attention(t.q, t.k, t.v, **t.kwargs)
+        want = _attention_reference(t)
         got, _ = _run(fn, (t.q, t.k, t.v), t.kwargs)
         user_out.append(got)
         r = TrialResult(t.name, t.about, t.shapes(), "ok", expected_shape=want.shape)
@@ -1242,9 +1275,11 @@ def check_attention_prototype(fn: Callable, *, trials: int = 4, dtype=np.float64
         results.append(r)
         starts.append(dict(q=list(t.q), k=list(t.k), v=list(t.v), dtype=t.q.dtype,
                            mask=t.kwargs.get("mask"), causal=bool(t.kwargs.get("causal")),
-                           softcap=t.kwargs.get("softcap"), sinks=t.kwargs.get("sinks")))
+                           softcap=t.kwargs.get("softcap"), sinks=t.kwargs.get("sinks"),
+                           rope=t.kwargs.get("rope")))
     steps = _steps.attention_steps("mask" in keywords, "causal" in keywords,
-                                   "softcap" in keywords, "sinks" in keywords)
+                                   "softcap" in keywords, "sinks" in keywords,
+                                   "rope" in keywords)
     return _diagnose("attention", results, user_out, steps, starts, tol, dtype, None,
                      "general", [t.features() for t in cases])
 
