@@ -537,10 +537,11 @@ def test_paragraphs_keep_the_written_order():
     assert rep.paragraphs[fix + 1][0] == "code"
     assert rep.paragraphs[fix + 2] == ("prose", "not np.split(Q, h, axis=0) or "
                                                 "Q.reshape(h, T, d_k).")
-    # the paragraphs are the explanation, in order
-    joined = " ".join(t for _, t in rep.paragraphs)
-    pos = [joined.find(t) for t in texts]
-    assert pos == sorted(pos)
+    # the paragraphs are the explanation, in order (prose unwrapped)
+    flat = " ".join(rep.explanation.split())
+    pos = [flat.find(" ".join(t.split())) for t in texts]
+    assert -1 not in pos and pos == sorted(pos)
+    assert not any(t.startswith("Hint:") for t in texts) and rep.hints
     assert isinstance(rep.hints, list) and all(isinstance(h, str) for h in rep.hints)
 
 

@@ -710,19 +710,23 @@ def _search_and_rank(steps, starts, user_out, tol, stage, fails):
 
 def _paragraphs(text: str) -> List[Tuple[str, str]]:
     """Split text into ('prose' | 'code', text) in written order: code is a run
-    of lines indented by four spaces (kept without the indent)."""
+    of lines indented by four spaces (kept without the indent, one line per
+    line); a prose run is one paragraph (its hard line breaks become spaces).
+    The block of 'Hint: ...' lines is left out (it is ``hints``)."""
     out: List[Tuple[str, str]] = []
     for block in text.split("\n\n"):
+        if block.startswith("Hint: "):
+            continue
         kind, lines = None, []
         for line in block.split("\n"):
             k = "code" if line.startswith("    ") else "prose"
             if k != kind and lines:
-                out.append((kind, "\n".join(lines)))
+                out.append((kind, ("\n" if kind == "code" else " ").join(lines)))
                 lines = []
             kind = k
-            lines.append(line[4:] if k == "code" else line)
+            lines.append(line[4:] if k == "code" else line.strip())
         if lines:
-            out.append((kind, "\n".join(lines)))
+            out.append((kind, ("\n" if kind == "code" else " ").join(lines)))
     return out
 
 
@@ -1330,8 +1334,9 @@ class PrototypeReport:
     mistakes : tuple of str
         Every mistake named: one, or two for a pair (in step order); ().
     paragraphs : list of (kind, text)
-        The explanation in written order, kind "prose" or "code" (code
-        without its four-space indent), for renderers.
+        The explanation in written order, kind "prose" (one paragraph, no
+        hard line breaks) or "code" (lines without their four-space
+        indent), for renderers; the hints are not repeated there.
     float32_rounding : bool
         Every differing trial agrees with mhattn to float32 rounding.
     standard_ok : bool or None
