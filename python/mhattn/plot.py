@@ -249,11 +249,13 @@ def plot_attention(weights: Any, tokens: Optional[Sequence[Any]] = None,
         ax.remove()
     axes = axes[:n]
 
-    # Font size from the cell size: the cell's height in points, over ~2.6.
+    # Font size from the cell size (in points): the widest label fits the
+    # cell's width (a digit is ~0.6 em) and half its height.
     width_in, height_in = figsize
-    cell_pt = 72 * min((width_in - 1.2) / ncols / max(Tk, 1),
-                       (height_in - 0.6) / nrows / max(Tq, 1))
-    fontsize = float(np.clip(cell_pt / 2.6, 5.0, 11.0))
+    cell_w = 72 * (width_in - 1.4) / ncols / max(Tk, 1)
+    cell_h = 72 * (height_in - 0.8) / nrows / max(Tq, 1)
+    widest = max((len(fmt.format(v)) for v in shown[seen][:256]), default=4)
+    fontsize = float(np.clip(min(cell_h * 0.5, cell_w / (0.62 * widest)), 4.0, 10.0))
 
     import matplotlib
     colours = matplotlib.colormaps[cmap].with_extremes(bad=_MASK_COLOUR)
