@@ -332,7 +332,7 @@ def test_repr_html_large_and_batched(rng):
     assert "(B=2, h=4, T_q=20, T_k=20)" in page and "too large" in page and "causal" in page
     small = mhattn.trace(x[:, :3, :4], w[:4, :4], w[:4, :4], w[:4, :4], num_heads=2)
     page = small._repr_html_()
-    cell = '<td style="text-align:right">&minus;&infin;</td>'
+    cell = '<td style="padding:1px 6px;text-align:right">&minus;&infin;</td>'
     assert "batch item 0" in page and cell not in page
     masked = mhattn.trace(x[0, :3, :4], w[:4, :4], w[:4, :4], w[:4, :4], num_heads=2,
                           causal=True)

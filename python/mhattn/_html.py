@@ -124,9 +124,11 @@ def matrix_html(title: str, a: np.ndarray, rows: Sequence[str],
             f'<th style="{cell}text-align:right">{esc(c)}</th>' for c in cols) + "</tr>")
     body = "".join(
         f'<tr><th style="{cell}text-align:right">{esc(rows[i])}</th>'
-        + "".join(f'<td style="text-align:right">{_fmt(x)}</td>' for x in row) + "</tr>"
+        + "".join(f'<td style="{cell}text-align:right">{_fmt(x)}</td>' for x in row)
+        + "</tr>"
         for i, row in enumerate(a))
-    return (f'<div><div style="font-weight:bold;text-align:center">{esc(title)} '
+    return (f'<div style="max-width:100%;overflow-x:auto">'
+            f'<div style="font-weight:bold;text-align:center">{esc(title)} '
             f'<span style="font-weight:normal">{esc(named_shape(a.shape, axes))}</span>'
             f'</div><table style="font-family:monospace;border-collapse:collapse">'
             f"{head}{body}</table></div>")
@@ -177,7 +179,7 @@ def trace_html(trace: Any) -> str:
         out.append("</div></details>")
     concat = trace.concat[b] if trace.batched else trace.concat
     output = trace.output[b] if trace.batched else trace.output
-    out.append(flex)
+    out.append(flex.replace('style="', 'style="margin-top:6px;'))
     out.append(matrix_html("concat", concat, qlab, axes=AXES["concat"]))
     out.append(matrix_html("output", output, qlab, axes=AXES["output"]))
     out.append("</div></div>")

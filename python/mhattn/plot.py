@@ -255,7 +255,7 @@ def plot_attention(weights: Any, tokens: Optional[Sequence[Any]] = None,
     cell_w = 72 * (width_in - 1.4) / ncols / max(Tk, 1)
     cell_h = 72 * (height_in - 0.8) / nrows / max(Tq, 1)
     widest = max((len(fmt.format(v)) for v in shown[seen][:256]), default=4)
-    fontsize = float(np.clip(min(cell_h * 0.5, cell_w / (0.62 * widest)), 4.0, 10.0))
+    fontsize = float(np.clip(min(cell_h * 0.45, 0.8 * cell_w / (0.6 * widest)), 4.0, 10.0))
 
     import matplotlib
     colours = matplotlib.colormaps[cmap].with_extremes(bad=_MASK_COLOUR)
