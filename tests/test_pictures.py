@@ -25,9 +25,17 @@ def _layer(rng, T=6, d=8, h=2, **kw):
 
 
 def _hatched(ax):
-    """(row, col) of the hatch patches drawn over never-seen cells."""
-    return {(int(round(p.get_y() + 0.5)), int(round(p.get_x() + 0.5)))
-            for p in ax.patches if p.get_gid() == "mhattn-masked"}
+    """(row, col) of the cells under the hatched rectangles."""
+    cells = set()
+    for coll in ax.collections:
+        if coll.get_gid() != "mhattn-masked":
+            continue
+        assert coll.get_hatch() == "///"
+        for path in coll.get_paths():
+            (x0, y0), (x1, y1) = path.get_extents().get_points()
+            cells |= {(i, j) for i in range(int(round(y0 + 0.5)), int(round(y1 + 0.5)))
+                      for j in range(int(round(x0 + 0.5)), int(round(x1 + 0.5)))}
+    return cells
 
 
 def _cells(mask):

@@ -240,7 +240,6 @@ def plot_attention(weights: Any, tokens: Optional[Sequence[Any]] = None,
 
     Figure = _figure_class()
     from matplotlib.patches import Patch
-    from matplotlib.ticker import MaxNLocator
 
     fig = Figure(figsize=tuple(figsize), layout="constrained")
     grid = fig.subplots(nrows, ncols, squeeze=False, sharex=True, sharey=True)
@@ -254,8 +253,11 @@ def plot_attention(weights: Any, tokens: Optional[Sequence[Any]] = None,
     width_in, height_in = figsize
     cell_w = 72 * (width_in - 1.4) / ncols / max(Tk, 1)
     cell_h = 72 * (height_in - 0.8) / nrows / max(Tq, 1)
+    # Ticks: a label about every 0.24 in across, 0.2 in down.
+    max_x = max(2, int((width_in - 1.4) / ncols / 0.24))
+    max_y = max(2, int((height_in - 0.8) / nrows / 0.2))
     widest = max((len(fmt.format(v)) for v in shown[seen][:256]), default=4)
-    fontsize = float(np.clip(min(cell_h * 0.45, 0.8 * cell_w / (0.6 * widest)), 4.0, 10.0))
+    fontsize = float(np.clip(min(cell_h * 0.45, 0.8 * cell_w / (0.55 * widest)), 4.0, 10.0))
 
     import matplotlib
     colours = matplotlib.colormaps[cmap].with_extremes(bad=_MASK_COLOUR)
@@ -268,10 +270,10 @@ def plot_attention(weights: Any, tokens: Optional[Sequence[Any]] = None,
                           interpolation="nearest")
         # The hatch over the never-seen cells, so that they read as "no value"
         # even in grey print.
-        for i, j in zip(*np.nonzero(~seen[p])):
-            ax.add_patch(_hatch_patch(j, i))
+        if (~seen[p]).any():
+            ax.add_collection(_hatch(~seen[p]))
         ax.set_title(f"head {h + 1}")
-        _ticks(ax, Tq, Tk, xlabels, ylabels, MaxNLocator)
+        _ticks(ax, Tq, Tk, xlabels, ylabels, max_x, max_y)
         if annotate:
             for i in range(Tq):
                 for j in range(Tk):
@@ -310,10 +312,18 @@ _MASK_COLOUR = "#d9d9d9"
 _HATCH_COLOUR = "#8c8c8c"
 
 
-def _hatch_patch(j: int, i: int):
+def _hatch(hidden: np.ndarray):
+    """One hatched collection over the hidden cells: a rectangle per run of
+    hidden cells in a row, so that a causal T x T mask is T rectangles."""
+    from matplotlib.collections import PatchCollection
     from matplotlib.patches import Rectangle
-    return Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor="none", edgecolor=_HATCH_COLOUR,
-                     hatch="///", linewidth=0, gid="mhattn-masked")
+    rects = []
+    for i, row in enumerate(hidden):
+        edges = np.flatnonzero(np.diff(np.concatenate(([0], row.astype(np.int8), [0]))))
+        for j0, j1 in zip(edges[::2], edges[1::2]):
+            rects.append(Rectangle((j0 - 0.5, i - 0.5), j1 - j0, 1))
+    return PatchCollection(rects, facecolor="none", edgecolor=_HATCH_COLOUR, hatch="///",
+                           linewidth=0, gid="mhattn-masked")
 
 
 def _figsize(ncols, nrows, Tq, Tk, xlabels, ylabels, title):
@@ -335,11 +345,14 @@ def _figsize(ncols, nrows, Tq, Tk, xlabels, ylabels, title):
 _MAX_WIDTH = 10.0
 
 
-def _ticks(ax, Tq, Tk, xlabels, ylabels, MaxNLocator):
-    """Every tick up to ~24, fewer beyond; labels rotated 45 degrees when any
-    key label is longer than 3 characters, in every panel alike."""
-    for axis, n, labels in ((ax.xaxis, Tk, xlabels), (ax.yaxis, Tq, ylabels)):
-        step = 1 if n <= 24 else -(-n // 16)
+def _ticks(ax, Tq, Tk, xlabels, ylabels, max_x, max_y):
+    """Every tick while they fit (max_x, max_y ticks per panel), else every
+    1, 2, 5, 10, 20, ... th; labels rotated 45 degrees when any key label is
+    longer than 3 characters, in every panel alike."""
+    for axis, n, labels, most in ((ax.xaxis, Tk, xlabels, max_x),
+                                  (ax.yaxis, Tq, ylabels, max_y)):
+        step = next(s for s in (m * 10 ** e for e in range(12) for m in (1, 2, 5))
+                    if -(-n // s) <= most)
         pos = list(range(0, n, step))
         axis.set_ticks(pos)
         if labels is not None:
