@@ -143,64 +143,20 @@ def plot_attention(weights: Any, tokens: Optional[Sequence[Any]] = None,
     >>> fig = mhattn.plot_attention(t.weights, tokens)   # doctest: +SKIP
     >>> fig = mhattn.plot_attention(t, kind="scores")     # doctest: +SKIP
     """
-    from .trace import Trace
-
     if kind not in ("weights", "scores"):
         raise ValueError(f"kind: expected 'weights' or 'scores', got {kind!r}")
-    hidden_from_trace = None
-    if isinstance(weights, Trace):
-        if tokens is None:
-            tokens = weights.tokens
-            if key_tokens is None:
-                key_tokens = weights.key_tokens
-        w = weights.scores if kind == "scores" else weights.weights
-        hidden_from_trace = np.isneginf(np.asarray(weights.scores))
-    else:
-        w = weights
-    w = np.asarray(w)
-    if w.dtype.kind not in "biuf":
-        raise TypeError(f"weights: expected an array of numbers, got dtype {w.dtype}")
-    if w.ndim == 4:
-        if not -w.shape[0] <= batch < w.shape[0]:
-            raise IndexError(f"batch: {batch} is out of range for {w.shape[0]} "
-                             f"batch items (weights {w.shape})")
-        B, b = w.shape[0], batch % w.shape[0]
-        w = w[batch]
-        if hidden_from_trace is not None:
-            hidden_from_trace = hidden_from_trace[b]
-    elif w.ndim == 2:
-        B, b = 1, 0
-        w = w[np.newaxis]
-        if hidden_from_trace is not None:
-            hidden_from_trace = hidden_from_trace[np.newaxis]
-    elif w.ndim == 3:
-        B, b = 1, 0
-    else:
-        raise ValueError("weights: expected (T_q, T_k), (h, T_q, T_k) or "
-                         f"(B, h, T_q, T_k), got shape {w.shape}")
+    w, B, b, hidden_from_trace, tokens, key_tokens = _read_weights(
+        weights, batch, kind, tokens, key_tokens)
     H, Tq, Tk = w.shape
-    w = np.asarray(w, dtype=np.float64)
-
     hidden = _hidden(H, Tq, Tk, B, b, mask=mask, causal=causal,
                      key_lengths=key_lengths, window=window, key_mask=key_mask)
     if hidden_from_trace is not None:
         hidden = hidden | hidden_from_trace
-    hidden = hidden | np.isneginf(w) if kind == "scores" else hidden
-    if kind == "weights":
-        _check_weights(w, hidden)
-
-    if heads is None:
-        idx = list(range(H))
-    elif isinstance(heads, (int, np.integer)):
-        idx = [int(heads)]
+    if kind == "scores":
+        hidden = hidden | np.isneginf(w)
     else:
-        idx = [int(i) for i in heads]
-    if not idx:
-        raise ValueError("heads: pick at least one head")
-    for i in idx:
-        if not -H <= i < H:
-            raise IndexError(f"heads: head {i} is out of range for {H} heads")
-    idx = [i % H for i in idx]
+        _check_weights(w, hidden)
+    idx = _head_indices(heads, H)
 
     ylabels = _labels("tokens", tokens, Tq)
     if key_tokens is None and tokens is not None:
@@ -221,24 +177,10 @@ def plot_attention(weights: Any, tokens: Optional[Sequence[Any]] = None,
 
     shown = np.stack([w[h] for h in idx])
     seen = ~np.stack([hidden[h] for h in idx])
-    vals = shown[seen & np.isfinite(shown)]
-    if kind == "scores":
-        cmap = cmap or "RdBu_r"
-        top = float(np.abs(vals).max()) if vals.size else 1.0
-        if vmax not in (None, "auto"):
-            top = float(vmax)
-        top = top if top > 0 else 1.0
-        vmin, vtop = -top, top
-    else:
-        cmap = cmap or "viridis"
-        if vmax == "auto":
-            vtop = float(vals.max()) if vals.size else 1.0
-            vtop = vtop if vtop > 0 else 1.0
-        else:
-            vtop = 1.0 if vmax is None else float(vmax)
-        vmin = 0.0
+    cmap, vmin, vtop = _scale(kind, cmap, vmax, shown[seen & np.isfinite(shown)])
 
     Figure = _figure_class()
+    import matplotlib
     from matplotlib.patches import Patch
 
     fig = Figure(figsize=tuple(figsize), layout="constrained")
@@ -249,45 +191,125 @@ def plot_attention(weights: Any, tokens: Optional[Sequence[Any]] = None,
     axes = axes[:n]
 
     # Font size from the cell size (in points): the widest label fits the
-    # cell's width (a digit is ~0.6 em) and half its height.
+    # cell's width (a digit is ~0.55 em) and about half its height.
     width_in, height_in = figsize
     cell_w = 72 * (width_in - 1.4) / ncols / max(Tk, 1)
     cell_h = 72 * (height_in - 0.8) / nrows / max(Tq, 1)
-    # Ticks: a label about every 0.24 in across, 0.2 in down.
-    max_x = max(2, int((width_in - 1.4) / ncols / 0.24))
-    max_y = max(2, int((height_in - 0.8) / nrows / 0.2))
     widest = max((len(fmt.format(v)) for v in shown[seen][:256]), default=4)
     fontsize = float(np.clip(min(cell_h * 0.45, 0.8 * cell_w / (0.55 * widest)), 4.0, 10.0))
+    # Ticks: a label about every 0.24 in across, 0.2 in down.
+    most = (max(2, int((width_in - 1.4) / ncols / 0.24)),
+            max(2, int((height_in - 0.8) / nrows / 0.2)))
 
-    import matplotlib
     colours = matplotlib.colormaps[cmap].with_extremes(bad=_MASK_COLOUR)
     image = None
-    any_hidden = False
     for p, (ax, h) in enumerate(zip(axes, idx)):
-        m = np.ma.masked_array(shown[p], mask=~seen[p])
-        any_hidden |= bool((~seen[p]).any())
-        image = ax.imshow(m, vmin=vmin, vmax=vtop, cmap=colours, aspect="auto",
-                          interpolation="nearest")
+        image = ax.imshow(np.ma.masked_array(shown[p], mask=~seen[p]), vmin=vmin,
+                          vmax=vtop, cmap=colours, aspect="auto", interpolation="nearest")
         # The hatch over the never-seen cells, so that they read as "no value"
         # even in grey print.
         if (~seen[p]).any():
             ax.add_collection(_hatch(~seen[p]))
         ax.set_title(f"head {h + 1}")
-        _ticks(ax, Tq, Tk, xlabels, ylabels, max_x, max_y)
+        _ticks(ax, Tq, Tk, xlabels, ylabels, *most)
         if annotate:
-            for i in range(Tq):
-                for j in range(Tk):
-                    if not seen[p, i, j]:
-                        continue
-                    val = shown[p, i, j]
-                    r, g, bl, _ = image.cmap(image.norm(val))
-                    color = "white" if 0.299 * r + 0.587 * g + 0.114 * bl < 0.5 else "black"
-                    ax.text(j, i, fmt.format(val), ha="center", va="center",
-                            color=color, fontsize=fontsize)
+            _annotate(ax, image, shown[p], seen[p], fmt, fontsize)
+    _share_labels(axes, ncols, nrows)
+    cbar = fig.colorbar(image, ax=axes, shrink=0.9)
+    cbar.set_label("score" if kind == "scores" else "attention weight")
+    if not seen.all():
+        fig.legend(handles=[Patch(facecolor=_MASK_COLOUR, edgecolor=_HATCH_COLOUR,
+                                  hatch="///", label="masked: never seen")],
+                   loc="outside lower center", fontsize=9, frameon=False)
+    if title:
+        fig.suptitle(title)
+    return fig
+
+
+def _read_weights(weights, batch, kind, tokens, key_tokens):
+    """-> (w (H, Tq, Tk) float64, B, b, the Trace's -inf cells or None,
+    tokens, key_tokens)."""
+    from .trace import Trace
+
+    hidden = None
+    if isinstance(weights, Trace):
+        if tokens is None:
+            tokens = weights.tokens
+            if key_tokens is None:
+                key_tokens = weights.key_tokens
+        w = weights.scores if kind == "scores" else weights.weights
+        hidden = np.isneginf(np.asarray(weights.scores))
+    else:
+        w = weights
+    w = np.asarray(w)
+    if w.dtype.kind not in "biuf":
+        raise TypeError(f"weights: expected an array of numbers, got dtype {w.dtype}")
+    B, b = 1, 0
+    if w.ndim == 4:
+        if not -w.shape[0] <= batch < w.shape[0]:
+            raise IndexError(f"batch: {batch} is out of range for {w.shape[0]} "
+                             f"batch items (weights {w.shape})")
+        B, b = w.shape[0], batch % w.shape[0]
+        w = w[b]
+        hidden = None if hidden is None else hidden[b]
+    elif w.ndim == 2:
+        w = w[np.newaxis]
+        hidden = None if hidden is None else hidden[np.newaxis]
+    elif w.ndim != 3:
+        raise ValueError("weights: expected (T_q, T_k), (h, T_q, T_k) or "
+                         f"(B, h, T_q, T_k), got shape {w.shape}")
+    return np.asarray(w, dtype=np.float64), B, b, hidden, tokens, key_tokens
+
+
+def _head_indices(heads, H):
+    if heads is None:
+        idx = list(range(H))
+    elif isinstance(heads, (int, np.integer)):
+        idx = [int(heads)]
+    else:
+        idx = [int(i) for i in heads]
+    if not idx:
+        raise ValueError("heads: pick at least one head")
+    for i in idx:
+        if not -H <= i < H:
+            raise IndexError(f"heads: head {i} is out of range for {H} heads")
+    return [i % H for i in idx]
+
+
+def _scale(kind, cmap, vmax, vals):
+    """-> (colour map name, bottom, top) of the one scale all panels share."""
+    if vmax not in (None, "auto") and not isinstance(vmax, (int, float, np.number)):
+        raise ValueError(f"vmax: expected None, 'auto' or a number, got {vmax!r}")
+    if kind == "scores":
+        top = float(np.abs(vals).max()) if vals.size else 1.0
+        if vmax not in (None, "auto"):
+            top = float(vmax)
+        top = top if top > 0 else 1.0
+        return cmap or "RdBu_r", -top, top
+    if vmax == "auto":
+        top = float(vals.max()) if vals.size else 1.0
+        top = top if top > 0 else 1.0
+    else:
+        top = 1.0 if vmax is None else float(vmax)
+    return cmap or "viridis", 0.0, top
+
+
+def _annotate(ax, image, m, seen, fmt, fontsize):
+    """Each visible cell's value, white on dark cells and black on light ones."""
+    for i, j in zip(*np.nonzero(seen)):
+        val = m[i, j]
+        r, g, bl, _ = image.cmap(image.norm(val))
+        color = "white" if 0.299 * r + 0.587 * g + 0.114 * bl < 0.5 else "black"
+        ax.text(j, i, fmt.format(val), ha="center", va="center", color=color,
+                fontsize=fontsize)
+
+
+def _share_labels(axes, ncols, nrows):
+    """"key" under the bottom panel of each column, "query" left of the first
+    panel of each row; the tick labels likewise."""
+    n = len(axes)
     for k, ax in enumerate(axes):
         row, col = divmod(k, ncols)
-        # Shared axis labels: "key" under the bottom panel of each column,
-        # "query" left of the first panel of each row.
         if row == nrows - 1 or k + ncols >= n:
             ax.set_xlabel("key")
             ax.tick_params(axis="x", labelbottom=True)
@@ -297,15 +319,6 @@ def plot_attention(weights: Any, tokens: Optional[Sequence[Any]] = None,
             ax.set_ylabel("query")
         else:
             ax.tick_params(axis="y", labelleft=False)
-    cbar = fig.colorbar(image, ax=axes, shrink=0.9)
-    cbar.set_label("score" if kind == "scores" else "attention weight")
-    if any_hidden:
-        fig.legend(handles=[Patch(facecolor=_MASK_COLOUR, edgecolor=_HATCH_COLOUR,
-                                  hatch="///", label="masked: never seen")],
-                   loc="outside lower center", fontsize=9, frameon=False)
-    if title:
-        fig.suptitle(title)
-    return fig
 
 
 _MASK_COLOUR = "#d9d9d9"
