@@ -12,7 +12,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-__all__ = ["trace_html", "report_html"]
+__all__ = ["trace_html", "compare_html", "report_html"]
 
 esc = html.escape
 
@@ -184,6 +184,38 @@ def trace_html(trace: Any) -> str:
     out.append(matrix_html("output", output, qlab, axes=AXES["output"]))
     out.append("</div></div>")
     return "\n".join(out)
+
+
+def compare_html(report: Any) -> str:
+    """The HTML display of a :class:`mhattn.trace.CompareReport`: its summary,
+    then a left-aligned table of the stages, the first divergence in red."""
+    rows = []
+    for st in report.stages:
+        first = st.stage == report.first_divergence
+        style = f"background:{_ROW_BAD};font-weight:bold;" if first else ""
+        if st.ok is None:
+            status, a, r = "not given", "", ""
+        else:
+            status = "ok" if st.ok else esc(st.note or "differs")
+            a, r = _num(st.max_abs), _num(st.max_rel)
+        rows.append(f'<tr style="{style}"><td style="{TD}"><code>{esc(st.stage)}</code></td>'
+                    f'<td style="{TD}"><code>{esc(st.shape)}</code></td>'
+                    f'<td style="{TD}">{a}</td><td style="{TD}">{r}</td>'
+                    f'<td style="{TD}">{status}</td></tr>')
+    head = "".join(f'<th style="{TH}">{h}</th>' for h in
+                   ("stage", "shape", "max abs err", "max rel err", "status"))
+    return ('<div class="mhattn-compare" style="text-align:left"><p>'
+            + esc(report.summary()) + "</p>"
+            f'<table style="{TABLE}"><thead><tr>{head}</tr></thead><tbody>'
+            + "".join(rows) + "</tbody></table></div>")
+
+
+def _num(x: Optional[float]) -> str:
+    if x is None:
+        return ""
+    if np.isinf(x):
+        return "inf"
+    return f"{x:.3g}"
 
 
 # ----------------------------------------------------------------- report

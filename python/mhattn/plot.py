@@ -191,12 +191,12 @@ def plot_attention(weights: Any, tokens: Optional[Sequence[Any]] = None,
     axes = axes[:n]
 
     # Font size from the cell size (in points): the widest label fits the
-    # cell's width (a digit is ~0.55 em) and about half its height.
+    # cell's width (a digit is ~0.6 em, with a margin) and about half its height.
     width_in, height_in = figsize
     cell_w = 72 * (width_in - 1.4) / ncols / max(Tk, 1)
     cell_h = 72 * (height_in - 0.8) / nrows / max(Tq, 1)
     widest = max((len(fmt.format(v)) for v in shown[seen][:256]), default=4)
-    fontsize = float(np.clip(min(cell_h * 0.45, 0.8 * cell_w / (0.55 * widest)), 4.0, 10.0))
+    fontsize = float(np.clip(min(cell_h * 0.45, 0.75 * cell_w / (0.6 * widest)), 4.0, 10.0))
     # Ticks: a label about every 0.24 in across, 0.2 in down.
     most = (max(2, int((width_in - 1.4) / ncols / 0.24)),
             max(2, int((height_in - 0.8) / nrows / 0.2)))

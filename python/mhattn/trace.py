@@ -41,7 +41,6 @@ the same keys.  Scores, weights are always ``(h, T_q, T_k)`` (or
 """
 from __future__ import annotations
 
-import html
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -613,24 +612,8 @@ class CompareReport:
     __repr__ = __str__
 
     def _repr_html_(self) -> str:
-        esc = html.escape
-        rows = []
-        for s in self.stages:
-            style = ""
-            if s.stage == self.first_divergence:
-                style = ' style="background:#fdd;font-weight:bold"'
-            if s.ok is None:
-                status, a, r = "not given", "", ""
-            else:
-                status = "ok" if s.ok else esc(s.note or "differs")
-                a, r = _num(s.max_abs), _num(s.max_rel)
-            rows.append(f"<tr{style}><td><code>{s.stage}</code></td>"
-                        f"<td><code>{esc(s.shape)}</code></td><td>{a}</td><td>{r}</td>"
-                        f"<td>{status}</td></tr>")
-        return ('<div class="mhattn-compare"><p>' + esc(self.summary()) + "</p>"
-                "<table><thead><tr><th>stage</th><th>shape</th><th>max abs err</th>"
-                "<th>max rel err</th><th>status</th></tr></thead><tbody>"
-                + "".join(rows) + "</tbody></table></div>")
+        from ._html import compare_html
+        return compare_html(self)
 
 
 def _num(x: Optional[float]) -> str:
