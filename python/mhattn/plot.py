@@ -218,9 +218,13 @@ def plot_attention(weights: Any, tokens: Optional[Sequence[Any]] = None,
     cbar = fig.colorbar(image, ax=axes, shrink=0.9)
     cbar.set_label("score" if kind == "scores" else "attention weight")
     if not seen.all():
-        fig.legend(handles=[Patch(facecolor=_MASK_COLOUR, edgecolor=_HATCH_COLOUR,
-                                  hatch="///", label="masked: never seen")],
-                   loc="outside lower center", fontsize=9, frameon=False)
+        handle = Patch(facecolor=_MASK_COLOUR, edgecolor=_HATCH_COLOUR, hatch="///",
+                       label="masked: never seen")
+        try:        # "outside" places it below the panels (matplotlib >= 3.7)
+            fig.legend(handles=[handle], loc="outside lower center", fontsize=9,
+                       frameon=False)
+        except ValueError:
+            fig.legend(handles=[handle], loc="lower left", fontsize=9, frameon=False)
     if title:
         fig.suptitle(title)
     return fig
