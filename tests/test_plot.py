@@ -39,8 +39,10 @@ def test_figure_per_head_with_colorbar(example):
         np.testing.assert_array_equal(im.get_array(), w[i])
         assert ax.get_title() == f"head {i + 1}"
         assert [t.get_text() for t in ax.get_xticklabels()] == tokens
-        assert [t.get_text() for t in ax.get_yticklabels()] == tokens
-        assert ax.get_xlabel() == "key" and ax.get_ylabel() == "query"
+        assert ax.get_xlabel() == "key"
+    # Shared axis labels: the query labels and "query" on the first column only.
+    assert [t.get_text() for t in panels[0].get_yticklabels()] == tokens
+    assert panels[0].get_ylabel() == "query" and panels[1].get_ylabel() == ""
     # exactly one colour bar, for the shared mappable
     assert sum(1 for ax in fig.axes if not _images(ax)) == 1
     assert cbar_ax.get_ylabel() == "attention weight"
@@ -71,7 +73,7 @@ def test_trace_input_uses_its_tokens(example):
     tokens, _, t = example
     fig = mhattn.plot_attention(t)
     panels, _ = _panels(fig, 2)
-    assert [x.get_text() for x in panels[1].get_yticklabels()] == tokens
+    assert [x.get_text() for x in panels[0].get_yticklabels()] == tokens
     np.testing.assert_array_equal(panels[1].get_images()[0].get_array(), t.weights[1])
 
 

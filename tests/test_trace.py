@@ -318,7 +318,7 @@ def test_compare_rejects_other_types(traced):
 def test_repr_html_worked_example():
     tokens, X, w_q, w_k, w_v, w_o = mhattn.worked_example()
     page = mhattn.trace(X, w_q, w_k, w_v, w_o, tokens=tokens)._repr_html_()
-    for text in ["(2, 3, 2)", "(2, 3, 3)", "(3, 4)", "0.7337", "0.0879", "0.1784",
+    for text in ["(h=2, T_q=3, d_k=2)", "(h=2, T_q=3, T_k=3)", "(T_q=3, d_out=4)", "0.7337", "0.0879", "0.1784",
                  "0.7931", "0.1474", "2.8284", "4.0000", "Head 1", "Head 2", "ball",
                  "full", "weights", "raw_scores", "lse", "row_max"]:
         assert text in page, text
@@ -329,10 +329,10 @@ def test_repr_html_large_and_batched(rng):
     w = rng.standard_normal((16, 16))
     t = mhattn.trace(x, w, w, w, w, num_heads=4, causal=True)
     page = t._repr_html_()
-    assert "(2, 4, 20, 20)" in page and "too large" in page and "causal" in page
+    assert "(B=2, h=4, T_q=20, T_k=20)" in page and "too large" in page and "causal" in page
     small = mhattn.trace(x[:, :3, :4], w[:4, :4], w[:4, :4], w[:4, :4], num_heads=2)
     page = small._repr_html_()
-    cell = '<td style="text-align:right">&minus;&infin;</td>'
+    cell = '<td style="padding:1px 6px;text-align:right">&minus;&infin;</td>'
     assert "batch item 0" in page and cell not in page
     masked = mhattn.trace(x[0, :3, :4], w[:4, :4], w[:4, :4], w[:4, :4], num_heads=2,
                           causal=True)

@@ -15,7 +15,6 @@ most trials) is named, with an explanation of the fix.
 """
 from __future__ import annotations
 
-import html
 import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -1386,33 +1385,8 @@ class PrototypeReport:
         return str(self)
 
     def _repr_html_(self) -> str:
-        esc = html.escape
-        colour = "#1a7f37" if self.ok else "#b42318"
-        verdict = "OK" if self.ok else "Mistake found" if self.mistake else "Differs"
-        parts = ['<div class="mhattn-check">',
-                 f'<p style="font-weight:bold;color:{colour}">check_prototype: '
-                 f"{verdict} &mdash; {esc(self.title)}"
-                 + (f" <code>{esc(' + '.join(self.mistakes))}</code>" if self.mistakes else "")
-                 + "</p>"]
-        for para in self.explanation.split("\n\n"):
-            prose: List[str] = []
-            code: List[str] = []
-            for line in para.split("\n"):
-                (code if line.startswith("    ") else prose).append(line)
-            if prose:
-                parts.append("<p>" + esc(" ".join(prose)) + "</p>")
-            if code:
-                parts.append("<pre>" + esc("\n".join(c[4:] for c in code)) + "</pre>")
-        parts.append("<table><thead><tr><th>trial</th><th>shapes</th><th>result</th>"
-                     "<th>matching mistakes</th></tr></thead><tbody>")
-        for r in self.trials:
-            style = "" if r.ok else ' style="background:#fdecea"'
-            parts.append(f'<tr{style}><td title="{esc(r.about)}"><code>{esc(r.name)}'
-                         "</code></td>"
-                         f"<td>{esc(r.shapes)}</td><td>{esc(r.describe())}</td>"
-                         f"<td>{esc(', '.join(r.matches))}</td></tr>")
-        parts.append("</tbody></table></div>")
-        return "\n".join(parts)
+        from ._html import report_html
+        return report_html(self)
 
 
 def _is_shape_error_text(text: Optional[str]) -> bool:

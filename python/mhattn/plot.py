@@ -1,4 +1,5 @@
-"""mhattn.plot_attention: one heatmap per head, on one shared 0..1 colour scale.
+"""mhattn.plot_attention: one heatmap per head, on one shared colour scale
+(0..1 for weights), never-seen cells hatched grey.
 
 matplotlib is an optional dependency (``pip install 'mhattn[plot]'``); it is
 imported only when a plot is made.  The figure is built as a
@@ -18,7 +19,7 @@ __all__ = ["plot_attention"]
 _INSTALL = ("mhattn.plot_attention needs matplotlib, which is an optional "
             "dependency: pip install 'mhattn[plot]' (or pip install matplotlib)")
 
-# Matrices up to this many cells per head get their values written in.
+# Figures up to this many cells (over all their panels) get their values written in.
 _ANNOTATE_MAX_CELLS = 144
 
 
@@ -50,14 +51,23 @@ def plot_attention(weights: Any, tokens: Optional[Sequence[Any]] = None,
                    heads: Union[None, int, Sequence[int]] = None, *,
                    key_tokens: Optional[Sequence[Any]] = None, batch: int = 0,
                    annotate: Optional[bool] = None, fmt: str = "{:.2f}",
-                   cmap: str = "viridis", ncols: Optional[int] = None,
+                   cmap: Optional[str] = None, ncols: Optional[int] = None,
                    figsize: Optional[Sequence[float]] = None,
-                   title: Optional[str] = None):
+                   title: Optional[str] = None, mask: Any = None,
+                   causal: bool = False, key_lengths: Any = None,
+                   window: Any = None, key_mask: Any = None,
+                   kind: str = "weights", vmax: Union[None, float, str] = None):
     """Heatmaps of attention weights, one per head, with one shared colour bar.
 
     plot_attention(weights, tokens=None, heads=None, *, key_tokens=None,
-                   batch=0, annotate=None, fmt="{:.2f}", cmap="viridis",
-                   ncols=None, figsize=None, title=None) -> matplotlib Figure
+                   batch=0, annotate=None, fmt="{:.2f}", cmap=None,
+                   ncols=None, figsize=None, title=None, mask=None,
+                   causal=False, key_lengths=None, window=None, key_mask=None,
+                   kind="weights", vmax=None) -> matplotlib Figure
+
+    Cells a query can never see (masked, causal, padding, outside the
+    window) are drawn hatched in grey, not as a 0.00 in the colour of tiny
+    weights, and a legend entry says so.
 
     Parameters
     ----------
@@ -65,7 +75,9 @@ def plot_attention(weights: Any, tokens: Optional[Sequence[Any]] = None,
         Post-softmax weights: (T_q, T_k) for one head, (h, T_q, T_k), or
         batched (B, h, T_q, T_k) (``batch`` picks the item), as returned by
         ``multi_head_attention(..., return_weights=True)``; or a
-        :class:`mhattn.Trace`, whose ``weights`` and tokens are used.
+        :class:`mhattn.Trace`, whose ``weights`` (or ``scores`` with
+        ``kind="scores"``), tokens and masked cells (its -inf scores) are used.
+        With ``kind="scores"``: any scores, -inf where masked.
     tokens : sequence, optional
         Labels of the query rows (the y axis).  For self-attention they also
         label the keys (the x axis).
@@ -78,57 +90,182 @@ def plot_attention(weights: Any, tokens: Optional[Sequence[Any]] = None,
     batch : int
         The batch item to draw when the weights are batched.
     annotate : bool, optional
-        Write each weight in its cell; by default only when a head's matrix
-        has at most 144 cells.
+        Write each value in its cell; by default only when the whole figure
+        has at most 144 cells.  The font size follows the cell size.
     fmt : str
         Format of the annotations.
-    cmap, ncols, figsize, title
-        Colour map; panels per row (default: up to 4); figure size in
-        inches; a title over the whole figure.
+    cmap : str, optional
+        Colour map: "viridis" for weights, the diverging "RdBu_r" for scores.
+    ncols : int, optional
+        Panels per row; default up to 4, the heads wrapping into a grid.
+    figsize : (float, float), optional
+        Figure size in inches; by default at most 10 inches wide.
+    title : str, optional
+        A title over the whole figure.
+    mask, causal, key_lengths, window, key_mask
+        The visibility of the call that made the weights, with the same
+        conventions as :func:`mhattn.multi_head_attention` (``mask``
+        boolean, True = may attend, or float with -inf blocking, broadcasting
+        to (B, h, T_q, T_k); causal aligned bottom-right; keys at positions
+        >= key_lengths[b] are padding; ``window=(left, right)``;
+        ``key_mask`` (T_k,) or (B, T_k), False = padding).  Cells no rule
+        allows are drawn as masked.  Default: nothing masked.
+    kind : {"weights", "scores"}
+        "weights" (default) refuses anything that is not a probability
+        (negative values, values above 1, -inf, or visible rows not summing
+        to 1) with a ValueError; "scores" draws any real values on a diverging
+        map centred on 0 under a bar labelled "score", -inf as masked.
+    vmax : float or "auto", optional
+        Top of the colour scale.  Default: 1 for weights (the scale 0..1),
+        the largest |score| for scores; "auto": the largest value drawn,
+        one scale for the whole figure.
 
     Returns
     -------
     matplotlib.figure.Figure
         Made without pyplot.  Jupyter displays it; save it with
         ``fig.savefig(path)``.  Its axes are the heads' panels, in order,
-        then the colour bar, whose scale 0..1 all heads share.
+        then the colour bar, whose scale all heads share.  Each panel's image
+        holds a masked array whose mask marks the cells drawn as masked.
 
     Raises
     ------
     ImportError
         When matplotlib is not installed: ``pip install 'mhattn[plot]'``.
+    ValueError
+        ``weights: ...`` when the values are not probabilities and
+        ``kind="weights"``; bad shapes, labels or heads.
 
     Examples
     --------
     >>> tokens, X, w_q, w_k, w_v, w_o = mhattn.worked_example()
     >>> t = mhattn.trace(X, w_q, w_k, w_v, w_o, tokens=tokens)
     >>> fig = mhattn.plot_attention(t.weights, tokens)   # doctest: +SKIP
+    >>> fig = mhattn.plot_attention(t, kind="scores")     # doctest: +SKIP
     """
+    if kind not in ("weights", "scores"):
+        raise ValueError(f"kind: expected 'weights' or 'scores', got {kind!r}")
+    w, B, b, hidden_from_trace, tokens, key_tokens = _read_weights(
+        weights, batch, kind, tokens, key_tokens)
+    H, Tq, Tk = w.shape
+    hidden = _hidden(H, Tq, Tk, B, b, mask=mask, causal=causal,
+                     key_lengths=key_lengths, window=window, key_mask=key_mask)
+    if hidden_from_trace is not None:
+        hidden = hidden | hidden_from_trace
+    if kind == "scores":
+        hidden = hidden | np.isneginf(w)
+    else:
+        _check_weights(w, hidden)
+    idx = _head_indices(heads, H)
+
+    ylabels = _labels("tokens", tokens, Tq)
+    if key_tokens is None and tokens is not None:
+        if Tk != Tq:
+            raise ValueError(f"tokens: {len(ylabels)} labels name the queries, but "
+                             f"there are {Tk} keys (T_q != T_k); pass key_tokens=")
+        xlabels = ylabels
+    else:
+        xlabels = _labels("key_tokens", key_tokens, Tk)
+
+    n = len(idx)
+    if annotate is None:
+        annotate = n * Tq * Tk <= _ANNOTATE_MAX_CELLS
+    ncols = max(1, min(n, 4 if ncols is None else int(ncols)))
+    nrows = -(-n // ncols)
+    if figsize is None:
+        figsize = _figsize(ncols, nrows, Tq, Tk, xlabels, ylabels, title)
+
+    shown = np.stack([w[h] for h in idx])
+    seen = ~np.stack([hidden[h] for h in idx])
+    cmap, vmin, vtop = _scale(kind, cmap, vmax, shown[seen & np.isfinite(shown)])
+
+    Figure = _figure_class()
+    import matplotlib
+    from matplotlib.patches import Patch
+
+    fig = Figure(figsize=tuple(figsize), layout="constrained")
+    grid = fig.subplots(nrows, ncols, squeeze=False, sharex=True, sharey=True)
+    axes = list(grid.ravel())
+    for ax in axes[n:]:
+        ax.remove()
+    axes = axes[:n]
+
+    # Font size from the cell size (in points): the widest label fits the
+    # cell's width (a digit is ~0.6 em, with a margin) and about half its height.
+    width_in, height_in = figsize
+    cell_w = 72 * (width_in - 1.4) / ncols / max(Tk, 1)
+    cell_h = 72 * (height_in - 0.8) / nrows / max(Tq, 1)
+    widest = max((len(fmt.format(v)) for v in shown[seen][:256]), default=4)
+    fontsize = float(np.clip(min(cell_h * 0.45, 0.75 * cell_w / (0.6 * widest)), 4.0, 10.0))
+    # Ticks: a label about every 0.24 in across, 0.2 in down.
+    most = (max(2, int((width_in - 1.4) / ncols / 0.24)),
+            max(2, int((height_in - 0.8) / nrows / 0.2)))
+
+    colours = matplotlib.colormaps[cmap].with_extremes(bad=_MASK_COLOUR)
+    image = None
+    for p, (ax, h) in enumerate(zip(axes, idx)):
+        image = ax.imshow(np.ma.masked_array(shown[p], mask=~seen[p]), vmin=vmin,
+                          vmax=vtop, cmap=colours, aspect="auto", interpolation="nearest")
+        # The hatch over the never-seen cells, so that they read as "no value"
+        # even in grey print.
+        if (~seen[p]).any():
+            ax.add_collection(_hatch(~seen[p]))
+        ax.set_title(f"head {h + 1}")
+        _ticks(ax, Tq, Tk, xlabels, ylabels, *most)
+        if annotate:
+            _annotate(ax, image, shown[p], seen[p], fmt, fontsize)
+    _share_labels(axes, ncols, nrows)
+    cbar = fig.colorbar(image, ax=axes, shrink=0.9)
+    cbar.set_label("score" if kind == "scores" else "attention weight")
+    if not seen.all():
+        handle = Patch(facecolor=_MASK_COLOUR, edgecolor=_HATCH_COLOUR, hatch="///",
+                       label="masked: never seen")
+        try:        # "outside" places it below the panels (matplotlib >= 3.7)
+            fig.legend(handles=[handle], loc="outside lower center", fontsize=9,
+                       frameon=False)
+        except ValueError:
+            fig.legend(handles=[handle], loc="lower left", fontsize=9, frameon=False)
+    if title:
+        fig.suptitle(title)
+    return fig
+
+
+def _read_weights(weights, batch, kind, tokens, key_tokens):
+    """-> (w (H, Tq, Tk) float64, B, b, the Trace's -inf cells or None,
+    tokens, key_tokens)."""
     from .trace import Trace
 
+    hidden = None
     if isinstance(weights, Trace):
         if tokens is None:
             tokens = weights.tokens
             if key_tokens is None:
                 key_tokens = weights.key_tokens
-        w = weights.weights
+        w = weights.scores if kind == "scores" else weights.weights
+        hidden = np.isneginf(np.asarray(weights.scores))
     else:
         w = weights
     w = np.asarray(w)
     if w.dtype.kind not in "biuf":
         raise TypeError(f"weights: expected an array of numbers, got dtype {w.dtype}")
+    B, b = 1, 0
     if w.ndim == 4:
         if not -w.shape[0] <= batch < w.shape[0]:
             raise IndexError(f"batch: {batch} is out of range for {w.shape[0]} "
                              f"batch items (weights {w.shape})")
-        w = w[batch]
+        B, b = w.shape[0], batch % w.shape[0]
+        w = w[b]
+        hidden = None if hidden is None else hidden[b]
     elif w.ndim == 2:
         w = w[np.newaxis]
+        hidden = None if hidden is None else hidden[np.newaxis]
     elif w.ndim != 3:
         raise ValueError("weights: expected (T_q, T_k), (h, T_q, T_k) or "
                          f"(B, h, T_q, T_k), got shape {w.shape}")
-    H, Tq, Tk = w.shape
+    return np.asarray(w, dtype=np.float64), B, b, hidden, tokens, key_tokens
 
+
+def _head_indices(heads, H):
     if heads is None:
         idx = list(range(H))
     elif isinstance(heads, (int, np.integer)):
@@ -140,63 +277,173 @@ def plot_attention(weights: Any, tokens: Optional[Sequence[Any]] = None,
     for i in idx:
         if not -H <= i < H:
             raise IndexError(f"heads: head {i} is out of range for {H} heads")
-    idx = [i % H for i in idx]
+    return [i % H for i in idx]
 
-    ylabels = _labels("tokens", tokens, Tq)
-    if key_tokens is None and tokens is not None:
-        if Tk != Tq:
-            raise ValueError(f"tokens: {len(ylabels)} labels name the queries, but "
-                             f"there are {Tk} keys (T_q != T_k); pass key_tokens=")
-        xlabels = ylabels
+
+def _scale(kind, cmap, vmax, vals):
+    """-> (colour map name, bottom, top) of the one scale all panels share."""
+    if vmax not in (None, "auto") and not isinstance(vmax, (int, float, np.number)):
+        raise ValueError(f"vmax: expected None, 'auto' or a number, got {vmax!r}")
+    if kind == "scores":
+        top = float(np.abs(vals).max()) if vals.size else 1.0
+        if vmax not in (None, "auto"):
+            top = float(vmax)
+        top = top if top > 0 else 1.0
+        return cmap or "RdBu_r", -top, top
+    if vmax == "auto":
+        top = float(vals.max()) if vals.size else 1.0
+        top = top if top > 0 else 1.0
     else:
-        xlabels = _labels("key_tokens", key_tokens, Tk)
-    if annotate is None:
-        annotate = Tq * Tk <= _ANNOTATE_MAX_CELLS
+        top = 1.0 if vmax is None else float(vmax)
+    return cmap or "viridis", 0.0, top
 
-    Figure = _figure_class()
-    n = len(idx)
-    ncols = max(1, min(n, 4 if ncols is None else int(ncols)))
-    nrows = -(-n // ncols)
-    if figsize is None:
-        cell = 0.45 if max(Tq, Tk) <= 12 else 0.25
-        side = min(max(2.6, cell * max(Tq, Tk) + 1.2), 6.0)
-        figsize = (side * ncols + 1.0, side * nrows + (0.4 if title else 0.0))
-    fig = Figure(figsize=tuple(figsize), layout="constrained")
-    grid = fig.subplots(nrows, ncols, squeeze=False)
-    axes = list(grid.ravel())
-    for ax in axes[n:]:
-        ax.remove()
-    axes = axes[:n]
 
-    image = None
-    for ax, h in zip(axes, idx):
-        m = np.asarray(w[h], dtype=np.float64)
-        image = ax.imshow(m, vmin=0.0, vmax=1.0, cmap=cmap, aspect="auto",
-                          interpolation="nearest")
-        ax.set_title(f"head {h + 1}")
-        ax.set_xticks(range(Tk))
-        ax.set_yticks(range(Tq))
-        if xlabels is not None:
-            ax.set_xticklabels(xlabels, rotation=45 if max(map(len, xlabels)) > 3 else 0,
-                               ha="right" if max(map(len, xlabels)) > 3 else "center")
-        if ylabels is not None:
-            ax.set_yticklabels(ylabels)
-        ax.set_xlabel("key")
-        ax.set_ylabel("query")
-        if annotate:
-            for i in range(Tq):
-                for j in range(Tk):
-                    val = m[i, j]
-                    # white text on dark cells, black on light ones
-                    r, g, b, _ = image.cmap(image.norm(val))
-                    color = "white" if 0.299 * r + 0.587 * g + 0.114 * b < 0.5 else "black"
-                    ax.text(j, i, fmt.format(val), ha="center", va="center",
-                            color=color, fontsize=8)
-    cbar = fig.colorbar(image, ax=axes, shrink=0.9)
-    cbar.set_label("attention weight")
-    if title:
-        fig.suptitle(title)
-    return fig
+def _annotate(ax, image, m, seen, fmt, fontsize):
+    """Each visible cell's value, white on dark cells and black on light ones."""
+    for i, j in zip(*np.nonzero(seen)):
+        val = m[i, j]
+        r, g, bl, _ = image.cmap(image.norm(val))
+        color = "white" if 0.299 * r + 0.587 * g + 0.114 * bl < 0.5 else "black"
+        ax.text(j, i, fmt.format(val), ha="center", va="center", color=color,
+                fontsize=fontsize)
+
+
+def _share_labels(axes, ncols, nrows):
+    """"key" under the bottom panel of each column, "query" left of the first
+    panel of each row; the tick labels likewise."""
+    n = len(axes)
+    for k, ax in enumerate(axes):
+        row, col = divmod(k, ncols)
+        if row == nrows - 1 or k + ncols >= n:
+            ax.set_xlabel("key")
+            ax.tick_params(axis="x", labelbottom=True)
+        else:
+            ax.tick_params(axis="x", labelbottom=False)
+        if col == 0:
+            ax.set_ylabel("query")
+        else:
+            ax.tick_params(axis="y", labelleft=False)
+
+
+_MASK_COLOUR = "#d9d9d9"
+_HATCH_COLOUR = "#8c8c8c"
+
+
+def _hatch(hidden: np.ndarray):
+    """One hatched collection over the hidden cells: a rectangle per run of
+    hidden cells in a row, so that a causal T x T mask is T rectangles."""
+    from matplotlib.collections import PatchCollection
+    from matplotlib.patches import Rectangle
+    rects = []
+    for i, row in enumerate(hidden):
+        edges = np.flatnonzero(np.diff(np.concatenate(([0], row.astype(np.int8), [0]))))
+        for j0, j1 in zip(edges[::2], edges[1::2]):
+            rects.append(Rectangle((j0 - 0.5, i - 0.5), j1 - j0, 1))
+    return PatchCollection(rects, facecolor="none", edgecolor=_HATCH_COLOUR, hatch="///",
+                           linewidth=0, gid="mhattn-masked")
+
+
+def _figsize(ncols, nrows, Tq, Tk, xlabels, ylabels, title):
+    """Cells of 0.45 in (small), shrinking so that the figure stays <= 10 in wide."""
+    cell = 0.45 if max(Tq, Tk) <= 12 else 0.25
+    label_w = 0.0 if ylabels is None else min(max(map(len, ylabels)), 12) * 0.07
+    panel_w = min(max(1.8, cell * Tk), 6.0)
+    width = ncols * panel_w + label_w + 1.2          # + colour bar
+    if width > _MAX_WIDTH:
+        panel_w = (_MAX_WIDTH - label_w - 1.2) / ncols
+        width = _MAX_WIDTH
+    panel_h = min(max(1.6, panel_w * Tq / max(Tk, 1)), 6.0)
+    extra = 0.45 + (0.4 if title else 0.0)           # titles, legend
+    if xlabels is not None:
+        extra += min(max(map(len, xlabels)), 12) * 0.06
+    return (width, nrows * (panel_h + 0.35) + extra)
+
+
+_MAX_WIDTH = 10.0
+
+
+def _ticks(ax, Tq, Tk, xlabels, ylabels, max_x, max_y):
+    """Every tick while they fit (max_x, max_y ticks per panel), else every
+    1, 2, 5, 10, 20, ... th; labels rotated 45 degrees when any key label is
+    longer than 3 characters, in every panel alike."""
+    for axis, n, labels, most in ((ax.xaxis, Tk, xlabels, max_x),
+                                  (ax.yaxis, Tq, ylabels, max_y)):
+        step = next(s for s in (m * 10 ** e for e in range(12) for m in (1, 2, 5))
+                    if -(-n // s) <= most)
+        pos = list(range(0, n, step))
+        axis.set_ticks(pos)
+        if labels is not None:
+            axis.set_ticklabels([labels[i] for i in pos])
+    if xlabels is not None and max(map(len, xlabels), default=0) > 3:
+        for t in ax.get_xticklabels():
+            t.set_rotation(45)
+            t.set_ha("right")
+
+
+def _hidden(H, Tq, Tk, B, b, *, mask, causal, key_lengths, window, key_mask) -> np.ndarray:
+    """(H, Tq, Tk) bool: the cells no visibility rule allows, by the
+    reference's own rules (:func:`mhattn.reference.allowed_keys`)."""
+    if mask is None and not causal and key_lengths is None and window is None \
+            and key_mask is None:
+        return np.zeros((H, Tq, Tk), dtype=bool)
+    from . import reference
+    from ._args import normalize
+
+    extra = {}
+    if mask is not None:
+        m = np.asarray(mask)
+        if m.dtype != bool:     # float: -inf blocks
+            m = ~np.isneginf(m)
+        extra["mask"] = m
+    bt = B > 1 or (key_lengths is not None and np.ndim(key_lengths) == 1
+                   and np.size(key_lengths) > 1) or (key_mask is not None
+                                                     and np.ndim(key_mask) == 2)
+    nb = max(B, np.size(key_lengths) if key_lengths is not None else 1,
+             np.shape(key_mask)[0] if key_mask is not None and np.ndim(key_mask) == 2
+             else 1)
+    if "mask" in extra and extra["mask"].ndim == 4:
+        nb = max(nb, extra["mask"].shape[0])
+        bt = True
+    xs = (nb, Tq, H) if bt else (Tq, H)
+    ks = (nb, Tk, H) if bt else (Tk, H)
+    eye = np.eye(H)
+    kl = None if key_lengths is None else np.atleast_1d(np.asarray(key_lengths))
+    if kl is not None and not bt:
+        kl = int(kl[0])
+    try:
+        call = normalize(np.zeros(xs), eye, eye, eye, eye, num_heads=H,
+                         key=np.zeros(ks), value=np.zeros(ks), causal=causal,
+                         key_lengths=kl, window=window, key_mask=key_mask, **extra)
+    except (ValueError, TypeError) as exc:
+        raise type(exc)(f"mask/causal/key_lengths/window/key_mask: do not fit weights "
+                        f"of {H} heads, T_q={Tq}, T_k={Tk}: {exc}") from exc
+    bb = b if bt else 0
+    return ~np.stack([reference.allowed_keys(call, bb, h) for h in range(H)])
+
+
+def _check_weights(w: np.ndarray, hidden: np.ndarray) -> None:
+    """Refuse what is not a probability (kind="weights")."""
+    hint = (" These look like scores: pass kind=\"scores\" to draw them on a "
+            "diverging scale, or plot the softmax weights "
+            "(multi_head_attention(..., return_weights=True) or Trace.weights).")
+    if np.isnan(w).any():
+        raise ValueError("weights: holds NaN; attention weights are finite probabilities")
+    if np.isinf(w).any():
+        raise ValueError("weights: holds -inf or inf, so it is not post-softmax "
+                         "weights." + hint)
+    tol = 1e-3
+    if (w < -tol).any() or (w > 1 + tol).any():
+        raise ValueError(f"weights: values from {w.min():.3g} to {w.max():.3g} are not "
+                         "probabilities in 0..1." + hint)
+    seen = np.where(hidden, 0.0, w)
+    sums = seen.sum(axis=-1)
+    # A row may sum to 0 (fully masked), or to 1 over its visible keys.
+    bad = ~((np.abs(sums - 1) <= tol) | (np.abs(w).sum(axis=-1) <= tol))
+    if bad.any():
+        h, i = (int(a[0]) for a in np.nonzero(bad))
+        raise ValueError(f"weights: row {i} of head {h + 1} sums to {sums[h, i]:.4g} "
+                         "over its visible keys, not 1, so these are not softmax "
+                         "weights (or the mask passed does not match them)." + hint)
 
 
 def _labels(name: str, labels: Any, n: int):

@@ -41,7 +41,6 @@ the same keys.  Scores, weights are always ``(h, T_q, T_k)`` (or
 """
 from __future__ import annotations
 
-import html
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -70,27 +69,6 @@ _ORDER = ("q_proj", "k_proj", "q_normed", "k_normed", "q", "k", "v", "raw_scores
           "output")
 
 _PER_HEAD = ("q", "k", "v", "heads", "q_proj", "k_proj", "q_normed", "k_normed")
-
-# What each step is, in the document's notation (shown by _repr_html_).
-_FORMULA = {
-    "q": "Q<sub>i</sub> = X W<sub>i</sub><sup>Q</sup>",
-    "k": "K<sub>i</sub> = X W<sub>i</sub><sup>K</sup>",
-    "v": "V<sub>i</sub> = X W<sub>i</sub><sup>V</sup>",
-    "raw_scores": "Q<sub>i</sub> K<sub>i</sub><sup>T</sup>",
-    "scores": "Q<sub>i</sub> K<sub>i</sub><sup>T</sup> &middot; scale, masked (&minus;&infin;)",
-    "row_max": "max<sub>j</sub> scores<sub>ij</sub>",
-    "lse": "log &sum;<sub>j</sub> exp(scores<sub>ij</sub>)",
-    "weights": "softmax(scores) over the keys",
-    "heads": "head<sub>i</sub> = weights<sub>i</sub> V<sub>i</sub>",
-    "concat": "Concat(head<sub>1</sub>, &hellip;, head<sub>h</sub>)",
-    "output": "Concat(&hellip;) W<sup>O</sup>",
-    "q_proj": "X W<sub>i</sub><sup>Q</sup> (+ b), before the norm and RoPE",
-    "k_proj": "X W<sub>i</sub><sup>K</sup> (+ b), before the norm and RoPE",
-    "q_normed": "RMSNorm(q_proj) &middot; q_norm",
-    "k_normed": "RMSNorm(k_proj) &middot; k_norm",
-    "capped": "c &middot; tanh(raw_scores &middot; scale / c)",
-    "bias": "ALiBi: &minus;slope &middot; |p<sub>i</sub> &minus; j|",
-}
 
 # Aliases accepted by Trace.compare for the keys of a user's dict.
 _ALIASES = {
@@ -551,88 +529,12 @@ class Trace:
                 and self.concat.shape[-1] <= 16)
 
     def _repr_html_(self) -> str:
-        esc = html.escape
-        out = ['<div class="mhattn-trace">',
-               f"<p><b>mhattn.Trace</b> &mdash; {esc(self._config_text())}; "
-               f"scale {_scales_text(self.scales, self.d_k)}</p>",
-               '<table><thead><tr><th style="text-align:left">step</th>'
-               '<th style="text-align:left">equation</th>'
-               '<th style="text-align:left">shape</th></tr></thead><tbody>']
-        for k in self.keys():
-            out.append(f'<tr><td style="text-align:left"><code>{k}</code></td>'
-                       f'<td style="text-align:left">{_FORMULA[k]}</td>'
-                       f'<td style="text-align:left"><code>{esc(self.shape_of(k))}'
-                       f"</code></td></tr>")
-        out.append("</tbody></table>")
-        if self._small():
-            b = 0 if self.batched else None
-            if self.batched:
-                out.append(f"<p>Values of batch item 0 (of {self.weights.shape[0]}):</p>")
-            qlab = self.tokens or [str(i) for i in range(self.weights.shape[-2])]
-            klab = self.key_tokens or [str(j) for j in range(self.weights.shape[-1])]
-            for i in range(self.num_heads):
-                st = self.head(i, b)
-                out.append(f"<p><b>Head {i + 1}</b> (d_k = {self.d_k[i]}, "
-                           f"d_v = {self.d_v[i]}, scale {self.scales[i]:.4g})</p>")
-                out.append('<div style="display:flex;flex-wrap:wrap;gap:1.2em">')
-                out.append(_matrix_html("q", st["q"], qlab))
-                out.append(_matrix_html("k", st["k"], klab))
-                out.append(_matrix_html("v", st["v"], klab))
-                out.append(_matrix_html("raw_scores = q k\u1d40", st["raw_scores"],
-                                        qlab, klab))
-                out.append(_matrix_html("scores", st["scores"], qlab, klab))
-                out.append(_matrix_html("weights", st["weights"], qlab, klab))
-                out.append(_matrix_html("head", st["head"], qlab))
-                out.append("</div>")
-            concat = self.concat[b] if self.batched else self.concat
-            output = self.output[b] if self.batched else self.output
-            out.append('<div style="display:flex;flex-wrap:wrap;gap:1.2em">')
-            out.append(_matrix_html("concat", concat, qlab))
-            out.append(_matrix_html("output", output, qlab))
-            out.append("</div>")
-        else:
-            out.append("<p>(Matrices too large to show: read them from the trace's "
-                       "attributes or <code>to_dict()</code>.)</p>")
-        out.append("</div>")
-        return "\n".join(out)
+        from ._html import trace_html
+        return trace_html(self)
 
 
 def _widths(ws: Sequence[int]) -> str:
     return str(ws[0]) if len(set(ws)) == 1 else "(" + ", ".join(map(str, ws)) + ")"
-
-
-def _scales_text(scales: Sequence[float], dk: Sequence[int]) -> str:
-    if all(abs(s - 1 / np.sqrt(d)) <= 1e-12 * abs(s) for s, d in zip(scales, dk)):
-        return "1/&radic;d<sub>k</sub>" + (
-            f" = {scales[0]:.4f}" if len(set(scales)) == 1 else "")
-    return ", ".join(f"{s:.4g}" for s in sorted(set(scales)))
-
-
-def _fmt(x: float) -> str:
-    if np.isneginf(x):
-        return "&minus;&infin;"
-    if np.isposinf(x):
-        return "&infin;"
-    if np.isnan(x):
-        return "nan"
-    return f"{x:.4f}"
-
-
-def _matrix_html(title: str, a: np.ndarray, rows: Sequence[str],
-                 cols: Optional[Sequence[str]] = None) -> str:
-    a = np.atleast_2d(np.asarray(a, dtype=np.float64))
-    esc = html.escape
-    head = ""
-    if cols is not None:
-        head = ("<tr><th></th>" + "".join(f"<th>{esc(c)}</th>" for c in cols)
-                + "</tr>")
-    body = "".join(
-        f'<tr><th style="text-align:right">{esc(rows[i])}</th>'
-        + "".join(f'<td style="text-align:right">{_fmt(x)}</td>' for x in row) + "</tr>"
-        for i, row in enumerate(a))
-    return (f'<div><div style="font-weight:bold;text-align:center">{esc(title)} '
-            f'<span style="font-weight:normal">{a.shape}</span></div>'
-            f'<table style="font-family:monospace">{head}{body}</table></div>')
 
 
 def _shape_text(x: Any) -> str:
@@ -749,24 +651,8 @@ class CompareReport:
     __repr__ = __str__
 
     def _repr_html_(self) -> str:
-        esc = html.escape
-        rows = []
-        for s in self.stages:
-            style = ""
-            if s.stage == self.first_divergence:
-                style = ' style="background:#fdd;font-weight:bold"'
-            if s.ok is None:
-                status, a, r = "not given", "", ""
-            else:
-                status = "ok" if s.ok else esc(s.note or "differs")
-                a, r = _num(s.max_abs), _num(s.max_rel)
-            rows.append(f"<tr{style}><td><code>{s.stage}</code></td>"
-                        f"<td><code>{esc(s.shape)}</code></td><td>{a}</td><td>{r}</td>"
-                        f"<td>{status}</td></tr>")
-        return ('<div class="mhattn-compare"><p>' + esc(self.summary()) + "</p>"
-                "<table><thead><tr><th>stage</th><th>shape</th><th>max abs err</th>"
-                "<th>max rel err</th><th>status</th></tr></thead><tbody>"
-                + "".join(rows) + "</tbody></table></div>")
+        from ._html import compare_html
+        return compare_html(self)
 
 
 def _num(x: Optional[float]) -> str:
