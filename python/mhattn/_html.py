@@ -325,7 +325,5 @@ def report_html(report: Any) -> str:
 def _matching(trial: Any) -> Tuple[str, ...]:
     if trial.ok:
         return ()
-    m = getattr(trial, "matching", None)
-    if m is None:
-        m = getattr(trial, "matches", ()) or ()
+    m = getattr(trial, "matching", None) or getattr(trial, "matches", None) or ()
     return tuple(str(x) for x in m)
