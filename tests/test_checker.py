@@ -232,7 +232,8 @@ def test_every_mistake_has_a_buggy_prototype():
     assert {m for m, _ in BUGGY} <= set(MISTAKES)
     keyword_only = {"mask_inverted", "mask_after_softmax", "causal_top_left", "rope_on_v",
                     "rope_pairing_wrong", "softcap_after_mask", "sink_in_numerator",
-                    "rope_not_offset"}
+                    "rope_not_offset", "qk_norm_whole_row", "qk_norm_no_weight",
+                    "qk_norm_layernorm"}
     assert {m for m, _, _ in VARIANTS} == set(MISTAKES) - keyword_only
 
 
@@ -743,3 +744,42 @@ def test_check_attention_prototype_rope_offset():
     assert rep.mistakes == ("rope_not_offset",), str(rep)
     rep = mhattn.check_attention_prototype(make(interleaved=True))
     assert rep.mistakes == ("rope_pairing_wrong",), str(rep)
+
+
+def test_qk_norm_mistakes_are_named_and_a_correct_norm_passes():
+    """A prototype taking q_norm and k_norm gets a q/k-norm trial; each of
+    the norm's three mistakes is named, and the correct norm passes."""
+    def make(kind):
+        def norm(a, w):
+            if kind == "layernorm":
+                a = a - a.mean(-1, keepdims=True)
+            return a / np.sqrt((a * a).mean(-1, keepdims=True) + 1e-6) * (
+                1.0 if kind == "no_weight" else w)
+
+        def proto(x, w_q, w_k, w_v, w_o, num_heads, q_norm=None, k_norm=None):
+            T, h = len(x), num_heads
+            Q, K = x @ w_q, x @ w_k
+            if kind == "whole_row":
+                Q = Q / np.sqrt((Q * Q).mean(-1, keepdims=True) + 1e-6)
+                K = K / np.sqrt((K * K).mean(-1, keepdims=True) + 1e-6)
+            q, k = Q.reshape(T, h, -1), K.reshape(T, h, -1)
+            v = (x @ w_v).reshape(T, h, -1)
+            if q_norm is not None:
+                if kind == "whole_row":
+                    q, k = q * q_norm, k * k_norm
+                else:
+                    q, k = norm(q, q_norm), norm(k, k_norm)
+            s = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(q.shape[-1])
+            p = np.exp(s - s.max(-1, keepdims=True))
+            p /= p.sum(-1, keepdims=True)
+            return np.einsum("hqk,khd->qhd", p, v).reshape(T, -1) @ w_o
+        return proto
+
+    assert mhattn.check_prototype(make("ok")).ok
+    for kind in ("no_weight", "layernorm", "whole_row"):
+        rep = mhattn.check_prototype(make(kind))
+        assert not rep.ok and rep.mistakes == ("qk_norm_" + kind,), (kind, rep.mistakes)
+    # without the keywords the prototype is never passed a norm
+    assert "qk_norm" not in [t.name for t in mhattn.check_prototype(
+        lambda x, w_q, w_k, w_v, w_o, num_heads: make("ok")(x, w_q, w_k, w_v, w_o,
+                                                             num_heads)).trials]

@@ -6,8 +6,8 @@ Each file there defines ``prototype(x, w_q, w_k, w_v, w_o, num_heads, ...)``
 and declares its planted mistakes, ``EXPECTED = ("no_scaling",)`` (() for a
 correct one; ``DTYPE = "float32"`` to check it in float32).  The table says,
 per prototype, what the checker names AFTER (this tree's checker) and BEFORE
-(the checker.py of git revision REV, default ``main``, loaded from ``git
-show`` as a module of this mhattn), and counts:
+(the checker.py of git revision REV, default the last one before issue 15,
+loaded from ``git show`` as a module of this mhattn), and counts:
 
 * prototypes fully named: correct ones reported ok, every planted mistake
   named and nothing else;
@@ -80,7 +80,9 @@ def score(expected, rep):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--before", default="main", help="git revision of the old checker")
+    # the last revision before issue 15's checker (the step model)
+    ap.add_argument("--before", default="8f54e053842a47e65d0f81a19823a936eb73875d",
+                    help="git revision of the old checker (default: the one before issue 15)")
     ap.add_argument("-v", action="store_true", help="print every row")
     args = ap.parse_args(argv)
     import mhattn

@@ -111,6 +111,49 @@ def split_v_with_dk(st: State) -> State:
                 v=_slices(st["V"], h, dk), dk_scale=dk)
 
 
+# ------------------------------------------------------------------ q/k norm (after the split)
+def _qk_norm(st: State, weight: bool = True, center: bool = False,
+             whole_row: bool = False) -> State:
+    """RMSNorm of each head's q and k rows over d_k, times the (d_k,) weight
+    (mhattn's q_norm / k_norm, eps norm_eps); the mistakes: over the whole
+    projected row (every head at once), without the weight, or LayerNorm
+    (the row's mean subtracted first)."""
+    out = {}
+    eps = st.get("norm_eps", 1e-6)
+    for side in ("q", "k"):
+        w = st.get(side + "_norm")
+        if w is None:
+            continue
+        heads = [a.astype(np.float64) for a in st[side]]
+        if center:
+            heads = [a - a.mean(-1, keepdims=True) for a in heads]
+        if whole_row:
+            row = np.concatenate(heads, axis=1)
+            r = np.sqrt((row * row).mean(-1, keepdims=True) + eps)
+            rs = [r] * len(heads)
+        else:
+            rs = [np.sqrt((a * a).mean(-1, keepdims=True) + eps) for a in heads]
+        out[side] = [(a / r * (w if weight else 1.0)).astype(b.dtype)
+                     for a, r, b in zip(heads, rs, st[side])]
+    return _new(st, **out) if out else st
+
+
+def qk_norm(st: State) -> State:
+    return _qk_norm(st)
+
+
+def qk_norm_whole_row(st: State) -> State:
+    return _qk_norm(st, whole_row=True)
+
+
+def qk_norm_no_weight(st: State) -> State:
+    return _qk_norm(st, weight=False)
+
+
+def qk_norm_layernorm(st: State) -> State:
+    return _qk_norm(st, center=True)
+
+
 # ------------------------------------------------------------------ RoPE (after the split)
 def _turn(a: np.ndarray, inv_freq: np.ndarray, interleaved: bool, offset: int = 0):
     d = a.shape[-1]

@@ -271,6 +271,26 @@ MISTAKES: Dict[str, Tuple[str, str]] = {
         "(sliced with the wrong width, or combined without Concat), and cutting\n"
         "W^O only hides it. Fix the heads, then use all of W^O:\n"
         "    return np.concatenate(heads, axis=-1) @ w_o"),
+    "qk_norm_whole_row": (
+        "the q/k norm is taken over the whole projected row, not per head",
+        "Your prototype normalises each row of Q = X W^Q (and K) over all its\n"
+        "h*d_k features at once. The q/k norm (as in Qwen3 and Gemma 3) is an\n"
+        "RMSNorm of each head's own d_k features, after the split into heads and\n"
+        "before RoPE, with a (d_k,) weight shared by the heads. Fix, per head:\n"
+        "    q = q / np.sqrt((q * q).mean(-1, keepdims=True) + eps) * q_norm"),
+    "qk_norm_no_weight": (
+        "the q/k norm leaves out its weight",
+        "Your prototype RMS-normalises q and k but does not multiply by the\n"
+        "learned weights q_norm and k_norm ((d_k,) each). RMSNorm is the\n"
+        "normalisation times its weight. Fix:\n"
+        "    q = q / np.sqrt((q * q).mean(-1, keepdims=True) + eps) * q_norm\n"
+        "    k = k / np.sqrt((k * k).mean(-1, keepdims=True) + eps) * k_norm"),
+    "qk_norm_layernorm": (
+        "the q/k norm subtracts the mean (LayerNorm instead of RMSNorm)",
+        "Your prototype centres q and k before scaling them, as LayerNorm does.\n"
+        "The q/k norm is an RMSNorm: no mean is subtracted, only the root mean\n"
+        "square divided out. Fix:\n"
+        "    q = q / np.sqrt((q * q).mean(-1, keepdims=True) + eps) * q_norm"),
     "rope_on_v": (
         "RoPE is applied to V too",
         "Your prototype rotates the values as well. RoPE encodes positions in the\n"
@@ -472,6 +492,15 @@ def _trials(n_random: int, dtype, seed: int, convention: str = "general",
         t = _random_trial(rng, "rope", "rope=mhattn.RoPE(theta=10.0) (rotate-half)",
                           6, 8, 2, 4, 4 if std else 2, 6, dtype)
         t.kwargs = {"rope": RoPE(theta=10.0)}
+        trials.append(t)
+    if "q_norm" in keywords:
+        # three heads of d_k = 4, weights far from 1, a row scale that a
+        # per-head norm removes and a whole-row one does not
+        t = _random_trial(rng, "qk_norm", "q_norm=, k_norm= (RMSNorm weights over d_k)",
+                          5, 12 if std else 9, 3, 4, 4 if std else 3, 6, dtype)
+        t.x = (t.x * np.linspace(0.5, 3.0, t.x.shape[1])).astype(dtype)
+        t.kwargs = {"q_norm": (0.5 + rng.random(4) * 1.5).astype(dtype),
+                    "k_norm": (0.5 + rng.random(4) * 1.5).astype(dtype)}
         trials.append(t)
     return trials
 
@@ -769,7 +798,8 @@ def _compare_result(r: "TrialResult", got: Any, want: np.ndarray, tol: float) ->
 def _layer_start(t: _Trial) -> Dict[str, Any]:
     return dict(x=t.x, w_q=t.w_q, w_k=t.w_k, w_v=t.w_v, w_o=t.w_o, h=t.num_heads,
                 d_model=t.x.shape[1], dtype=t.x.dtype, mask=t.kwargs.get("mask"),
-                causal=bool(t.kwargs.get("causal")), rope=t.kwargs.get("rope"))
+                causal=bool(t.kwargs.get("causal")), rope=t.kwargs.get("rope"),
+                q_norm=t.kwargs.get("q_norm"), k_norm=t.kwargs.get("k_norm"))
 
 
 def _layer_model(keywords: Sequence[str]) -> List[_steps.Step]:
@@ -780,6 +810,14 @@ def _layer_model(keywords: Sequence[str]) -> List[_steps.Step]:
             ("rope_on_v", "RoPE applied to V too", _steps.rope_on_v),
             ("rope_pairing_wrong", "interleaved pairs instead of rotate-half (or back)",
              _steps.rope_pairing_swapped)]))
+    if "q_norm" in keywords:
+        at = [s.name for s in steps].index("split heads") + 1
+        steps.insert(at, _steps.Step("q/k norm", "q", _steps.qk_norm, [
+            ("qk_norm_whole_row", "RMSNorm over the whole projected row, not per head",
+             _steps.qk_norm_whole_row),
+            ("qk_norm_no_weight", "RMSNorm without its weight", _steps.qk_norm_no_weight),
+            ("qk_norm_layernorm", "LayerNorm (the mean subtracted) instead of RMSNorm",
+             _steps.qk_norm_layernorm)]))
     if "mask" in keywords or "causal" in keywords:
         at = [s.name for s in steps].index("scale") + 1
         steps.insert(at, _steps.Step("mask", "scores", _steps.mask, [
@@ -1051,6 +1089,9 @@ def check_prototype(fn: Callable, *, trials: int = 4, dtype=np.float64,
         with a boolean mask (True = may attend), ``causal=True`` or
         ``rope=mhattn.RoPE(theta=10.0)`` is added, and the mask or RoPE
         mistakes are searched for too; otherwise it is never passed one.
+        Taking both ``q_norm`` and ``k_norm`` adds a trial with (d_k,)
+        RMSNorm weights for each (mhattn's q/k norm, eps 1e-6, applied per
+        head after the split and before RoPE), and the norm's mistakes.
     trials : int, default 4
         How many random configurations to add to the designed ones.
     dtype : np.float64 (default) or np.float32
@@ -1104,6 +1145,8 @@ def check_prototype(fn: Callable, *, trials: int = 4, dtype=np.float64,
     dtype = _check_common(dtype, trials)
     tol = 2e-4 if dtype == np.float32 else 1e-7
     keywords = [k for k in ("mask", "causal", "rope") if _accepts(fn, k)]
+    if _accepts(fn, "q_norm") and _accepts(fn, "k_norm"):
+        keywords.append("q_norm")
     cases = _trials(int(trials), dtype, seed, convention, keywords)
     results, user_out = _run_layer_trials(fn, cases, dtype, tol)
     standard_ok = None
