@@ -47,6 +47,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from . import reference
+from ._html import _num  # a figure of the comparison: '' / 'inf' / 3 digits
 from ._core import run_core
 from ._args import Call, check_memory, normalize, plan
 from ._variants import variant_kwargs
@@ -655,9 +656,3 @@ class CompareReport:
         return compare_html(self)
 
 
-def _num(x: Optional[float]) -> str:
-    if x is None:
-        return ""
-    if np.isinf(x):
-        return "inf"
-    return f"{x:.3g}"
