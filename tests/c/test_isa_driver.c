@@ -405,6 +405,28 @@ static void attend_problem(problem *P, const aspec *a, spec *holder)
     }
 }
 
+/* P in float32 and float64: fn on the portable path, then on `best`, at 1,
+   2 and 3 threads each, compared; prints the worst difference, returns the
+   number of cases (2). */
+static int both_types(problem *P, mha_isa best, run_fn fn, const char *what,
+                      const char *name)
+{
+    for (int f64 = 0; f64 < 2; f64++) {
+        results ref, fast;
+        run_at_threads(&ref, P, f64, MHA_ISA_SCALAR, fn, what);
+        double worst = 0;
+        if (best != MHA_ISA_SCALAR) {
+            run_at_threads(&fast, P, f64, best, fn, what);
+            worst = compare(&fast, &ref, P, f64, what, best);
+            results_free(&fast);
+        }
+        printf("  %-7s %-36s f%d: worst relative difference %.2g\n", what, name,
+               f64 ? 64 : 32, worst);
+        results_free(&ref);
+    }
+    return 2;
+}
+
 int main(int argc, char **argv)
 {
     const int quick = argc > 1 && strcmp(argv[1], "quick") == 0;
@@ -418,20 +440,7 @@ int main(int argc, char **argv)
             continue;
         problem P;
         problem_make(&P, &k_specs[s]);
-        for (int f64 = 0; f64 < 2; f64++) {
-            results ref, fast;
-            run_at_threads(&ref, &P, f64, MHA_ISA_SCALAR, run_problem, "fwd+bwd");
-            double worst = 0;
-            if (best != MHA_ISA_SCALAR) {
-                run_at_threads(&fast, &P, f64, best, run_problem, "fwd+bwd");
-                worst = compare(&fast, &ref, &P, f64, "fwd+bwd", best);
-                results_free(&fast);
-            }
-            printf("  fwd+bwd %-36s f%d: worst relative difference %.2g\n", k_specs[s].name,
-                   f64 ? 64 : 32, worst);
-            results_free(&ref);
-            cases++;
-        }
+        cases += both_types(&P, best, run_problem, "fwd+bwd", k_specs[s].name);
         problem_free(&P);
     }
     for (size_t s = 0; s < sizeof k_aspecs / sizeof k_aspecs[0]; s++) {
@@ -439,20 +448,7 @@ int main(int argc, char **argv)
         spec holder;
         attend_problem(&P, &k_aspecs[s], &holder);
         g_aspec = &k_aspecs[s];
-        for (int f64 = 0; f64 < 2; f64++) {
-            results ref, fast;
-            run_at_threads(&ref, &P, f64, MHA_ISA_SCALAR, run_attend, "attend");
-            double worst = 0;
-            if (best != MHA_ISA_SCALAR) {
-                run_at_threads(&fast, &P, f64, best, run_attend, "attend");
-                worst = compare(&fast, &ref, &P, f64, "attend", best);
-                results_free(&fast);
-            }
-            printf("  attend  %-36s f%d: worst relative difference %.2g\n", k_aspecs[s].name,
-                   f64 ? 64 : 32, worst);
-            results_free(&ref);
-            cases++;
-        }
+        cases += both_types(&P, best, run_attend, "attend", k_aspecs[s].name);
         problem_free(&P);
     }
     mha_set_isa(best);
