@@ -3,7 +3,9 @@
     python fuzz/fuzz_mha.py -max_total_time=60 NEW_CORPUS_DIR fuzz/corpus
 
 (atheris, i.e. libFuzzer: the first directory receives new inputs; give a
-scratch one so fuzz/corpus stays as committed). ``python fuzz/fuzz_mha.py
+scratch one so fuzz/corpus stays as committed). Without ``-seed`` each run
+explores fresh inputs; .ci/run's gate takes ``-seed=1 -runs=30000`` so that a
+commit's result is reproducible. ``python fuzz/fuzz_mha.py
 --replay PATH...`` runs files (or directories of them) through
 test_one_input once, without atheris.
 
@@ -16,6 +18,10 @@ Each input is decoded into one call. The properties:
     positions, key_mask, packed sequences) come and go with the rest.
 Values are multiples of 1/4 in [-2, 2], so projections and scores are exact
 in float32 and the only differences left are exp's and the sums' rounding.
+q/k norm and RoPE make q and k inexact; under a huge scale (1e30) a rounding
+of q.k then moves a score by more than whole units, softmax is a
+discontinuous argmax of near-ties, and only dtype, shape and finiteness are
+checked (ill_conditioned; fuzz/regressions/qnorm-huge-scale-near-tie).
 
 The decoder is written here rather than taken from atheris, so inputs
 replay identically without it (tests/test_fuzz_regressions.py).
@@ -321,16 +327,31 @@ def tolerance(dtype):
     return 1e-4 if dtype == np.float32 else 1e-10
 
 
-def compare(got, ref, what):
+def compare(got, ref, what, values=True):
     assert type(got) is np.ndarray and got.flags.c_contiguous, what
     assert got.dtype == ref.dtype and got.shape == ref.shape, (what, got.dtype, ref.dtype,
                                                                got.shape, ref.shape)
+    if not values:
+        assert not np.isnan(got).any() or np.isnan(ref).any(), f"{what}: NaN from C only"
+        return
     if not np.isfinite(ref).all():
         return
     assert np.isfinite(got).all(), f"{what}: reference finite, C not"
     tol = tolerance(got.dtype)
     scale = max(1.0, float(np.abs(ref).max())) if ref.size else 1.0
     np.testing.assert_allclose(got, ref, rtol=tol, atol=tol * scale, err_msg=what)
+
+
+def ill_conditioned(kw) -> bool:
+    """True when a rounding of q or k can move a score by whole units: an
+    inexact q or k (q/k norm, RoPE) under a scale beyond 1e3."""
+    if not any(kw.get(n) is not None for n in ("q_norm", "k_norm", "rope")):
+        return False
+    try:
+        s = abs(float(np.asarray(kw.get("scale", None) or 0.0, dtype=np.float64)))
+    except (TypeError, ValueError):
+        return False
+    return bool(np.isfinite(s) and s > 1e3)
 
 
 def test_one_input(data: bytes) -> None:
@@ -351,11 +372,10 @@ def test_one_input(data: bytes) -> None:
         except MemoryError:
             return
         ref = reference.multi_head_attention(**kw)
-    if kw["return_weights"]:
-        compare(got[0], ref[0], "out")
-        compare(got[1], ref[1], "weights")
-    else:
-        compare(got, ref, "out")
+    got, ref = (got, ref) if kw["return_weights"] else ((got,), (ref,))
+    values = not ill_conditioned(kw)
+    for what, g, r in zip(("out", "weights"), got, ref):
+        compare(g, r, what, values=values)
 
 
 def check_attention(kw):
