@@ -73,6 +73,32 @@ typedef enum {
 } mha_mask_kind;
 
 /*
+ * A weight packed once for the GEMM's micro-kernels (issue 16): w (K, N)
+ * cut into the column panels the GEMM would otherwise pack on every call,
+ * for the ISA in force when it was packed and one element type. Made by
+ * mha_pack_weight_<type>, freed by mha_packed_free; read-only after that.
+ * A call whose ISA, type or sizes differ ignores it (and packs as usual),
+ * so a packed weight never changes a result, only saves the packing.
+ */
+typedef struct {
+    const void *data;     /* elems reals, 64-byte aligned, or NULL      */
+    size_t elems;
+    size_t K, N;          /* the weight's rows and columns              */
+    int isa;              /* the mha_isa it was packed for (dispatch.h) */
+    int f64;              /* 1: double elements, 0: float               */
+} mha_packed;
+
+/* Packs w (K, N), row stride ldw >= N, for the ISA in force into *p (an
+   aligned block of the core's allocator; K or N == 0 gives data NULL).
+   MHA_ERR_ARG for a NULL w or ldw < N, MHA_ERR_SIZE, MHA_ERR_NOMEM. */
+mha_status mha_pack_weight_f32(mha_packed *p, const float *w, size_t ldw, size_t K,
+                               size_t N);
+mha_status mha_pack_weight_f64(mha_packed *p, const double *w, size_t ldw, size_t K,
+                               size_t N);
+/* Frees what mha_pack_weight_* allocated (NULL data is fine); *p is zeroed. */
+void mha_packed_free(mha_packed *p);
+
+/*
  * Sizes and options of one call. The head-width arrays are borrowed: they
  * must outlive the call.
  */
@@ -155,6 +181,13 @@ typedef struct {
        key_lengths[b], Tk without them). Causal, window, ALiBi and RoPE's
        default positions all use it. Not with packed sequences. */
     int lengths_aligned;
+
+    /* Prepacked weights (mha_packed above), each NULL or the packed form of
+       wq (Din, Sq), wk (Dkin, Sk), wv (Dvin, Sv), wo (Svq, Dout): the
+       forward's and mha_project's projections multiply them instead of
+       packing their weights; the plain weights are still passed and read
+       (small problems, the backward). Borrowed, like the arrays above. */
+    const mha_packed *packed[4];
 
     /* Optional flag polled between work items; when it becomes nonzero the
        call stops early with MHA_ERR_INTERRUPTED. May be NULL. */

@@ -573,6 +573,7 @@ typedef enum {
     ARG_LENGTHS,     /* None or key lengths: likewise */
     ARG_BOOL,        /* any object, read as its truth value */
     ARG_VARIANTS,    /* None or the variants' tuple (see read_variants) */
+    ARG_PACKED,      /* None or a tuple of packed weights (read_packed) */
 } arg_kind;
 
 typedef struct {
@@ -598,6 +599,8 @@ typedef struct {
     int x, key, value, wo, dk, dv, scales, mask, causal, key_lengths;
     int variants;
     int broadcast_mask;     /* the mask may broadcast to (B, H, Tq, Tk) */
+    int nopt;               /* trailing arguments that may be left out
+                               (None then) */
 } call_spec;
 
 /* run_core's restarts after a handler that did not raise, before a last
@@ -686,9 +689,12 @@ static arg_converter converter_of(arg_kind kind)
 /* Exactly sp->nargs positional arguments and no keyword, as mhattn passes
    them: what parse_args would read, without the cost of the general
    parser. */
-static int read_positional(call *c, const call_spec *sp, PyObject *const *argv)
+static int read_positional(call *c, const call_spec *sp, PyObject *const *argv,
+                           Py_ssize_t nargs)
 {
-    for (int i = 0; i < sp->nargs; i++) {
+    for (int i = (int)nargs; i < sp->nargs; i++)
+        c->arg[i] = (arg_value){Py_None, 0};   // optional ones left out
+    for (int i = 0; i < (int)nargs; i++) {
         c->arg[i].obj = argv[i];
         if (sp->args[i].kind == ARG_BOOL && !store_truth(argv[i], &c->arg[i]))
             return -1;
@@ -715,6 +721,8 @@ static int parse_args(call *c, const call_spec *sp, PyObject *args,
         if (i < sp->nargs) {
             cv[i] = converter_of(sp->args[i].kind);
             kwlist[i] = (char *)sp->args[i].name;
+            if (i == sp->nargs - sp->nopt)
+                *f++ = '|';
             *f++ = 'O';
             *f++ = '&';
         }
@@ -742,6 +750,8 @@ static int parse_fastcall(call *c, const call_spec *sp, PyObject *const *argv,
     int res = -1;
     if (args == NULL)
         return -1;
+    for (int i = sp->nargs - sp->nopt; i < sp->nargs; i++)
+        c->arg[i] = (arg_value){Py_None, 0};   // unless given
     for (Py_ssize_t i = 0; i < nargs; i++) {
         Py_INCREF(argv[i]);
         PyTuple_SET_ITEM(args, i, argv[i]);
@@ -1219,11 +1229,142 @@ static PyObject *arrays_tuple(PyArrayObject *const *a, int n)
     return t;
 }
 
+/* ---- prepacked weights (issue 16) --------------------------------------- */
+
+/* A packed weight is a capsule of this name around a PyMem block holding
+   an mha_packed (its panels from the core's allocator), made only by
+   pack_weight(): Python code cannot reach inside, so its sizes and panels
+   are the glue's own. */
+#define PACKED_CAPSULE "mhattn._C.packed"
+
+static void packed_destroy(PyObject *cap)
+{
+    mha_packed *p = PyCapsule_GetPointer(cap, PACKED_CAPSULE);
+    if (p != NULL) {
+        mha_packed_free(p);
+        PyMem_Free(p);
+    }
+}
+
+PyDoc_STRVAR(pack_weight_doc,
+"pack_weight(w)\n"
+"--\n\n"
+"w (K, N) float32 or float64: its GEMM panels for the ISA in force, as an\n"
+"opaque capsule for forward()'s and project()'s packed argument (low\n"
+"level; see mhattn.pack_weights). w is copied, never kept.");
+
+static PyObject *pack_weight(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    if (!PyArray_Check(arg) || PyArray_NDIM((PyArrayObject *)arg) != 2 ||
+        (PyArray_TYPE((PyArrayObject *)arg) != NPY_FLOAT &&
+         PyArray_TYPE((PyArrayObject *)arg) != NPY_DOUBLE)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "w: expected a 2-D float32 or float64 ndarray");
+        return NULL;
+    }
+    const int typenum = PyArray_TYPE((PyArrayObject *)arg);
+    PyArrayObject *a = (PyArrayObject *)PyArray_FROMANY(
+        arg, typenum, 2, 2, NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED);
+    if (a == NULL)
+        return NULL;
+    const size_t K = (size_t)PyArray_DIM(a, 0), N = (size_t)PyArray_DIM(a, 1);
+    mha_packed *p = PyMem_Calloc(1, sizeof *p);
+    if (p == NULL) {
+        Py_DECREF(a);
+        return PyErr_NoMemory();
+    }
+    mha_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = typenum == NPY_FLOAT
+             ? mha_pack_weight_f32(p, PyArray_DATA(a), N, K, N)
+             : mha_pack_weight_f64(p, PyArray_DATA(a), N, K, N);
+    Py_END_ALLOW_THREADS
+    Py_DECREF(a);
+    PyObject *cap = st == MHA_OK ? PyCapsule_New(p, PACKED_CAPSULE, packed_destroy) : NULL;
+    if (cap == NULL) {
+        if (st != MHA_OK)
+            raise_status(st);
+        mha_packed_free(p);
+        PyMem_Free(p);
+    }
+    return cap;
+}
+
+PyDoc_STRVAR(packed_info_doc,
+"packed_info(packed)\n"
+"--\n\n"
+"(K, N, isa, dtype name, bytes) of a pack_weight() capsule.");
+
+static PyObject *packed_info(PyObject *self, PyObject *cap)
+{
+    (void)self;
+    const mha_packed *p = PyCapsule_IsValid(cap, PACKED_CAPSULE)
+                              ? PyCapsule_GetPointer(cap, PACKED_CAPSULE)
+                              : NULL;
+    if (p == NULL) {
+        PyErr_SetString(PyExc_TypeError, "packed: expected a pack_weight() capsule");
+        return NULL;
+    }
+    const size_t bytes = p->elems * (p->f64 ? sizeof(double) : sizeof(float));
+    return Py_BuildValue("(nnssn)", (Py_ssize_t)p->K, (Py_ssize_t)p->N,
+                         mha_isa_name((mha_isa)p->isa), p->f64 ? "float64" : "float32",
+                         (Py_ssize_t)bytes);
+}
+
+/* The packed argument of forward() and project(): None, or a tuple of n
+   (forward: wq, wk, wv, wo) or at least n (project: wq, wk, wv, and a
+   fourth that is ignored) entries, each None or a pack_weight() capsule of
+   the dtype and shape of the weight at position wpos[i], which c->cfg then
+   borrows (the caller's tuple keeps the capsules alive for the call). */
+static int read_packed(call *c, PyObject *t, const int *wpos, int n)
+{
+    if (t == Py_None)
+        return 0;
+    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) < n || PyTuple_GET_SIZE(t) > 4) {
+        PyErr_Format(PyExc_TypeError, "packed: expected None or a tuple of %d "
+                     "pack_weight() capsules or None", n);
+        return -1;
+    }
+    for (int i = 0; i < n; i++) {
+        PyObject *cap = PyTuple_GET_ITEM(t, i);
+        if (cap == Py_None)
+            continue;
+        const mha_packed *p = PyCapsule_IsValid(cap, PACKED_CAPSULE)
+                                  ? PyCapsule_GetPointer(cap, PACKED_CAPSULE)
+                                  : NULL;
+        if (p == NULL) {
+            PyErr_Format(PyExc_TypeError, "packed[%d]: expected a pack_weight() "
+                         "capsule or None, got %s", i, Py_TYPE(cap)->tp_name);
+            return -1;
+        }
+        PyArrayObject *w = c->in[wpos[i]];
+        const int f64 = c->typenum == NPY_DOUBLE;
+        if (w == NULL || p->f64 != f64 || (npy_intp)p->K != PyArray_DIM(w, 0) ||
+            (npy_intp)p->N != PyArray_DIM(w, 1)) {
+            static const char *const names[4] = {"wq", "wk", "wv", "wo"};
+            if (w == NULL)
+                PyErr_Format(PyExc_ValueError, "packed[%d]: given, but the call's %s "
+                             "is None", i, names[i]);
+            else
+                PyErr_Format(PyExc_ValueError, "packed[%d]: packed from a (%zu, %zu) "
+                             "%s weight, but the call's %s is (%zd, %zd) %s", i, p->K,
+                             p->N, p->f64 ? "float64" : "float32", names[i],
+                             (Py_ssize_t)PyArray_DIM(w, 0), (Py_ssize_t)PyArray_DIM(w, 1),
+                             f64 ? "float64" : "float32");
+            return -1;
+        }
+        c->cfg.packed[i] = p;
+    }
+    return 0;
+}
+
 /* ---- forward ------------------------------------------------------------ */
 
 PyDoc_STRVAR(forward_doc,
 "forward(x, key, value, wq, wk, wv, wo, bq, bk, bv, bo, dk, dv, scales,\n"
-"        mask, causal, key_lengths, variants, want_weights, keep)\n"
+"        mask, causal, key_lengths, variants, want_weights, keep,\n"
+"        packed=None)\n"
 "--\n\n"
 "Multi-head attention forward pass (low level; see mhattn for the public\n"
 "API). x (B,Tq,Din), key (B,Tk,Dkin), value (B,Tk,Dvin), wq (Din,Sq),\n"
@@ -1233,7 +1374,8 @@ PyDoc_STRVAR(forward_doc,
 "(B,H,Tq,Tk) or one that broadcasts to it;\n"
 "key_lengths: None or int64 (B,); variants: None or the tuple of\n"
 "mhattn._core.variant_args (window, softcap, ALiBi, sinks, key_mask,\n"
-"packed sequences, q/k norm, RoPE).\n\n"
+"packed sequences, q/k norm, RoPE); packed: None or a 4-tuple of\n"
+"pack_weight() capsules (or None) of wq, wk, wv, wo.\n\n"
 "Returns (out, weights or None, (q, k, v, concat, lse) or None).");
 
 /* forward()'s positional arguments. */
@@ -1241,7 +1383,7 @@ enum {
     FWD_X, FWD_KEY, FWD_VALUE, FWD_WQ, FWD_WK, FWD_WV, FWD_WO,
     FWD_BQ, FWD_BK, FWD_BV, FWD_BO, FWD_DK, FWD_DV, FWD_SCALES, FWD_MASK,
     FWD_CAUSAL, FWD_KEY_LENGTHS, FWD_VARIANTS, FWD_WANT_WEIGHTS, FWD_KEEP,
-    FWD_NARGS
+    FWD_PACKED, FWD_NARGS
 };
 
 static const arg_spec forward_args[FWD_NARGS] = {
@@ -1265,6 +1407,7 @@ static const arg_spec forward_args[FWD_NARGS] = {
     [FWD_VARIANTS] = {.name = "variants", .kind = ARG_VARIANTS},
     [FWD_WANT_WEIGHTS] = {.name = "want_weights", .kind = ARG_BOOL},
     [FWD_KEEP] = {.name = "keep", .kind = ARG_BOOL},
+    [FWD_PACKED] = {.name = "packed", .kind = ARG_PACKED},
 };
 
 static const int forward_checks_x[] = {FWD_KEY, FWD_VALUE, -1};
@@ -1277,7 +1420,7 @@ static const call_spec forward_spec = {
     .x = FWD_X, .key = FWD_KEY, .value = FWD_VALUE, .wo = FWD_WO,
     .dk = FWD_DK, .dv = FWD_DV, .scales = FWD_SCALES, .mask = FWD_MASK,
     .causal = FWD_CAUSAL, .key_lengths = FWD_KEY_LENGTHS,
-    .variants = FWD_VARIANTS, .broadcast_mask = 1,
+    .variants = FWD_VARIANTS, .broadcast_mask = 1, .nopt = 1,
 };
 
 /* forward()'s outputs, in the order mha_forward_<sfx> takes them. */
@@ -1333,10 +1476,12 @@ static PyObject *forward(PyObject *self, PyObject *const *argv, Py_ssize_t nargs
     call c;
     PyObject *result = NULL;
     call_init(&c);
-    const int parsed = kwnames == NULL && nargs == FWD_NARGS
-                           ? read_positional(&c, sp, argv)
+    const int parsed = kwnames == NULL && nargs <= FWD_NARGS && nargs >= FWD_NARGS - 1
+                           ? read_positional(&c, sp, argv, nargs)
                            : parse_fastcall(&c, sp, argv, nargs, kwnames);
-    if (parsed < 0 || convert_arrays(&c, sp) < 0 || build_config(&c, sp) < 0)
+    static const int wpos[4] = {FWD_WQ, FWD_WK, FWD_WV, FWD_WO};
+    if (parsed < 0 || convert_arrays(&c, sp) < 0 || build_config(&c, sp) < 0 ||
+        read_packed(&c, c.arg[FWD_PACKED].obj, wpos, 4) < 0)
         goto fail;
     const int keep = c.arg[FWD_KEEP].truth;
     const int want[FWD_NOUTS] = {
@@ -1519,7 +1664,7 @@ static PyObject *backward(PyObject *self, PyObject *args, PyObject *kwds)
     const int parsed =
         (kwds == NULL || PyDict_GET_SIZE(kwds) == 0) &&
                 PyTuple_GET_SIZE(args) == BWD_NARGS
-            ? read_positional(&c, sp, PySequence_Fast_ITEMS(args))
+            ? read_positional(&c, sp, PySequence_Fast_ITEMS(args), BWD_NARGS)
             : parse_args(&c, sp, args, kwds);
     if (parsed < 0 || convert_arrays(&c, sp) < 0 || build_config(&c, sp) < 0)
         goto fail;
@@ -1794,7 +1939,7 @@ static PyObject *attention(PyObject *self, PyObject *const *argv, Py_ssize_t nar
     PyObject *result = NULL;
     call_init(c);
     const int parsed = kwnames == NULL && nargs == ATT_NARGS
-                           ? read_positional(c, sp, argv)
+                           ? read_positional(c, sp, argv, nargs)
                            : parse_fastcall(c, sp, argv, nargs, kwnames);
     if (parsed < 0 || attention_config(&ac) < 0 || attention_outputs(&ac) < 0)
         goto fail;
@@ -1814,10 +1959,12 @@ fail:
 /* ---- project and attention_backward (issue 17) -------------------------- */
 
 PyDoc_STRVAR(project_doc,
-"project(x, key, value, wq, wk, wv, bq, bk, bv, dk, dv, scales, variants)\n"
+"project(x, key, value, wq, wk, wv, bq, bk, bv, dk, dv, scales, variants,\n"
+"        packed=None)\n"
 "--\n\n"
 "The projections of forward() alone (low level): x, key, value, wq, wk,\n"
-"wv, biases, dk, dv, scales and variants as given to forward(). Returns\n"
+"wv, biases, dk, dv, scales, variants and packed (a 3- or 4-tuple, its\n"
+"fourth ignored) as given to forward(). Returns\n"
 "(q (B,Tq,Sq), k (B,Tk,Sk), v (B,Tk,Sv)), q and k after the q/k norm and\n"
 "RoPE (positions from the variants tuple, or the defaults).");
 
@@ -1826,7 +1973,8 @@ PyDoc_STRVAR(project_doc,
    and the skeleton reads those from there. */
 enum {
     PRJ_X, PRJ_KEY, PRJ_VALUE, PRJ_WQ, PRJ_WK, PRJ_WV, PRJ_BQ, PRJ_BK, PRJ_BV,
-    PRJ_DK, PRJ_DV, PRJ_SCALES, PRJ_VARIANTS, PRJ_NARGS, PRJ_NONE = PRJ_NARGS
+    PRJ_DK, PRJ_DV, PRJ_SCALES, PRJ_VARIANTS, PRJ_PACKED, PRJ_NARGS,
+    PRJ_NONE = PRJ_NARGS
 };
 _Static_assert(PRJ_NONE < MAX_ARGS, "a call holds project()'s arguments");
 
@@ -1844,6 +1992,7 @@ static const arg_spec project_args[PRJ_NARGS] = {
     [PRJ_DV] = {.name = "dv", .kind = ARG_INT64},
     [PRJ_SCALES] = {.name = "scales", .kind = ARG_FLOAT64},
     [PRJ_VARIANTS] = {.name = "variants", .kind = ARG_VARIANTS},
+    [PRJ_PACKED] = {.name = "packed", .kind = ARG_PACKED},
 };
 
 static const int project_checks_x[] = {PRJ_KEY, PRJ_VALUE, -1};
@@ -1856,7 +2005,7 @@ static const call_spec project_spec = {
     .x = PRJ_X, .key = PRJ_KEY, .value = PRJ_VALUE, .wo = PRJ_NONE,
     .dk = PRJ_DK, .dv = PRJ_DV, .scales = PRJ_SCALES, .mask = PRJ_NONE,
     .causal = PRJ_NONE, .key_lengths = PRJ_NONE, .variants = PRJ_VARIANTS,
-    .broadcast_mask = 0,
+    .broadcast_mask = 0, .nopt = 1,
 };
 
 static const shape project_outs[3] = {
@@ -1884,11 +2033,13 @@ static PyObject *project(PyObject *self, PyObject *const *argv, Py_ssize_t nargs
     call c;
     PyObject *result = NULL;
     call_init(&c);
-    const int parsed = kwnames == NULL && nargs == PRJ_NARGS
-                           ? read_positional(&c, sp, argv)
+    const int parsed = kwnames == NULL && nargs <= PRJ_NARGS && nargs >= PRJ_NARGS - 1
+                           ? read_positional(&c, sp, argv, nargs)
                            : parse_fastcall(&c, sp, argv, nargs, kwnames);
     c.arg[PRJ_NONE] = (arg_value){Py_None, 0};
-    if (parsed < 0 || convert_arrays(&c, sp) < 0 || build_config(&c, sp) < 0)
+    static const int wpos[3] = {PRJ_WQ, PRJ_WK, PRJ_WV};
+    if (parsed < 0 || convert_arrays(&c, sp) < 0 || build_config(&c, sp) < 0 ||
+        read_packed(&c, c.arg[PRJ_PACKED].obj, wpos, 3) < 0)
         goto fail;
     const int want[3] = {1, 1, 1};
     if (make_outputs(&c, 3, project_outs, want) < 0)
@@ -2160,7 +2311,7 @@ static PyObject *attention_backward(PyObject *self, PyObject *const *argv,
     PyArrayObject *grad[3] = {NULL, NULL, NULL};
     call_init(&c);
     const int parsed = kwnames == NULL && nargs == ABW_NARGS
-                           ? read_positional(&c, sp, argv)
+                           ? read_positional(&c, sp, argv, nargs)
                            : parse_fastcall(&c, sp, argv, nargs, kwnames);
     if (parsed < 0 || attn_config(&c, sp) < 0)
         goto fail;
@@ -2267,6 +2418,8 @@ static PyMethodDef mhattn_methods[] = {
     {"forward", (PyCFunction)(void (*)(void))forward,
      METH_FASTCALL | METH_KEYWORDS, forward_doc},
     {"get_isa", get_isa, METH_NOARGS, get_isa_doc},
+    {"pack_weight", pack_weight, METH_O, pack_weight_doc},
+    {"packed_info", packed_info, METH_O, packed_info_doc},
     {"set_isa", set_isa, METH_O, set_isa_doc},
     {"get_num_threads", get_num_threads, METH_NOARGS, get_num_threads_doc},
     {"set_num_threads", set_num_threads, METH_O, set_num_threads_doc},

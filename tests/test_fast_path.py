@@ -457,7 +457,7 @@ def test_glue_rejects_masks_that_do_not_broadcast(rng, shape):
 
 
 def test_glue_parses_positional_and_keyword_calls_alike(rng):
-    """forward() reads 20 positional arguments directly, anything else with
+    """forward() reads 20 or 21 positional arguments directly, anything else with
     PyArg_ParseTupleAndKeywords: both must agree, and both must raise."""
     x = rng.standard_normal((2, 3, 4))
     w = rng.standard_normal((4, 4))
@@ -474,8 +474,13 @@ def test_glue_parses_positional_and_keyword_calls_alike(rng):
                                                                    values[10:])))[:2])
     with pytest.raises(TypeError):
         _C.forward(*values[:19])
+    # packed (issue 16) is the one optional argument, None when left out
+    assert_same(positional[:2], _C.forward(*values, None)[:2])
+    assert_same(positional[:2], _C.forward(*values, packed=None)[:2])
     with pytest.raises(TypeError):
-        _C.forward(*values, None)
+        _C.forward(*values, None, None)
+    with pytest.raises(TypeError, match="packed"):
+        _C.forward(*values, (w, None, None, None))
     with pytest.raises(TypeError):
         _C.forward(*values[:19], kept=False)
 

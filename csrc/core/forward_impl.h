@@ -130,8 +130,9 @@ static mha_status PICK(fwd_pass_project_f32, fwd_pass_project_f64)(const FWD_PLA
     const size_t d_in[3] = {cfg->Din, cfg->Dkin, cfg->Dvin};
     const size_t S[3] = {p->lay.Sq, p->lay.Sk, p->lay.Sv};
     for (int r = 0; r < 3; r++) {
-        const mha_status st = GEMM(proj[r], S[r], input[r], d_in[r], 0, w[r], S[r],
-                                   0, bias[r], rows[r], S[r], d_in[r], 0);
+        const mha_status st = GEMM_PACKED(proj[r], S[r], input[r], d_in[r], 0, w[r], S[r],
+                                          0, cfg->packed[r], bias[r], rows[r], S[r],
+                                          d_in[r], 0);
         if (st != MHA_OK)
             return st;
         if (mha_interrupted(cfg))
@@ -173,8 +174,8 @@ static mha_status PICK(fwd_pass_output_f32, fwd_pass_output_f64)(const FWD_PLAN 
 {
     const size_t Dout = p->cfg->Dout, Svq = p->lay.Svq;
     if (p->cfg->has_wo)
-        return GEMM(a->out, Dout, p->cat, Svq, 0, a->wo, Dout, 0, a->bo, p->nq,
-                    Dout, Svq, 0);
+        return GEMM_PACKED(a->out, Dout, p->cat, Svq, 0, a->wo, Dout, 0,
+                           p->cfg->packed[3], a->bo, p->nq, Dout, Svq, 0);
     if (p->cat != a->out || a->bo != NULL) {
         for (size_t r = 0; r < p->nq; r++) {
             REAL *out_r = a->out + r * Dout;

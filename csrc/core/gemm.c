@@ -101,3 +101,11 @@ static mha_status gemm_check(size_t elem, const void *C, size_t ldc,
 #define MHA_F64 1
 #include "gemm_impl.h"
 #undef MHA_F64
+
+void mha_packed_free(mha_packed *p)
+{
+    if (p == NULL)
+        return;
+    mha_scratch_free((void *)p->data);
+    *p = (mha_packed){0};
+}

@@ -209,7 +209,71 @@ static void PICK(gemm_small_f32, gemm_small_f64)(REAL *C, size_t ldc, const REAL
 }
 #undef SMALL_NB
 
-/* 5. The parallel passes. */
+/* 5. Prepacked B (mha_pack_weight_*, mha.h): op(B) (K, N) packed once, as
+   the loop of section 7 packs it on every call. Column block jc (bk->nc
+   wide, the last one narrower) holds, for each K block in order, its np
+   panels of (kc, NR); as bk->nc is a multiple of NR, block jc starts at
+   element jc K, and its K block starting at row pc at jc K + np NR pc.
+   The K blocks are the GEMM's (they depend on K and the ISA only), so a
+   packed call multiplies the very panels an unpacked one would. */
+static size_t PICK(gemm_kc_balanced_f32, gemm_kc_balanced_f64)(const mha_gemm_blocking *bk,
+                                                               size_t K, size_t *nkb)
+{
+    *nkb = (K + bk->kc - 1) / bk->kc;
+    return (K + *nkb - 1) / *nkb; /* balanced K blocks */
+}
+
+/* Elements of the packed form of a (K, N) op(B); 0 when that overflows. */
+static size_t PICK(gemm_packed_elems_f32, gemm_packed_elems_f64)(const mha_gemm_blocking *bk,
+                                                                 size_t K, size_t N)
+{
+    const size_t NR = bk->nr, last = N % bk->nc;
+    const size_t padded = N - last + (last + NR - 1) / NR * NR; /* sum of np NR */
+    size_t n;
+    if (padded < N || !mha_mul_ok(&n, padded, K))
+        return 0;
+    return n;
+}
+
+/* Fills dst (gemm_packed_elems) from B (K, N) of row stride ldb. */
+static void PICK(gemm_pack_all_f32, gemm_pack_all_f64)(REAL *dst, const mha_gemm_blocking *bk,
+                                                       const REAL *B, size_t ldb, size_t K,
+                                                       size_t N)
+{
+    size_t nkb;
+    const size_t kcb = PICK(gemm_kc_balanced_f32, gemm_kc_balanced_f64)(bk, K, &nkb);
+    for (size_t jc = 0; jc < N; jc += bk->nc) {
+        const size_t nc = N - jc < bk->nc ? N - jc : bk->nc;
+        const size_t np = (nc + bk->nr - 1) / bk->nr;
+        for (size_t pc = 0; pc < K; pc += kcb) {
+            const size_t kc = K - pc < kcb ? K - pc : kcb;
+            PICK(gemm_pack_b_f32, gemm_pack_b_f64)(dst + jc * K + np * bk->nr * pc, bk, B, ldb,
+                                                   0, pc, kc, jc, nc);
+        }
+    }
+}
+
+mha_status PICK(mha_pack_weight_f32, mha_pack_weight_f64)(mha_packed *p, const REAL *w,
+                                                          size_t ldw, size_t K, size_t N)
+{
+    *p = (mha_packed){.K = K, .N = N, .isa = (int)mha_get_isa(), .f64 = MHA_F64};
+    mha_status st = check_matrix(w, ldw, K, N, sizeof(REAL));
+    if (st != MHA_OK || K == 0 || N == 0)
+        return st;
+    const mha_gemm_blocking *bk = &mha_kernels_for((mha_isa)p->isa, MHA_F64)->gemm;
+    const size_t n = PICK(gemm_packed_elems_f32, gemm_packed_elems_f64)(bk, K, N);
+    if (n == 0)
+        return MHA_ERR_SIZE;
+    REAL *dst = NULL;
+    if ((st = mha_scratch((void **)&dst, n, sizeof(REAL))) != MHA_OK)
+        return st;
+    PICK(gemm_pack_all_f32, gemm_pack_all_f64)(dst, bk, w, ldw, K, N);
+    p->data = dst;
+    p->elems = n;
+    return MHA_OK;
+}
+
+/* 6. The parallel passes. */
 typedef struct {
     REAL *C;
     size_t ldc;
@@ -224,6 +288,10 @@ typedef struct {
     size_t M;
     const mha_gemm_blocking *bk;
     REAL *bp;         /* (np panels of (kc, nr)) packed B block          */
+    const REAL *bpr;  /* the block the compute tasks read: bp, or a
+                         prepacked B's (section 5)                        */
+    const REAL *packed; /* a prepacked B (section 5), or NULL             */
+    size_t K, kcb;    /* all of K, and its (balanced) block               */
     REAL *ap;         /* (nth, ap_stride) per-thread packed A blocks      */
     size_t ap_stride; /* elements, a multiple of a cache line             */
     size_t jc, nc;    /* column block: columns jc .. jc+nc-1               */
@@ -252,11 +320,12 @@ static void PICK(gemm_task_pack_b_f32, gemm_task_pack_b_f64)(void *ctxp, size_t 
 
 /* Compute task t: row block t / nnb, column part t % nnb. It alone writes
    that tile of C during this K block. */
-static void PICK(gemm_task_compute_f32, gemm_task_compute_f64)(void *ctxp, size_t t, int ith)
+static void PICK(gemm_tile_f32, gemm_tile_f64)(const PICK(gemm_ctx_f32, gemm_ctx_f64) *x,
+                                               size_t t, int ith, size_t pc, size_t kc,
+                                               int first, const REAL *bpr)
 {
-    const PICK(gemm_ctx_f32, gemm_ctx_f64) *x = ctxp;
     const mha_gemm_blocking *bk = x->bk;
-    const size_t MR = bk->mr, NR = bk->nr, kc = x->kc;
+    const size_t MR = bk->mr, NR = bk->nr;
     const size_t mb = t / x->nnb, nb = t % x->nnb;
     const size_t p0 = part_start(x->mp, x->nmb, mb);
     const size_t p1 = part_start(x->mp, x->nmb, mb + 1);
@@ -269,16 +338,16 @@ static void PICK(gemm_task_compute_f32, gemm_task_compute_f64)(void *ctxp, size_
 
     /* ap: (p1 - p0) panels of (kc, MR), this thread's */
     REAL *ap = x->ap + (size_t)ith * x->ap_stride;
-    PICK(gemm_pack_a_f32, gemm_pack_a_f64)(ap, bk, x->A, x->lda, x->transA, i0, i1 - i0, x->pc, kc);
+    PICK(gemm_pack_a_f32, gemm_pack_a_f64)(ap, bk, x->A, x->lda, x->transA, i0, i1 - i0, pc, kc);
 
-    if (x->first && x->bias != NULL)
+    if (first && x->bias != NULL)
         PICK(gemm_write_init_f32, gemm_write_init_f64)(x->C, x->ldc, x->bias, x->accumulate, i0, i1,
                        x->jc + jj0, x->jc + jj1);
-    const int add = !x->first || x->bias != NULL || x->accumulate;
+    const int add = !first || x->bias != NULL || x->accumulate;
 
     MHA_ALIGN64 REAL tmp[MHA_MAX_MR * MHA_MAX_NR]; /* (MR, NR) edge tile */
     for (size_t q = q0; q < q1; q++) {
-        const REAL *bp_q = x->bp + q * NR * kc;                /* (kc, NR) */
+        const REAL *bp_q = bpr + q * NR * kc;                  /* (kc, NR) */
         const size_t nr = x->nc - q * NR < NR ? x->nc - q * NR : NR;
         for (size_t p = p0; p < p1; p++) {
             const REAL *ap_p = ap + (p - p0) * MR * kc;        /* (kc, MR) */
@@ -299,10 +368,32 @@ static void PICK(gemm_task_compute_f32, gemm_task_compute_f64)(void *ctxp, size_
     }
 }
 
-mha_status PICK(mha_gemm_f32, mha_gemm_f64)(REAL *C, size_t ldc,
+/* Compute task t of one K block: the tile over the packed B block bpr. */
+static void PICK(gemm_task_compute_f32, gemm_task_compute_f64)(void *ctxp, size_t t, int ith)
+{
+    const PICK(gemm_ctx_f32, gemm_ctx_f64) *x = ctxp;
+    PICK(gemm_tile_f32, gemm_tile_f64)(x, t, ith, x->pc, x->kc, x->first, x->bpr);
+}
+
+/* Compute task t over a prepacked B: every K block in order, in one task,
+   so the whole column block is one pool phase (nothing is shared between
+   the K blocks to wait for). Each element still gets its K blocks one
+   after another, as gemm.h says. */
+static void PICK(gemm_task_compute_packed_f32, gemm_task_compute_packed_f64)(void *ctxp,
+                                                                             size_t t, int ith)
+{
+    const PICK(gemm_ctx_f32, gemm_ctx_f64) *x = ctxp;
+    for (size_t pc = 0; pc < x->K; pc += x->kcb) {
+        const size_t kc = x->K - pc < x->kcb ? x->K - pc : x->kcb;
+        PICK(gemm_tile_f32, gemm_tile_f64)(x, t, ith, pc, kc, pc == 0,
+                                           x->packed + x->jc * x->K + x->np * x->bk->nr * pc);
+    }
+}
+
+mha_status PICK(mha_gemm_packed_f32, mha_gemm_packed_f64)(REAL *C, size_t ldc,
                                const REAL *A, size_t lda, int transA,
                                const REAL *B, size_t ldb, int transB,
-                               const REAL *bias,
+                               const mha_packed *pb, const REAL *bias,
                                size_t M, size_t N, size_t K, int accumulate)
 {
     /* C: (M, N) row stride ldc; op(A): (M, K); op(B): (K, N); bias: (N,) */
@@ -343,8 +434,15 @@ mha_status PICK(mha_gemm_f32, mha_gemm_f64)(REAL *C, size_t ldc,
     const size_t grain = atomic_load_explicit(&g_grain, memory_order_relaxed);
     if ((size_t)nth > mnk / grain)
         nth = mnk / grain > 1 ? (int)(mnk / grain) : 1;
-    const size_t nkb = (K + bk->kc - 1) / bk->kc;
-    const size_t kcb = (K + nkb - 1) / nkb; /* balanced K blocks */
+    size_t nkb;
+    const size_t kcb = PICK(gemm_kc_balanced_f32, gemm_kc_balanced_f64)(bk, K, &nkb);
+    /* A prepacked B of this ISA, type and size replaces the pack-B pass;
+       any other is ignored (the same bits, packed here). */
+    const REAL *packed = NULL;
+    if (pb != NULL && pb->data != NULL && !transB && pb->K == K && pb->N == N &&
+        pb->f64 == MHA_F64 && pb->isa == (int)mha_get_isa() &&
+        pb->elems == PICK(gemm_packed_elems_f32, gemm_packed_elems_f64)(bk, K, N))
+        packed = pb->data;
 
     const size_t mp = M / MR + (M % MR != 0);
     size_t nmb = (mp + bk->mcp - 1) / bk->mcp;
@@ -370,7 +468,7 @@ mha_status PICK(mha_gemm_f32, mha_gemm_f64)(REAL *C, size_t ldc,
     if (!mha_mul_ok(&bp_elems, kcb, nc_max) ||
         !mha_mul_ok(&ap_elems, mcp_max * MR, kcb))
         return MHA_ERR_SIZE;
-    bp_elems = (bp_elems + line - 1) / line * line;
+    bp_elems = packed != NULL ? 0 : (bp_elems + line - 1) / line * line;
     x.ap_stride = (ap_elems + line - 1) / line * line;
     if (!mha_mul_ok(&ap_all, x.ap_stride, (size_t)nth) ||
         !mha_add_ok(&total, bp_elems, ap_all))
@@ -381,6 +479,9 @@ mha_status PICK(mha_gemm_f32, mha_gemm_f64)(REAL *C, size_t ldc,
     x.bp = buf;
     x.ap = buf + bp_elems;
 
+    x.packed = packed;
+    x.K = K;
+    x.kcb = kcb;
     for (size_t jc = 0; jc < N; jc += bk->nc) {
         x.jc = jc;
         x.nc = N - jc < bk->nc ? N - jc : bk->nc;
@@ -389,12 +490,21 @@ mha_status PICK(mha_gemm_f32, mha_gemm_f64)(REAL *C, size_t ldc,
         x.nnb = nmb < (size_t)nth ? (x.np < (size_t)nth ? x.np : (size_t)nth)
                                   : 1;
         x.nbt = x.np < (size_t)nth ? x.np : (size_t)nth;
+        if (packed != NULL) {
+            st = mha_parallel_for_n(nmb * x.nnb, nth,
+                                    PICK(gemm_task_compute_packed_f32,
+                                         gemm_task_compute_packed_f64), &x);
+            if (st != MHA_OK)
+                goto fail;
+            continue;
+        }
         for (size_t kb = 0; kb < nkb; kb++) {
             x.pc = kb * kcb;
             if (x.pc >= K)
                 break;
             x.kc = K - x.pc < kcb ? K - x.pc : kcb;
             x.first = kb == 0;
+            x.bpr = x.bp;
             st = mha_parallel_for_n(x.nbt, nth, PICK(gemm_task_pack_b_f32, gemm_task_pack_b_f64), &x);
             if (st != MHA_OK)
                 goto fail;
@@ -407,5 +517,15 @@ mha_status PICK(mha_gemm_f32, mha_gemm_f64)(REAL *C, size_t ldc,
 fail:
     mha_scratch_free(buf);
     return st;
+}
+
+mha_status PICK(mha_gemm_f32, mha_gemm_f64)(REAL *C, size_t ldc, const REAL *A, size_t lda,
+                                            int transA, const REAL *B, size_t ldb,
+                                            int transB, const REAL *bias, size_t M,
+                                            size_t N, size_t K, int accumulate)
+{
+    return PICK(mha_gemm_packed_f32, mha_gemm_packed_f64)(C, ldc, A, lda, transA, B, ldb,
+                                                          transB, NULL, bias, M, N, K,
+                                                          accumulate);
 }
 

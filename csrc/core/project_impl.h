@@ -61,8 +61,8 @@ mha_status PICK(mha_project_f32, mha_project_f64)(
     for (int r = 0; r < 3 && st == MHA_OK; r++) {
         if (!need[r])
             continue;
-        st = GEMM(raw[r], S[r], input[r], d_in[r], 0, w[r], S[r], 0, bias[r],
-                  rows[r], S[r], d_in[r], 0);
+        st = GEMM_PACKED(raw[r], S[r], input[r], d_in[r], 0, w[r], S[r], 0,
+                         cfg->packed[r], bias[r], rows[r], S[r], d_in[r], 0);
         if (st == MHA_OK && mha_interrupted(cfg))
             st = MHA_ERR_INTERRUPTED;
     }

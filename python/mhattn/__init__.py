@@ -6,6 +6,7 @@ worked example computed by the core.
 """
 from ._version import __version__
 from ._api import multi_head_attention
+from .packed import pack_weights, PackedWeights
 from .attention import attention, attention_grad, merge_attention
 from .cache import KVCache
 from ._variants import RoPE
@@ -19,7 +20,7 @@ from .trace import trace, Trace
 from .plot import plot_attention
 from .checker import check_prototype, check_attention_prototype
 
-__all__ = ["multi_head_attention", "attention", "attention_grad", "merge_attention",
+__all__ = ["multi_head_attention", "pack_weights", "PackedWeights", "attention", "attention_grad", "merge_attention",
            "KVCache", "multi_head_attention_grad", "backward", "Context", "RoPE",
            "param_count", "reference", "worked_example",
            "MultiHeadAttention", "from_torch_masks", "to_torch_attn_mask",

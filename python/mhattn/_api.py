@@ -4,12 +4,13 @@ from __future__ import annotations
 from . import _C, _core
 from ._core import make_context, run_core
 from .cache import cached_step
+from .packed import PackedWeights, require_kv, unpack_call
 from ._variants import variant_kwargs, variants_off
 
 __all__ = ["multi_head_attention", "run_core"]
 
 
-def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None,
+def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None, key=None,
                          value=None, scale=None, return_weights=False, mask=None,
                          causal=False, key_lengths=None, num_kv_heads=None,
                          b_q=None, b_k=None, b_v=None, b_o=None, return_context=False,
@@ -39,7 +40,10 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None
         fused 2-D (d_in, h*d_k), head i owning columns [i*d_k, (i+1)*d_k)
         (``num_heads`` required); stacked 3-D (h, d_in, d_k); or a list of h
         2-D arrays, whose widths may differ between heads and which may
-        repeat one array (the document's shared W_V).
+        repeat one array (the document's shared W_V).  Or, in place of
+        w_q and without w_k, w_v and w_o, a :class:`mhattn.PackedWeights`
+        from :func:`mhattn.pack_weights`: the same result, bit for bit,
+        without packing the weights on every call.
     w_o : (sum d_v, d_out) or None
         The output projection; None is the identity (returns the concat).
     num_heads : int
@@ -151,13 +155,22 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None
     True
     """
     variants = variant_kwargs(locals())
+    packed = None
+    if type(w_q) is PackedWeights:
+        packed = w_q
+        w_q, w_k, w_v, w_o, num_heads, num_kv_heads, bias = unpack_call(
+            packed, w_k, w_v, w_o, num_heads, num_kv_heads,
+            dict(b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o))
+        b_q, b_k, b_v, b_o = bias["b_q"], bias["b_k"], bias["b_v"], bias["b_o"]
+    elif w_k is None or w_v is None:
+        require_kv(w_k, w_v)
     if cache is not None:
         return cached_step(x, w_q, w_k, w_v, w_o, cache=cache, num_heads=num_heads,
                            scale=scale, return_weights=return_weights, causal=causal,
                            num_kv_heads=num_kv_heads, b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o,
                            return_context=return_context, key=key, value=value,
                            mask=mask, key_lengths=key_lengths,
-                           new_lengths=new_lengths, **variants)
+                           new_lengths=new_lengths, packed=packed, **variants)
     if new_lengths is not None:
         raise ValueError("new_lengths: only with cache= (a ragged cached step)")
     args = call = None
@@ -169,6 +182,8 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None
         args, call = _core.slow(x, w_q, w_k, w_v, w_o, num_heads, key, value, scale,
                                 mask, causal, key_lengths, num_kv_heads, b_q, b_k, b_v,
                                 b_o, return_weights, return_context, **variants)
+    if packed is not None:
+        args = (*args, packed._core_packed(args[0].dtype))
     out, weights, extras = _C.forward(*args)
     if (x.ndim == 2) if call is None else not call.batched:
         out = out[0]

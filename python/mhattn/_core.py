@@ -118,13 +118,14 @@ def core_args(call: Call, *, want_weights: bool = False, keep: bool = False) -> 
             call.key_lengths, variant_args(call), bool(want_weights), bool(keep))
 
 
-def run_core(call: Call, *, want_weights: bool = False, keep: bool = False):
-    """Hand a checked Call to the C core.
+def run_core(call: Call, *, want_weights: bool = False, keep: bool = False, packed=None):
+    """Hand a checked Call to the C core; ``packed``: None or the capsules
+    of a PackedWeights (``_core_packed``) for the call's weights.
 
     Returns (out, weights, extras), batched: out (B, Tq, Dout), weights
     (B, H, Tq, Tk) or None, extras (q, k, v, concat, lse) or None.
     """
-    return _C.forward(*core_args(call, want_weights=want_weights, keep=keep))
+    return _C.forward(*core_args(call, want_weights=want_weights, keep=keep), packed)
 
 
 # --- the fast branch ---------------------------------------------------------

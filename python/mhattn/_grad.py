@@ -23,6 +23,7 @@ from ._args import (_check_numeric, _Heads, _to_array, backward_items, check_mem
                     normalize, offsets, plan)
 from ._core import Context, head_arrays, make_context, run_core, variant_args
 from ._variants import variant_kwargs
+from .packed import PackedWeights, require_kv, unpack_call
 
 __all__ = ["Context", "backward", "multi_head_attention_grad"]
 
@@ -127,7 +128,7 @@ def backward(grad_out, ctx: Context) -> Dict[str, Any]:
     return grads
 
 
-def multi_head_attention_grad(grad_out, x, w_q, w_k, w_v, w_o=None, *, num_heads=None,
+def multi_head_attention_grad(grad_out, x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None,
                               key=None, value=None, scale=None, mask=None, causal=False,
                               key_lengths=None, num_kv_heads=None, b_q=None, b_k=None,
                               b_v=None, b_o=None, window=None, softcap=None,
@@ -157,12 +158,23 @@ def multi_head_attention_grad(grad_out, x, w_q, w_k, w_v, w_o=None, *, num_heads
     >>> sorted(g)
     ['sinks', 'w_k', 'w_o', 'w_q', 'w_v', 'x']
     """
+    variants = variant_kwargs(locals())
+    packed = None
+    if type(w_q) is PackedWeights:
+        packed = w_q
+        w_q, w_k, w_v, w_o, num_heads, num_kv_heads, bias = unpack_call(
+            packed, w_k, w_v, w_o, num_heads, num_kv_heads,
+            dict(b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o))
+        b_q, b_k, b_v, b_o = bias["b_q"], bias["b_k"], bias["b_v"], bias["b_o"]
+    elif w_k is None or w_v is None:
+        require_kv(w_k, w_v)
     call = normalize(x, w_q, w_k, w_v, w_o, num_heads=num_heads, key=key, value=value,
                      scale=scale, mask=mask, causal=causal, key_lengths=key_lengths,
                      num_kv_heads=num_kv_heads, b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o,
-                     **variant_kwargs(locals()))
+                     **variants)
     # The forward's kept state lives on through the backward: both must fit.
     check_memory(plan(call, keep=True) + backward_items(call, _C.get_num_threads()))
-    _, _, extras = run_core(call, keep=True)
+    _, _, extras = run_core(call, keep=True,
+                            packed=None if packed is None else packed._core_packed(call.dtype))
     ctx = make_context(call, extras, b_q=b_q, b_k=b_k, b_v=b_v)
     return backward(grad_out, ctx)

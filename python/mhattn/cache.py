@@ -283,7 +283,7 @@ def _scores_only(variants: Optional[tuple]) -> Optional[tuple]:
 def cached_step(x, w_q, w_k, w_v, w_o, *, cache, num_heads=None, scale=None,
                 return_weights=False, causal=False, num_kv_heads=None, b_q=None,
                 b_k=None, b_v=None, b_o=None, return_context=False, new_lengths=None,
-                **options):
+                packed=None, **options):
     """One step of multi_head_attention through a :class:`KVCache`:
     ``multi_head_attention(x_new, ..., cache=cache)`` calls this.
 
@@ -322,7 +322,8 @@ def cached_step(x, w_q, w_k, w_v, w_o, *, cache, num_heads=None, scale=None,
     variants = variant_args(call)
     q, k, v = _C.project(call.x, call.key, call.value, call.wq.fused(), call.wk.fused(),
                          call.wv.fused(), _fused_bias(call.bq), _fused_bias(call.bk),
-                         _fused_bias(call.bv), dk, dv, scales, variants)
+                         _fused_bias(call.bv), dk, dv, scales, variants,
+                         None if packed is None else packed._core_packed(call.dtype))
     B, Tq, H, G = call.B, call.Tq, call.H, call.G
     q4 = q.reshape(B, Tq, H, cache.d_k).swapaxes(1, 2)
     k4 = k.reshape(B, Tq, G, cache.d_k).swapaxes(1, 2)

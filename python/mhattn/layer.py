@@ -35,6 +35,7 @@ import numpy as np
 from ._api import multi_head_attention
 from ._args import _check_numeric, _int_arg, _to_array
 from ._grad import backward as _backward
+from .packed import PackedWeights, pack_weights
 
 __all__ = ["MultiHeadAttention"]
 
@@ -96,6 +97,16 @@ def _to_numpy(name: str, t: Any) -> np.ndarray:
     return a
 
 
+def _copied(value):
+    """A copy of an assigned weight, in its form (an array of its own class,
+    so a masked array stays refused; a list copies each item)."""
+    if isinstance(value, np.ndarray):
+        return value.copy()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_copied(v) for v in value)
+    return value
+
+
 class MultiHeadAttention:
     """Multi-head attention with its own weights; calls the C core.
 
@@ -142,10 +153,18 @@ class MultiHeadAttention:
     W^O keeps nn.Linear's default, kaiming_uniform(a=sqrt(5)), which is
     U(-1/sqrt(h*d_v), 1/sqrt(h*d_v)); biases are 0.
 
-    Attributes ``w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o`` (and ``sinks``,
-    ``q_norm``, ``k_norm``) are plain NumPy arrays (None when the layer does
-    not have them) and may be modified or replaced with arrays of the same
-    shape.  Options that are not learnable (``causal``, ``window``, ``rope``,
+    The weights ``w_q, w_k, w_v, w_o`` are kept packed for the C core's
+    kernels (:func:`mhattn.pack_weights`): the attributes are *read-only*
+    views of the packed object's arrays, so ``layer.w_q[0] = 0`` raises
+    instead of leaving the panels stale.  To change a weight, assign a new
+    array (``layer.w_q = w``, any form multi_head_attention takes): the
+    layer copies it and repacks at its next use; later writes into the
+    assigned array are not seen.  :meth:`load_state_dict` and
+    :meth:`reset_parameters` repack too.  ``layer.packed`` is the
+    :class:`mhattn.PackedWeights`.  The biases ``b_q, b_k, b_v, b_o`` (and
+    ``sinks``, ``q_norm``, ``k_norm``) are plain NumPy arrays (None when the
+    layer does not have them), not packed, and may be modified in place.
+    Options that are not learnable (``causal``, ``window``, ``rope``,
     ``softcap``, ``alibi_slopes``, ``key_mask``, ...) are passed per call.
 
     Examples
@@ -157,6 +176,52 @@ class MultiHeadAttention:
     >>> sorted(layer.state_dict())[-3:]
     ['out_proj.weight', 'q_norm.weight', 'sinks']
     """
+
+    # The four weights live in one PackedWeights, made from the assigned
+    # values at first use after an assignment (_weights_packed).
+    def _get_weight(self, name):
+        try:
+            return getattr(self._packed_weights(), name)
+        except (TypeError, ValueError):
+            return self._raw[name]   # an assignment packing refuses: as given
+
+    def _set_weight(self, name, value):
+        if getattr(self, "_raw", None) is None:
+            self._raw = {}
+        self._raw[name] = _copied(value)
+        self._pw = None
+
+    w_q = property(lambda self: self._get_weight("w_q"),
+                   lambda self, v: self._set_weight("w_q", v),
+                   doc="(h, d_model, d_k) read-only, or as assigned: W^Q of each head.")
+    w_k = property(lambda self: self._get_weight("w_k"),
+                   lambda self, v: self._set_weight("w_k", v),
+                   doc="(g, kdim, d_k) read-only, or as assigned: W^K of each kv head.")
+    w_v = property(lambda self: self._get_weight("w_v"),
+                   lambda self, v: self._set_weight("w_v", v),
+                   doc="(g, vdim, d_v) read-only, or as assigned: W^V of each kv head.")
+    w_o = property(lambda self: self._get_weight("w_o"),
+                   lambda self, v: self._set_weight("w_o", v),
+                   doc="(h*d_v, d_out) read-only, or as assigned: W^O.")
+
+    def _packed_weights(self) -> PackedWeights:
+        """The PackedWeights of the assigned weights, packed once after each
+        assignment (errors name the weight, as multi_head_attention's do)."""
+        pw = self._pw
+        if pw is None:
+            r = self._raw
+            pw = pack_weights(r["w_q"], r["w_k"], r["w_v"], r["w_o"],
+                              num_heads=self.num_heads, num_kv_heads=self.num_kv_heads)
+            self._pw = pw
+            self._raw = {n: getattr(pw, n) for n in ("w_q", "w_k", "w_v", "w_o")}
+        return pw
+
+    @property
+    def packed(self) -> PackedWeights:
+        """The layer's weights as a :class:`mhattn.PackedWeights`
+        (``multi_head_attention(x, layer.packed, ...)`` computes the layer
+        without its biases and variants)."""
+        return self._packed_weights()
 
     def __init__(self, d_model: int, num_heads: int, *, num_kv_heads: Optional[int] = None,
                  d_k: Optional[int] = None, d_v: Optional[int] = None,
@@ -244,6 +309,7 @@ class MultiHeadAttention:
         self.w_k = np.ascontiguousarray(_stack(wk.T, g), dtype=dt)
         self.w_v = np.ascontiguousarray(_stack(wv.T, g), dtype=dt)
         self.w_o = np.ascontiguousarray(wo.T, dtype=dt)
+        self._packed_weights()
         if self.bias:
             self.b_q = np.zeros((h, self.d_k), dt)
             self.b_k = np.zeros((g, self.d_k), dt)
@@ -295,7 +361,16 @@ class MultiHeadAttention:
             if name not in allowed:
                 raise TypeError(f"MultiHeadAttention.__call__ got an unexpected keyword "
                                 f"argument {name!r}; accepted: {', '.join(sorted(allowed))}")
-        return multi_head_attention(x, key=key, value=value, **self.arguments(), **options)
+        kw = self.arguments()
+        try:
+            packed = self._packed_weights()
+        except (TypeError, ValueError):
+            packed = None   # the unpacked call raises the same error, named
+        if packed is not None:
+            for name in ("w_q", "w_k", "w_v", "w_o", "num_kv_heads"):
+                del kw[name]
+            return multi_head_attention(x, packed, key=key, value=value, **kw, **options)
+        return multi_head_attention(x, key=key, value=value, **kw, **options)
 
     def backward(self, grad_out, ctx) -> Dict[str, Any]:
         """Gradients of a scalar loss given ``grad_out`` = dL/dout, for the
@@ -393,6 +468,7 @@ class MultiHeadAttention:
         self.w_k = np.ascontiguousarray(_stack(wk.T, g))
         self.w_v = np.ascontiguousarray(_stack(wv.T, g))
         self.w_o = np.ascontiguousarray(arrays["out_proj.weight"].T)
+        self._packed_weights()
         if self.bias:
             b = arrays["in_proj_bias"]
             self.b_q = b[:nq].reshape(h, self.d_k).copy()

@@ -1,0 +1,319 @@
+"""mhattn.pack_weights: a layer's weights packed once for the C core's GEMM.
+
+Every GEMM of the core cuts its right-hand matrix into column panels
+sized for the micro-kernel (csrc/core/gemm_impl.h), and does so on every
+call.  A model's weights do not change between calls, so
+:func:`pack_weights` cuts them once, as ONNX Runtime does with a graph's
+constant weights.  The panels live in C memory that Python cannot reach;
+the weights themselves are kept too, as immutable arrays (a bytes buffer
+underneath, so not even ``flags.writeable = True`` can open them), because
+small calls, calls of another dtype and the backward read them.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Tuple
+
+import numpy as np
+
+from . import _C
+from ._args import _int_arg, _split_bias, _split_weight, compute_dtype
+
+__all__ = ["pack_weights", "PackedWeights"]
+
+_NAMES = ("w_q", "w_k", "w_v", "w_o")
+_BIASES = ("b_q", "b_k", "b_v", "b_o")
+
+
+def _immutable(a: np.ndarray) -> np.ndarray:
+    """A copy of a whose memory is a bytes object: read-only for good."""
+    a = np.ascontiguousarray(a)
+    return np.frombuffer(a.tobytes(), dtype=a.dtype).reshape(a.shape)
+
+
+def _as_given(fused: np.ndarray, form: str, widths) -> Any:
+    """Read-only views of a fused (rows, sum widths) weight in the form it
+    was given: fused itself, stacked (h, rows, width), or a list of
+    per-head column blocks. Fusing them again gives back `fused` without a
+    copy (stacked) or an equal copy (list)."""
+    if form == "fused":
+        return fused
+    if form == "stacked":
+        rows = fused.shape[0]
+        return fused.reshape(rows, len(widths), widths[0]).transpose(1, 0, 2)
+    starts = np.concatenate([[0], np.cumsum(widths)]).astype(int)
+    return [fused[:, starts[i]:starts[i + 1]] for i in range(len(widths))]
+
+
+class PackedWeights:
+    """Weights packed once for this machine's kernels: see :func:`pack_weights`.
+
+    Immutable: the attributes are read-only arrays, and assigning one
+    raises AttributeError. Pass the object where ``w_q`` goes:
+    ``multi_head_attention(x, packed, ...)``.
+
+    Attributes
+    ----------
+    w_q, w_k, w_v : read-only arrays (or lists of them)
+        The weights, in the form they were given (fused 2-D, stacked 3-D or
+        per-head lists), cast to ``dtype``.
+    w_o : read-only (sum d_v, d_out) array or None
+    b_q, b_k, b_v, b_o : read-only arrays or None
+        The biases given to :func:`pack_weights`, in their forms.
+    num_heads, num_kv_heads : int
+    d_k, d_v : tuple of int
+        Each kv head's widths.
+    dtype : numpy.dtype
+        float32 or float64: the dtype the panels are for.
+    isa : str
+        The instruction set the panels were cut for (``mhattn.get_isa()`` at
+        packing time). Calls made under another ISA (``MHATTN_ISA``) ignore
+        the panels and pack as usual, with that ISA's results.
+    nbytes : int
+        Bytes of the panels (the weights' own arrays come on top).
+
+    Examples
+    --------
+    >>> tokens, X, w_q, w_k, w_v, w_o = mhattn.worked_example()
+    >>> packed = mhattn.pack_weights(w_q, w_k, w_v, w_o)
+    >>> packed
+    PackedWeights(num_heads=2, num_kv_heads=2, d_model=4, d_out=4, dtype=float64, isa=...)
+    >>> out = mhattn.multi_head_attention(X, packed, causal=True)
+    >>> np.array_equal(out, mhattn.multi_head_attention(X, w_q, w_k, w_v, w_o, causal=True))
+    True
+    """
+
+    __slots__ = ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o", "num_heads",
+                 "num_kv_heads", "d_k", "d_v", "dtype", "isa", "nbytes", "_fused",
+                 "_caps")
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"{name}: PackedWeights is immutable; pack new weights "
+                             "with mhattn.pack_weights")
+
+    def __delattr__(self, name):
+        raise AttributeError(f"{name}: PackedWeights is immutable")
+
+    def _set(self, **items) -> None:
+        for name, value in items.items():
+            object.__setattr__(self, name, value)
+
+    def arguments(self) -> Dict[str, Any]:
+        """The keyword arguments of the unpacked call:
+        ``multi_head_attention(x, **packed.arguments())`` (or the reference's)
+        computes what ``multi_head_attention(x, packed)`` does, bit for bit."""
+        kw: Dict[str, Any] = {n: getattr(self, n) for n in _NAMES}
+        kw.update(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads)
+        kw.update({n: getattr(self, n) for n in _BIASES if getattr(self, n) is not None})
+        return kw
+
+    def replace(self, **changes) -> "PackedWeights":
+        """A new PackedWeights with some weights or biases replaced; the
+        panels of the others are shared, not cut again.
+
+        >>> tokens, X, w_q, w_k, w_v, w_o = mhattn.worked_example()
+        >>> packed = mhattn.pack_weights(w_q, w_k, w_v, w_o)
+        >>> packed.replace(w_o=2 * w_o).w_o[0, 0] == 2 * w_o[0, 0]
+        True
+        """
+        unknown = sorted(set(changes) - set(_NAMES + _BIASES))
+        if unknown:
+            raise TypeError(f"replace() got an unexpected keyword argument {unknown[0]!r}")
+        kw = {n: getattr(self, n) for n in _NAMES + _BIASES}
+        kw.update(changes)
+        reuse = {n: (self._fused[i], self._caps[i]) for i, n in enumerate(_NAMES)
+                 if n not in changes}
+        return _pack(kw, self.num_heads, self.num_kv_heads, self.dtype, reuse)
+
+    def __reduce__(self):
+        # The panels are C memory and cut for one machine: pickling keeps
+        # the weights and packs them again where it is loaded.
+        kw = {n: getattr(self, n) for n in _NAMES + _BIASES}
+        return (_unpickle, (kw, self.num_heads, self.num_kv_heads, self.dtype.name))
+
+    def __repr__(self) -> str:
+        d_out = self.w_o.shape[1] if self.w_o is not None else sum(
+            self.d_v) * (self.num_heads // self.num_kv_heads)
+        return (f"PackedWeights(num_heads={self.num_heads}, "
+                f"num_kv_heads={self.num_kv_heads}, d_model={self._fused[0].shape[0]}, "
+                f"d_out={d_out}, dtype={self.dtype.name}, isa={self.isa!r})")
+
+    def _core_packed(self, dtype) -> Optional[Tuple]:
+        """The capsules for ``_C.forward``'s packed argument, when the call
+        computes in this object's dtype; else None (the weights are cast)."""
+        return self._caps if dtype == self.dtype else None
+
+
+def _unpickle(kw, num_heads, num_kv_heads, dtype):
+    return _pack(kw, num_heads, num_kv_heads, np.dtype(dtype), {})
+
+
+def _pack(kw: Dict[str, Any], num_heads, num_kv_heads, dtype, reuse) -> PackedWeights:
+    H = _int_arg("num_heads", num_heads)
+    G0 = _int_arg("num_kv_heads", num_kv_heads)
+    wq = _split_weight("w_q", kw["w_q"], H, "num_heads")
+    H = len(wq.heads)
+    if G0 is not None and H % G0:
+        raise ValueError(f"num_kv_heads: {G0} does not divide num_heads={H}")
+    G = H if G0 is None else G0
+    kv_name = "num_kv_heads" if G0 is not None else "num_heads"
+    wk = _split_weight("w_k", kw["w_k"], G, kv_name)
+    wv = _split_weight("w_v", kw["w_v"], G, kv_name)
+    group = H // G
+    for h in range(H):
+        if wq.widths[h] != wk.widths[h // group]:
+            raise ValueError(
+                f"w_q / w_k: query head {h} has width {wq.widths[h]} but its key head "
+                f"{h // group} has width {wk.widths[h // group]}; q and k must match "
+                "within a head")
+    Svq = sum(wv.widths[h // group] for h in range(H))
+    w_o = kw.get("w_o")
+    if w_o is not None:
+        w_o = np.asarray(w_o)
+        if w_o.ndim != 2 or w_o.shape[0] != Svq:
+            raise ValueError(f"w_o: expected shape ({Svq}, d_out) — its rows must equal "
+                             f"the concatenated head width sum(d_v) = {Svq} — got "
+                             f"{w_o.shape}")
+    d_out = w_o.shape[1] if w_o is not None else Svq
+    biases = {"b_q": _split_bias("b_q", kw.get("b_q"), wq.widths),
+              "b_k": _split_bias("b_k", kw.get("b_k"), wk.widths),
+              "b_v": _split_bias("b_v", kw.get("b_v"), wv.widths)}
+    b_o = kw.get("b_o")
+    if b_o is not None:
+        b_o = np.asarray(b_o)
+        if b_o.shape != (d_out,):
+            raise ValueError(f"b_o: expected shape ({d_out},) (d_out), got {b_o.shape}")
+    if dtype is None:
+        floats = wq.heads + wk.heads + wv.heads + [a for a in (w_o,) if a is not None]
+        dtype = compute_dtype(floats)
+    else:
+        try:
+            dtype = np.dtype(dtype)
+        except TypeError:
+            raise TypeError(f"dtype: expected np.float32 or np.float64, got {dtype!r}") from None
+        if dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
+            raise TypeError(f"dtype: mhattn computes in float32 or float64, got {dtype}")
+
+    pw = object.__new__(PackedWeights)
+    fused, caps = [], []
+    for name, hs in zip(_NAMES, (wq, wk, wv, None)):
+        if name in reuse and reuse[name][0] is not None and reuse[name][0].dtype == dtype:
+            f, cap = reuse[name]
+        else:
+            raw = w_o if hs is None else hs.fused()
+            f = None if raw is None else _immutable(np.asarray(raw, dtype=dtype))
+            cap = None if f is None or f.size == 0 else _C.pack_weight(f)
+        fused.append(f)
+        caps.append(cap)
+    pw._set(w_q=_as_given(fused[0], wq.form, wq.widths),
+            w_k=_as_given(fused[1], wk.form, wk.widths),
+            w_v=_as_given(fused[2], wv.form, wv.widths), w_o=fused[3])
+    for name in _BIASES[:3]:
+        given = kw.get(name)
+        if biases[name] is None:
+            b = None
+        elif isinstance(given, (list, tuple)) and np.ndim(given[0]) == 1:   # per head
+            b = [_immutable(np.asarray(a, dtype=dtype)) for a in biases[name]]
+        else:
+            b = _immutable(np.asarray(given, dtype=dtype))
+        pw._set(**{name: b})
+    pw._set(b_o=None if b_o is None else _immutable(np.asarray(b_o, dtype=dtype)))
+    isa = _C.get_isa()
+    nbytes = sum(_C.packed_info(c)[4] for c in caps if c is not None)
+    pw._set(num_heads=H, num_kv_heads=G, d_k=tuple(wk.widths), d_v=tuple(wv.widths),
+            dtype=dtype, isa=isa, nbytes=int(nbytes), _fused=tuple(fused),
+            _caps=tuple(caps))
+    return pw
+
+
+def pack_weights(w_q, w_k, w_v, w_o=None, *, num_heads=None, num_kv_heads=None,
+                 b_q=None, b_k=None, b_v=None, b_o=None, dtype=None) -> PackedWeights:
+    """Pack a layer's weights once for the C core: pass the result where
+    ``w_q`` goes, ``multi_head_attention(x, packed, ...)``.
+
+    pack_weights(w_q, w_k, w_v, w_o=None, *, num_heads=None,
+                 num_kv_heads=None, b_q=None, b_k=None, b_v=None, b_o=None,
+                 dtype=None) -> PackedWeights
+
+    Each projection of a call is a GEMM whose weight the core would cut into
+    the micro-kernel's column panels on every call; packed weights are cut
+    once. The results are bitwise those of the unpacked call,
+    ``multi_head_attention(x, **packed.arguments())``; what changes is the
+    time: no packing, and half the thread-pool phases of the projections.
+    :func:`mhattn.backward` and :func:`mhattn.multi_head_attention_grad`
+    take the packed object too.
+
+    Parameters
+    ----------
+    w_q, w_k, w_v : weights in any of multi_head_attention's forms
+        Fused 2-D (d_in, h*d_k) with ``num_heads``, stacked 3-D
+        (h, d_in, d_k), or per-head lists.
+    w_o : (sum d_v, d_out) or None
+    num_heads, num_kv_heads : int, optional
+        As for multi_head_attention (num_heads is needed for fused weights).
+    b_q, b_k, b_v, b_o : optional
+        Biases, in multi_head_attention's forms; kept in the object (they are
+        not packed), so a call then may not pass them again.
+    dtype : np.float32 or np.float64, optional
+        The dtype to pack for; default: the weights' (float64 if any is
+        float64, as multi_head_attention promotes). A call computing in the
+        other dtype casts the weights as an unpacked call would.
+
+    Returns
+    -------
+    PackedWeights
+        Immutable. Its panels take about the weights' own size again
+        (``nbytes``), cut for the ISA in force (``isa``).
+
+    A call with a packed object may not also pass w_k, w_v, w_o,
+    num_kv_heads or a bias the object holds; num_heads may be passed if it
+    agrees. With ``cache=`` the projections use the panels as well.
+
+    Examples
+    --------
+    >>> rng = np.random.default_rng(0)
+    >>> w_q, w_k, w_v, w_o = (rng.standard_normal((64, 64)).astype(np.float32)
+    ...                       for _ in range(4))
+    >>> packed = mhattn.pack_weights(w_q, w_k, w_v, w_o, num_heads=8)
+    >>> x = rng.standard_normal((2, 128, 64)).astype(np.float32)
+    >>> out = mhattn.multi_head_attention(x, packed, causal=True)
+    >>> np.array_equal(out, mhattn.multi_head_attention(x, w_q, w_k, w_v, w_o,
+    ...                                                 num_heads=8, causal=True))
+    True
+    >>> packed.w_q.flags.writeable
+    False
+    """
+    kw = dict(w_q=w_q, w_k=w_k, w_v=w_v, w_o=w_o, b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o)
+    return _pack(kw, num_heads, num_kv_heads, dtype, {})
+
+
+def require_kv(w_k, w_v) -> None:
+    """The TypeError of a call without a PackedWeights that lacks w_k or w_v."""
+    name = "w_k" if w_k is None else "w_v"
+    raise TypeError(f"{name}: expected an array, got None (w_k and w_v are required "
+                    "unless w_q is a PackedWeights from mhattn.pack_weights)")
+
+
+def unpack_call(packed: PackedWeights, w_k, w_v, w_o, num_heads, num_kv_heads,
+                biases: Dict[str, Any]) -> tuple:
+    """(w_q, w_k, w_v, w_o, num_heads, num_kv_heads, biases) of a call given
+    a PackedWeights where w_q goes; TypeError for a weight given twice."""
+    for name, given in (("w_k", w_k), ("w_v", w_v), ("w_o", w_o)):
+        if given is not None:
+            raise TypeError(f"{name}: given both in the PackedWeights and in the call; "
+                            "pass one or the other")
+    if num_kv_heads is not None and num_kv_heads != packed.num_kv_heads:
+        raise ValueError(f"num_kv_heads: {num_kv_heads} but the PackedWeights has "
+                         f"num_kv_heads={packed.num_kv_heads}")
+    if num_heads is not None and num_heads != packed.num_heads:
+        raise ValueError(f"num_heads: {num_heads} but the PackedWeights has "
+                         f"num_heads={packed.num_heads}")
+    out = dict(biases)
+    for name in _BIASES:
+        mine = getattr(packed, name)
+        if mine is not None:
+            if biases.get(name) is not None:
+                raise TypeError(f"{name}: given both in the PackedWeights and in the "
+                                "call; pass one or the other")
+            out[name] = mine
+    return (packed.w_q, packed.w_k, packed.w_v, packed.w_o, packed.num_heads,
+            packed.num_kv_heads, out)
