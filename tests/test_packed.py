@@ -304,3 +304,16 @@ def test_layer_keeps_its_weights_packed(rng):
     _same(layer(x), other(x) + 1)
     # a pickled layer repacks where it is loaded
     _same(pickle.loads(pickle.dumps(layer))(x), layer(x))
+
+
+def test_key_sharing_x_memory_with_other_rows(rng):
+    """A key that starts at x's memory but has fewer rows is not x: the
+    joint Q/K/V projection must not take it for x."""
+    w = _weights(rng, 256, 4, 4, 64, 64, 256, np.float32)
+    packed = mhattn.pack_weights(*w, num_heads=4)
+    x = rng.standard_normal((1, 128, 256)).astype(np.float32)
+    key = x[:, :100]
+    _same(mhattn.multi_head_attention(x, packed, key=key),
+          mhattn.multi_head_attention(x, *w, num_heads=4, key=key))
+    _same(mhattn.multi_head_attention(x, packed, key=x, value=x),
+          mhattn.multi_head_attention(x, *w, num_heads=4))

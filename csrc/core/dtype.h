@@ -20,16 +20,19 @@
 #undef NINF
 #undef GEMM
 #undef GEMM_PACKED
+#undef GEMM_MULTI
 #if MHA_F64
 #define REAL double
 #define PICK(f32, f64) f64
 #define NINF ((double)-INFINITY)
 #define GEMM mha_gemm_f64
 #define GEMM_PACKED mha_gemm_packed_f64
+#define GEMM_MULTI mha_gemm_packed_multi_f64
 #else
 #define REAL float
 #define PICK(f32, f64) f32
 #define NINF ((float)-INFINITY)
 #define GEMM mha_gemm_f32
 #define GEMM_PACKED mha_gemm_packed_f32
+#define GEMM_MULTI mha_gemm_packed_multi_f32
 #endif

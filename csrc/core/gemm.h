@@ -68,4 +68,20 @@ mha_status mha_gemm_packed_f64(double *C, size_t ldc, const double *A, size_t ld
                                const mha_packed *pb, const double *bias, size_t M,
                                size_t N, size_t K, int accumulate);
 
+/* nseg <= MHA_GEMM_MAX_SEG prepacked GEMMs sharing A (M, K), row stride
+   lda: C[s] (M, N[s]), contiguous, = A @ B[s] (K, N[s]) + bias[s] (or
+   NULL), each bitwise what mha_gemm_packed gives it, in one pool phase
+   when every pb[s] fits (else one call each). The forward's Q, K and V
+   projections of self-attention. */
+#define MHA_GEMM_MAX_SEG 4
+mha_status mha_gemm_packed_multi_f32(int nseg, float *const *C, const float *A, size_t lda,
+                                     const float *const *B, const mha_packed *const *pb,
+                                     const float *const *bias, size_t M, const size_t *N,
+                                     size_t K);
+mha_status mha_gemm_packed_multi_f64(int nseg, double *const *C, const double *A,
+                                     size_t lda, const double *const *B,
+                                     const mha_packed *const *pb,
+                                     const double *const *bias, size_t M, const size_t *N,
+                                     size_t K);
+
 #endif /* MHA_GEMM_H */

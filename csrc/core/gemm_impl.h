@@ -529,3 +529,104 @@ mha_status PICK(mha_gemm_f32, mha_gemm_f64)(REAL *C, size_t ldc, const REAL *A, 
                                                           accumulate);
 }
 
+
+/* 7. Prepacked GEMMs that share A (the Q, K and V projections of
+   self-attention): C_s (M, N_s) = A (M, K) @ B_s (K, N_s) [+ bias_s], each
+   from its prepacked B_s, as one pool phase over all their tiles. Each
+   C_s gets the bits mha_gemm_packed gives it; when a segment cannot join
+   (no usable panels, a small problem, more than one column block), every
+   segment is computed by its own mha_gemm_packed instead. */
+typedef struct {
+    PICK(gemm_ctx_f32, gemm_ctx_f64) seg[MHA_GEMM_MAX_SEG];
+    size_t start[MHA_GEMM_MAX_SEG + 1]; /* the first task of each segment */
+} PICK(gemm_multi_ctx_f32, gemm_multi_ctx_f64);
+
+static void PICK(gemm_task_multi_f32, gemm_task_multi_f64)(void *ctxp, size_t t, int ith)
+{
+    const PICK(gemm_multi_ctx_f32, gemm_multi_ctx_f64) *m = ctxp;
+    int s = 0;
+    while (t >= m->start[s + 1])
+        s++;
+    PICK(gemm_task_compute_packed_f32, gemm_task_compute_packed_f64)(
+        (void *)&m->seg[s], t - m->start[s], ith);
+}
+
+mha_status PICK(mha_gemm_packed_multi_f32, mha_gemm_packed_multi_f64)(
+    int nseg, REAL *const *C, const REAL *A, size_t lda, const REAL *const *B,
+    const mha_packed *const *pb, const REAL *const *bias, size_t M, const size_t *N,
+    size_t K)
+{
+    /* C[s]: (M, N[s]) row stride N[s]; A: (M, K); B[s]: (K, N[s]) */
+    const mha_gemm_blocking *bk =
+        &mha_kernels_for(mha_get_isa(), sizeof(REAL) == sizeof(double))->gemm;
+    int joint = nseg > 1 && nseg <= MHA_GEMM_MAX_SEG && M > 0 && K > 0;
+    size_t work = 0;
+    for (int s = 0; s < nseg && joint; s++) {
+        size_t mnk;
+        joint = N[s] > 0 && N[s] <= bk->nc && pb[s] != NULL && pb[s]->data != NULL &&
+                pb[s]->K == K && pb[s]->N == N[s] && pb[s]->f64 == MHA_F64 &&
+                pb[s]->isa == (int)mha_get_isa() &&
+                pb[s]->elems == PICK(gemm_packed_elems_f32, gemm_packed_elems_f64)(bk, K, N[s]) &&
+                mha_mul_ok(&mnk, M, N[s]) && mha_mul_ok(&mnk, mnk, K) &&
+                mnk >= MHA_GEMM_SMALL && gemm_check(sizeof(REAL), C[s], N[s], A, lda, 0,
+                                                    B[s], N[s], 0, M, N[s], K) == MHA_OK &&
+                mha_add_ok(&work, work, mnk);
+    }
+    if (!joint) {
+        for (int s = 0; s < nseg; s++) {
+            const mha_status st = PICK(mha_gemm_packed_f32, mha_gemm_packed_f64)(
+                C[s], N[s], A, lda, 0, B[s], N[s], 0, pb[s], bias[s], M, N[s], K, 0);
+            if (st != MHA_OK)
+                return st;
+        }
+        return MHA_OK;
+    }
+
+    /* The blocking and thread split of mha_gemm_packed, over the total work. */
+    const size_t MR = bk->mr, NR = bk->nr;
+    int nth = mha_in_parallel() ? 1 : mha_get_num_threads();
+    const size_t grain = atomic_load_explicit(&g_grain, memory_order_relaxed);
+    if ((size_t)nth > work / grain)
+        nth = work / grain > 1 ? (int)(work / grain) : 1;
+    size_t nkb;
+    const size_t kcb = PICK(gemm_kc_balanced_f32, gemm_kc_balanced_f64)(bk, K, &nkb);
+    const size_t mp = M / MR + (M % MR != 0);
+    size_t nmb = (mp + bk->mcp - 1) / bk->mcp;
+    if (nth > 1 && (nmb >= (size_t)nth || mp >= 4 * (size_t)nth)) {
+        nmb = (nmb + (size_t)nth - 1) / (size_t)nth * (size_t)nth;
+        if (nmb > mp)
+            nmb = mp;
+    }
+    const size_t mcp_max = (mp + nmb - 1) / nmb;
+    const size_t line = 64 / sizeof(REAL);
+    size_t ap_elems, ap_all;
+    if (!mha_mul_ok(&ap_elems, mcp_max * MR, kcb))
+        return MHA_ERR_SIZE;
+    const size_t ap_stride = (ap_elems + line - 1) / line * line;
+    if (!mha_mul_ok(&ap_all, ap_stride, (size_t)nth))
+        return MHA_ERR_SIZE;
+    REAL *ap = NULL;
+    mha_status st = mha_scratch_small((void **)&ap, ap_all, sizeof(REAL));
+    if (st != MHA_OK)
+        return st;
+
+    PICK(gemm_multi_ctx_f32, gemm_multi_ctx_f64) m;
+    m.start[0] = 0;
+    for (int s = 0; s < nseg; s++) {
+        PICK(gemm_ctx_f32, gemm_ctx_f64) *x = &m.seg[s];
+        *x = (PICK(gemm_ctx_f32, gemm_ctx_f64)){
+            .C = C[s], .ldc = N[s], .A = A, .lda = lda, .transA = 0, .B = B[s],
+            .ldb = N[s], .transB = 0, .bias = bias[s], .accumulate = 0, .M = M,
+            .bk = bk, .ap = ap, .ap_stride = ap_stride, .jc = 0, .nc = N[s],
+            .mp = mp, .nmb = nmb, .np = (N[s] + NR - 1) / NR,
+            .packed = pb[s]->data, .K = K, .kcb = kcb};
+        x->nnb = nmb < (size_t)nth ? (x->np < (size_t)nth ? x->np : (size_t)nth) : 1;
+        m.start[s + 1] = m.start[s] + nmb * x->nnb;
+    }
+    for (int s = nseg; s < MHA_GEMM_MAX_SEG; s++)
+        m.start[s + 1] = m.start[s];
+    st = mha_parallel_for_n(m.start[nseg], nth,
+                            PICK(gemm_task_multi_f32, gemm_task_multi_f64), &m);
+    mha_scratch_free(ap);
+    return st;
+}

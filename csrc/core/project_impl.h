@@ -58,7 +58,16 @@ mha_status PICK(mha_project_f32, mha_project_f64)(
             st = mha_scratch((void **)&scratch[r], rows[r] * S[r], sizeof(REAL));
         raw[r] = scratch[r] != NULL ? scratch[r] : dst[r];
     }
-    for (int r = 0; r < 3 && st == MHA_OK; r++) {
+    // All three of one input with packed weights (a cached step): one phase.
+    const int joint = need[0] && need[1] && need[2] && key == x && value == x &&
+                      cfg->Dkin == cfg->Din && cfg->Dvin == cfg->Din && cfg->Tk == cfg->Tq &&
+                      cfg->packed[0] && cfg->packed[1] && cfg->packed[2];
+    if (joint && st == MHA_OK) {
+        st = GEMM_MULTI(3, raw, x, cfg->Din, w, cfg->packed, bias, rows[0], S, cfg->Din);
+        if (st == MHA_OK && mha_interrupted(cfg))
+            st = MHA_ERR_INTERRUPTED;
+    }
+    for (int r = 0; r < 3 && st == MHA_OK && !joint; r++) {
         if (!need[r])
             continue;
         st = GEMM_PACKED(raw[r], S[r], input[r], d_in[r], 0, w[r], S[r], 0,
