@@ -15,7 +15,9 @@ Each input is decoded into one call. The properties:
   * a valid call returns arrays of the documented dtype and shape, and
     when the reference's result is finite the C result matches it;
   * the variants (window, softcap, ALiBi, sinks, q/k norm, RoPE with its
-    positions, key_mask, packed sequences) come and go with the rest.
+    positions, key_mask, packed sequences) come and go with the rest;
+  * now and then a call that worked is made again with
+    mhattn.pack_weights's object: the same bits.
 Values are multiples of 1/4 in [-2, 2], so projections and scores are exact
 in float32 and the only differences left are exp's and the sums' rounding.
 q/k norm and RoPE make q and k inexact; under a huge scale (1e30) a rounding
@@ -225,6 +227,8 @@ def build(d: Data):
         kw[corrupted] = d.pick(GARBAGE)
     if d.rarely(3):
         kw["_attention"] = attention_case(d, rng, vals, batched, B, H, G, Tq, Tk)
+    if d.rarely(4):
+        kw["_packed"] = True    # the call again through mhattn.pack_weights
     return kw, corrupted
 
 
@@ -359,6 +363,7 @@ def test_one_input(data: bytes) -> None:
     from mhattn import reference
 
     kw, corrupted = build(Data(data))
+    packed = kw.pop("_packed", False)
     att = kw.pop("_attention", None)
     if att is not None:
         check_attention(att)
@@ -371,11 +376,35 @@ def test_one_input(data: bytes) -> None:
             return
         except MemoryError:
             return
+        if packed:
+            check_packed(kw, got)
         ref = reference.multi_head_attention(**kw)
     got, ref = (got, ref) if kw["return_weights"] else ((got,), (ref,))
     values = not ill_conditioned(kw)
     for what, g, r in zip(("out", "weights"), got, ref):
         compare(g, r, what, values=values)
+
+
+_WEIGHT_ARGS = ("w_q", "w_k", "w_v", "w_o", "num_heads", "num_kv_heads")
+
+
+def check_packed(kw, got):
+    """A call that worked, again with its weights packed: the same bits (or
+    a named error from pack_weights, which checks the weights alone)."""
+    import mhattn
+    try:
+        packed = mhattn.pack_weights(kw["w_q"], kw["w_k"], kw["w_v"], kw.get("w_o"),
+                                     num_heads=kw.get("num_heads"),
+                                     num_kv_heads=kw.get("num_kv_heads"))
+    except (TypeError, ValueError) as e:
+        check_error(e)
+        return
+    again = mhattn.multi_head_attention(
+        kw["x"], packed, **{k: v for k, v in kw.items() if k not in _WEIGHT_ARGS + ("x",)})
+    for g, a in zip(got if isinstance(got, tuple) else (got,),
+                    again if isinstance(again, tuple) else (again,)):
+        assert g.dtype == a.dtype and g.shape == a.shape, "packed: dtype or shape"
+        assert np.array_equal(g, a, equal_nan=True), "packed: not the unpacked bits"
 
 
 def check_attention(kw):
