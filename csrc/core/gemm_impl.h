@@ -390,6 +390,31 @@ static void PICK(gemm_task_compute_packed_f32, gemm_task_compute_packed_f64)(voi
     }
 }
 
+/* The thread count and row blocks of `work` multiply-adds over M rows.
+   Threads: none inside another parallel task (it would run inline anyway),
+   and none beyond one per `grain` multiply-adds: waking a sleeping worker
+   costs tens of microseconds. Only speed depends on this, never bits. */
+static void PICK(gemm_split_f32, gemm_split_f64)(const mha_gemm_blocking *bk, size_t M,
+                                                 size_t work, int *nth_out, size_t *mp_out,
+                                                 size_t *nmb_out)
+{
+    int nth = mha_in_parallel() ? 1 : mha_get_num_threads();
+    const size_t grain = atomic_load_explicit(&g_grain, memory_order_relaxed);
+    if ((size_t)nth > work / grain)
+        nth = work / grain > 1 ? (int)(work / grain) : 1;
+    const size_t mp = M / bk->mr + (M % bk->mr != 0);
+    size_t nmb = (mp + bk->mcp - 1) / bk->mcp;
+    if (nth > 1 && (nmb >= (size_t)nth || mp >= 4 * (size_t)nth)) {
+        /* a multiple of nth row blocks of near-equal size */
+        nmb = (nmb + (size_t)nth - 1) / (size_t)nth * (size_t)nth;
+        if (nmb > mp)
+            nmb = mp;
+    }
+    *nth_out = nth;
+    *mp_out = mp;
+    *nmb_out = nmb;
+}
+
 mha_status PICK(mha_gemm_packed_f32, mha_gemm_packed_f64)(REAL *C, size_t ldc,
                                const REAL *A, size_t lda, int transA,
                                const REAL *B, size_t ldb, int transB,
@@ -427,13 +452,9 @@ mha_status PICK(mha_gemm_packed_f32, mha_gemm_packed_f64)(REAL *C, size_t ldc,
     const mha_gemm_blocking *bk =
         &mha_kernels_for(mha_get_isa(), sizeof(REAL) == sizeof(double))->gemm;
     const size_t MR = bk->mr, NR = bk->nr;
-    /* Threads: none inside another parallel task (it would run inline
-       anyway), and none beyond one per `grain` multiply-adds: waking
-       a sleeping worker costs tens of microseconds. */
-    int nth = mha_in_parallel() ? 1 : mha_get_num_threads();
-    const size_t grain = atomic_load_explicit(&g_grain, memory_order_relaxed);
-    if ((size_t)nth > mnk / grain)
-        nth = mnk / grain > 1 ? (int)(mnk / grain) : 1;
+    int nth;
+    size_t mp, nmb;
+    PICK(gemm_split_f32, gemm_split_f64)(bk, M, mnk, &nth, &mp, &nmb);
     size_t nkb;
     const size_t kcb = PICK(gemm_kc_balanced_f32, gemm_kc_balanced_f64)(bk, K, &nkb);
     /* A prepacked B of this ISA, type and size replaces the pack-B pass;
@@ -444,14 +465,6 @@ mha_status PICK(mha_gemm_packed_f32, mha_gemm_packed_f64)(REAL *C, size_t ldc,
         pb->elems == PICK(gemm_packed_elems_f32, gemm_packed_elems_f64)(bk, K, N))
         packed = pb->data;
 
-    const size_t mp = M / MR + (M % MR != 0);
-    size_t nmb = (mp + bk->mcp - 1) / bk->mcp;
-    if (nth > 1 && (nmb >= (size_t)nth || mp >= 4 * (size_t)nth)) {
-        /* a multiple of nth row blocks of near-equal size */
-        nmb = (nmb + (size_t)nth - 1) / (size_t)nth * (size_t)nth;
-        if (nmb > mp)
-            nmb = mp;
-    }
     const size_t mcp_max = (mp + nmb - 1) / nmb; /* panels per row block */
 
     PICK(gemm_ctx_f32, gemm_ctx_f64) x;
@@ -584,19 +597,10 @@ mha_status PICK(mha_gemm_packed_multi_f32, mha_gemm_packed_multi_f64)(
 
     /* The blocking and thread split of mha_gemm_packed, over the total work. */
     const size_t MR = bk->mr, NR = bk->nr;
-    int nth = mha_in_parallel() ? 1 : mha_get_num_threads();
-    const size_t grain = atomic_load_explicit(&g_grain, memory_order_relaxed);
-    if ((size_t)nth > work / grain)
-        nth = work / grain > 1 ? (int)(work / grain) : 1;
-    size_t nkb;
+    int nth;
+    size_t mp, nmb, nkb;
+    PICK(gemm_split_f32, gemm_split_f64)(bk, M, work, &nth, &mp, &nmb);
     const size_t kcb = PICK(gemm_kc_balanced_f32, gemm_kc_balanced_f64)(bk, K, &nkb);
-    const size_t mp = M / MR + (M % MR != 0);
-    size_t nmb = (mp + bk->mcp - 1) / bk->mcp;
-    if (nth > 1 && (nmb >= (size_t)nth || mp >= 4 * (size_t)nth)) {
-        nmb = (nmb + (size_t)nth - 1) / (size_t)nth * (size_t)nth;
-        if (nmb > mp)
-            nmb = mp;
-    }
     const size_t mcp_max = (mp + nmb - 1) / nmb;
     const size_t line = 64 / sizeof(REAL);
     size_t ap_elems, ap_all;
