@@ -6,6 +6,7 @@
     python benchmarks/bench.py --configs 1024x512x8 3x4x2 --dtypes f32
     python benchmarks/bench.py --json out.json
     python benchmarks/bench.py --no-backward      # forward tables only
+    python benchmarks/bench.py --no-ort --no-jax  # without the optional peers
     python benchmarks/bench.py --variants-only    # issue 13's table alone
 
 A script that prints figures, not a timed test.  In one run it measures, for

@@ -202,21 +202,38 @@ def test_jax_layer_agrees_with_mhattn(causal):
             assert rows.rel_err(got, want) < tol
 
 
-def test_packed_variant_guarded():
-    """mhattn packed runs where the build has pack_weights, and is skipped
-    ("-" in the table) where it has not."""
+def test_packed_variant(monkeypatch):
+    """mhattn packed packs once, in prepare, and the timed call passes
+    (x, packed, causal=); it is the same layer as the unpacked call, and is
+    skipped ("-" in the table) in a build without pack_weights."""
     import mhattn
     from mhbench import variants
 
     data = _tiny_data()
     case = configs.Case(5, 16, 4, 2, "float32", True)
-    if not hasattr(mhattn, "pack_weights"):
-        with pytest.raises(variants.Unsupported, match="pack_weights"):
-            variants.MHATTN_PACKED.prepare(data, case)
-        return
-    got = variants.MHATTN_PACKED.prepare(data, case)()
     want = variants.mhattn_forward(data, case)()
-    assert np.array_equal(got, want)
+    if hasattr(mhattn, "pack_weights"):
+        got = variants.MHATTN_PACKED.prepare(data, case)()
+        assert np.array_equal(got, want)
+        monkeypatch.delattr(mhattn, "pack_weights")
+    with pytest.raises(variants.Unsupported, match="pack_weights"):
+        variants.MHATTN_PACKED.prepare(data, case)
+    # The plumbing, with a stand-in pack_weights that counts its calls.
+    packs, real = [], mhattn.multi_head_attention
+
+    def pack_weights(w_q, w_k, w_v, w_o, *, num_heads):
+        packs.append(num_heads)
+        return ("packed", w_q, w_k, w_v, w_o, num_heads)
+
+    def mha(x, packed, **kw):
+        return real(x, *packed[1:5], num_heads=packed[5], **kw)
+    monkeypatch.setattr(mhattn, "pack_weights", pack_weights, raising=False)
+    monkeypatch.setattr(mhattn, "multi_head_attention", mha)
+    call = variants.MHATTN_PACKED.prepare(data, case)
+    assert packs == [4]
+    for _ in range(3):
+        assert np.array_equal(call(), want)
+    assert packs == [4]
 
 
 def test_memory_text_and_target():

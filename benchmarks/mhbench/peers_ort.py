@@ -20,7 +20,7 @@ float64 rows say "skipped".  ``import onnxruntime`` happens in
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 
@@ -31,7 +31,6 @@ GRAPHS = ("mha", "attn", "attn23")
 LABELS = {"mha": "MatMul + com.microsoft.MultiHeadAttention + MatMul",
           "attn": "com.microsoft.Attention (fused QKV) + MatMul",
           "attn23": "MatMul + opset-23 Attention + MatMul"}
-SHORT = {"mha": "MHA", "attn": "Attn", "attn23": "op23"}   # the table's names
 KEYS = {g: f"ort_{g}" for g in GRAPHS}                     # result keys
 # Initializers beyond this make a model that protobuf cannot serialise
 # (2 GiB per message); the GPT-3-width row would need external data files.
@@ -158,9 +157,3 @@ def ort_variants(threads: int) -> Tuple[List[Variant], List[str]]:
     graphs, notes = supported_graphs(threads)
     return [make_variant(g, threads) for g in graphs], notes
 
-
-def best(results: Dict[str, dict]) -> Optional[Tuple[str, float]]:
-    """(graph, ms) of the fastest ORT graph in a row's results, or None."""
-    timed = [(g, results[KEYS[g]]["ms"]) for g in GRAPHS
-             if "ms" in results.get(KEYS[g], {})]
-    return min(timed, key=lambda t: t[1]) if timed else None

@@ -84,13 +84,6 @@ def vs_best_cell(key: str) -> Callable[[Dict[str, Any]], str]:
     return cell
 
 
-def vs_torch_cell(row: Dict[str, Any]) -> str:
-    if row.get("vs_torch") is None:
-        return "n/a"
-    best = {"torch_mha": "MHA", "torch_sdpa": "SDPA"}[row["torch_best"]]
-    return f"{fmt_ratio(row['vs_torch'])} {best}"
-
-
 def max_err_cell(row: Dict[str, Any]) -> str:
     return "%.0e" % max([v.get("max_rel_err", 0.0) for v in row["results"].values()] or [0.0])
 
