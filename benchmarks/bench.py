@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
-"""Forward benchmark of mhattn against the NumPy reference and PyTorch.
+"""Forward benchmark of mhattn against the NumPy reference, PyTorch, ONNX Runtime and JAX.
 
     python benchmarks/bench.py                  # every configuration (long)
     python benchmarks/bench.py --quick          # no GPT-3 width, fewer repeats
     python benchmarks/bench.py --configs 1024x512x8 3x4x2 --dtypes f32
     python benchmarks/bench.py --json out.json
     python benchmarks/bench.py --no-backward      # forward tables only
+    python benchmarks/bench.py --no-ort --no-jax  # without the optional peers
     python benchmarks/bench.py --variants-only    # issue 13's table alone
 
 A script that prints figures, not a timed test.  In one run it measures, for
@@ -17,7 +18,19 @@ each configuration (T, d_model, h), batch size, dtype and causal flag:
   take too long or too much memory);
 - torch MHA: ``nn.MultiheadAttention`` on its fast path (eval, batch_first,
   need_weights=False, no grad), loaded with the same weights;
-- torch SDPA: ``F.linear`` projections around ``F.scaled_dot_product_attention``.
+- torch SDPA: ``F.linear`` projections around ``F.scaled_dot_product_attention``;
+- mhattn packed: ``multi_head_attention(x, packed)`` with ``packed =
+  mhattn.pack_weights(w_q, w_k, w_v, w_o, num_heads=h)`` made once, outside
+  the timing ("-" where the build has no pack_weights);
+- ONNX Runtime (when onnxruntime and onnx import; float32): three graphs
+  with the weights as initializers, MatMul + com.microsoft.MultiHeadAttention
+  + MatMul, com.microsoft.Attention + MatMul, MatMul + opset-23 Attention +
+  MatMul (mhbench/peers_ort.py); the table shows the fastest and names it;
+- JAX (when jax imports): the layer as one jit-compiled function, weights
+  passed as arguments (mhbench/peers_jax.py).
+
+"vs best peer" is the fastest of torch, ORT and JAX over mhattn (and over
+the packed call), naming the peer.
 
 Every measured variant is checked once against mhattn's output (an
 AssertionError stops the run: the figures must compare one computation).
@@ -46,14 +59,15 @@ import argparse
 import os
 import sys
 
-from mhbench.threads import early_thread_count, set_blas_env   # no NumPy yet
+from mhbench.threads import early_thread_count, set_blas_env, set_jax_env   # no NumPy yet
 
 THREADS = early_thread_count(sys.argv[1:])
 set_blas_env(THREADS)   # before NumPy is imported: its BLAS sizes its pool once
+JAX_THREADS = set_jax_env(THREADS)   # before jax is imported (by mhbench.peers_jax)
 
 import numpy as np  # noqa: E402  (after the thread variables, on purpose)
 
-from mhbench import backward, models, report  # noqa: E402
+from mhbench import backward, models, peers_jax, peers_ort, report  # noqa: E402
 from mhbench.configs import CAUSALS, CONFIGS, DTYPES, GPT3, config_name, parse_config  # noqa: E402
 from mhbench.figures import derive  # noqa: E402
 from mhbench.machine import CpuMeter  # noqa: E402
@@ -92,6 +106,8 @@ def parse_args(argv=None):
                    help="skip the NumPy reference where it would need more memory")
     p.add_argument("--no-reference", action="store_true", help="skip the NumPy reference")
     p.add_argument("--no-torch", action="store_true", help="skip PyTorch")
+    p.add_argument("--no-ort", action="store_true", help="skip ONNX Runtime")
+    p.add_argument("--no-jax", action="store_true", help="skip JAX")
     p.add_argument("--no-memory", action="store_true", help="skip the T=32768 memory run")
     p.add_argument("--memory-timeout", type=float, default=None,
                    help="seconds allowed per memory child (default 1800, --quick 120); "
@@ -121,6 +137,7 @@ def parse_args(argv=None):
         args.configs = [c for c in CONFIGS if not (args.quick and c == GPT3)]
     if torch is None:
         args.no_torch = True
+    args.jax_threads = JAX_THREADS
     return args
 
 
@@ -162,8 +179,12 @@ def main(argv=None) -> int:
     def save(rows, notes):
         if args.json:
             report.write_json(args.json, info, peak, rows, [], notes, partial=True)
-    variants = forward_variants(not args.no_reference, not args.no_torch)
+    ort, ort_notes = ([], []) if args.no_ort else peers_ort.ort_variants(args.threads)
+    jax, jax_notes = ([], []) if args.no_jax else peers_jax.jax_variants()
+    args.no_ort, args.no_jax = not ort, not jax
+    variants = forward_variants(not args.no_reference, not args.no_torch, ort + jax)
     rows, notes = run_rows(args, variants, rng, ref_model, peak, save)
+    notes[:0] = ort_notes + jax_notes
     if peak is not None:
         peak.measure()
         print("\nFMA peak measured again after the rows (best of both), GFLOP/s:")

@@ -75,23 +75,47 @@ def _row(T=1024, dtype="float32", causal=False, B=1, d=512, h=8, **ms):
 def test_derive_and_targets():
     peak = Peak(threads=2, single={"float32": 100.0}, multi={"float32": 150.0})
     assert peak.total("float32") == 200.0 and peak.total("float64") is None
-    row = _row(mhattn=100.0, numpy=400.0, torch_mha=300.0, torch_sdpa=120.0)
+    row = _row(mhattn=100.0, mhattn_packed=80.0, numpy=400.0, torch_mha=300.0,
+               torch_sdpa=120.0, ort_mha=110.0, ort_attn=95.0, jax=130.0)
     figures.derive(row, peak)
     assert row["gflops"] == pytest.approx(row["flops"] / 0.1 / 1e9)
     assert row["pct_peak"] == pytest.approx(100 * row["gflops"] / 200.0)
+    assert row["packed_pct_peak"] == pytest.approx(row["pct_peak"] * 100 / 80)
     assert row["vs_numpy"] == 4.0
     assert row["torch_best"] == "torch_sdpa" and row["vs_torch"] == pytest.approx(1.2)
+    # The best peer is ORT's fastest graph; NumPy is no peer.
+    assert (row["torch_ms"], row["torch_variant"]) == (120.0, "torch_sdpa")
+    assert (row["ORT_ms"], row["ORT_variant"]) == (95.0, "ort_attn")
+    assert row["best_peer"] == "ORT" and row["vs_best_peer"] == pytest.approx(0.95)
+    assert row["packed_vs_best_peer"] == pytest.approx(95 / 80)
+    assert tables.vs_best_cell("vs_best_peer")(row) == "0.95x ORT"
+    assert tables.peer_ms("ORT")(row) == "95 Attn" and tables.peer_ms("JAX")(row) == "130"
     by_what = {t.what: t.status for t in row["targets"]}
-    assert by_what == {"% peak": "MISS", "vs NumPy": "PASS", "vs torch": "MISS"}
-    assert tables.target_cell(row) == "MISS % peak,vs torch"
+    assert by_what == {"vs best peer (ORT)": "MISS", "% peak": "MISS"}
+    assert tables.target_cell(row) == "MISS vs best peer (ORT),% peak"
+    # T = 128: the packed call's targets; without pack_weights they are n/a.
+    short = _row(T=128, mhattn=2.0, torch_mha=2.5, jax=3.0)
+    short["results"]["mhattn_packed"] = {"skipped": "this build has no mhattn.pack_weights"}
+    figures.derive(short, peak)
+    assert short["best_peer"] == "torch" and "packed_vs_best_peer" not in short
+    assert [(t.what, t.goal, t.status) for t in short["targets"]] == [
+        ("packed vs best peer", 1.25, "n/a"), ("packed % peak", 73, "n/a"),
+        ("vs best peer (torch)", 0.9, "PASS")]
+    assert tables.result_ms("mhattn_packed")(short) == "-"
+    assert tables.vs_best_cell("packed_vs_best_peer")(short) == "-"
+    causal = _row(T=4096, causal=True, mhattn=100.0, ort_attn23=120.0)
+    figures.derive(causal, peak)
+    assert [(t.what, t.goal, t.status) for t in causal["targets"]] == [
+        ("vs best peer (ORT)", 1.25, "MISS")]
     small = _row(T=3, d=4, h=2, mhattn=0.005)
     figures.derive(small, None)
-    assert small["pct_peak"] is None
-    assert [(t.what, t.status) for t in small["targets"]] == [("vs torch", "n/a"),
+    assert small["pct_peak"] is None and "best_peer" not in small
+    assert [(t.what, t.status) for t in small["targets"]] == [("vs best peer", "n/a"),
                                                                ("call", "PASS")]
     assert tables.target_cell(small) == "n/a"
+    assert tables.peer_ms("ORT")(small) == "n/a"
     assert figures.count_statuses([row, small], [{"target": "MISS"}]) == {
-        "PASS": 2, "MISS": 3, "n/a": 1}
+        "PASS": 1, "MISS": 3, "n/a": 1}
 
 
 def test_forward_table_structure():
@@ -100,12 +124,15 @@ def test_forward_table_structure():
     for r in rows:
         figures.derive(r, None)
     full = [c.header for c in tables.forward_columns(with_torch=True, with_ref=True)]
-    bare = [c.header for c in tables.forward_columns(with_torch=False, with_ref=False)]
-    assert full[:6] == ["T", "d_model", "h", "B", "causal", "mhattn ms"]
-    assert {"numpy ms", "MHA ms", "vs torch (best)"} <= set(full)
+    bare = [c.header for c in tables.forward_columns(False, False, False, False)]
+    assert full[:7] == ["T", "d_model", "h", "B", "causal", "mhattn ms", "packed ms"]
+    assert full[7:11] == ["torch ms", "ORT ms", "JAX ms", "numpy ms"]
+    assert {"vs best peer", "packed vs best", "% peak"} <= set(full)
     assert bare[-2:] == ["max err", "target"] and "numpy ms" not in bare
+    assert not {"torch ms", "ORT ms", "JAX ms"} & set(bare)
     buf = io.StringIO()
-    tables.print_table("Title", tables.forward_columns(False, True), rows, file=buf)
+    tables.print_table("Title", tables.forward_columns(False, True, False, False), rows,
+                       file=buf)
     lines = buf.getvalue().splitlines()
     assert lines[:2] == ["", "Title"]
     assert lines[2].split()[:2] == ["T", "d_model"]
@@ -115,6 +142,98 @@ def test_forward_table_structure():
     assert tables.fmt_ms(None) == "n/a" and tables.fmt_ms(1234.5) == "1234"
     assert tables.fmt_ratio(2.5) == "2.50x" and tables.fmt_ratio(123.0) == "123x"
     assert tables.row_summary(rows[1]).startswith("      -> mhattn 0.005 ms, numpy skipped")
+
+
+def _tiny_data(dtype="float32", B=2, T=5, d=16, h=4):
+    """x (T, d) when B == 1 (the unbatched call), else (B, T, d)."""
+    from mhbench import variants
+    return variants.make_data(T, d, h, B, dtype, np.random.default_rng(1), with_torch=False)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_ort_graphs_agree_with_mhattn(causal):
+    """Each of the three ONNX graphs, weights as initializers, computes
+    mhattn's layer at a tiny size, batched and not; float64 is skipped."""
+    pytest.importorskip("onnx")
+    pytest.importorskip("onnxruntime")
+    from mhbench import peers_ort, rows, variants
+    from onnx import numpy_helper
+
+    graphs, notes = peers_ort.supported_graphs(threads=1)
+    assert set(graphs) | {"attn23"} == set(peers_ort.GRAPHS)
+    for B in (1, 2):
+        data = _tiny_data(B=B)
+        case = configs.Case(5, 16, 4, B, "float32", causal)
+        want = variants.mhattn_forward(data, case)()
+        for g in graphs:
+            model = peers_ort.build_model(g, data.w_q, data.w_k, data.w_v, data.w_o, 4, B, 5,
+                                          causal)
+            names = {i.name for i in model.graph.initializer}
+            assert "W_o" in names and not {i.name for i in model.graph.input} & names
+            w_o = [numpy_helper.to_array(i) for i in model.graph.initializer
+                   if i.name == "W_o"][0]
+            assert np.array_equal(w_o, data.w_o)
+            got = peers_ort.make_variant(g, 1).prepare(data, case)()
+            assert got.shape == data.x.shape
+            assert rows.rel_err(got, want) < 1e-5, g
+        # A graph computing something else fails the row's check.
+        wrong = peers_ort.layer(graphs[0], data, not causal, 1)()
+        assert rows.rel_err(wrong, want) > 1e-3
+    with pytest.raises(variants.Unsupported, match="float32"):
+        peers_ort.make_variant("mha", 1).prepare(
+            _tiny_data("float64"), configs.Case(5, 16, 4, 2, "float64", causal))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_jax_layer_agrees_with_mhattn(causal):
+    """The jitted JAX layer computes mhattn's at a tiny size, float32 and
+    float64, batched and not."""
+    pytest.importorskip("jax")
+    from mhbench import peers_jax, rows, variants
+
+    assert peers_jax.available() is not None
+    for dtype, tol in (("float32", 1e-5), ("float64", 1e-12)):
+        for B in (1, 2):
+            data = _tiny_data(dtype, B=B)
+            case = configs.Case(5, 16, 4, B, dtype, causal)
+            want = variants.mhattn_forward(data, case)()
+            got = np.asarray(peers_jax.JAX.prepare(data, case)())
+            assert got.shape == want.shape and got.dtype == want.dtype
+            assert rows.rel_err(got, want) < tol
+
+
+def test_packed_variant(monkeypatch):
+    """mhattn packed packs once, in prepare, and the timed call passes
+    (x, packed, causal=); it is the same layer as the unpacked call, and is
+    skipped ("-" in the table) in a build without pack_weights."""
+    import mhattn
+    from mhbench import variants
+
+    data = _tiny_data()
+    case = configs.Case(5, 16, 4, 2, "float32", True)
+    want = variants.mhattn_forward(data, case)()
+    if hasattr(mhattn, "pack_weights"):
+        got = variants.MHATTN_PACKED.prepare(data, case)()
+        assert np.array_equal(got, want)
+        monkeypatch.delattr(mhattn, "pack_weights")
+    with pytest.raises(variants.Unsupported, match="pack_weights"):
+        variants.MHATTN_PACKED.prepare(data, case)
+    # The plumbing, with a stand-in pack_weights that counts its calls.
+    packs, real = [], mhattn.multi_head_attention
+
+    def pack_weights(w_q, w_k, w_v, w_o, *, num_heads):
+        packs.append(num_heads)
+        return ("packed", w_q, w_k, w_v, w_o, num_heads)
+
+    def mha(x, packed, **kw):
+        return real(x, *packed[1:5], num_heads=packed[5], **kw)
+    monkeypatch.setattr(mhattn, "pack_weights", pack_weights, raising=False)
+    monkeypatch.setattr(mhattn, "multi_head_attention", mha)
+    call = variants.MHATTN_PACKED.prepare(data, case)
+    assert packs == [4]
+    for _ in range(3):
+        assert np.array_equal(call(), want)
+    assert packs == [4]
 
 
 def test_memory_text_and_target():
@@ -137,7 +256,7 @@ def test_write_json(tmp_path):
     got = json.load(open(path))
     assert list(got) == ["argv", "partial", "peak", "rows", "memory", "notes"]
     assert got["peak"] is None and got["notes"] == ["a note"]
-    assert [t["what"] for t in got["rows"][0]["targets"]] == ["% peak", "vs NumPy", "vs torch"]
+    assert [t["what"] for t in got["rows"][0]["targets"]] == ["vs best peer", "% peak"]
     assert got["rows"][0]["targets"][0]["status"] == "n/a"
 
 

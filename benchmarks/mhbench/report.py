@@ -13,6 +13,7 @@ import numpy as np
 import mhattn
 
 from .configs import GPT3, config_name
+from . import peers_jax, peers_ort
 from .figures import MEMORY_GOAL_MIB, count_statuses, target_json
 from .machine import busy_warning, cpu_model, git_revision
 from .memory import memory_text
@@ -30,15 +31,21 @@ def print_machine(threads: Dict[str, Any], args, torch, load_start: tuple) -> Di
     print(f"  ISA       mhattn.get_isa(): "
           + (str(get_isa()) if get_isa else "n/a (not in this build)"))
     mh = threads["mhattn"]
+    ort_version = None if args.no_ort else peers_ort.available()
+    jax_version = None if args.no_jax else peers_jax.available()
     print(f"  threads   mhattn {mh if mh is not None else '?'}"
           + ("" if threads["mhattn_api"] else
              " (no set_num_threads in this build; % peak assumes "
              f"{args.threads} threads)")
           + (f", torch {threads['torch']}" if not args.no_torch else "")
+          + (f", ORT intra_op {args.threads} (inter_op 1)" if ort_version else "")
+          + (f", JAX {args.jax_threads}" if jax_version else "")
           + f", NumPy BLAS OPENBLAS_NUM_THREADS={threads['blas_env']['OPENBLAS_NUM_THREADS']}")
     torch_version = torch.__version__ if torch is not None else None
     print(f"  versions  python {platform.python_version()}, numpy {np.__version__}, "
           f"torch {torch_version or 'not installed'}, "
+          f"onnxruntime {ort_version or ('off' if args.no_ort else 'not installed')}, "
+          f"jax {jax_version or ('off' if args.no_jax else 'not installed')}, "
           f"mhattn {getattr(mhattn, '__version__', '?')} (git {git})")
     if torch is None:
         print("  note      PyTorch is not installed: its columns are skipped.")
@@ -47,7 +54,7 @@ def print_machine(threads: Dict[str, Any], args, torch, load_start: tuple) -> Di
     return dict(argv=sys.argv, threads=threads, cpu=cpu,
                 isa=str(get_isa()) if get_isa else None, load_start=load_start,
                 versions=dict(python=platform.python_version(), numpy=np.__version__,
-                              torch=torch_version,
+                              torch=torch_version, onnxruntime=ort_version, jax=jax_version,
                               mhattn=getattr(mhattn, "__version__", None), git=git))
 
 
@@ -57,6 +64,12 @@ def print_method(args) -> None:
           "            each call timed alone, variants interleaved in 5 rounds,\n"
           f"            {args.settle:g} s pause at each switch of variant (--settle)")
     print("  GFLOP/s   B * (8 T d^2 + 4 T^2 d), the 4 T^2 d term halved when causal")
+    print("  peers     torch: the faster of nn.MultiheadAttention (fast path) and F.linear +\n"
+          "            SDPA; ORT: the fastest of MatMul + com.microsoft.MultiHeadAttention,\n"
+          "            com.microsoft.Attention and the opset-23 Attention (weights as\n"
+          "            initializers, ORT_ENABLE_ALL, sequential); JAX: jit, weights as\n"
+          "            arguments; packed: multi_head_attention(x, pack_weights(...)), packed\n"
+          "            once outside the timing.  vs best peer = best peer's ms / mhattn's")
 
 
 def print_reference_model(args, ref_model) -> None:
@@ -73,7 +86,8 @@ def print_quick_note(args) -> None:
 
 def print_forward_tables(rows: List[Dict[str, Any]], dtypes: List[str], args, peak) -> None:
     """One table per dtype, then the rows where the NumPy reference was skipped."""
-    cols = forward_columns(not args.no_torch, not args.no_reference)
+    cols = forward_columns(not args.no_torch, not args.no_reference, not args.no_ort,
+                           not args.no_jax)
     for dtype in dtypes:
         sel = [r for r in rows if r["dtype"] == dtype]
         if sel:

@@ -13,7 +13,8 @@ from .figures import derive
 from .refmodel import RefModel
 from .tables import row_summary
 from .timing import Timed, time_interleaved
-from .variants import REFERENCE, TORCH_MHA, Data, Variant, check_mha_fast_path, make_data
+from .variants import (REFERENCE, TORCH_MHA, Data, Unsupported, Variant, check_mha_fast_path,
+                       make_data)
 
 try:
     from tqdm import tqdm
@@ -80,7 +81,12 @@ def measure_row(case: Case, data: Data, variants: List[Variant], args,
             if plan is None:
                 continue
             min_reps, warmup = plan
-        t = Timed(v.prepare(data, case), min_reps, warmup, v.context)
+        try:
+            fn = v.prepare(data, case)
+        except Unsupported as exc:      # a variant that does not run this case
+            res["skipped"] = str(exc)
+            continue
+        t = Timed(fn, min_reps, warmup, v.context)
         try:
             out = v.to_numpy(t.start(args.budget))
         except (MemoryError, RuntimeError, ValueError, OSError) as exc:

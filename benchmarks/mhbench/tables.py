@@ -6,7 +6,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
-from .figures import target_cell
+from .figures import PEERS, target_cell
 
 
 @dataclass
@@ -41,48 +41,81 @@ def fmt_ratio(x: Optional[float]) -> str:
     return "n/a" if x is None else (f"{x:.2f}x" if x < 10 else f"{x:.0f}x")
 
 
+def _status(res: Optional[Dict[str, Any]]) -> str:
+    """The cell of a result with no time: n/a (not run), skipped, error."""
+    if res is None:
+        return "n/a"
+    return "skipped" if "skipped" in res else "error" if "error" in res else "n/a"
+
+
 def result_ms(key: str) -> Callable[[Dict[str, Any]], str]:
     def cell(row):
         r = row["results"].get(key)
-        if r is None:
-            return "n/a"
-        if "skipped" in r:
-            return "skipped"
-        if "error" in r:
-            return "error"
-        return fmt_ms(r.get("ms"))
+        if r is None or "ms" not in r:
+            # A build without pack_weights: "-", as the issue's table has it.
+            return "-" if key == "mhattn_packed" and r is not None else _status(r)
+        return fmt_ms(r["ms"])
     return cell
 
 
-def vs_torch_cell(row: Dict[str, Any]) -> str:
-    if row.get("vs_torch") is None:
-        return "n/a"
-    best = {"torch_mha": "MHA", "torch_sdpa": "SDPA"}[row["torch_best"]]
-    return f"{fmt_ratio(row['vs_torch'])} {best}"
+# How the table names a peer's fastest variant (figures.PEERS' keys).
+VARIANT_SHORT = {"torch_mha": "MHA", "torch_sdpa": "SDPA", "ort_mha": "MHA",
+                 "ort_attn": "Attn", "ort_attn23": "op23", "jax": ""}
+
+
+def peer_ms(peer: str) -> Callable[[Dict[str, Any]], str]:
+    """A peer's fastest variant's median and its short name ("2.54 MHA")."""
+    def cell(row):
+        t = row.get(f"{peer}_ms")
+        if t is None:
+            res = [row["results"].get(k) for k in PEERS[peer]]
+            res = [r for r in res if r is not None]
+            return _status(res[0]) if res else "n/a"
+        return f"{fmt_ms(t)} {VARIANT_SHORT[row[peer + '_variant']]}".rstrip()
+    return cell
+
+
+def vs_best_cell(key: str) -> Callable[[Dict[str, Any]], str]:
+    """mhattn's (or the packed call's) ratio to the best peer, which it names."""
+    def cell(row):
+        if row.get(key) is None:
+            return "-" if key == "packed_vs_best_peer" and "best_peer" in row else "n/a"
+        return f"{fmt_ratio(row[key])} {row['best_peer']}"
+    return cell
 
 
 def max_err_cell(row: Dict[str, Any]) -> str:
     return "%.0e" % max([v.get("max_rel_err", 0.0) for v in row["results"].values()] or [0.0])
 
 
-def forward_columns(with_torch: bool, with_ref: bool) -> List[Column]:
+def _pct(key: str) -> Callable[[Dict[str, Any]], str]:
+    return lambda r: "n/a" if r.get(key) is None else f"{r[key]:.1f}"
+
+
+def forward_columns(with_torch: bool, with_ref: bool, with_ort: bool = True,
+                    with_jax: bool = True) -> List[Column]:
+    """The forward table: mhattn and mhattn with pack_weights, each peer's
+    fastest variant, NumPy, the ratios to the best peer (> 1: mhattn is
+    faster), mhattn's GFLOP/s and % peak, the packed call's % peak."""
     cols = [Column("T", lambda r: str(r["T"])),
             Column("d_model", lambda r: str(r["d_model"])),
             Column("h", lambda r: str(r["h"])),
             Column("B", lambda r: str(r["B"])),
             Column("causal", lambda r: "yes" if r["causal"] else "no", "<"),
             Column("mhattn ms", result_ms("mhattn")),
-            Column("GFLOP/s", lambda r: "n/a" if r.get("gflops") is None else f"{r['gflops']:.1f}"),
-            Column("% peak", lambda r: "n/a" if r.get("pct_peak") is None
-                   else f"{r['pct_peak']:.1f}")]
+            Column("packed ms", result_ms("mhattn_packed"))]
+    for name, on in (("torch", with_torch), ("ORT", with_ort), ("JAX", with_jax)):
+        if on:
+            cols.append(Column(f"{name} ms", peer_ms(name)))
     if with_ref:
-        cols += [Column("numpy ms", result_ms("numpy")),
-                 Column("vs numpy", lambda r: fmt_ratio(r.get("vs_numpy")))]
-    if with_torch:
-        cols += [Column("MHA ms", result_ms("torch_mha")),
-                 Column("SDPA ms", result_ms("torch_sdpa")),
-                 Column("vs torch (best)", vs_torch_cell, "<")]
-    cols += [Column("max err", max_err_cell),
+        cols.append(Column("numpy ms", result_ms("numpy")))
+    cols += [Column("vs best peer", vs_best_cell("vs_best_peer"), "<"),
+             Column("packed vs best", vs_best_cell("packed_vs_best_peer"), "<"),
+             Column("GFLOP/s", lambda r: "n/a" if r.get("gflops") is None
+                    else f"{r['gflops']:.1f}"),
+             Column("% peak", _pct("pct_peak")),
+             Column("packed % peak", _pct("packed_pct_peak")),
+             Column("max err", max_err_cell),
              Column("target", target_cell, "<")]
     return cols
 

@@ -32,6 +32,28 @@ def set_blas_env(n: int) -> None:
         os.environ.setdefault(var, str(n))
 
 
+def set_jax_env(n: int) -> str:
+    """JAX's environment, before jax is imported (XLA reads it once):
+    the CPU platform, and its threads where XLA lets them be set.  Returns
+    what the header says about JAX's threads.
+
+    XLA's CPU client sizes its pool to the CPUs this process may use and has
+    no flag for another count; --xla_cpu_multi_thread_eigen=false makes its
+    Eigen kernels single-threaded, which is the n = 1 case only.  An explicit
+    XLA_FLAGS in the environment wins."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    cpus = usable_cpus()
+    if "XLA_FLAGS" in os.environ:
+        return f"XLA_FLAGS={os.environ['XLA_FLAGS']!r} from the environment"
+    if n == 1:
+        os.environ["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false"
+        return "1 (XLA_FLAGS=--xla_cpu_multi_thread_eigen=false)"
+    if n == cpus:
+        return f"{cpus} (XLA's default: the usable CPUs)"
+    return (f"{cpus}, NOT {n}: XLA's CPU client has no thread-count flag, it uses "
+            "every usable CPU")
+
+
 def set_threads(n: int, torch=None) -> Dict[str, Any]:
     """Give mhattn and torch (the module, or None) n threads; report what
     each says it uses."""

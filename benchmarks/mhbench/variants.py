@@ -81,6 +81,11 @@ def make_torch(data: Data, T: int, d: int, h: int, B: int) -> TorchData:
     return TorchData(x, mha, mask)
 
 
+class Unsupported(Exception):
+    """Raised by a variant's prepare() for a case it does not run (ORT on
+    float64, say): the row records the reason as "skipped"."""
+
+
 @dataclass
 class Variant:
     key: str                                       # column and JSON key
@@ -94,6 +99,16 @@ def mhattn_forward(data: Data, case: Case):
     x, wq, wk, wv, wo = data.x, data.w_q, data.w_k, data.w_v, data.w_o
     h, causal = data.h, case.causal
     return lambda: mhattn.multi_head_attention(x, wq, wk, wv, wo, num_heads=h, causal=causal)
+
+
+def mhattn_packed_forward(data: Data, case: Case):
+    """``multi_head_attention(x, packed)`` with the weights packed once, here,
+    outside the timing, as a user holding a model would."""
+    if not hasattr(mhattn, "pack_weights"):
+        raise Unsupported("this build has no mhattn.pack_weights")
+    packed = mhattn.pack_weights(data.w_q, data.w_k, data.w_v, data.w_o, num_heads=data.h)
+    x, causal = data.x, case.causal
+    return lambda: mhattn.multi_head_attention(x, packed, causal=causal)
 
 
 def reference_forward(data: Data, case: Case):
@@ -138,6 +153,7 @@ def _no_grad():
 
 
 MHATTN = Variant("mhattn", "mhattn", mhattn_forward)
+MHATTN_PACKED = Variant("mhattn_packed", "mhattn with pack_weights", mhattn_packed_forward)
 REFERENCE = Variant("numpy", "NumPy reference", reference_forward)
 TORCH_MHA = Variant("torch_mha", "torch nn.MultiheadAttention (fast path)", torch_mha_forward,
                     _no_grad, _torch_to_numpy)
@@ -146,15 +162,16 @@ TORCH_SDPA = Variant("torch_sdpa", "torch F.linear + F.scaled_dot_product_attent
 TORCH_VARIANTS = (TORCH_MHA, TORCH_SDPA)
 
 
-def forward_variants(with_reference: bool, with_torch: bool):
+def forward_variants(with_reference: bool, with_torch: bool, peers=()):
     """The variants of a forward row, mhattn first (the others are checked
-    against it)."""
-    variants = [MHATTN]
+    against it), then mhattn with packed weights, the reference, torch and
+    the other peers (ORT's and JAX's variants, from peers_ort / peers_jax)."""
+    variants = [MHATTN, MHATTN_PACKED]
     if with_reference:
         variants.append(REFERENCE)
     if with_torch:
         variants += list(TORCH_VARIANTS)
-    return variants
+    return variants + list(peers)
 
 
 def check_mha_fast_path(data: Data, case: Case) -> bool:
