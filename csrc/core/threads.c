@@ -10,6 +10,26 @@
  * `pending`; the caller works too and then waits for pending == 0.
  * A caller that loses the flag runs its tasks inline.
  *
+ * Manners under contention. Spinning pays only while each waiter has a
+ * core to itself. When another pool's threads are spinning too (OpenBLAS
+ * spins for about 0.1 s after every call by default), a spinning worker
+ * shares its core with them, is descheduled for whole time slices, and
+ * holds up every phase; its spinning also takes that core from them. So a
+ * worker checks whether it was off its CPU while it meant to spin: it saw
+ * the new generation more than LATE_NS after the caller published it, or
+ * two reads of the clock in its spin loop were more than LATE_NS apart.
+ * Either means that some other thread wants the core, and then nobody in
+ * the pool (workers and the waiting caller) spins for the next
+ * CALM_PHASES phases: they go straight to the condition variable. A
+ * sleeping worker is woken ahead of a thread that has been spinning (the
+ * scheduler favours threads that slept), and a caller that sleeps leaves
+ * its core idle, so that the kernel can move a descheduled worker there.
+ * After CALM_PHASES phases the pool spins again, which probes whether the
+ * contention is gone. (sched_yield would not do: on Linux's EEVDF
+ * scheduler a yield puts the yielding thread behind a spinning peer for a
+ * whole slice.) This changes only who waits how: the tasks, and so the
+ * results, are the same.
+ *
  * Because workers can only be released by the owner of g_busy, a worker
  * taking part in generation g cannot miss it: g + 1 is published only after
  * every participant of g has counted itself out.
@@ -36,6 +56,18 @@
    of one GEMM, short enough not to hold a core hostage. */
 #define SPIN_NS 50000
 
+/* A worker that meant to spin but finds it was off its CPU for longer than
+   this (a time slice is ~1 ms; a spinning thread that holds its core sees
+   the new generation within ~1 us) concludes that the cores are
+   oversubscribed. */
+#define LATE_NS 50000
+
+/* After that, the phases in which nobody spins: ~15 calls at (T=128,
+   d_model=512, h=8), ~60 ms on 2 cores, about as long as OpenBLAS's
+   workers spin after a call, and short enough to spin again soon after
+   the contention ends. */
+#define CALM_PHASES 256
+
 typedef struct {
     mha_mutex lock;
     mha_cond wake; /* workers: a new generation was published */
@@ -46,9 +78,13 @@ typedef struct {
     void *ctx;
     size_t ntasks;
     int nactive; /* workers 1..nactive take part */
+    int64_t published_ns; /* when gen last moved (mha_now_ns) */
     atomic_size_t next;
     atomic_uint gen;
     atomic_int pending;
+    /* Phases left in which nobody spins (see the top of the file); set by
+       any worker, counted down by the caller at each publish. */
+    atomic_int calm;
 } pool_t;
 
 typedef struct {
@@ -76,6 +112,30 @@ static void run_tasks(pool_t *p, mha_task_fn fn, void *ctx, size_t ntasks,
     }
 }
 
+/* Spins until *gen differs from seen, for at most SPIN_NS; returns the
+   largest gap seen between two reads of the clock (0 when it did not spin:
+   the pool is calm). */
+static int64_t spin_for_gen(pool_t *p, unsigned seen)
+{
+    if (atomic_load_explicit(&p->calm, memory_order_relaxed) > 0)
+        return 0;
+    const int64_t t0 = mha_now_ns();
+    int64_t last = t0, gap = 0;
+    for (unsigned i = 1;
+         atomic_load_explicit(&p->gen, memory_order_acquire) == seen; i++) {
+        mha_cpu_relax();
+        if ((i & 255) == 0) {
+            const int64_t now = mha_now_ns();
+            if (now - last > gap)
+                gap = now - last;
+            last = now;
+            if (now - t0 > SPIN_NS || gap > LATE_NS)
+                break;
+        }
+    }
+    return gap > 0 ? gap : 1;
+}
+
 static void worker_main(void *argp)
 {
     worker_arg arg = *(worker_arg *)argp;
@@ -84,14 +144,12 @@ static void worker_main(void *argp)
     unsigned seen = arg.gen0;
     tls_in_task = 1; /* anything a task calls runs inline */
     for (;;) {
-        /* 1. wait for a new generation: spin a little, then sleep */
-        const int64_t t0 = mha_now_ns();
-        for (unsigned i = 1;
-             atomic_load_explicit(&p->gen, memory_order_acquire) == seen; i++) {
-            mha_cpu_relax();
-            if ((i & 255) == 0 && mha_now_ns() - t0 > SPIN_NS)
-                break;
-        }
+        /* 1. wait for a new generation: spin a little (unless the pool is
+              calm), then sleep */
+        const int64_t gap = spin_for_gen(p, seen);
+        const int spun_into_it =
+            gap > 0 &&
+            atomic_load_explicit(&p->gen, memory_order_relaxed) != seen;
         mha_mutex_lock(&p->lock);
         while (atomic_load_explicit(&p->gen, memory_order_relaxed) == seen)
             mha_cond_wait(&p->wake, &p->lock);
@@ -100,10 +158,15 @@ static void worker_main(void *argp)
         const mha_task_fn fn = p->fn;
         void *const ctx = p->ctx;
         const size_t ntasks = p->ntasks;
+        const int64_t published = p->published_ns;
         mha_mutex_unlock(&p->lock);
+        /* 2. off the CPU while spinning? then the cores are contended */
+        if (gap > LATE_NS ||
+            (spun_into_it && mha_now_ns() - published > LATE_NS))
+            atomic_store_explicit(&p->calm, CALM_PHASES, memory_order_relaxed);
         if (!active)
             continue;
-        /* 2. work, then count out; the last one out wakes the caller */
+        /* 3. work, then count out; the last one out wakes the caller */
         run_tasks(p, fn, ctx, ntasks, arg.ith);
         if (atomic_fetch_sub(&p->pending, 1) == 1) {
             mha_mutex_lock(&p->lock);
@@ -151,6 +214,7 @@ static pool_t *pool_get(int nwant)
         atomic_init(&p->next, 0);
         atomic_init(&p->gen, 0);
         atomic_init(&p->pending, 0);
+        atomic_init(&p->calm, 0);
         g_pool = p;
     }
     if (p->nworkers >= nwant)
@@ -214,7 +278,10 @@ mha_status mha_parallel_for_n(size_t ntasks, int nth, mha_task_fn fn,
     }
     const int nactive = nth - 1 < p->nworkers ? nth - 1 : p->nworkers;
 
-    /* 1. publish the job */
+    /* 1. publish the job (and count down the calm phases) */
+    const int calm = atomic_load_explicit(&p->calm, memory_order_relaxed);
+    if (calm > 0)
+        atomic_store_explicit(&p->calm, calm - 1, memory_order_relaxed);
     mha_mutex_lock(&p->lock);
     p->fn = fn;
     p->ctx = ctx;
@@ -222,6 +289,7 @@ mha_status mha_parallel_for_n(size_t ntasks, int nth, mha_task_fn fn,
     p->nactive = nactive;
     atomic_store(&p->next, 0);
     atomic_store(&p->pending, nactive);
+    p->published_ns = mha_now_ns();
     atomic_fetch_add_explicit(&p->gen, 1, memory_order_release);
     mha_cond_broadcast(&p->wake);
     mha_mutex_unlock(&p->lock);
@@ -231,12 +299,16 @@ mha_status mha_parallel_for_n(size_t ntasks, int nth, mha_task_fn fn,
     run_tasks(p, fn, ctx, ntasks, 0);
     tls_in_task = 0;
 
-    /* 3. wait for the workers: spin a little, then sleep */
-    const int64_t t0 = mha_now_ns();
-    for (unsigned i = 1; atomic_load(&p->pending) != 0; i++) {
-        mha_cpu_relax();
-        if ((i & 255) == 0 && mha_now_ns() - t0 > SPIN_NS)
-            break;
+    /* 3. wait for the workers: spin a little (unless the pool is calm:
+          then a sleeping caller leaves its core to a descheduled worker),
+          then sleep */
+    if (calm == 0) {
+        const int64_t t0 = mha_now_ns();
+        for (unsigned i = 1; atomic_load(&p->pending) != 0; i++) {
+            mha_cpu_relax();
+            if ((i & 255) == 0 && mha_now_ns() - t0 > SPIN_NS)
+                break;
+        }
     }
     if (atomic_load(&p->pending) != 0) {
         mha_mutex_lock(&p->lock);
@@ -294,4 +366,15 @@ int mha_get_num_threads(void)
 int mha_in_parallel(void)
 {
     return tls_in_task;
+}
+
+int mha_pool_calm_phases(void)
+{
+    int expected = 0;
+    if (!atomic_compare_exchange_strong(&g_busy, &expected, 1))
+        return -1; /* some call owns the pool: g_pool is its to touch */
+    const int n =
+        g_pool == NULL ? 0 : atomic_load_explicit(&g_pool->calm, memory_order_relaxed);
+    atomic_store(&g_busy, 0);
+    return n;
 }

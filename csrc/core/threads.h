@@ -12,6 +12,11 @@
  * called from inside a task (nesting), or when another OS thread is using
  * the pool at that moment (no waiting, no deadlock).
  *
+ * Waiting threads spin for up to 50 us, then sleep; while the cores are
+ * oversubscribed (a worker finds it was descheduled while spinning) they
+ * sleep at once, so that the pool neither loses its slices to, nor takes
+ * them from, another library's spinning threads.
+ *
  * Default thread count: the CPUs in this process's affinity mask, or the
  * environment variable MHATTN_NUM_THREADS (read once) when it is a positive
  * integer. The pool survives fork(): the child's first call respawns it.
@@ -49,6 +54,13 @@ int mha_get_num_threads(void);
 
 /* Nonzero inside a task (where a nested mha_parallel_for runs inline). */
 int mha_in_parallel(void);
+
+/* The phases left in which the pool's threads do not spin, because a
+   worker found itself descheduled while spinning (other threads want the
+   cores; see threads.c). 0 when spinning, or before the pool exists; -1
+   while a call is using the pool. For tests and diagnostics: the value is
+   only a snapshot. */
+int mha_pool_calm_phases(void);
 
 #ifdef __cplusplus
 }

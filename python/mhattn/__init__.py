@@ -16,6 +16,8 @@ from . import reference
 from .layer import MultiHeadAttention
 from .interop import from_torch_masks, to_torch_attn_mask
 from ._runtime import get_isa, set_num_threads, get_num_threads, _set_isa
+from . import _threadpool
+_threadpool.install()  # threadpoolctl sees the pool, whichever is imported first
 from .trace import trace, Trace
 from .plot import plot_attention
 from .checker import check_prototype, check_attention_prototype

@@ -1,0 +1,117 @@
+/*
+ * test_threads.c - the pool (csrc/core/threads.h) when the cores are
+ * oversubscribed: hog threads, twice as many as CPUs, spin the whole time
+ * as another library's pool would (OpenBLAS spins ~0.1 s after each call).
+ *
+ *   make -C tests/c check
+ *   ./test_threads [quick]   exit status 1 on any failure (quick: fewer calls)
+ *
+ * What is checked:
+ *   - under the hogs, thousands of short parallel calls (the shape of the
+ *     phases of one attention call) each run every task exactly once, with
+ *     ith in range, on more threads than CPUs;
+ *   - the pool notices the contention: a worker finds it was descheduled
+ *     while spinning, and the pool stops spinning for a while
+ *     (mha_pool_calm_phases() > 0 at some point);
+ *   - the calm phases run out after the hogs stop (the count goes down by
+ *     one per call, and reaches 0 once the calls find no contention, which
+ *     on a shared machine is not guaranteed: only the countdown is checked).
+ */
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "platform.h"
+#include "threads.h"
+
+#include "harness.h"
+
+static atomic_int g_stop, g_hogs_running;
+
+static void hog(void *arg)
+{
+    (void)arg;
+    atomic_fetch_add(&g_hogs_running, 1);
+    while (!atomic_load_explicit(&g_stop, memory_order_relaxed))
+        mha_cpu_relax();
+    atomic_fetch_sub(&g_hogs_running, 1);
+}
+
+typedef struct {
+    atomic_int hits[64];
+    int nth;
+    atomic_int bad_ith;
+    double out[64]; /* keeps each task's work from being optimised away */
+} job;
+
+static void task(void *ctxp, size_t t, int ith)
+{
+    job *j = ctxp;
+    atomic_fetch_add(&j->hits[t], 1);
+    if (ith < 0 || ith >= j->nth)
+        atomic_fetch_add(&j->bad_ith, 1);
+    double acc = 0; /* ~10 us of work (a sequential sum: no reassociation) */
+    for (int i = 0; i < 20000; i++)
+        acc += (double)i * 0.5;
+    j->out[t] = acc;
+}
+
+/* ncalls calls of 64 tasks on nth threads; returns the largest calm count
+   seen between calls, and counts the calls that ran a task not once. */
+static int run_calls(int ncalls, int nth, int *wrong_calls)
+{
+    int calm_max = 0;
+    for (int c = 0; c < ncalls; c++) {
+        job j;
+        for (int t = 0; t < 64; t++)
+            atomic_init(&j.hits[t], 0);
+        j.nth = nth;
+        atomic_init(&j.bad_ith, 0);
+        CHECK(mha_parallel_for_n(64, nth, task, &j) == MHA_OK, "status");
+        int wrong = atomic_load(&j.bad_ith) != 0;
+        for (int t = 0; t < 64; t++)
+            wrong |= atomic_load(&j.hits[t]) != 1;
+        *wrong_calls += wrong;
+        const int calm = mha_pool_calm_phases();
+        CHECK(calm >= 0, "calm count %d between calls", calm);
+        if (calm > calm_max)
+            calm_max = calm;
+    }
+    return calm_max;
+}
+
+int main(int argc, char **argv)
+{
+    const int quick = argc > 1 && strcmp(argv[1], "quick") == 0;
+    const int ncpu = mha_cpu_count();
+    const int nth = ncpu + 1 < 3 ? 3 : ncpu + 1;
+    int wrong = 0;
+    CHECK(mha_pool_calm_phases() == 0, "no pool yet: calm %d", mha_pool_calm_phases());
+    run_calls(50, nth, &wrong); /* the pool exists */
+
+    const int nhogs = 2 * ncpu;
+    int spawned = 0;
+    for (int h = 0; h < nhogs; h++)
+        spawned += mha_thread_spawn(hog, NULL) == 0;
+    CHECK(spawned == nhogs, "spawned %d of %d hogs", spawned, nhogs);
+    const int calm_max = run_calls(quick ? 500 : 3000, nth, &wrong);
+    atomic_store(&g_stop, 1);
+    while (atomic_load(&g_hogs_running) > 0)
+        mha_cpu_relax();
+    CHECK(wrong == 0, "%d calls under contention ran a task not once", wrong);
+    CHECK(calm_max > 0, "the pool never noticed %d hogs on %d CPUs", nhogs, ncpu);
+
+    /* The countdown: each call uses up one calm phase. */
+    const int before = mha_pool_calm_phases();
+    run_calls(1, nth, &wrong);
+    const int after = mha_pool_calm_phases();
+    CHECK(before == 0 || after < before || after > 200,
+          "calm phases %d -> %d after one call (down by one, or re-armed)", before,
+          after);
+    CHECK(wrong == 0, "a call after the hogs ran a task not once");
+    printf("test_threads: %ld checks, %d failures (%d CPUs, %d threads, %d hogs, "
+           "calm up to %d)\n",
+           g_checks, g_failures, ncpu, nth, nhogs, calm_max);
+    return g_failures != 0;
+}
