@@ -158,10 +158,15 @@ def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None
     packed = None
     if type(w_q) is PackedWeights:
         packed = w_q
-        w_q, w_k, w_v, w_o, num_heads, num_kv_heads, bias = unpack_call(
-            packed, w_k, w_v, w_o, num_heads, num_kv_heads,
-            dict(b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o))
-        b_q, b_k, b_v, b_o = bias["b_q"], bias["b_k"], bias["b_v"], bias["b_o"]
+        if (w_k is None and w_v is None and w_o is None and num_kv_heads is None
+                and b_q is None and b_k is None and b_v is None and b_o is None
+                and (num_heads is None or num_heads == packed.num_heads)):
+            w_q, w_k, w_v, w_o, num_heads, num_kv_heads, b_q, b_k, b_v, b_o = packed._args
+        else:   # something given twice, or a bias of the call's own
+            w_q, w_k, w_v, w_o, num_heads, num_kv_heads, bias = unpack_call(
+                packed, w_k, w_v, w_o, num_heads, num_kv_heads,
+                dict(b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o))
+            b_q, b_k, b_v, b_o = bias["b_q"], bias["b_k"], bias["b_v"], bias["b_o"]
     elif w_k is None or w_v is None:
         require_kv(w_k, w_v)
     if cache is not None:

@@ -84,7 +84,7 @@ class PackedWeights:
 
     __slots__ = ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o", "num_heads",
                  "num_kv_heads", "d_k", "d_v", "dtype", "isa", "nbytes", "_fused",
-                 "_caps")
+                 "_caps", "_args")
 
     def __setattr__(self, name, value):
         raise AttributeError(f"{name}: PackedWeights is immutable; pack new weights "
@@ -222,6 +222,9 @@ def _pack(kw: Dict[str, Any], num_heads, num_kv_heads, dtype, reuse) -> PackedWe
     pw._set(num_heads=H, num_kv_heads=G, d_k=tuple(wk.widths), d_v=tuple(wv.widths),
             dtype=dtype, isa=isa, nbytes=int(nbytes), _fused=tuple(fused),
             _caps=tuple(caps))
+    # What a call that passes nothing else takes (multi_head_attention's
+    # weights, head counts and biases, in its argument order).
+    pw._set(_args=(pw.w_q, pw.w_k, pw.w_v, pw.w_o, H, G, pw.b_q, pw.b_k, pw.b_v, pw.b_o))
     return pw
 
 
