@@ -178,7 +178,7 @@ class MultiHeadAttention:
     """
 
     # The four weights live in one PackedWeights, made from the assigned
-    # values at first use after an assignment (_weights_packed).
+    # values at first use after an assignment (_packed_weights).
     def _get_weight(self, name):
         try:
             return getattr(self._packed_weights(), name)
