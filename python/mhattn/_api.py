@@ -4,7 +4,7 @@ from __future__ import annotations
 from . import _C, _core
 from ._core import make_context, run_core
 from .cache import cached_step
-from .packed import PackedWeights, require_kv, unpack_call
+from .packed import PackedWeights, call_weights
 from ._variants import variant_kwargs, variants_off
 
 __all__ = ["multi_head_attention", "run_core"]
@@ -156,19 +156,9 @@ def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None
     """
     variants = variant_kwargs(locals())
     packed = None
-    if type(w_q) is PackedWeights:
-        packed = w_q
-        if (w_k is None and w_v is None and w_o is None and num_kv_heads is None
-                and b_q is None and b_k is None and b_v is None and b_o is None
-                and (num_heads is None or num_heads == packed.num_heads)):
-            w_q, w_k, w_v, w_o, num_heads, num_kv_heads, b_q, b_k, b_v, b_o = packed._args
-        else:   # something given twice, or a bias of the call's own
-            w_q, w_k, w_v, w_o, num_heads, num_kv_heads, bias = unpack_call(
-                packed, w_k, w_v, w_o, num_heads, num_kv_heads,
-                dict(b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o))
-            b_q, b_k, b_v, b_o = bias["b_q"], bias["b_k"], bias["b_v"], bias["b_o"]
-    elif w_k is None or w_v is None:
-        require_kv(w_k, w_v)
+    if type(w_q) is PackedWeights or w_k is None or w_v is None:
+        packed, (w_q, w_k, w_v, w_o, num_heads, num_kv_heads, b_q, b_k, b_v, b_o) = \
+            call_weights(w_q, w_k, w_v, w_o, num_heads, num_kv_heads, b_q, b_k, b_v, b_o)
     if cache is not None:
         return cached_step(x, w_q, w_k, w_v, w_o, cache=cache, num_heads=num_heads,
                            scale=scale, return_weights=return_weights, causal=causal,

@@ -580,11 +580,10 @@ def _sources(x: Any, key: Any, value: Any) -> tuple:
     return xa, ka, va, batched
 
 
-def _weights(w_q: Any, w_k: Any, w_v: Any, num_heads: Optional[int],
-             num_kv_heads: Optional[int], xa: np.ndarray, ka: np.ndarray,
-             va: np.ndarray, key: Any, value: Any) -> tuple:
-    """(wq, wk, wv, G): the weights split per head, checked against their
-    sources and against each other."""
+def split_heads(w_q: Any, w_k: Any, w_v: Any, num_heads: Optional[int],
+                num_kv_heads: Optional[int]) -> tuple:
+    """(wq, wk, wv, G): the weights split per head and checked against each
+    other (head counts, q and k widths); their sources are not looked at."""
     wq = _split_weight("w_q", w_q, num_heads, "num_heads")
     H = len(wq.heads)
     if num_kv_heads is not None:
@@ -598,6 +597,24 @@ def _weights(w_q: Any, w_k: Any, w_v: Any, num_heads: Optional[int],
     wk = _split_weight("w_k", w_k, G, kv_name)
     wv = _split_weight("w_v", w_v, G, kv_name)
 
+    group = H // G
+    for h in range(H):
+        g = h // group
+        if wq.widths[h] != wk.widths[g]:
+            raise ValueError(
+                f"w_q / w_k: query head {h} has width {wq.widths[h]} but its key head "
+                f"{g} has width {wk.widths[g]} (w_q[{h}] {wq.heads[h].shape}, "
+                f"w_k[{g}] {wk.heads[g].shape}); q and k must match within a head")
+    return wq, wk, wv, G
+
+
+def _weights(w_q: Any, w_k: Any, w_v: Any, num_heads: Optional[int],
+             num_kv_heads: Optional[int], xa: np.ndarray, ka: np.ndarray,
+             va: np.ndarray, key: Any, value: Any) -> tuple:
+    """(wq, wk, wv, G): the weights split per head, checked against their
+    sources and against each other."""
+    wq, wk, wv, G = split_heads(w_q, w_k, w_v, num_heads, num_kv_heads)
+
     d_in, d_kin, d_vin = xa.shape[-1], ka.shape[-1], va.shape[-1]
     if wq.rows != d_in:
         raise ValueError(f"w_q: its heads read {wq.rows} input features but x has "
@@ -610,14 +627,6 @@ def _weights(w_q: Any, w_k: Any, w_v: Any, num_heads: Optional[int],
         src = "value" if value is not None else ("key" if key is not None else "x")
         raise ValueError(f"w_v: its heads read {wv.rows} input features but {src} "
                          f"has {d_vin} ({_shape(va)}, w_v head shape {wv.heads[0].shape})")
-    group = H // G
-    for h in range(H):
-        g = h // group
-        if wq.widths[h] != wk.widths[g]:
-            raise ValueError(
-                f"w_q / w_k: query head {h} has width {wq.widths[h]} but its key head "
-                f"{g} has width {wk.widths[g]} (w_q[{h}] {wq.heads[h].shape}, "
-                f"w_k[{g}] {wk.heads[g].shape}); q and k must match within a head")
     return wq, wk, wv, G
 
 

@@ -23,7 +23,7 @@ from ._args import (_check_numeric, _Heads, _to_array, backward_items, check_mem
                     normalize, offsets, plan)
 from ._core import Context, head_arrays, make_context, run_core, variant_args
 from ._variants import variant_kwargs
-from .packed import PackedWeights, require_kv, unpack_call
+from .packed import PackedWeights, call_weights
 
 __all__ = ["Context", "backward", "multi_head_attention_grad"]
 
@@ -160,14 +160,9 @@ def multi_head_attention_grad(grad_out, x, w_q, w_k=None, w_v=None, w_o=None, *,
     """
     variants = variant_kwargs(locals())
     packed = None
-    if type(w_q) is PackedWeights:
-        packed = w_q
-        w_q, w_k, w_v, w_o, num_heads, num_kv_heads, bias = unpack_call(
-            packed, w_k, w_v, w_o, num_heads, num_kv_heads,
-            dict(b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o))
-        b_q, b_k, b_v, b_o = bias["b_q"], bias["b_k"], bias["b_v"], bias["b_o"]
-    elif w_k is None or w_v is None:
-        require_kv(w_k, w_v)
+    if type(w_q) is PackedWeights or w_k is None or w_v is None:
+        packed, (w_q, w_k, w_v, w_o, num_heads, num_kv_heads, b_q, b_k, b_v, b_o) = \
+            call_weights(w_q, w_k, w_v, w_o, num_heads, num_kv_heads, b_q, b_k, b_v, b_o)
     call = normalize(x, w_q, w_k, w_v, w_o, num_heads=num_heads, key=key, value=value,
                      scale=scale, mask=mask, causal=causal, key_lengths=key_lengths,
                      num_kv_heads=num_kv_heads, b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o,

@@ -16,7 +16,8 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 
 from . import _C
-from ._args import _int_arg, _split_bias, _split_weight, compute_dtype
+from ._args import (_int_arg, _split_bias, _vector, compute_dtype, fused_widths,
+                    split_heads)
 
 __all__ = ["pack_weights", "PackedWeights"]
 
@@ -148,40 +149,20 @@ def _unpickle(kw, num_heads, num_kv_heads, dtype):
 
 
 def _pack(kw: Dict[str, Any], num_heads, num_kv_heads, dtype, reuse) -> PackedWeights:
-    H = _int_arg("num_heads", num_heads)
-    G0 = _int_arg("num_kv_heads", num_kv_heads)
-    wq = _split_weight("w_q", kw["w_q"], H, "num_heads")
+    wq, wk, wv, G = split_heads(kw["w_q"], kw["w_k"], kw["w_v"],
+                                _int_arg("num_heads", num_heads),
+                                _int_arg("num_kv_heads", num_kv_heads))
     H = len(wq.heads)
-    if G0 is not None and H % G0:
-        raise ValueError(f"num_kv_heads: {G0} does not divide num_heads={H}")
-    G = H if G0 is None else G0
-    kv_name = "num_kv_heads" if G0 is not None else "num_heads"
-    wk = _split_weight("w_k", kw["w_k"], G, kv_name)
-    wv = _split_weight("w_v", kw["w_v"], G, kv_name)
-    group = H // G
-    for h in range(H):
-        if wq.widths[h] != wk.widths[h // group]:
-            raise ValueError(
-                f"w_q / w_k: query head {h} has width {wq.widths[h]} but its key head "
-                f"{h // group} has width {wk.widths[h // group]}; q and k must match "
-                "within a head")
-    Svq = sum(wv.widths[h // group] for h in range(H))
-    w_o = kw.get("w_o")
-    if w_o is not None:
-        w_o = np.asarray(w_o)
-        if w_o.ndim != 2 or w_o.shape[0] != Svq:
-            raise ValueError(f"w_o: expected shape ({Svq}, d_out) — its rows must equal "
-                             f"the concatenated head width sum(d_v) = {Svq} — got "
-                             f"{w_o.shape}")
+    Svq = fused_widths(H, G, sum(wk.widths), sum(wv.widths))[1]
+    w_o = _vector("w_o", kw.get("w_o"), (Svq, None),
+                  f"w_o: expected shape ({Svq}, d_out) — its rows must equal the "
+                  f"concatenated head width sum(d_v) = {Svq} — got {{shape}}")
     d_out = w_o.shape[1] if w_o is not None else Svq
     biases = {"b_q": _split_bias("b_q", kw.get("b_q"), wq.widths),
               "b_k": _split_bias("b_k", kw.get("b_k"), wk.widths),
               "b_v": _split_bias("b_v", kw.get("b_v"), wv.widths)}
-    b_o = kw.get("b_o")
-    if b_o is not None:
-        b_o = np.asarray(b_o)
-        if b_o.shape != (d_out,):
-            raise ValueError(f"b_o: expected shape ({d_out},) (d_out), got {b_o.shape}")
+    b_o = _vector("b_o", kw.get("b_o"), (d_out,),
+                  f"b_o: expected shape ({d_out},) (d_out), got {{shape}}")
     if dtype is None:
         floats = wq.heads + wk.heads + wv.heads + [a for a in (w_o,) if a is not None]
         dtype = compute_dtype(floats)
@@ -289,34 +270,36 @@ def pack_weights(w_q, w_k, w_v, w_o=None, *, num_heads=None, num_kv_heads=None,
     return _pack(kw, num_heads, num_kv_heads, dtype, {})
 
 
-def require_kv(w_k, w_v) -> None:
-    """The TypeError of a call without a PackedWeights that lacks w_k or w_v."""
-    name = "w_k" if w_k is None else "w_v"
-    raise TypeError(f"{name}: expected an array, got None (w_k and w_v are required "
-                    "unless w_q is a PackedWeights from mhattn.pack_weights)")
-
-
-def unpack_call(packed: PackedWeights, w_k, w_v, w_o, num_heads, num_kv_heads,
-                biases: Dict[str, Any]) -> tuple:
-    """(w_q, w_k, w_v, w_o, num_heads, num_kv_heads, biases) of a call given
-    a PackedWeights where w_q goes; TypeError for a weight given twice."""
+def call_weights(w_q, w_k, w_v, w_o, num_heads, num_kv_heads, b_q, b_k, b_v, b_o):
+    """(packed or None, (w_q, w_k, w_v, w_o, num_heads, num_kv_heads, b_q,
+    b_k, b_v, b_o)) of a call whose w_q may be a PackedWeights: the object's
+    weights and biases in their place, or a TypeError for a weight given
+    twice or w_k / w_v missing without one. Callers call it only when w_q is
+    a PackedWeights or w_k or w_v is None."""
+    if type(w_q) is not PackedWeights:
+        name = "w_k" if w_k is None else "w_v"
+        raise TypeError(f"{name}: expected an array, got None (w_k and w_v are "
+                        "required unless w_q is a PackedWeights from "
+                        "mhattn.pack_weights)")
+    packed = w_q
+    if (w_k is None and w_v is None and w_o is None and num_kv_heads is None
+            and b_q is None and b_k is None and b_v is None and b_o is None
+            and (num_heads is None or num_heads == packed.num_heads)):
+        return packed, packed._args   # the common call: nothing else given
     for name, given in (("w_k", w_k), ("w_v", w_v), ("w_o", w_o)):
         if given is not None:
             raise TypeError(f"{name}: given both in the PackedWeights and in the call; "
                             "pass one or the other")
-    if num_kv_heads is not None and num_kv_heads != packed.num_kv_heads:
-        raise ValueError(f"num_kv_heads: {num_kv_heads} but the PackedWeights has "
-                         f"num_kv_heads={packed.num_kv_heads}")
-    if num_heads is not None and num_heads != packed.num_heads:
-        raise ValueError(f"num_heads: {num_heads} but the PackedWeights has "
-                         f"num_heads={packed.num_heads}")
-    out = dict(biases)
-    for name in _BIASES:
+    for name, given in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+        if given is not None and given != getattr(packed, name):
+            raise ValueError(f"{name}: {given} but the PackedWeights has "
+                             f"{name}={getattr(packed, name)}")
+    biases = []
+    for name, given in zip(_BIASES, (b_q, b_k, b_v, b_o)):
         mine = getattr(packed, name)
-        if mine is not None:
-            if biases.get(name) is not None:
-                raise TypeError(f"{name}: given both in the PackedWeights and in the "
-                                "call; pass one or the other")
-            out[name] = mine
-    return (packed.w_q, packed.w_k, packed.w_v, packed.w_o, packed.num_heads,
-            packed.num_kv_heads, out)
+        if mine is not None and given is not None:
+            raise TypeError(f"{name}: given both in the PackedWeights and in the "
+                            "call; pass one or the other")
+        biases.append(given if mine is None else mine)
+    return packed, (packed.w_q, packed.w_k, packed.w_v, packed.w_o, packed.num_heads,
+                    packed.num_kv_heads, *biases)
