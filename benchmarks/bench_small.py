@@ -10,6 +10,12 @@ of ``--repeat`` calls, and prints the minimum and the median of the
 per-call times in microseconds.  The machine is shared, so the minimum is
 the figure to compare; instruction counts (valgrind --tool=callgrind on
 ``--only NAME --repeat N --rounds 1``) are steadier still.
+
+The last column, ``matmuls``, is the call's minimum over the minimum of one
+tiny NumPy matmul, ``x @ w_q`` of the row's own x and dtype, timed in the
+same rounds, interleaved with the call (issue 16's unit: a small call should
+cost at most 5 of them).  A ratio from one run, so a machine's speed changes
+cancel out of it.
 """
 from __future__ import annotations
 
@@ -61,6 +67,14 @@ def cases(T, d, h, B, dtype):
                        for m in w[:3]], w[3]), {}
 
 
+def cases_w(pos):
+    """The row's first weight as one matrix (a stacked or listed w_q fused)."""
+    w = pos[1]
+    if isinstance(w, list):
+        return np.concatenate(w, axis=1)
+    return w if w.ndim == 2 else np.concatenate(list(w), axis=1)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="3x4x2", type=parse_config, help="TxDxH")
@@ -74,7 +88,7 @@ def main():
     T, d, h = args.config
     print(f"mhattn {mhattn.__file__}; (T, d, h) = ({T}, {d}, {h}); "
           f"{args.rounds} rounds of {args.repeat} calls; microseconds per call")
-    print(f"{'call':16} {'dtype':8} {'B':>2} {'min':>7} {'median':>7}")
+    print(f"{'call':16} {'dtype':8} {'B':>2} {'min':>7} {'median':>7} {'matmuls':>8}")
     for dtype in args.dtypes:
         for B in args.batches:
             for name, pos, kw in cases(T, d, h, B, np.dtype(dtype)):
@@ -82,11 +96,16 @@ def main():
                     continue
                 f = mhattn.multi_head_attention
                 f(*pos, **kw)
-                t = timeit.repeat(lambda: f(*pos, **kw), number=args.repeat,
-                                  repeat=args.rounds)
-                us = [s / args.repeat * 1e6 for s in t]
+                x, w = pos[0], cases_w(pos)
+                us, unit = [], []
+                for _ in range(args.rounds):   # the call and the unit, in turn
+                    us.append(timeit.timeit(lambda: f(*pos, **kw),
+                                            number=args.repeat) / args.repeat * 1e6)
+                    unit.append(timeit.timeit(lambda: x @ w,
+                                              number=args.repeat) / args.repeat * 1e6)
                 print(f"{name:16} {dtype:8} {B or '-':>2} {min(us):7.2f} "
-                      f"{statistics.median(us):7.2f}", flush=True)
+                      f"{statistics.median(us):7.2f} {min(us) / min(unit):8.2f}",
+                      flush=True)
 
 
 if __name__ == "__main__":

@@ -5,9 +5,11 @@ from . import _C, _core
 from ._core import make_context, run_core
 from .cache import cached_step
 from .packed import PackedWeights, call_weights
-from ._variants import variant_kwargs, variants_off
+from ._variants import VARIANT_DEFAULTS, variant_kwargs
 
 __all__ = ["multi_head_attention", "run_core"]
+
+_EPS = VARIANT_DEFAULTS["norm_eps"]
 
 
 def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None, key=None,
@@ -154,12 +156,20 @@ def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None
     ...     X, w_q, w_k, w_v, w_o, causal=True))
     True
     """
-    variants = variant_kwargs(locals())
+    # Every variant off (_variants.VARIANT_DEFAULTS), checked without building
+    # their dict: a chained `is` is all of them None. The fast branch needs
+    # no more; every other path takes the dict.
+    off = (window is softcap is alibi_slopes is sinks is q_norm is k_norm is rope is
+           positions is key_positions is key_mask is cu_seqlens is key_cu_seqlens is None
+           and (norm_eps is _EPS or type(norm_eps) is float and norm_eps == _EPS))
+    variants = None if off else variant_kwargs(locals())
     packed = None
     if type(w_q) is PackedWeights or w_k is None or w_v is None:
         packed, (w_q, w_k, w_v, w_o, num_heads, num_kv_heads, b_q, b_k, b_v, b_o) = \
             call_weights(w_q, w_k, w_v, w_o, num_heads, num_kv_heads, b_q, b_k, b_v, b_o)
     if cache is not None:
+        if variants is None:
+            variants = variant_kwargs(locals())
         return cached_step(x, w_q, w_k, w_v, w_o, cache=cache, num_heads=num_heads,
                            scale=scale, return_weights=return_weights, causal=causal,
                            num_kv_heads=num_kv_heads, b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o,
@@ -169,11 +179,13 @@ def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None
     if new_lengths is not None:
         raise ValueError("new_lengths: only with cache= (a ragged cached step)")
     args = call = None
-    if return_context is False and variants_off(variants):
+    if return_context is False and off:
         args = _core.fast(x, w_q, w_k, w_v, w_o, num_heads, key, value, scale,
                           return_weights, mask, causal, key_lengths, num_kv_heads,
                           b_q, b_k, b_v, b_o)
     if args is None:
+        if variants is None:
+            variants = variant_kwargs(locals())
         args, call = _core.slow(x, w_q, w_k, w_v, w_o, num_heads, key, value, scale,
                                 mask, causal, key_lengths, num_kv_heads, b_q, b_k, b_v,
                                 b_o, return_weights, return_context, **variants)

@@ -28,7 +28,7 @@ import numpy as np
 
 from ._arrays import _check_numeric, _to_array
 
-__all__ = ["RoPE", "Variants", "normalize_variants", "VARIANT_DEFAULTS", "variants_off",
+__all__ = ["RoPE", "Variants", "normalize_variants", "VARIANT_DEFAULTS",
            "variant_kwargs",
            "query_positions", "key_positions_of", "sequence_ids"]
 
@@ -44,16 +44,6 @@ def variant_kwargs(ns: dict) -> dict:
     every entry point takes them by name (for its signature and its docs)
     and hands them on as one dict."""
     return {name: ns[name] for name in VARIANT_DEFAULTS}
-
-
-def variants_off(v: dict) -> bool:
-    """Whether every keyword in ``v`` is at its default (off): O(1), for the
-    fast branch."""
-    for name, value in v.items():
-        if value is not None and not (name == "norm_eps" and type(value) is float
-                                      and value == 1e-6):
-            return False
-    return True
 
 
 class RoPE:
