@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mhattn
-from mhattn import _core, _C
+from mhattn import _core, _C, _variants
 
 DTYPES = [np.float32, np.float64]
 OPTIONS = dict(key=None, value=None, scale=None, return_weights=False, mask=None,
@@ -491,3 +491,27 @@ def test_glue_parses_positional_and_keyword_calls_alike(rng):
     for i in (15, 18, 19):
         with pytest.raises(ZeroDivisionError):
             _C.forward(*values[:i], Bad(), *values[i + 1:])
+
+
+@pytest.mark.parametrize("name", sorted(_variants.VARIANT_DEFAULTS))
+def test_every_variant_keeps_the_call_off_the_fast_branch(monkeypatch, name):
+    """multi_head_attention tests "every variant off" with its own list of
+    names, not VARIANT_DEFAULTS: each variant given a value that is not its
+    default must still keep the call off the fast branch (the branch would
+    ignore it), and its default must not."""
+    tokens, X, w_q, w_k, w_v, w_o = mhattn.worked_example()
+
+    def refuse(*args):
+        raise AssertionError("the fast branch was taken")
+
+    default = _variants.VARIANT_DEFAULTS[name]
+    monkeypatch.setattr(_core, "fast", refuse)
+    with pytest.raises(AssertionError, match="fast branch"):
+        mhattn.multi_head_attention(X, w_q, w_k, w_v, w_o, **{name: default})
+    value = 1e-5 if name == "norm_eps" else object()
+    try:
+        mhattn.multi_head_attention(X, w_q, w_k, w_v, w_o, **{name: value})
+    except AssertionError:
+        raise
+    except Exception:
+        pass    # the full path's friendly error for a junk value: not fast

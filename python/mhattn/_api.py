@@ -158,24 +158,23 @@ def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None
     """
     # Every variant off (_variants.VARIANT_DEFAULTS), checked without building
     # their dict: a chained `is` is all of them None. The fast branch needs
-    # no more; every other path takes the dict.
+    # no more; the paths that take the variants build their dict there.
+    # (tests/test_fast_path.py holds this list to VARIANT_DEFAULTS.)
     off = (window is softcap is alibi_slopes is sinks is q_norm is k_norm is rope is
            positions is key_positions is key_mask is cu_seqlens is key_cu_seqlens is None
            and (norm_eps is _EPS or type(norm_eps) is float and norm_eps == _EPS))
-    variants = None if off else variant_kwargs(locals())
     packed = None
     if type(w_q) is PackedWeights or w_k is None or w_v is None:
         packed, (w_q, w_k, w_v, w_o, num_heads, num_kv_heads, b_q, b_k, b_v, b_o) = \
             call_weights(w_q, w_k, w_v, w_o, num_heads, num_kv_heads, b_q, b_k, b_v, b_o)
     if cache is not None:
-        if variants is None:
-            variants = variant_kwargs(locals())
         return cached_step(x, w_q, w_k, w_v, w_o, cache=cache, num_heads=num_heads,
                            scale=scale, return_weights=return_weights, causal=causal,
                            num_kv_heads=num_kv_heads, b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o,
                            return_context=return_context, key=key, value=value,
                            mask=mask, key_lengths=key_lengths,
-                           new_lengths=new_lengths, packed=packed, **variants)
+                           new_lengths=new_lengths, packed=packed,
+                           **variant_kwargs(locals()))
     if new_lengths is not None:
         raise ValueError("new_lengths: only with cache= (a ragged cached step)")
     args = call = None
@@ -184,11 +183,10 @@ def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None
                           return_weights, mask, causal, key_lengths, num_kv_heads,
                           b_q, b_k, b_v, b_o)
     if args is None:
-        if variants is None:
-            variants = variant_kwargs(locals())
         args, call = _core.slow(x, w_q, w_k, w_v, w_o, num_heads, key, value, scale,
                                 mask, causal, key_lengths, num_kv_heads, b_q, b_k, b_v,
-                                b_o, return_weights, return_context, **variants)
+                                b_o, return_weights, return_context,
+                                **variant_kwargs(locals()))
     if packed is not None:
         args = (*args, packed._core_packed(args[0].dtype))
     out, weights, extras = _C.forward(*args)
