@@ -129,8 +129,9 @@ CHILD = textwrap.dedent(r"""
     def peek():
         time.sleep(0.3)
         seen.append(c_handler())
+    mid = make(sized(make, run, 0.8))   # sized first: the peek must land in run(mid)
     th = threading.Thread(target=peek); th.start()
-    mid = make(sized(make, run, 0.8)); run(mid)
+    run(mid)
     th.join()
     report["c_handler_swapped_during_call"] = bool(seen) and seen[0] != handler_before
 
