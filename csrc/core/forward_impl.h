@@ -129,10 +129,8 @@ static mha_status PICK(fwd_pass_project_f32, fwd_pass_project_f64)(const FWD_PLA
     const size_t rows[3] = {p->nq, p->nk, p->nk};
     const size_t d_in[3] = {cfg->Din, cfg->Dkin, cfg->Dvin};
     const size_t S[3] = {p->lay.Sq, p->lay.Sk, p->lay.Sv};
-    // Self-attention with packed weights: the three share x, one phase.
-    // (The same pointer and the same sizes: the same matrix.)
-    if (a->key == a->x && a->value == a->x && cfg->Tk == cfg->Tq && cfg->Dkin == cfg->Din &&
-        cfg->Dvin == cfg->Din && cfg->packed[0] && cfg->packed[1] && cfg->packed[2]) {
+    // Self-attention: the three share x, one phase.
+    if (mha_gemm_one_input(cfg, a->x, a->key, a->value)) {
         const mha_status st = GEMM_MULTI(3, proj, a->x, cfg->Din, w, cfg->packed, bias,
                                          p->nq, S, cfg->Din);
         if (st == MHA_OK && mha_interrupted(cfg))

@@ -7,9 +7,10 @@
  *   C (M, N) = [C +] op(A) (M, K) @ op(B) (K, N) [+ bias (N,)]
  *
  * computed BLIS-style: C is cut into (MC x NC) blocks, K into KC blocks;
- * A and B slivers are packed into aligned scratch and fed to register-tiled
+ * A slivers are packed into aligned scratch and fed to register-tiled
  * micro-kernels of the ISA in force (kernels/gemm_ukr.inc, through the
- * table of kernels.h). Threads split the
+ * table of kernels.h), with B's slivers packed too, prepacked, or (few
+ * rows of A, B not transposed) read in place. Threads split the
  * (row block, column block) tiles of C and never K, so each element's sum
  * has one fixed order whatever the thread count:
  *
@@ -68,12 +69,22 @@ mha_status mha_gemm_packed_f64(double *C, size_t ldc, const double *A, size_t ld
                                const mha_packed *pb, const double *bias, size_t M,
                                size_t N, size_t K, int accumulate);
 
-/* nseg <= MHA_GEMM_MAX_SEG prepacked GEMMs sharing A (M, K), row stride
-   lda: C[s] (M, N[s]), contiguous, = A @ B[s] (K, N[s]) + bias[s] (or
-   NULL), each bitwise what mha_gemm_packed gives it, in one pool phase
-   when every pb[s] fits (else one call each). The forward's Q, K and V
-   projections of self-attention. */
+/* nseg <= MHA_GEMM_MAX_SEG GEMMs sharing A (M, K), row stride lda: C[s]
+   (M, N[s]), contiguous, = A @ B[s] (K, N[s]) + bias[s] (or NULL), each
+   bitwise what mha_gemm_packed gives it, in one pool phase when every
+   B[s] has usable panels pb[s] or is read in place (else one call each).
+   The Q, K and V projections of self-attention. */
 #define MHA_GEMM_MAX_SEG 4
+
+/* Whether a call's Q, K and V projections all read one input (x == key ==
+   value, with the same rows and width), so that one mha_gemm_packed_multi
+   can compute the three, with or without prepacked weights. */
+static inline int mha_gemm_one_input(const mha_config *cfg, const void *x, const void *key,
+                                     const void *value)
+{
+    return key == x && value == x && cfg->Tk == cfg->Tq && cfg->Dkin == cfg->Din &&
+           cfg->Dvin == cfg->Din;
+}
 mha_status mha_gemm_packed_multi_f32(int nseg, float *const *C, const float *A, size_t lda,
                                      const float *const *B, const mha_packed *const *pb,
                                      const float *const *bias, size_t M, const size_t *N,

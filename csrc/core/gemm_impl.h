@@ -15,8 +15,11 @@
  *      b. for each tile (row block, column part) of C (parallel): pack that
  *         row block of op(A)[., pc], write init at the first K block, and run
  *         the micro-kernel over its NR x MR grid, B panel outer.
- *   The K loop is outside the parallel regions, so every C element gets its
- *   K blocks one after another, always in the same order.
+ *      With prepacked panels, or B read in place (gemm_in_place), there is
+ *      no pass a. and each tile runs b. for every K block in order, in one
+ *      parallel region per column block.
+ *   Either way every C element gets its K blocks one after another, always
+ *   in the same order, from the same micro-kernel.
  */
 #include "dtype.h"
 
@@ -291,9 +294,13 @@ typedef struct {
     const REAL *bpr;  /* the block the compute tasks read: bp, or a
                          prepacked B's (section 5)                        */
     const REAL *packed; /* a prepacked B (section 5), or NULL             */
+    int direct;       /* B read in place by the micro-kernel (no pack-B
+                         pass): its row stride ldb, all of K in one task   */
     size_t K, kcb;    /* all of K, and its (balanced) block               */
     REAL *ap;         /* (nth, ap_stride) per-thread packed A blocks      */
     size_t ap_stride; /* elements, a multiple of a cache line             */
+    size_t be_off;    /* direct: the thread's (kc, NR) edge panel, at this
+                         offset into its A slice                          */
     size_t jc, nc;    /* column block: columns jc .. jc+nc-1               */
     size_t pc, kc;    /* K block: k = pc .. pc+kc-1                        */
     int first;        /* pc == 0                                           */
@@ -319,10 +326,13 @@ static void PICK(gemm_task_pack_b_f32, gemm_task_pack_b_f64)(void *ctxp, size_t 
 }
 
 /* Compute task t: row block t / nnb, column part t % nnb. It alone writes
-   that tile of C during this K block. */
+   that tile of C during this K block. B panel q is the (kc, NR) at bpr +
+   q bq, row stride bld: packed (bld = NR), or B in place (x->direct),
+   whose last, partial panel is packed here into the thread's edge panel. */
 static void PICK(gemm_tile_f32, gemm_tile_f64)(const PICK(gemm_ctx_f32, gemm_ctx_f64) *x,
                                                size_t t, int ith, size_t pc, size_t kc,
-                                               int first, const REAL *bpr)
+                                               int first, const REAL *bpr, size_t bq,
+                                               size_t bld)
 {
     const mha_gemm_blocking *bk = x->bk;
     const size_t MR = bk->mr, NR = bk->nr;
@@ -347,17 +357,25 @@ static void PICK(gemm_tile_f32, gemm_tile_f64)(const PICK(gemm_ctx_f32, gemm_ctx
 
     MHA_ALIGN64 REAL tmp[MHA_MAX_MR * MHA_MAX_NR]; /* (MR, NR) edge tile */
     for (size_t q = q0; q < q1; q++) {
-        const REAL *bp_q = bpr + q * NR * kc;                  /* (kc, NR) */
+        const REAL *bp_q = bpr + q * bq;                       /* (kc, NR) */
+        size_t ld_q = bld;
         const size_t nr = x->nc - q * NR < NR ? x->nc - q * NR : NR;
+        if (x->direct && nr < NR) {
+            REAL *be = ap + x->be_off;
+            PICK(gemm_pack_b_f32, gemm_pack_b_f64)(be, bk, x->B, x->ldb, 0, pc, kc,
+                                                   x->jc + q * NR, nr);
+            bp_q = be;
+            ld_q = NR;
+        }
         for (size_t p = p0; p < p1; p++) {
             const REAL *ap_p = ap + (p - p0) * MR * kc;        /* (kc, MR) */
             const size_t mr = x->M - p * MR < MR ? x->M - p * MR : MR;
             REAL *c_pq = x->C + p * MR * x->ldc + x->jc + q * NR;
             if (mr == MR && nr == NR) {
-                bk->ukr(kc, ap_p, bp_q, c_pq, x->ldc, add);
+                bk->ukr(kc, ap_p, bp_q, ld_q, c_pq, x->ldc, add);
             } else {
                 /* leftovers: full tile into tmp, then the valid corner */
-                bk->ukr(kc, ap_p, bp_q, tmp, NR, 0);
+                bk->ukr(kc, ap_p, bp_q, ld_q, tmp, NR, 0);
                 for (size_t r = 0; r < mr; r++)
                     for (size_t j = 0; j < nr; j++)
                         c_pq[r * x->ldc + j] = add
@@ -372,22 +390,78 @@ static void PICK(gemm_tile_f32, gemm_tile_f64)(const PICK(gemm_ctx_f32, gemm_ctx
 static void PICK(gemm_task_compute_f32, gemm_task_compute_f64)(void *ctxp, size_t t, int ith)
 {
     const PICK(gemm_ctx_f32, gemm_ctx_f64) *x = ctxp;
-    PICK(gemm_tile_f32, gemm_tile_f64)(x, t, ith, x->pc, x->kc, x->first, x->bpr);
+    PICK(gemm_tile_f32, gemm_tile_f64)(x, t, ith, x->pc, x->kc, x->first, x->bpr,
+                                       x->bk->nr * x->kc, x->bk->nr);
 }
 
-/* Compute task t over a prepacked B: every K block in order, in one task,
-   so the whole column block is one pool phase (nothing is shared between
-   the K blocks to wait for). Each element still gets its K blocks one
-   after another, as gemm.h says. */
-static void PICK(gemm_task_compute_packed_f32, gemm_task_compute_packed_f64)(void *ctxp,
-                                                                             size_t t, int ith)
+/* Compute task t over a prepacked B, or B in place: every K block in
+   order, in one task, so the whole column block is one pool phase
+   (nothing is shared between the K blocks to wait for). Each element
+   still gets its K blocks one after another, as gemm.h says. */
+static void PICK(gemm_task_compute_all_f32, gemm_task_compute_all_f64)(void *ctxp, size_t t,
+                                                                       int ith)
 {
     const PICK(gemm_ctx_f32, gemm_ctx_f64) *x = ctxp;
+    const size_t NR = x->bk->nr;
     for (size_t pc = 0; pc < x->K; pc += x->kcb) {
         const size_t kc = x->K - pc < x->kcb ? x->K - pc : x->kcb;
-        PICK(gemm_tile_f32, gemm_tile_f64)(x, t, ith, pc, kc, pc == 0,
-                                           x->packed + x->jc * x->K + x->np * x->bk->nr * pc);
+        if (x->direct)
+            PICK(gemm_tile_f32, gemm_tile_f64)(x, t, ith, pc, kc, pc == 0,
+                                               x->B + pc * x->ldb + x->jc, NR, x->ldb);
+        else
+            PICK(gemm_tile_f32, gemm_tile_f64)(x, t, ith, pc, kc, pc == 0,
+                                               x->packed + x->jc * x->K + x->np * NR * pc,
+                                               NR * kc, NR);
     }
+}
+
+/* The panels of pb when it was packed from this (K, N) op(B) for the ISA
+   in force and this type; NULL for any other, which is ignored (B is then
+   used as if none had been given: the same bits). */
+static const REAL *PICK(gemm_usable_f32, gemm_usable_f64)(const mha_gemm_blocking *bk,
+                                                          const mha_packed *pb, int transB,
+                                                          size_t K, size_t N)
+{
+    if (pb != NULL && pb->data != NULL && !transB && pb->K == K && pb->N == N &&
+        pb->f64 == MHA_F64 && pb->isa == (int)mha_get_isa() &&
+        pb->elems == PICK(gemm_packed_elems_f32, gemm_packed_elems_f64)(bk, K, N))
+        return pb->data;
+    return NULL;
+}
+
+/* Whether B, without usable panels, is read in place by the micro-kernel
+   (the same multiply-adds as from packed panels, so the same bits): when
+   it is not transposed and A has at most two row blocks. Then no pack-B
+   pass runs, and each column block is one pool phase, as with prepacked
+   panels; each B panel feeds at most two row blocks' micro-kernel calls,
+   so packing it would buy little. With more rows packing wins: B's rows,
+   4 KiB apart when N = 1024 floats, alias in L1 and L2, and each panel is
+   read again for every row block (measured, one thread of a Zen 4, median
+   of 7: M = 128, N = K = 512 at 75-78% of the FMA peak in place against
+   66-71% packed; M = N = K = 1024 at 71-73% against 83-90%). */
+static int PICK(gemm_in_place_f32, gemm_in_place_f64)(const mha_gemm_blocking *bk, size_t M,
+                                                      int transB)
+{
+    return !transB && M <= 2 * bk->mcp * bk->mr;
+}
+
+/* Sizes each thread's slice of a call's scratch: a packed A block of
+   mcp_max panels of (kcb, MR), then, when `edge`, the (kcb, NR) panel
+   that B read in place packs for its partial last panel, each starting on
+   a cache line. Sets x->ap_stride and x->be_off and *all = nth slices;
+   returns 0 when a size overflows. */
+static int PICK(gemm_thread_scratch_f32, gemm_thread_scratch_f64)(
+    PICK(gemm_ctx_f32, gemm_ctx_f64) *x, size_t mcp_max, size_t kcb, int edge, int nth,
+    size_t *all)
+{
+    const size_t line = 64 / sizeof(REAL);
+    size_t ap_elems, be_elems = 0;
+    if (!mha_mul_ok(&ap_elems, mcp_max * x->bk->mr, kcb) ||
+        (edge && !mha_mul_ok(&be_elems, kcb, x->bk->nr)))
+        return 0;
+    x->be_off = (ap_elems + line - 1) / line * line;
+    x->ap_stride = x->be_off + (be_elems + line - 1) / line * line;
+    return x->ap_stride >= x->be_off && mha_mul_ok(all, x->ap_stride, (size_t)nth);
 }
 
 /* The thread count and row blocks of `work` multiply-adds over M rows.
@@ -451,19 +525,14 @@ mha_status PICK(mha_gemm_packed_f32, mha_gemm_packed_f64)(REAL *C, size_t ldc,
        everything else may depend on the thread count. */
     const mha_gemm_blocking *bk =
         &mha_kernels_for(mha_get_isa(), sizeof(REAL) == sizeof(double))->gemm;
-    const size_t MR = bk->mr, NR = bk->nr;
+    const size_t NR = bk->nr;
     int nth;
     size_t mp, nmb;
     PICK(gemm_split_f32, gemm_split_f64)(bk, M, mnk, &nth, &mp, &nmb);
     size_t nkb;
     const size_t kcb = PICK(gemm_kc_balanced_f32, gemm_kc_balanced_f64)(bk, K, &nkb);
-    /* A prepacked B of this ISA, type and size replaces the pack-B pass;
-       any other is ignored (the same bits, packed here). */
-    const REAL *packed = NULL;
-    if (pb != NULL && pb->data != NULL && !transB && pb->K == K && pb->N == N &&
-        pb->f64 == MHA_F64 && pb->isa == (int)mha_get_isa() &&
-        pb->elems == PICK(gemm_packed_elems_f32, gemm_packed_elems_f64)(bk, K, N))
-        packed = pb->data;
+    const REAL *packed = PICK(gemm_usable_f32, gemm_usable_f64)(bk, pb, transB, K, N);
+    const int direct = packed == NULL && PICK(gemm_in_place_f32, gemm_in_place_f64)(bk, M, transB);
 
     const size_t mcp_max = (mp + nmb - 1) / nmb; /* panels per row block */
 
@@ -473,18 +542,17 @@ mha_status PICK(mha_gemm_packed_f32, mha_gemm_packed_f64)(REAL *C, size_t ldc,
     x.accumulate = accumulate; x.M = M; x.bk = bk;
     x.mp = mp; x.nmb = nmb;
 
-    /* scratch: one packed B block, then one packed A block per thread,
-       each starting on a cache line */
+    /* scratch: one packed B block (when B is packed here), then each
+       thread's slice, each starting on a cache line */
     const size_t line = 64 / sizeof(REAL);
     const size_t nc_max = N < bk->nc ? (N + NR - 1) / NR * NR : bk->nc;
-    size_t bp_elems, ap_elems, ap_all, total;
+    size_t bp_elems, ap_all, total;
     if (!mha_mul_ok(&bp_elems, kcb, nc_max) ||
-        !mha_mul_ok(&ap_elems, mcp_max * MR, kcb))
+        !PICK(gemm_thread_scratch_f32, gemm_thread_scratch_f64)(
+            &x, mcp_max, kcb, direct && N % NR != 0, nth, &ap_all))
         return MHA_ERR_SIZE;
-    bp_elems = packed != NULL ? 0 : (bp_elems + line - 1) / line * line;
-    x.ap_stride = (ap_elems + line - 1) / line * line;
-    if (!mha_mul_ok(&ap_all, x.ap_stride, (size_t)nth) ||
-        !mha_add_ok(&total, bp_elems, ap_all))
+    bp_elems = packed != NULL || direct ? 0 : (bp_elems + line - 1) / line * line;
+    if (!mha_add_ok(&total, bp_elems, ap_all))
         return MHA_ERR_SIZE;
     st = mha_scratch_small((void **)&buf, total, sizeof(REAL));
     if (st != MHA_OK)
@@ -493,6 +561,7 @@ mha_status PICK(mha_gemm_packed_f32, mha_gemm_packed_f64)(REAL *C, size_t ldc,
     x.ap = buf + bp_elems;
 
     x.packed = packed;
+    x.direct = direct;
     x.K = K;
     x.kcb = kcb;
     for (size_t jc = 0; jc < N; jc += bk->nc) {
@@ -503,10 +572,10 @@ mha_status PICK(mha_gemm_packed_f32, mha_gemm_packed_f64)(REAL *C, size_t ldc,
         x.nnb = nmb < (size_t)nth ? (x.np < (size_t)nth ? x.np : (size_t)nth)
                                   : 1;
         x.nbt = x.np < (size_t)nth ? x.np : (size_t)nth;
-        if (packed != NULL) {
+        if (packed != NULL || direct) {
             st = mha_parallel_for_n(nmb * x.nnb, nth,
-                                    PICK(gemm_task_compute_packed_f32,
-                                         gemm_task_compute_packed_f64), &x);
+                                    PICK(gemm_task_compute_all_f32,
+                                         gemm_task_compute_all_f64), &x);
             if (st != MHA_OK)
                 goto fail;
             continue;
@@ -543,11 +612,11 @@ mha_status PICK(mha_gemm_f32, mha_gemm_f64)(REAL *C, size_t ldc, const REAL *A, 
 }
 
 
-/* 7. Prepacked GEMMs that share A (the Q, K and V projections of
-   self-attention): C_s (M, N_s) = A (M, K) @ B_s (K, N_s) [+ bias_s], each
-   from its prepacked B_s, as one pool phase over all their tiles. Each
-   C_s gets the bits mha_gemm_packed gives it; when a segment cannot join
-   (no usable panels, a small problem, more than one column block), every
+/* 7. GEMMs that share A (the Q, K and V projections of self-attention):
+   C_s (M, N_s) = A (M, K) @ B_s (K, N_s) [+ bias_s], each from its
+   prepacked B_s or from B_s in place, as one pool phase over all their
+   tiles. Each C_s gets the bits mha_gemm_packed gives it; when a segment
+   cannot join (a small problem, more than one column block), every
    segment is computed by its own mha_gemm_packed instead. */
 typedef struct {
     PICK(gemm_ctx_f32, gemm_ctx_f64) seg[MHA_GEMM_MAX_SEG];
@@ -560,8 +629,8 @@ static void PICK(gemm_task_multi_f32, gemm_task_multi_f64)(void *ctxp, size_t t,
     int s = 0;
     while (t >= m->start[s + 1])
         s++;
-    PICK(gemm_task_compute_packed_f32, gemm_task_compute_packed_f64)(
-        (void *)&m->seg[s], t - m->start[s], ith);
+    PICK(gemm_task_compute_all_f32, gemm_task_compute_all_f64)((void *)&m->seg[s],
+                                                               t - m->start[s], ith);
 }
 
 mha_status PICK(mha_gemm_packed_multi_f32, mha_gemm_packed_multi_f64)(
@@ -572,18 +641,18 @@ mha_status PICK(mha_gemm_packed_multi_f32, mha_gemm_packed_multi_f64)(
     /* C[s]: (M, N[s]) row stride N[s]; A: (M, K); B[s]: (K, N[s]) */
     const mha_gemm_blocking *bk =
         &mha_kernels_for(mha_get_isa(), sizeof(REAL) == sizeof(double))->gemm;
-    int joint = nseg > 1 && nseg <= MHA_GEMM_MAX_SEG && M > 0 && K > 0;
+    int joint = nseg > 1 && nseg <= MHA_GEMM_MAX_SEG && M > 0 && K > 0, edge = 0;
     size_t work = 0;
     for (int s = 0; s < nseg && joint; s++) {
         size_t mnk;
-        joint = N[s] > 0 && N[s] <= bk->nc && pb[s] != NULL && pb[s]->data != NULL &&
-                pb[s]->K == K && pb[s]->N == N[s] && pb[s]->f64 == MHA_F64 &&
-                pb[s]->isa == (int)mha_get_isa() &&
-                pb[s]->elems == PICK(gemm_packed_elems_f32, gemm_packed_elems_f64)(bk, K, N[s]) &&
-                mha_mul_ok(&mnk, M, N[s]) && mha_mul_ok(&mnk, mnk, K) &&
-                mnk >= MHA_GEMM_SMALL && gemm_check(sizeof(REAL), C[s], N[s], A, lda, 0,
-                                                    B[s], N[s], 0, M, N[s], K) == MHA_OK &&
+        const int usable = PICK(gemm_usable_f32, gemm_usable_f64)(bk, pb[s], 0, K, N[s]) != NULL;
+        joint = N[s] > 0 && N[s] <= bk->nc && mha_mul_ok(&mnk, M, N[s]) &&
+                (usable || PICK(gemm_in_place_f32, gemm_in_place_f64)(bk, M, 0)) &&
+                mha_mul_ok(&mnk, mnk, K) && mnk >= MHA_GEMM_SMALL &&
+                gemm_check(sizeof(REAL), C[s], N[s], A, lda, 0, B[s], N[s], 0, M, N[s],
+                           K) == MHA_OK &&
                 mha_add_ok(&work, work, mnk);
+        edge |= N[s] % bk->nr != 0 && !usable;
     }
     if (!joint) {
         for (int s = 0; s < nseg; s++) {
@@ -596,18 +665,16 @@ mha_status PICK(mha_gemm_packed_multi_f32, mha_gemm_packed_multi_f64)(
     }
 
     /* The blocking and thread split of mha_gemm_packed, over the total work. */
-    const size_t MR = bk->mr, NR = bk->nr;
+    const size_t NR = bk->nr;
     int nth;
     size_t mp, nmb, nkb;
     PICK(gemm_split_f32, gemm_split_f64)(bk, M, work, &nth, &mp, &nmb);
     const size_t kcb = PICK(gemm_kc_balanced_f32, gemm_kc_balanced_f64)(bk, K, &nkb);
     const size_t mcp_max = (mp + nmb - 1) / nmb;
-    const size_t line = 64 / sizeof(REAL);
-    size_t ap_elems, ap_all;
-    if (!mha_mul_ok(&ap_elems, mcp_max * MR, kcb))
-        return MHA_ERR_SIZE;
-    const size_t ap_stride = (ap_elems + line - 1) / line * line;
-    if (!mha_mul_ok(&ap_all, ap_stride, (size_t)nth))
+    PICK(gemm_ctx_f32, gemm_ctx_f64) sized = {.bk = bk};
+    size_t ap_all;
+    if (!PICK(gemm_thread_scratch_f32, gemm_thread_scratch_f64)(&sized, mcp_max, kcb, edge,
+                                                                nth, &ap_all))
         return MHA_ERR_SIZE;
     REAL *ap = NULL;
     mha_status st = mha_scratch_small((void **)&ap, ap_all, sizeof(REAL));
@@ -618,12 +685,13 @@ mha_status PICK(mha_gemm_packed_multi_f32, mha_gemm_packed_multi_f64)(
     m.start[0] = 0;
     for (int s = 0; s < nseg; s++) {
         PICK(gemm_ctx_f32, gemm_ctx_f64) *x = &m.seg[s];
+        const REAL *packed = PICK(gemm_usable_f32, gemm_usable_f64)(bk, pb[s], 0, K, N[s]);
         *x = (PICK(gemm_ctx_f32, gemm_ctx_f64)){
             .C = C[s], .ldc = N[s], .A = A, .lda = lda, .transA = 0, .B = B[s],
             .ldb = N[s], .transB = 0, .bias = bias[s], .accumulate = 0, .M = M,
-            .bk = bk, .ap = ap, .ap_stride = ap_stride, .jc = 0, .nc = N[s],
-            .mp = mp, .nmb = nmb, .np = (N[s] + NR - 1) / NR,
-            .packed = pb[s]->data, .K = K, .kcb = kcb};
+            .bk = bk, .ap = ap, .ap_stride = sized.ap_stride, .be_off = sized.be_off,
+            .jc = 0, .nc = N[s], .mp = mp, .nmb = nmb, .np = (N[s] + NR - 1) / NR,
+            .packed = packed, .direct = packed == NULL, .K = K, .kcb = kcb};
         x->nnb = nmb < (size_t)nth ? (x->np < (size_t)nth ? x->np : (size_t)nth) : 1;
         m.start[s + 1] = m.start[s] + nmb * x->nnb;
     }

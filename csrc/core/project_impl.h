@@ -58,10 +58,8 @@ mha_status PICK(mha_project_f32, mha_project_f64)(
             st = mha_scratch((void **)&scratch[r], rows[r] * S[r], sizeof(REAL));
         raw[r] = scratch[r] != NULL ? scratch[r] : dst[r];
     }
-    // All three of one input with packed weights (a cached step): one phase.
-    const int joint = need[0] && need[1] && need[2] && key == x && value == x &&
-                      cfg->Dkin == cfg->Din && cfg->Dvin == cfg->Din && cfg->Tk == cfg->Tq &&
-                      cfg->packed[0] && cfg->packed[1] && cfg->packed[2];
+    // All three of one input (a cached step): one phase.
+    const int joint = need[0] && need[1] && need[2] && mha_gemm_one_input(cfg, x, key, value);
     if (joint && st == MHA_OK) {
         st = GEMM_MULTI(3, raw, x, cfg->Din, w, cfg->packed, bias, rows[0], S, cfg->Din);
         if (st == MHA_OK && mha_interrupted(cfg))

@@ -162,15 +162,17 @@ MHA_DEFINE_BWD_CTX(double, mha_bwd_ctx_f64)
 
 /*
  * The GEMM micro-kernel: c (MR, NR), row stride ldc, = [c +] a^T b, where
- *   a: (kc, MR) packed: a[p*MR + r] = op(A)(i0 + r, k0 + p)
- *   b: (kc, NR) packed: b[p*NR + j] = op(B)(k0 + p, j0 + j)
+ *   a: (kc, MR) packed: a[p*MR + r] = op(A)(i0 + r, k0 + p), 64-byte aligned
+ *   b: (kc, NR) of row stride ldb: b[p*ldb + j] = op(B)(k0 + p, j0 + j),
+ *      either a packed panel (ldb = NR, aligned) or B itself, read in place
+ *      (any alignment of the element type)
  * Each element is summed over p = 0, 1, ..., kc-1 in that order into an
  * accumulator that starts at zero, and only then added to c (add != 0) or
- * stored over it (add == 0). Slivers are 64-byte aligned. Element pointers
- * as the table's type says.
+ * stored over it (add == 0): the same bits whichever form b takes. Element
+ * pointers as the table's type says.
  */
 typedef void (*mha_gemm_ukr_fn)(size_t kc, const void *a, const void *b,
-                                void *c, size_t ldc, int add);
+                                size_t ldb, void *c, size_t ldc, int add);
 /* Transposing copy used to pack: dst[p*ldd + r] = src[r*lds + p] for
    r < rows (<= tpack_rows), p < kc. `next` points at the rows the caller
    will copy next (same lds), to be prefetched; it may equal src. */
