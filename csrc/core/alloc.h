@@ -18,6 +18,15 @@
  * faults and a median of 53-55 ms to 243-268 faults and 46.6-46.9 ms.
  * The advice is only advice: where it is refused, or the OS has no such
  * call, the block is an ordinary one.
+ *
+ * Freed huge blocks are kept for reuse, at most 8 of them and 64 MiB in
+ * all, and a later request takes the smallest kept block of at least its
+ * size and at most twice it: so a loop of calls of one shape faults in its
+ * scratch once, not on every call. Measured (forward, float32, T = 128,
+ * B = 8, d_model 512, 2 threads): 16 page faults per call, each zeroing a
+ * 2 MiB page, and 6% of the profile in clear_page, before; none per call
+ * after. The kept blocks stay allocated until the process ends; blocks
+ * that do not fit are freed as before. Off under AddressSanitizer.
  */
 #ifndef MHA_ALLOC_H
 #define MHA_ALLOC_H
@@ -39,5 +48,8 @@ mha_status mha_scratch_small(void **p, size_t n, size_t size);
 
 /* Frees a block of either; NULL is a no-op. */
 void mha_scratch_free(void *p);
+
+/* Bytes of huge blocks kept for reuse now (0 where the cache is off). */
+size_t mha_scratch_kept(void);
 
 #endif /* MHA_ALLOC_H */

@@ -12,6 +12,11 @@
  *     that much (int64 nanoseconds: no overflow whatever time_t is);
  *   - the CPU count is at least 1, and is what the pool uses by default;
  *   - aligned blocks are aligned (64 bytes and 2 MiB), writable, freed;
+ *   - the scratch cache (alloc.h): a freed huge block comes back for a
+ *     request of its size or down to half of it, never for a larger one,
+ *     at most 64 MiB is kept, and two threads allocating at once never
+ *     share a block (with the cache off, in the sanitizer build, nothing
+ *     is kept);
  *   - threads run, and a mutex and condition variable hand a count over;
  *   - Ctrl-C: with a handler of the caller's in place, an installed Ctrl-C
  *     raises the flag and still runs the caller's handler (POSIX:
@@ -35,6 +40,7 @@
 #include <time.h>
 #endif
 
+#include "alloc.h"
 #include "platform.h"
 #include "threads.h"
 
@@ -209,11 +215,90 @@ static void test_ctrl_c(void)
     signal(SIGINT, SIG_DFL);
 }
 
+/* ---- the scratch cache ------------------------------------------------ */
+
+#if defined(MHA_ALIGNED_CHECK)
+#define CACHE_EXPECTED 0 /* alloc.c: off in this build */
+#else
+#define CACHE_EXPECTED 1
+#endif
+#define MIB ((size_t)1 << 20)
+
+static unsigned char *scratch_bytes(size_t bytes)
+{
+    void *p = NULL;
+    CHECK(mha_scratch(&p, bytes, 1) == MHA_OK && p != NULL, "scratch of %zu bytes", bytes);
+    CHECK(p == NULL || (uintptr_t)p % 64 == 0, "scratch %p not aligned", p);
+    if (p != NULL)
+        memset(p, 0x5a, bytes); /* writable, all of it */
+    return p;
+}
+
+/* Each of two threads: 100 rounds of a block of 2-6 MiB, filled with its
+   own byte, checked, freed. */
+typedef struct {
+    unsigned char tag;
+    int bad;
+} churn_arg;
+
+static void churn(void *p)
+{
+    churn_arg *a = p;
+    for (int r = 0; r < 100; r++) {
+        const size_t bytes = (size_t)(2 + (r + a->tag) % 5) * MIB;
+        unsigned char *b = NULL;
+        if (mha_scratch((void **)&b, bytes, 1) != MHA_OK || b == NULL) {
+            a->bad++;
+            continue;
+        }
+        memset(b, a->tag, bytes);
+        for (size_t i = 0; i < bytes; i += 4093)
+            a->bad += b[i] != a->tag;
+        mha_scratch_free(b);
+    }
+}
+
+static void test_scratch_cache(void)
+{
+    unsigned char *p = scratch_bytes(3 * MIB); /* 4 MiB of 2 MiB pages */
+    mha_scratch_free(p);
+    const size_t kept = mha_scratch_kept();
+    CHECK(CACHE_EXPECTED ? kept >= 4 * MIB : kept == 0,
+          "kept %zu bytes after freeing 4 MiB (cache %s)", kept, CACHE_EXPECTED ? "on" : "off");
+    unsigned char *q = scratch_bytes(3 * MIB);
+    CHECK(!CACHE_EXPECTED || q == p, "the same size again: %p, not the freed %p", (void *)q,
+          (void *)p);
+    mha_scratch_free(q);
+    unsigned char *r = scratch_bytes(2 * MIB); /* half of the kept 4 MiB */
+    CHECK(!CACHE_EXPECTED || r == p, "half the size: %p, not the freed %p", (void *)r,
+          (void *)p);
+    unsigned char *s = scratch_bytes(9 * MIB); /* larger than any kept */
+    CHECK(s != p && s != r, "a larger block must be another");
+    mha_scratch_free(r);
+    mha_scratch_free(s);
+
+    unsigned char *big[3];
+    for (int i = 0; i < 3; i++)
+        big[i] = scratch_bytes(30 * MIB);
+    for (int i = 0; i < 3; i++)
+        mha_scratch_free(big[i]);
+    CHECK(mha_scratch_kept() <= 64 * MIB, "kept %zu bytes, over 64 MiB", mha_scratch_kept());
+
+    churn_arg args[2] = {{1, 0}, {2, 0}};
+    void *argp[2] = {&args[0], &args[1]};
+    run_threads(2, churn, argp);
+    CHECK(args[0].bad == 0 && args[1].bad == 0,
+          "two threads: %d and %d bytes overwritten or blocks refused", args[0].bad,
+          args[1].bad);
+    CHECK(mha_scratch_kept() <= 64 * MIB, "kept %zu bytes, over 64 MiB", mha_scratch_kept());
+}
+
 int main(void)
 {
     test_clock();
     test_cpus_and_memory();
     test_threads();
+    test_scratch_cache();
     test_ctrl_c();
     printf("test_platform: %ld checks, %d failures (%d CPUs)\n", g_checks, g_failures,
            mha_cpu_count());
