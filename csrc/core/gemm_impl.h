@@ -355,6 +355,13 @@ static void PICK(gemm_tile_f32, gemm_tile_f64)(const PICK(gemm_ctx_f32, gemm_ctx
                        x->jc + jj0, x->jc + jj1);
     const int add = !first || x->bias != NULL || x->accumulate;
 
+    /* A last row panel of at most two rows (a decode step's one row) goes
+       row by row through bk->row when B is read in place: the micro-kernel
+       would compute all MR rows of it. */
+    const size_t m_last = x->M - (p1 - 1) * MR < MR ? x->M - (p1 - 1) * MR : MR;
+    const int by_row = x->direct && m_last < MR && m_last <= 2;
+    const size_t pu1 = by_row ? p1 - 1 : p1; /* the row panels ukr takes */
+
     MHA_ALIGN64 REAL tmp[MHA_MAX_MR * MHA_MAX_NR]; /* (MR, NR) edge tile */
     for (size_t q = q0; q < q1; q++) {
         const REAL *bp_q = bpr + q * bq;                       /* (kc, NR) */
@@ -367,7 +374,7 @@ static void PICK(gemm_tile_f32, gemm_tile_f64)(const PICK(gemm_ctx_f32, gemm_ctx
             bp_q = be;
             ld_q = NR;
         }
-        for (size_t p = p0; p < p1; p++) {
+        for (size_t p = p0; p < pu1; p++) {
             const REAL *ap_p = ap + (p - p0) * MR * kc;        /* (kc, MR) */
             const size_t mr = x->M - p * MR < MR ? x->M - p * MR : MR;
             REAL *c_pq = x->C + p * MR * x->ldc + x->jc + q * NR;
@@ -382,6 +389,23 @@ static void PICK(gemm_tile_f32, gemm_tile_f64)(const PICK(gemm_ctx_f32, gemm_ctx
                             ? c_pq[r * x->ldc + j] + tmp[r * NR + j]
                             : tmp[r * NR + j];
             }
+        }
+    }
+    if (!by_row)
+        return;
+    const REAL *ap_l = ap + (pu1 - p0) * MR * kc;              /* (kc, MR) */
+    const size_t qf = x->nc / NR < q1 ? x->nc / NR : q1;       /* full panels */
+    for (size_t r = 0; r < m_last; r++) {
+        REAL *c_r = x->C + (pu1 * MR + r) * x->ldc + x->jc;
+        for (size_t q = q0; q < qf; q += 4)
+            bk->row(kc, ap_l + r, bpr + q * bq, bld, qf - q < 4 ? qf - q : 4, c_r + q * NR,
+                    add);
+        if (qf < q1) {
+            /* the partial last panel, packed into the edge panel above */
+            const size_t nr = x->nc - qf * NR;
+            bk->row(kc, ap_l + r, ap + x->be_off, NR, 1, tmp, 0);
+            for (size_t j = 0; j < nr; j++)
+                c_r[qf * NR + j] = add ? c_r[qf * NR + j] + tmp[j] : tmp[j];
         }
     }
 }
@@ -468,12 +492,20 @@ static int PICK(gemm_thread_scratch_f32, gemm_thread_scratch_f64)(
    Threads: none inside another parallel task (it would run inline anyway),
    and none beyond one per `grain` multiply-adds: waking a sleeping worker
    costs tens of microseconds. Only speed depends on this, never bits. */
+#define ROWS_BOUND 32
 static void PICK(gemm_split_f32, gemm_split_f64)(const mha_gemm_blocking *bk, size_t M,
                                                  size_t work, int *nth_out, size_t *mp_out,
                                                  size_t *nmb_out)
 {
     int nth = mha_in_parallel() ? 1 : mha_get_num_threads();
     const size_t grain = atomic_load_explicit(&g_grain, memory_order_relaxed);
+    /* With few rows the time is reading B, not multiply-adding: count each
+       B element as ROWS_BOUND rows' work, so that a decode step's B of a
+       few MiB is read with both threads' share of the bandwidth (its Q, K
+       and V projections, one row, d_model 512, Zen 4: 135-170 us a call on
+       one thread, 115-130 on two). */
+    if (M != 0 && M < ROWS_BOUND)
+        work = work / M * ROWS_BOUND;
     if ((size_t)nth > work / grain)
         nth = work / grain > 1 ? (int)(work / grain) : 1;
     const size_t mp = M / bk->mr + (M % bk->mr != 0);

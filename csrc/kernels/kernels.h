@@ -173,6 +173,12 @@ MHA_DEFINE_BWD_CTX(double, mha_bwd_ctx_f64)
  */
 typedef void (*mha_gemm_ukr_fn)(size_t kc, const void *a, const void *b,
                                 size_t ldb, void *c, size_t ldc, int add);
+/* One row of the micro-kernel's product over np (<= 4) adjacent panels:
+   c (1, np NR) = [c +] a^T b with a[p*MR] = op(A)(i, k0 + p) (one row's
+   column of a packed A panel) and b as for the micro-kernel (np NR
+   columns of row stride ldb); the bits gemm_ukr gives that row. */
+typedef void (*mha_gemm_row_fn)(size_t kc, const void *a, const void *b, size_t ldb,
+                                size_t np, void *c, int add);
 /* Transposing copy used to pack: dst[p*ldd + r] = src[r*lds + p] for
    r < rows (<= tpack_rows), p < kc. `next` points at the rows the caller
    will copy next (same lds), to be prefetched; it may equal src. */
@@ -190,6 +196,7 @@ typedef struct {
     mha_gemm_ukr_fn ukr;
     mha_tpack_fn tpack;  /* transposing copy of up to tpr rows         */
     size_t tpr;
+    mha_gemm_row_fn row; /* one row of ukr's product                   */
 } mha_gemm_blocking;
 
 /* One (ISA, element type): every kernel the drivers call. */
