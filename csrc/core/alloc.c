@@ -62,6 +62,18 @@ static void cache_lock(void)
         mha_cpu_relax();
 }
 
+/* Lists b as live in a free slot; 0 when every slot is taken (then b is
+   freed, not kept, when it comes back). Call with the lock held. */
+static int live_add(block b)
+{
+    for (int i = 0; i < LIVE_SLOTS; i++)
+        if (g_live[i].p == NULL) {
+            g_live[i] = b;
+            return 1;
+        }
+    return 0;
+}
+
 /* A cached block of at least `bytes` and at most twice that, the smallest,
    taken out of the cache and listed live; NULL when there is none. */
 static void *cache_take(size_t bytes)
@@ -75,14 +87,11 @@ static void *cache_take(size_t bytes)
             (best < 0 || g_free[i].bytes < g_free[best].bytes))
             best = i;
     void *p = NULL;
-    for (int i = 0; best >= 0 && i < LIVE_SLOTS; i++)
-        if (g_live[i].p == NULL) {
-            g_live[i] = g_free[best];
-            p = g_free[best].p;
-            g_free_bytes -= g_free[best].bytes;
-            g_free[best] = (block){NULL, 0};
-            break;
-        }
+    if (best >= 0 && live_add(g_free[best])) {
+        p = g_free[best].p;
+        g_free_bytes -= g_free[best].bytes;
+        g_free[best] = (block){NULL, 0};
+    }
     cache_unlock();
     return p;
 }
@@ -93,11 +102,7 @@ static void cache_note(void *p, size_t bytes)
     if (!CACHE_ON)
         return;
     cache_lock();
-    for (int i = 0; i < LIVE_SLOTS; i++)
-        if (g_live[i].p == NULL) {
-            g_live[i] = (block){p, bytes};
-            break;
-        }
+    (void)live_add((block){p, bytes});
     cache_unlock();
 }
 

@@ -488,11 +488,11 @@ static int PICK(gemm_thread_scratch_f32, gemm_thread_scratch_f64)(
     return x->ap_stride >= x->be_off && mha_mul_ok(all, x->ap_stride, (size_t)nth);
 }
 
+#define ROWS_BOUND 32
 /* The thread count and row blocks of `work` multiply-adds over M rows.
    Threads: none inside another parallel task (it would run inline anyway),
    and none beyond one per `grain` multiply-adds: waking a sleeping worker
    costs tens of microseconds. Only speed depends on this, never bits. */
-#define ROWS_BOUND 32
 static void PICK(gemm_split_f32, gemm_split_f64)(const mha_gemm_blocking *bk, size_t M,
                                                  size_t work, int *nth_out, size_t *mp_out,
                                                  size_t *nmb_out)
@@ -675,9 +675,11 @@ mha_status PICK(mha_gemm_packed_multi_f32, mha_gemm_packed_multi_f64)(
         &mha_kernels_for(mha_get_isa(), sizeof(REAL) == sizeof(double))->gemm;
     int joint = nseg > 1 && nseg <= MHA_GEMM_MAX_SEG && M > 0 && K > 0, edge = 0;
     size_t work = 0;
+    const REAL *packed[MHA_GEMM_MAX_SEG] = {NULL};
     for (int s = 0; s < nseg && joint; s++) {
         size_t mnk;
-        const int usable = PICK(gemm_usable_f32, gemm_usable_f64)(bk, pb[s], 0, K, N[s]) != NULL;
+        packed[s] = PICK(gemm_usable_f32, gemm_usable_f64)(bk, pb[s], 0, K, N[s]);
+        const int usable = packed[s] != NULL;
         joint = N[s] > 0 && N[s] <= bk->nc && mha_mul_ok(&mnk, M, N[s]) &&
                 (usable || PICK(gemm_in_place_f32, gemm_in_place_f64)(bk, M, 0)) &&
                 mha_mul_ok(&mnk, mnk, K) && mnk >= MHA_GEMM_SMALL &&
@@ -717,13 +719,12 @@ mha_status PICK(mha_gemm_packed_multi_f32, mha_gemm_packed_multi_f64)(
     m.start[0] = 0;
     for (int s = 0; s < nseg; s++) {
         PICK(gemm_ctx_f32, gemm_ctx_f64) *x = &m.seg[s];
-        const REAL *packed = PICK(gemm_usable_f32, gemm_usable_f64)(bk, pb[s], 0, K, N[s]);
         *x = (PICK(gemm_ctx_f32, gemm_ctx_f64)){
             .C = C[s], .ldc = N[s], .A = A, .lda = lda, .transA = 0, .B = B[s],
             .ldb = N[s], .transB = 0, .bias = bias[s], .accumulate = 0, .M = M,
             .bk = bk, .ap = ap, .ap_stride = sized.ap_stride, .be_off = sized.be_off,
             .jc = 0, .nc = N[s], .mp = mp, .nmb = nmb, .np = (N[s] + NR - 1) / NR,
-            .packed = packed, .direct = packed == NULL, .K = K, .kcb = kcb};
+            .packed = packed[s], .direct = packed[s] == NULL, .K = K, .kcb = kcb};
         x->nnb = nmb < (size_t)nth ? (x->np < (size_t)nth ? x->np : (size_t)nth) : 1;
         m.start[s + 1] = m.start[s] + nmb * x->nnb;
     }
