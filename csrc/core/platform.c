@@ -6,7 +6,7 @@
  * Linux and macOS is inside the POSIX one.
  */
 #if !defined(_WIN32) && !defined(_GNU_SOURCE)
-#define _GNU_SOURCE /* sched_getaffinity, CPU_COUNT, madvise, sigaction */
+#define _GNU_SOURCE /* sched_getaffinity, CPU_COUNT, madvise, sigaction, RUSAGE_THREAD */
 #endif
 
 #include "platform.h"
@@ -30,6 +30,7 @@
 #include <unistd.h>
 #if defined(__linux__)
 #include <sys/mman.h>
+#include <sys/resource.h> /* getrusage(RUSAGE_THREAD) */
 #endif
 #if defined(__APPLE__)
 #include <sys/sysctl.h>
@@ -176,6 +177,16 @@ int64_t mha_now_ns(void)
     /* int64 first: (long)tv_sec * 1e9 overflows a 32-bit long in 2 s */
     return (int64_t)ts.tv_sec * 1000000000 + (int64_t)ts.tv_nsec;
 #endif
+}
+
+long mha_thread_preemptions(void)
+{
+#if defined(__linux__) && defined(RUSAGE_THREAD)
+    struct rusage ru;
+    if (getrusage(RUSAGE_THREAD, &ru) == 0)
+        return ru.ru_nivcsw;
+#endif
+    return -1;
 }
 
 /* ---- threads ---------------------------------------------------------- */

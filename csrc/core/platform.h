@@ -83,6 +83,12 @@ void mha_advise_huge(void *p, size_t bytes);
    int64 whatever the width of time_t and long (32 bits on armhf). */
 int64_t mha_now_ns(void);
 
+/* How many times the OS has taken the CPU from the calling thread for
+   another thread of the same OS (involuntary context switches: Linux's
+   getrusage(RUSAGE_THREAD) ru_nivcsw); -1 where the platform cannot tell.
+   A hypervisor that deschedules the whole virtual CPU does not count. */
+long mha_thread_preemptions(void);
+
 /* ---- fork ------------------------------------------------------------- */
 
 /* Runs child() in the child of every later fork() (pthread_atfork). 0 on

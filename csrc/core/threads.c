@@ -18,9 +18,20 @@
  * worker checks whether it was off its CPU while it meant to spin: it saw
  * the new generation more than LATE_NS after the caller published it, or
  * two reads of the clock in its spin loop were more than LATE_NS apart.
- * Either means that some other thread wants the core, and then nobody in
+ * Either means that the worker lost its CPU. That is contention when the
+ * OS gave the CPU to another of its threads (the worker was preempted:
+ * mha_thread_preemptions moved since its last check), and then nobody in
  * the pool (workers and the waiting caller) spins for the next
  * CALM_PHASES phases: they go straight to the condition variable. A
+ * virtual machine's host that deschedules the whole virtual CPU (steal
+ * time) makes the worker late too, but no other thread of this OS waits
+ * for that core, so spinning still pays. Where preemptions cannot be
+ * counted, every late worker counts as contention. (Calls at (T=128,
+ * d_model=512, h=8) after 0.1 s idle spells, as in a notebook or
+ * bench.py's interleaving, Zen 4 VM: late workers after nearly every
+ * spell, about half of them not preempted; with those alarms, and 256
+ * calm phases per alarm, the calls took 1.1-1.8x as long as with no
+ * contention check at all.) A
  * sleeping worker is woken ahead of a thread that has been spinning (the
  * scheduler favours threads that slept), and a caller that sleeps leaves
  * its core idle, so that the kernel can move a descheduled worker there.
@@ -62,11 +73,8 @@
    oversubscribed. */
 #define LATE_NS 50000
 
-/* After that, the phases in which nobody spins: ~15 calls at (T=128,
-   d_model=512, h=8), ~60 ms on 2 cores, about as long as OpenBLAS's
-   workers spin after a call, and short enough to spin again soon after
-   the contention ends. */
-#define CALM_PHASES 256
+/* After that, the phases in which nobody spins (threads.h). */
+#define CALM_PHASES MHA_POOL_CALM_PHASES
 
 typedef struct {
     mha_mutex lock;
@@ -142,6 +150,8 @@ static void worker_main(void *argp)
     free(argp);
     pool_t *p = arg.p;
     unsigned seen = arg.gen0;
+    /* this thread's preemptions at its last sleep or contention check */
+    long preempted = mha_thread_preemptions();
     tls_in_task = 1; /* anything a task calls runs inline */
     for (;;) {
         /* 1. wait for a new generation: spin a little (unless the pool is
@@ -151,8 +161,12 @@ static void worker_main(void *argp)
             gap > 0 &&
             atomic_load_explicit(&p->gen, memory_order_relaxed) != seen;
         mha_mutex_lock(&p->lock);
-        while (atomic_load_explicit(&p->gen, memory_order_relaxed) == seen)
-            mha_cond_wait(&p->wake, &p->lock);
+        if (atomic_load_explicit(&p->gen, memory_order_relaxed) == seen) {
+            do
+                mha_cond_wait(&p->wake, &p->lock);
+            while (atomic_load_explicit(&p->gen, memory_order_relaxed) == seen);
+            preempted = mha_thread_preemptions(); /* a new epoch after a sleep */
+        }
         seen = atomic_load_explicit(&p->gen, memory_order_relaxed);
         const int active = arg.ith <= p->nactive;
         const mha_task_fn fn = p->fn;
@@ -160,10 +174,14 @@ static void worker_main(void *argp)
         const size_t ntasks = p->ntasks;
         const int64_t published = p->published_ns;
         mha_mutex_unlock(&p->lock);
-        /* 2. off the CPU while spinning? then the cores are contended */
-        if (gap > LATE_NS ||
-            (spun_into_it && mha_now_ns() - published > LATE_NS))
-            atomic_store_explicit(&p->calm, CALM_PHASES, memory_order_relaxed);
+        /* 2. off the CPU while spinning, for another of the OS's threads?
+              then the cores are contended */
+        if (gap > LATE_NS || (spun_into_it && mha_now_ns() - published > LATE_NS)) {
+            const long now = mha_thread_preemptions();
+            if (now < 0 || now != preempted)
+                atomic_store_explicit(&p->calm, CALM_PHASES, memory_order_relaxed);
+            preempted = now;
+        }
         if (!active)
             continue;
         /* 3. work, then count out; the last one out wakes the caller */

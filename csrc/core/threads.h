@@ -62,6 +62,15 @@ int mha_in_parallel(void);
    only a snapshot. */
 int mha_pool_calm_phases(void);
 
+/* The phases a contention alarm makes calm: about one call at (T=128,
+   d_model=512, h=8). Contention that lasts (another pool's threads spin
+   for ~0.1 s after each of its calls) raises the alarm again at the first
+   phase that spins; contention that passes (the OS woke a worker on its
+   waker's CPU and moves it a few ms later) costs no more than a call.
+   (At 256 phases, ~15 such calls, a transient alarm after each idle spell
+   cost more than spinning through it.) */
+#define MHA_POOL_CALM_PHASES 16
+
 #ifdef __cplusplus
 }
 #endif
