@@ -17,4 +17,10 @@ mha_status mha_attend_fused_f32(float *cat, float *lse, const float *q, const fl
 mha_status mha_attend_fused_f64(double *cat, double *lse, const double *q, const double *k,
                                 const double *v, const mha_config *cfg);
 
+/* When the forward's attention packs each key block once for all its
+   tiles (forward.c, "Shared key blocks"): 0 never, 1 when that pays (the
+   default), 2 whenever it may. Returns the previous mode. For tests: the
+   bits are the same in every mode. */
+int mha_attend_set_share(int mode);
+
 #endif /* MHA_ATTEND_FUSED_H */

@@ -45,6 +45,57 @@ static void attend_split_plan(mha_flash_ctx *ctx)
     ctx->nparts = (cfg->Tk + len - 1) / len;
 }
 
+/*
+ * Shared key blocks (mha_flash_ctx.kv). Each tile packs every key block it
+ * reads, so the tiles of one (b, h), and the H / G heads of a kv head,
+ * pack the same blocks again and again: at T = 4096 every block 21 times
+ * per head, ~8% of the call in the tiles' packing (Zen 4). Packing each
+ * block once, in one more pool phase, pays when at least SHARE_READERS
+ * tiles read it and the blocks fit in SHARE_MAX_BYTES; not with split-K
+ * (tiles of few rows), a decode step's one-row tiles (they read K and V in
+ * place), or a window (its tiles' blocks start anywhere, not at multiples
+ * of BK). Only the time depends on this: a tile uses a shared block only
+ * where it would have packed the same one.
+ */
+#define SHARE_READERS 3
+#define SHARE_MAX_BYTES ((size_t)1 << 30)
+static atomic_int g_share = 1;
+
+int mha_attend_set_share(int mode)
+{
+    return atomic_exchange(&g_share, mode < 0 ? 0 : mode > 2 ? 2 : mode);
+}
+
+static int attend_share(mha_flash_ctx *ctx, const mha_kernels *kern, size_t real_size,
+                        void **raw)
+{
+    const mha_config *cfg = ctx->cfg;
+    ctx->kv = NULL;
+    *raw = NULL;
+    const size_t readers = cfg->H / cfg->G * ctx->nqb;
+    const int mode = atomic_load(&g_share);
+    if (mode == 0 || ctx->nparts > 1 || cfg->windowed || cfg->Tk == 0 ||
+        (ctx->decode && cfg->Tq == 1) || (mode == 1 && readers < SHARE_READERS))
+        return 0;
+    const size_t nkb = (cfg->Tk + kern->flash_bk - 1) / kern->flash_bk;
+    size_t vp_off, blocks, n, bytes;
+    const size_t per = kern->flash_share_layout(ctx->dk_max, ctx->dv_max, &vp_off);
+    if (per == 0 || !mha_mul_ok(&blocks, cfg->B, cfg->G) || !mha_mul_ok(&blocks, blocks, nkb) ||
+        !mha_mul_ok(&n, blocks, per) || !mha_mul_ok(&bytes, n, real_size) ||
+        bytes > SHARE_MAX_BYTES)
+        return 0;
+    unsigned char *at;
+    if (mha_scratch((void **)&at, bytes + blocks, 1) != MHA_OK)
+        return 0; /* packed per tile instead */
+    *raw = at;
+    ctx->kv = at;
+    ctx->kv_bad = at + bytes;
+    ctx->nkb = nkb;
+    ctx->kv_stride = per;
+    ctx->kv_vp_off = vp_off;
+    return 1;
+}
+
 /* The tasks, on nth threads with their scratch: tasks of one tile each,
    or (split-K) of one part each, then the merge of each tile's parts. */
 static mha_status attend_run(mha_flash_ctx *ctx, const mha_kernels *kern,
@@ -84,7 +135,14 @@ static mha_status attend_run(mha_flash_ctx *ctx, const mha_kernels *kern,
         if (st == MHA_OK && !atomic_load(&ctx->stop))
             st = mha_parallel_for_n(ntiles, nth, merge, ctx);
     } else {
-        st = mha_parallel_for_n(ntiles, nth, kern->flash_task, ctx);
+        void *kv = NULL;
+        if (attend_share(ctx, kern, real_size, &kv))
+            st = mha_parallel_for_n(cfg->B * cfg->G * ctx->nkb, nth, kern->flash_share_task,
+                                    ctx);
+        if (st == MHA_OK && !atomic_load(&ctx->stop))
+            st = mha_parallel_for_n(ntiles, nth, kern->flash_task, ctx);
+        mha_scratch_free(kv);
+        ctx->kv = NULL;
     }
     mha_scratch_free(parts);
     mha_scratch_free(raw);

@@ -40,7 +40,8 @@ static inline size_t mha_round_up(size_t n, size_t m)
  *   for each key block j0 = klo, klo + BK, ... below kend, [klo, kend) the
  *   keys some row of the tile sees (core/rules.h), but those key_mask
  *   blocks wholly:
- *     1. pack K_blk^T (dk, BK) and V_blk (BK, dv) into the thread's scratch;
+ *     1. pack K_blk^T (dk, BK) and V_blk (BK, dv) into the thread's scratch
+ *        (or find them packed once for every tile: mha_flash_ctx.kv);
  *     for each group of MR rows that sees a key of the block:
  *       2. S = scale * Q_rows K_blk^T, then the rules (core/rules.h):
  *          masks, and -inf for every key a row does not see;
@@ -96,6 +97,17 @@ typedef struct {
     /* Split-K of a decode step (Tq = 1, decode, H / G <= BQ): one task per
        (b, g, part) works every query head of kv head g (flash.inc). */
     int group;
+    /* Shared key blocks: kv != NULL when step 1 was done once for the
+       call (flash_share_task, before the tiles), not once per tile. Key
+       block kb (keys kb BK ..) of kv head (b, g) is at kv + ((b G + g) nkb
+       + kb) kv_stride elements: K_blk^T (dk_max, BK), zero past the keys,
+       then at kv_vp_off V_blk (BK, dvp_max), zero past dv; kv_bad[(b G +
+       g) nkb + kb] != 0 when that V block holds an inf or NaN. A tile uses
+       a block only at the offset it would pack (its key blocks start at a
+       multiple of BK), so its bits are the same either way. */
+    void *kv;
+    unsigned char *kv_bad;
+    size_t nkb, kv_stride, kv_vp_off;
     atomic_int stop;              /* set once cfg->interrupt was seen  */
 } mha_flash_ctx;
 
@@ -213,6 +225,12 @@ typedef struct {
     /* Scratch bytes one thread needs for kv heads up to dk_max x dv_max
        wide (a multiple of 64), or 0 when that overflows size_t. */
     size_t (*flash_scratch_bytes)(size_t dk_max, size_t dv_max);
+    /* Shared key blocks (mha_flash_ctx.kv): task(ctx, t, ith) packs block
+       t = (b G + g) nkb + kb; flash_bk is BK; flash_share_layout gives a
+       block's elements and its V part's offset (0 on overflow). */
+    mha_task_fn flash_share_task;
+    size_t flash_bk;
+    size_t (*flash_share_layout)(size_t dk_max, size_t dv_max, size_t *vp_off);
     /* Backward passes 3-5, ctx an mha_bwd_ctx_<type> (core/backward.c). */
     mha_task_fn bwd_pack_q;   /* task (b, h)                           */
     mha_task_fn bwd_pack_k;   /* task (b, key block)                   */

@@ -13,7 +13,8 @@
  *
  * What is checked, per case and element type:
  *   - on each ISA, every output and gradient is bitwise the same at 1, 2
- *     and 3 threads;
+ *     and 3 threads, and with the forward's key blocks packed per tile or
+ *     once for all tiles;
  *   - the best ISA's outputs and gradients are within tolerance of the
  *     portable path's (they differ by rounding only: fused multiply-adds,
  *     horizontal sums in another order), relative to each array's largest
@@ -35,6 +36,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "attend_fused.h"
 #include "dispatch.h"
 #include "mha.h"
 #include "threads.h"
@@ -286,17 +288,24 @@ static double rel_err(const double *a, const double *b, size_t n, double floor)
 static const int k_threads[3] = {1, 2, 3};
 
 /* Runs `fn` on isa at 1, 2, 3 threads into R (1 thread's), checking that
-   the other counts give the same bits. */
+   the other counts give the same bits; and, at 2 and 3 threads, with the
+   forward's key blocks packed by each tile and packed once for all
+   (mha_attend_set_share 0 and 2), which must give the same bits too. */
 typedef void (*run_fn)(results *R, problem *P, int f64);
 
 static void run_at_threads(results *R, problem *P, int f64, mha_isa isa, run_fn fn,
                         const char *what)
 {
+    static const char *const k_share[3] = {"tiles pack their own key blocks",
+                                           "default", "key blocks always shared"};
     mha_set_isa(isa);
-    for (int t = 0; t < 3; t++) {
-        mha_set_num_threads(k_threads[t]);
+    for (int t = 0; t < 5; t++) {
+        const int nth = k_threads[t < 3 ? t : t - 2], share = t < 3 ? 1 : t == 3 ? 0 : 2;
+        mha_set_num_threads(nth);
+        const int before = mha_attend_set_share(share);
         results cur;
         fn(&cur, P, f64);
+        mha_attend_set_share(before);
         if (t == 0) {
             *R = cur;
             continue;
@@ -304,8 +313,8 @@ static void run_at_threads(results *R, problem *P, int f64, mha_isa isa, run_fn 
         for (int i = 0; i < NRES; i++)
             CHECK(cur.n[i] == R->n[i] &&
                       (cur.n[i] == 0 || memcmp(cur.r[i], R->r[i], cur.n[i] * sizeof(double)) == 0),
-                  "%s %s f%d %s: %s differs at 1 and %d threads", what, P->sp->name,
-                  f64 ? 64 : 32, mha_isa_name(isa), k_res[i], k_threads[t]);
+                  "%s %s f%d %s: %s differs at 1 and %d threads (%s)", what, P->sp->name,
+                  f64 ? 64 : 32, mha_isa_name(isa), k_res[i], nth, k_share[share]);
         results_free(&cur);
     }
 }
