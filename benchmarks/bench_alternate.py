@@ -53,6 +53,17 @@ worker spins on one of the two cores, so mhattn's two threads share two
 cores with a third that never yields, and no waiting strategy gives that
 core back.
 
+Later (2026-12-02, Zen 4, ISA avx512, quieter): the pool's alarm now
+needs the OS to have preempted the late worker, and calms 16 phases, not
+256, because after every 0.1 s idle spell workers came late without any
+contention (the VM's host) and the old alarm slowed the next ~15 calls.
+Loop ratios, default ``-n 50 --repeats 7``, runs alternated, for the old
+pool / the new one / no alarm at all: numpy 1.21, 1.33 / 1.19, 1.32 /
+1.30, 1.34; ``OPENBLAS_THREAD_TIMEOUT=1`` 1.05, 1.19 / 1.07, 1.17 / 1.39,
+1.20; threadpoolctl 1.16 / 1.13 / 1.04; torch 1.47 / 1.40 / 1.51;
+``OMP_WAIT_POLICY=passive`` 1.06 / 1.15 / 1.11: no difference beyond the
+noise, so the alarm is kept, in its narrower form.
+
 So: set ``OPENBLAS_THREAD_TIMEOUT=1`` in the environment before NumPy is
 imported, or wrap the NumPy-heavy part in
 ``threadpoolctl.threadpool_limits(1, user_api="blas")``, or give each
