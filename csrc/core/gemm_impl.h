@@ -462,11 +462,17 @@ static const REAL *PICK(gemm_usable_f32, gemm_usable_f64)(const mha_gemm_blockin
    4 KiB apart when N = 1024 floats, alias in L1 and L2, and each panel is
    read again for every row block (measured, one thread of a Zen 4, median
    of 7: M = 128, N = K = 512 at 75-78% of the FMA peak in place against
-   66-71% packed; M = N = K = 1024 at 71-73% against 83-90%). */
+   66-71% packed; M = N = K = 1024 at 71-73% against 83-90%). Double
+   reads B in place within one row block only: two threads of a Zen 4,
+   K = 512, best of 9 x 2000 calls, GFLOP/s packed per call / in place:
+   AVX-512, N = 1536, M = 48 61.6 / 75.5, M = 72 69.6 / 73.5, M = 96
+   78.1 / 73.9, M = 128 71.9 / 60.5 (N = 512: 78.8 / 74.7); AVX2, N =
+   1536, M = 96 64.2 / 46.7, M = 128 70.9 / 46.4. (Float, M = 128: 141 /
+   190 on AVX-512, N = 512, and 130 / 125-136 on AVX2.) */
 static int PICK(gemm_in_place_f32, gemm_in_place_f64)(const mha_gemm_blocking *bk, size_t M,
                                                       int transB)
 {
-    return !transB && M <= 2 * bk->mcp * bk->mr;
+    return !transB && M <= (MHA_F64 ? 1 : 2) * bk->mcp * bk->mr;
 }
 
 /* Sizes each thread's slice of a call's scratch: a packed A block of
