@@ -227,6 +227,32 @@ static inline int mha_rules_block_seen(const mha_config *cfg, size_t len_b,
     return (ib > i0 ? ib : i0) < (ie < i1 ? ie : i1);
 }
 
+/* 1 when every query row of i0 .. i1 - 1 (i0 < i1) sees every key of
+   j0 .. j1 - 1 by the intervals: as lo and hi are nondecreasing, when the
+   last row's lo and the first row's hi allow it. Two interval look-ups
+   instead of one a row: the tiles ask it of each row group and block. */
+static inline int mha_rules_rows_see_all(const mha_config *cfg, size_t len_b,
+                                         size_t i0, size_t i1, size_t j0,
+                                         size_t j1)
+{
+    size_t lo, hi;
+    mha_rules_key_range(cfg, i1 - 1, len_b, &lo, &hi);
+    if (lo > j0)
+        return 0;
+    mha_rules_key_range(cfg, i0, len_b, &lo, &hi);
+    return hi >= j1;
+}
+
+/* 1 when a score rule of part 2 or a pointwise visibility rule applies
+   (softcap, ALiBi, a mask, key_mask): else rules_score_row only writes
+   -inf outside [a, e), and a row that sees all of its block's keys,
+   unpadded, is left as it is. */
+static inline int mha_rules_pointwise(const mha_config *cfg)
+{
+    return cfg->softcap > 0 || cfg->alibi != NULL || cfg->mask_kind != MHA_MASK_NONE ||
+           cfg->key_mask != NULL;
+}
+
 /* 1 when key_mask (B, Tk) blocks every key j0 .. j0 + n - 1 of batch item
    b: such a block is skipped, never computed. */
 static inline int mha_rules_keys_masked(const mha_config *cfg, size_t b,
