@@ -229,8 +229,8 @@ static inline int mha_rules_block_seen(const mha_config *cfg, size_t len_b,
 
 /* 1 when every query row of i0 .. i1 - 1 (i0 < i1) sees every key of
    j0 .. j1 - 1 by the intervals: as lo and hi are nondecreasing, when the
-   last row's lo and the first row's hi allow it. Two interval look-ups
-   instead of one a row: the tiles ask it of each row group and block. */
+   last row's lo and the first row's hi allow it: two interval look-ups
+   for the whole range. */
 static inline int mha_rules_rows_see_all(const mha_config *cfg, size_t len_b,
                                          size_t i0, size_t i1, size_t j0,
                                          size_t j1)

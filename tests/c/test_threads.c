@@ -58,17 +58,16 @@ static void task(void *ctxp, size_t t, int ith)
     j->out[t] = acc;
 }
 
-/* At least ncalls calls of 64 tasks on nth threads, and when until_calm,
-   more until the pool is calm or max_s seconds have passed; returns the
+/* At least ncalls calls of 64 tasks on nth threads, then more until the
+   pool is calm or max_s seconds have passed (0: no more); returns the
    largest calm count seen between calls, counts the calls that ran a task
    not once, and the calls made (in *made, if not NULL). */
-static int run_calls(int ncalls, int nth, int *wrong_calls, int until_calm,
-                     double max_s, int *made)
+static int run_calls(int ncalls, int nth, int *wrong_calls, double max_s, int *made)
 {
     int calm_max = 0;
     const double t0 = now_s();
     int c = 0;
-    for (; c < ncalls || (until_calm && calm_max == 0 && now_s() - t0 < max_s); c++) {
+    for (; c < ncalls || (calm_max == 0 && now_s() - t0 < max_s); c++) {
         job j;
         for (int t = 0; t < 64; t++)
             atomic_init(&j.hits[t], 0);
@@ -96,7 +95,7 @@ int main(int argc, char **argv)
     const int nth = ncpu + 1 < 3 ? 3 : ncpu + 1;
     int wrong = 0;
     CHECK(mha_pool_calm_phases() == 0, "no pool yet: calm %d", mha_pool_calm_phases());
-    run_calls(50, nth, &wrong, 0, 0, NULL); /* the pool exists */
+    run_calls(50, nth, &wrong, 0, NULL); /* the pool exists */
 
     const int nhogs = 2 * ncpu;
     int spawned = 0;
@@ -108,7 +107,7 @@ int main(int argc, char **argv)
        on until the pool notices, for at most 20 s. */
     int made = 0;
     const int calm_max =
-        run_calls(quick ? 500 : 3000, nth, &wrong, 1, 20.0, &made);
+        run_calls(quick ? 500 : 3000, nth, &wrong, 20.0, &made);
     atomic_store(&g_stop, 1);
     while (atomic_load(&g_hogs_running) > 0)
         mha_cpu_relax();
@@ -117,7 +116,7 @@ int main(int argc, char **argv)
 
     /* The countdown: each call uses up one calm phase. */
     const int before = mha_pool_calm_phases();
-    run_calls(1, nth, &wrong, 0, 0, NULL);
+    run_calls(1, nth, &wrong, 0, NULL);
     const int after = mha_pool_calm_phases();
     CHECK(before == 0 || after < before || after == MHA_POOL_CALM_PHASES,
           "calm phases %d -> %d after one call (down by one, or re-armed)", before,
