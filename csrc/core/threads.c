@@ -5,10 +5,21 @@
  * g_busy flag (a compare-and-swap, never a blocking lock) owns the pool for
  * the call: it grows the worker set if needed, publishes the job under the
  * pool mutex, bumps the generation counter and broadcasts. Workers wait for
- * a new generation (a short spin, then the condition variable), grab task
- * indices from an atomic counter, and count themselves out through
- * `pending`; the caller works too and then waits for pending == 0.
- * A caller that loses the flag runs its tasks inline.
+ * a new generation (a short spin, then the condition variable), join it,
+ * grab task indices from an atomic counter, and count themselves out; the
+ * caller works too, then closes the generation and waits for the workers
+ * that joined it. A caller that loses the flag runs its tasks inline.
+ *
+ * Joining (`state`: the generation, a closed bit and the count of workers
+ * in it, in one atomic word). A worker joins only while the generation it
+ * read is the current one and still open. The caller closes it once every
+ * task has been handed out, so it waits only for workers that are running
+ * tasks, never for one that has not yet woken: one descheduled behind
+ * another library's spinning threads, or asleep after an idle spell, would
+ * otherwise hold up a call that the caller had already finished alone. A
+ * worker that comes too late goes back to waiting; it joined nothing, so
+ * it touches nothing of that call. Which tasks a thread runs changes, the
+ * tasks do not, and so neither do the results.
  *
  * Manners under contention. Spinning pays only while each waiter has a
  * core to itself. When another pool's threads are spinning too (OpenBLAS
@@ -42,8 +53,8 @@
  * results, are the same.
  *
  * Because workers can only be released by the owner of g_busy, a worker
- * taking part in generation g cannot miss it: g + 1 is published only after
- * every participant of g has counted itself out.
+ * that joined generation g counts itself out before g + 1 is published; a
+ * worker that did not may wake to find g + 1 or later, and joins that.
  *
  * Fork: the child inherits the memory of the pool but none of its threads
  * (and maybe a mutex held by a thread that no longer exists), so the fork
@@ -79,7 +90,7 @@
 typedef struct {
     mha_mutex lock;
     mha_cond wake; /* workers: a new generation was published */
-    mha_cond done; /* caller: pending reached 0               */
+    mha_cond done; /* caller: no worker left in a closed gen  */
     int nworkers;        /* spawned workers, ith 1..nworkers; owner only */
     /* The job; written under lock before gen moves, read under lock. */
     mha_task_fn fn;
@@ -89,7 +100,8 @@ typedef struct {
     int64_t published_ns; /* when gen last moved (mha_now_ns) */
     atomic_size_t next;
     atomic_uint gen;
-    atomic_int pending;
+    /* (gen << 32) | STATE_CLOSED | the workers in gen: see the top */
+    atomic_uint_least64_t state;
     /* Phases left in which nobody spins (see the top of the file); set by
        any worker, counted down by the caller at each publish. */
     atomic_int calm;
@@ -100,6 +112,9 @@ typedef struct {
     int ith;
     unsigned gen0; /* generation before the worker's first job */
 } worker_arg;
+
+#define STATE_CLOSED ((uint64_t)1 << 31)
+#define STATE_COUNT (STATE_CLOSED - 1)
 
 static pool_t *g_pool;            /* touched only by the g_busy owner */
 static atomic_int g_busy;         /* 1 while some caller owns the pool */
@@ -184,9 +199,19 @@ static void worker_main(void *argp)
         }
         if (!active)
             continue;
-        /* 3. work, then count out; the last one out wakes the caller */
+        /* 3. join generation `seen` if it is still current and open (else
+              the caller has handed out every task and returns without us) */
+        uint64_t st = atomic_load(&p->state);
+        int joined = 0;
+        while (!joined && (unsigned)(st >> 32) == seen && !(st & STATE_CLOSED))
+            joined = atomic_compare_exchange_weak(&p->state, &st, st + 1);
+        if (!joined)
+            continue;
+        /* 4. work, then count out; the last one out of a closed generation
+              wakes the caller */
         run_tasks(p, fn, ctx, ntasks, arg.ith);
-        if (atomic_fetch_sub(&p->pending, 1) == 1) {
+        st = atomic_fetch_sub(&p->state, 1) - 1;
+        if ((st & STATE_COUNT) == 0 && (st & STATE_CLOSED)) {
             mha_mutex_lock(&p->lock);
             mha_cond_signal(&p->done);
             mha_mutex_unlock(&p->lock);
@@ -231,7 +256,7 @@ static pool_t *pool_get(int nwant)
         }
         atomic_init(&p->next, 0);
         atomic_init(&p->gen, 0);
-        atomic_init(&p->pending, 0);
+        atomic_init(&p->state, 0);
         atomic_init(&p->calm, 0);
         g_pool = p;
     }
@@ -306,9 +331,10 @@ mha_status mha_parallel_for_n(size_t ntasks, int nth, mha_task_fn fn,
     p->ntasks = ntasks;
     p->nactive = nactive;
     atomic_store(&p->next, 0);
-    atomic_store(&p->pending, nactive);
+    const unsigned gen = atomic_load_explicit(&p->gen, memory_order_relaxed) + 1u;
+    atomic_store(&p->state, (uint64_t)gen << 32); /* open, nobody in it */
     p->published_ns = mha_now_ns();
-    atomic_fetch_add_explicit(&p->gen, 1, memory_order_release);
+    atomic_store_explicit(&p->gen, gen, memory_order_release);
     mha_cond_broadcast(&p->wake);
     mha_mutex_unlock(&p->lock);
 
@@ -317,22 +343,25 @@ mha_status mha_parallel_for_n(size_t ntasks, int nth, mha_task_fn fn,
     run_tasks(p, fn, ctx, ntasks, 0);
     tls_in_task = 0;
 
-    /* 3. wait for the workers: spin a little (unless the pool is calm:
-          then a sleeping caller leaves its core to a descheduled worker),
-          then sleep */
-    if (calm == 0) {
-        const int64_t t0 = mha_now_ns();
-        for (unsigned i = 1; atomic_load(&p->pending) != 0; i++) {
-            mha_cpu_relax();
-            if ((i & 255) == 0 && mha_now_ns() - t0 > SPIN_NS)
-                break;
+    /* 3. every task is handed out: close the generation, and wait for
+          the workers in it: spin a little (unless the pool is calm: then a
+          sleeping caller leaves its core to a descheduled worker), then
+          sleep */
+    if ((atomic_fetch_or(&p->state, STATE_CLOSED) & STATE_COUNT) != 0) {
+        if (calm == 0) {
+            const int64_t t0 = mha_now_ns();
+            for (unsigned i = 1; (atomic_load(&p->state) & STATE_COUNT) != 0; i++) {
+                mha_cpu_relax();
+                if ((i & 255) == 0 && mha_now_ns() - t0 > SPIN_NS)
+                    break;
+            }
         }
-    }
-    if (atomic_load(&p->pending) != 0) {
-        mha_mutex_lock(&p->lock);
-        while (atomic_load(&p->pending) != 0)
-            mha_cond_wait(&p->done, &p->lock);
-        mha_mutex_unlock(&p->lock);
+        if ((atomic_load(&p->state) & STATE_COUNT) != 0) {
+            mha_mutex_lock(&p->lock);
+            while ((atomic_load(&p->state) & STATE_COUNT) != 0)
+                mha_cond_wait(&p->done, &p->lock);
+            mha_mutex_unlock(&p->lock);
+        }
     }
     atomic_store(&g_busy, 0);
     return MHA_OK;

@@ -15,7 +15,9 @@
  * Waiting threads spin for up to 50 us, then sleep; while the cores are
  * oversubscribed (a worker finds it was descheduled while spinning) they
  * sleep at once, so that the pool neither loses its slices to, nor takes
- * them from, another library's spinning threads.
+ * them from, another library's spinning threads. Once every task has been
+ * handed out the call waits only for the workers running one: a worker
+ * that had not woken by then takes no part in that call.
  *
  * Default thread count: the CPUs in this process's affinity mask, or the
  * environment variable MHATTN_NUM_THREADS (read once) when it is a positive
