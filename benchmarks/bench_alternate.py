@@ -64,6 +64,15 @@ pool / the new one / no alarm at all: numpy 1.21, 1.33 / 1.19, 1.32 /
 ``OMP_WAIT_POLICY=passive`` 1.06 / 1.15 / 1.11: no difference beyond the
 noise, so the alarm is kept, in its narrower form.
 
+Later still (2026-12-02, Zen 3, ISA avx2): a call now waits only for the
+workers that joined it (core/threads.c), not for one that had not woken
+by the time every task was handed out. ``--only numpy torch``, the old
+and the new build run twice, alternately; ratio and mhattn x, old / new:
+numpy 1.30, 1.26 and 1.31, 1.22 / 1.22, 1.22 and 1.19, 1.13; torch 1.68,
+1.57 and 2.06, 1.80 / 1.50, 1.42 and 1.66, 1.61. The other rows did not
+move (1.01-1.05). The rest is, as above, the peer's spinning thread
+holding one of the two cores.
+
 So: set ``OPENBLAS_THREAD_TIMEOUT=1`` in the environment before NumPy is
 imported, or wrap the NumPy-heavy part in
 ``threadpoolctl.threadpool_limits(1, user_api="blas")``, or give each
