@@ -10,6 +10,7 @@
 #include "kernels.h"
 
 #include <stdatomic.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -19,11 +20,12 @@
 #if defined(_MSC_VER) && (defined(_M_X64) || defined(_M_IX86))
 #include <intrin.h>
 #define MHA_X86 1
-/* leaf, subleaf -> eax, ebx, ecx, edx; 0 when leaf is past the maximum */
+/* leaf, subleaf -> eax, ebx, ecx, edx; 0 when leaf is past the maximum
+   of its range (basic, or extended from 0x80000000) */
 static int x86_cpuid(unsigned leaf, unsigned sub, unsigned r[4])
 {
     int v[4];
-    __cpuid(v, 0);
+    __cpuid(v, (int)(leaf & 0x80000000u));
     if ((unsigned)v[0] < leaf)
         return 0;
     __cpuidex(v, (int)leaf, (int)sub);
@@ -42,7 +44,8 @@ static unsigned long long read_xcr0(void)
 #define MHA_X86 1
 static int x86_cpuid(unsigned leaf, unsigned sub, unsigned r[4])
 {
-    if ((unsigned)__get_cpuid_max(0, NULL) < leaf) /* int in clang, unsigned in gcc */
+    /* int in clang, unsigned in gcc */
+    if ((unsigned)__get_cpuid_max(leaf & 0x80000000u, NULL) < leaf)
         return 0;
     __cpuid_count(leaf, sub, r[0], r[1], r[2], r[3]);
     return 1;
@@ -104,6 +107,26 @@ mha_isa mha_isa_detect(void)
 #else
     return MHA_ISA_SCALAR;
 #endif
+}
+
+/* SIZE_MAX: not yet read. cpuid is slow in a virtual machine (it traps to
+   the hypervisor), so it is asked once; racing first calls store the same. */
+static atomic_size_t g_l2 = SIZE_MAX;
+
+size_t mha_l2_bytes(void)
+{
+    size_t l2 = atomic_load_explicit(&g_l2, memory_order_relaxed);
+    if (l2 != SIZE_MAX)
+        return l2;
+    l2 = 0;
+#ifdef MHA_X86
+    /* AMD and Intel alike: ecx bits 31-16, the L2 of one core in KiB */
+    unsigned r[4];
+    if (x86_cpuid(0x80000006u, 0, r))
+        l2 = (size_t)(r[2] >> 16) << 10;
+#endif
+    atomic_store_explicit(&g_l2, l2, memory_order_relaxed);
+    return l2;
 }
 
 /* -1: not yet decided. Written once at first use (a benign race: every

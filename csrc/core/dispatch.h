@@ -13,6 +13,8 @@
 #ifndef MHA_DISPATCH_H
 #define MHA_DISPATCH_H
 
+#include <stddef.h>
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -35,6 +37,11 @@ mha_isa mha_get_isa(void);
    min(isa, mha_isa_detect()); the environment cap is replaced, so a test
    may go back up to the detected ISA. Returns the ISA now in force. */
 int mha_set_isa(mha_isa isa);
+
+/* The L2 cache of one core in bytes (cpuid leaf 0x80000006 on x86), or 0
+   where it is not known (other architectures, or an x86 CPU or hypervisor
+   that does not say). Only speed may depend on it, never bits. */
+size_t mha_l2_bytes(void);
 
 /* "scalar", "avx2", "avx512", "neon" ("unknown" for anything else). */
 const char *mha_isa_name(mha_isa isa);

@@ -454,25 +454,49 @@ static const REAL *PICK(gemm_usable_f32, gemm_usable_f64)(const mha_gemm_blockin
 }
 
 /* Whether B, without usable panels, is read in place by the micro-kernel
-   (the same multiply-adds as from packed panels, so the same bits): when
-   it is not transposed and A has at most two row blocks. Then no pack-B
-   pass runs, and each column block is one pool phase, as with prepacked
-   panels; each B panel feeds at most two row blocks' micro-kernel calls,
-   so packing it would buy little. With more rows packing wins: B's rows,
-   4 KiB apart when N = 1024 floats, alias in L1 and L2, and each panel is
-   read again for every row block (measured, one thread of a Zen 4, median
-   of 7: M = 128, N = K = 512 at 75-78% of the FMA peak in place against
-   66-71% packed; M = N = K = 1024 at 71-73% against 83-90%). Double
-   reads B in place within one row block only: two threads of a Zen 4,
-   K = 512, best of 9 x 2000 calls, GFLOP/s packed per call / in place:
-   AVX-512, N = 1536, M = 48 61.6 / 75.5, M = 72 69.6 / 73.5, M = 96
-   78.1 / 73.9, M = 128 71.9 / 60.5 (N = 512: 78.8 / 74.7); AVX2, N =
-   1536, M = 96 64.2 / 46.7, M = 128 70.9 / 46.4. (Float, M = 128: 141 /
-   190 on AVX-512, N = 512, and 130 / 125-136 on AVX2.) */
+   (the same multiply-adds as from packed panels, so the same bits), rather
+   than packed per K block. Never when it is transposed. In place there is
+   no pack-B pass and each column block is one pool phase, as with
+   prepacked panels, but each B panel is read again for every row panel of
+   a tile, from rows ldb apart: when that stride has a large power-of-two
+   factor those rows alias in L1 and, with a small L2, in L2 too, so the
+   panel is fetched from further out each time. Hence the rule depends on
+   the stride and on the L2 (mha_l2_bytes); only speed depends on it.
+   - L2 of 1 MiB or more, or not known: at most two row blocks of A (one
+     for double). Measured, one thread of a Zen 4 (1 MiB L2), median of 7:
+     M = 128, N = K = 512 at 75-78% of the FMA peak in place against 66-71%
+     packed; M = N = K = 1024 at 71-73% against 83-90%. Double, two threads,
+     K = 512, best of 9 x 2000 calls, GFLOP/s packed per call / in place:
+     AVX-512, N = 1536, M = 48 61.6 / 75.5, M = 72 69.6 / 73.5, M = 96
+     78.1 / 73.9, M = 128 71.9 / 60.5 (N = 512: 78.8 / 74.7); AVX2, N =
+     1536, M = 96 64.2 / 46.7, M = 128 70.9 / 46.4. (Float, M = 128: 141 /
+     190 on AVX-512, N = 512, and 130 / 125-136 on AVX2.)
+   - a smaller L2 (Zen 3: 512 KiB): a stride whose power-of-two factor is
+     4 KiB or more puts every row of a panel in one L1 set; then at most
+     one row panel (two for float). Otherwise at most M rows with M times
+     the stride in bytes within L2 / 3 for float and L2 / 9 for double
+     (Zen 3: 170 KiB and 57 KiB, that is float N = 512 up to M = 85, N =
+     1536 up to 28). Fitted to the crossovers measured on a Zen 3, AVX2,
+     two threads, K = 512, best of 60 calls each way, M from 6 to 288
+     (the first M where packing per call won; noisy, as L2 sets follow
+     physical pages): float N = 256 ~192, 512 ~72, 768 ~60, 1024 12,
+     1536 ~36, 2048 24; double N = 256 ~36, 512 24, 768 12, 1024 and up
+     12; float M = 12 at N = 768 and 1536, two row panels split by
+     columns, went 0.74-0.87x in place too, left so for the rule's sake. In a layer (128, 512, 8), B = 1, float, this was 5-11% faster
+     than reading B in place (median of 7 alternating rounds). */
 static int PICK(gemm_in_place_f32, gemm_in_place_f64)(const mha_gemm_blocking *bk, size_t M,
-                                                      int transB)
+                                                      int transB, size_t ldb)
 {
-    return !transB && M <= (MHA_F64 ? 1 : 2) * bk->mcp * bk->mr;
+    if (transB)
+        return 0;
+    const size_t big = (MHA_F64 ? 1 : 2) * bk->mcp * bk->mr, l2 = mha_l2_bytes();
+    if (l2 == 0 || l2 >= ((size_t)1 << 20))
+        return M <= big;
+    const size_t stride = ldb * sizeof(REAL);
+    if ((stride & (~stride + 1)) >= 4096)
+        return M <= (MHA_F64 ? 1 : 2) * bk->mr;
+    size_t span;
+    return M <= big && mha_mul_ok(&span, M, stride) && span <= l2 / (MHA_F64 ? 9 : 3);
 }
 
 /* Sizes each thread's slice of a call's scratch: a packed A block of
@@ -570,7 +594,7 @@ mha_status PICK(mha_gemm_packed_f32, mha_gemm_packed_f64)(REAL *C, size_t ldc,
     size_t nkb;
     const size_t kcb = PICK(gemm_kc_balanced_f32, gemm_kc_balanced_f64)(bk, K, &nkb);
     const REAL *packed = PICK(gemm_usable_f32, gemm_usable_f64)(bk, pb, transB, K, N);
-    const int direct = packed == NULL && PICK(gemm_in_place_f32, gemm_in_place_f64)(bk, M, transB);
+    const int direct = packed == NULL && PICK(gemm_in_place_f32, gemm_in_place_f64)(bk, M, transB, ldb);
 
     const size_t mcp_max = (mp + nmb - 1) / nmb; /* panels per row block */
 
@@ -687,7 +711,7 @@ mha_status PICK(mha_gemm_packed_multi_f32, mha_gemm_packed_multi_f64)(
         packed[s] = PICK(gemm_usable_f32, gemm_usable_f64)(bk, pb[s], 0, K, N[s]);
         const int usable = packed[s] != NULL;
         joint = N[s] > 0 && N[s] <= bk->nc && mha_mul_ok(&mnk, M, N[s]) &&
-                (usable || PICK(gemm_in_place_f32, gemm_in_place_f64)(bk, M, 0)) &&
+                (usable || PICK(gemm_in_place_f32, gemm_in_place_f64)(bk, M, 0, N[s])) &&
                 mha_mul_ok(&mnk, mnk, K) && mnk >= MHA_GEMM_SMALL &&
                 gemm_check(sizeof(REAL), C[s], N[s], A, lda, 0, B[s], N[s], 0, M, N[s],
                            K) == MHA_OK &&

@@ -265,15 +265,15 @@ static void test_gemm_exact(void)
 DEFINE_LAYOUT_TEST(float, f32)
 DEFINE_LAYOUT_TEST(double, f64)
 
-/* B read in place (at most two row blocks of A, B not transposed) and B
-   packed (more rows, or B stored transposed) give the same bits: the first
-   rows of a product too tall to read B in place equal the product of those
-   rows alone (when that is not a small problem, whose plain loop may round
-   differently: gemm.h), also where the last row panel has so few rows that
-   they are done one by one (gemm_row). B holds exactly its K N elements, so a read past
-   its end, as a full panel over the edge of its last row would make, is
-   caught by the ASan build of these tests. Both types, every ISA, 1 and 2
-   threads. */
+/* B read in place (few enough rows of A, B not transposed: gemm_in_place)
+   and B packed (more rows, or B stored transposed) give the same bits: the
+   first rows of a product too tall to read B in place equal the product of
+   those rows alone, whichever way each is done (when that is not a small
+   problem, whose plain loop may round differently: gemm.h), also where the
+   last row panel has so few rows that they are done one by one (gemm_row).
+   B holds exactly its K N elements, so a read past its end, as a full
+   panel over the edge of its last row would make, is caught by the ASan
+   build of these tests. Both types, every ISA, 1 and 2 threads. */
 #define DEFINE_IN_PLACE_TEST(real, sfx)                                       \
     static void test_in_place_##sfx(void)                                     \
     {                                                                         \
@@ -281,6 +281,9 @@ DEFINE_LAYOUT_TEST(double, f64)
             /* M_tall, N, K: tall enough to pack, and N with an edge */       \
             {700, 129, 300}, {600, 64, 257}, {900, 40, 70}, {350, 37, 513},   \
             {600, 130, 520},                                                  \
+            /* power-of-two strides: where an L2 under 1 MiB reads in place \
+               only the first rows (gemm_in_place) */                       \
+            {300, 512, 300}, {300, 1024, 260},                                \
         };                                                                    \
         for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {       \
             const size_t M = shapes[s][0], N = shapes[s][1], K = shapes[s][2];\
@@ -296,8 +299,10 @@ DEFINE_LAYOUT_TEST(double, f64)
                     mha_set_isa((mha_isa)isa);                                \
                     mha_set_num_threads(nth);                                 \
                     mha_gemm_##sfx(C1, N, A, K, 0, B, ldb, 0, NULL, M, N, K, 0);\
-                    /* 1, 2, 7, 145: a last row panel done row by row */      \
-                    static const size_t ms[] = {1, 2, 7, 144, 145, 288};      \
+                    /* 1, 2, 7, 145: a last row panel done row by row; 12-86: \
+                       either side of the in-place limits of a small L2 */    \
+                    static const size_t ms[] = {1, 2, 7, 12, 13, 28, 29, 85,  \
+                                                86, 144, 145, 288};           \
                     for (size_t r = 0; r < sizeof ms / sizeof ms[0]; r++) {   \
                         const size_t m = ms[r];                               \
                         if (m * N * K < MHA_GEMM_SMALL) /* the plain loop */  \
