@@ -17,6 +17,7 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #if defined(_MSC_VER) && (defined(_M_X64) || defined(_M_IX86))
 #include <xmmintrin.h> /* _mm_prefetch, SSE: baseline on x86-64 */
 #endif

