@@ -39,11 +39,11 @@
 
 mha_status mha_scratch(void **p, size_t n, size_t size);
 
-/* The same, never on huge pages: for buffers that glibc usually keeps
-   between calls, such as the GEMM's packing buffer, where a fresh 2 MiB
-   page per call costs more (zeroing it) than it saves. Forward at
-   T = 128, d_model 512, float64, 2 threads: median 2.0 ms with the GEMM's
-   1 MiB buffer on huge pages, 1.5 ms without. */
+/* The same, never on huge pages nor from the kept blocks: for small
+   buffers that glibc keeps between calls. (The GEMM's packing buffer was
+   one, when huge blocks were not yet kept: forward at T = 128, d_model
+   512, float64, 2 threads, median 2.0 ms on fresh huge pages, 1.5 ms
+   without. Kept, they are as fast, and glibc did not always keep it.) */
 mha_status mha_scratch_small(void **p, size_t n, size_t size);
 
 /* Frees a block of either; NULL is a no-op. */
