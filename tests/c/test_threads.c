@@ -1,7 +1,8 @@
 /*
  * test_threads.c - the pool (csrc/core/threads.h) when the cores are
- * oversubscribed: hog threads, twice as many as CPUs, spin the whole time
- * as another library's pool would (OpenBLAS spins ~0.1 s after each call).
+ * oversubscribed: hog threads, twice as many as CPUs, as another library's
+ * pool would be (OpenBLAS's threads spin ~0.1 s after each call): each hog
+ * spins 200 us, sleeps 50 us, and spins again.
  *
  *   make -C tests/c check
  *   ./test_threads [quick]   exit status 1 on any failure (quick: fewer calls)
@@ -13,15 +14,35 @@
  *   - the pool notices the contention: a worker finds it was descheduled
  *     while spinning, and the pool stops spinning for a while
  *     (mha_pool_calm_phases() > 0 at some point; the calls go on past the
- *     first 500 or 3000 until it does, for at most 20 s);
+ *     first 500 or 3000 until it does, for at most 20 s). The hogs' naps
+ *     make it likely: a hog that wakes takes a CPU from whoever runs, a
+ *     spinning worker among them. With hogs that only spun, a worker that
+ *     slept between calls was woken, ran its tasks and spun its 50 us
+ *     within one time slice in some runs, so none was seen descheduled
+ *     mid-spin (0 alarms in 10033 calls once on CI; 1-4 late workers in
+ *     3000 calls in 1 of 8 runs here, 14-36 in the others). With the naps,
+ *     30-54 workers were seen preempted mid-spin in each of 8 runs of 3000
+ *     calls (Zen 3 VM, 2 CPUs);
  *   - the calm phases run out after the hogs stop (the count goes down by
  *     one per call, and reaches 0 once the calls find no contention, which
  *     on a shared machine is not guaranteed: only the countdown is checked).
  */
+#ifndef _WIN32
+#define _GNU_SOURCE /* nanosleep */
+#endif
+
 #include <stdatomic.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#ifdef _WIN32
+#define WIN32_LEAN_AND_MEAN
+#include <windows.h>
+#else
+#include <time.h>
+#endif
 
 #include "platform.h"
 #include "threads.h"
@@ -30,12 +51,27 @@
 
 static atomic_int g_stop, g_hogs_running;
 
+static void nap_50us(void)
+{
+#ifdef _WIN32
+    Sleep(0); /* not run on Windows (no wine run of this test); compiles */
+#else
+    const struct timespec ts = {0, 50000};
+    nanosleep(&ts, NULL);
+#endif
+}
+
 static void hog(void *arg)
 {
     (void)arg;
     atomic_fetch_add(&g_hogs_running, 1);
-    while (!atomic_load_explicit(&g_stop, memory_order_relaxed))
-        mha_cpu_relax();
+    while (!atomic_load_explicit(&g_stop, memory_order_relaxed)) {
+        const int64_t t0 = mha_now_ns();
+        while (mha_now_ns() - t0 < 200000 &&
+               !atomic_load_explicit(&g_stop, memory_order_relaxed))
+            mha_cpu_relax();
+        nap_50us();
+    }
     atomic_fetch_sub(&g_hogs_running, 1);
 }
 
