@@ -328,6 +328,81 @@ DEFINE_LAYOUT_TEST(double, f64)
 DEFINE_IN_PLACE_TEST(float, f32)
 DEFINE_IN_PLACE_TEST(double, f64)
 
+/* GEMMs sharing A (mha_gemm_packed_multi, the Q, K and V projections)
+   give each segment the bits of its own mha_gemm_packed, whichever way B
+   is read: prepacked panels, in place, packed panel by panel by the task
+   that reads it (gemm_own_panels), packed by blocks (then one call each),
+   or a mix; with a bias or without; across row counts either side of
+   those rules' limits and of a row panel done row by row; segments of
+   different widths, with edges. Every ISA, 1 to 3 threads, split however
+   small the problem. */
+#define DEFINE_MULTI_TEST(real, sfx)                                          \
+    static void test_multi_##sfx(void)                                        \
+    {                                                                         \
+        const size_t K = 300, Ns[][3] = {{512, 512, 512}, {129, 40, 200}};    \
+        static const size_t ms[] = {7, 8, 13, 86, 128, 145, 288, 290, 700};   \
+        const size_t Mmax = 700;                                              \
+        const size_t old = mha_gemm_set_grain(1);                             \
+        real *A = malloc(Mmax * K * sizeof *A);                               \
+        for (size_t i = 0; i < Mmax * K; i++) A[i] = (real)rng_unit();        \
+        for (size_t v = 0; v < 2; v++) {                                      \
+            const size_t *N = Ns[v];                                          \
+            real *B[3], *bias[3], *C1[3], *C2[3];                             \
+            for (int s = 0; s < 3; s++) {                                     \
+                B[s] = malloc(K * N[s] * sizeof *B[s]);                       \
+                bias[s] = malloc(N[s] * sizeof *bias[s]);                     \
+                C1[s] = malloc(Mmax * N[s] * sizeof *C1[s]);                  \
+                C2[s] = malloc(Mmax * N[s] * sizeof *C2[s]);                  \
+                for (size_t i = 0; i < K * N[s]; i++) B[s][i] = (real)rng_unit();\
+                for (size_t j = 0; j < N[s]; j++) bias[s][j] = (real)rng_unit();\
+            }                                                                 \
+            for (int isa = 0; isa <= (int)mha_isa_detect(); isa++) {          \
+                mha_set_isa((mha_isa)isa);                                    \
+                mha_packed pk[3];                                             \
+                for (int s = 0; s < 3; s++)                                   \
+                    CHECK(mha_pack_weight_##sfx(&pk[s], B[s], N[s], K, N[s]) == MHA_OK,\
+                          #sfx " pack");                                      \
+                /* which segments have panels: none, all, the middle one */   \
+                for (int form = 0; form < 3; form++) {                        \
+                    const mha_packed *pb[3];                                  \
+                    for (int s = 0; s < 3; s++)                               \
+                        pb[s] = form == 1 || (form == 2 && s == 1) ? &pk[s] : NULL;\
+                    const real *bs[3] = {bias[0], v ? NULL : bias[1], bias[2]};\
+                    for (size_t r = 0; r < sizeof ms / sizeof ms[0]; r++)     \
+                        for (int nth = 1; nth <= 3; nth++) {                  \
+                            const size_t M = ms[r];                           \
+                            mha_set_num_threads(nth);                         \
+                            for (int s = 0; s < 3; s++)                       \
+                                mha_gemm_packed_##sfx(C1[s], N[s], A, K, 0, B[s], N[s], 0,\
+                                                      pb[s], bs[s], M, N[s], K, 0);\
+                            CHECK(mha_gemm_packed_multi_##sfx(                \
+                                      3, C2, A, K, (const real *const *)B, pb,\
+                                      bs, M, N, K) == MHA_OK, #sfx " multi"); \
+                            int diff = 0;                                     \
+                            for (int s = 0; s < 3; s++)                       \
+                                diff += memcmp(C1[s], C2[s], M * N[s] * sizeof *C1[s]) != 0;\
+                            CHECK(diff == 0,                                  \
+                                  #sfx " %s form %d nth=%d M=%zu N=%zu,%zu,%zu: "\
+                                  "%d segments differ from their own GEMM",   \
+                                  mha_isa_name((mha_isa)isa), form, nth, M,   \
+                                  N[0], N[1], N[2], diff);                    \
+                        }                                                     \
+                }                                                             \
+                for (int s = 0; s < 3; s++)                                   \
+                    mha_packed_free(&pk[s]);                                  \
+            }                                                                 \
+            for (int s = 0; s < 3; s++) {                                     \
+                free(B[s]); free(bias[s]); free(C1[s]); free(C2[s]);          \
+            }                                                                 \
+        }                                                                     \
+        mha_set_isa(mha_isa_detect());                                        \
+        mha_set_num_threads(0);                                               \
+        mha_gemm_set_grain(old);                                              \
+        free(A);                                                              \
+    }
+DEFINE_MULTI_TEST(float, f32)
+DEFINE_MULTI_TEST(double, f64)
+
 static void test_gemm_errors(void)
 {
     float a[4] = {0}, b[4] = {0}, c[4] = {0};
@@ -712,6 +787,8 @@ int main(int argc, char **argv)
     test_layout_f32();
     test_in_place_f32();
     test_in_place_f64();
+    test_multi_f32();
+    test_multi_f64();
     test_layout_f64();
     const mha_isa det = mha_isa_detect();
     for (int isa = 0; isa <= (int)det; isa++) {
