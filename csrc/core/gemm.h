@@ -72,7 +72,8 @@ mha_status mha_gemm_packed_f64(double *C, size_t ldc, const double *A, size_t ld
 /* nseg <= MHA_GEMM_MAX_SEG GEMMs sharing A (M, K), row stride lda: C[s]
    (M, N[s]), contiguous, = A @ B[s] (K, N[s]) + bias[s] (or NULL), each
    bitwise what mha_gemm_packed gives it, in one pool phase when every
-   B[s] has usable panels pb[s] or is read in place (else one call each).
+   B[s] has usable panels pb[s], is read in place, or is packed panel by
+   panel by the tasks (A of few rows; else one call each).
    The Q, K and V projections of self-attention. */
 #define MHA_GEMM_MAX_SEG 4
 

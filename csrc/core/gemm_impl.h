@@ -15,9 +15,11 @@
  *      b. for each tile (row block, column part) of C (parallel): pack that
  *         row block of op(A)[., pc], write init at the first K block, and run
  *         the micro-kernel over its NR x MR grid, B panel outer.
- *      With prepacked panels, or B read in place (gemm_in_place), there is
- *      no pass a. and each tile runs b. for every K block in order, in one
- *      parallel region per column block.
+ *      With prepacked panels, or B read in place (gemm_in_place), or B
+ *      packed panel by panel by the task that reads it (A of at most two
+ *      row blocks: gemm_whole_rows), there is no pass a. and each tile runs
+ *      b. for every K block in order, in one parallel region per column
+ *      block.
  *   Either way every C element gets its K blocks one after another, always
  *   in the same order, from the same micro-kernel.
  */
@@ -305,6 +307,9 @@ typedef struct {
     const REAL *packed; /* a prepacked B (section 5), or NULL             */
     int direct;       /* B read in place by the micro-kernel (no pack-B
                          pass): its row stride ldb, all of K in one task   */
+    int own;          /* B packed panel by panel by the task that reads
+                         it (gemm_whole_rows): all rows in one task, the
+                         columns split, all of K in one task              */
     size_t K, kcb;    /* all of K, and its (balanced) block               */
     REAL *ap;         /* (nth, ap_stride) per-thread packed A blocks      */
     size_t ap_stride; /* elements, a multiple of a cache line             */
@@ -334,31 +339,38 @@ static void PICK(gemm_task_pack_b_f32, gemm_task_pack_b_f64)(void *ctxp, size_t 
                x->kc, x->jc + j0, j1 - j0);
 }
 
-/* Compute task t: row block t / nnb, column part t % nnb. It alone writes
-   that tile of C during this K block. B panel q is the (kc, NR) at bpr +
+/* Prefetches what op(B)'s panel at column jc + j, K block pc .. pc+kc-1,
+   reads of B, for the task of x->own to pack next: its stored rows lie ldb
+   apart, too far for the hardware prefetcher to follow. */
+static void PICK(gemm_prefetch_b_f32, gemm_prefetch_b_f64)(const PICK(gemm_ctx_f32, gemm_ctx_f64) *x,
+                                                           size_t pc, size_t kc, size_t j)
+{
+    const size_t NR = x->bk->nr, line = 64 / sizeof(REAL);
+    const size_t nr = x->nc - j < NR ? x->nc - j : NR;
+    const REAL *b = x->B + (x->transB ? (x->jc + j) * x->ldb + pc : pc * x->ldb + x->jc + j);
+    const size_t rows = x->transB ? nr : kc, len = x->transB ? kc : nr;
+    for (size_t r = 0; r < rows; r++)
+        for (size_t l = 0; l < len; l += line)
+            MHA_PREFETCH(b + r * x->ldb + l);
+}
+
+/* B panel q is the (kc, NR) at bpr +
    q bq, row stride bld: packed (bld = NR), or B in place (x->direct),
-   whose last, partial panel is packed here into the thread's edge panel. */
-static void PICK(gemm_tile_f32, gemm_tile_f64)(const PICK(gemm_ctx_f32, gemm_ctx_f64) *x,
-                                               size_t t, int ith, size_t pc, size_t kc,
-                                               int first, const REAL *bpr, size_t bq,
-                                               size_t bld)
+   whose last, partial panel is packed here into the thread's edge panel,
+   or packed there whole (x->own), with the next panel's rows prefetched. */
+/* The tile of row panels p0 .. p1-1 and column panels q0 .. q1-1 over K
+   block pc .. pc+kc-1, with that K block of A's rows packed at ap (this
+   thread's, see gemm_tile). */
+static void PICK(gemm_tile_run_f32, gemm_tile_run_f64)(const PICK(gemm_ctx_f32, gemm_ctx_f64) *x,
+                                                       REAL *ap, size_t p0, size_t p1,
+                                                       size_t q0, size_t q1, size_t pc,
+                                                       size_t kc, int first, const REAL *bpr,
+                                                       size_t bq, size_t bld)
 {
     const mha_gemm_blocking *bk = x->bk;
     const size_t MR = bk->mr, NR = bk->nr;
-    const size_t mb = t / x->nnb, nb = t % x->nnb;
-    const size_t p0 = part_start(x->mp, x->nmb, mb);
-    const size_t p1 = part_start(x->mp, x->nmb, mb + 1);
-    const size_t q0 = part_start(x->np, x->nnb, nb);
-    const size_t q1 = part_start(x->np, x->nnb, nb + 1);
-    if (p0 >= p1 || q0 >= q1)
-        return;
     const size_t i0 = p0 * MR, i1 = p1 * MR < x->M ? p1 * MR : x->M;
     const size_t jj0 = q0 * NR, jj1 = q1 * NR < x->nc ? q1 * NR : x->nc;
-
-    /* ap: (p1 - p0) panels of (kc, MR), this thread's */
-    REAL *ap = x->ap + (size_t)ith * x->ap_stride;
-    PICK(gemm_pack_a_f32, gemm_pack_a_f64)(ap, bk, x->A, x->lda, x->transA, i0, i1 - i0, pc, kc);
-
     if (first && x->bias != NULL)
         PICK(gemm_write_init_f32, gemm_write_init_f64)(x->C, x->ldc, x->bias, x->accumulate, i0, i1,
                        x->jc + jj0, x->jc + jj1);
@@ -376,12 +388,14 @@ static void PICK(gemm_tile_f32, gemm_tile_f64)(const PICK(gemm_ctx_f32, gemm_ctx
         const REAL *bp_q = bpr + q * bq;                       /* (kc, NR) */
         size_t ld_q = bld;
         const size_t nr = x->nc - q * NR < NR ? x->nc - q * NR : NR;
-        if (x->direct && nr < NR) {
+        if (x->own || (x->direct && nr < NR)) {
             REAL *be = ap + x->be_off;
-            PICK(gemm_pack_b_f32, gemm_pack_b_f64)(be, bk, x->B, x->ldb, 0, pc, kc,
+            PICK(gemm_pack_b_f32, gemm_pack_b_f64)(be, bk, x->B, x->ldb, x->transB, pc, kc,
                                                    x->jc + q * NR, nr);
             bp_q = be;
             ld_q = NR;
+            if (x->own && q + 1 < q1)
+                PICK(gemm_prefetch_b_f32, gemm_prefetch_b_f64)(x, pc, kc, (q + 1) * NR);
         }
         for (size_t p = p0; p < pu1; p++) {
             const REAL *ap_p = ap + (p - p0) * MR * kc;        /* (kc, MR) */
@@ -419,12 +433,62 @@ static void PICK(gemm_tile_f32, gemm_tile_f64)(const PICK(gemm_ctx_f32, gemm_ctx
     }
 }
 
+/* Packs row panels p0 .. p1-1 of A's K block pc .. pc+kc-1 into this
+   thread's slice; returns it. */
+static REAL *PICK(gemm_tile_a_f32, gemm_tile_a_f64)(const PICK(gemm_ctx_f32, gemm_ctx_f64) *x,
+                                                    int ith, size_t p0, size_t p1, size_t pc,
+                                                    size_t kc)
+{
+    const size_t MR = x->bk->mr, i0 = p0 * MR, i1 = p1 * MR < x->M ? p1 * MR : x->M;
+    REAL *ap = x->ap + (size_t)ith * x->ap_stride; /* (p1 - p0) panels of (kc, MR) */
+    PICK(gemm_pack_a_f32, gemm_pack_a_f64)(ap, x->bk, x->A, x->lda, x->transA, i0, i1 - i0, pc,
+                                           kc);
+    return ap;
+}
+
+/* Task t's tile, row block t / nnb and column part t % nnb, over one K
+   block. It alone writes that tile of C during this K block. */
+static void PICK(gemm_tile_f32, gemm_tile_f64)(const PICK(gemm_ctx_f32, gemm_ctx_f64) *x,
+                                               size_t t, int ith, size_t pc, size_t kc,
+                                               int first, const REAL *bpr, size_t bq,
+                                               size_t bld)
+{
+    const size_t mb = t / x->nnb, nb = t % x->nnb;
+    const size_t p0 = part_start(x->mp, x->nmb, mb);
+    const size_t p1 = part_start(x->mp, x->nmb, mb + 1);
+    const size_t q0 = part_start(x->np, x->nnb, nb);
+    const size_t q1 = part_start(x->np, x->nnb, nb + 1);
+    if (p0 >= p1 || q0 >= q1)
+        return;
+    REAL *ap = PICK(gemm_tile_a_f32, gemm_tile_a_f64)(x, ith, p0, p1, pc, kc);
+    PICK(gemm_tile_run_f32, gemm_tile_run_f64)(x, ap, p0, p1, q0, q1, pc, kc, first, bpr, bq,
+                                               bld);
+}
+
 /* Compute task t of one K block: the tile over the packed B block bpr. */
 static void PICK(gemm_task_compute_f32, gemm_task_compute_f64)(void *ctxp, size_t t, int ith)
 {
     const PICK(gemm_ctx_f32, gemm_ctx_f64) *x = ctxp;
     PICK(gemm_tile_f32, gemm_tile_f64)(x, t, ith, x->pc, x->kc, x->first, x->bpr,
                                        x->bk->nr * x->kc, x->bk->nr);
+}
+
+/* K block pc .. pc+kc-1 of B for gemm_tile_run, when it is not packed by
+   blocks: prepacked panels, or B's own rows (read in place, or packed
+   panel by panel). */
+static const REAL *PICK(gemm_b_block_f32, gemm_b_block_f64)(const PICK(gemm_ctx_f32, gemm_ctx_f64) *x,
+                                                            size_t pc, size_t kc, size_t *bq,
+                                                            size_t *bld)
+{
+    const size_t NR = x->bk->nr;
+    if (x->packed != NULL) {
+        *bq = NR * kc;
+        *bld = NR;
+        return x->packed + x->jc * x->K + x->np * NR * pc;
+    }
+    *bq = NR;
+    *bld = x->ldb;
+    return x->B + pc * x->ldb + x->jc;
 }
 
 /* Compute task t over a prepacked B, or B in place: every K block in
@@ -435,16 +499,11 @@ static void PICK(gemm_task_compute_all_f32, gemm_task_compute_all_f64)(void *ctx
                                                                        int ith)
 {
     const PICK(gemm_ctx_f32, gemm_ctx_f64) *x = ctxp;
-    const size_t NR = x->bk->nr;
     for (size_t pc = 0; pc < x->K; pc += x->kcb) {
         const size_t kc = x->K - pc < x->kcb ? x->K - pc : x->kcb;
-        if (x->direct)
-            PICK(gemm_tile_f32, gemm_tile_f64)(x, t, ith, pc, kc, pc == 0,
-                                               x->B + pc * x->ldb + x->jc, NR, x->ldb);
-        else
-            PICK(gemm_tile_f32, gemm_tile_f64)(x, t, ith, pc, kc, pc == 0,
-                                               x->packed + x->jc * x->K + x->np * NR * pc,
-                                               NR * kc, NR);
+        size_t bq, bld;
+        const REAL *bpr = PICK(gemm_b_block_f32, gemm_b_block_f64)(x, pc, kc, &bq, &bld);
+        PICK(gemm_tile_f32, gemm_tile_f64)(x, t, ith, pc, kc, pc == 0, bpr, bq, bld);
     }
 }
 
@@ -508,6 +567,29 @@ static int PICK(gemm_in_place_f32, gemm_in_place_f64)(const mha_gemm_blocking *b
         return M <= (MHA_F64 ? 1 : 2) * bk->mr;
     size_t span;
     return M <= big && mha_mul_ok(&span, M, stride) && span <= l2 / (MHA_F64 ? 9 : 3);
+}
+
+/* Whether each task takes every row of C and a part of its columns (one
+   row block): when A has at most two row blocks and B is not read in
+   place. A task then packs all of A's K block, once, and reads only its
+   own B panels, where with two row blocks every thread read all of B.
+   - With prepacked panels: half of B's traffic per thread on two threads.
+   - Without: B is packed panel by panel by the task that reads it (x->own)
+     into its edge panel, just before the micro-kernel reads it there from
+     L1: every B panel packed once, and the call one pool phase per column
+     block where packing B by blocks took two per K block, each thread
+     waiting for the other's packing. The panels are the ones the block
+     pass packs, so the bits are the same.
+   Zen 3, AVX2, 2 threads, layers of d_model 512, h 8, B = 1, median of 5
+   alternating rounds against two row blocks: float T = 128 1.960 -> 1.857
+   ms unpacked, 1.777 -> 1.738 packed; T = 64 packed 0.858 -> 0.816;
+   double T = 128 packed 3.740 -> 3.654, unpacked 4.030 -> 4.109 (noisy);
+   the backward, float T = 128, 8.77 -> 5.97 ms, double T = 64 6.90 ->
+   6.62. B = 8 and T = 1024 (more rows) are unchanged. */
+static int PICK(gemm_whole_rows_f32, gemm_whole_rows_f64)(const mha_gemm_blocking *bk,
+                                                          size_t mp)
+{
+    return mp <= 2 * bk->mcp;
 }
 
 /* Sizes each thread's slice of a call's scratch: a packed A block of
@@ -606,6 +688,10 @@ mha_status PICK(mha_gemm_packed_f32, mha_gemm_packed_f64)(REAL *C, size_t ldc,
     const size_t kcb = PICK(gemm_kc_balanced_f32, gemm_kc_balanced_f64)(bk, K, &nkb);
     const REAL *packed = PICK(gemm_usable_f32, gemm_usable_f64)(bk, pb, transB, K, N);
     const int direct = packed == NULL && PICK(gemm_in_place_f32, gemm_in_place_f64)(bk, M, transB, ldb);
+    const int whole = !direct && PICK(gemm_whole_rows_f32, gemm_whole_rows_f64)(bk, mp);
+    const int own = packed == NULL && whole;
+    if (whole)
+        nmb = 1;
 
     const size_t mcp_max = (mp + nmb - 1) / nmb; /* panels per row block */
 
@@ -622,9 +708,9 @@ mha_status PICK(mha_gemm_packed_f32, mha_gemm_packed_f64)(REAL *C, size_t ldc,
     size_t bp_elems, ap_all, total;
     if (!mha_mul_ok(&bp_elems, kcb, nc_max) ||
         !PICK(gemm_thread_scratch_f32, gemm_thread_scratch_f64)(
-            &x, mcp_max, kcb, direct && N % NR != 0, nth, &ap_all))
+            &x, mcp_max, kcb, own || (direct && N % NR != 0), nth, &ap_all))
         return MHA_ERR_SIZE;
-    bp_elems = packed != NULL || direct ? 0 : (bp_elems + line - 1) / line * line;
+    bp_elems = packed != NULL || direct || own ? 0 : (bp_elems + line - 1) / line * line;
     if (!mha_add_ok(&total, bp_elems, ap_all))
         return MHA_ERR_SIZE;
     /* mha_scratch: from 1 MiB (a B block of double) a kept huge block,
@@ -639,6 +725,7 @@ mha_status PICK(mha_gemm_packed_f32, mha_gemm_packed_f64)(REAL *C, size_t ldc,
 
     x.packed = packed;
     x.direct = direct;
+    x.own = own;
     x.K = K;
     x.kcb = kcb;
     for (size_t jc = 0; jc < N; jc += bk->nc) {
@@ -649,7 +736,7 @@ mha_status PICK(mha_gemm_packed_f32, mha_gemm_packed_f64)(REAL *C, size_t ldc,
         x.nnb = nmb < (size_t)nth ? (x.np < (size_t)nth ? x.np : (size_t)nth)
                                   : 1;
         x.nbt = x.np < (size_t)nth ? x.np : (size_t)nth;
-        if (packed != NULL || direct) {
+        if (packed != NULL || direct || own) {
             st = mha_parallel_for_n(nmb * x.nnb, nth,
                                     PICK(gemm_task_compute_all_f32,
                                          gemm_task_compute_all_f64), &x);
@@ -693,12 +780,52 @@ mha_status PICK(mha_gemm_f32, mha_gemm_f64)(REAL *C, size_t ldc, const REAL *A, 
    C_s (M, N_s) = A (M, K) @ B_s (K, N_s) [+ bias_s], each from its
    prepacked B_s or from B_s in place, as one pool phase over all their
    tiles. Each C_s gets the bits mha_gemm_packed gives it; when a segment
-   cannot join (a small problem, more than one column block), every
-   segment is computed by its own mha_gemm_packed instead. */
+   cannot join (a small problem, more than one column block, B packed by
+   blocks), every segment is computed by its own mha_gemm_packed instead.
+   When every segment has the same row blocks and none reads B in place, a
+   task is a row block and a range of all the segments' panels, and packs
+   each K block of A once for them (gemm_task_span). */
 typedef struct {
     PICK(gemm_ctx_f32, gemm_ctx_f64) seg[MHA_GEMM_MAX_SEG];
     size_t start[MHA_GEMM_MAX_SEG + 1]; /* the first task of each segment */
+    /* When every segment has the same row blocks, a task is a row block
+       and a range of the segments' column panels end to end instead: */
+    int nseg, span;
+    size_t ngp;                         /* ranges of panels per row block  */
+    size_t base[MHA_GEMM_MAX_SEG + 1];  /* the first panel of each segment */
 } PICK(gemm_multi_ctx_f32, gemm_multi_ctx_f64);
+
+/* Spanning task t: row block t / ngp, panel range t % ngp, which packs
+   each K block of its rows of A once for all the segments it meets. Each
+   element still gets its K blocks in order, from the same panels. */
+static void PICK(gemm_task_span_f32, gemm_task_span_f64)(void *ctxp, size_t t, int ith)
+{
+    const PICK(gemm_multi_ctx_f32, gemm_multi_ctx_f64) *m = ctxp;
+    const PICK(gemm_ctx_f32, gemm_ctx_f64) *x0 = &m->seg[0];
+    const size_t mb = t / m->ngp, g = t % m->ngp;
+    const size_t p0 = part_start(x0->mp, x0->nmb, mb);
+    const size_t p1 = part_start(x0->mp, x0->nmb, mb + 1);
+    const size_t g0 = part_start(m->base[m->nseg], m->ngp, g);
+    const size_t g1 = part_start(m->base[m->nseg], m->ngp, g + 1);
+    if (p0 >= p1 || g0 >= g1)
+        return;
+    for (size_t pc = 0; pc < x0->K; pc += x0->kcb) {
+        const size_t kc = x0->K - pc < x0->kcb ? x0->K - pc : x0->kcb;
+        REAL *ap = PICK(gemm_tile_a_f32, gemm_tile_a_f64)(x0, ith, p0, p1, pc, kc);
+        for (int s = 0; s < m->nseg; s++) {
+            const size_t lo = g0 > m->base[s] ? g0 : m->base[s];
+            const size_t hi = g1 < m->base[s + 1] ? g1 : m->base[s + 1];
+            if (lo >= hi)
+                continue;
+            size_t bq, bld;
+            const REAL *bpr = PICK(gemm_b_block_f32, gemm_b_block_f64)(&m->seg[s], pc, kc,
+                                                                       &bq, &bld);
+            PICK(gemm_tile_run_f32, gemm_tile_run_f64)(&m->seg[s], ap, p0, p1,
+                                                       lo - m->base[s], hi - m->base[s], pc,
+                                                       kc, pc == 0, bpr, bq, bld);
+        }
+    }
+}
 
 static void PICK(gemm_task_multi_f32, gemm_task_multi_f64)(void *ctxp, size_t t, int ith)
 {
@@ -721,17 +848,22 @@ mha_status PICK(mha_gemm_packed_multi_f32, mha_gemm_packed_multi_f64)(
     int joint = nseg > 1 && nseg <= MHA_GEMM_MAX_SEG && M > 0 && K > 0, edge = 0;
     size_t work = 0;
     const REAL *packed[MHA_GEMM_MAX_SEG] = {NULL};
+    int direct[MHA_GEMM_MAX_SEG] = {0}, own[MHA_GEMM_MAX_SEG] = {0}, any_whole = 0;
+    const size_t mp_all = M / bk->mr + (M % bk->mr != 0);
+    const int whole = PICK(gemm_whole_rows_f32, gemm_whole_rows_f64)(bk, mp_all);
     for (int s = 0; s < nseg && joint; s++) {
         size_t mnk;
         packed[s] = PICK(gemm_usable_f32, gemm_usable_f64)(bk, pb[s], 0, K, N[s]);
-        const int usable = packed[s] != NULL;
+        direct[s] = packed[s] == NULL && PICK(gemm_in_place_f32, gemm_in_place_f64)(bk, M, 0, N[s]);
+        own[s] = packed[s] == NULL && !direct[s] && whole;
         joint = N[s] > 0 && N[s] <= bk->nc && mha_mul_ok(&mnk, M, N[s]) &&
-                (usable || PICK(gemm_in_place_f32, gemm_in_place_f64)(bk, M, 0, N[s])) &&
+                (packed[s] != NULL || direct[s] || own[s]) &&
                 mha_mul_ok(&mnk, mnk, K) && mnk >= MHA_GEMM_SMALL &&
                 gemm_check(sizeof(REAL), C[s], N[s], A, lda, 0, B[s], N[s], 0, M, N[s],
                            K) == MHA_OK &&
                 mha_add_ok(&work, work, mnk);
-        edge |= N[s] % bk->nr != 0 && !usable;
+        edge |= own[s] || (direct[s] && N[s] % bk->nr != 0);
+        any_whole |= whole && !direct[s];
     }
     if (!joint) {
         for (int s = 0; s < nseg; s++) {
@@ -749,7 +881,7 @@ mha_status PICK(mha_gemm_packed_multi_f32, mha_gemm_packed_multi_f64)(
     size_t mp, nmb, nkb;
     PICK(gemm_split_f32, gemm_split_f64)(bk, M, work, &nth, &mp, &nmb);
     const size_t kcb = PICK(gemm_kc_balanced_f32, gemm_kc_balanced_f64)(bk, K, &nkb);
-    const size_t mcp_max = (mp + nmb - 1) / nmb;
+    const size_t mcp_max = any_whole ? mp : (mp + nmb - 1) / nmb;
     PICK(gemm_ctx_f32, gemm_ctx_f64) sized = {.bk = bk};
     size_t ap_all;
     if (!PICK(gemm_thread_scratch_f32, gemm_thread_scratch_f64)(&sized, mcp_max, kcb, edge,
@@ -768,15 +900,28 @@ mha_status PICK(mha_gemm_packed_multi_f32, mha_gemm_packed_multi_f64)(
             .C = C[s], .ldc = N[s], .A = A, .lda = lda, .transA = 0, .B = B[s],
             .ldb = N[s], .transB = 0, .bias = bias[s], .accumulate = 0, .M = M,
             .bk = bk, .ap = ap, .ap_stride = sized.ap_stride, .be_off = sized.be_off,
-            .jc = 0, .nc = N[s], .mp = mp, .nmb = nmb, .np = (N[s] + NR - 1) / NR,
-            .packed = packed[s], .direct = packed[s] == NULL, .K = K, .kcb = kcb};
-        x->nnb = nmb < (size_t)nth ? (x->np < (size_t)nth ? x->np : (size_t)nth) : 1;
-        m.start[s + 1] = m.start[s] + nmb * x->nnb;
+            .jc = 0, .nc = N[s], .mp = mp, .nmb = whole && !direct[s] ? 1 : nmb,
+            .np = (N[s] + NR - 1) / NR, .packed = packed[s], .direct = direct[s],
+            .own = own[s], .K = K, .kcb = kcb};
+        x->nnb = x->nmb < (size_t)nth ? (x->np < (size_t)nth ? x->np : (size_t)nth) : 1;
+        m.start[s + 1] = m.start[s] + x->nmb * x->nnb;
     }
     for (int s = nseg; s < MHA_GEMM_MAX_SEG; s++)
         m.start[s + 1] = m.start[s];
-    st = mha_parallel_for_n(m.start[nseg], nth,
-                            PICK(gemm_task_multi_f32, gemm_task_multi_f64), &m);
+    m.nseg = nseg;
+    m.span = 1;
+    m.base[0] = 0;
+    for (int s = 0; s < nseg; s++) {
+        m.span &= m.seg[s].nmb == m.seg[0].nmb && !m.seg[s].direct;
+        m.base[s + 1] = m.base[s] + m.seg[s].np;
+    }
+    m.ngp = m.seg[0].nmb < (size_t)nth ? (size_t)nth : 1;
+    if (m.span)
+        st = mha_parallel_for_n(m.seg[0].nmb * m.ngp, nth,
+                                PICK(gemm_task_span_f32, gemm_task_span_f64), &m);
+    else
+        st = mha_parallel_for_n(m.start[nseg], nth,
+                                PICK(gemm_task_multi_f32, gemm_task_multi_f64), &m);
     mha_scratch_free(ap);
     return st;
 }

@@ -335,12 +335,15 @@ DEFINE_IN_PLACE_TEST(double, f64)
    or a mix; with a bias or without; across row counts either side of
    those rules' limits and of a row panel done row by row; segments of
    different widths, with edges. Every ISA, 1 to 3 threads, split however
-   small the problem. */
+   small the problem; `quick` (the sanitizer build) takes fewer row counts. */
 #define DEFINE_MULTI_TEST(real, sfx)                                          \
-    static void test_multi_##sfx(void)                                        \
+    static void test_multi_##sfx(int quick)                                   \
     {                                                                         \
         const size_t K = 300, Ns[][3] = {{512, 512, 512}, {129, 40, 200}};    \
-        static const size_t ms[] = {7, 8, 13, 86, 128, 145, 288, 290, 700};   \
+        static const size_t ms_all[] = {7, 8, 13, 86, 128, 145, 288, 290, 700},\
+                            ms_quick[] = {8, 128, 290};                       \
+        const size_t *ms = quick ? ms_quick : ms_all;                         \
+        const size_t nms = quick ? 3 : sizeof ms_all / sizeof ms_all[0];      \
         const size_t Mmax = 700;                                              \
         const size_t old = mha_gemm_set_grain(1);                             \
         real *A = malloc(Mmax * K * sizeof *A);                               \
@@ -368,8 +371,8 @@ DEFINE_IN_PLACE_TEST(double, f64)
                     for (int s = 0; s < 3; s++)                               \
                         pb[s] = form == 1 || (form == 2 && s == 1) ? &pk[s] : NULL;\
                     const real *bs[3] = {bias[0], v ? NULL : bias[1], bias[2]};\
-                    for (size_t r = 0; r < sizeof ms / sizeof ms[0]; r++)     \
-                        for (int nth = 1; nth <= 3; nth++) {                  \
+                    for (size_t r = 0; r < nms; r++)                          \
+                        for (int nth = 1; nth <= 3; nth += quick ? 2 : 1) {   \
                             const size_t M = ms[r];                           \
                             mha_set_num_threads(nth);                         \
                             for (int s = 0; s < 3; s++)                       \
@@ -787,8 +790,8 @@ int main(int argc, char **argv)
     test_layout_f32();
     test_in_place_f32();
     test_in_place_f64();
-    test_multi_f32();
-    test_multi_f64();
+    test_multi_f32(quick);
+    test_multi_f64(quick);
     test_layout_f64();
     const mha_isa det = mha_isa_detect();
     for (int isa = 0; isa <= (int)det; isa++) {
