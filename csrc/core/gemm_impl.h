@@ -354,13 +354,12 @@ static void PICK(gemm_prefetch_b_f32, gemm_prefetch_b_f64)(const PICK(gemm_ctx_f
             MHA_PREFETCH(b + r * x->ldb + l);
 }
 
-/* B panel q is the (kc, NR) at bpr +
-   q bq, row stride bld: packed (bld = NR), or B in place (x->direct),
-   whose last, partial panel is packed here into the thread's edge panel,
-   or packed there whole (x->own), with the next panel's rows prefetched. */
 /* The tile of row panels p0 .. p1-1 and column panels q0 .. q1-1 over K
    block pc .. pc+kc-1, with that K block of A's rows packed at ap (this
-   thread's, see gemm_tile). */
+   thread's, see gemm_tile). B panel q is the (kc, NR) at bpr + q bq, row
+   stride bld: packed (bld = NR), or B in place (x->direct), whose last,
+   partial panel is packed here into the thread's edge panel, or packed
+   there whole (x->own), with the next panel's rows prefetched. */
 static void PICK(gemm_tile_run_f32, gemm_tile_run_f64)(const PICK(gemm_ctx_f32, gemm_ctx_f64) *x,
                                                        REAL *ap, size_t p0, size_t p1,
                                                        size_t q0, size_t q1, size_t pc,
@@ -491,10 +490,11 @@ static const REAL *PICK(gemm_b_block_f32, gemm_b_block_f64)(const PICK(gemm_ctx_
     return x->B + pc * x->ldb + x->jc;
 }
 
-/* Compute task t over a prepacked B, or B in place: every K block in
-   order, in one task, so the whole column block is one pool phase
-   (nothing is shared between the K blocks to wait for). Each element
-   still gets its K blocks one after another, as gemm.h says. */
+/* Compute task t over a prepacked B, or B in place, or B packed panel by
+   panel (x->own): every K block in order, in one task, so the whole column
+   block is one pool phase (nothing is shared between the K blocks to wait
+   for). Each element still gets its K blocks one after another, as gemm.h
+   says. */
 static void PICK(gemm_task_compute_all_f32, gemm_task_compute_all_f64)(void *ctxp, size_t t,
                                                                        int ith)
 {
@@ -594,9 +594,9 @@ static int PICK(gemm_whole_rows_f32, gemm_whole_rows_f64)(const mha_gemm_blockin
 
 /* Sizes each thread's slice of a call's scratch: a packed A block of
    mcp_max panels of (kcb, MR), then, when `edge`, the (kcb, NR) panel
-   that B read in place packs for its partial last panel, each starting on
-   a cache line. Sets x->ap_stride and x->be_off and *all = nth slices;
-   returns 0 when a size overflows. */
+   that B read in place packs for its partial last panel (x->own: for
+   every panel), each starting on a cache line. Sets x->ap_stride and
+   x->be_off and *all = nth slices; returns 0 when a size overflows. */
 static int PICK(gemm_thread_scratch_f32, gemm_thread_scratch_f64)(
     PICK(gemm_ctx_f32, gemm_ctx_f64) *x, size_t mcp_max, size_t kcb, int edge, int nth,
     size_t *all)
