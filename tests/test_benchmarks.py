@@ -346,3 +346,40 @@ def test_bench_decode_rotation_and_stream_step():
     ptrs = sorted(c[0] for c in calls)
     assert len(calls) == 2 and ptrs[1] - ptrs[0] == (1 << 20) // 2
     assert all(c[1] == (1 << 20) // 8 and c[2] == 64 for c in calls)
+
+
+def test_bench_ab_parsing_and_summary():
+    import bench_ab
+    assert bench_ab.parse_case("layer:128x512x8") == ("layer", (128, 512, 8))
+    assert bench_ab.parse_case("attn:4096X8x64") == ("attn", (4096, 8, 64))
+    for bad in ("layer:128x512", "conv:1x2x3", "attn:0x8x64", "128x512x8"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bench_ab.parse_case(bad)
+    # the timed processes get the case's options back, and nothing else
+    args = argparse.Namespace(case=("layer", (8, 16, 2)), batch=3, dtype="f64", budget=0.25,
+                              seed=7, causal=True, packed=False, backward=True)
+    assert bench_ab.child_argv(args) == [
+        "--case", "layer:8x16x2", "--batch", "3", "--dtype", "f64", "--budget", "0.25",
+        "--seed", "7", "--causal", "--backward"]
+    # medians of the round medians, ratios to the first build (> 1: faster)
+    rows = bench_ab.summarize(["a", "b"], [
+        [{"ms": 2.0, "gflops": 1.0}, {"ms": 4.0, "gflops": 0.5}, {"ms": 3.0, "gflops": 0.7}],
+        [{"ms": 1.5, "gflops": 2.0}, {"ms": 1.0, "gflops": 3.0}, {"ms": 9.0, "gflops": 0.1}]])
+    assert [(r[0], r[1], r[2], r[3]) for r in rows] == [("a", 3.0, 1.0, 0.7), ("b", 1.5, 2.0, 2.0)]
+    assert rows[1][4] == [1.5, 1.0, 9.0]
+
+
+def test_bench_ab_runs_a_build(capsys):
+    """Two rounds of the mhattn these tests import against itself, on a tiny
+    case: the table names both and every round; a folder without mhattn is
+    refused."""
+    import bench_ab
+    import mhattn
+    build = os.path.dirname(os.path.dirname(os.path.abspath(mhattn.__file__)))
+    bench_ab.main(["--case", "layer:16x8x2", "--rounds", "2", "--budget", "0.02", "--batch", "2",
+                   "--packed", build, build])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("layer 16x8x2 B=2 f32 packed; ISA ")
+    assert len(out) == 4 and all(len(line.split()) == 6 for line in out[2:])
+    with pytest.raises(SystemExit, match=r"no mhattn in|No module named 'mhattn'"):
+        bench_ab.main(["--rounds", "1", "--budget", "0.02", BENCH])

@@ -1,0 +1,170 @@
+"""A/B timing of two or more builds of mhattn on one case.
+
+Each build is a source tree whose extension is built in place (or a folder
+that holds an ``mhattn`` package, such as a venv's site-packages), for
+example main at two commits:
+
+    git worktree add /tmp/before beebed4 && make -C /tmp/before build
+    make build
+    python benchmarks/bench_ab.py --case layer:128x512x8 --packed /tmp/before .
+
+Every round runs each build once, in a fresh process that imports mhattn
+from that tree's ``python/`` folder, and takes the median of its calls over
+``--budget`` seconds; the order of the builds alternates from round to
+round, so that a drift of the machine falls on each build alike.  The table
+gives, per build, the median of its round medians, the ratio to the first
+build (> 1: faster than the first) and every round's median, so a noisy
+round shows.  On a shared machine, quote the ratio of one run, never a
+lone time, and the ISA (printed first).
+
+Cases:
+    layer:TxDxH   multi_head_attention on (B, T, D) (B = 1: (T, D)), H heads
+    attn:TxHxDK   mhattn.attention on q, k, v of (B, H, T, DK)
+with --batch B, --causal, --dtype f32|f64, --packed (layer: pack_weights,
+packed once outside the timing) and --backward (layer:
+multi_head_attention_grad; attn: attention_grad).
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+KINDS = ("layer", "attn")
+
+
+def parse_case(text):
+    """``"layer:128x512x8"`` -> ``("layer", (128, 512, 8))``."""
+    kind, _, dims = text.partition(":")
+    parts = dims.lower().split("x")
+    if kind not in KINDS or len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(
+            f"--case {text!r}: expected layer:TxDxH or attn:TxHxDK with positive integers")
+    return kind, tuple(int(p) for p in parts)
+
+
+def make_call(mhattn, np, args):
+    """The timed call of the case, and its FLOP count (forward only)."""
+    kind, (a, b, c) = args.case
+    dtype = np.float32 if args.dtype == "f32" else np.float64
+    rng = np.random.default_rng(args.seed)
+    B, causal = args.batch, args.causal
+    if kind == "layer":
+        T, d, h = a, b, c
+        x = rng.standard_normal((B, T, d) if B > 1 else (T, d)).astype(dtype)
+        W = [(rng.standard_normal((d, d)) / np.sqrt(d)).astype(dtype) for _ in range(4)]
+        flops = B * (8 * T * d * d + 4 * T * T * d * (0.5 if causal else 1))
+        weights = (mhattn.pack_weights(*W, num_heads=h),) if args.packed else tuple(W)
+        kw = {} if args.packed else {"num_heads": h}
+        if args.backward:
+            g = rng.standard_normal(x.shape).astype(dtype)
+            return (lambda: mhattn.multi_head_attention_grad(g, x, *weights, causal=causal, **kw)), 3 * flops
+        return (lambda: mhattn.multi_head_attention(x, *weights, causal=causal, **kw)), flops
+    T, H, dk = a, b, c
+    q, k, v = (rng.standard_normal((B, H, T, dk)).astype(dtype) for _ in range(3))
+    flops = 4 * B * H * T * T * dk * (0.5 if causal else 1)
+    if args.backward:
+        g = rng.standard_normal(q.shape).astype(dtype)
+        return (lambda: mhattn.attention_grad(g, q, k, v, causal=causal)), 2.5 * flops
+    return (lambda: mhattn.attention(q, k, v, causal=causal)), flops
+
+
+def time_call(fn, budget, min_calls=5, max_calls=5000):
+    """Median seconds of one call: one warm-up, then calls for ~budget s."""
+    fn()
+    times = []
+    end = time.perf_counter() + budget
+    while len(times) < min_calls or (time.perf_counter() < end and len(times) < max_calls):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def child(args):
+    """Runs in a fresh process: time the case with the mhattn of args.child
+    (its python/ folder, or the folder itself)."""
+    where = os.path.abspath(args.child)
+    if os.path.isdir(os.path.join(where, "python", "mhattn")):
+        where = os.path.join(where, "python")
+    sys.path.insert(0, where)
+    import numpy as np
+    import mhattn
+    if not os.path.abspath(mhattn.__file__).startswith(where + os.sep):
+        sys.exit(f"{args.child}: no mhattn in {where} (imported {mhattn.__file__})")
+    fn, flops = make_call(mhattn, np, args)
+    sec = time_call(fn, args.budget)
+    print(json.dumps({"ms": sec * 1e3, "gflops": flops / sec / 1e9,
+                      "isa": mhattn.get_isa(), "file": mhattn.__file__}))
+
+
+def run_round(build, argv):
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", build] + argv,
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"build {build}: the timed process failed:\n{out.stderr}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def child_argv(args):
+    """The options of the case, for the timed processes."""
+    kind, dims = args.case
+    argv = ["--case", f"{kind}:{'x'.join(map(str, dims))}", "--batch", str(args.batch),
+            "--dtype", args.dtype, "--budget", repr(args.budget), "--seed", str(args.seed)]
+    return argv + [f"--{flag}" for flag in ("causal", "packed", "backward") if getattr(args, flag)]
+
+
+def summarize(builds, results):
+    """Rows of (build, median ms, ratio to the first, GFLOP/s, rounds);
+    results[i] holds build i's rounds."""
+    base = statistics.median(r["ms"] for r in results[0])
+    rows = []
+    for b, res in zip(builds, results):
+        ms = [r["ms"] for r in res]
+        med = statistics.median(ms)
+        rows.append((b, med, base / med, statistics.median(r["gflops"] for r in res), ms))
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n", 2)[2])
+    p.add_argument("builds", nargs="*", help="source trees with the extension built in place")
+    p.add_argument("--case", type=parse_case, default=parse_case("layer:128x512x8"))
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--packed", action="store_true")
+    p.add_argument("--backward", action="store_true")
+    p.add_argument("--dtype", choices=("f32", "f64"), default="f32")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--budget", type=float, default=1.5, help="seconds of calls per build and round")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        return child(args)
+    if len(args.builds) < 1 or args.rounds < 1 or args.batch < 1:
+        p.error("give at least one build, --rounds >= 1 and --batch >= 1")
+    if args.packed and args.case[0] != "layer":
+        p.error("--packed is for layer cases")
+    order = list(range(len(args.builds)))
+    results = [[] for _ in order]
+    for r in range(args.rounds):
+        for i in (order if r % 2 == 0 else order[::-1]):
+            results[i].append(run_round(args.builds[i], child_argv(args)))
+    isa = {res["isa"] for res_i in results for res in res_i}
+    kind, dims = args.case
+    print(f"{kind} {'x'.join(map(str, dims))} B={args.batch} {args.dtype}"
+          f"{' causal' if args.causal else ''}{' packed' if args.packed else ''}"
+          f"{' backward' if args.backward else ''}; ISA {', '.join(sorted(isa))};"
+          f" {args.rounds} alternating rounds of ~{args.budget} s per build")
+    print(f"{'build':30s} {'median ms':>10s} {'vs first':>9s} {'GFLOP/s':>8s}  rounds (ms)")
+    for b, med, ratio, gf, ms in summarize(args.builds, results):
+        print(f"{b:30s} {med:10.3f} {ratio:8.3f}x {gf:8.1f}  {' '.join(f'{v:.3f}' for v in ms)}")
+
+
+if __name__ == "__main__":
+    main()
