@@ -584,8 +584,12 @@ static int PICK(gemm_in_place_f32, gemm_in_place_f64)(const mha_gemm_blocking *b
    alternating rounds against two row blocks: float T = 128 1.960 -> 1.857
    ms unpacked, 1.777 -> 1.738 packed; T = 64 packed 0.858 -> 0.816;
    double T = 128 packed 3.740 -> 3.654, unpacked 4.030 -> 4.109 (noisy);
-   the backward, float T = 128, 8.77 -> 5.97 ms, double T = 64 6.90 ->
-   6.62. B = 8 and T = 1024 (more rows) are unchanged. */
+   the backward of x (1, 128, 512), float, 8.77 -> 5.97 ms (of x (128,
+   512) unchanged), double (1, 64, 512) 6.90 -> 6.62. B = 8 and T = 1024
+   (more rows) are unchanged. All with warm caches: with the caches
+   evicted before each call, the packed T = 128 call measured 0-9% slower
+   in most rounds (noisy; each thread now streams its own half of B from
+   DRAM). */
 static int PICK(gemm_whole_rows_f32, gemm_whole_rows_f64)(const mha_gemm_blocking *bk,
                                                           size_t mp)
 {
