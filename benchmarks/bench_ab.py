@@ -46,7 +46,8 @@ def parse_case(text):
 
 
 def make_call(mhattn, np, args):
-    """The timed call of the case, and its FLOP count (forward only)."""
+    """The timed call of the case, and its FLOP count: the forward's, times 3
+    for a layer's backward and 2.5 for attention's (its GEMMs' share)."""
     kind, (a, b, c) = args.case
     dtype = np.float32 if args.dtype == "f32" else np.float64
     rng = np.random.default_rng(args.seed)
