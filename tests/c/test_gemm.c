@@ -406,6 +406,78 @@ DEFINE_IN_PLACE_TEST(double, f64)
 DEFINE_MULTI_TEST(float, f32)
 DEFINE_MULTI_TEST(double, f64)
 
+/* The last rows of a product whose last row panel is partial (M = 128 is
+   21 panels of 6 and one of 2) have the bits those rows have in a taller
+   product, where every panel is full: the first M rows of C (Mt rows)
+   equal C (M rows) bitwise. The partial panel may be done differently
+   (fewer rows per tile) but each element must still be summed over K in
+   order from zero, then added to C. Every way B is read: prepacked panels,
+   B stored transposed (packed by the GEMM), and B as is (read in place or
+   packed, as the row count decides); with a bias (an add into C) and
+   without; an N with an edge panel; K of two K blocks. Every ISA, 1 to 3
+   threads; `quick` takes fewer row counts. */
+#define DEFINE_TAIL_TEST(real, sfx)                                           \
+    static void test_tail_##sfx(int quick)                                    \
+    {                                                                         \
+        const size_t Mt = 300, K = 300, Ns[] = {512, 129};                    \
+        static const size_t ms_all[] = {3, 7, 8, 9, 10, 11, 13, 14, 15, 16,   \
+                                        62, 64, 65, 124, 125, 127, 128, 129,  \
+                                        130, 131, 134, 284, 286},             \
+                            ms_quick[] = {9, 14, 128, 130};                   \
+        const size_t *ms = quick ? ms_quick : ms_all;                         \
+        const size_t nms = quick ? 4 : sizeof ms_all / sizeof ms_all[0];      \
+        const size_t old = mha_gemm_set_grain(1);                             \
+        real *A = malloc(Mt * K * sizeof *A), *bias = malloc(512 * sizeof *bias);\
+        real *B = malloc(K * 512 * sizeof *B), *Bt = malloc(512 * K * sizeof *B);\
+        real *C1 = malloc(Mt * 512 * sizeof *C1), *C2 = malloc(Mt * 512 * sizeof *C2);\
+        for (size_t i = 0; i < Mt * K; i++) A[i] = (real)rng_unit();         \
+        for (size_t j = 0; j < 512; j++) bias[j] = (real)rng_unit();          \
+        for (int v = 0; v < 2; v++) {                                         \
+            const size_t N = Ns[v];                                           \
+            for (size_t k = 0; k < K; k++)                                    \
+                for (size_t j = 0; j < N; j++)                                \
+                    B[k * N + j] = Bt[j * K + k] = (real)rng_unit();          \
+            for (int isa = 0; isa <= (int)mha_isa_detect(); isa++) {          \
+                mha_set_isa((mha_isa)isa);                                    \
+                mha_packed pk;                                                \
+                CHECK(mha_pack_weight_##sfx(&pk, B, N, K, N) == MHA_OK, #sfx " pack");\
+                /* form 0: prepacked panels; 1: B transposed; 2: B as is */   \
+                for (int form = 0; form < 3; form++)                          \
+                    for (int nth = 1; nth <= 3; nth += quick ? 2 : 1) {       \
+                        mha_set_num_threads(nth);                             \
+                        const real *bb = form == 1 ? Bt : B;                  \
+                        const size_t ldb = form == 1 ? K : N;                 \
+                        const real *bs = v ? NULL : bias;                     \
+                        const mha_packed *pb = form == 0 ? &pk : NULL;        \
+                        mha_gemm_packed_##sfx(C1, N, A, K, 0, bb, ldb, form == 1, pb,\
+                                              bs, Mt, N, K, 0);               \
+                        for (size_t r = 0; r < nms; r++) {                    \
+                            const size_t M = ms[r];                           \
+                            for (size_t i = 0; i < M * N; i++)                \
+                                C2[i] = (real)-7;                             \
+                            mha_gemm_packed_##sfx(C2, N, A, K, 0, bb, ldb, form == 1,\
+                                                  pb, bs, M, N, K, 0);        \
+                            int diff = 0;                                     \
+                            for (size_t i = 0; i < M * N; i++)                \
+                                diff += memcmp(&C1[i], &C2[i], sizeof *C1) != 0;\
+                            CHECK(diff == 0,                                  \
+                                  #sfx " %s form %d nth=%d M=%zu of %zu N=%zu: "\
+                                  "%d elements differ from the taller product",\
+                                  mha_isa_name((mha_isa)isa), form, nth, M, Mt,\
+                                  N, diff);                                   \
+                        }                                                     \
+                    }                                                         \
+                mha_packed_free(&pk);                                         \
+            }                                                                 \
+        }                                                                     \
+        mha_set_isa(mha_isa_detect());                                        \
+        mha_set_num_threads(0);                                               \
+        mha_gemm_set_grain(old);                                              \
+        free(A); free(bias); free(B); free(Bt); free(C1); free(C2);           \
+    }
+DEFINE_TAIL_TEST(float, f32)
+DEFINE_TAIL_TEST(double, f64)
+
 static void test_gemm_errors(void)
 {
     float a[4] = {0}, b[4] = {0}, c[4] = {0};
@@ -792,6 +864,8 @@ int main(int argc, char **argv)
     test_in_place_f64();
     test_multi_f32(quick);
     test_multi_f64(quick);
+    test_tail_f32(quick);
+    test_tail_f64(quick);
     test_layout_f64();
     const mha_isa det = mha_isa_detect();
     for (int isa = 0; isa <= (int)det; isa++) {
