@@ -380,7 +380,16 @@ static void PICK(gemm_tile_run_f32, gemm_tile_run_f64)(const PICK(gemm_ctx_f32, 
        would compute all MR rows of it. */
     const size_t m_last = x->M - (p1 - 1) * MR < MR ? x->M - (p1 - 1) * MR : MR;
     const int by_row = x->direct && m_last < MR && m_last <= 2;
-    const size_t pu1 = by_row ? p1 - 1 : p1; /* the row panels ukr takes */
+    size_t pu1 = by_row ? p1 - 1 : p1; /* the row panels ukr takes */
+    /* Otherwise a last panel of at most four rows goes through bk->ukr4,
+       four rows a tile, and with one or two rows, so does the full panel
+       before it (6 + 2 rows as 4 + 4): 4 and 8 rows computed where ukr
+       would compute 6 and 12. Rows tail0 .. M - 1. */
+    size_t tail0 = x->M;
+    if (!by_row && bk->ukr4 != NULL && m_last <= 4 && m_last < MR) {
+        pu1 = m_last <= 2 && p1 - 1 > p0 ? p1 - 2 : p1 - 1;
+        tail0 = pu1 * MR;
+    }
 
     MHA_ALIGN64 REAL tmp[MHA_MAX_MR * MHA_MAX_NR]; /* (MR, NR) edge tile */
     for (size_t q = q0; q < q1; q++) {
@@ -410,6 +419,26 @@ static void PICK(gemm_tile_run_f32, gemm_tile_run_f64)(const PICK(gemm_ctx_f32, 
                         c_pq[r * x->ldc + j] = add
                             ? c_pq[r * x->ldc + j] + tmp[r * NR + j]
                             : tmp[r * NR + j];
+            }
+        }
+        for (size_t i = tail0; i < x->M; i += 4) {
+            /* row i + r of A is row (i + r) % MR of its packed panel; the
+               rows past M repeat row i, into tmp and not read out */
+            const void *a4[4];
+            for (size_t r = 0; r < 4; r++) {
+                const size_t ir = i + r < x->M ? i + r : i;
+                a4[r] = ap + (ir / MR - p0) * MR * kc + ir % MR;
+            }
+            const size_t mr = x->M - i < 4 ? x->M - i : 4;
+            REAL *c_iq = x->C + i * x->ldc + x->jc + q * NR;
+            if (mr == 4 && nr == NR) {
+                bk->ukr4(kc, a4, bp_q, ld_q, c_iq, x->ldc, add);
+            } else {
+                bk->ukr4(kc, a4, bp_q, ld_q, tmp, NR, 0);
+                for (size_t r = 0; r < mr; r++)
+                    for (size_t j = 0; j < nr; j++)
+                        c_iq[r * x->ldc + j] = add ? c_iq[r * x->ldc + j] + tmp[r * NR + j]
+                                                   : tmp[r * NR + j];
             }
         }
     }

@@ -191,6 +191,14 @@ typedef void (*mha_gemm_ukr_fn)(size_t kc, const void *a, const void *b,
    columns of row stride ldb); the bits gemm_ukr gives that row. */
 typedef void (*mha_gemm_row_fn)(size_t kc, const void *a, const void *b, size_t ldb,
                                 size_t np, void *c, int add);
+/* Four rows of the micro-kernel's product, each read from its own packed
+   A column: c (4, NR), row stride ldc, = [c +] a^T b with a[r][p*MR] =
+   op(A)(i0 + r, k0 + p) (a row of any packed panel) and b as for the
+   micro-kernel; the bits gemm_ukr gives those rows. For a last row panel
+   of few rows: M = 128 is 21 panels of 6 and one of 2, whose 8 last rows
+   two of these compute where two micro-kernel tiles compute 12. */
+typedef void (*mha_gemm_ukr4_fn)(size_t kc, const void *const a[4], const void *b,
+                                 size_t ldb, void *c, size_t ldc, int add);
 /* Transposing copy used to pack: dst[p*ldd + r] = src[r*lds + p] for
    r < rows (<= tpack_rows), p < kc. `next` points at the rows the caller
    will copy next (same lds), to be prefetched; it may equal src. */
@@ -209,6 +217,7 @@ typedef struct {
     mha_tpack_fn tpack;  /* transposing copy of up to tpr rows         */
     size_t tpr;
     mha_gemm_row_fn row; /* one row of ukr's product                   */
+    mha_gemm_ukr4_fn ukr4; /* four rows of it; NULL when mr <= 4       */
 } mha_gemm_blocking;
 
 /* One (ISA, element type): every kernel the drivers call. */
