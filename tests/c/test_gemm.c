@@ -12,6 +12,13 @@
  *   ./test_gemm bench [reps]   timings (median of reps, default 7)
  *   ./test_gemm env        prints the ISA and thread count in force, to
  *                          check MHATTN_ISA / MHATTN_NUM_THREADS
+ *   ./test_gemm run M N K reps
+ *                          reps float32 GEMMs (M, K) @ (K, N) with B's
+ *                          panels prepacked, as the layer's projections
+ *                          run, and nothing else to speak of: for counts
+ *                          that noise does not move, per GEMM, from two
+ *                          reps, e.g. (valgrind --tool=callgrind, the
+ *                          difference of reps 6 and 2, divided by 4)
  *
  * What is checked, for every ISA this machine runs (scalar, avx2, avx512)
  * and thread counts 1, 2, 3, 8:
@@ -840,8 +847,34 @@ static void bench(int reps)
     mha_set_num_threads(0);
 }
 
+/* `run`: see the top of this file. */
+static int run_gemms(size_t M, size_t N, size_t K, int reps)
+{
+    float *A = malloc(M * K * sizeof *A), *B = malloc(K * N * sizeof *B);
+    float *C = malloc(M * N * sizeof *C);
+    mha_packed pk;
+    if (A == NULL || B == NULL || C == NULL || M == 0 || N == 0 || K == 0) {
+        fprintf(stderr, "run: bad sizes or out of memory\n");
+        return 1;
+    }
+    for (size_t i = 0; i < M * K; i++) A[i] = (float)rng_unit();
+    for (size_t i = 0; i < K * N; i++) B[i] = (float)rng_unit();
+    if (mha_pack_weight_f32(&pk, B, N, K, N) != MHA_OK)
+        return 1;
+    for (int r = 0; r < reps; r++)
+        mha_gemm_packed_f32(C, N, A, K, 0, B, N, 0, &pk, NULL, M, N, K, 0);
+    printf("%s %d: %d GEMMs %zux%zux%zu, C[last] %g\n", mha_isa_name(mha_get_isa()),
+           mha_get_num_threads(), reps, M, N, K, (double)C[M * N - 1]);
+    mha_packed_free(&pk);
+    free(A); free(B); free(C);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
+    if (argc > 5 && strcmp(argv[1], "run") == 0)
+        return run_gemms((size_t)atol(argv[2]), (size_t)atol(argv[3]), (size_t)atol(argv[4]),
+                         atoi(argv[5]));
     if (argc > 1 && strcmp(argv[1], "bench") == 0) {
         bench(argc > 2 ? atoi(argv[2]) : 7);
         return 0;
