@@ -354,6 +354,17 @@ static void PICK(gemm_prefetch_b_f32, gemm_prefetch_b_f64)(const PICK(gemm_ctx_f
             MHA_PREFETCH(b + r * x->ldb + l);
 }
 
+/* The valid corner (mr, nr) of an edge tile computed whole into tmp (row
+   stride NR): added to C (row stride ldc) or stored over it. */
+static void PICK(gemm_put_corner_f32, gemm_put_corner_f64)(REAL *c, size_t ldc, const REAL *tmp,
+                                                           size_t NR, size_t mr, size_t nr,
+                                                           int add)
+{
+    for (size_t r = 0; r < mr; r++)
+        for (size_t j = 0; j < nr; j++)
+            c[r * ldc + j] = add ? c[r * ldc + j] + tmp[r * NR + j] : tmp[r * NR + j];
+}
+
 /* The tile of row panels p0 .. p1-1 and column panels q0 .. q1-1 over K
    block pc .. pc+kc-1, with that K block of A's rows packed at ap (this
    thread's, see gemm_tile). B panel q is the (kc, NR) at bpr + q bq, row
@@ -414,11 +425,8 @@ static void PICK(gemm_tile_run_f32, gemm_tile_run_f64)(const PICK(gemm_ctx_f32, 
             } else {
                 /* leftovers: full tile into tmp, then the valid corner */
                 bk->ukr(kc, ap_p, bp_q, ld_q, tmp, NR, 0);
-                for (size_t r = 0; r < mr; r++)
-                    for (size_t j = 0; j < nr; j++)
-                        c_pq[r * x->ldc + j] = add
-                            ? c_pq[r * x->ldc + j] + tmp[r * NR + j]
-                            : tmp[r * NR + j];
+                PICK(gemm_put_corner_f32, gemm_put_corner_f64)(c_pq, x->ldc, tmp, NR, mr, nr,
+                                                               add);
             }
         }
         for (size_t i = tail0; i < x->M; i += 4) {
@@ -435,10 +443,8 @@ static void PICK(gemm_tile_run_f32, gemm_tile_run_f64)(const PICK(gemm_ctx_f32, 
                 bk->ukr4(kc, a4, bp_q, ld_q, c_iq, x->ldc, add);
             } else {
                 bk->ukr4(kc, a4, bp_q, ld_q, tmp, NR, 0);
-                for (size_t r = 0; r < mr; r++)
-                    for (size_t j = 0; j < nr; j++)
-                        c_iq[r * x->ldc + j] = add ? c_iq[r * x->ldc + j] + tmp[r * NR + j]
-                                                   : tmp[r * NR + j];
+                PICK(gemm_put_corner_f32, gemm_put_corner_f64)(c_iq, x->ldc, tmp, NR, mr, nr,
+                                                               add);
             }
         }
     }
@@ -455,8 +461,8 @@ static void PICK(gemm_tile_run_f32, gemm_tile_run_f64)(const PICK(gemm_ctx_f32, 
             /* the partial last panel, packed into the edge panel above */
             const size_t nr = x->nc - qf * NR;
             bk->row(kc, ap_l + r, ap + x->be_off, NR, 1, tmp, 0);
-            for (size_t j = 0; j < nr; j++)
-                c_r[qf * NR + j] = add ? c_r[qf * NR + j] + tmp[j] : tmp[j];
+            PICK(gemm_put_corner_f32, gemm_put_corner_f64)(c_r + qf * NR, x->ldc, tmp, NR, 1,
+                                                           nr, add);
         }
     }
 }
