@@ -30,7 +30,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 KINDS = ("layer", "attn")
 
@@ -73,15 +72,13 @@ def make_call(mhattn, np, args):
 
 
 def time_call(fn, budget, min_calls=5, max_calls=5000):
-    """Median seconds of one call: one warm-up, then calls for ~budget s."""
-    fn()
-    times = []
-    end = time.perf_counter() + budget
-    while len(times) < min_calls or (time.perf_counter() < end and len(times) < max_calls):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    """Median seconds of one call: one warm-up, then calls for ~budget s,
+    each timed alone (bench.py's mhbench.timing.Timed)."""
+    from mhbench.timing import Timed
+    t = Timed(fn, min_repeats=min_calls)
+    t.start(budget, max_repeats=max_calls)
+    t.run(t.repeats - len(t.samples))
+    return t.median_s
 
 
 def child(args):

@@ -66,6 +66,12 @@ static size_t part_start(size_t total, size_t nparts, size_t b)
 
 /* A matrix stored as (rows, cols) with row stride ld, in elements of
    `elem` bytes: non-NULL, ld >= cols, and its last element addressable. */
+/* Row panels of MR rows that M rows of C take, the last maybe partial. */
+static size_t gemm_row_panels(const mha_gemm_blocking *bk, size_t M)
+{
+    return M / bk->mr + (M % bk->mr != 0);
+}
+
 static mha_status check_matrix(const void *p, size_t ld, size_t rows,
                                size_t cols, size_t elem)
 {

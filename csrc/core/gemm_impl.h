@@ -627,9 +627,9 @@ static int PICK(gemm_in_place_f32, gemm_in_place_f64)(const mha_gemm_blocking *b
    in most rounds (noisy; each thread now streams its own half of B from
    DRAM). */
 static int PICK(gemm_whole_rows_f32, gemm_whole_rows_f64)(const mha_gemm_blocking *bk,
-                                                          size_t mp)
+                                                          size_t M)
 {
-    return mp <= 2 * bk->mcp;
+    return gemm_row_panels(bk, M) <= 2 * bk->mcp;
 }
 
 /* Sizes each thread's slice of a call's scratch: a packed A block of
@@ -677,7 +677,7 @@ static void PICK(gemm_split_f32, gemm_split_f64)(const mha_gemm_blocking *bk, si
         work = work / M * ROWS_BOUND;
     if ((size_t)nth > work / grain)
         nth = work / grain > 1 ? (int)(work / grain) : 1;
-    const size_t mp = M / bk->mr + (M % bk->mr != 0);
+    const size_t mp = gemm_row_panels(bk, M);
     size_t nmb = (mp + bk->mcp - 1) / bk->mcp;
     if (nth > 1 && (nmb >= (size_t)nth || mp >= 4 * (size_t)nth)) {
         /* a multiple of nth row blocks of near-equal size */
@@ -734,7 +734,7 @@ mha_status PICK(mha_gemm_packed_f32, mha_gemm_packed_f64)(REAL *C, size_t ldc,
     const size_t kcb = PICK(gemm_kc_balanced_f32, gemm_kc_balanced_f64)(bk, K, &nkb);
     const REAL *packed = PICK(gemm_usable_f32, gemm_usable_f64)(bk, pb, transB, K, N);
     const int direct = packed == NULL && PICK(gemm_in_place_f32, gemm_in_place_f64)(bk, M, transB, ldb);
-    const int whole = !direct && PICK(gemm_whole_rows_f32, gemm_whole_rows_f64)(bk, mp);
+    const int whole = !direct && PICK(gemm_whole_rows_f32, gemm_whole_rows_f64)(bk, M);
     const int own = packed == NULL && whole;
     if (whole)
         nmb = 1;
@@ -895,8 +895,7 @@ mha_status PICK(mha_gemm_packed_multi_f32, mha_gemm_packed_multi_f64)(
     size_t work = 0;
     const REAL *packed[MHA_GEMM_MAX_SEG] = {NULL};
     int direct[MHA_GEMM_MAX_SEG] = {0}, own[MHA_GEMM_MAX_SEG] = {0}, any_whole = 0;
-    const size_t mp_all = M / bk->mr + (M % bk->mr != 0);
-    const int whole = PICK(gemm_whole_rows_f32, gemm_whole_rows_f64)(bk, mp_all);
+    const int whole = PICK(gemm_whole_rows_f32, gemm_whole_rows_f64)(bk, M);
     for (int s = 0; s < nseg && joint; s++) {
         size_t mnk;
         packed[s] = PICK(gemm_usable_f32, gemm_usable_f64)(bk, pb[s], 0, K, N[s]);
