@@ -19,6 +19,12 @@
  *                          that noise does not move, per GEMM, from two
  *                          reps, e.g. (valgrind --tool=callgrind, the
  *                          difference of reps 6 and 2, divided by 4)
+ *   ./test_gemm time M N K reps [plain] [cold]
+ *                          the same float32 GEMM over four B's in turn (four
+ *                          weights), reps rounds: min and median us per
+ *                          GEMM; `plain` passes B as is (packed by the
+ *                          call, as without pack_weights), `cold` writes 64
+ *                          MiB before each round (B from DRAM, not L3)
  *
  * What is checked, for every ISA this machine runs (scalar, avx2, avx512)
  * and thread counts 1, 2, 3, 8:
@@ -870,8 +876,64 @@ static int run_gemms(size_t M, size_t N, size_t K, int reps)
     return 0;
 }
 
+/* `time`: see the top of this file. */
+static int time_gemms(size_t M, size_t N, size_t K, int reps, int plain, int cold)
+{
+    enum { NB = 4 };
+    const size_t flush_bytes = (size_t)64 << 20;
+    float *A = malloc(M * K * sizeof *A), *C = malloc(M * N * sizeof *C), *B[NB];
+    unsigned char *flush = cold ? malloc(flush_bytes) : NULL;
+    double *t = malloc((reps > 0 ? (size_t)reps : 1) * sizeof *t);
+    mha_packed pk[NB];
+    int ok = A != NULL && C != NULL && t != NULL && (flush != NULL || !cold) && reps > 0 &&
+             M > 0 && N > 0 && K > 0;
+    for (int b = 0; b < NB; b++) {
+        B[b] = ok ? malloc(K * N * sizeof *B[b]) : NULL;
+        ok = ok && B[b] != NULL;
+        for (size_t i = 0; ok && i < K * N; i++) B[b][i] = (float)rng_unit();
+        ok = ok && mha_pack_weight_f32(&pk[b], B[b], N, K, N) == MHA_OK;
+    }
+    if (!ok) {
+        fprintf(stderr, "time: bad sizes or out of memory\n");
+        return 1;
+    }
+    for (size_t i = 0; i < M * K; i++) A[i] = (float)rng_unit();
+    for (int r = 0; r < reps; r++) {
+        for (size_t i = 0; cold && i < flush_bytes; i += 64)
+            flush[i] = (unsigned char)(flush[i] + 1);
+        const double t0 = now_s();
+        for (int b = 0; b < NB; b++)
+            mha_gemm_packed_f32(C, N, A, K, 0, B[b], N, 0, plain ? NULL : &pk[b], NULL, M, N,
+                                K, 0);
+        t[r] = (now_s() - t0) / NB;
+    }
+    qsort(t, (size_t)reps, sizeof t[0], cmp_double);
+    printf("%s %d thread(s): %zux%zux%zu float32, B %s, caches %s: min %.1f us, median "
+           "%.1f us per GEMM (%d rounds of %d)\n", mha_isa_name(mha_get_isa()),
+           mha_get_num_threads(), M, N, K, plain ? "as is" : "prepacked",
+           cold ? "evicted" : "warm", 1e6 * t[0], 1e6 * median(t, reps), reps, NB);
+    for (int b = 0; b < NB; b++) {
+        mha_packed_free(&pk[b]);
+        free(B[b]);
+    }
+    free(A); free(C); free(t); free(flush);
+    return 0;
+}
+
+static int has_arg(int argc, char **argv, int from, const char *word)
+{
+    for (int i = from; i < argc; i++)
+        if (strcmp(argv[i], word) == 0)
+            return 1;
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
+    if (argc > 5 && strcmp(argv[1], "time") == 0)
+        return time_gemms((size_t)atol(argv[2]), (size_t)atol(argv[3]), (size_t)atol(argv[4]),
+                          atoi(argv[5]), has_arg(argc, argv, 6, "plain"),
+                          has_arg(argc, argv, 6, "cold"));
     if (argc > 5 && strcmp(argv[1], "run") == 0)
         return run_gemms((size_t)atol(argv[2]), (size_t)atol(argv[3]), (size_t)atol(argv[4]),
                          atoi(argv[5]));
