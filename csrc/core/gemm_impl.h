@@ -396,11 +396,12 @@ static void PICK(gemm_tile_run_f32, gemm_tile_run_f64)(const PICK(gemm_ctx_f32, 
         if (x->own) {
             /* own_np panels packed at once: each stored row of B gives a
                run of own_np NR elements, where a panel alone took one
-               cache line from each row, ldb apart. Zen 3, AVX2, perf
-               samples in the packing, 3 alternating runs: 128 x 512 @ 512
-               x 512 float, 1 thread, 17.8-21.2% -> 14.3-19.6% with B in L3
-               and 8.3-9.7% -> 6.1-7.6% with B evicted; the layer at T =
-               128 unpacked, 2 threads, 14.1-14.7% -> 10.8-13.0%. */
+               cache line from each row, ldb apart. Zen 3, AVX2, 128 x 512
+               @ 512 x 512 float, B as is, one thread (`test_gemm time`,
+               median of 5 alternating rounds' medians): 1124 -> 1024 us
+               with B in L3, 1227 -> 1011 us with B evicted (prepacked:
+               ~930 us). In the layer at T = 128 unpacked, 2 threads, the
+               packing's share of perf samples: 14.1-14.7% -> 10.8-13.0%. */
             const size_t qc = (q - q0) % x->own_np;
             if (qc == 0) {
                 const size_t np = q1 - q < x->own_np ? q1 - q : x->own_np;
@@ -614,8 +615,8 @@ static int PICK(gemm_in_place_f32, gemm_in_place_f64)(const mha_gemm_blocking *b
      panels at a time (gemm_thread_scratch), just before the micro-kernel
      reads them from L2: every B panel packed once, and the call one pool
      phase per column block where packing B by blocks took two per K
-     block, each thread waiting for the other's packing. The panels are the ones the block
-     pass packs, so the bits are the same.
+     block, each thread waiting for the other's packing. The panels are
+     the ones the block pass packs, so the bits are the same.
    Zen 3, AVX2, 2 threads, layers of d_model 512, h 8, B = 1, median of 5
    alternating rounds against two row blocks: float T = 128 1.960 -> 1.857
    ms unpacked, 1.777 -> 1.738 packed; T = 64 packed 0.858 -> 0.816;
