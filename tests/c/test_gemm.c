@@ -882,7 +882,7 @@ static int time_gemms(size_t M, size_t N, size_t K, int reps, int plain, int col
     enum { NB = 4 };
     const size_t flush_bytes = (size_t)64 << 20;
     float *A = malloc(M * K * sizeof *A), *C = malloc(M * N * sizeof *C), *B[NB];
-    unsigned char *flush = cold ? malloc(flush_bytes) : NULL;
+    unsigned char *flush = cold ? calloc(flush_bytes, 1) : NULL;
     double *t = malloc((reps > 0 ? (size_t)reps : 1) * sizeof *t);
     mha_packed pk[NB];
     int ok = A != NULL && C != NULL && t != NULL && (flush != NULL || !cold) && reps > 0 &&
