@@ -17,6 +17,12 @@ Release builds carry no debug information and no static symbol table
   MHATTN_DEBUG=1     keep debug information (-g; /Zi and /DEBUG on MSVC)
   MHATTN_SANITIZE=1  build with AddressSanitizer and UndefinedBehaviorSanitizer
                      (gcc or clang; implies MHATTN_DEBUG=1)
+  MHATTN_EMULATE_AVX512=1
+                     a test build, never a release: the 'avx512' kernels run
+                     on plain-C lanes (csrc/kernels/simd_emu512.h) on any
+                     x86 CPU with AVX2, slowly, and give AVX-512's bits, so
+                     that a machine without AVX-512 can run (and record)
+                     tests/golden/avx512.npz; mhattn._C.EMULATED_AVX512 is 1
 """
 import glob
 import os
@@ -28,6 +34,7 @@ from setuptools.command.build_ext import build_ext
 
 SANITIZE = os.environ.get("MHATTN_SANITIZE") == "1"
 DEBUG = SANITIZE or os.environ.get("MHATTN_DEBUG") == "1"
+EMULATE_AVX512 = os.environ.get("MHATTN_EMULATE_AVX512") == "1"
 
 
 def unix_flags():
@@ -87,7 +94,7 @@ ext = Extension(
         ("NPY_NO_DEPRECATED_API", "NPY_1_23_API_VERSION"),
         # Built against NumPy 2, run against NumPy >= 1.23.5.
         ("NPY_TARGET_VERSION", "NPY_1_23_API_VERSION"),
-    ],
+    ] + ([("MHA_EMULATE_AVX512", "1")] if EMULATE_AVX512 else []),
 )
 
 setup(

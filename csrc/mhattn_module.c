@@ -2459,8 +2459,16 @@ static PyMethodDef mhattn_methods[] = {
  */
 static int mhattn_exec(PyObject *module)
 {
-    (void)module;
     import_array1(-1);
+    /* 1 in the test build whose 'avx512' kernels are emulated in plain C
+       (setup.py MHATTN_EMULATE_AVX512=1; csrc/kernels/simd_emu512.h) */
+#if MHA_EMULATE_AVX512
+    const long emulated = 1;
+#else
+    const long emulated = 0;
+#endif
+    if (PyModule_AddIntConstant(module, "EMULATED_AVX512", emulated) < 0)
+        return -1;
     return sigint_setup();
 }
 

@@ -74,6 +74,11 @@ static mha_isa isa_cap(mha_isa want, mha_isa detected)
 #ifdef MHA_AARCH64
     return want == MHA_ISA_SCALAR ? MHA_ISA_SCALAR : detected;
 #else
+#if MHA_EMULATE_AVX512 && defined(MHA_HAVE_X86_KERNELS)
+    /* the test build's emulated AVX-512 (isa_avx512.c) needs AVX2 + FMA */
+    if (want == MHA_ISA_AVX512 && detected >= MHA_ISA_AVX2)
+        return MHA_ISA_AVX512;
+#endif
     return want < detected ? want : detected;
 #endif
 }

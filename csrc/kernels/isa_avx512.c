@@ -7,6 +7,9 @@
  * runs unless mha_get_isa() == MHA_ISA_AVX512, i.e. cpuid reports AVX-512F
  * and XCR0 shows the OS saves opmask and zmm state.
  *
+ * MHA_EMULATE_AVX512 (a test build, setup.py) compiles the same kernels on
+ * simd_emu512.h instead, which gives the same bits without AVX-512.
+ *
  * Blocking: isa_x86.h, shared with AVX2 (vectors twice as wide), except:
  *   flash    float key blocks are 128 keys, not 64: that halves the per-row
  *            bookkeeping per key (horizontal max and sum, alpha, rescaling
@@ -33,8 +36,16 @@
 
 #include "isa_target.h"
 
+#if MHA_EMULATE_AVX512
+/* The test build's stand-in (setup.py MHATTN_EMULATE_AVX512=1): the same
+   kernels on simd_emu512.h's plain-C lanes, compiled for AVX2 + FMA so
+   that fmaf is one instruction; dispatch.c offers it where AVX2 runs. */
+MHA_TARGET_BEGIN("avx2,fma")
+#include "simd_emu512.h"
+#else
 MHA_TARGET_BEGIN("avx512f,avx2,fma")
 #include "simd_avx512.h"
+#endif
 
 /* Parameters of both types, beyond isa_x86.h's. */
 #include "isa_x86.h"

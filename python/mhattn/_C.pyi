@@ -57,6 +57,10 @@ def forward(
     """
     ...
 
+EMULATED_AVX512: int
+"""1 in the test build whose 'avx512' kernels are emulated in plain C
+(``MHATTN_EMULATE_AVX512=1``, setup.py), else 0."""
+
 def get_isa() -> str:
     """The instruction set of the kernels in force: 'avx512', 'avx2', 'neon' or 'scalar'."""
     ...

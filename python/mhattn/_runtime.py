@@ -40,7 +40,10 @@ def _set_isa(name: str) -> str:
     ``_set_isa("avx512")`` restores the detected set and reveals it. Each
     architecture has its own ladder (scalar < avx2 < avx512 on x86-64,
     scalar < neon on aarch64); another architecture's name is a set this
-    CPU lacks, so it too gives the detected one.
+    CPU lacks, so it too gives the detected one. The test build
+    ``MHATTN_EMULATE_AVX512=1`` (setup.py; ``_C.EMULATED_AVX512 == 1``) is
+    the exception: there "avx512" runs the AVX-512 kernels' code on plain-C
+    lanes on any CPU with AVX2, with AVX-512's bits.
     """
     if name not in _ISAS:
         raise ValueError(f"name: expected one of {', '.join(map(repr, _ISAS))}, got {name!r}")

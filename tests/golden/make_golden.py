@@ -2,6 +2,10 @@
 
     PYTHONPATH=python python tests/golden/make_golden.py [isa ...]
 
+A machine without AVX-512 records avx512.npz from the emulated build
+(setup.py, MHATTN_EMULATE_AVX512=1), whose bits tools/ci/emulate_avx512.sh
+holds to the ones recorded on AVX-512 hardware.
+
 Writes tests/golden/<isa>.npz, one array per (case, output).  Run it only
 when a change is *meant* to change bits, in its own commit, and say in that
 commit which outputs changed and by how much (tests/golden/diff_golden.py).
