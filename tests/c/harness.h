@@ -19,6 +19,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "dispatch.h"
 #include "mha.h"
 #include "platform.h"
 
@@ -239,6 +240,18 @@ static inline double ref_row(const mha_config *c, double scale, const uint8_t *m
     }
     free(s);
     return Z == 0 ? -INFINITY : m + log(Z);
+}
+
+/* The best ISA mha_set_isa selects here, which the tests' loops over ISAs
+   run up to: the CPU's (mha_isa_detect), or, in a build with the emulated
+   AVX-512 (-DMHA_EMULATE_AVX512=1, csrc/kernels/simd_emu512.h), avx512 on
+   an AVX2 CPU. Probed through mha_set_isa; the ISA in force is kept. */
+static inline mha_isa harness_best_isa(void)
+{
+    const mha_isa before = mha_get_isa();
+    const mha_isa best = (mha_isa)mha_set_isa(MHA_ISA_AVX512);
+    mha_set_isa(before);
+    return best;
 }
 
 #endif /* MHA_TEST_HARNESS_H */

@@ -756,7 +756,7 @@ int main(int argc, char **argv)
     test_cases();
     test_ragged();
     test_project();
-    printf("test_attend_bwd: %ld checks, %d failures (ISA detected: %s)\n", g_checks,
-           g_failures, mha_isa_name(mha_isa_detect()));
+    printf("test_attend_bwd: %ld checks, %d failures (ISAs up to %s; CPU: %s)\n",
+           g_checks, g_failures, mha_isa_name(harness_best_isa()), mha_isa_name(mha_isa_detect()));
     return g_failures != 0;
 }

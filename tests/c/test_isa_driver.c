@@ -439,7 +439,7 @@ static int both_types(problem *P, mha_isa best, run_fn fn, const char *what,
 int main(int argc, char **argv)
 {
     const int quick = argc > 1 && strcmp(argv[1], "quick") == 0;
-    const mha_isa best = mha_isa_detect();
+    const mha_isa best = harness_best_isa();
     printf("test_isa_driver: %s against scalar%s\n", mha_isa_name(best),
            best == MHA_ISA_SCALAR ? " (no SIMD path here: thread counts only)" : "");
     const double t0 = now_s();

@@ -475,7 +475,7 @@ static void test_forward(problem *P)
     double *q = malloc((nq * P->Sq + 1) * sizeof *q);
     double *k = malloc((nk * P->Sk + 1) * sizeof *k);
     ref_forward(out, q, k, P);
-    for (int isa = 0; isa <= (int)mha_isa_detect(); isa++) {
+    for (int isa = 0; isa <= (int)harness_best_isa(); isa++) {
         mha_set_isa((mha_isa)isa);
         for (int f64 = 0; f64 < 2; f64++) {
             /* float32: a few roundings of O(1) values, sums of <= 16 terms */
@@ -554,7 +554,7 @@ static void test_backward(problem *P)
 {
     const tcase *c = &P->c;
     const size_t nq = c->B * c->Tq, nk = c->B * c->Tk;
-    for (int isa = 0; isa <= (int)mha_isa_detect(); isa++) {
+    for (int isa = 0; isa <= (int)harness_best_isa(); isa++) {
         mha_set_isa((mha_isa)isa);
         fwd_out o64, o32;
         grads g64, g32;

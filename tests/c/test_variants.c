@@ -865,7 +865,7 @@ int main(int argc, char **argv)
     test_skipping();
     if (!g_quick)
         test_skip_timing();
-    printf("test_variants: %ld checks, %d failures (ISA detected: %s)\n", g_checks,
-           g_failures, mha_isa_name(mha_isa_detect()));
+    printf("test_variants: %ld checks, %d failures (ISAs up to %s; CPU: %s)\n",
+           g_checks, g_failures, mha_isa_name(harness_best_isa()), mha_isa_name(mha_isa_detect()));
     return g_failures != 0;
 }

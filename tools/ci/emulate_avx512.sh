@@ -10,11 +10,12 @@
 #      selects it;
 #   4. the golden test on every path (tests/golden/avx512.npz was recorded
 #      on AVX-512 hardware: the emulation must give its bits, at 1 and 3
-#      threads), then the whole suite with the emulated path in force.
+#      threads), then the whole suite with the emulated path in force;
+#   5. the C tests built with -DMHA_EMULATE_AVX512=1 (no sanitizers), in
+#      their quick modes, with MHATTN_ISA=avx512: their loops over ISAs run
+#      up to harness_best_isa(), the emulated avx512 here.
 # Where the CPU has AVX-512, step 4 checks the emulation against the
 # recorded bits all the same (the real kernels run in the other steps).
-# The C tests are not run here: they assume a cap above the CPU's ISA
-# falls back to it, which the emulation changes on purpose.
 #
 #   bash tools/ci/emulate_avx512.sh               golden test + whole suite
 #   MHATTN_EMU_TESTS="tests/test_golden.py" ...   only these test paths
@@ -75,4 +76,33 @@ run() {   # run LABEL PYTEST-ARGS...
 run "golden bits" tests/test_golden.py
 # shellcheck disable=SC2086
 run "pytest ${MHATTN_EMU_TESTS:-tests}" ${MHATTN_EMU_TESTS:-tests}
+
+echo "== emulated avx512: the C tests (-O3, quick modes), MHATTN_ISA=avx512"
+t0=$SECONDS
+if ! make -j2 -C tests/c all OUT="$dir/ctest" EXTRA_CFLAGS=-DMHA_EMULATE_AVX512=1 \
+        >ctest-build.log 2>&1; then
+    tail -40 ctest-build.log
+    echo "FAIL: emulated avx512: C tests build"
+    exit 1
+fi
+if grep "warning:" ctest-build.log; then
+    echo "FAIL: emulated avx512: C tests build has warnings"
+    exit 1
+fi
+got=$(MHATTN_ISA=avx512 "$dir/ctest/test_gemm" env | cut -d' ' -f1)
+if [ "$got" != avx512 ]; then
+    echo "FAIL: emulated avx512: the C tests' MHATTN_ISA=avx512 gives $got"
+    exit 1
+fi
+for t in "test_gemm quick" test_qk test_variants test_attend test_attend_bwd \
+         "test_isa_driver quick" "test_threads quick"; do
+    # shellcheck disable=SC2086
+    if ! MHATTN_ISA=avx512 "$dir/ctest/"$t >ctest.log 2>&1; then
+        tail -40 ctest.log
+        echo "FAIL: emulated avx512: $t"
+        exit 1
+    fi
+    echo "  $t: $(tail -1 ctest.log)"
+done
+echo "  C tests: $((SECONDS - t0)) s"
 echo "== emulated avx512: done in $((SECONDS - start)) s"
