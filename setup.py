@@ -20,8 +20,9 @@ Release builds carry no debug information and no static symbol table
   MHATTN_EMULATE_AVX512=1
                      a test build, never a release: the 'avx512' kernels run
                      on plain-C lanes (csrc/kernels/simd_emu512.h) on any
-                     x86 CPU with AVX2, slowly, and give AVX-512's bits, so
-                     that a machine without AVX-512 can run (and record)
+                     x86 CPU with AVX2 (~3x slower than the AVX2 kernels on
+                     Zen 3) and give AVX-512's bits, so that a machine
+                     without AVX-512 can run (and record)
                      tests/golden/avx512.npz; mhattn._C.EMULATED_AVX512 is 1
 """
 import glob
