@@ -8,9 +8,11 @@
 #   2. build there with MHATTN_EMULATE_AVX512=1; any "warning:" fails;
 #   3. check that mhattn._C.EMULATED_AVX512 is 1 and MHATTN_ISA=avx512
 #      selects it;
-#   4. the golden test on every path (tests/golden/avx512.npz was recorded
-#      on AVX-512 hardware: the emulation must give its bits, at 1 and 3
-#      threads), then the whole suite with the emulated path in force;
+#   4. the golden test (tests/golden/avx512.npz was recorded on AVX-512
+#      hardware: the emulation must give its bits, at 1 and 3 threads), then
+#      the whole suite with the emulated path in force; both with
+#      MHATTN_TEST_ISAS=avx512 (tests/conftest.py), so that the tests run
+#      per ISA run on avx512 only: the other paths had the main run;
 #   5. the C tests built with -DMHA_EMULATE_AVX512=1 (no sanitizers), in
 #      their quick modes, with MHATTN_ISA=avx512: their loops over ISAs run
 #      up to harness_best_isa(), the emulated avx512 here.
@@ -66,7 +68,8 @@ run() {   # run LABEL PYTEST-ARGS...
     local label=$1 t0=$SECONDS
     shift
     echo "== emulated avx512: $label"
-    if ! MHATTN_ISA=avx512 "$py" -m pytest -q -p no:cacheprovider "$@" >pytest.log 2>&1; then
+    if ! MHATTN_ISA=avx512 MHATTN_TEST_ISAS=avx512 "$py" -m pytest -q -p no:cacheprovider "$@" \
+            >pytest.log 2>&1; then
         tail -40 pytest.log
         echo "FAIL: emulated avx512: $label"
         exit 1
