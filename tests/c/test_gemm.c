@@ -85,8 +85,9 @@ static const int k_threads[] = {1, 2, 3, 8};
         real *bias = malloc((N + 1) * sizeof(real));                          \
         long double *ref = malloc((M * N + 1) * sizeof(long double));         \
         double *scale = malloc((M * N + 1) * sizeof(double));                 \
+        real *small = malloc((M * N + 1) * sizeof(real));                     \
         if (!A || !B || !A0 || !B0 || !C0 || !C1 || !Ct || !bias || !ref ||   \
-            !scale) {                                                         \
+            !scale || !small) {                                               \
             fprintf(stderr, "out of memory in test\n");                       \
             exit(2);                                                          \
         }                                                                     \
@@ -107,6 +108,15 @@ static const int k_threads[] = {1, 2, 3, 8};
                 long double init = acc ? C0[i * ldc + j] : 0;                 \
                 if (bias_p) init += bias_p[j];                                \
                 ref[i * N + j] = init + s;                                    \
+                /* the plain loop's own arithmetic (gemm.h): 0 + a b + ...   \
+                   in k order, unfused, then init + that, in `real` */        \
+                real sr = 0;                                                  \
+                for (size_t k = 0; k < K; k++)                                \
+                    sr += (tA ? A[k * lda + i] : A[i * lda + k]) *            \
+                          (tB ? B[j * ldb + k] : B[k * ldb + j]);             \
+                const real c0 = C0[i * ldc + j];                              \
+                small[i * N + j] = bias_p ? (acc ? c0 + bias_p[j] : bias_p[j]) + sr\
+                                   : acc ? c0 + sr : sr;                      \
                 scale[i * N + j] = (double)(sa + fabsl(init));                \
             }                                                                 \
         const double tol = TOL;                                               \
@@ -117,7 +127,8 @@ static const int k_threads[] = {1, 2, 3, 8};
             mha_status st = mha_gemm_##sfx(C, ldc, A, lda, tA, B, ldb, \
                                                   tB, bias_p, M, N, K, acc);  \
             CHECK(st == MHA_OK, "status %s", mha_status_name(st));            \
-            int bad = 0, diff = 0, pad_bad = 0;                               \
+            int bad = 0, diff = 0, pad_bad = 0, small_bad = 0;                \
+            const int plain = M * N * K < MHA_GEMM_SMALL;                     \
             double worst = 0;                                                 \
             for (size_t i = 0; i < M; i++)                                    \
                 for (size_t j = 0; j < ldc; j++) {                            \
@@ -134,6 +145,8 @@ static const int k_threads[] = {1, 2, 3, 8};
                         worst = err / (scale[i * N + j] + 1e-30);             \
                     if (t > 0)                                                \
                         diff += memcmp(&c, &C1[i * ldc + j], sizeof c) != 0;  \
+                    if (plain)                                                \
+                        small_bad += memcmp(&c, &small[i * N + j], sizeof c) != 0;\
                 }                                                             \
             pad_bad += memcmp(&C[M * ldc], &C0[M * ldc], sizeof(real)) != 0;  \
             CHECK(bad == 0,                                                   \
@@ -141,6 +154,10 @@ static const int k_threads[] = {1, 2, 3, 8};
                   "pad=%zu nth=%d: %d elements off, worst rel %.3g",          \
                   mha_isa_name(mha_get_isa()), M, N, K, tA, tB, use_bias,     \
                   acc, pad, k_threads[t], bad, worst);                        \
+            CHECK(small_bad == 0,                                             \
+                  #sfx " M=%zu N=%zu K=%zu tA=%d tB=%d bias=%d acc=%d: %d "   \
+                  "elements not the plain loop's bits", M, N, K, tA, tB,      \
+                  use_bias, acc, small_bad);                                  \
             CHECK(diff == 0,                                                  \
                   #sfx " %s M=%zu N=%zu K=%zu tA=%d tB=%d: %d elements differ"\
                   " between 1 and %d threads",                                \
@@ -154,7 +171,7 @@ static const int k_threads[] = {1, 2, 3, 8};
               #sfx " inputs mutated");                                        \
         mha_set_num_threads(0);                                               \
         free(A); free(B); free(A0); free(B0); free(C0); free(C1); free(Ct);   \
-        free(bias); free(ref); free(scale);                                   \
+        free(bias); free(ref); free(scale); free(small);                      \
     }
 
 /* float32: the SIMD kernels fuse, the loops do not; errors grow like
