@@ -177,51 +177,71 @@ static void PICK(gemm_write_init_f32, gemm_write_init_f64)(REAL *C, size_t ldc, 
 }
 
 /* 4. Small problems: a plain loop, one thread. Each C element is still
-   init + (sum over k in increasing order, from zero). */
-#define SMALL_NB 256
+   init + (sum over k in increasing order, from zero), unfused.
+
+   W columns of one row of C at a time, W a constant at each call site, so
+   the W running sums live in registers across k. (One loop over a row's
+   columns at a time kept them in memory and spent ~210 instructions on a
+   row of 4 columns and 4 k: 15% of a (8, 3, 4) layer call.) */
+static MHA_INLINE void PICK(gemm_small_cols_f32, gemm_small_cols_f64)(
+    REAL *c, const REAL *a_i, size_t sa_k, const REAL *b, size_t sb_k, size_t sb_j,
+    const REAL *bias, int accumulate, size_t K, const size_t W)
+{
+    REAL acc[16]; /* W <= 16 */
+    for (size_t u = 0; u < W; u++)
+        acc[u] = 0;
+    for (size_t k = 0; k < K; k++) {
+        const REAL a_ik = a_i[k * sa_k];
+        const REAL *b_k = b + k * sb_k;
+        for (size_t u = 0; u < W; u++)
+            acc[u] += a_ik * b_k[u * sb_j];
+    }
+    for (size_t u = 0; u < W; u++) {
+        if (bias != NULL)
+            c[u] = (accumulate ? c[u] + bias[u] : bias[u]) + acc[u];
+        else
+            c[u] = accumulate ? c[u] + acc[u] : acc[u];
+    }
+}
+
+/* One row of C; sb_j is 1 (a literal, so the W columns are one vector
+   load) or B's stride (transB). */
+static MHA_INLINE void PICK(gemm_small_row_f32, gemm_small_row_f64)(
+    REAL *c_i, const REAL *a_i, size_t sa_k, const REAL *B, size_t sb_k, size_t sb_j,
+    const REAL *bias, int accumulate, size_t N, size_t K)
+{
+    const size_t WIDE = MHA_F64 ? 8 : 16; /* a few vector registers of sums */
+    size_t j = 0;
+    for (; j + WIDE <= N; j += WIDE)
+        PICK(gemm_small_cols_f32, gemm_small_cols_f64)(
+            c_i + j, a_i, sa_k, B + j * sb_j, sb_k, sb_j,
+            bias != NULL ? bias + j : NULL, accumulate, K, WIDE);
+    for (; j + 4 <= N; j += 4)
+        PICK(gemm_small_cols_f32, gemm_small_cols_f64)(
+            c_i + j, a_i, sa_k, B + j * sb_j, sb_k, sb_j,
+            bias != NULL ? bias + j : NULL, accumulate, K, 4);
+    for (; j < N; j++)
+        PICK(gemm_small_cols_f32, gemm_small_cols_f64)(
+            c_i + j, a_i, sa_k, B + j * sb_j, sb_k, sb_j,
+            bias != NULL ? bias + j : NULL, accumulate, K, 1);
+}
+
 static void PICK(gemm_small_f32, gemm_small_f64)(REAL *C, size_t ldc, const REAL *A, size_t lda,
                            int transA, const REAL *B, size_t ldb, int transB,
                            const REAL *bias, size_t M, size_t N, size_t K,
                            int accumulate)
 {
-    REAL acc[SMALL_NB]; /* (nb,) running sums of one row of C */
+    /* op(A)(i, k) = A[i sa_i + k sa_k]; op(B)(k, j) = B[k sb_k + j sb_j] */
     const size_t sa_i = transA ? 1 : lda, sa_k = transA ? lda : 1;
     for (size_t i = 0; i < M; i++) {
-        REAL *c_i = C + i * ldc;
-        for (size_t j0 = 0; j0 < N; j0 += SMALL_NB) {
-            const size_t nb = N - j0 < SMALL_NB ? N - j0 : SMALL_NB;
-            for (size_t j = 0; j < nb; j++)
-                acc[j] = 0;
-            for (size_t k = 0; k < K; k++) {
-                const REAL a_ik = A[i * sa_i + k * sa_k];
-                if (!transB) {
-                    const REAL *b_k = B + k * ldb + j0;
-                    for (size_t j = 0; j < nb; j++)
-                        acc[j] += a_ik * b_k[j];
-                } else {
-                    const REAL *b_k = B + j0 * ldb + k;
-                    for (size_t j = 0; j < nb; j++)
-                        acc[j] += a_ik * b_k[j * ldb];
-                }
-            }
-            REAL *c_ij = c_i + j0;
-            const REAL *bias_j = bias != NULL ? bias + j0 : NULL;
-            for (size_t j = 0; j < nb; j++) {
-                REAL init;
-                if (bias_j != NULL)
-                    init = accumulate ? c_ij[j] + bias_j[j] : bias_j[j];
-                else if (accumulate)
-                    init = c_ij[j];
-                else {
-                    c_ij[j] = acc[j];
-                    continue;
-                }
-                c_ij[j] = init + acc[j];
-            }
-        }
+        if (!transB)
+            PICK(gemm_small_row_f32, gemm_small_row_f64)(C + i * ldc, A + i * sa_i, sa_k, B,
+                                                         ldb, 1, bias, accumulate, N, K);
+        else
+            PICK(gemm_small_row_f32, gemm_small_row_f64)(C + i * ldc, A + i * sa_i, sa_k, B,
+                                                         1, ldb, bias, accumulate, N, K);
     }
 }
-#undef SMALL_NB
 
 /* 5. Prepacked B (mha_pack_weight_*, mha.h): op(B) (K, N) packed once, as
    the loop of section 7 packs it on every call. Column block jc (bk->nc
