@@ -15,14 +15,18 @@ round, so that a drift of the machine falls on each build alike.  The table
 gives, per build, the median of its round medians, the ratio to the first
 build (> 1: faster than the first) and every round's median, so a noisy
 round shows.  On a shared machine, quote the ratio of one run, never a
-lone time, and the ISA (printed first).
+lone time, and the ISA (printed first).  Where other tenants' load makes
+even the medians wander, ``--stat min`` takes each round's fastest call
+and the fastest round instead: for a compute-bound kernel a difference of
+1-2% then shows, which the medians' noise hides.
 
 Cases:
     layer:TxDxH   multi_head_attention on (B, T, D) (B = 1: (T, D)), H heads
     attn:TxHxDK   mhattn.attention on q, k, v of (B, H, T, DK)
 with --batch B, --causal, --dtype f32|f64, --packed (layer: pack_weights,
-packed once outside the timing) and --backward (layer:
-multi_head_attention_grad; attn: attention_grad).
+packed once outside the timing), --backward (layer:
+multi_head_attention_grad; attn: attention_grad) and --threads N
+(mhattn.set_num_threads in the timed processes).
 """
 import argparse
 import json
@@ -71,14 +75,15 @@ def make_call(mhattn, np, args):
     return (lambda: mhattn.attention(q, k, v, causal=causal)), flops
 
 
-def time_call(fn, budget, min_calls=5, max_calls=5000):
-    """Median seconds of one call: one warm-up, then calls for ~budget s,
-    each timed alone (bench.py's mhbench.timing.Timed)."""
+def time_call(fn, budget, stat="median", min_calls=5, max_calls=5000):
+    """Seconds of one call, the median (or with stat="min" the fastest)
+    of calls for ~budget s after one warm-up, each timed alone (bench.py's
+    mhbench.timing.Timed)."""
     from mhbench.timing import Timed
     t = Timed(fn, min_repeats=min_calls)
     t.start(budget, max_repeats=max_calls)
     t.run(t.repeats - len(t.samples))
-    return t.median_s
+    return min(t.samples) if stat == "min" else t.median_s
 
 
 def child(args):
@@ -92,8 +97,10 @@ def child(args):
     import mhattn
     if not os.path.abspath(mhattn.__file__).startswith(where + os.sep):
         sys.exit(f"{args.child}: no mhattn in {where} (imported {mhattn.__file__})")
+    if args.threads:
+        mhattn.set_num_threads(args.threads)
     fn, flops = make_call(mhattn, np, args)
-    sec = time_call(fn, args.budget)
+    sec = time_call(fn, args.budget, args.stat)
     print(json.dumps({"ms": sec * 1e3, "gflops": flops / sec / 1e9,
                       "isa": mhattn.get_isa(), "file": mhattn.__file__}))
 
@@ -110,19 +117,25 @@ def child_argv(args):
     """The options of the case, for the timed processes."""
     kind, dims = args.case
     argv = ["--case", f"{kind}:{'x'.join(map(str, dims))}", "--batch", str(args.batch),
-            "--dtype", args.dtype, "--budget", repr(args.budget), "--seed", str(args.seed)]
+            "--dtype", args.dtype, "--budget", repr(args.budget), "--seed", str(args.seed),
+            "--stat", args.stat, "--threads", str(args.threads)]
     return argv + [f"--{flag}" for flag in ("causal", "packed", "backward") if getattr(args, flag)]
 
 
-def summarize(builds, results):
-    """Rows of (build, median ms, ratio to the first, GFLOP/s, rounds);
-    results[i] holds build i's rounds."""
-    base = statistics.median(r["ms"] for r in results[0])
+def summarize(builds, results, stat="median"):
+    """Rows of (build, ms, ratio to the first, GFLOP/s, rounds): ms and
+    GFLOP/s over the rounds by their median (stat="min": the fastest
+    round's); results[i] holds build i's rounds."""
+    if stat == "min":
+        pick, pick_gf = min, max
+    else:
+        pick = pick_gf = statistics.median
+    base = pick(r["ms"] for r in results[0])
     rows = []
     for b, res in zip(builds, results):
         ms = [r["ms"] for r in res]
-        med = statistics.median(ms)
-        rows.append((b, med, base / med, statistics.median(r["gflops"] for r in res), ms))
+        at = pick(ms)
+        rows.append((b, at, base / at, pick_gf(r["gflops"] for r in res), ms))
     return rows
 
 
@@ -140,12 +153,16 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--budget", type=float, default=1.5, help="seconds of calls per build and round")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stat", choices=("median", "min"), default="median",
+                   help="per round and over the rounds: the median (default) or the fastest")
+    p.add_argument("--threads", type=int, default=0,
+                   help="mhattn.set_num_threads(N) in the timed processes (0: the default)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         return child(args)
-    if len(args.builds) < 1 or args.rounds < 1 or args.batch < 1:
-        p.error("give at least one build, --rounds >= 1 and --batch >= 1")
+    if len(args.builds) < 1 or args.rounds < 1 or args.batch < 1 or args.threads < 0:
+        p.error("give at least one build, --rounds >= 1, --batch >= 1 and --threads >= 0")
     if args.packed and args.case[0] != "layer":
         p.error("--packed is for layer cases")
     order = list(range(len(args.builds)))
@@ -158,9 +175,11 @@ def main(argv=None):
     print(f"{kind} {'x'.join(map(str, dims))} B={args.batch} {args.dtype}"
           f"{' causal' if args.causal else ''}{' packed' if args.packed else ''}"
           f"{' backward' if args.backward else ''}; ISA {', '.join(sorted(isa))};"
-          f" {args.rounds} alternating rounds of ~{args.budget} s per build")
-    print(f"{'build':30s} {'median ms':>10s} {'vs first':>9s} {'GFLOP/s':>8s}  rounds (ms)")
-    for b, med, ratio, gf, ms in summarize(args.builds, results):
+          f" {args.rounds} alternating rounds of ~{args.budget} s per build"
+          f"{f'; {args.threads} threads' if args.threads else ''}")
+    head = "fastest ms" if args.stat == "min" else "median ms"
+    print(f"{'build':30s} {head:>10s} {'vs first':>9s} {'GFLOP/s':>8s}  rounds (ms)")
+    for b, med, ratio, gf, ms in summarize(args.builds, results, args.stat):
         print(f"{b:30s} {med:10.3f} {ratio:8.3f}x {gf:8.1f}  {' '.join(f'{v:.3f}' for v in ms)}")
 
 

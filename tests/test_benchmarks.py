@@ -357,16 +357,22 @@ def test_bench_ab_parsing_and_summary():
             bench_ab.parse_case(bad)
     # the timed processes get the case's options back, and nothing else
     args = argparse.Namespace(case=("layer", (8, 16, 2)), batch=3, dtype="f64", budget=0.25,
-                              seed=7, causal=True, packed=False, backward=True)
+                              seed=7, stat="min", threads=1, causal=True, packed=False,
+                              backward=True)
     assert bench_ab.child_argv(args) == [
         "--case", "layer:8x16x2", "--batch", "3", "--dtype", "f64", "--budget", "0.25",
-        "--seed", "7", "--causal", "--backward"]
+        "--seed", "7", "--stat", "min", "--threads", "1", "--causal", "--backward"]
     # medians of the round medians, ratios to the first build (> 1: faster)
     rows = bench_ab.summarize(["a", "b"], [
         [{"ms": 2.0, "gflops": 1.0}, {"ms": 4.0, "gflops": 0.5}, {"ms": 3.0, "gflops": 0.7}],
         [{"ms": 1.5, "gflops": 2.0}, {"ms": 1.0, "gflops": 3.0}, {"ms": 9.0, "gflops": 0.1}]])
     assert [(r[0], r[1], r[2], r[3]) for r in rows] == [("a", 3.0, 1.0, 0.7), ("b", 1.5, 2.0, 2.0)]
     assert rows[1][4] == [1.5, 1.0, 9.0]
+    # --stat min: the fastest round of each, and its rate
+    rows = bench_ab.summarize(["a", "b"], [
+        [{"ms": 2.0, "gflops": 1.0}, {"ms": 4.0, "gflops": 0.5}],
+        [{"ms": 1.5, "gflops": 2.0}, {"ms": 0.5, "gflops": 4.0}]], stat="min")
+    assert [(r[0], r[1], r[2], r[3]) for r in rows] == [("a", 2.0, 1.0, 1.0), ("b", 0.5, 4.0, 4.0)]
 
 
 def test_bench_ab_runs_a_build(capsys):
@@ -381,5 +387,10 @@ def test_bench_ab_runs_a_build(capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("layer 16x8x2 B=2 f32 packed; ISA ")
     assert len(out) == 4 and all(len(line.split()) == 6 for line in out[2:])
+    bench_ab.main(["--case", "attn:16x2x8", "--rounds", "2", "--budget", "0.02", "--stat", "min",
+                   "--threads", "1", build])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("attn 16x2x8 B=1 f32; ISA ") and out[0].endswith("; 1 threads")
+    assert "fastest ms" in out[1] and len(out) == 3 and len(out[2].split()) == 6
     with pytest.raises(SystemExit, match=r"no mhattn in|No module named 'mhattn'"):
         bench_ab.main(["--rounds", "1", "--budget", "0.02", BENCH])
