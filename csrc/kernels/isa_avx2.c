@@ -14,8 +14,11 @@
  * block spreads over twice the keys. On Zen 3, 1 thread, against 64:
  * attention (1, 8, T, 64) 1.3-2.3% faster at T = 128 .. 4096, causal or
  * not (fastest of 6 alternating runs), though K^T and V of a block now
- * fill 64 KiB, twice the L1d. The decode kernels keep blocks of 64 keys:
- * with 128, a step on a (1, 8, 4096, 64) cache was 8-20% slower.
+ * fill 64 KiB, twice the L1d. The decode kernels keep blocks of 64 keys
+ * (FLASH_BK1): with 128-key blocks and a 128-row prefetch up front, a step
+ * on a (1, 8, 4096, 64) cache was 8-20% slower; the prefetch was most of
+ * it (flash_tile_init's share of the step doubled), and 128-key decode
+ * blocks with a 64-row prefetch were not measured.
  */
 #include "kernels.h"
 
