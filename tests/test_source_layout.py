@@ -7,7 +7,10 @@ by a test so that a change that breaks one fails here:
 - no function in csrc/ is longer than 120 lines (tests/test_structure.py
   holds python/mhattn/ to 100);
 - every per-type template names its functions in full (no token pasting
-  that hides a name from grep).
+  that hides a name from grep): a function of a template is defined either
+  as PICK(name_f32, name_f64) or under a short name that the file binds
+  once, `#define name PICK(name_f32, name_f64)`, so that grep finds both
+  full names and, from them, the short one.
 """
 import os
 import re
@@ -68,6 +71,76 @@ def test_no_token_pasted_names():
             continue
         code = code_only(text)
         assert "##" not in code, f"{path} pastes tokens; name the function in full (PICK)"
+
+
+# `#define SHORT PICK(a, b)` where a and b are names (PICK of values, such
+# as PICK(128, 64), PICK("avx2_f32", "avx2_f64") or PICK(float, double),
+# binds no name).
+BINDING = re.compile(r"^[ \t]*#[ \t]*define[ \t]+(\w+)[ \t]+PICK\(\s*([A-Za-z_]\w*)\s*,"
+                     r"\s*([A-Za-z_]\w*)\s*\)[ \t]*$", re.M)
+
+
+def pick_bindings(text):
+    """{short name: (f32 name, f64 name)} of a file's bindings."""
+    return {m.group(1): (m.group(2), m.group(3)) for m in BINDING.finditer(code_only(text))
+            if m.group(2) not in ("float", "double")}
+
+
+def is_template(path):
+    """A per-type template: included once per element type."""
+    return path.endswith(("_impl.h", ".inc")) and not path.endswith("kernels.inc")
+
+
+def naming_problems(root, sources):
+    """What hides a full name in the (path, text) files below root: a binding
+    whose two names are not one stem with _f32 and _f64, or whose short name
+    (in lower case: a function) is not that stem, or a template's function
+    binding left in force past its file; a function of a template defined
+    under a name that neither PICK nor a binding of its file writes in
+    full."""
+    problems, bound = [], {}
+    for path, text in sources:
+        bound[os.path.relpath(path, root)] = b = pick_bindings(text)
+        for short, (f32, f64) in b.items():
+            stem = f32[:-4]
+            if not (f32.endswith("_f32") and f64 == stem + "_f64"):
+                problems.append(f"{path}: {short} binds {f32} and {f64}, not one name's two types")
+            elif short != short.upper() and short != stem:
+                problems.append(f"{path}: {short} binds {f32}: a function's short name is its stem")
+            elif (is_template(path) and short != short.upper()
+                  and not re.search(rf"^[ \t]*#[ \t]*undef[ \t]+{short}\b", text, re.M)):
+                # left bound, it would rename the next template's or a
+                # table's `.name` (kernels_type.inc)
+                problems.append(f"{path}: {short} is bound and never unbound")
+    for path, line, name, _ in func_lengths.c_functions(root):
+        b = bound.get(path, {})
+        if is_template(path) and not name.endswith("_f64") and name not in b:
+            problems.append(f"{path}:{line}: {name} is defined under no full name "
+                            "(PICK(name_f32, name_f64), or a short name bound to it)")
+    return problems
+
+
+def test_templates_name_their_functions_in_full():
+    assert naming_problems(ROOT, c_sources()) == []
+
+
+def test_the_naming_check_checks(tmp_path):
+    # It sees the bindings it is meant to check ...
+    with open(os.path.join(CSRC, "core", "gemm_impl.h"), encoding="utf-8") as fh:
+        assert pick_bindings(fh.read())["gemm_pack_a"] == ("gemm_pack_a_f32", "gemm_pack_a_f64")
+    # ... and fails on each way of hiding a name.
+    bad = ("#define tile PICK(tile_f32, tiles_f64)\n"
+           "#define pack PICK(gemm_pack_f32, gemm_pack_f64)\n"
+           "#define kept PICK(kept_f32, kept_f64)\n"
+           "static void tile(void)\n{\n}\n"
+           "static void helper(void)\n{\n}\n"
+           "#undef tile\n#undef pack\n")
+    os.makedirs(tmp_path / "csrc")
+    path = tmp_path / "csrc" / "bad.inc"
+    path.write_text(bad)
+    found = naming_problems(str(tmp_path), [(str(path), bad)])
+    assert len(found) == 4 and "tiles_f64" in found[0] and "stem" in found[1] \
+        and "kept is bound" in found[2] and "helper" in found[3], found
 
 
 def test_function_lengths():

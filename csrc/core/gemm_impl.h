@@ -1,7 +1,7 @@
 /*
  * gemm_impl.h - template of the packed GEMM driver (gemm.h). Included once
- * per type by gemm.c with MHA_F64 defined (0 float, 1 double); PICK names
- * each function in full. No include guard on purpose.
+ * per type by gemm.c with MHA_F64 defined (0 float, 1 double). No include
+ * guard on purpose.
  *
  * Letters: M, N, K sizes of op(A) (M, K), op(B) (K, N), C (M, N);
  *   MR x NR register tile, MC x KC packed A block, KC x NC packed B block;
@@ -25,6 +25,42 @@
  */
 #include "dtype.h"
 
+/* What this template defines, each short name bound to this type's full
+   name (both written here once, for grep and ctags), unbound at the end;
+   the ctx types in capitals, like REAL. */
+#define gemm_pack_a_body PICK(gemm_pack_a_body_f32, gemm_pack_a_body_f64)
+#define gemm_pack_a PICK(gemm_pack_a_f32, gemm_pack_a_f64)
+#define gemm_pack_b_body PICK(gemm_pack_b_body_f32, gemm_pack_b_body_f64)
+#define gemm_pack_b PICK(gemm_pack_b_f32, gemm_pack_b_f64)
+#define gemm_write_init PICK(gemm_write_init_f32, gemm_write_init_f64)
+#define gemm_small_cols PICK(gemm_small_cols_f32, gemm_small_cols_f64)
+#define gemm_small_row PICK(gemm_small_row_f32, gemm_small_row_f64)
+#define gemm_small PICK(gemm_small_f32, gemm_small_f64)
+#define gemm_kc_balanced PICK(gemm_kc_balanced_f32, gemm_kc_balanced_f64)
+#define gemm_packed_elems PICK(gemm_packed_elems_f32, gemm_packed_elems_f64)
+#define gemm_pack_all PICK(gemm_pack_all_f32, gemm_pack_all_f64)
+#define mha_pack_weight PICK(mha_pack_weight_f32, mha_pack_weight_f64)
+#define GEMM_CTX PICK(gemm_ctx_f32, gemm_ctx_f64)
+#define gemm_task_pack_b PICK(gemm_task_pack_b_f32, gemm_task_pack_b_f64)
+#define gemm_put_corner PICK(gemm_put_corner_f32, gemm_put_corner_f64)
+#define gemm_tile_run PICK(gemm_tile_run_f32, gemm_tile_run_f64)
+#define gemm_tile_a PICK(gemm_tile_a_f32, gemm_tile_a_f64)
+#define gemm_tile PICK(gemm_tile_f32, gemm_tile_f64)
+#define gemm_task_compute PICK(gemm_task_compute_f32, gemm_task_compute_f64)
+#define gemm_b_block PICK(gemm_b_block_f32, gemm_b_block_f64)
+#define gemm_task_compute_all PICK(gemm_task_compute_all_f32, gemm_task_compute_all_f64)
+#define gemm_usable PICK(gemm_usable_f32, gemm_usable_f64)
+#define gemm_in_place PICK(gemm_in_place_f32, gemm_in_place_f64)
+#define gemm_whole_rows PICK(gemm_whole_rows_f32, gemm_whole_rows_f64)
+#define gemm_thread_scratch PICK(gemm_thread_scratch_f32, gemm_thread_scratch_f64)
+#define gemm_split PICK(gemm_split_f32, gemm_split_f64)
+#define mha_gemm_packed PICK(mha_gemm_packed_f32, mha_gemm_packed_f64)
+#define mha_gemm PICK(mha_gemm_f32, mha_gemm_f64)
+#define GEMM_MULTI_CTX PICK(gemm_multi_ctx_f32, gemm_multi_ctx_f64)
+#define gemm_task_span PICK(gemm_task_span_f32, gemm_task_span_f64)
+#define gemm_task_multi PICK(gemm_task_multi_f32, gemm_task_multi_f64)
+#define mha_gemm_packed_multi PICK(mha_gemm_packed_multi_f32, mha_gemm_packed_multi_f64)
+
 /* 2. Packing. transA / transB are handled here and nowhere else.
    Stored rows are always walked along their length: short pieces of many
    rows of a large power-of-two stride alias in L1 and starve the hardware
@@ -32,10 +68,9 @@
 
 /* ap: panels of (kc, MR), rows i0 .. i0+mc-1 and columns k0 .. k0+kc-1 of
    op(A); rows past mc are zero. MR is a constant at each call site. */
-static MHA_INLINE void PICK(gemm_pack_a_body_f32, gemm_pack_a_body_f64)(REAL *ap, const mha_gemm_blocking *bk,
-                                       const REAL *A, size_t lda, int transA,
-                                       size_t i0, size_t mc, size_t k0,
-                                       size_t kc, const size_t MR)
+static MHA_INLINE void gemm_pack_a_body(REAL *ap, const mha_gemm_blocking *bk, const REAL *A,
+                                        size_t lda, int transA, size_t i0, size_t mc, size_t k0,
+                                        size_t kc, const size_t MR)
 {
     if (!transA) {
         /* op(A)(i, k) = A[i*lda + k]: a panel is MR stored rows, copied
@@ -80,24 +115,22 @@ static MHA_INLINE void PICK(gemm_pack_a_body_f32, gemm_pack_a_body_f64)(REAL *ap
     }
 }
 
-static void PICK(gemm_pack_a_f32, gemm_pack_a_f64)(REAL *ap, const mha_gemm_blocking *bk, const REAL *A,
-                       size_t lda, int transA, size_t i0, size_t mc,
-                       size_t k0, size_t kc)
+static void gemm_pack_a(REAL *ap, const mha_gemm_blocking *bk, const REAL *A, size_t lda,
+                        int transA, size_t i0, size_t mc, size_t k0, size_t kc)
 {
     if (bk->mr == 6)
-        PICK(gemm_pack_a_body_f32, gemm_pack_a_body_f64)(ap, bk, A, lda, transA, i0, mc, k0, kc, 6);
+        gemm_pack_a_body(ap, bk, A, lda, transA, i0, mc, k0, kc, 6);
     else if (bk->mr == 4)
-        PICK(gemm_pack_a_body_f32, gemm_pack_a_body_f64)(ap, bk, A, lda, transA, i0, mc, k0, kc, 4);
+        gemm_pack_a_body(ap, bk, A, lda, transA, i0, mc, k0, kc, 4);
     else
-        PICK(gemm_pack_a_body_f32, gemm_pack_a_body_f64)(ap, bk, A, lda, transA, i0, mc, k0, kc, bk->mr);
+        gemm_pack_a_body(ap, bk, A, lda, transA, i0, mc, k0, kc, bk->mr);
 }
 
 /* bp: panels of (kc, NR), columns j0 .. j0+nc-1 and rows k0 .. k0+kc-1 of
    op(B); columns past nc are zero. */
-static MHA_INLINE void PICK(gemm_pack_b_body_f32, gemm_pack_b_body_f64)(REAL *bp, const mha_gemm_blocking *bk,
-                                       const REAL *B, size_t ldb, int transB,
-                                       size_t k0, size_t kc, size_t j0,
-                                       size_t nc, const size_t NR)
+static MHA_INLINE void gemm_pack_b_body(REAL *bp, const mha_gemm_blocking *bk, const REAL *B,
+                                        size_t ldb, int transB, size_t k0, size_t kc, size_t j0,
+                                        size_t nc, const size_t NR)
 {
     if (!transB) {
         /* op(B)(k, j) = B[k*ldb + j]: stored row k holds every j. Eight
@@ -146,24 +179,22 @@ static MHA_INLINE void PICK(gemm_pack_b_body_f32, gemm_pack_b_body_f64)(REAL *bp
     }
 }
 
-static void PICK(gemm_pack_b_f32, gemm_pack_b_f64)(REAL *bp, const mha_gemm_blocking *bk, const REAL *B,
-                       size_t ldb, int transB, size_t k0, size_t kc,
-                       size_t j0, size_t nc)
+static void gemm_pack_b(REAL *bp, const mha_gemm_blocking *bk, const REAL *B, size_t ldb,
+                        int transB, size_t k0, size_t kc, size_t j0, size_t nc)
 {
     switch (bk->nr) {
-    case 4: PICK(gemm_pack_b_body_f32, gemm_pack_b_body_f64)(bp, bk, B, ldb, transB, k0, kc, j0, nc, 4); break;
-    case 8: PICK(gemm_pack_b_body_f32, gemm_pack_b_body_f64)(bp, bk, B, ldb, transB, k0, kc, j0, nc, 8); break;
-    case 16: PICK(gemm_pack_b_body_f32, gemm_pack_b_body_f64)(bp, bk, B, ldb, transB, k0, kc, j0, nc, 16); break;
-    case 32: PICK(gemm_pack_b_body_f32, gemm_pack_b_body_f64)(bp, bk, B, ldb, transB, k0, kc, j0, nc, 32); break;
-    default: PICK(gemm_pack_b_body_f32, gemm_pack_b_body_f64)(bp, bk, B, ldb, transB, k0, kc, j0, nc, bk->nr); break;
+    case 4: gemm_pack_b_body(bp, bk, B, ldb, transB, k0, kc, j0, nc, 4); break;
+    case 8: gemm_pack_b_body(bp, bk, B, ldb, transB, k0, kc, j0, nc, 8); break;
+    case 16: gemm_pack_b_body(bp, bk, B, ldb, transB, k0, kc, j0, nc, 16); break;
+    case 32: gemm_pack_b_body(bp, bk, B, ldb, transB, k0, kc, j0, nc, 32); break;
+    default: gemm_pack_b_body(bp, bk, B, ldb, transB, k0, kc, j0, nc, bk->nr); break;
     }
 }
 
 /* 3. init = (accumulate ? C : 0) + bias over rows i0..i1-1, columns
    j0..j1-1 of C; only called with bias != NULL, or for K == 0. */
-static void PICK(gemm_write_init_f32, gemm_write_init_f64)(REAL *C, size_t ldc, const REAL *bias,
-                           int accumulate, size_t i0, size_t i1, size_t j0,
-                           size_t j1)
+static void gemm_write_init(REAL *C, size_t ldc, const REAL *bias, int accumulate, size_t i0,
+                            size_t i1, size_t j0, size_t j1)
 {
     for (size_t i = i0; i < i1; i++) {
         REAL *c_i = C + i * ldc;
@@ -183,9 +214,9 @@ static void PICK(gemm_write_init_f32, gemm_write_init_f64)(REAL *C, size_t ldc, 
    the W running sums live in registers across k. (One loop over a row's
    columns at a time kept them in memory and spent ~210 instructions on a
    row of 4 columns and 4 k: 15% of a (8, 3, 4) layer call.) */
-static MHA_INLINE void PICK(gemm_small_cols_f32, gemm_small_cols_f64)(
-    REAL *c, const REAL *a_i, size_t sa_k, const REAL *b, size_t sb_k, size_t sb_j,
-    const REAL *bias, int accumulate, size_t K, const size_t W)
+static MHA_INLINE void gemm_small_cols(REAL *c, const REAL *a_i, size_t sa_k, const REAL *b,
+                                       size_t sb_k, size_t sb_j, const REAL *bias, int accumulate,
+                                       size_t K, const size_t W)
 {
     REAL acc[16]; /* W <= 16 */
     for (size_t u = 0; u < W; u++)
@@ -206,40 +237,34 @@ static MHA_INLINE void PICK(gemm_small_cols_f32, gemm_small_cols_f64)(
 
 /* One row of C; sb_j is 1 (a literal, so the W columns are one vector
    load) or B's stride (transB). */
-static MHA_INLINE void PICK(gemm_small_row_f32, gemm_small_row_f64)(
-    REAL *c_i, const REAL *a_i, size_t sa_k, const REAL *B, size_t sb_k, size_t sb_j,
-    const REAL *bias, int accumulate, size_t N, size_t K)
+static MHA_INLINE void gemm_small_row(REAL *c_i, const REAL *a_i, size_t sa_k, const REAL *B,
+                                      size_t sb_k, size_t sb_j, const REAL *bias, int accumulate,
+                                      size_t N, size_t K)
 {
     const size_t WIDE = MHA_F64 ? 8 : 16; /* a few vector registers of sums */
     size_t j = 0;
     for (; j + WIDE <= N; j += WIDE)
-        PICK(gemm_small_cols_f32, gemm_small_cols_f64)(
-            c_i + j, a_i, sa_k, B + j * sb_j, sb_k, sb_j,
-            bias != NULL ? bias + j : NULL, accumulate, K, WIDE);
+        gemm_small_cols(c_i + j, a_i, sa_k, B + j * sb_j, sb_k, sb_j,
+                        bias != NULL ? bias + j : NULL, accumulate, K, WIDE);
     for (; j + 4 <= N; j += 4)
-        PICK(gemm_small_cols_f32, gemm_small_cols_f64)(
-            c_i + j, a_i, sa_k, B + j * sb_j, sb_k, sb_j,
-            bias != NULL ? bias + j : NULL, accumulate, K, 4);
+        gemm_small_cols(c_i + j, a_i, sa_k, B + j * sb_j, sb_k, sb_j,
+                        bias != NULL ? bias + j : NULL, accumulate, K, 4);
     for (; j < N; j++)
-        PICK(gemm_small_cols_f32, gemm_small_cols_f64)(
-            c_i + j, a_i, sa_k, B + j * sb_j, sb_k, sb_j,
-            bias != NULL ? bias + j : NULL, accumulate, K, 1);
+        gemm_small_cols(c_i + j, a_i, sa_k, B + j * sb_j, sb_k, sb_j,
+                        bias != NULL ? bias + j : NULL, accumulate, K, 1);
 }
 
-static void PICK(gemm_small_f32, gemm_small_f64)(REAL *C, size_t ldc, const REAL *A, size_t lda,
-                           int transA, const REAL *B, size_t ldb, int transB,
-                           const REAL *bias, size_t M, size_t N, size_t K,
-                           int accumulate)
+static void gemm_small(REAL *C, size_t ldc, const REAL *A, size_t lda, int transA, const REAL *B,
+                       size_t ldb, int transB, const REAL *bias, size_t M, size_t N, size_t K,
+                       int accumulate)
 {
     /* op(A)(i, k) = A[i sa_i + k sa_k]; op(B)(k, j) = B[k sb_k + j sb_j] */
     const size_t sa_i = transA ? 1 : lda, sa_k = transA ? lda : 1;
     for (size_t i = 0; i < M; i++) {
         if (!transB)
-            PICK(gemm_small_row_f32, gemm_small_row_f64)(C + i * ldc, A + i * sa_i, sa_k, B,
-                                                         ldb, 1, bias, accumulate, N, K);
+            gemm_small_row(C + i * ldc, A + i * sa_i, sa_k, B, ldb, 1, bias, accumulate, N, K);
         else
-            PICK(gemm_small_row_f32, gemm_small_row_f64)(C + i * ldc, A + i * sa_i, sa_k, B,
-                                                         1, ldb, bias, accumulate, N, K);
+            gemm_small_row(C + i * ldc, A + i * sa_i, sa_k, B, 1, ldb, bias, accumulate, N, K);
     }
 }
 
@@ -250,16 +275,14 @@ static void PICK(gemm_small_f32, gemm_small_f64)(REAL *C, size_t ldc, const REAL
    element jc K, and its K block starting at row pc at jc K + np NR pc.
    The K blocks are the GEMM's (they depend on K and the ISA only), so a
    packed call multiplies the very panels an unpacked one would. */
-static size_t PICK(gemm_kc_balanced_f32, gemm_kc_balanced_f64)(const mha_gemm_blocking *bk,
-                                                               size_t K, size_t *nkb)
+static size_t gemm_kc_balanced(const mha_gemm_blocking *bk, size_t K, size_t *nkb)
 {
     *nkb = (K + bk->kc - 1) / bk->kc;
     return (K + *nkb - 1) / *nkb; /* balanced K blocks */
 }
 
 /* Elements of the packed form of a (K, N) op(B); 0 when that overflows. */
-static size_t PICK(gemm_packed_elems_f32, gemm_packed_elems_f64)(const mha_gemm_blocking *bk,
-                                                                 size_t K, size_t N)
+static size_t gemm_packed_elems(const mha_gemm_blocking *bk, size_t K, size_t N)
 {
     const size_t NR = bk->nr, last = N % bk->nc;
     const size_t padded = N - last + (last + NR - 1) / NR * NR; /* sum of np NR */
@@ -270,38 +293,35 @@ static size_t PICK(gemm_packed_elems_f32, gemm_packed_elems_f64)(const mha_gemm_
 }
 
 /* Fills dst (gemm_packed_elems) from B (K, N) of row stride ldb. */
-static void PICK(gemm_pack_all_f32, gemm_pack_all_f64)(REAL *dst, const mha_gemm_blocking *bk,
-                                                       const REAL *B, size_t ldb, size_t K,
-                                                       size_t N)
+static void gemm_pack_all(REAL *dst, const mha_gemm_blocking *bk, const REAL *B, size_t ldb,
+                          size_t K, size_t N)
 {
     size_t nkb;
-    const size_t kcb = PICK(gemm_kc_balanced_f32, gemm_kc_balanced_f64)(bk, K, &nkb);
+    const size_t kcb = gemm_kc_balanced(bk, K, &nkb);
     for (size_t jc = 0; jc < N; jc += bk->nc) {
         const size_t nc = N - jc < bk->nc ? N - jc : bk->nc;
         const size_t np = (nc + bk->nr - 1) / bk->nr;
         for (size_t pc = 0; pc < K; pc += kcb) {
             const size_t kc = K - pc < kcb ? K - pc : kcb;
-            PICK(gemm_pack_b_f32, gemm_pack_b_f64)(dst + jc * K + np * bk->nr * pc, bk, B, ldb,
-                                                   0, pc, kc, jc, nc);
+            gemm_pack_b(dst + jc * K + np * bk->nr * pc, bk, B, ldb, 0, pc, kc, jc, nc);
         }
     }
 }
 
-mha_status PICK(mha_pack_weight_f32, mha_pack_weight_f64)(mha_packed *p, const REAL *w,
-                                                          size_t ldw, size_t K, size_t N)
+mha_status mha_pack_weight(mha_packed *p, const REAL *w, size_t ldw, size_t K, size_t N)
 {
     *p = (mha_packed){.K = K, .N = N, .isa = (int)mha_get_isa(), .f64 = MHA_F64};
     mha_status st = check_matrix(w, ldw, K, N, sizeof(REAL));
     if (st != MHA_OK || K == 0 || N == 0)
         return st;
     const mha_gemm_blocking *bk = &mha_kernels_for((mha_isa)p->isa, MHA_F64)->gemm;
-    const size_t n = PICK(gemm_packed_elems_f32, gemm_packed_elems_f64)(bk, K, N);
+    const size_t n = gemm_packed_elems(bk, K, N);
     if (n == 0)
         return MHA_ERR_SIZE;
     REAL *dst = NULL;
     if ((st = mha_scratch((void **)&dst, n, sizeof(REAL))) != MHA_OK)
         return st;
-    PICK(gemm_pack_all_f32, gemm_pack_all_f64)(dst, bk, w, ldw, K, N);
+    gemm_pack_all(dst, bk, w, ldw, K, N);
     p->data = dst;
     p->elems = n;
     return MHA_OK;
@@ -342,12 +362,12 @@ typedef struct {
     size_t mp, nmb;   /* row panels of C; row blocks (tasks along M)      */
     size_t np, nnb;   /* column panels of the block; column parts         */
     size_t nbt;       /* pack-B tasks                                     */
-} PICK(gemm_ctx_f32, gemm_ctx_f64);
+} GEMM_CTX;
 
 /* Pack-B task t: panels [q0, q1) of the current B block. */
-static void PICK(gemm_task_pack_b_f32, gemm_task_pack_b_f64)(void *ctxp, size_t t, int ith)
+static void gemm_task_pack_b(void *ctxp, size_t t, int ith)
 {
-    const PICK(gemm_ctx_f32, gemm_ctx_f64) *x = ctxp;
+    const GEMM_CTX *x = ctxp;
     (void)ith;
     const size_t nr = x->bk->nr;
     const size_t q0 = part_start(x->np, x->nbt, t);
@@ -356,15 +376,14 @@ static void PICK(gemm_task_pack_b_f32, gemm_task_pack_b_f64)(void *ctxp, size_t 
         return;
     const size_t j0 = q0 * nr;
     const size_t j1 = q1 * nr < x->nc ? q1 * nr : x->nc;
-    PICK(gemm_pack_b_f32, gemm_pack_b_f64)(x->bp + j0 * x->kc, x->bk, x->B, x->ldb, x->transB, x->pc,
-               x->kc, x->jc + j0, j1 - j0);
+    gemm_pack_b(x->bp + j0 * x->kc, x->bk, x->B, x->ldb, x->transB, x->pc, x->kc, x->jc + j0,
+                j1 - j0);
 }
 
 /* The valid corner (mr, nr) of an edge tile computed whole into tmp (row
    stride NR): added to C (row stride ldc) or stored over it. */
-static void PICK(gemm_put_corner_f32, gemm_put_corner_f64)(REAL *c, size_t ldc, const REAL *tmp,
-                                                           size_t NR, size_t mr, size_t nr,
-                                                           int add)
+static void gemm_put_corner(REAL *c, size_t ldc, const REAL *tmp, size_t NR, size_t mr, size_t nr,
+                            int add)
 {
     for (size_t r = 0; r < mr; r++)
         for (size_t j = 0; j < nr; j++)
@@ -377,19 +396,15 @@ static void PICK(gemm_put_corner_f32, gemm_put_corner_f64)(REAL *c, size_t ldc, 
    stride bld: packed (bld = NR), or B in place (x->direct), whose last,
    partial panel is packed here into the thread's edge panel, or packed
    there whole (x->own), own_np panels at a time. */
-static void PICK(gemm_tile_run_f32, gemm_tile_run_f64)(const PICK(gemm_ctx_f32, gemm_ctx_f64) *x,
-                                                       REAL *ap, size_t p0, size_t p1,
-                                                       size_t q0, size_t q1, size_t pc,
-                                                       size_t kc, int first, const REAL *bpr,
-                                                       size_t bq, size_t bld)
+static void gemm_tile_run(const GEMM_CTX *x, REAL *ap, size_t p0, size_t p1, size_t q0, size_t q1,
+                          size_t pc, size_t kc, int first, const REAL *bpr, size_t bq, size_t bld)
 {
     const mha_gemm_blocking *bk = x->bk;
     const size_t MR = bk->mr, NR = bk->nr;
     const size_t i0 = p0 * MR, i1 = p1 * MR < x->M ? p1 * MR : x->M;
     const size_t jj0 = q0 * NR, jj1 = q1 * NR < x->nc ? q1 * NR : x->nc;
     if (first && x->bias != NULL)
-        PICK(gemm_write_init_f32, gemm_write_init_f64)(x->C, x->ldc, x->bias, x->accumulate, i0, i1,
-                       x->jc + jj0, x->jc + jj1);
+        gemm_write_init(x->C, x->ldc, x->bias, x->accumulate, i0, i1, x->jc + jj0, x->jc + jj1);
     const int add = !first || x->bias != NULL || x->accumulate;
 
     /* A last row panel of at most two rows (a decode step's one row) goes
@@ -426,15 +441,14 @@ static void PICK(gemm_tile_run_f32, gemm_tile_run_f64)(const PICK(gemm_ctx_f32, 
             if (qc == 0) {
                 const size_t np = q1 - q < x->own_np ? q1 - q : x->own_np;
                 const size_t cols = x->nc - q * NR < np * NR ? x->nc - q * NR : np * NR;
-                PICK(gemm_pack_b_f32, gemm_pack_b_f64)(ap + x->be_off, bk, x->B, x->ldb,
-                                                       x->transB, pc, kc, x->jc + q * NR, cols);
+                gemm_pack_b(ap + x->be_off, bk, x->B, x->ldb, x->transB, pc, kc, x->jc + q * NR,
+                            cols);
             }
             bp_q = ap + x->be_off + qc * NR * kc;
             ld_q = NR;
         } else if (x->direct && nr < NR) {
             REAL *be = ap + x->be_off;
-            PICK(gemm_pack_b_f32, gemm_pack_b_f64)(be, bk, x->B, x->ldb, x->transB, pc, kc,
-                                                   x->jc + q * NR, nr);
+            gemm_pack_b(be, bk, x->B, x->ldb, x->transB, pc, kc, x->jc + q * NR, nr);
             bp_q = be;
             ld_q = NR;
         }
@@ -447,8 +461,7 @@ static void PICK(gemm_tile_run_f32, gemm_tile_run_f64)(const PICK(gemm_ctx_f32, 
             } else {
                 /* leftovers: full tile into tmp, then the valid corner */
                 bk->ukr(kc, ap_p, bp_q, ld_q, tmp, NR, 0);
-                PICK(gemm_put_corner_f32, gemm_put_corner_f64)(c_pq, x->ldc, tmp, NR, mr, nr,
-                                                               add);
+                gemm_put_corner(c_pq, x->ldc, tmp, NR, mr, nr, add);
             }
         }
         for (size_t i = tail0; i < x->M; i += 4) {
@@ -465,8 +478,7 @@ static void PICK(gemm_tile_run_f32, gemm_tile_run_f64)(const PICK(gemm_ctx_f32, 
                 bk->ukr4(kc, a4, bp_q, ld_q, c_iq, x->ldc, add);
             } else {
                 bk->ukr4(kc, a4, bp_q, ld_q, tmp, NR, 0);
-                PICK(gemm_put_corner_f32, gemm_put_corner_f64)(c_iq, x->ldc, tmp, NR, mr, nr,
-                                                               add);
+                gemm_put_corner(c_iq, x->ldc, tmp, NR, mr, nr, add);
             }
         }
     }
@@ -483,31 +495,25 @@ static void PICK(gemm_tile_run_f32, gemm_tile_run_f64)(const PICK(gemm_ctx_f32, 
             /* the partial last panel, packed into the edge panel above */
             const size_t nr = x->nc - qf * NR;
             bk->row(kc, ap_l + r, ap + x->be_off, NR, 1, tmp, 0);
-            PICK(gemm_put_corner_f32, gemm_put_corner_f64)(c_r + qf * NR, x->ldc, tmp, NR, 1,
-                                                           nr, add);
+            gemm_put_corner(c_r + qf * NR, x->ldc, tmp, NR, 1, nr, add);
         }
     }
 }
 
 /* Packs row panels p0 .. p1-1 of A's K block pc .. pc+kc-1 into this
    thread's slice; returns it. */
-static REAL *PICK(gemm_tile_a_f32, gemm_tile_a_f64)(const PICK(gemm_ctx_f32, gemm_ctx_f64) *x,
-                                                    int ith, size_t p0, size_t p1, size_t pc,
-                                                    size_t kc)
+static REAL *gemm_tile_a(const GEMM_CTX *x, int ith, size_t p0, size_t p1, size_t pc, size_t kc)
 {
     const size_t MR = x->bk->mr, i0 = p0 * MR, i1 = p1 * MR < x->M ? p1 * MR : x->M;
     REAL *ap = x->ap + (size_t)ith * x->ap_stride; /* (p1 - p0) panels of (kc, MR) */
-    PICK(gemm_pack_a_f32, gemm_pack_a_f64)(ap, x->bk, x->A, x->lda, x->transA, i0, i1 - i0, pc,
-                                           kc);
+    gemm_pack_a(ap, x->bk, x->A, x->lda, x->transA, i0, i1 - i0, pc, kc);
     return ap;
 }
 
 /* Task t's tile, row block t / nnb and column part t % nnb, over one K
    block. It alone writes that tile of C during this K block. */
-static void PICK(gemm_tile_f32, gemm_tile_f64)(const PICK(gemm_ctx_f32, gemm_ctx_f64) *x,
-                                               size_t t, int ith, size_t pc, size_t kc,
-                                               int first, const REAL *bpr, size_t bq,
-                                               size_t bld)
+static void gemm_tile(const GEMM_CTX *x, size_t t, int ith, size_t pc, size_t kc, int first,
+                      const REAL *bpr, size_t bq, size_t bld)
 {
     const size_t mb = t / x->nnb, nb = t % x->nnb;
     const size_t p0 = part_start(x->mp, x->nmb, mb);
@@ -516,25 +522,21 @@ static void PICK(gemm_tile_f32, gemm_tile_f64)(const PICK(gemm_ctx_f32, gemm_ctx
     const size_t q1 = part_start(x->np, x->nnb, nb + 1);
     if (p0 >= p1 || q0 >= q1)
         return;
-    REAL *ap = PICK(gemm_tile_a_f32, gemm_tile_a_f64)(x, ith, p0, p1, pc, kc);
-    PICK(gemm_tile_run_f32, gemm_tile_run_f64)(x, ap, p0, p1, q0, q1, pc, kc, first, bpr, bq,
-                                               bld);
+    REAL *ap = gemm_tile_a(x, ith, p0, p1, pc, kc);
+    gemm_tile_run(x, ap, p0, p1, q0, q1, pc, kc, first, bpr, bq, bld);
 }
 
 /* Compute task t of one K block: the tile over the packed B block bpr. */
-static void PICK(gemm_task_compute_f32, gemm_task_compute_f64)(void *ctxp, size_t t, int ith)
+static void gemm_task_compute(void *ctxp, size_t t, int ith)
 {
-    const PICK(gemm_ctx_f32, gemm_ctx_f64) *x = ctxp;
-    PICK(gemm_tile_f32, gemm_tile_f64)(x, t, ith, x->pc, x->kc, x->first, x->bpr,
-                                       x->bk->nr * x->kc, x->bk->nr);
+    const GEMM_CTX *x = ctxp;
+    gemm_tile(x, t, ith, x->pc, x->kc, x->first, x->bpr, x->bk->nr * x->kc, x->bk->nr);
 }
 
 /* K block pc .. pc+kc-1 of B for gemm_tile_run, when it is not packed by
    blocks: prepacked panels, or B's own rows (read in place, or packed
    panel by panel). */
-static const REAL *PICK(gemm_b_block_f32, gemm_b_block_f64)(const PICK(gemm_ctx_f32, gemm_ctx_f64) *x,
-                                                            size_t pc, size_t kc, size_t *bq,
-                                                            size_t *bld)
+static const REAL *gemm_b_block(const GEMM_CTX *x, size_t pc, size_t kc, size_t *bq, size_t *bld)
 {
     const size_t NR = x->bk->nr;
     if (x->packed != NULL) {
@@ -552,28 +554,26 @@ static const REAL *PICK(gemm_b_block_f32, gemm_b_block_f64)(const PICK(gemm_ctx_
    block is one pool phase (nothing is shared between the K blocks to wait
    for). Each element still gets its K blocks one after another, as gemm.h
    says. */
-static void PICK(gemm_task_compute_all_f32, gemm_task_compute_all_f64)(void *ctxp, size_t t,
-                                                                       int ith)
+static void gemm_task_compute_all(void *ctxp, size_t t, int ith)
 {
-    const PICK(gemm_ctx_f32, gemm_ctx_f64) *x = ctxp;
+    const GEMM_CTX *x = ctxp;
     for (size_t pc = 0; pc < x->K; pc += x->kcb) {
         const size_t kc = x->K - pc < x->kcb ? x->K - pc : x->kcb;
         size_t bq, bld;
-        const REAL *bpr = PICK(gemm_b_block_f32, gemm_b_block_f64)(x, pc, kc, &bq, &bld);
-        PICK(gemm_tile_f32, gemm_tile_f64)(x, t, ith, pc, kc, pc == 0, bpr, bq, bld);
+        const REAL *bpr = gemm_b_block(x, pc, kc, &bq, &bld);
+        gemm_tile(x, t, ith, pc, kc, pc == 0, bpr, bq, bld);
     }
 }
 
 /* The panels of pb when it was packed from this (K, N) op(B) for the ISA
    in force and this type; NULL for any other, which is ignored (B is then
    used as if none had been given: the same bits). */
-static const REAL *PICK(gemm_usable_f32, gemm_usable_f64)(const mha_gemm_blocking *bk,
-                                                          const mha_packed *pb, int transB,
-                                                          size_t K, size_t N)
+static const REAL *gemm_usable(const mha_gemm_blocking *bk, const mha_packed *pb, int transB,
+                               size_t K, size_t N)
 {
     if (pb != NULL && pb->data != NULL && !transB && pb->K == K && pb->N == N &&
         pb->f64 == MHA_F64 && pb->isa == (int)mha_get_isa() &&
-        pb->elems == PICK(gemm_packed_elems_f32, gemm_packed_elems_f64)(bk, K, N))
+        pb->elems == gemm_packed_elems(bk, K, N))
         return pb->data;
     return NULL;
 }
@@ -611,8 +611,7 @@ static const REAL *PICK(gemm_usable_f32, gemm_usable_f64)(const mha_gemm_blockin
      rule leaves them in place.) Layers of d_model 512, h 8, B = 1, float,
      median of 5-7 alternating rounds, against reading B in place: T = 128
      5% faster, causal 8%, T = 256 11%; double T = 64 1.8x. */
-static int PICK(gemm_in_place_f32, gemm_in_place_f64)(const mha_gemm_blocking *bk, size_t M,
-                                                      int transB, size_t ldb)
+static int gemm_in_place(const mha_gemm_blocking *bk, size_t M, int transB, size_t ldb)
 {
     if (transB)
         return 0;
@@ -647,8 +646,7 @@ static int PICK(gemm_in_place_f32, gemm_in_place_f64)(const mha_gemm_blocking *b
    evicted before each call, the packed T = 128 call measured 0-9% slower
    in most rounds (noisy; each thread now streams its own half of B from
    DRAM). */
-static int PICK(gemm_whole_rows_f32, gemm_whole_rows_f64)(const mha_gemm_blocking *bk,
-                                                          size_t M)
+static int gemm_whole_rows(const mha_gemm_blocking *bk, size_t M)
 {
     return gemm_row_panels(bk, M) <= 2 * bk->mcp;
 }
@@ -662,9 +660,8 @@ static int PICK(gemm_whole_rows_f32, gemm_whole_rows_f64)(const mha_gemm_blockin
    x->ap_stride and x->be_off and *all = nth slices; returns 0 when a size
    overflows. */
 #define GEMM_OWN_BYTES ((size_t)128 << 10)
-static int PICK(gemm_thread_scratch_f32, gemm_thread_scratch_f64)(
-    PICK(gemm_ctx_f32, gemm_ctx_f64) *x, size_t mcp_max, size_t kcb, int own, int edge,
-    int nth, size_t *all)
+static int gemm_thread_scratch(GEMM_CTX *x, size_t mcp_max, size_t kcb, int own, int edge, int nth,
+                               size_t *all)
 {
     const size_t line = 64 / sizeof(REAL);
     const size_t panel = kcb * x->bk->nr * sizeof(REAL); /* kcb <= KC: no overflow */
@@ -683,9 +680,8 @@ static int PICK(gemm_thread_scratch_f32, gemm_thread_scratch_f64)(
    Threads: none inside another parallel task (it would run inline anyway),
    and none beyond one per `grain` multiply-adds: waking a sleeping worker
    costs tens of microseconds. Only speed depends on this, never bits. */
-static void PICK(gemm_split_f32, gemm_split_f64)(const mha_gemm_blocking *bk, size_t M,
-                                                 size_t work, int *nth_out, size_t *mp_out,
-                                                 size_t *nmb_out)
+static void gemm_split(const mha_gemm_blocking *bk, size_t M, size_t work, int *nth_out,
+                       size_t *mp_out, size_t *nmb_out)
 {
     int nth = mha_in_parallel() ? 1 : mha_get_num_threads();
     const size_t grain = atomic_load_explicit(&g_grain, memory_order_relaxed);
@@ -711,11 +707,9 @@ static void PICK(gemm_split_f32, gemm_split_f64)(const mha_gemm_blocking *bk, si
     *nmb_out = nmb;
 }
 
-mha_status PICK(mha_gemm_packed_f32, mha_gemm_packed_f64)(REAL *C, size_t ldc,
-                               const REAL *A, size_t lda, int transA,
-                               const REAL *B, size_t ldb, int transB,
-                               const mha_packed *pb, const REAL *bias,
-                               size_t M, size_t N, size_t K, int accumulate)
+mha_status mha_gemm_packed(REAL *C, size_t ldc, const REAL *A, size_t lda, int transA,
+                           const REAL *B, size_t ldb, int transB, const mha_packed *pb,
+                           const REAL *bias, size_t M, size_t N, size_t K, int accumulate)
 {
     /* C: (M, N) row stride ldc; op(A): (M, K); op(B): (K, N); bias: (N,) */
     mha_status st = MHA_OK;
@@ -729,7 +723,7 @@ mha_status PICK(mha_gemm_packed_f32, mha_gemm_packed_f64)(REAL *C, size_t ldc,
     if (M == 0 || N == 0)
         return MHA_OK;
     if (K == 0) {
-        PICK(gemm_write_init_f32, gemm_write_init_f64)(C, ldc, bias, accumulate, 0, M, 0, N);
+        gemm_write_init(C, ldc, bias, accumulate, 0, M, 0, N);
         return MHA_OK;
     }
 
@@ -738,8 +732,7 @@ mha_status PICK(mha_gemm_packed_f32, mha_gemm_packed_f64)(REAL *C, size_t ldc,
     if (!mha_mul_ok(&mn, M, N) || !mha_mul_ok(&mnk, mn, K))
         mnk = SIZE_MAX;
     if (mnk < MHA_GEMM_SMALL) {
-        PICK(gemm_small_f32, gemm_small_f64)(C, ldc, A, lda, transA, B, ldb, transB, bias, M, N, K,
-                       accumulate);
+        gemm_small(C, ldc, A, lda, transA, B, ldb, transB, bias, M, N, K, accumulate);
         return MHA_OK;
     }
 
@@ -750,19 +743,19 @@ mha_status PICK(mha_gemm_packed_f32, mha_gemm_packed_f64)(REAL *C, size_t ldc,
     const size_t NR = bk->nr;
     int nth;
     size_t mp, nmb;
-    PICK(gemm_split_f32, gemm_split_f64)(bk, M, mnk, &nth, &mp, &nmb);
+    gemm_split(bk, M, mnk, &nth, &mp, &nmb);
     size_t nkb;
-    const size_t kcb = PICK(gemm_kc_balanced_f32, gemm_kc_balanced_f64)(bk, K, &nkb);
-    const REAL *packed = PICK(gemm_usable_f32, gemm_usable_f64)(bk, pb, transB, K, N);
-    const int direct = packed == NULL && PICK(gemm_in_place_f32, gemm_in_place_f64)(bk, M, transB, ldb);
-    const int whole = !direct && PICK(gemm_whole_rows_f32, gemm_whole_rows_f64)(bk, M);
+    const size_t kcb = gemm_kc_balanced(bk, K, &nkb);
+    const REAL *packed = gemm_usable(bk, pb, transB, K, N);
+    const int direct = packed == NULL && gemm_in_place(bk, M, transB, ldb);
+    const int whole = !direct && gemm_whole_rows(bk, M);
     const int own = packed == NULL && whole;
     if (whole)
         nmb = 1;
 
     const size_t mcp_max = (mp + nmb - 1) / nmb; /* panels per row block */
 
-    PICK(gemm_ctx_f32, gemm_ctx_f64) x;
+    GEMM_CTX x;
     x.C = C; x.ldc = ldc; x.A = A; x.lda = lda; x.transA = transA;
     x.B = B; x.ldb = ldb; x.transB = transB; x.bias = bias;
     x.accumulate = accumulate; x.M = M; x.bk = bk;
@@ -774,8 +767,7 @@ mha_status PICK(mha_gemm_packed_f32, mha_gemm_packed_f64)(REAL *C, size_t ldc,
     const size_t nc_max = N < bk->nc ? (N + NR - 1) / NR * NR : bk->nc;
     size_t bp_elems, ap_all, total;
     if (!mha_mul_ok(&bp_elems, kcb, nc_max) ||
-        !PICK(gemm_thread_scratch_f32, gemm_thread_scratch_f64)(
-            &x, mcp_max, kcb, own, direct && N % NR != 0, nth, &ap_all))
+        !gemm_thread_scratch(&x, mcp_max, kcb, own, direct && N % NR != 0, nth, &ap_all))
         return MHA_ERR_SIZE;
     bp_elems = packed != NULL || direct || own ? 0 : (bp_elems + line - 1) / line * line;
     if (!mha_add_ok(&total, bp_elems, ap_all))
@@ -804,9 +796,7 @@ mha_status PICK(mha_gemm_packed_f32, mha_gemm_packed_f64)(REAL *C, size_t ldc,
                                   : 1;
         x.nbt = x.np < (size_t)nth ? x.np : (size_t)nth;
         if (packed != NULL || direct || own) {
-            st = mha_parallel_for_n(nmb * x.nnb, nth,
-                                    PICK(gemm_task_compute_all_f32,
-                                         gemm_task_compute_all_f64), &x);
+            st = mha_parallel_for_n(nmb * x.nnb, nth, gemm_task_compute_all, &x);
             if (st != MHA_OK)
                 goto fail;
             continue;
@@ -818,10 +808,10 @@ mha_status PICK(mha_gemm_packed_f32, mha_gemm_packed_f64)(REAL *C, size_t ldc,
             x.kc = K - x.pc < kcb ? K - x.pc : kcb;
             x.first = kb == 0;
             x.bpr = x.bp;
-            st = mha_parallel_for_n(x.nbt, nth, PICK(gemm_task_pack_b_f32, gemm_task_pack_b_f64), &x);
+            st = mha_parallel_for_n(x.nbt, nth, gemm_task_pack_b, &x);
             if (st != MHA_OK)
                 goto fail;
-            st = mha_parallel_for_n(nmb * x.nnb, nth, PICK(gemm_task_compute_f32, gemm_task_compute_f64), &x);
+            st = mha_parallel_for_n(nmb * x.nnb, nth, gemm_task_compute, &x);
             if (st != MHA_OK)
                 goto fail;
         }
@@ -832,14 +822,11 @@ fail:
     return st;
 }
 
-mha_status PICK(mha_gemm_f32, mha_gemm_f64)(REAL *C, size_t ldc, const REAL *A, size_t lda,
-                                            int transA, const REAL *B, size_t ldb,
-                                            int transB, const REAL *bias, size_t M,
-                                            size_t N, size_t K, int accumulate)
+mha_status mha_gemm(REAL *C, size_t ldc, const REAL *A, size_t lda, int transA, const REAL *B,
+                    size_t ldb, int transB, const REAL *bias, size_t M, size_t N, size_t K,
+                    int accumulate)
 {
-    return PICK(mha_gemm_packed_f32, mha_gemm_packed_f64)(C, ldc, A, lda, transA, B, ldb,
-                                                          transB, NULL, bias, M, N, K,
-                                                          accumulate);
+    return mha_gemm_packed(C, ldc, A, lda, transA, B, ldb, transB, NULL, bias, M, N, K, accumulate);
 }
 
 
@@ -853,22 +840,22 @@ mha_status PICK(mha_gemm_f32, mha_gemm_f64)(REAL *C, size_t ldc, const REAL *A, 
    task is a row block and a range of all the segments' panels, and packs
    each K block of A once for them (gemm_task_span). */
 typedef struct {
-    PICK(gemm_ctx_f32, gemm_ctx_f64) seg[MHA_GEMM_MAX_SEG];
+    GEMM_CTX seg[MHA_GEMM_MAX_SEG];
     size_t start[MHA_GEMM_MAX_SEG + 1]; /* the first task of each segment */
     /* When every segment has the same row blocks, a task is a row block
        and a range of the segments' column panels end to end instead: */
     int nseg, span;
     size_t ngp;                         /* ranges of panels per row block  */
     size_t base[MHA_GEMM_MAX_SEG + 1];  /* the first panel of each segment */
-} PICK(gemm_multi_ctx_f32, gemm_multi_ctx_f64);
+} GEMM_MULTI_CTX;
 
 /* Spanning task t: row block t / ngp, panel range t % ngp, which packs
    each K block of its rows of A once for all the segments it meets. Each
    element still gets its K blocks in order, from the same panels. */
-static void PICK(gemm_task_span_f32, gemm_task_span_f64)(void *ctxp, size_t t, int ith)
+static void gemm_task_span(void *ctxp, size_t t, int ith)
 {
-    const PICK(gemm_multi_ctx_f32, gemm_multi_ctx_f64) *m = ctxp;
-    const PICK(gemm_ctx_f32, gemm_ctx_f64) *x0 = &m->seg[0];
+    const GEMM_MULTI_CTX *m = ctxp;
+    const GEMM_CTX *x0 = &m->seg[0];
     const size_t mb = t / m->ngp, g = t % m->ngp;
     const size_t p0 = part_start(x0->mp, x0->nmb, mb);
     const size_t p1 = part_start(x0->mp, x0->nmb, mb + 1);
@@ -878,36 +865,32 @@ static void PICK(gemm_task_span_f32, gemm_task_span_f64)(void *ctxp, size_t t, i
         return;
     for (size_t pc = 0; pc < x0->K; pc += x0->kcb) {
         const size_t kc = x0->K - pc < x0->kcb ? x0->K - pc : x0->kcb;
-        REAL *ap = PICK(gemm_tile_a_f32, gemm_tile_a_f64)(x0, ith, p0, p1, pc, kc);
+        REAL *ap = gemm_tile_a(x0, ith, p0, p1, pc, kc);
         for (int s = 0; s < m->nseg; s++) {
             const size_t lo = g0 > m->base[s] ? g0 : m->base[s];
             const size_t hi = g1 < m->base[s + 1] ? g1 : m->base[s + 1];
             if (lo >= hi)
                 continue;
             size_t bq, bld;
-            const REAL *bpr = PICK(gemm_b_block_f32, gemm_b_block_f64)(&m->seg[s], pc, kc,
-                                                                       &bq, &bld);
-            PICK(gemm_tile_run_f32, gemm_tile_run_f64)(&m->seg[s], ap, p0, p1,
-                                                       lo - m->base[s], hi - m->base[s], pc,
-                                                       kc, pc == 0, bpr, bq, bld);
+            const REAL *bpr = gemm_b_block(&m->seg[s], pc, kc, &bq, &bld);
+            gemm_tile_run(&m->seg[s], ap, p0, p1, lo - m->base[s], hi - m->base[s], pc, kc, pc == 0,
+                          bpr, bq, bld);
         }
     }
 }
 
-static void PICK(gemm_task_multi_f32, gemm_task_multi_f64)(void *ctxp, size_t t, int ith)
+static void gemm_task_multi(void *ctxp, size_t t, int ith)
 {
-    const PICK(gemm_multi_ctx_f32, gemm_multi_ctx_f64) *m = ctxp;
+    const GEMM_MULTI_CTX *m = ctxp;
     int s = 0;
     while (t >= m->start[s + 1])
         s++;
-    PICK(gemm_task_compute_all_f32, gemm_task_compute_all_f64)((void *)&m->seg[s],
-                                                               t - m->start[s], ith);
+    gemm_task_compute_all((void *)&m->seg[s], t - m->start[s], ith);
 }
 
-mha_status PICK(mha_gemm_packed_multi_f32, mha_gemm_packed_multi_f64)(
-    int nseg, REAL *const *C, const REAL *A, size_t lda, const REAL *const *B,
-    const mha_packed *const *pb, const REAL *const *bias, size_t M, const size_t *N,
-    size_t K)
+mha_status mha_gemm_packed_multi(int nseg, REAL *const *C, const REAL *A, size_t lda,
+                                 const REAL *const *B, const mha_packed *const *pb,
+                                 const REAL *const *bias, size_t M, const size_t *N, size_t K)
 {
     /* C[s]: (M, N[s]) row stride N[s]; A: (M, K); B[s]: (K, N[s]) */
     const mha_gemm_blocking *bk =
@@ -916,11 +899,11 @@ mha_status PICK(mha_gemm_packed_multi_f32, mha_gemm_packed_multi_f64)(
     size_t work = 0;
     const REAL *packed[MHA_GEMM_MAX_SEG] = {NULL};
     int direct[MHA_GEMM_MAX_SEG] = {0}, own[MHA_GEMM_MAX_SEG] = {0}, any_whole = 0;
-    const int whole = PICK(gemm_whole_rows_f32, gemm_whole_rows_f64)(bk, M);
+    const int whole = gemm_whole_rows(bk, M);
     for (int s = 0; s < nseg && joint; s++) {
         size_t mnk;
-        packed[s] = PICK(gemm_usable_f32, gemm_usable_f64)(bk, pb[s], 0, K, N[s]);
-        direct[s] = packed[s] == NULL && PICK(gemm_in_place_f32, gemm_in_place_f64)(bk, M, 0, N[s]);
+        packed[s] = gemm_usable(bk, pb[s], 0, K, N[s]);
+        direct[s] = packed[s] == NULL && gemm_in_place(bk, M, 0, N[s]);
         own[s] = packed[s] == NULL && !direct[s] && whole;
         joint = N[s] > 0 && N[s] <= bk->nc && mha_mul_ok(&mnk, M, N[s]) &&
                 (packed[s] != NULL || direct[s] || own[s]) &&
@@ -934,8 +917,8 @@ mha_status PICK(mha_gemm_packed_multi_f32, mha_gemm_packed_multi_f64)(
     }
     if (!joint) {
         for (int s = 0; s < nseg; s++) {
-            const mha_status st = PICK(mha_gemm_packed_f32, mha_gemm_packed_f64)(
-                C[s], N[s], A, lda, 0, B[s], N[s], 0, pb[s], bias[s], M, N[s], K, 0);
+            const mha_status st = mha_gemm_packed(C[s], N[s], A, lda, 0, B[s], N[s], 0, pb[s],
+                                                  bias[s], M, N[s], K, 0);
             if (st != MHA_OK)
                 return st;
         }
@@ -946,24 +929,23 @@ mha_status PICK(mha_gemm_packed_multi_f32, mha_gemm_packed_multi_f64)(
     const size_t NR = bk->nr;
     int nth;
     size_t mp, nmb, nkb;
-    PICK(gemm_split_f32, gemm_split_f64)(bk, M, work, &nth, &mp, &nmb);
-    const size_t kcb = PICK(gemm_kc_balanced_f32, gemm_kc_balanced_f64)(bk, K, &nkb);
+    gemm_split(bk, M, work, &nth, &mp, &nmb);
+    const size_t kcb = gemm_kc_balanced(bk, K, &nkb);
     const size_t mcp_max = any_whole ? mp : (mp + nmb - 1) / nmb;
-    PICK(gemm_ctx_f32, gemm_ctx_f64) sized = {.bk = bk};
+    GEMM_CTX sized = {.bk = bk};
     size_t ap_all;
-    if (!PICK(gemm_thread_scratch_f32, gemm_thread_scratch_f64)(&sized, mcp_max, kcb, any_own,
-                                                                edge, nth, &ap_all))
+    if (!gemm_thread_scratch(&sized, mcp_max, kcb, any_own, edge, nth, &ap_all))
         return MHA_ERR_SIZE;
     REAL *ap = NULL;
     mha_status st = mha_scratch_small((void **)&ap, ap_all, sizeof(REAL));
     if (st != MHA_OK)
         return st;
 
-    PICK(gemm_multi_ctx_f32, gemm_multi_ctx_f64) m;
+    GEMM_MULTI_CTX m;
     m.start[0] = 0;
     for (int s = 0; s < nseg; s++) {
-        PICK(gemm_ctx_f32, gemm_ctx_f64) *x = &m.seg[s];
-        *x = (PICK(gemm_ctx_f32, gemm_ctx_f64)){
+        GEMM_CTX *x = &m.seg[s];
+        *x = (GEMM_CTX){
             .C = C[s], .ldc = N[s], .A = A, .lda = lda, .transA = 0, .B = B[s],
             .ldb = N[s], .transB = 0, .bias = bias[s], .accumulate = 0, .M = M,
             .bk = bk, .ap = ap, .ap_stride = sized.ap_stride, .be_off = sized.be_off,
@@ -985,11 +967,42 @@ mha_status PICK(mha_gemm_packed_multi_f32, mha_gemm_packed_multi_f64)(
     }
     m.ngp = m.seg[0].nmb < (size_t)nth ? (size_t)nth : 1;
     if (m.span)
-        st = mha_parallel_for_n(m.seg[0].nmb * m.ngp, nth,
-                                PICK(gemm_task_span_f32, gemm_task_span_f64), &m);
+        st = mha_parallel_for_n(m.seg[0].nmb * m.ngp, nth, gemm_task_span, &m);
     else
-        st = mha_parallel_for_n(m.start[nseg], nth,
-                                PICK(gemm_task_multi_f32, gemm_task_multi_f64), &m);
+        st = mha_parallel_for_n(m.start[nseg], nth, gemm_task_multi, &m);
     mha_scratch_free(ap);
     return st;
 }
+
+#undef gemm_pack_a_body
+#undef gemm_pack_a
+#undef gemm_pack_b_body
+#undef gemm_pack_b
+#undef gemm_write_init
+#undef gemm_small_cols
+#undef gemm_small_row
+#undef gemm_small
+#undef gemm_kc_balanced
+#undef gemm_packed_elems
+#undef gemm_pack_all
+#undef mha_pack_weight
+#undef GEMM_CTX
+#undef gemm_task_pack_b
+#undef gemm_put_corner
+#undef gemm_tile_run
+#undef gemm_tile_a
+#undef gemm_tile
+#undef gemm_task_compute
+#undef gemm_b_block
+#undef gemm_task_compute_all
+#undef gemm_usable
+#undef gemm_in_place
+#undef gemm_whole_rows
+#undef gemm_thread_scratch
+#undef gemm_split
+#undef mha_gemm_packed
+#undef mha_gemm
+#undef GEMM_MULTI_CTX
+#undef gemm_task_span
+#undef gemm_task_multi
+#undef mha_gemm_packed_multi
