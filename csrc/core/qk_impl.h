@@ -1,7 +1,6 @@
 /*
  * qk_impl.h - the q/k transforms, once per element type; included by qk.c
- * with MHA_F64 defined (0 float, 1 double) and PICK naming each function
- * in full. No include guard on purpose.
+ * with MHA_F64 defined (0 float, 1 double). No include guard on purpose.
  *
  * Legend: see mha.h and qk.h. Per side (q, then k):
  *   forward   1b. t = RoPE(RMSNorm(x)) per row and head (qk_fwd_task)
@@ -17,7 +16,23 @@
 #error "qk_impl.h needs MHA_F64"
 #endif
 #include "dtype.h"
+
+/* What this template defines, each short name bound to this type's full
+   name (both written here once, for grep and ctags), unbound at the end;
+   the ctx type in capitals, like REAL. */
 #define QK_CTX PICK(qk_ctx_t_f32, qk_ctx_t_f64)
+#define qk_rinv PICK(qk_rinv_f32, qk_rinv_f64)
+#define qk_head_fwd PICK(qk_head_fwd_f32, qk_head_fwd_f64)
+#define qk_weight PICK(qk_weight_f32, qk_weight_f64)
+#define qk_fwd_index PICK(qk_fwd_index_f32, qk_fwd_index_f64)
+#define qk_fwd_task PICK(qk_fwd_task_f32, qk_fwd_task_f64)
+#define mha_qk_forward PICK(mha_qk_forward_f32, mha_qk_forward_f64)
+#define qk_head_norm_bwd PICK(qk_head_norm_bwd_f32, qk_head_norm_bwd_f64)
+#define qk_bwd_rows_task PICK(qk_bwd_rows_task_f32, qk_bwd_rows_task_f64)
+#define qk_bwd_norm_task PICK(qk_bwd_norm_task_f32, qk_bwd_norm_task_f64)
+#define qk_dw_task PICK(qk_dw_task_f32, qk_dw_task_f64)
+#define qk_bwd_side PICK(qk_bwd_side_f32, qk_bwd_side_f64)
+#define mha_qk_backward PICK(mha_qk_backward_f32, mha_qk_backward_f64)
 
 /* What the tasks of one side read; shared read-only but for the rows (and
    weight columns) each task owns. */
@@ -36,7 +51,7 @@ typedef struct {
    double in one fixed order: four partial sums over c mod 4 (for speed:
    four independent chains), then (s0 + s1) + (s2 + s3). The forward's r
    and the backward's are bitwise the same. */
-static double PICK(qk_rinv_f32, qk_rinv_f64)(const REAL *x, size_t d, double eps)
+static double qk_rinv(const REAL *x, size_t d, double eps)
 {
     double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
     size_t c = 0;
@@ -55,13 +70,11 @@ static double PICK(qk_rinv_f32, qk_rinv_f64)(const REAL *x, size_t d, double eps
    weight w; cs holds the row's cos, sin (qk_angles), u is scratch of d
    doubles. Loops without branches inside, so the compiler may vectorise
    them (element-wise, so the bits do not change). */
-static void PICK(qk_head_fwd_f32, qk_head_fwd_f64)(REAL *y, const REAL *x,
-                                                   size_t d, const REAL *w,
-                                                   const double *cs, double *u,
-                                                   const mha_config *cfg)
+static void qk_head_fwd(REAL *y, const REAL *x, size_t d, const REAL *w, const double *cs,
+                        double *u, const mha_config *cfg)
 {
     if (w != NULL) {
-        const double r = PICK(qk_rinv_f32, qk_rinv_f64)(x, d, cfg->norm_eps);
+        const double r = qk_rinv(x, d, cfg->norm_eps);
         for (size_t c = 0; c < d; c++)
             u[c] = (double)x[c] * r * (double)w[c]; /* xhat w, xhat = x r */
     } else {
@@ -86,30 +99,27 @@ static void PICK(qk_head_fwd_f32, qk_head_fwd_f64)(REAL *y, const REAL *x,
 }
 
 /* Head h's weight, or NULL without the norm. */
-static inline const REAL *PICK(qk_weight_f32, qk_weight_f64)(const qk_side *s, size_t h)
+static inline const REAL *qk_weight(const qk_side *s, size_t h)
 {
     return s->w != NULL ? (const REAL *)s->w + h * s->wstride : NULL;
 }
 
 /* Forward, the rows of index i (every b of it, see qk.c): every head,
    with the angles cs of i. */
-static void PICK(qk_fwd_index_f32, qk_fwd_index_f64)(const QK_CTX *c, size_t i,
-                                                     const double *cs, double *u)
+static void qk_fwd_index(const QK_CTX *c, size_t i, const double *cs, double *u)
 {
     const qk_side *s = &c->s;
     for (size_t b = 0; b < s->nb; b++) {
         const size_t r = b * s->rstep + i;
         for (size_t h = 0; h < s->nh; h++)
-            PICK(qk_head_fwd_f32, qk_head_fwd_f64)(
-                c->dst + r * s->S + s->off[h], c->x + r * s->S + s->off[h],
-                qk_width(s, h), PICK(qk_weight_f32, qk_weight_f64)(s, h), cs, u,
-                s->cfg);
+            qk_head_fwd(c->dst + r * s->S + s->off[h], c->x + r * s->S + s->off[h], qk_width(s, h),
+                        qk_weight(s, h), cs, u, s->cfg);
     }
 }
 
 /* Forward, one block of QK_ROWS row indices, the angles of each computed
    once (and used for the k side too when c->also). */
-static void PICK(qk_fwd_task_f32, qk_fwd_task_f64)(void *vctx, size_t t, int ith)
+static void qk_fwd_task(void *vctx, size_t t, int ith)
 {
     const QK_CTX *c = vctx;
     const qk_side *s = &c->s;
@@ -119,15 +129,14 @@ static void PICK(qk_fwd_task_f32, qk_fwd_task_f64)(void *vctx, size_t t, int ith
     for (size_t i = t * QK_ROWS; i < i1; i++) {
         if (s->cfg->rotary_dim > 0)
             qk_angles(cs, s, i);
-        PICK(qk_fwd_index_f32, qk_fwd_index_f64)(c, i, cs, u);
+        qk_fwd_index(c, i, cs, u);
         if (c->also != NULL)
-            PICK(qk_fwd_index_f32, qk_fwd_index_f64)(c->also, i, cs, u);
+            qk_fwd_index(c->also, i, cs, u);
     }
 }
 
-mha_status PICK(mha_qk_forward_f32, mha_qk_forward_f64)(
-    REAL *qt, REAL *kt, const REAL *q, const REAL *k, const mha_config *cfg,
-    const mha_layout *lay, const size_t *qoff, const size_t *koff)
+mha_status mha_qk_forward(REAL *qt, REAL *kt, const REAL *q, const REAL *k, const mha_config *cfg,
+                          const mha_layout *lay, const size_t *qoff, const size_t *koff)
 {
     // q, qt: (B, Tq, Sq); k, kt: (B, Tk, Sk).
     QK_CTX ctx[2] = {{.s = qk_side_q(cfg, lay, qoff), .dst = qt, .x = q},
@@ -146,8 +155,7 @@ mha_status PICK(mha_qk_forward_f32, mha_qk_forward_f64)(
     for (int side = 0; side < 2; side++) {
         if (!mha_qk_active(cfg, side) || (share && side == 1))
             continue; /* off, or done by the q side's tasks */
-        const mha_status st = qk_run_rows(&ctx[side].s,
-                                          PICK(qk_fwd_task_f32, qk_fwd_task_f64), &ctx[side]);
+        const mha_status st = qk_run_rows(&ctx[side].s, qk_fwd_task, &ctx[side]);
         if (st != MHA_OK)
             return st;
     }
@@ -156,9 +164,7 @@ mha_status PICK(mha_qk_forward_f32, mha_qk_forward_f64)(
 
 /* Pass C for one head of one row, through `y = xhat w, xhat = x r`:
    dxhat = g w, g = r (dxhat - xhat mean(dxhat xhat)), in place. */
-static void PICK(qk_head_norm_bwd_f32, qk_head_norm_bwd_f64)(REAL *g, const REAL *x,
-                                                             size_t d, const REAL *w,
-                                                             double r)
+static void qk_head_norm_bwd(REAL *g, const REAL *x, size_t d, const REAL *w, double r)
 {
     double m0 = 0, m1 = 0; /* two chains, then m0 + m1: one fixed order */
     size_t c = 0;
@@ -178,8 +184,7 @@ static void PICK(qk_head_norm_bwd_f32, qk_head_norm_bwd_f64)(REAL *g, const REAL
 /* Pass A (and C when fused) for one block of QK_ROWS row indices. Through
    `(a, b) -> (a cos - b sin, a sin + b cos)`: its transpose, the rotation
    by -angle, (ga, gb) -> (ga cos + gb sin, gb cos - ga sin). */
-static void PICK(qk_bwd_rows_task_f32, qk_bwd_rows_task_f64)(void *vctx, size_t t,
-                                                             int ith)
+static void qk_bwd_rows_task(void *vctx, size_t t, int ith)
 {
     const QK_CTX *c = vctx;
     const qk_side *s = &c->s;
@@ -204,19 +209,17 @@ static void PICK(qk_bwd_rows_task_f32, qk_bwd_rows_task_f64)(void *vctx, size_t 
             }
             if (s->w == NULL)
                 continue;
-            const double rr = PICK(qk_rinv_f32, qk_rinv_f64)(x, d, cfg->norm_eps);
+            const double rr = qk_rinv(x, d, cfg->norm_eps);
             c->rinv[r * s->nh + h] = rr;
             if (c->fuse)
-                PICK(qk_head_norm_bwd_f32, qk_head_norm_bwd_f64)(
-                    g, x, d, PICK(qk_weight_f32, qk_weight_f64)(s, h), rr);
+                qk_head_norm_bwd(g, x, d, qk_weight(s, h), rr);
         }
     }
 }
 
 /* Pass C alone, for one block of QK_ROWS row indices (after pass B read
    g). */
-static void PICK(qk_bwd_norm_task_f32, qk_bwd_norm_task_f64)(void *vctx, size_t t,
-                                                             int ith)
+static void qk_bwd_norm_task(void *vctx, size_t t, int ith)
 {
     (void)ith;
     const QK_CTX *c = vctx;
@@ -225,17 +228,15 @@ static void PICK(qk_bwd_norm_task_f32, qk_bwd_norm_task_f64)(void *vctx, size_t 
     for (size_t i = t * QK_ROWS; i < i1; i++)
         for (size_t bh = 0; bh < s->nb * s->nh; bh++) {
             const size_t r = (bh / s->nh) * s->rstep + i, h = bh % s->nh;
-            PICK(qk_head_norm_bwd_f32, qk_head_norm_bwd_f64)(
-                c->dst + r * s->S + s->off[h], c->x + r * s->S + s->off[h],
-                qk_width(s, h), PICK(qk_weight_f32, qk_weight_f64)(s, h),
-                c->rinv[r * s->nh + h]);
+            qk_head_norm_bwd(c->dst + r * s->S + s->off[h], c->x + r * s->S + s->off[h],
+                             qk_width(s, h), qk_weight(s, h), c->rinv[r * s->nh + h]);
         }
 }
 
 /* Pass B, one task per QK_COLS columns of one weight row hw: through
    `y = xhat w`, dw[hw, col] = sum over rows r (increasing), then over the
    heads that share the weight (increasing), of g xhat. */
-static void PICK(qk_dw_task_f32, qk_dw_task_f64)(void *vctx, size_t t, int ith)
+static void qk_dw_task(void *vctx, size_t t, int ith)
 {
     (void)ith;
     const QK_CTX *c = vctx;
@@ -261,7 +262,7 @@ static void PICK(qk_dw_task_f32, qk_dw_task_f64)(void *vctx, size_t t, int ith)
 
 /* The backward of one side: A, then B and C when the weight's gradient is
    wanted, else A and C fused. */
-static mha_status PICK(qk_bwd_side_f32, qk_bwd_side_f64)(QK_CTX *c)
+static mha_status qk_bwd_side(QK_CTX *c)
 {
     qk_side *s = &c->s;
     mha_status st = qk_check(s);
@@ -273,26 +274,24 @@ static mha_status PICK(qk_bwd_side_f32, qk_bwd_side_f64)(QK_CTX *c)
         (st = mha_scratch((void **)&c->rinv, s->rows * s->nh, sizeof(double))) != MHA_OK)
         return st;
     c->fuse = c->dw == NULL;
-    st = qk_run_rows(s, PICK(qk_bwd_rows_task_f32, qk_bwd_rows_task_f64), c);
+    st = qk_run_rows(s, qk_bwd_rows_task, c);
     if (st == MHA_OK && c->dw != NULL) {
         const size_t d = qk_width(s, 0);
         const size_t ntasks = (s->wstride == 0 ? 1 : s->nh) * ((d + QK_COLS - 1) / QK_COLS);
-        st = mha_parallel_for_n(ntasks, qk_threads(ntasks, s->rows * s->S),
-                                PICK(qk_dw_task_f32, qk_dw_task_f64), c);
+        st = mha_parallel_for_n(ntasks, qk_threads(ntasks, s->rows * s->S), qk_dw_task, c);
         if (st == MHA_OK && mha_interrupted(s->cfg))
             st = MHA_ERR_INTERRUPTED;
         if (st == MHA_OK)
-            st = qk_run_rows(s, PICK(qk_bwd_norm_task_f32, qk_bwd_norm_task_f64), c);
+            st = qk_run_rows(s, qk_bwd_norm_task, c);
     }
     mha_scratch_free(c->rinv);
     c->rinv = NULL;
     return st;
 }
 
-mha_status PICK(mha_qk_backward_f32, mha_qk_backward_f64)(
-    REAL *dq, REAL *dk, REAL *dq_norm, REAL *dk_norm, const REAL *q,
-    const REAL *k, const mha_config *cfg, const mha_layout *lay,
-    const size_t *qoff, const size_t *koff)
+mha_status mha_qk_backward(REAL *dq, REAL *dk, REAL *dq_norm, REAL *dk_norm, const REAL *q,
+                           const REAL *k, const mha_config *cfg, const mha_layout *lay,
+                           const size_t *qoff, const size_t *koff)
 {
     // dq, q: (B, Tq, Sq); dk, k: (B, Tk, Sk); dq_norm, dk_norm: as the weights.
     QK_CTX ctx[2] = {
@@ -301,7 +300,7 @@ mha_status PICK(mha_qk_backward_f32, mha_qk_backward_f64)(
     for (int side = 0; side < 2; side++) {
         if (ctx[side].dst == NULL || !mha_qk_active(cfg, side))
             continue;
-        const mha_status st = PICK(qk_bwd_side_f32, qk_bwd_side_f64)(&ctx[side]);
+        const mha_status st = qk_bwd_side(&ctx[side]);
         if (st != MHA_OK)
             return st;
     }
@@ -309,3 +308,15 @@ mha_status PICK(mha_qk_backward_f32, mha_qk_backward_f64)(
 }
 
 #undef QK_CTX
+#undef qk_rinv
+#undef qk_head_fwd
+#undef qk_weight
+#undef qk_fwd_index
+#undef qk_fwd_task
+#undef mha_qk_forward
+#undef qk_head_norm_bwd
+#undef qk_bwd_rows_task
+#undef qk_bwd_norm_task
+#undef qk_dw_task
+#undef qk_bwd_side
+#undef mha_qk_backward
