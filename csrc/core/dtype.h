@@ -7,8 +7,13 @@
  * include it first. No include guard on purpose: each inclusion rebinds the
  * names for the next type.
  *
- * PICK is how a template names what it defines: it writes both full names,
- * so that grep and ctags find every function.
+ * PICK is how a template names what it defines: one block at the top of
+ * the template binds each short name to both full names,
+ *   #define gemm_tile PICK(gemm_tile_f32, gemm_tile_f64)
+ * so that grep and ctags find every function; its definition and its calls
+ * use the short name, and the template unbinds it at its end. (Or PICK
+ * is written where the name is, as in kernels_type.inc's table.)
+ * tests/test_source_layout.py holds both forms.
  */
 #if !defined(MHA_F64)
 #error "dtype.h: define MHA_F64 to 0 or 1 first"
