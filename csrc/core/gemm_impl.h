@@ -25,9 +25,7 @@
  */
 #include "dtype.h"
 
-/* What this template defines, each short name bound to this type's full
-   name (both written here once, for grep and ctags), unbound at the end;
-   the ctx types in capitals, like REAL. */
+/* The names this template defines, bound to this type (dtype.h). */
 #define gemm_pack_a_body PICK(gemm_pack_a_body_f32, gemm_pack_a_body_f64)
 #define gemm_pack_a PICK(gemm_pack_a_f32, gemm_pack_a_f64)
 #define gemm_pack_b_body PICK(gemm_pack_b_body_f32, gemm_pack_b_body_f64)

@@ -17,9 +17,7 @@
 #endif
 #include "dtype.h"
 
-/* What this template defines, each short name bound to this type's full
-   name (both written here once, for grep and ctags), unbound at the end;
-   the ctx type in capitals, like REAL. */
+/* The names this template defines, bound to this type (dtype.h). */
 #define QK_CTX PICK(qk_ctx_t_f32, qk_ctx_t_f64)
 #define qk_rinv PICK(qk_rinv_f32, qk_rinv_f64)
 #define qk_head_fwd PICK(qk_head_fwd_f32, qk_head_fwd_f64)
