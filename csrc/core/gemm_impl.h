@@ -26,6 +26,7 @@
 #include "dtype.h"
 
 /* The names this template defines, bound to this type (dtype.h). */
+#define gemm_pack_rows PICK(gemm_pack_rows_f32, gemm_pack_rows_f64)
 #define gemm_pack_a_body PICK(gemm_pack_a_body_f32, gemm_pack_a_body_f64)
 #define gemm_pack_a PICK(gemm_pack_a_f32, gemm_pack_a_f64)
 #define gemm_pack_b_body PICK(gemm_pack_b_body_f32, gemm_pack_b_body_f64)
@@ -64,6 +65,34 @@
    rows of a large power-of-two stride alias in L1 and starve the hardware
    prefetcher, hence also the explicit prefetches of the next rows. */
 
+/* dst: panels of (kc, W), each W stored rows of S (row stride ld) copied
+   transposed: rows r0 .. r0+n-1, columns k0 .. k0+kc-1 of S; the last,
+   partial panel goes one by one, zero past n. op(A) without transA (W =
+   MR) and op(B) with transB (W = NR) are both packed so; W is a constant
+   at each call site. */
+static MHA_INLINE void gemm_pack_rows(REAL *dst, const mha_gemm_blocking *bk, const REAL *S,
+                                      size_t ld, size_t r0, size_t n, size_t k0, size_t kc,
+                                      const size_t W)
+{
+    for (size_t ir = 0; ir < n; ir += W) {
+        const size_t w = n - ir < W ? n - ir : W;
+        REAL *d_i = dst + ir * kc; /* (kc, W) */
+        const REAL *s_i = S + (r0 + ir) * ld + k0;
+        /* prefetch the next panel if it is full, else this one */
+        const REAL *s_next = ir + 2 * W <= n ? s_i + W * ld : s_i;
+        if (w == W) {
+            for (size_t r = 0; r < W; r += bk->tpr) {
+                const size_t nr = W - r < bk->tpr ? W - r : bk->tpr;
+                bk->tpack(d_i + r, W, s_i + r * ld, ld, nr, kc, s_next + r * ld);
+            }
+        } else {
+            for (size_t p = 0; p < kc; p++)
+                for (size_t r = 0; r < W; r++)
+                    d_i[p * W + r] = r < w ? s_i[r * ld + p] : (REAL)0;
+        }
+    }
+}
+
 /* ap: panels of (kc, MR), rows i0 .. i0+mc-1 and columns k0 .. k0+kc-1 of
    op(A); rows past mc are zero. MR is a constant at each call site. */
 static MHA_INLINE void gemm_pack_a_body(REAL *ap, const mha_gemm_blocking *bk, const REAL *A,
@@ -71,26 +100,8 @@ static MHA_INLINE void gemm_pack_a_body(REAL *ap, const mha_gemm_blocking *bk, c
                                         size_t kc, const size_t MR)
 {
     if (!transA) {
-        /* op(A)(i, k) = A[i*lda + k]: a panel is MR stored rows, copied
-           transposed; the last, partial panel goes one by one */
-        for (size_t ir = 0; ir < mc; ir += MR) {
-            const size_t mr = mc - ir < MR ? mc - ir : MR;
-            REAL *ap_i = ap + ir * kc; /* (kc, MR) */
-            const REAL *a_i = A + (i0 + ir) * lda + k0;
-            /* prefetch the next panel if it is full, else this one */
-            const REAL *a_next = ir + 2 * MR <= mc ? a_i + MR * lda : a_i;
-            if (mr == MR) {
-                for (size_t r = 0; r < MR; r += bk->tpr) {
-                    const size_t nr = MR - r < bk->tpr ? MR - r : bk->tpr;
-                    bk->tpack(ap_i + r, MR, a_i + r * lda, lda, nr, kc,
-                              a_next + r * lda);
-                }
-            } else {
-                for (size_t p = 0; p < kc; p++)
-                    for (size_t r = 0; r < MR; r++)
-                        ap_i[p * MR + r] = r < mr ? a_i[r * lda + p] : (REAL)0;
-            }
-        }
+        /* op(A)(i, k) = A[i*lda + k]: a panel is MR stored rows */
+        gemm_pack_rows(ap, bk, A, lda, i0, mc, k0, kc, MR);
     } else {
         /* op(A)(i, k) = A[k*lda + i]: stored row k holds every i, so walk
            it once and deal MR values to each panel */
@@ -155,25 +166,8 @@ static MHA_INLINE void gemm_pack_b_body(REAL *bp, const mha_gemm_blocking *bk, c
             }
         }
     } else {
-        /* op(B)(k, j) = B[j*ldb + k]: a panel is NR stored rows, copied
-           transposed; the last, partial panel goes one by one */
-        for (size_t jr = 0; jr < nc; jr += NR) {
-            const size_t nr = nc - jr < NR ? nc - jr : NR;
-            REAL *bp_j = bp + jr * kc; /* (kc, NR) */
-            const REAL *b_j = B + (j0 + jr) * ldb + k0;
-            const REAL *b_next = jr + 2 * NR <= nc ? b_j + NR * ldb : b_j;
-            if (nr == NR) {
-                for (size_t j = 0; j < NR; j += bk->tpr) {
-                    const size_t nj = NR - j < bk->tpr ? NR - j : bk->tpr;
-                    bk->tpack(bp_j + j, NR, b_j + j * ldb, ldb, nj, kc,
-                              b_next + j * ldb);
-                }
-            } else {
-                for (size_t p = 0; p < kc; p++)
-                    for (size_t j = 0; j < NR; j++)
-                        bp_j[p * NR + j] = j < nr ? b_j[j * ldb + p] : (REAL)0;
-            }
-        }
+        /* op(B)(k, j) = B[j*ldb + k]: a panel is NR stored rows */
+        gemm_pack_rows(bp, bk, B, ldb, j0, nc, k0, kc, NR);
     }
 }
 
@@ -972,6 +966,7 @@ mha_status mha_gemm_packed_multi(int nseg, REAL *const *C, const REAL *A, size_t
     return st;
 }
 
+#undef gemm_pack_rows
 #undef gemm_pack_a_body
 #undef gemm_pack_a
 #undef gemm_pack_b_body
