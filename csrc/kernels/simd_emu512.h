@@ -153,17 +153,7 @@ static inline double v_hmax_f64(v_f64 v)
     return emu_max_f64(u[0], u[1]);
 }
 
-/* out[u] = v_hsum(a[u]) for u < 4, as simd_avx512.h does it. */
-static inline void v_hsum4_f32(const v_f32 *a, float *out)
-{
-    for (int u = 0; u < 4; u++)
-        out[u] = v_hsum_f32(a[u]);
-}
-static inline void v_hsum4_f64(const v_f64 *a, double *out)
-{
-    for (int u = 0; u < 4; u++)
-        out[u] = v_hsum_f64(a[u]);
-}
+/* v_hsum4: four v_hsum, as simd_avx512.h does it (simd_plain.h). */
 
 /* Bit operations and exact values, as simd_ref.h's per lane. */
 static inline v_f32 v_abs_f32(v_f32 v) { EMU_MAP1(v_f32, V_LEN_F32, fabsf(v.l[i])); }
@@ -189,27 +179,8 @@ static inline v_f64 v_selbool_f64(v_f64 v, const uint8_t *p)
     EMU_MAP1(v_f64, V_LEN_F64, p[i] ? v.l[i] : -INFINITY);
 }
 
-/* vpslld / vpsllq by the mantissa width, per lane (vexp.inc). */
-static inline v_f32 v_pow2_f32(v_f32 t)
-{
-    uint32_t u[V_LEN_F32];
-    memcpy(u, t.l, sizeof u);
-    for (int i = 0; i < V_LEN_F32; i++)
-        u[i] <<= 23;
-    memcpy(t.l, u, sizeof u);
-    return t;
-}
-
-static inline v_f64 v_pow2_f64(v_f64 t)
-{
-    uint64_t u[V_LEN_F64];
-    memcpy(u, t.l, sizeof u);
-    for (int i = 0; i < V_LEN_F64; i++)
-        u[i] <<= 52;
-    memcpy(t.l, u, sizeof u);
-    return t;
-}
-
+/* v_pow2 (vpslld / vpsllq by the mantissa width, per lane), v_tpack and
+   the prefetch hints: simd_plain.h. */
 #include "simd_plain.h"
 
 #undef EMU_MAP1

@@ -75,17 +75,7 @@ static inline float v_hmax_f32(v_f32 v) { return v; }
 static inline double v_hmax_f64(v_f64 v) { return v; }
 static inline float v_hsum_f32(v_f32 v) { return v; }
 static inline double v_hsum_f64(v_f64 v) { return v; }
-/* out[u] = v_hsum(a[u]) for u < 4, bit for bit (one lane: a copy). */
-static inline void v_hsum4_f32(const v_f32 *a, float *out)
-{
-    for (int u = 0; u < 4; u++)
-        out[u] = a[u];
-}
-static inline void v_hsum4_f64(const v_f64 *a, double *out)
-{
-    for (int u = 0; u < 4; u++)
-        out[u] = a[u];
-}
+/* v_hsum4, four v_hsum: simd_plain.h. */
 
 /* |v|, the magnitude of m with the sign of s, and the lane indices
    (0, 1, ..., VLEN - 1): bit operations and exact values, the same bits on
@@ -101,26 +91,7 @@ static inline v_f64 v_iota_f64(void) { return 0.0; }
 static inline v_f32 v_selbool_f32(v_f32 v, const uint8_t *p) { return *p ? v : -INFINITY; }
 static inline v_f64 v_selbool_f64(v_f64 v, const uint8_t *p) { return *p ? v : -INFINITY; }
 
-/* The bits of t shifted left by the mantissa width: 2^n when t's low bits
-   hold n + bias (the exp's shift trick, vexp.inc). */
-static inline v_f32 v_pow2_f32(v_f32 t)
-{
-    uint32_t u;
-    memcpy(&u, &t, sizeof u);
-    u <<= 23;
-    memcpy(&t, &u, sizeof t);
-    return t;
-}
-
-static inline v_f64 v_pow2_f64(v_f64 t)
-{
-    uint64_t u;
-    memcpy(&u, &t, sizeof u);
-    u <<= 52;
-    memcpy(&t, &u, sizeof t);
-    return t;
-}
-
+/* v_pow2, v_tpack, and the prefetch hints: simd_plain.h. */
 #include "simd_plain.h"
 
 #endif /* MHA_SIMD_REF_H */
