@@ -103,55 +103,40 @@ static inline v_f64 v_max_f64(v_f64 a, v_f64 b) { EMU_MAP1(v_f64, V_LEN_F64, emu
 static inline v_f32 v_min_f32(v_f32 a, v_f32 b) { EMU_MAP1(v_f32, V_LEN_F32, a.l[i] < b.l[i] ? a.l[i] : b.l[i]); }
 static inline v_f64 v_min_f64(v_f64 a, v_f64 b) { EMU_MAP1(v_f64, V_LEN_F64, a.l[i] < b.l[i] ? a.l[i] : b.l[i]); }
 
-/* _mm512_reduce_add_ps: t[i] = hi256[i] + lo256[i] (8 lanes), then
-   u[i] = t[4 + i] + t[i], then w[i] = u[i] + u[i ^ 2], then w[0] + w[1]. */
-static inline float v_hsum_f32(v_f32 v)
+/* The tree of _mm512_reduce_add_ps and _mm512_reduce_max_ps, with op the
+   lane operation: t[i] = op(hi256[i], lo256[i]) (8 lanes), then
+   u[i] = op(t[4 + i], t[i]), then w[i] = op(u[i], u[i + 2]), then
+   op(w[0], w[1]). */
+static inline float emu_tree_f32(v_f32 v, float (*op)(float, float))
 {
     float t[8], u[4], w[2];
     for (int i = 0; i < 8; i++)
-        t[i] = v.l[8 + i] + v.l[i];
+        t[i] = op(v.l[8 + i], v.l[i]);
     for (int i = 0; i < 4; i++)
-        u[i] = t[4 + i] + t[i];
+        u[i] = op(t[4 + i], t[i]);
     for (int i = 0; i < 2; i++)
-        w[i] = u[i] + u[i + 2];
-    return w[0] + w[1];
+        w[i] = op(u[i], u[i + 2]);
+    return op(w[0], w[1]);
 }
 
-/* _mm512_reduce_add_pd: t[i] = hi256[i] + lo256[i], u[i] = t[2 + i] + t[i],
-   then u[0] + u[1]. */
-static inline double v_hsum_f64(v_f64 v)
+/* _pd: t[i] = op(hi256[i], lo256[i]), u[i] = op(t[2 + i], t[i]), then
+   op(u[0], u[1]). */
+static inline double emu_tree_f64(v_f64 v, double (*op)(double, double))
 {
     double t[4], u[2];
     for (int i = 0; i < 4; i++)
-        t[i] = v.l[4 + i] + v.l[i];
+        t[i] = op(v.l[4 + i], v.l[i]);
     for (int i = 0; i < 2; i++)
-        u[i] = t[2 + i] + t[i];
-    return u[0] + u[1];
+        u[i] = op(t[2 + i], t[i]);
+    return op(u[0], u[1]);
 }
 
-/* _mm512_reduce_max_ps: the same halvings, max(high, low); then
-   w = max(u, u rotated by two); then max(w[0], w[1]). */
-static inline float v_hmax_f32(v_f32 v)
-{
-    float t[8], u[4];
-    for (int i = 0; i < 8; i++)
-        t[i] = emu_max_f32(v.l[8 + i], v.l[i]);
-    for (int i = 0; i < 4; i++)
-        u[i] = emu_max_f32(t[4 + i], t[i]);
-    const float w0 = emu_max_f32(u[0], u[2]), w1 = emu_max_f32(u[1], u[3]);
-    return emu_max_f32(w0, w1);
-}
-
-/* _mm512_reduce_max_pd: max(high, low) twice, then max(u[0], u[1]). */
-static inline double v_hmax_f64(v_f64 v)
-{
-    double t[4], u[2];
-    for (int i = 0; i < 4; i++)
-        t[i] = emu_max_f64(v.l[4 + i], v.l[i]);
-    for (int i = 0; i < 2; i++)
-        u[i] = emu_max_f64(t[2 + i], t[i]);
-    return emu_max_f64(u[0], u[1]);
-}
+static inline float emu_add_f32(float a, float b) { return a + b; }
+static inline double emu_add_f64(double a, double b) { return a + b; }
+static inline float v_hsum_f32(v_f32 v) { return emu_tree_f32(v, emu_add_f32); }
+static inline double v_hsum_f64(v_f64 v) { return emu_tree_f64(v, emu_add_f64); }
+static inline float v_hmax_f32(v_f32 v) { return emu_tree_f32(v, emu_max_f32); }
+static inline double v_hmax_f64(v_f64 v) { return emu_tree_f64(v, emu_max_f64); }
 
 /* v_hsum4: four v_hsum, as simd_avx512.h does it (simd_plain.h). */
 
