@@ -191,10 +191,27 @@ long mha_thread_preemptions(void)
 
 /* ---- threads ---------------------------------------------------------- */
 
+/* What a new thread runs, in a block the spawner allocates and the thread
+   frees (start_run) before it calls fn(arg). */
 typedef struct {
     void (*fn)(void *);
     void *arg;
 } start_arg;
+
+static start_arg *start_arg_new(void (*fn)(void *), void *arg)
+{
+    start_arg *a = malloc(sizeof *a);
+    if (a != NULL)
+        *a = (start_arg){fn, arg};
+    return a;
+}
+
+static void start_run(void *p)
+{
+    const start_arg a = *(start_arg *)p;
+    free(p);
+    a.fn(a.arg);
+}
 
 #ifdef _WIN32
 _Static_assert(sizeof(mha_mutex) == sizeof(SRWLOCK), "mha_mutex: SRWLOCK");
@@ -205,20 +222,16 @@ _Static_assert(sizeof(mha_cond) == sizeof(CONDITION_VARIABLE),
 
 static unsigned __stdcall thread_start(void *p)
 {
-    const start_arg a = *(start_arg *)p;
-    free(p);
-    a.fn(a.arg);
+    start_run(p);
     return 0;
 }
 
 /* Console control events have no per-thread mask: nothing to block. */
 int mha_thread_spawn(void (*fn)(void *), void *arg)
 {
-    start_arg *a = malloc(sizeof *a);
+    start_arg *a = start_arg_new(fn, arg);
     if (a == NULL)
         return ENOMEM;
-    a->fn = fn;
-    a->arg = arg;
     const uintptr_t h = _beginthreadex(NULL, 0, thread_start, a, 0, NULL);
     if (h == 0) {
         free(a);
@@ -258,19 +271,15 @@ int mha_atfork_child(void (*child)(void))
 #else
 static void *thread_start(void *p)
 {
-    const start_arg a = *(start_arg *)p;
-    free(p);
-    a.fn(a.arg);
+    start_run(p);
     return NULL;
 }
 
 int mha_thread_spawn(void (*fn)(void *), void *arg)
 {
-    start_arg *a = malloc(sizeof *a);
+    start_arg *a = start_arg_new(fn, arg);
     if (a == NULL)
         return ENOMEM;
-    a->fn = fn;
-    a->arg = arg;
     pthread_attr_t attr;
     int err = pthread_attr_init(&attr);
     if (err != 0) {
