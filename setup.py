@@ -30,7 +30,7 @@ import os
 import sys
 
 import numpy
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 SANITIZE = os.environ.get("MHATTN_SANITIZE") == "1"
@@ -100,7 +100,8 @@ ext = Extension(
 
 setup(
     package_dir={"": "python"},
-    packages=["mhattn"],
+    # mhattn and its subpackages (compute, learn, nn, reference, _internal).
+    packages=find_packages("python"),
     package_data={"mhattn": ["*.pyi", "py.typed"]},
     ext_modules=[ext],
     cmdclass={"build_ext": build_ext_flags},

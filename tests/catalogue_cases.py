@@ -344,7 +344,7 @@ def glue_args(**change):
 
 
 def variants(**change):
-    """The glue's variants tuple (mhattn._core.variant_args's layout), all
+    """The glue's variants tuple (mhattn._internal.core.variant_args's layout), all
     off but what ``change`` sets."""
     v = dict(window=None, softcap=0.0, alibi=None, sinks=None, key_mask=None, cu_q=None,
              cu_k=None, q_norm=None, k_norm=None, norm_eps=1e-6, rotary_dim=0,

@@ -1,4 +1,4 @@
-"""The canonicaliser (mhattn._core): its fast branch validates by its own
+"""The canonicaliser (mhattn._internal.core): its fast branch validates by its own
 checks, so that the glue never rejects a call it takes, and errors raised
 during the glue's call (a user's SIGINT handler's, say) reach the caller
 instead of being taken for a malformed call and retried on the full path
@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mhattn
-from mhattn import _C, _core
+from mhattn import _C
+from mhattn._internal import core as _core
 from test_fast_path import assert_same, fast_path, full_path
 
 

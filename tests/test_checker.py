@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import mhattn
-from mhattn.checker import MISTAKES, VARIANTS, PrototypeReport
+from mhattn.learn.checker import MISTAKES, VARIANTS, PrototypeReport
 
 
 # ------------------------------------------------------------ correct ones
@@ -274,11 +274,11 @@ def test_diagnosis_holds_for_other_seeds_and_trials(mistake, fn, seed):
 
 def test_variants_are_pairwise_distinguishable():
     """On the designed trials alone, no two mistakes give the same outputs."""
-    from mhattn.checker import _distance, _run, _trials
+    from mhattn.learn.checker import _distance, _run, _trials
     for dtype, tol in ((np.float64, 1e-7), (np.float32, 2e-4)):
         cases = _trials(0, np.dtype(dtype), 0)
         outs = {}
-        for mistake, form, vfn in VARIANTS + [("correct", "", mhattn.checker._correct)]:
+        for mistake, form, vfn in VARIANTS + [("correct", "", mhattn.learn.checker._correct)]:
             outs[(mistake, form)] = [_run(vfn, t.args)[0] for t in cases]
         keys = list(outs)
         for i, a in enumerate(keys):
@@ -292,7 +292,7 @@ def test_variants_are_pairwise_distinguishable():
 
 
 def test_trial_set_covers_the_shapes_where_bugs_show():
-    from mhattn.checker import _trials, _no_max_subtraction
+    from mhattn.learn.checker import _trials, _no_max_subtraction
     cases = _trials(0, np.dtype(np.float64), 0)
     names = [t.name for t in cases]
     assert names[0] == "worked_example"
@@ -520,7 +520,7 @@ def test_standard_convention():
     rep = mhattn.check_prototype(standard_only, convention="standard")
     assert rep.ok, str(rep)
     assert all(t.dims["d_k"] == t.dims["d_v"] == t.dims["d_model"] // t.dims["h"]
-               for t in mhattn.checker._trials(4, np.dtype(np.float64), 0, "standard"))
+               for t in mhattn.learn.checker._trials(4, np.dtype(np.float64), 0, "standard"))
     rep = mhattn.check_prototype(standard_only)
     assert not rep.ok and rep.standard_ok is True
     assert "passes every trial of the standard convention" in rep.explanation
@@ -702,7 +702,7 @@ def test_first_divergent_stage_prunes_candidates():
         return {"scores": np.stack(scores),
                 "output": np.concatenate(heads, axis=-1) @ w_o}
 
-    from mhattn import checker
+    from mhattn.learn import checker
     seen = []
     real = checker._search
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import mhattn
-from mhattn.checker import MISTAKES
+from mhattn.learn.checker import MISTAKES
 
 CORPUS = Path(__file__).parent / "prototypes"
 

@@ -1,4 +1,4 @@
-"""The small-call fast branch (mhattn._core.fast) against the full path.
+"""The small-call fast branch (mhattn._internal.core.fast) against the full path.
 
 The fast branch skips normalize() for calls of plain arrays of one float
 dtype, in the weight forms and options it knows. It may only ever return
@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mhattn
-from mhattn import _core, _C, _variants
+from mhattn import _C
+from mhattn._internal import core as _core, variants as _variants
 
 DTYPES = [np.float32, np.float64]
 OPTIONS = dict(key=None, value=None, scale=None, return_weights=False, mask=None,
@@ -416,7 +417,7 @@ def test_cached_arrays_are_private_and_read_only(rng):
 
 def test_lowered_memory_limit_is_honoured(monkeypatch):
     """The fast path skips the memory check only where it cannot fail."""
-    from mhattn import _args
+    from mhattn._internal import args as _args
     monkeypatch.setattr(_args, "_memory_limit_bytes", 1000)
     assert fast_path(X, W, W, W, num_heads=2) is None
     with pytest.raises(MemoryError):

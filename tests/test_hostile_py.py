@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import mhattn
-from mhattn import _args, _core
+from mhattn._internal import args as _args, core as _core
 
 rng = np.random.default_rng(12)
 X = rng.standard_normal((3, 4))
@@ -151,7 +151,7 @@ def test_trace_checks_the_scores_memory(monkeypatch):
 
 
 def test_check_prototype_checks_memory_before_drawing_trials(monkeypatch):
-    from mhattn import checker
+    from mhattn.learn import checker
 
     def drawn(*a, **kw):
         raise AssertionError("trials were drawn before the memory check")

@@ -175,7 +175,7 @@ CHILD = textwrap.dedent(r"""
     # 6. A Python handler that raises: its exception reaches the caller, even
     #    from a call small enough in memory for the fast branch (which once
     #    took such a ValueError for a malformed call and ran it again).
-    from mhattn import _core
+    from mhattn._internal import core as _core
     fast = make(min(sized(make, run, 1.0), 30000))   # 30000: 3.9M elements
     x, w = fast
     report["fast_branch"] = _core.fast(x, w, w, w, None, 1, None, None, None, False,

@@ -16,8 +16,8 @@ import pytest
 
 import mhattn
 from mhattn import reference
-from mhattn._api import run_core
-from mhattn._args import normalize
+from mhattn._internal.args import normalize
+from mhattn._internal.core import run_core
 from conftest import ALL_ISAS, ISAS, tol
 
 DTYPES = [np.float32, np.float64]

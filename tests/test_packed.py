@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import mhattn
-from mhattn import _C, _core
+from mhattn import _C
+from mhattn._internal import core as _core
 
 
 def _weights(rng, d_in, h, g, dk, dv, d_out, dt, form="fused"):

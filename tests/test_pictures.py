@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import mhattn
-from mhattn import _html
-from mhattn.checker import PrototypeReport, TrialResult
+from mhattn.learn import html as _html
+from mhattn.learn.checker import PrototypeReport, TrialResult
 
 
 # ------------------------------------------------------------ plot_attention
@@ -47,7 +47,7 @@ def _cells(mask):
                                 dict(key_mask=np.array([1, 1, 0, 1, 1, 1], bool))])
 def test_masked_cells_have_the_mask_colour(rng, kw):
     _mpl()
-    from mhattn.plot import _MASK_COLOUR
+    from mhattn.learn.plot import _MASK_COLOUR
     from matplotlib.colors import to_rgba
     x, w, weights = _layer(rng, **kw)
     # what the call could not see, by the weights themselves (exactly 0 there)

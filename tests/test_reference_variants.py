@@ -10,7 +10,7 @@ import pytest
 
 import mhattn
 from mhattn import reference as R
-from mhattn._args import normalize
+from mhattn._internal.args import normalize
 
 from conftest import tol
 

@@ -15,8 +15,8 @@ import pytest
 
 import mhattn
 from mhattn import reference
-from mhattn.interop import from_torch_masks, to_torch_attn_mask, torch_masks_to_mhattn
-from mhattn.layer import MultiHeadAttention
+from mhattn.nn.interop import from_torch_masks, to_torch_attn_mask, torch_masks_to_mhattn
+from mhattn.nn.layer import MultiHeadAttention
 from conftest import make_weights, tol
 
 DTYPES = [np.float32, np.float64]

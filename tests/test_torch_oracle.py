@@ -11,8 +11,8 @@ torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
 import mhattn  # noqa: E402
-from mhattn.interop import from_torch_masks, to_torch_attn_mask  # noqa: E402
-from mhattn.layer import MultiHeadAttention  # noqa: E402
+from mhattn.nn.interop import from_torch_masks, to_torch_attn_mask  # noqa: E402
+from mhattn.nn.layer import MultiHeadAttention  # noqa: E402
 
 TORCH_DTYPE = {np.float32: torch.float32, np.float64: torch.float64}
 DTYPES = [np.float32, np.float64]

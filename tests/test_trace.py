@@ -4,8 +4,8 @@ import pytest
 
 import mhattn
 from mhattn import reference
-from mhattn._args import normalize
-from mhattn.trace import KEYS, STAGES, CompareReport, Trace
+from mhattn._internal.args import normalize
+from mhattn.learn.trace import KEYS, STAGES, CompareReport, Trace
 
 from conftest import make_weights, tol
 

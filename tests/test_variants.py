@@ -351,7 +351,7 @@ def test_trace_holds_every_step_of_the_variants(rng, name):
     t = mhattn.trace(**p, **kw)
     out, w = mhattn.multi_head_attention(**p, **kw, return_weights=True)
     assert t.output.tobytes() == out.tobytes() and t.weights.tobytes() == w.tobytes()
-    call = mhattn._args.normalize(**p, **kw)
+    call = mhattn._internal.args.normalize(**p, **kw)
     want = {"q_proj", "k_proj"} if call.var.transforms else set()
     if "q_norm" in kw or "k_norm" in kw:
         want |= {"q_normed", "k_normed"}

@@ -23,7 +23,7 @@ def test_worked_example_numbers(impl):
 
 def test_worked_example_scores_match_document():
     tokens, X, w_q, w_k, w_v, _ = mhattn.worked_example()
-    call = mhattn._args.normalize(X, w_q, w_k, w_v)
+    call = mhattn._internal.args.normalize(X, w_q, w_k, w_v)
     step = reference.head_intermediates(call, 0, 0)
     np.testing.assert_allclose(step["raw_scores"][2], [4, 1, 2])
     np.testing.assert_allclose(np.round(step["scores"][2], 4), [2.8284, 0.7071, 1.4142])

@@ -6,8 +6,10 @@ Each file there defines ``prototype(x, w_q, w_k, w_v, w_o, num_heads, ...)``
 and declares its planted mistakes, ``EXPECTED = ("no_scaling",)`` (() for a
 correct one; ``DTYPE = "float32"`` to check it in float32).  The table says,
 per prototype, what the checker names AFTER (this tree's checker) and BEFORE
-(the checker.py of git revision REV, default the last one before issue 15,
-loaded from ``git show`` as a module of this mhattn), and counts:
+(the checker of git revision REV, default the last one before issue 15,
+loaded from ``git show`` as a module of this mhattn: python/mhattn/checker.py
+before the package had subpackages, python/mhattn/learn/checker.py since),
+and counts:
 
 * prototypes fully named: correct ones reported ok, every planted mistake
   named and nothing else;
@@ -41,28 +43,62 @@ def load_corpus():
     return out
 
 
-def _module_at(rev: str, path: str, name: str, replace=()):
-    """The file ``path`` at git revision ``rev``, as the module mhattn.<name>."""
-    src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{path}"],
-                         check=True, capture_output=True, text=True).stdout
+# Where the modules of the flat package (before the subpackages) live now,
+# relative to mhattn: an old checker's or trace's relative imports are
+# rewritten to these.
+FLAT_HOMES = {"_api": "compute.forward", "_grad": "compute.grad",
+              "attention": "compute.attention", "cache": "compute.cache",
+              "packed": "compute.packed", "_steps": "learn.steps", "_html": "learn.html",
+              "plot": "learn.plot", "layer": "nn.layer", "interop": "nn.interop",
+              "_core": "_internal.core", "_args": "_internal.args",
+              "_arrays": "_internal.arrays", "_variants": "_internal.variants",
+              "_runtime": "_internal.runtime", "_threadpool": "_internal.threadpool"}
+
+
+def _git(*args, check=True):
+    return subprocess.run(["git", "-C", str(ROOT), *args], check=check,
+                          capture_output=True, text=True)
+
+
+def _module_at(rev: str, path: str, package: str, name: str, replace=()):
+    """The file ``path`` at git revision ``rev``, as the module <package>.<name>."""
+    src = _git("show", f"{rev}:{path}").stdout
     for old, new in replace:
         src = src.replace(old, new)
-    import mhattn
-    spec = importlib.util.spec_from_loader(f"mhattn.{name}", loader=None)
+    pkg = importlib.import_module(package)
+    spec = importlib.util.spec_from_loader(f"{package}.{name}", loader=None)
     mod = importlib.util.module_from_spec(spec)
-    mod.__package__ = "mhattn"
-    mod.__file__ = str(Path(mhattn.__file__).parent / f"{name}.py")
+    mod.__package__ = package
+    mod.__file__ = str(Path(pkg.__file__).parent / f"{name}.py")
     sys.modules[spec.name] = mod
     exec(compile(src, mod.__file__, "exec"), mod.__dict__)
     return mod
 
 
+def _flat_imports():
+    """(old, new) source replacements that point a flat-package module's
+    relative imports at the modules' homes in this tree."""
+    out = []
+    for old, new in FLAT_HOMES.items():
+        parent, _, leaf = new.rpartition(".")
+        out += [(f"from .{old} import", f"from .{new} import"),
+                (f"from . import {old}\n", f"from .{parent} import {leaf} as {old}\n")]
+    return out
+
+
 def old_checker(rev: str):
-    """checker.py at ``rev`` with the trace.py of ``rev`` (its key aliases),
-    the rest of mhattn being this tree's."""
-    _module_at(rev, "python/mhattn/trace.py", "_trace_before")
-    return _module_at(rev, "python/mhattn/checker.py", "_checker_before",
-                      [("from .trace import", "from ._trace_before import")])
+    """The checker at ``rev`` with the trace of ``rev`` (its key aliases),
+    the rest of mhattn being this tree's. Revisions before the subpackages
+    (python/mhattn/checker.py) have their imports pointed at the new homes."""
+    if _git("cat-file", "-e", f"{rev}:python/mhattn/learn/checker.py", check=False).returncode == 0:
+        _module_at(rev, "python/mhattn/learn/trace.py", "mhattn.learn", "_trace_before")
+        return _module_at(rev, "python/mhattn/learn/checker.py", "mhattn.learn",
+                          "_checker_before",
+                          [("from .trace import", "from ._trace_before import")])
+    flat = _flat_imports()
+    _module_at(rev, "python/mhattn/trace.py", "mhattn", "_trace_before", flat)
+    return _module_at(rev, "python/mhattn/checker.py", "mhattn", "_checker_before",
+                      [("from .trace import", "from ._trace_before import")] + flat)
 
 
 def named(rep) -> tuple:

@@ -47,13 +47,13 @@ def c_functions(root=ROOT):
 
 
 def py_functions(root=ROOT):
-    """(path, first line, name, lines) of every function in python/mhattn/."""
+    """(path, first line, name, lines) of every function in python/mhattn/,
+    its subpackages included."""
     out = []
     pkg = os.path.join(root, "python", "mhattn")
-    for f in sorted(os.listdir(pkg)):
-        if not f.endswith(".py"):
-            continue
-        path = os.path.join(pkg, f)
+    paths = sorted(os.path.join(dirpath, f) for dirpath, _, files in os.walk(pkg)
+                   for f in files if f.endswith(".py"))
+    for path in paths:
         with open(path, encoding="utf-8") as fh:
             tree = ast.parse(fh.read())
         for node in ast.walk(tree):

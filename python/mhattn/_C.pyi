@@ -1,8 +1,8 @@
 """Type stubs for mhattn._C, the NumPy extension around the C core.
 
 Low level: the public API is :func:`mhattn.multi_head_attention`, which checks
-the arguments (:func:`mhattn._args.normalize`) and calls
-:func:`forward` through :func:`mhattn._api.run_core`.
+the arguments (:func:`mhattn._internal.args.normalize`) and calls
+:func:`forward` through :func:`mhattn._internal.core.run_core`.
 
 Letters (csrc/mha.h): B batch, Tq queries, Tk keys, H query heads, G key/value
 heads, dk[g] / dv[g] the widths of kv head g, Sq / Sk / Sv the fused widths of
@@ -34,7 +34,7 @@ def forward(
                                               # or a shape that broadcasts to it
     causal: bool,                     # query i sees keys j <= i + (Tk - Tq)
     key_lengths: Optional[npt.NDArray[np.int64]],  # (B,) or None
-    variants: Optional[tuple],        # None, or mhattn._core.variant_args's tuple:
+    variants: Optional[tuple],        # None, or mhattn._internal.core.variant_args's tuple:
                                       # (window, softcap, alibi, sinks, key_mask, cu_q,
                                       #  cu_k, q_norm, k_norm, norm_eps, rotary_dim,
                                       #  interleaved, inv_freq, positions, key_positions)

@@ -3,24 +3,39 @@
 The compute core is C; :mod:`mhattn.reference` is the pure-NumPy reference
 that the core is tested against.  See ``python -m mhattn`` for the document's
 worked example computed by the core.
+
+The package's parts, each a subpackage (imports run downward only, as
+tests/test_structure.py checks):
+
+- ``compute``: the compute API (the layer's forward and backward,
+  attention on projected tensors, the KV cache, packed weights);
+- ``learn``: the learner's tools (the trace, the checker, its steps, plots);
+- ``nn``: the layer class and PyTorch interop;
+- ``reference``: the pure-NumPy reference;
+- ``_internal``: argument checking, the variants and the one door to the C
+  core (``_internal/core.py``, the only module that imports ``_C``).
 """
 from ._version import __version__
-from ._api import multi_head_attention
-from .packed import pack_weights, PackedWeights
-from .attention import attention, attention_grad, merge_attention
-from .cache import KVCache
-from ._variants import RoPE
-from ._grad import Context, backward, multi_head_attention_grad
+from .compute import (multi_head_attention, pack_weights, PackedWeights, attention,
+                      attention_grad, merge_attention, KVCache, Context, backward,
+                      multi_head_attention_grad)
+from ._internal.variants import RoPE
 from .reference import param_count, worked_example
 from . import reference
-from .layer import MultiHeadAttention
-from .interop import from_torch_masks, to_torch_attn_mask
-from ._runtime import get_isa, set_num_threads, get_num_threads, _set_isa
-from . import _threadpool
+from .nn import MultiHeadAttention, from_torch_masks, to_torch_attn_mask
+from ._internal.runtime import get_isa, set_num_threads, get_num_threads, _set_isa
+from ._internal import threadpool as _threadpool
 _threadpool.install()  # threadpoolctl sees the pool, whichever is imported first
-from .trace import trace, Trace
-from .plot import plot_attention
-from .checker import check_prototype, check_attention_prototype
+from .learn import trace, Trace, plot_attention, check_prototype, check_attention_prototype
+
+# The modules that were attributes of the flat package stay attributes, the
+# same modules in their new homes: ``mhattn.checker.MISTAKES`` is documented
+# (README.md), and so are ``mhattn.layer``, ``mhattn.interop``, ``mhattn.plot``,
+# ``mhattn.cache`` and ``mhattn.packed``. (``mhattn.trace`` and
+# ``mhattn.attention`` are the functions, as they were.)
+from .learn import checker, plot
+from .nn import layer, interop
+from .compute import cache, packed
 
 __all__ = ["multi_head_attention", "pack_weights", "PackedWeights", "attention", "attention_grad", "merge_attention",
            "KVCache", "multi_head_attention_grad", "backward", "Context", "RoPE",
@@ -29,4 +44,3 @@ __all__ = ["multi_head_attention", "pack_weights", "PackedWeights", "attention",
            "get_isa", "set_num_threads", "get_num_threads",
            "trace", "Trace", "plot_attention", "check_prototype",
            "check_attention_prototype"]
-

@@ -5,9 +5,9 @@ import sys
 
 import numpy as np
 
+from ._internal.args import normalize
+from ._internal.core import run_core
 from .reference import param_count, worked_example
-from ._core import run_core
-from ._args import normalize
 
 
 def _fmt(v) -> str:

@@ -21,11 +21,11 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ._api import multi_head_attention
-from . import _steps
-from ._args import check_memory
-from .attention import attention as _attention
-from .reference import worked_example
+from .._internal.args import check_memory
+from ..compute.attention import attention as _attention
+from ..compute.forward import multi_head_attention
+from ..reference import worked_example
+from . import steps as _steps
 from .trace import CompareReport, canonical_key, trace
 
 __all__ = ["check_prototype", "check_attention_prototype", "PrototypeReport", "TrialResult",
@@ -488,7 +488,7 @@ def _trials(n_random: int, dtype, seed: int, convention: str = "general",
         t.kwargs = {"causal": True}
         trials.append(t)
     if "rope" in keywords:
-        from ._variants import RoPE
+        from .._internal.variants import RoPE
         t = _random_trial(rng, "rope", "rope=mhattn.RoPE(theta=10.0) (rotate-half)",
                           6, 8, 2, 4, 4 if std else 2, 6, dtype)
         t.kwargs = {"rope": RoPE(theta=10.0)}
@@ -1222,7 +1222,7 @@ def _attention_trials(n_random: int, dtype, seed: int, keywords) -> List[_AttnTr
             t.kwargs["mask"] = m
         out.append(t)
     if "rope" in keywords:
-        from ._variants import RoPE
+        from .._internal.variants import RoPE
         t = make("rope", "rope=mhattn.RoPE(theta=10.0), 2 queries after 5 keys (a cache)",
                  2, 2, 5, 4, 2)
         t.kwargs = {"rope": RoPE(theta=10.0)}
@@ -1242,7 +1242,7 @@ def _attention_reference(t: _AttnTrial) -> np.ndarray:
     r = kw.pop("rope", None)
     q, k = t.q, t.k
     if r is not None:
-        from .reference import rope as _turn
+        from ..reference import rope as _turn
         tq, tk, d = q.shape[1], k.shape[1], q.shape[2]
         f = r.frequencies(d)
         q = np.stack([_turn(a, np.arange(tq) + tk - tq, f, d, r.interleaved) for a in q])
@@ -1428,7 +1428,7 @@ class PrototypeReport:
         return str(self)
 
     def _repr_html_(self) -> str:
-        from ._html import report_html
+        from .html import report_html
         return report_html(self)
 
 

@@ -15,9 +15,9 @@ from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 
-from . import _C
-from ._args import (_int_arg, _split_bias, _vector, compute_dtype, fused_widths,
-                    split_heads)
+from .._internal import core
+from .._internal.args import (_int_arg, _split_bias, _vector, compute_dtype, fused_widths,
+                              split_heads)
 
 __all__ = ["pack_weights", "PackedWeights"]
 
@@ -182,7 +182,7 @@ def _pack(kw: Dict[str, Any], num_heads, num_kv_heads, dtype, reuse) -> PackedWe
         else:
             raw = w_o if hs is None else hs.fused()
             f = None if raw is None else _immutable(np.asarray(raw, dtype=dtype))
-            cap = None if f is None or f.size == 0 else _C.pack_weight(f)
+            cap = None if f is None or f.size == 0 else core.pack_weight(f)
         fused.append(f)
         caps.append(cap)
     pw._set(w_q=_as_given(fused[0], wq.form, wq.widths),
@@ -198,8 +198,8 @@ def _pack(kw: Dict[str, Any], num_heads, num_kv_heads, dtype, reuse) -> PackedWe
             b = _immutable(np.asarray(given, dtype=dtype))
         pw._set(**{name: b})
     pw._set(b_o=None if b_o is None else _immutable(np.asarray(b_o, dtype=dtype)))
-    isa = _C.get_isa()
-    nbytes = sum(_C.packed_info(c)[4] for c in caps if c is not None)
+    isa = core.get_isa()
+    nbytes = sum(core.packed_info(c)[4] for c in caps if c is not None)
     pw._set(num_heads=H, num_kv_heads=G, d_k=tuple(wk.widths), d_v=tuple(wv.widths),
             dtype=dtype, isa=isa, nbytes=int(nbytes), _fused=tuple(fused),
             _caps=tuple(caps))

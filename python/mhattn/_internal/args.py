@@ -21,8 +21,8 @@ from typing import Any, List, Optional, Sequence
 
 import numpy as np
 
-from ._arrays import _check_numeric, _shape, _to_array
-from ._variants import VARIANT_DEFAULTS, Variants, normalize_variants, variant_floats
+from .arrays import _check_numeric, _shape, _to_array
+from .variants import VARIANT_DEFAULTS, Variants, normalize_variants, variant_floats
 
 __all__ = ["Call", "normalize", "compute_dtype", "check_memory", "core_items",
            "memory_limit", "plan", "bool_arg", "fused_widths", "head_scales",
@@ -343,7 +343,7 @@ class Call:
     Sk: int
     Sv: int
     Svq: int
-    # The variants of today's models (mhattn._variants): all off by default.
+    # The variants of today's models (mhattn._internal.variants): all off by default.
     var: Variants = field(default_factory=Variants)
 
     @property
@@ -694,7 +694,7 @@ def normalize(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=Non
               **variants) -> Call:
     """Check every argument and return the canonical :class:`Call`.
 
-    ``variants``: the keywords of :data:`mhattn._variants.VARIANT_DEFAULTS`
+    ``variants``: the keywords of :data:`mhattn._internal.variants.VARIANT_DEFAULTS`
     (window, softcap, ..., key_cu_seqlens); any other name is a TypeError."""
     unknown = sorted(set(variants) - set(VARIANT_DEFAULTS))
     if unknown:

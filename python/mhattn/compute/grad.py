@@ -18,11 +18,11 @@ from typing import Any, Dict, List
 
 import numpy as np
 
-from . import _C
-from ._args import (_check_numeric, _Heads, _to_array, backward_items, check_memory,
-                    normalize, offsets, plan)
-from ._core import Context, head_arrays, make_context, run_core, variant_args
-from ._variants import variant_kwargs
+from .._internal import core
+from .._internal.args import (_check_numeric, _Heads, _to_array, backward_items, check_memory,
+                              normalize, offsets, plan)
+from .._internal.core import Context, head_arrays, make_context, run_core, variant_args
+from .._internal.variants import variant_kwargs
 from .packed import PackedWeights, call_weights
 
 __all__ = ["Context", "backward", "multi_head_attention_grad"]
@@ -90,7 +90,7 @@ def backward(grad_out, ctx: Context) -> Dict[str, Any]:
     # core's scratch.
     cast = [] if g.dtype == call.dtype else [
         (f"casting grad_out to {call.dtype}", "size", (g.size,), call.dtype.itemsize)]
-    check_memory(cast + backward_items(call, _C.get_num_threads()))
+    check_memory(cast + backward_items(call, core.get_num_threads()))
     g = g if g.dtype == call.dtype else g.astype(call.dtype)
     if not call.batched:
         g = g[np.newaxis]
@@ -98,7 +98,7 @@ def backward(grad_out, ctx: Context) -> Dict[str, Any]:
     biases = ctx.bias_forms
     dk, dv, scales = head_arrays(call)
     (dx, dkey, dvalue, dwq, dwk, dwv, dwo, dbq, dbk, dbv, dbo, dsinks, dq_norm,
-     dk_norm) = _C.backward(
+     dk_norm) = core.backward(
         g, call.x, call.key if call.key_given else None,
         call.value if call.value_given else None,
         call.wq.fused(), call.wk.fused(), call.wv.fused(), call.w_o,
@@ -168,7 +168,7 @@ def multi_head_attention_grad(grad_out, x, w_q, w_k=None, w_v=None, w_o=None, *,
                      num_kv_heads=num_kv_heads, b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o,
                      **variants)
     # The forward's kept state lives on through the backward: both must fit.
-    check_memory(plan(call, keep=True) + backward_items(call, _C.get_num_threads()))
+    check_memory(plan(call, keep=True) + backward_items(call, core.get_num_threads()))
     _, _, extras = run_core(call, keep=True,
                             packed=None if packed is None else packed._core_packed(call.dtype))
     ctx = make_context(call, extras, b_q=b_q, b_k=b_k, b_v=b_v)

@@ -11,7 +11,7 @@ equation of the document, written as plainly as NumPy allows:
     MultiHead(X) = Concat(head_1, ..., head_h) W^O      (combine)
 
 and the variants of today's models (issue 13), one function per rule, in the
-order of a score's life (``mhattn._variants``):
+order of a score's life (``mhattn._internal.variants``):
 
  1. project, plus bias                     :func:`_project`
  2. q/k RMSNorm                            :func:`rms_norm`
@@ -36,8 +36,8 @@ from typing import Optional
 
 import numpy as np
 
-from ._args import Call, bool_arg, check_memory, normalize, plan
-from ._variants import key_positions_of, query_positions, sequence_ids, variant_kwargs
+from .._internal.args import Call, bool_arg, check_memory, normalize, plan
+from .._internal.variants import key_positions_of, query_positions, sequence_ids, variant_kwargs
 
 __all__ = ["multi_head_attention", "lse", "softmax", "log_sum_exp", "attention",
            "score_steps", "weighted_values", "allowed_keys", "rms_norm", "rope",
@@ -272,7 +272,7 @@ def allowed_keys(call: Call, b: int, h: int) -> np.ndarray:
     Parameters
     ----------
     call : Call
-        A checked call (:func:`mhattn._args.normalize`).
+        A checked call (:func:`mhattn._internal.args.normalize`).
     b, h : int
         The batch item and the query head.
 
@@ -439,7 +439,7 @@ def head_intermediates(call: Call, b: int, h: int) -> dict:
     Parameters
     ----------
     call : Call
-        A checked call (:func:`mhattn._args.normalize`).
+        A checked call (:func:`mhattn._internal.args.normalize`).
     b, h : int
         The batch item and the query head.
 
@@ -487,7 +487,7 @@ def head_scores(call: Call, b: int, h: int, q_proj: np.ndarray, k_proj: np.ndarr
     Parameters
     ----------
     call : Call
-        A checked call (:func:`mhattn._args.normalize`).
+        A checked call (:func:`mhattn._internal.args.normalize`).
     b, h : int
         The batch item and the query head.
     q_proj : (Tq, dk) array
@@ -725,7 +725,7 @@ def param_count(d_model: int, num_heads: int, d_k: Optional[int] = None,
     >>> mhattn.param_count(512, 8), mhattn.param_count(512, 1)   # 4 * 512**2 both
     (1048576, 1048576)
     """
-    from ._args import _int_arg
+    from .._internal.args import _int_arg
     d_model = _int_arg("d_model", d_model, allow_none=False)
     h = _int_arg("num_heads", num_heads, allow_none=False)
     d_k = _int_arg("d_k", d_k)

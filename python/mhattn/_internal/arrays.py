@@ -1,7 +1,7 @@
 """Reading a caller's object as an array, with errors that name the argument.
 
-The lowest layer of argument checking: :mod:`mhattn._args` and
-:mod:`mhattn._variants` are built on it.
+The lowest layer of argument checking: :mod:`mhattn._internal.args` and
+:mod:`mhattn._internal.variants` are built on it.
 """
 from __future__ import annotations
 

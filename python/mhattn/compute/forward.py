@@ -1,11 +1,11 @@
 """mhattn.multi_head_attention: checks arguments in Python, computes in C."""
 from __future__ import annotations
 
-from . import _C, _core
-from ._core import make_context, run_core
+from .._internal import core
+from .._internal.core import make_context, run_core
+from .._internal.variants import VARIANT_DEFAULTS, variant_kwargs
 from .cache import cached_step
 from .packed import PackedWeights, call_weights
-from ._variants import VARIANT_DEFAULTS, variant_kwargs
 
 __all__ = ["multi_head_attention", "run_core"]
 
@@ -156,7 +156,7 @@ def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None
     ...     X, w_q, w_k, w_v, w_o, causal=True))
     True
     """
-    # Every variant off (_variants.VARIANT_DEFAULTS), checked without building
+    # Every variant off (variants.VARIANT_DEFAULTS), checked without building
     # their dict: a chained `is` is all of them None. The fast branch needs
     # no more; the paths that take the variants build their dict there.
     # (tests/test_fast_path.py holds this list to VARIANT_DEFAULTS.)
@@ -179,17 +179,17 @@ def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None
         raise ValueError("new_lengths: only with cache= (a ragged cached step)")
     args = call = None
     if return_context is False and off:
-        args = _core.fast(x, w_q, w_k, w_v, w_o, num_heads, key, value, scale,
+        args = core.fast(x, w_q, w_k, w_v, w_o, num_heads, key, value, scale,
                           return_weights, mask, causal, key_lengths, num_kv_heads,
                           b_q, b_k, b_v, b_o)
     if args is None:
-        args, call = _core.slow(x, w_q, w_k, w_v, w_o, num_heads, key, value, scale,
+        args, call = core.slow(x, w_q, w_k, w_v, w_o, num_heads, key, value, scale,
                                 mask, causal, key_lengths, num_kv_heads, b_q, b_k, b_v,
                                 b_o, return_weights, return_context,
                                 **variant_kwargs(locals()))
     if packed is not None:
         args = (*args, packed._core_packed(args[0].dtype))
-    out, weights, extras = _C.forward(*args)
+    out, weights, extras = core.forward(*args)
     if (x.ndim == 2) if call is None else not call.batched:
         out = out[0]
         if weights is not None:

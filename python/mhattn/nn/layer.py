@@ -32,10 +32,10 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
-from ._api import multi_head_attention
-from ._args import _check_numeric, _int_arg, _to_array
-from ._grad import backward as _backward
-from .packed import PackedWeights, pack_weights
+from .._internal.args import _check_numeric, _int_arg, _to_array
+from ..compute.forward import multi_head_attention
+from ..compute.grad import backward as _backward
+from ..compute.packed import PackedWeights, pack_weights
 
 __all__ = ["MultiHeadAttention"]
 

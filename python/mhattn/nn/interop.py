@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ._args import _int_arg
+from .._internal.args import _int_arg
 
 __all__ = ["from_torch_masks", "torch_masks_to_mhattn", "to_torch_attn_mask"]
 

@@ -4,7 +4,7 @@
 ``alibi_slopes``, ``sinks``, ``q_norm``, ``k_norm``, ``norm_eps``, ``rope``,
 ``positions``, ``key_positions``, ``key_mask``, ``cu_seqlens`` and
 ``key_cu_seqlens`` into one :class:`Variants`, held by the checked
-:class:`mhattn._args.Call` as ``call.var``.  Every error names the argument
+:class:`mhattn._internal.args.Call` as ``call.var``.  Every error names the argument
 and the shapes it saw.  Letters follow ``csrc/mha.h``.
 
 The order of a score's life, which the reference, the trace and the C core
@@ -26,7 +26,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from ._arrays import _check_numeric, _to_array
+from .arrays import _check_numeric, _to_array
 
 __all__ = ["RoPE", "Variants", "normalize_variants", "VARIANT_DEFAULTS",
            "variant_kwargs",

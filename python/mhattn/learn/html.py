@@ -187,7 +187,7 @@ def trace_html(trace: Any) -> str:
 
 
 def compare_html(report: Any) -> str:
-    """The HTML display of a :class:`mhattn.trace.CompareReport`: its summary,
+    """The HTML display of a :class:`mhattn.learn.trace.CompareReport`: its summary,
     then a left-aligned table of the stages, the first divergence in red."""
     rows = []
     for st in report.stages:

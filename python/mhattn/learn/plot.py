@@ -386,8 +386,8 @@ def _hidden(H, Tq, Tk, B, b, *, mask, causal, key_lengths, window, key_mask) -> 
     if mask is None and not causal and key_lengths is None and window is None \
             and key_mask is None:
         return np.zeros((H, Tq, Tk), dtype=bool)
-    from . import reference
-    from ._args import normalize
+    from .. import reference
+    from .._internal.args import normalize
 
     extra = {}
     if mask is not None:

@@ -46,11 +46,11 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from . import reference
-from ._html import _num  # a figure of the comparison: '' / 'inf' / 3 digits
-from ._core import run_core
-from ._args import Call, check_memory, normalize, plan
-from ._variants import variant_kwargs
+from .._internal.args import Call, check_memory, normalize, plan
+from .._internal.core import run_core
+from .._internal.variants import variant_kwargs
+from .. import reference
+from .html import _num  # a figure of the comparison: '' / 'inf' / 3 digits
 
 __all__ = ["trace", "Trace", "CompareReport", "StageDiff", "STAGES", "VARIANT_KEYS"]
 
@@ -257,7 +257,7 @@ class Trace:
     # ------------------------------------------------------------------ build
     @classmethod
     def from_call(cls, call: Call, *, tokens=None, key_tokens=None) -> "Trace":
-        """Run the C core on a checked :class:`mhattn._args.Call` and trace it."""
+        """Run the C core on a checked :class:`mhattn._internal.args.Call` and trace it."""
         check_memory(plan(call, want_weights=True, keep=True) + _trace_items(call))
         out, weights, (q, k, v, concat, lse) = run_core(call, want_weights=True, keep=True)
         B, H, Tq, Tk = call.B, call.H, call.Tq, call.Tk
@@ -530,7 +530,7 @@ class Trace:
                 and self.concat.shape[-1] <= 16)
 
     def _repr_html_(self) -> str:
-        from ._html import trace_html
+        from .html import trace_html
         return trace_html(self)
 
 
@@ -652,7 +652,7 @@ class CompareReport:
     __repr__ = __str__
 
     def _repr_html_(self) -> str:
-        from ._html import compare_html
+        from .html import compare_html
         return compare_html(self)
 
 

@@ -18,12 +18,12 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
-from . import _C
-from ._args import (_normalize_lengths, _normalize_mask, _scale_arg, bool_arg,
-                    check_memory, compute_dtype, head_scales)
-from ._arrays import _check_numeric, _to_array
-from ._core import variant_args
-from ._variants import Variants, normalize_variants
+from .._internal import core
+from .._internal.args import (_normalize_lengths, _normalize_mask, _scale_arg, bool_arg,
+                              check_memory, compute_dtype, head_scales)
+from .._internal.arrays import _check_numeric, _to_array
+from .._internal.core import variant_args
+from .._internal.variants import Variants, normalize_variants
 
 __all__ = ["attention", "attention_grad", "merge_attention", "Projected",
            "check_projected", "projected_variants"]
@@ -221,7 +221,7 @@ def attention(q, k, v, *, layout="bhtd", scale=None, mask=None, causal=False,
                   ("the log-sum-exp", "B*h*T_q", (p.B, p.H, p.Tq), n)]
                  + ([("return_weights=True", "B*h*T_q*T_k", (p.B, p.H, p.Tq, p.Tk), n)]
                     if want_w else []))
-    out, weights, lse = _C.attention(p.q, p.k, p.v, scales, m, c, kl, var, False,
+    out, weights, lse = core.attention(p.q, p.k, p.v, scales, m, c, kl, var, False,
                                      p.layout == "bthd", want_w, want_lse)
     result = (_unbatch(p, out),)
     if want_w:
@@ -282,9 +282,9 @@ def attention_grad(grad_out, q, k, v, *, layout="bhtd", scale=None, mask=None,
         ls = _as_like("lse", lse, (p.B, p.H, p.Tq) if p.batched else (p.H, p.Tq), p,
                       swap=False)
     else:
-        o, _, ls = _C.attention(p.q, p.k, p.v, scales, m, c, kl, var, False, False,
+        o, _, ls = core.attention(p.q, p.k, p.v, scales, m, c, kl, var, False, False,
                                 False, True)
-    dq, dk, dv, dsinks = _C.attention_backward(g, p.q, p.k, p.v, o, ls, scales, m, c, kl,
+    dq, dk, dv, dsinks = core.attention_backward(g, p.q, p.k, p.v, o, ls, scales, m, c, kl,
                                                var, False)
     grads = {"q": _bhtd(p, dq), "k": _bhtd(p, dk), "v": _bhtd(p, dv)}
     if sinks is not None:

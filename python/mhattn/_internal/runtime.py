@@ -10,7 +10,7 @@ from __future__ import annotations
 import operator
 from typing import Optional
 
-from . import _C
+from . import core
 
 __all__ = ["get_isa", "set_num_threads", "get_num_threads", "_set_isa"]
 
@@ -30,7 +30,7 @@ def get_isa() -> str:
     >>> mhattn.get_isa() in ("scalar", "avx2", "avx512", "neon")
     True
     """
-    return _C.get_isa()
+    return core.get_isa()
 
 
 def _set_isa(name: str) -> str:
@@ -47,7 +47,7 @@ def _set_isa(name: str) -> str:
     """
     if name not in _ISAS:
         raise ValueError(f"name: expected one of {', '.join(map(repr, _ISAS))}, got {name!r}")
-    return _C.set_isa(name)
+    return core.set_isa(name)
 
 
 def set_num_threads(n: Optional[int] = None) -> None:
@@ -74,7 +74,7 @@ def set_num_threads(n: Optional[int] = None) -> None:
         raise TypeError(f"n: expected an int or None, got {type(n).__name__}") from None
     if n < 0:
         raise ValueError(f"n: expected a thread count >= 0 (0 = default), got {n}")
-    _C.set_num_threads(min(n, 256))
+    core.set_num_threads(min(n, 256))
 
 
 def get_num_threads() -> int:
@@ -85,4 +85,4 @@ def get_num_threads() -> int:
     >>> mhattn.get_num_threads() >= 1
     True
     """
-    return _C.get_num_threads()
+    return core.get_num_threads()

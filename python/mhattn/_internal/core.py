@@ -6,7 +6,7 @@ turn their arguments into the 19 positional arguments of ``_C.forward``:
 ndarrays of one float dtype; weights fused, stacked or per-head lists;
 options in their usual forms), which returns None for anything else; and
 :func:`slow`, which checks every argument through
-:func:`mhattn._args.normalize` and raises the friendly errors.
+:func:`mhattn._internal.args.normalize` and raises the friendly errors.
 
 The fast branch makes every check the glue makes, so that the glue accepts
 whatever it returns; it never relies on the glue's errors (nor catches
@@ -14,9 +14,10 @@ them: they may come from a user's SIGINT handler). What it returns is
 bitwise what the slow branch returns: the same arrays, or views with the
 same values.
 
-:func:`run_core` hands a checked :class:`mhattn._args.Call` to the core;
-:class:`Context` is what the forward keeps for the backward.  ``_api``
-(the forward) and ``_grad`` (the backward) are built on this module.
+:func:`run_core` hands a checked :class:`mhattn._internal.args.Call` to the core;
+:class:`Context` is what the forward keeps for the backward.
+``compute.forward`` and ``compute.grad`` are built on this module, and
+every call of the core goes through its named entry points below.
 The letters follow ``csrc/mha.h``.
 """
 from __future__ import annotations
@@ -25,12 +26,83 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
-from . import _C, _args
-from ._args import (PER_HEAD_BYTES, Call, bool_arg, check_memory, fused_widths,
-                    head_scales, memory_limit, normalize, plan)
+from .. import _C  # the one module of the package that imports the extension
+from . import args as _args
+from .args import (PER_HEAD_BYTES, Call, bool_arg, check_memory, fused_widths,
+                   head_scales, memory_limit, normalize, plan)
 
 __all__ = ["fast", "slow", "core_args", "variant_args", "head_arrays", "run_core",
-           "Context", "make_context"]
+           "Context", "make_context",
+           # the C entry points
+           "forward", "backward", "attention", "attention_backward", "project",
+           "pack_weight", "packed_info", "get_isa", "set_isa", "get_num_threads",
+           "set_num_threads", "library_path"]
+
+
+# --- the C entry points --------------------------------------------------------
+# This module is the only one that imports mhattn._C (tests/test_structure.py
+# holds the package to that); the rest of the package calls the core through
+# these functions. Each looks _C's function up when it is called, as a direct
+# ``_C.name(...)`` call does. Their arguments are those of _C.pyi.
+
+def forward(*args):
+    """``_C.forward``: the layer's forward pass (:func:`core_args` and the packed capsules)."""
+    return _C.forward(*args)
+
+
+def backward(*args):
+    """``_C.backward``: the layer's backward pass."""
+    return _C.backward(*args)
+
+
+def attention(*args):
+    """``_C.attention``: attention on projected q, k, v."""
+    return _C.attention(*args)
+
+
+def attention_backward(*args):
+    """``_C.attention_backward``: the gradients of :func:`attention`."""
+    return _C.attention_backward(*args)
+
+
+def project(*args):
+    """``_C.project``: the q, k, v projections of new rows (a KV cache's step)."""
+    return _C.project(*args)
+
+
+def pack_weight(w):
+    """``_C.pack_weight``: a weight's GEMM panels, as a capsule."""
+    return _C.pack_weight(w)
+
+
+def packed_info(capsule) -> tuple:
+    """``_C.packed_info``: what a capsule of :func:`pack_weight` holds."""
+    return _C.packed_info(capsule)
+
+
+def get_isa() -> str:
+    """``_C.get_isa``: the instruction set of the kernels in force."""
+    return _C.get_isa()
+
+
+def set_isa(name: str) -> str:
+    """``_C.set_isa``: caps the instruction set; returns the one in force."""
+    return _C.set_isa(name)
+
+
+def get_num_threads() -> int:
+    """``_C.get_num_threads``: the core's thread count for the next call."""
+    return _C.get_num_threads()
+
+
+def set_num_threads(n: int) -> None:
+    """``_C.set_num_threads``: the core's thread count, 0 for the default."""
+    _C.set_num_threads(n)
+
+
+def library_path() -> str:
+    """The file of the compiled extension (threadpoolctl's ``filepath``)."""
+    return _C.__file__
 
 _F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
 _BOOL = np.dtype(np.bool_)
@@ -125,7 +197,7 @@ def run_core(call: Call, *, want_weights: bool = False, keep: bool = False, pack
     Returns (out, weights, extras), batched: out (B, Tq, Dout), weights
     (B, H, Tq, Tk) or None, extras (q, k, v, concat, lse) or None.
     """
-    return _C.forward(*core_args(call, want_weights=want_weights, keep=keep), packed)
+    return forward(*core_args(call, want_weights=want_weights, keep=keep), packed)
 
 
 # --- the fast branch ---------------------------------------------------------

@@ -16,9 +16,9 @@ from typing import Any, Optional
 
 import numpy as np
 
-from . import _C
-from ._args import _to_array, bool_arg, normalize
-from ._core import _fused_bias, head_arrays, variant_args
+from .._internal import core
+from .._internal.args import _to_array, bool_arg, normalize
+from .._internal.core import _fused_bias, head_arrays, variant_args
 
 __all__ = ["KVCache", "cached_step"]
 
@@ -320,7 +320,7 @@ def cached_step(x, w_q, w_k, w_v, w_o, *, cache, num_heads=None, scale=None,
     counts = _new_lengths(new_lengths, call.B, call.Tq, call.causal)
     dk, dv, scales = head_arrays(call)
     variants = variant_args(call)
-    q, k, v = _C.project(call.x, call.key, call.value, call.wq.fused(), call.wk.fused(),
+    q, k, v = core.project(call.x, call.key, call.value, call.wq.fused(), call.wk.fused(),
                          call.wv.fused(), _fused_bias(call.bq), _fused_bias(call.bk),
                          _fused_bias(call.bv), dk, dv, scales, variants,
                          None if packed is None else packed._core_packed(call.dtype))
@@ -335,7 +335,7 @@ def cached_step(x, w_q, w_k, w_v, w_o, *, cache, num_heads=None, scale=None,
         # Every new row is written and attended at lengths[b] + i, so the
         # real rows sit where they belong; with new_lengths the padding rows
         # are then dropped from the lengths (causal: no real query saw them).
-        concat, weights, _ = _C.attention(
+        concat, weights, _ = core.attention(
             q4, cache.key_storage, cache.value_storage, scales, None, call.causal,
             cache._lengths.copy(), scores_only, True,
             True, want_w, False)

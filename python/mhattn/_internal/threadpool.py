@@ -43,10 +43,10 @@ def _register(tpc) -> None:
     if _registered or not hasattr(tpc, "register") or not hasattr(tpc, "LibController"):
         return  # threadpoolctl < 3.0 has no third-party controllers
 
-    from . import _C, _runtime
-    from ._version import __version__
+    from . import core, runtime
+    from .._version import __version__
 
-    own = os.path.realpath(_C.__file__)
+    own = os.path.realpath(core.library_path())
 
     class MhattnController(tpc.LibController):
         """mhattn's persistent thread pool (``mhattn.set_num_threads``)."""
@@ -59,13 +59,13 @@ def _register(tpc) -> None:
             # Built for every loaded library named _C.*: keep only ours.
             if os.path.realpath(self.filepath) != own:
                 raise OSError(f"{self.filepath} is not mhattn's extension")
-            self.architecture = _runtime.get_isa()
+            self.architecture = runtime.get_isa()
 
         def get_num_threads(self):
-            return _runtime.get_num_threads()
+            return runtime.get_num_threads()
 
         def set_num_threads(self, num_threads):
-            _runtime.set_num_threads(num_threads)
+            runtime.set_num_threads(num_threads)
 
         def get_version(self):
             return __version__
