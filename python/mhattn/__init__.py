@@ -28,12 +28,15 @@ from ._internal import threadpool as _threadpool
 _threadpool.install()  # threadpoolctl sees the pool, whichever is imported first
 from .learn import trace, Trace, plot_attention, check_prototype, check_attention_prototype
 
-# The modules that were attributes of the flat package stay attributes, the
-# same modules in their new homes: ``mhattn.checker.MISTAKES`` is documented
-# (README.md), and so are ``mhattn.layer``, ``mhattn.interop``, ``mhattn.plot``,
-# ``mhattn.cache`` and ``mhattn.packed``. (``mhattn.trace`` and
-# ``mhattn.attention`` are the functions, as they were.)
-from .learn import checker, plot
+# The modules that were attributes of the flat package stay attributes.
+# ``mhattn.checker`` is documented (README.md: ``mhattn.checker.MISTAKES``)
+# and stays importable as a module, ``import mhattn.checker``: a small module
+# of its own at the top, python/mhattn/checker.py, which says why. The others
+# are the modules in their new homes (``mhattn.layer`` is mhattn.nn.layer,
+# ``mhattn.plot`` mhattn.learn.plot, ...), imported by those paths only.
+# (``mhattn.trace`` and ``mhattn.attention`` are the functions, as they were.)
+from . import checker
+from .learn import plot
 from .nn import layer, interop
 from .compute import cache, packed
 
