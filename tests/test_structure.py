@@ -1,14 +1,26 @@
-"""The Python package's layering: imports run downward only (no module
-imports one that imports it back, lazily or not, across the whole package,
-subpackages included, modules by dotted name), and functions stay short.
+"""The Python package's architecture: its parts and how they may import.
+
+- imports run downward only: no module imports one that imports it back,
+  lazily or not, across the whole package (modules by dotted name);
+- exactly one module, ``mhattn._internal.core``, imports the extension
+  ``mhattn._C``;
+- ``_internal`` is the bottom layer (it imports only itself, ``_C`` and
+  ``_version``), and ``compute`` imports nothing of ``learn`` or ``nn``;
+- the top of python/mhattn/ stays small (at most 12 entries);
+- the public namespace ``mhattn.*`` is what it was before the package was
+  split into subpackages;
+- functions stay short.
 """
 import ast
+import importlib
 import os
+import types
 
 import mhattn
 
 PACKAGE = os.path.dirname(mhattn.__file__)
 MAX_FUNCTION_LINES = 100
+MAX_TOP_ENTRIES = 12
 
 
 def _modules():
@@ -70,6 +82,10 @@ def _graph():
             for name, (tree, is_pkg) in modules.items()}
 
 
+def _within(name, part):
+    return name == part or name.startswith(part + ".")
+
+
 def test_imports_run_downward_only():
     graph = _graph()
     # the graph is read at all, subpackages and relative levels included
@@ -92,6 +108,89 @@ def test_imports_run_downward_only():
     for name in graph:
         if name not in state:
             visit(name, [name])
+
+
+def test_exactly_one_module_imports_the_extension():
+    """Found in every module's source: an import of mhattn._C, or of any
+    name ``_C`` (``from .core import _C`` would hand the module on)."""
+    importers = set()
+    for name, (tree, is_pkg) in _modules().items():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                mods = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+                if (any(a.name == "_C" or a.name.endswith("._C") for a in node.names)
+                        or any(m == "_C" or m.endswith("._C") for m in mods)):
+                    importers.add(name)
+    assert importers == {"mhattn._internal.core"}, sorted(importers)
+    # and no module holds the extension module itself but that one
+    holders = [name for name in _modules() if name != "mhattn"
+               and getattr(importlib.import_module(name), "_C", None) is mhattn._C]
+    assert holders == ["mhattn._internal.core"], holders
+
+
+def test_layers():
+    """_internal is the bottom layer; compute sits on it and knows nothing
+    of the learner's tools or the layer class."""
+    graph = _graph()
+    bad = []
+    for name, targets in graph.items():
+        for t in sorted(targets):
+            if _within(name, "mhattn._internal") and not (
+                    _within(t, "mhattn._internal") or t in ("mhattn._C", "mhattn._version")):
+                bad.append(f"{name} -> {t}")
+            if _within(name, "mhattn.compute") and any(
+                    _within(t, part) for part in ("mhattn.learn", "mhattn.nn", "mhattn.checker")):
+                bad.append(f"{name} -> {t}")
+    assert not bad, bad
+    assert "mhattn._internal.args" in graph["mhattn._internal.core"]   # the graph is read
+
+
+def test_the_top_of_the_package_is_small():
+    entries = sorted(e for e in os.listdir(PACKAGE)
+                     if e != "__pycache__" and not e.endswith(".egg-info"))
+    assert any(e.endswith((".so", ".pyd")) for e in entries), entries   # _C is counted
+    assert len(entries) <= MAX_TOP_ENTRIES, entries
+
+
+# mhattn.__all__ before the package was split into subpackages.
+PUBLIC = ["multi_head_attention", "pack_weights", "PackedWeights", "attention",
+          "attention_grad", "merge_attention", "KVCache", "multi_head_attention_grad",
+          "backward", "Context", "RoPE", "param_count", "reference", "worked_example",
+          "MultiHeadAttention", "from_torch_masks", "to_torch_attn_mask", "get_isa",
+          "set_num_threads", "get_num_threads", "trace", "Trace", "plot_attention",
+          "check_prototype", "check_attention_prototype"]
+
+
+def test_the_public_namespace_is_unchanged():
+    assert mhattn.__all__ == PUBLIC
+    space = {}
+    exec("from mhattn import *", space)
+    for name in PUBLIC:
+        assert space[name] is getattr(mhattn, name), name
+        assert getattr(mhattn, name) is not None, name
+    assert isinstance(mhattn.reference, types.ModuleType)
+    assert isinstance(mhattn.trace, types.FunctionType)       # the function, not the module
+    assert isinstance(mhattn.attention, types.FunctionType)
+
+
+def test_the_submodules_users_reach_are_where_they_were():
+    """``mhattn.reference`` and ``mhattn.checker`` (README.md) import as
+    modules; the other modules that were attributes of the flat package
+    still are, as the same modules in their new homes."""
+    import mhattn.checker
+    import mhattn.reference
+    from mhattn.checker import MISTAKES, PrototypeReport
+    from mhattn.learn import checker
+    from mhattn.reference import multi_head_attention  # noqa: F401
+
+    assert MISTAKES is checker.MISTAKES and PrototypeReport is checker.PrototypeReport
+    assert mhattn.checker.check_prototype is mhattn.check_prototype
+    assert mhattn.reference.__name__ == "mhattn.reference"
+    homes = {"layer": "mhattn.nn.layer", "interop": "mhattn.nn.interop",
+             "plot": "mhattn.learn.plot", "cache": "mhattn.compute.cache",
+             "packed": "mhattn.compute.packed", "checker": "mhattn.checker"}
+    for name, home in homes.items():
+        assert getattr(mhattn, name) is importlib.import_module(home), name
 
 
 def test_no_function_is_long():
