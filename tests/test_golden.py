@@ -17,12 +17,17 @@ from golden_cases import CASES
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
 
 
+_LOADED = {}   # isa -> its recorded bits, read once (~60 ms a file) for all its cases
+
+
 def _golden(isa):
     path = os.path.join(HERE, f"{isa}.npz")
     if not os.path.exists(path):
         pytest.skip(f"no golden bits recorded for {isa} (tests/golden/make_golden.py)")
-    with np.load(path) as z:
-        return {k: z[k] for k in z.files}
+    if isa not in _LOADED:
+        with np.load(path) as z:
+            _LOADED[isa] = {k: z[k] for k in z.files}
+    return _LOADED[isa]
 
 
 @pytest.fixture(scope="module", params=[1, 3])
