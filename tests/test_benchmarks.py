@@ -150,6 +150,7 @@ def _tiny_data(dtype="float32", B=2, T=5, d=16, h=4):
     return variants.make_data(T, d, h, B, dtype, np.random.default_rng(1), with_torch=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("causal", [False, True])
 def test_ort_graphs_agree_with_mhattn(causal):
     """Each of the three ONNX graphs, weights as initializers, computes
@@ -184,6 +185,7 @@ def test_ort_graphs_agree_with_mhattn(causal):
             _tiny_data("float64"), configs.Case(5, 16, 4, 2, "float64", causal))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("causal", [False, True])
 def test_jax_layer_agrees_with_mhattn(causal):
     """The jitted JAX layer computes mhattn's at a tiny size, float32 and
@@ -375,6 +377,7 @@ def test_bench_ab_parsing_and_summary():
     assert [(r[0], r[1], r[2], r[3]) for r in rows] == [("a", 2.0, 1.0, 1.0), ("b", 0.5, 4.0, 4.0)]
 
 
+@pytest.mark.slow
 def test_bench_ab_runs_a_build(capsys):
     """Two rounds of the mhattn these tests import against itself, on a tiny
     case: the table names both and every round; a folder without mhattn is

@@ -74,6 +74,7 @@ def _outcome(f, *args, **kw):
         return None, (type(e), str(e))
 
 
+@pytest.mark.slow
 @settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(near_canonical_calls())
 def test_glue_accepts_whatever_the_fast_branch_takes(case):

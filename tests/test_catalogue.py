@@ -95,6 +95,7 @@ def test_catalogue_covers_the_issue():
         assert kind in names, kind
 
 
+@pytest.mark.slow
 def test_runner_names_a_crash_and_goes_on(tmp_path):
     """The harness itself: a case that kills its process is named as the
     culprit and the cases after it still run (so the runner can fail)."""

@@ -6,7 +6,6 @@ the dtype to check it in (DTYPE).  tools/checker_corpus.py prints the same
 table against an older checker.
 """
 import importlib.util
-import time
 from pathlib import Path
 
 import numpy as np
@@ -47,9 +46,7 @@ def test_planted_mistakes_are_named(path):
     mod = _load(path)
     expected = tuple(mod.EXPECTED)
     dtype = np.dtype(getattr(mod, "DTYPE", "float64"))
-    t0 = time.perf_counter()
     rep = mhattn.check_prototype(mod.prototype, dtype=dtype)
-    elapsed = time.perf_counter() - t0
     if not expected:
         assert rep.ok, str(rep)
         return
@@ -63,4 +60,3 @@ def test_planted_mistakes_are_named(path):
     failing = [t for t in rep.trials if not t.ok]
     assert all(t.matching for t in failing)
     assert all(not t.matching for t in rep.trials if t.ok)
-    assert elapsed < 3.0, elapsed            # generous: the machine is shared

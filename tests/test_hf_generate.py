@@ -59,6 +59,7 @@ def _layer_norm(x, w, b, eps):
     return (x - mu) / np.sqrt(var + eps) * w + b
 
 
+@pytest.mark.slow
 def test_gpt2_generate_matches_the_cached_step():
     config = transformers.GPT2Config(vocab_size=40, n_positions=32, n_embd=16, n_layer=1,
                                      n_head=2, attn_implementation="eager")

@@ -15,7 +15,7 @@ import textwrap
 
 import pytest
 
-from test_interrupt import _run_child, pytestmark  # noqa: F401  (POSIX only)
+from test_interrupt import _run_child, pytestmark  # noqa: F401  (POSIX only; slow)
 
 CHILD = textwrap.dedent(r"""
     import faulthandler, json, threading, time

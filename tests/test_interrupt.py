@@ -17,8 +17,10 @@ import pytest
 
 import mhattn
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "kill") or sys.platform == "win32",
-                                reason="needs POSIX signals")
+# Slow: each child sizes calls to run for seconds, so that a SIGINT lands inside.
+pytestmark = [pytest.mark.skipif(not hasattr(os, "kill") or sys.platform == "win32",
+                                 reason="needs POSIX signals"),
+              pytest.mark.slow]
 
 # What both children need: sizing a call by timing a small one, and a
 # timer thread that sends SIGINT to the process.
@@ -202,10 +204,13 @@ def report():
 
 
 def test_ctrl_c_interrupts_a_long_call_promptly(report):
-    # The call was sized to take ~8 s; it must stop within ~1 s of SIGINT.
+    # The call was sized to take ~8 s and is interrupted at 0.5 s. The bounds
+    # are generous on purpose, not a measure of speed: they only tell a call
+    # that the core stopped at the flag from one that ran to its end (or hung)
+    # before the KeyboardInterrupt.
     assert report["interrupted"], report
-    assert report["latency"] < 1.0, report
-    assert report["elapsed"] < 1.5 + 0.5, report
+    assert report["latency"] < 3.0, report
+    assert report["elapsed"] < 0.5 + 3.0, report
 
 
 def test_state_is_clean_after_an_interrupt(report):
@@ -294,11 +299,13 @@ def report_backward():
 
 
 def test_ctrl_c_interrupts_a_long_backward_promptly(report_backward):
-    # The backward was sized to take ~6 s; it must stop within ~1 s.
+    # The backward was sized to take ~6 s and is interrupted at 0.5 s; the
+    # generous bounds only tell a stop at the flag from a call run to its end
+    # or hung (see test_ctrl_c_interrupts_a_long_call_promptly).
     r = report_backward
     assert r["interrupted"], r
-    assert r["latency"] < 1.0, r
-    assert r["elapsed"] < 1.5 + 0.5, r
+    assert r["latency"] < 3.0, r
+    assert r["elapsed"] < 0.5 + 3.0, r
     assert r["works_after"], r
 
 
@@ -373,6 +380,8 @@ def test_a_forked_child_honours_ctrl_c_and_then_runs():
     assert not report.get("hung"), report
     child = report["child"]
     assert child is not None and "error" not in child, report
+    # Hang detectors, not measures of speed: the interrupted call was sized
+    # to ~3 s (a stop at the flag ends it well before), the next to ~0.3 s.
     assert child["interrupted"] and child["latency"] < 2.0, report
     assert child["next_call"] < 30, report
 
@@ -492,4 +501,7 @@ def report_storm():
 def test_a_sigint_storm_lets_a_call_finish(report_storm, entry):
     r = report_storm[entry]
     assert r["ok"], r
+    # Not a measure of speed: the storm lasts 40 calls' time, so a call that
+    # started over at every SIGINT would take 40 dt or never end; 20 dt only
+    # tells that livelock from a call that finishes.
     assert r["elapsed"] < 20 * r["dt"], r

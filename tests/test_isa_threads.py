@@ -250,6 +250,7 @@ def test_env_isa_and_threads_are_read(tmp_path):
 # --------------------------------------------------------------------------
 # the GIL is released
 
+@pytest.mark.slow
 def test_two_python_threads_run_concurrently(threads):
     """Two threads call mhattn in a loop; with the GIL released their calls
     overlap in time (on any number of cores: both are inside C at once).

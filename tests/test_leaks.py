@@ -74,6 +74,7 @@ def run_steps(n):
             raise AssertionError("a bad call did not fail")
 
 
+@pytest.mark.slow
 def test_refcounts_flat_over_calls_and_errors():
     tracked = [X, XS, W, WO, MASK, KL, B_O] + [v for ch in BAD_GLUE for v in ch.values()
                                               if isinstance(v, np.ndarray)]
@@ -105,6 +106,7 @@ def test_outputs_hold_no_extra_reference():
     assert sys.getrefcount(out) == 2 and sys.getrefcount(w) == 2
 
 
+@pytest.mark.slow
 def test_traced_memory_flat_over_10k_calls():
     """NumPy reports its data allocations to tracemalloc: a leaked output or
     input copy shows up here."""
@@ -127,6 +129,7 @@ def rss():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs /proc")
 @pytest.mark.skipif(UNDER_ASAN, reason="ASan's quarantine holds freed memory, so RSS "
                     "grows by design; ASan checks the heap itself")

@@ -1,6 +1,5 @@
 """examples/walkthrough.ipynb runs from top to bottom, so that it cannot rot."""
 import pathlib
-import time
 
 import pytest
 
@@ -19,16 +18,15 @@ def _text(output):
     return data.get("text/html", "") + data.get("text/plain", "")
 
 
+@pytest.mark.slow
 def test_walkthrough_notebook_runs():
     nb = nbformat.read(NOTEBOOK, as_version=4)
     nbformat.validate(nb)
     # Kept without outputs, so that diffs stay readable.
     assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code")
-    start = time.perf_counter()
     client = nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
                                      resources={"metadata": {"path": str(NOTEBOOK.parent)}})
     client.execute()           # raises CellExecutionError on any failing cell
-    elapsed = time.perf_counter() - start
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     text = "\n".join(_text(o) for o in outputs)
@@ -40,4 +38,3 @@ def test_walkthrough_notebook_runs():
     # Both plot cells display a figure as an image.
     pngs = [o for o in outputs if "image/png" in o.get("data", {})]
     assert len(pngs) == 2
-    assert elapsed < 60, f"the notebook took {elapsed:.1f} s; keep it small"
