@@ -4,7 +4,7 @@ the mask converters.  No PyTorch needed.
 Two kinds of check: the C path against the NumPy reference, and each feature
 against an independent restatement of it with other features of the API
 (causal == an explicit triangle mask, GQA == repeated kv heads, a bias == an
-extra input column of ones, ...), so a shared misreading in _args.py cannot
+extra input column of ones, ...), so a shared misreading in _internal/args.py cannot
 make both sides agree.
 """
 import itertools
