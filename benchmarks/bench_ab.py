@@ -23,6 +23,11 @@ and the fastest round instead: for a compute-bound kernel a difference of
 Cases:
     layer:TxDxH   multi_head_attention on (B, T, D) (B = 1: (T, D)), H heads
     attn:TxHxDK   mhattn.attention on q, k, v of (B, H, T, DK)
+    step:TxDxH    the cached decode step: multi_head_attention of one new
+                  token (B, 1, D) with cache= a KVCache that holds T tokens
+                  at the first call (each call appends its token, so the
+                  cache holds T to T + the calls made; every build makes
+                  the same calls)
 with --batch B, --causal, --dtype f32|f64, --packed (layer: pack_weights,
 packed once outside the timing), --backward (layer:
 multi_head_attention_grad; attn: attention_grad) and --threads N
@@ -35,7 +40,8 @@ import statistics
 import subprocess
 import sys
 
-KINDS = ("layer", "attn")
+KINDS = ("layer", "attn", "step")
+MAX_CALLS = 5000   # time_call's cap: a step case's cache has room for them
 
 
 def parse_case(text):
@@ -44,7 +50,8 @@ def parse_case(text):
     parts = dims.lower().split("x")
     if kind not in KINDS or len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
         raise argparse.ArgumentTypeError(
-            f"--case {text!r}: expected layer:TxDxH or attn:TxHxDK with positive integers")
+            f"--case {text!r}: expected layer:TxDxH, attn:TxHxDK or step:TxDxH with positive "
+            "integers")
     return kind, tuple(int(p) for p in parts)
 
 
@@ -66,6 +73,8 @@ def make_call(mhattn, np, args):
             g = rng.standard_normal(x.shape).astype(dtype)
             return (lambda: mhattn.multi_head_attention_grad(g, x, *weights, causal=causal, **kw)), 3 * flops
         return (lambda: mhattn.multi_head_attention(x, *weights, causal=causal, **kw)), flops
+    if kind == "step":
+        return make_step(mhattn, np, args, rng, dtype)
     T, H, dk = a, b, c
     q, k, v = (rng.standard_normal((B, H, T, dk)).astype(dtype) for _ in range(3))
     flops = 4 * B * H * T * T * dk * (0.5 if causal else 1)
@@ -75,7 +84,25 @@ def make_call(mhattn, np, args):
     return (lambda: mhattn.attention(q, k, v, causal=causal)), flops
 
 
-def time_call(fn, budget, stat="median", min_calls=5, max_calls=5000):
+def make_step(mhattn, np, args, rng, dtype):
+    """The cached decode step of a step:TxDxH case: a KVCache of B
+    sequences filled with T tokens by one prefill call, then one token per
+    call; its FLOP count is the new token's projections and its attention
+    over T keys."""
+    T, d, h = args.case[1]
+    B = args.batch
+    W = [(rng.standard_normal((d, d)) / np.sqrt(d)).astype(dtype) for _ in range(4)]
+    weights = (mhattn.pack_weights(*W, num_heads=h),) if args.packed else tuple(W)
+    kw = {} if args.packed else {"num_heads": h}
+    cache = mhattn.KVCache(B, h, T + MAX_CALLS + 16, d // h, dtype=dtype)
+    mhattn.multi_head_attention(rng.standard_normal((B, T, d)).astype(dtype), *weights,
+                                cache=cache, **kw)
+    x_new = rng.standard_normal((B, 1, d)).astype(dtype)
+    flops = B * (8 * d * d + 4 * T * d)
+    return (lambda: mhattn.multi_head_attention(x_new, *weights, cache=cache, **kw)), flops
+
+
+def time_call(fn, budget, stat="median", min_calls=5, max_calls=MAX_CALLS):
     """Seconds of one call, the median (or with stat="min" the fastest)
     of calls for ~budget s after one warm-up, each timed alone (bench.py's
     mhbench.timing.Timed)."""
@@ -163,8 +190,10 @@ def main(argv=None):
         return child(args)
     if len(args.builds) < 1 or args.rounds < 1 or args.batch < 1 or args.threads < 0:
         p.error("give at least one build, --rounds >= 1, --batch >= 1 and --threads >= 0")
-    if args.packed and args.case[0] != "layer":
-        p.error("--packed is for layer cases")
+    if args.packed and args.case[0] == "attn":
+        p.error("--packed is for layer and step cases")
+    if args.case[0] == "step" and (args.backward or args.causal):
+        p.error("a step case has no --backward or --causal (a decode step is causal)")
     order = list(range(len(args.builds)))
     results = [[] for _ in order]
     for r in range(args.rounds):

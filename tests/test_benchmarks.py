@@ -354,6 +354,7 @@ def test_bench_ab_parsing_and_summary():
     import bench_ab
     assert bench_ab.parse_case("layer:128x512x8") == ("layer", (128, 512, 8))
     assert bench_ab.parse_case("attn:4096X8x64") == ("attn", (4096, 8, 64))
+    assert bench_ab.parse_case("step:4096x512x8") == ("step", (4096, 512, 8))
     for bad in ("layer:128x512", "conv:1x2x3", "attn:0x8x64", "128x512x8"):
         with pytest.raises(argparse.ArgumentTypeError):
             bench_ab.parse_case(bad)
@@ -395,5 +396,12 @@ def test_bench_ab_runs_a_build(capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("attn 16x2x8 B=1 f32; ISA ") and out[0].endswith("; 1 threads")
     assert "fastest ms" in out[1] and len(out) == 3 and len(out[2].split()) == 6
+    # the cached decode step, packed, on a batch of two caches
+    bench_ab.main(["--case", "step:32x8x2", "--rounds", "1", "--budget", "0.02", "--batch", "2",
+                   "--packed", build])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("step 32x8x2 B=2 f32 packed; ISA ") and len(out) == 3
+    with pytest.raises(SystemExit):   # a decode step is causal and has no backward here
+        bench_ab.main(["--case", "step:32x8x2", "--backward", build])
     with pytest.raises(SystemExit, match=r"no mhattn in|No module named 'mhattn'"):
         bench_ab.main(["--rounds", "1", "--budget", "0.02", BENCH])
