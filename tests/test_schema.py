@@ -175,3 +175,60 @@ def test_records():
     # every documented name of a Parameters section is a parameter
     for e in entries:
         gen_schema.parameters_section(schema, e) if schema.ENTRIES[e].doc_groups else None
+
+
+def _glue_tables():
+    """{function: its arg_spec rows} as the glue's C source writes them
+    (wherever under csrc/ its tables live)."""
+    import glob
+    import re
+    tables = {}
+    for path in glob.glob(os.path.join(ROOT, "csrc", "**", "*.c"), recursive=True):
+        text = open(path, encoding="utf-8").read()
+        for fn, body in re.findall(r"static const arg_spec (\w+)_args\[\w+\] = \{(.*?)\n\};",
+                                   text, re.S):
+            entries = re.findall(r"\[(\w+)\] = \{(.*?)\},", body, re.S)
+            index = {pos: None for pos, _ in entries}
+            rows = []
+            for pos, spec in entries:
+                spec = " ".join(spec.split())
+                if spec.startswith(".name"):
+                    name = re.search(r'\.name = "(\w+)"', spec).group(1)
+                    kind = re.search(r"\.kind = (\w+)", spec).group(1)
+                    rows.append([name, kind, None, None])
+                else:
+                    m = re.fullmatch(r'"(\w+)", (\w+), SHAPE\d\(([\w, ]+)\), (\w+)', spec)
+                    shape = tuple(x.strip()[2:] for x in m.group(3).split(","))
+                    rows.append([m.group(1), m.group(2), shape, m.group(4)])
+                index[pos] = rows[-1][0]
+            for row in rows:   # an alias is written as its position
+                row[3] = index.get(row[3]) if row[3] not in (None, "0") else None
+            tables[fn] = [tuple(r) for r in rows]
+    return tables
+
+
+def test_the_schema_says_what_the_glue_tables_say():
+    tables = _glue_tables()
+    with_tables = [n for n, f in schema.C_FUNCTIONS.items() if f.prefix]
+    assert sorted(tables) == sorted(with_tables)
+    for name in with_tables:
+        want = [(n, k, None if sh is None else tuple(x.upper() for x in sh), al)
+                for n, k, sh, al in gen_schema.arg_specs(schema, name)]
+        got = [(n, k, sh, al) for n, k, sh, al in tables[name]]
+        assert got == want, name
+        assert "_args[" in gen_schema.arg_spec_c(schema, name)
+
+
+def test_schema_imports_nothing_of_mhattn():
+    tree = ast.parse(open(os.path.join(ROOT, gen_schema.SCHEMA)).read())
+    imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    imported += [n.module or "." for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    assert imported == ["typing"]
+
+
+@pytest.mark.parametrize("entry", [e for e in PUBLIC if schema.ENTRIES[e].doc_groups])
+def test_parameters_section_names_every_parameter(entry):
+    import re
+    text = "\n".join(gen_schema.parameters_section(schema, entry))
+    for a, kind in schema.params(entry):
+        assert re.search(rf"\b{a.name}\b", text), f"{entry}: {a.name} undocumented"

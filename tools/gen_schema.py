@@ -103,6 +103,45 @@ def header(s):
     return "\n".join(out) + "\n"
 
 
+# ---- the glue's arg_spec tables (the next phase's output) -------------------
+# Not written yet: the glue's tables are hand-written while csrc/python/ is
+# being split out. tests/test_schema.py holds these to them, so that the
+# switch to generated tables changes nothing.
+
+GLUE_LETTERS = ("B", "Tq", "Tk", "Din", "Dkin", "Dvin", "Dout", "H", "Sq", "Sk", "Sv", "Svq")
+
+
+def arg_specs(s, name):
+    """_C.<name>'s arg_spec rows: (name, arg_kind, shape letters or None,
+    alias name or None), in positional order."""
+    f = s.C_FUNCTIONS[name]
+    rows = []
+    for a, _ in s.params("_C." + name):
+        shape = None
+        if f.table_shapes and a.c_kind.startswith("ARG_ARRAY"):
+            shape = tuple(x.strip() for x in a.shape.strip("(,)").split(",") if x.strip())
+            assert all(x in GLUE_LETTERS for x in shape), (name, a)
+        rows.append((a.name, a.c_kind, shape, a.alias or None))
+    return rows
+
+
+def arg_spec_c(s, name):
+    """The C of _C.<name>'s positions enum and arg_spec table."""
+    p = s.C_FUNCTIONS[name].prefix
+    rows = arg_specs(s, name)
+    pos = {n: f"{p}_{n.upper()}" for n, *_ in rows}
+    out = [f"enum {{ {', '.join(pos.values())}, {p}_NARGS }};",
+           f"static const arg_spec {name}_args[{p}_NARGS] = {{"]
+    for n, kind, shape, alias in rows:
+        if shape is None:
+            out.append(f'    [{pos[n]}] = {{.name = "{n}", .kind = {kind}}},')
+        else:
+            letters = ", ".join("L_" + x.upper() for x in shape)
+            out.append(f'    [{pos[n]}] = {{"{n}", {kind}, SHAPE{len(shape)}({letters}), '
+                       f'{pos[alias] if alias else 0}}},')
+    return "\n".join(out + ["};"])
+
+
 # ---- python/mhattn/_C.pyi ---------------------------------------------------
 
 STUB_TYPES = {

@@ -82,6 +82,9 @@ class CFunction(NamedTuple):
     returns: str                  # the stub's return annotation
     summary: str                  # the docstring after the signature
     returns_doc: str = ""         # "Returns ..." paragraph
+    prefix: str = ""              # the glue's enum of positions: FWD_X, ...
+    table_shapes: bool = False    # the glue's arg_spec table checks the
+                                  # arrays' shapes (else the function does)
 
 
 _MHA = ("multi_head_attention", "multi_head_attention_grad")
@@ -657,7 +660,8 @@ C_FUNCTIONS: Dict[str, CFunction] = {
         "API). All float arrays share one dtype, float32 or float64.",
         "Returns (out (B, Tq, Dout), weights (B, H, Tq, Tk) or None, (q, k, v, "
         "concat, lse) or None), new C-contiguous arrays of the call's dtype. A fully "
-        "masked query row gets zero weights, a zero head output and lse -inf."),
+        "masked query row gets zero weights, a zero head output and lse -inf.",
+        prefix="FWD", table_shapes=True),
     "backward": CFunction(
         "METH_VARARGS | METH_KEYWORDS",
         "Tuple[_Float, %s, %s, _Float, _Float, _Float, %s, %s, %s, %s, %s, %s, %s, %s]"
@@ -668,7 +672,8 @@ C_FUNCTIONS: Dict[str, CFunction] = {
         "Returns (dx, dkey or None, dvalue or None, dwq, dwk, dwv, dwo or None, dbq, "
         "dbk, dbv, dbo, dsinks, dq_norm, dk_norm): new C-contiguous gradients, each "
         "bias gradient None unless its want_* is true, each variant's None unless it "
-        "was given. Bitwise the same for any thread count."),
+        "was given. Bitwise the same for any thread count.",
+        prefix="BWD", table_shapes=True),
     "attention": CFunction(
         "METH_FASTCALL | METH_KEYWORDS",
         "Tuple[_Float, Optional[_Float], Optional[_Float]]",
@@ -678,14 +683,16 @@ C_FUNCTIONS: Dict[str, CFunction] = {
         "copied. The variants' q/k transforms must be off.",
         "Returns (out, weights or None, lse or None): out (B, H, Tq, dv), or with "
         "out_bthd (B, Tq, H, dv), C-contiguous; weights (B, H, Tq, Tk); lse "
-        "(B, H, Tq), natural log, -inf for a fully masked row."),
+        "(B, H, Tq), natural log, -inf for a fully masked row.",
+        prefix="ATT"),
     "attention_backward": CFunction(
         "METH_FASTCALL | METH_KEYWORDS",
         "Tuple[_Float, _Float, _Float, Optional[_Float]]",
         "Backward of attention() (low level; see mhattn.attention_grad; the core's "
         "mha_attend_backward). The variants' q/k transforms must be off.",
         "Returns (dq (B, H, Tq, dk), dk (B, G, Tk, dk), dv (B, G, Tk, dv), dsinks "
-        "(H,) or None), C-contiguous."),
+        "(H,) or None), C-contiguous.",
+        prefix="ABW"),
     "project": CFunction(
         "METH_FASTCALL | METH_KEYWORDS",
         "Tuple[_Float, _Float, _Float]",
@@ -693,7 +700,8 @@ C_FUNCTIONS: Dict[str, CFunction] = {
         "each argument as given to forward(); packed may be a 3- or 4-tuple, its "
         "fourth ignored.",
         "Returns (q (B, Tq, Sq), k (B, Tk, Sk), v (B, Tk, Sv)), q and k after the "
-        "q/k norm and RoPE (positions from the variants tuple, or the defaults)."),
+        "q/k norm and RoPE (positions from the variants tuple, or the defaults).",
+        prefix="PRJ", table_shapes=True),
     "pack_weight": CFunction(
         "METH_O", "object",
         "w's GEMM panels for the ISA in force, as an opaque capsule for forward()'s "
