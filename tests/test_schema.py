@@ -232,3 +232,14 @@ def test_parameters_section_names_every_parameter(entry):
     text = "\n".join(gen_schema.parameters_section(schema, entry))
     for a, kind in schema.params(entry):
         assert re.search(rf"\b{a.name}\b", text), f"{entry}: {a.name} undocumented"
+
+
+def test_variants_are_the_glues():
+    import glob
+    import re
+    names = None
+    for path in glob.glob(os.path.join(ROOT, "csrc", "**", "*.c"), recursive=True):
+        m = re.search(r"variant_name\[V_N\] = \{(.*?)\};", open(path, encoding="utf-8").read(),
+                      re.S)
+        names = re.findall(r'"(\w+)"', m.group(1)) if m else names
+    assert names == [v[0] for v in schema.VARIANTS]

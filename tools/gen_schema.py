@@ -185,7 +185,12 @@ def stub(s, name):
         t = STUB_TYPES[a.c_kind] if a.c_kind else KIND_TYPES[a.kind]
         default = f" = {a.default}" if a.default is not None else ""
         shape = f"{a.shape}: " if a.shape else ""
-        lines.append(f"    {a.name}: {t}{default},  # {shape}{a.doc}")
+        line = f"    {a.name}: {t}{default},  # {shape}{a.doc}"
+        if len(line) > 99:   # the comment above, wrapped
+            lines += textwrap.wrap(shape + a.doc, 95, initial_indent="    # ",
+                                   subsequent_indent="    #   ")
+            line = f"    {a.name}: {t}{default},"
+        lines.append(line)
     if any(k == "positional_only" for _, k in ps):
         lines.append("    /,")
     lines.append(f") -> {f.returns}:")
@@ -202,7 +207,12 @@ def stub(s, name):
 
 
 def pyi(s):
-    out = [PYI_HEAD.format(note=NOTE)]
+    fields = [f"{i:2}  {name}: {(shape + ' ') if shape else ''}{dtype or kind}. {doc}"
+              for i, (name, kind, dtype, shape, _, doc) in enumerate(s.VARIANTS)]
+    out = [PYI_HEAD.format(note=NOTE)
+           + "\n# The variants tuple (mhattn._internal.core.variant_args), position by"
+           + "\n# position; T is the call's dtype:\n"
+           + "\n".join("#   " + f for f in fields)]
     for cname, (ctype, cdoc) in s.C_CONSTANTS.items():
         out.append(f"{cname}: {ctype}\n" + '"""' + textwrap.fill(cdoc, 76) + '"""')
     for name in s.C_FUNCTIONS:

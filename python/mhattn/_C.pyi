@@ -19,6 +19,23 @@ import numpy.typing as npt
 
 _Float = npt.NDArray[np.floating]
 
+# The variants tuple (mhattn._internal.core.variant_args), position by
+# position; T is the call's dtype:
+#    0  window: (2,) int64. None or (left, right), -1 for an unbounded side.
+#    1  softcap: float64. 0 for off.
+#    2  alibi_slopes: (H,) or (B, H) float64. None or the ALiBi slopes.
+#    3  sinks: (H,) T. None or one logit per query head.
+#    4  key_mask: (B, Tk) bool. None or True = a real key.
+#    5  cu_seqlens: (n+1,) int64. None or the queries' offsets.
+#    6  key_cu_seqlens: (n+1,) int64. None or the keys' offsets.
+#    7  q_norm: (dk,) or (H, dk) T. None or the q RMSNorm weights.
+#    8  k_norm: (dk,) or (G, dk) T. None or the k RMSNorm weights.
+#    9  norm_eps: float64. The RMSNorm's epsilon.
+#   10  rotary_dim: int64. 0 for no RoPE.
+#   11  interleaved: bool. RoPE pairs (2c, 2c+1).
+#   12  inv_freq: (rotary_dim/2,) float64. None or RoPE's frequencies.
+#   13  positions: (Tq,) or (B, Tq) int64. None or the queries' RoPE positions.
+#   14  key_positions: (Tk,) or (B, Tk) int64. None or the keys' RoPE positions.
 
 EMULATED_AVX512: int
 """1 in the test build whose 'avx512' kernels are emulated in plain C
@@ -39,13 +56,18 @@ def forward(
     dk: npt.NDArray[np.int64],  # (G,): Each kv head's key width.
     dv: npt.NDArray[np.int64],  # (G,): Each kv head's value width.
     scales: npt.NDArray[np.float64],  # (H,): The multiplier of q.k of each query head.
-    mask: Optional[npt.NDArray[np.generic]],  # broadcasts to (B, H, Tq, Tk): None, or bool (True = may attend) or float (added), any strides.
+    # broadcasts to (B, H, Tq, Tk): None, or bool (True = may attend) or float (added), any
+    #   strides.
+    mask: Optional[npt.NDArray[np.generic]],
     causal: bool,  # Query i sees keys j <= i + (Tk - Tq).
-    key_lengths: Optional[npt.NDArray[np.int64]],  # (B,): None, or each item's key count: keys j >= it are padding.
-    variants: Optional[tuple],  # (15,): None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).
+    # (B,): None, or each item's key count: keys j >= it are padding.
+    key_lengths: Optional[npt.NDArray[np.int64]],
+    # (15,): None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).
+    variants: Optional[tuple],
     want_weights: bool,  # Also return the weights (B, H, Tq, Tk).
     keep: bool,  # Also return (q, k, v, concat, lse) for backward().
-    packed: Optional[tuple] = None,  # (4,): None, or pack_weight() capsules (or None) of wq, wk, wv, wo.
+    # (4,): None, or pack_weight() capsules (or None) of wq, wk, wv, wo.
+    packed: Optional[tuple] = None,
 ) -> Tuple[_Float, Optional[_Float], Optional[Tuple[_Float, _Float, _Float, _Float, _Float]]]:
     """Multi-head attention forward pass (low level; see mhattn for the
     public API). All float arrays share one dtype, float32 or float64.
@@ -60,8 +82,10 @@ def forward(
 def backward(
     dout: _Float,  # (B, Tq, Dout): dL/dout.
     x: _Float,  # (B, Tq, Din): The queries' source; its dtype is the call's.
-    key: Optional[_Float],  # (B, Tk, Dkin): The keys' source, or None: key is x (its gradient added into x's).
-    value: Optional[_Float],  # (B, Tk, Dvin): The values' source, or None: value is key (its gradient added into key's).
+    # (B, Tk, Dkin): The keys' source, or None: key is x (its gradient added into x's).
+    key: Optional[_Float],
+    # (B, Tk, Dvin): The values' source, or None: value is key (its gradient added into key's).
+    value: Optional[_Float],
     wq: _Float,  # (Din, Sq): W^Q fused, head h's block after the heads before it.
     wk: _Float,  # (Dkin, Sk): W^K fused.
     wv: _Float,  # (Dvin, Sv): W^V fused.
@@ -74,10 +98,14 @@ def backward(
     dk: npt.NDArray[np.int64],  # (G,): Each kv head's key width.
     dv: npt.NDArray[np.int64],  # (G,): Each kv head's value width.
     scales: npt.NDArray[np.float64],  # (H,): The multiplier of q.k of each query head.
-    mask: Optional[npt.NDArray[np.generic]],  # broadcasts to (B, H, Tq, Tk): None, or bool (True = may attend) or float (added), any strides.
+    # broadcasts to (B, H, Tq, Tk): None, or bool (True = may attend) or float (added), any
+    #   strides.
+    mask: Optional[npt.NDArray[np.generic]],
     causal: bool,  # Query i sees keys j <= i + (Tk - Tq).
-    key_lengths: Optional[npt.NDArray[np.int64]],  # (B,): None, or each item's key count: keys j >= it are padding.
-    variants: Optional[tuple],  # (15,): None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).
+    # (B,): None, or each item's key count: keys j >= it are padding.
+    key_lengths: Optional[npt.NDArray[np.int64]],
+    # (15,): None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).
+    variants: Optional[tuple],
     want_bq: bool,  # Return dbq.
     want_bk: bool,  # Return dbk.
     want_bv: bool,  # Return dbv.
@@ -100,10 +128,14 @@ def attention(
     k: _Float,  # (B, G, Tk, dk): The keys, any strides.
     v: _Float,  # (B, G, Tk, dv): The values, any strides.
     scales: npt.NDArray[np.float64],  # (H,): The multiplier of q.k of each query head.
-    mask: Optional[npt.NDArray[np.generic]],  # broadcasts to (B, H, Tq, Tk): None, or bool (True = may attend) or float (added), any strides.
+    # broadcasts to (B, H, Tq, Tk): None, or bool (True = may attend) or float (added), any
+    #   strides.
+    mask: Optional[npt.NDArray[np.generic]],
     causal: bool,  # Query i sees keys j <= i + (Tk - Tq).
-    key_lengths: Optional[npt.NDArray[np.int64]],  # (B,): None, or each item's key count: keys j >= it are padding.
-    variants: Optional[tuple],  # (15,): None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).
+    # (B,): None, or each item's key count: keys j >= it are padding.
+    key_lengths: Optional[npt.NDArray[np.int64]],
+    # (15,): None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).
+    variants: Optional[tuple],
     lengths_aligned: bool,  # Align each item's queries to its own key length (a KV cache).
     out_bthd: bool,  # out (B, Tq, H, dv) instead of (B, H, Tq, dv).
     want_weights: bool,  # Also return the weights (B, H, Tq, Tk).
@@ -129,10 +161,14 @@ def attention_backward(
     out: _Float,  # (B, H, Tq, dv): attention()'s out.
     lse: Optional[_Float],  # (B, H, Tq): attention()'s lse, or None: recomputed.
     scales: npt.NDArray[np.float64],  # (H,): The multiplier of q.k of each query head.
-    mask: Optional[npt.NDArray[np.generic]],  # broadcasts to (B, H, Tq, Tk): None, or bool (True = may attend) or float (added), any strides.
+    # broadcasts to (B, H, Tq, Tk): None, or bool (True = may attend) or float (added), any
+    #   strides.
+    mask: Optional[npt.NDArray[np.generic]],
     causal: bool,  # Query i sees keys j <= i + (Tk - Tq).
-    key_lengths: Optional[npt.NDArray[np.int64]],  # (B,): None, or each item's key count: keys j >= it are padding.
-    variants: Optional[tuple],  # (15,): None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).
+    # (B,): None, or each item's key count: keys j >= it are padding.
+    key_lengths: Optional[npt.NDArray[np.int64]],
+    # (15,): None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).
+    variants: Optional[tuple],
     lengths_aligned: bool,  # Align each item's queries to its own key length (a KV cache).
 ) -> Tuple[_Float, _Float, _Float, Optional[_Float]]:
     """Backward of attention() (low level; see mhattn.attention_grad;
@@ -157,8 +193,10 @@ def project(
     dk: npt.NDArray[np.int64],  # (G,): Each kv head's key width.
     dv: npt.NDArray[np.int64],  # (G,): Each kv head's value width.
     scales: npt.NDArray[np.float64],  # (H,): The multiplier of q.k of each query head.
-    variants: Optional[tuple],  # (15,): None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).
-    packed: Optional[tuple] = None,  # (4,): None, or pack_weight() capsules (or None) of wq, wk, wv, wo.
+    # (15,): None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).
+    variants: Optional[tuple],
+    # (4,): None, or pack_weight() capsules (or None) of wq, wk, wv, wo.
+    packed: Optional[tuple] = None,
 ) -> Tuple[_Float, _Float, _Float]:
     """The projections of forward() alone (low level; the core's
     mha_project), each argument as given to forward(); packed may be a
