@@ -243,3 +243,24 @@ def test_variants_are_the_glues():
                       re.S)
         names = re.findall(r'"(\w+)"', m.group(1)) if m else names
     assert names == [v[0] for v in schema.VARIANTS]
+
+
+def test_outputs_are_the_glues():
+    import glob
+    import re
+    tables = {}
+    for path in glob.glob(os.path.join(ROOT, "csrc", "**", "*.c"), recursive=True):
+        text = open(path, encoding="utf-8").read()
+        for fn, body in re.findall(r"static const shape (\w+)_outs\[\w+\] = \{(.*?)\};",
+                                   text, re.S):
+            tables[fn] = [tuple(x.strip()[2:] for x in m.split(","))
+                          for m in re.findall(r"SHAPE\d\(([\w, ]+)\)", body)]
+    assert sorted(tables) == ["backward", "forward", "project"]
+    for fn, shapes in tables.items():
+        want = [tuple(x.strip().upper() for x in o.shape.strip("(,)").split(",") if x.strip())
+                for o in schema.C_OUTPUTS[fn]][:len(shapes)]
+        assert shapes == want, fn
+    for fn, outs in schema.C_OUTPUTS.items():
+        for o in outs:   # what asks for an output is an argument of the function
+            asked = o.when.split(":")[0]
+            assert not asked or asked in [a.name for a, _ in schema.params("_C." + fn)], o

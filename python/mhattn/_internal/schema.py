@@ -749,6 +749,60 @@ for _name, _params in _C_PARAMS.items():
     ENTRIES["_C." + _name] = Entry("csrc/mhattn_module.c", _name, _params)
 del _name, _params
 
+
+class Out(NamedTuple):
+    """One output of a function of mhattn._C, in the order it returns them
+    (the glue's ``<name>_outs`` shape table, the core's output pointers)."""
+    name: str
+    shape: str                    # in mha.h's letters
+    when: str                     # what asks for it; "" always made
+    doc: str
+
+
+C_OUTPUTS: Dict[str, Tuple[Out, ...]] = {
+    "forward": (
+        Out("out", "(B, Tq, Dout)", "", "The layer's output."),
+        Out("weights", "(B, H, Tq, Tk)", "want_weights", "The post-softmax weights."),
+        Out("q", "(B, Tq, Sq)", "keep", "The q projection (before the q/k transforms)."),
+        Out("k", "(B, Tk, Sk)", "keep", "The k projection (before the q/k transforms)."),
+        Out("v", "(B, Tk, Sv)", "keep", "The v projection."),
+        Out("concat", "(B, Tq, Svq)", "keep", "The heads side by side, before W^O."),
+        Out("lse", "(B, H, Tq)", "keep", "Each row's log-sum-exp, -inf when fully masked."),
+    ),
+    "backward": (
+        Out("dx", "(B, Tq, Din)", "", "dL/dx (with dkey, dvalue added when aliased)."),
+        Out("dkey", "(B, Tk, Dkin)", "key", "dL/dkey; None when key is None."),
+        Out("dvalue", "(B, Tk, Dvin)", "value", "dL/dvalue; None when value is None."),
+        Out("dwq", "(Din, Sq)", "", "dL/dwq."),
+        Out("dwk", "(Dkin, Sk)", "", "dL/dwk."),
+        Out("dwv", "(Dvin, Sv)", "", "dL/dwv."),
+        Out("dwo", "(Svq, Dout)", "wo", "dL/dwo; None without wo."),
+        Out("dbq", "(Sq,)", "want_bq", "dL/dbq."),
+        Out("dbk", "(Sk,)", "want_bk", "dL/dbk."),
+        Out("dbv", "(Sv,)", "want_bv", "dL/dbv."),
+        Out("dbo", "(Dout,)", "want_bo", "dL/dbo."),
+        Out("dsinks", "(H,)", "variants: sinks", "dL/dsinks."),
+        Out("dq_norm", "(dk,) or (H, dk)", "variants: q_norm", "dL/dq_norm."),
+        Out("dk_norm", "(dk,) or (G, dk)", "variants: k_norm", "dL/dk_norm."),
+    ),
+    "attention": (
+        Out("out", "(B, H, Tq, dv) or (B, Tq, H, dv)", "", "The attention, C-contiguous."),
+        Out("weights", "(B, H, Tq, Tk)", "want_weights", "The post-softmax weights."),
+        Out("lse", "(B, H, Tq)", "want_lse", "Each row's log-sum-exp, natural log."),
+    ),
+    "attention_backward": (
+        Out("dq", "(B, H, Tq, dk)", "", "dL/dq."),
+        Out("dk", "(B, G, Tk, dk)", "", "dL/dk."),
+        Out("dv", "(B, G, Tk, dv)", "", "dL/dv."),
+        Out("dsinks", "(H,)", "variants: sinks", "dL/dsinks."),
+    ),
+    "project": (
+        Out("q", "(B, Tq, Sq)", "", "The q projection, after the q/k norm and RoPE."),
+        Out("k", "(B, Tk, Sk)", "", "The k projection, after the q/k norm and RoPE."),
+        Out("v", "(B, Tk, Sv)", "", "The v projection."),
+    ),
+}
+
 # _C's constants, for the stub.
 C_CONSTANTS = {
     "EMULATED_AVX512": ("int", "1 in the test build whose 'avx512' kernels are emulated "
