@@ -25,6 +25,7 @@
 #include "mha.h"
 #include "platform.h"
 #include "threads.h"
+#include "python/docstrings_gen.h"   /* the _C docstrings: tools/gen_schema.py */
 
 static const char *dtype_name(int typenum)
 {
@@ -1246,12 +1247,7 @@ static void packed_destroy(PyObject *cap)
     }
 }
 
-PyDoc_STRVAR(pack_weight_doc,
-"pack_weight(w)\n"
-"--\n\n"
-"w (K, N) float32 or float64: its GEMM panels for the ISA in force, as an\n"
-"opaque capsule for forward()'s and project()'s packed argument (low\n"
-"level; see mhattn.pack_weights). w is copied, never kept.");
+PyDoc_STRVAR(pack_weight_doc, PACK_WEIGHT_DOC);
 
 static PyObject *pack_weight(PyObject *self, PyObject *arg)
 {
@@ -1291,10 +1287,7 @@ static PyObject *pack_weight(PyObject *self, PyObject *arg)
     return cap;
 }
 
-PyDoc_STRVAR(packed_info_doc,
-"packed_info(packed)\n"
-"--\n\n"
-"(K, N, isa, dtype name, bytes) of a pack_weight() capsule.");
+PyDoc_STRVAR(packed_info_doc, PACKED_INFO_DOC);
 
 static PyObject *packed_info(PyObject *self, PyObject *cap)
 {
@@ -1361,22 +1354,7 @@ static int read_packed(call *c, PyObject *t, const int *wpos, int n)
 
 /* ---- forward ------------------------------------------------------------ */
 
-PyDoc_STRVAR(forward_doc,
-"forward(x, key, value, wq, wk, wv, wo, bq, bk, bv, bo, dk, dv, scales,\n"
-"        mask, causal, key_lengths, variants, want_weights, keep,\n"
-"        packed=None)\n"
-"--\n\n"
-"Multi-head attention forward pass (low level; see mhattn for the public\n"
-"API). x (B,Tq,Din), key (B,Tk,Dkin), value (B,Tk,Dvin), wq (Din,Sq),\n"
-"wk (Dkin,Sk), wv (Dvin,Sv), wo (Svq,Dout) or None, biases 1-D or None,\n"
-"all of one dtype (float32 or float64). dk, dv: int64 (G,); scales:\n"
-"float64 (H,); mask: None or bool or float, any strides, of shape\n"
-"(B,H,Tq,Tk) or one that broadcasts to it;\n"
-"key_lengths: None or int64 (B,); variants: None or the tuple of\n"
-"mhattn._core.variant_args (window, softcap, ALiBi, sinks, key_mask,\n"
-"packed sequences, q/k norm, RoPE); packed: None or a 4-tuple of\n"
-"pack_weight() capsules (or None) of wq, wk, wv, wo.\n\n"
-"Returns (out, weights or None, (q, k, v, concat, lse) or None).");
+PyDoc_STRVAR(forward_doc, FORWARD_DOC);
 
 /* forward()'s positional arguments. */
 enum {
@@ -1519,19 +1497,7 @@ fail:
 
 /* ---- backward ----------------------------------------------------------- */
 
-PyDoc_STRVAR(backward_doc,
-"backward(dout, x, key, value, wq, wk, wv, wo, q, k, v, concat, lse, dk, dv,\n"
-"         scales, mask, causal, key_lengths, variants, want_bq, want_bk,\n"
-"         want_bv, want_bo)\n"
-"--\n\n"
-"Backward pass of forward() (low level; see mhattn.backward). dout\n"
-"(B,Tq,Dout); x, key, value, wq, wk, wv, wo, dk, dv, scales, mask, causal,\n"
-"key_lengths as given to forward(), except that key None means key is x and\n"
-"value None means value is key (or x): their gradients are then added into\n"
-"x's (key's). q, k, v, concat, lse: forward()'s kept extras.\n\n"
-"Returns (dx, dkey or None, dvalue or None, dwq, dwk, dwv, dwo or None,\n"
-"dbq, dbk, dbv, dbo, dsinks, dq_norm, dk_norm), each bias gradient None\n"
-"unless its want_* is true, each variant's None unless it was given.");
+PyDoc_STRVAR(backward_doc, BACKWARD_DOC);
 
 /* backward()'s positional arguments. */
 enum {
@@ -1691,20 +1657,7 @@ fail:
 
 /* ---- attention (issue 17) ---------------------------------------------- */
 
-PyDoc_STRVAR(attention_doc,
-"attention(q, k, v, scales, mask, causal, key_lengths, variants,\n"
-"          lengths_aligned, out_bthd, want_weights, want_lse)\n"
-"--\n\n"
-"Attention on tensors already projected (low level; see mhattn.attention).\n"
-"q (B,H,Tq,dk), k (B,G,Tk,dk), v (B,G,Tk,dv): 4-D arrays of one dtype\n"
-"(float32 or float64); any non-negative strides with a contiguous last\n"
-"axis are read in place, anything else is copied. scales: float64 (H,);\n"
-"mask, causal, key_lengths, variants as for forward() (variants' q/k\n"
-"transforms must be off); lengths_aligned: align each batch item's queries\n"
-"to its own key length (a KV cache).\n\n"
-"Returns (out, weights or None, lse or None): out (B,H,Tq,dv), or with\n"
-"out_bthd (B,Tq,H,dv), C-contiguous; weights (B,H,Tq,Tk); lse (B,H,Tq),\n"
-"natural log, -inf for a fully masked row.");
+PyDoc_STRVAR(attention_doc, ATTENTION_DOC);
 
 /* attention()'s positional arguments. */
 enum {
@@ -1958,15 +1911,7 @@ fail:
 
 /* ---- project and attention_backward (issue 17) -------------------------- */
 
-PyDoc_STRVAR(project_doc,
-"project(x, key, value, wq, wk, wv, bq, bk, bv, dk, dv, scales, variants,\n"
-"        packed=None)\n"
-"--\n\n"
-"The projections of forward() alone (low level): x, key, value, wq, wk,\n"
-"wv, biases, dk, dv, scales, variants and packed (a 3- or 4-tuple, its\n"
-"fourth ignored) as given to forward(). Returns\n"
-"(q (B,Tq,Sq), k (B,Tk,Sk), v (B,Tk,Sv)), q and k after the q/k norm and\n"
-"RoPE (positions from the variants tuple, or the defaults).");
+PyDoc_STRVAR(project_doc, PROJECT_DOC);
 
 /* project()'s positional arguments. PRJ_NONE is a slot past them that
    holds None (false): project() has no W^O, mask, causal or key_lengths,
@@ -2056,18 +2001,7 @@ fail:
     return result;
 }
 
-PyDoc_STRVAR(attention_backward_doc,
-"attention_backward(dout, q, k, v, out, lse, scales, mask, causal,\n"
-"                   key_lengths, variants, lengths_aligned)\n"
-"--\n\n"
-"Backward of attention on projected tensors (low level; see\n"
-"mhattn.attention_grad). dout, out (B,H,Tq,dv), q (B,H,Tq,dk),\n"
-"k (B,G,Tk,dk), v (B,G,Tk,dv): 4-D arrays of one dtype (float32 or\n"
-"float64), any strides; lse (B,H,Tq) or None (recomputed); scales float64\n"
-"(H,); mask, causal, key_lengths, variants as for forward() (the q/k\n"
-"transforms off); lengths_aligned: a truth value.\n\n"
-"Returns (dq (B,H,Tq,dk), dk (B,G,Tk,dk), dv (B,G,Tk,dv), dsinks (H,) or\n"
-"None), C-contiguous.");
+PyDoc_STRVAR(attention_backward_doc, ATTENTION_BACKWARD_DOC);
 
 /* attention_backward()'s positional arguments. */
 enum {
@@ -2341,11 +2275,7 @@ fail:
     return result;
 }
 
-PyDoc_STRVAR(get_isa_doc,
-"get_isa()\n"
-"--\n\n"
-"The instruction set of the kernels now in force: 'avx512', 'avx2',\n"
-"'neon' or 'scalar' (detected once, capped by MHATTN_ISA or set_isa).");
+PyDoc_STRVAR(get_isa_doc, GET_ISA_DOC);
 
 static PyObject *get_isa(PyObject *self, PyObject *noargs)
 {
@@ -2354,11 +2284,7 @@ static PyObject *get_isa(PyObject *self, PyObject *noargs)
     return PyUnicode_FromString(mha_isa_name(mha_get_isa()));
 }
 
-PyDoc_STRVAR(set_isa_doc,
-"set_isa(name)\n"
-"--\n\n"
-"Caps the instruction set at name ('scalar', 'avx2', 'avx512' or 'neon'),\n"
-"lowered to what this CPU supports; for tests. Returns the ISA now in force.");
+PyDoc_STRVAR(set_isa_doc, SET_ISA_DOC);
 
 static PyObject *set_isa(PyObject *self, PyObject *name)
 {
@@ -2380,10 +2306,7 @@ static PyObject *set_isa(PyObject *self, PyObject *name)
     return NULL;
 }
 
-PyDoc_STRVAR(get_num_threads_doc,
-"get_num_threads()\n"
-"--\n\n"
-"The number of threads the core uses.");
+PyDoc_STRVAR(get_num_threads_doc, GET_NUM_THREADS_DOC);
 
 static PyObject *get_num_threads(PyObject *self, PyObject *noargs)
 {
@@ -2392,11 +2315,7 @@ static PyObject *get_num_threads(PyObject *self, PyObject *noargs)
     return PyLong_FromLong(mha_get_num_threads());
 }
 
-PyDoc_STRVAR(set_num_threads_doc,
-"set_num_threads(n)\n"
-"--\n\n"
-"Uses n threads from the next call on (at most 256); 0 restores the\n"
-"default (MHATTN_NUM_THREADS, else the CPUs this process may use).");
+PyDoc_STRVAR(set_num_threads_doc, SET_NUM_THREADS_DOC);
 
 
 static PyObject *set_num_threads(PyObject *self, PyObject *arg)

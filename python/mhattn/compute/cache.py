@@ -183,9 +183,12 @@ class KVCache:
             A ragged append: sequence b takes only its first lengths[b] new
             rows.  Default: all T_new rows for every sequence.
 
-        Raises ValueError naming the argument, with the cache unchanged, for
-        a wrong shape, dtype, head count or width, or an append past the
-        capacity.
+        Raises
+        ------
+        ValueError
+            Naming the argument, with the cache unchanged, for a wrong
+            shape, dtype, head count or width, or an append past the
+            capacity.
 
         Examples
         --------

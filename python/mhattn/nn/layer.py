@@ -146,6 +146,8 @@ class MultiHeadAttention:
     seed : int, np.random.Generator or None
         Passed to np.random.default_rng.
 
+    Notes
+    -----
     Initialisation follows nn.MultiheadAttention._reset_parameters in
     distribution: when kdim == vdim == d_model, Xavier-uniform over the packed
     in-projection (W_q; W_k; W_v stacked as PyTorch's (rows, d_model)
