@@ -26,6 +26,7 @@ from ..compute.attention import attention as _attention
 from ..compute.forward import multi_head_attention
 from ..reference import worked_example
 from . import mistakes as _mistakes
+from . import rounding as _rounding
 from . import steps as _steps
 from .trace import CompareReport, canonical_key, trace
 
@@ -349,7 +350,7 @@ class _Candidate:
     matches: List[bool] = field(default_factory=list)
 
 
-def _search(steps, starts: List[Dict[str, Any]], user: List[Any], tol: float,
+def _search(steps, starts: List[Dict[str, Any]], user: List[Any], tol: Sequence[float],
             first_stage: Optional[str], passing: Sequence[int] = ()) -> List[_Candidate]:
     """Every single substitution and every pair at two different steps, run
     on every trial from the correct run's saved states; pairs whose first
@@ -379,7 +380,7 @@ def _search(steps, starts: List[Dict[str, Any]], user: List[Any], tol: float,
         if allowed(si):
             cands.append(_Candidate((name,), (form,), (si,), n, outs))
     for c in cands:
-        c.matches = [_same(u, o, tol) for u, o in zip(user, c.outcomes)]
+        c.matches = [_same(u, o, t) for u, o, t in zip(user, c.outcomes, tol)]
     if any(all(c.matches) for c in cands):
         return cands                  # a single explains everything: no pairs needed
     for n, (si, name, form, fn, outs, kept) in enumerate(singles):
@@ -398,7 +399,7 @@ def _search(steps, starts: List[Dict[str, Any]], user: List[Any], tol: float,
                 pouts.append(o)
             c = _Candidate((name, name2), (form, form2), (si, sj),
                            len(singles) * (1 + n) + m, pouts)
-            c.matches = [_same(u, o, tol) for u, o in zip(user, c.outcomes)]
+            c.matches = [_same(u, o, t) for u, o, t in zip(user, c.outcomes, tol)]
             cands.append(c)
     return cands
 
@@ -527,7 +528,6 @@ def _layer_model(keywords: Sequence[str]) -> List[_steps.Step]:
     return _steps.layer_steps(_features(keywords))
 
 
-_F32_TOL = 2e-4     # normwise relative: what float32 rounding reaches on these trials
 
 
 def _ok_report(kind, results, convention, stage, stage_note) -> "PrototypeReport":
@@ -546,14 +546,14 @@ def _ok_report(kind, results, convention, stage, stage_note) -> "PrototypeReport
                            first_divergent_stage=stage)
 
 
-def _float32_report(kind, results, fails) -> "PrototypeReport":
+def _float32_report(kind, results, fails, bound: float) -> "PrototypeReport":
     """Every differing trial agrees to float32's precision."""
     n = len(results)
     worst = max(results[i].max_rel for i in fails)
     text = (f"{len(fails)} of {n} trials differ from mhattn, but only by float32 "
-            f"rounding (max relative error {worst:.2g}, within float32's "
-            f"{_F32_TOL:g}): your prototype computes in float32 (or casts to it), "
-            "and these trials are float64. Check it in float32:\n"
+            f"rounding (max relative error {worst:.2g}, within the {bound:.2g} that "
+            "float32 rounding can reach on these trials): your prototype computes in "
+            "float32 (or casts to it), and these trials are float64. Check it in float32:\n"
             + ("    mhattn.check_prototype(fn, dtype=np.float32)" if kind == "layer"
                else "    mhattn.check_attention_prototype(fn, dtype=np.float32)"))
     return PrototypeReport(False, None, "agrees with mhattn to float32 rounding only",
@@ -562,8 +562,20 @@ def _float32_report(kind, results, fails) -> "PrototypeReport":
                                   "rounding: check with dtype=np.float32."])
 
 
+def _float32_bound(results, fails, steps, starts) -> Optional[float]:
+    """When every failing float64 trial differs by no more than float32's
+    rounding can reach on it (its inputs rounded too): the largest such
+    bound; else None."""
+    if not all(results[i].status == "differs" for i in fails):
+        return None
+    f32 = _tolerances(steps, [starts[i] for i in fails], np.dtype(np.float32))
+    if all(results[i].max_rel <= b for i, b in zip(fails, f32)):
+        return max(f32)
+    return None
+
+
 def _diagnose(kind: str, results: List["TrialResult"], user_out: List[Any],
-              steps: List[_steps.Step], starts: List[Dict[str, Any]], tol: float,
+              steps: List[_steps.Step], starts: List[Dict[str, Any]], tol: List[float],
               dtype: np.dtype, standard_ok: Optional[bool], convention: str,
               features: List[Dict[str, bool]]) -> "PrototypeReport":
     n = len(results)
@@ -577,9 +589,9 @@ def _diagnose(kind: str, results: List["TrialResult"], user_out: List[Any],
             break
     if not fails:
         return _ok_report(kind, results, convention, stage, stage_note)
-    if dtype == np.float64 and all(results[i].status == "differs" and
-                                   results[i].max_rel <= _F32_TOL for i in fails):
-        return _float32_report(kind, results, fails)
+    f32 = _float32_bound(results, fails, steps, starts) if dtype == np.float64 else None
+    if f32 is not None:
+        return _float32_report(kind, results, fails, f32)
 
     cands, ranked, exact = _search_and_rank(steps, starts, user_out, tol, stage, fails)
     if not exact and stage is not None:
@@ -745,10 +757,21 @@ def _check_common(dtype, trials) -> np.dtype:
     return dtype
 
 
-def _run_layer_trials(fn, cases, dtype, tol):
+def _tolerances(steps: List[_steps.Step], starts: List[Dict[str, Any]],
+                dtype: np.dtype) -> List[float]:
+    """Each trial's normwise relative tolerance: float64 1e-7; float32 the
+    bound of :mod:`mhattn.learn.rounding` on that trial's inputs (how far two
+    correct float32 computations can be apart), never below float64's."""
+    if dtype == np.float64:
+        return [1e-7] * len(starts)
+    return [max(_rounding.float32_tolerance(steps, st), 1e-7) for st in starts]
+
+
+def _run_layer_trials(fn, cases, dtype, keywords):
     results: List[TrialResult] = []
     user_out: List[Any] = []
-    for t in cases:
+    tols = _tolerances(_layer_model(keywords), [_layer_start(t) for t in cases], dtype)
+    for t, tol in zip(cases, tols):
         want = multi_head_attention(*t.args[:5], num_heads=t.num_heads, **t.kwargs)
         got, inter = _run(fn, t.args, t.kwargs)
         user_out.append(got)
@@ -761,7 +784,7 @@ def _run_layer_trials(fn, cases, dtype, tol):
                 rtol, atol = (1e-4, 1e-5) if dtype == np.float32 else (1e-7, 1e-9)
                 r.stages = ref.compare(given, rtol=rtol, atol=atol)
         results.append(r)
-    return results, user_out
+    return results, user_out, tols
 
 
 def check_prototype(fn: Callable, *, trials: int = 4, dtype=np.float64,
@@ -795,8 +818,9 @@ def check_prototype(fn: Callable, *, trials: int = 4, dtype=np.float64,
     trials : int, default 4
         How many random configurations to add to the designed ones.
     dtype : np.float64 (default) or np.float32
-        The trials' dtype; the tolerance follows it (float32: 2e-4
-        relative, float64: 1e-7).
+        The trials' dtype; the tolerance follows it (float64: 1e-7
+        relative; float32: a bound of float32's rounding error derived from
+        each trial's inputs, see :mod:`mhattn.learn.rounding`).
     seed : int, default 0
     convention : "general" (default) or "standard"
         "general" tests any widths, d_k != d_v and d_model != h*d_k
@@ -843,16 +867,15 @@ def check_prototype(fn: Callable, *, trials: int = 4, dtype=np.float64,
     if convention not in ("general", "standard"):
         raise ValueError(f"convention: expected 'general' or 'standard', got {convention!r}")
     dtype = _check_common(dtype, trials)
-    tol = 2e-4 if dtype == np.float32 else 1e-7
     keywords = [k for k in ("mask", "causal", "rope") if _accepts(fn, k)]
     if _accepts(fn, "q_norm") and _accepts(fn, "k_norm"):
         keywords.append("q_norm")
     cases = _trials(int(trials), dtype, seed, convention, keywords)
-    results, user_out = _run_layer_trials(fn, cases, dtype, tol)
+    results, user_out, tol = _run_layer_trials(fn, cases, dtype, keywords)
     standard_ok = None
     if convention == "general" and not all(r.ok for r in results):
         std = _trials(int(trials), dtype, seed, "standard", keywords)
-        standard_ok = all(r.ok for r in _run_layer_trials(fn, std, dtype, tol)[0])
+        standard_ok = all(r.ok for r in _run_layer_trials(fn, std, dtype, keywords)[0])
     return _diagnose("layer", results, user_out, _layer_model(keywords),
                      [_layer_start(t) for t in cases], tol, dtype, standard_ok,
                      convention, [t.features() for t in cases])
@@ -1005,27 +1028,26 @@ def check_attention_prototype(fn: Callable, *, trials: int = 4, dtype=np.float64
         raise TypeError(f"fn: expected a callable fn(q, k, v, mask=None), "
                         f"got {type(fn).__name__}")
     dtype = _check_common(dtype, trials)
-    tol = 2e-4 if dtype == np.float32 else 1e-7
     keywords = [k for k in ("mask", "causal", "softcap", "sinks", "rope")
                 if _accepts(fn, k)]
     cases = _attention_trials(int(trials), dtype, seed, keywords)
+    steps = _steps.attention_steps("mask" in keywords, "causal" in keywords,
+                                   "softcap" in keywords, "sinks" in keywords,
+                                   "rope" in keywords)
+    starts = [dict(q=list(t.q), k=list(t.k), v=list(t.v), dtype=t.q.dtype,
+                   mask=t.kwargs.get("mask"), causal=bool(t.kwargs.get("causal")),
+                   softcap=t.kwargs.get("softcap"), sinks=t.kwargs.get("sinks"),
+                   rope=t.kwargs.get("rope")) for t in cases]
+    tol = _tolerances(steps, starts, dtype)
     results: List[TrialResult] = []
     user_out: List[Any] = []
-    starts = []
-    for t in cases:
+    for t, t_tol in zip(cases, tol):
         want = _attention_reference(t)
         got, _ = _run(fn, (t.q, t.k, t.v), t.kwargs)
         user_out.append(got)
         r = TrialResult(t.name, t.about, t.shapes(), "ok", expected_shape=want.shape)
-        _compare_result(r, got, want, tol)
+        _compare_result(r, got, want, t_tol)
         results.append(r)
-        starts.append(dict(q=list(t.q), k=list(t.k), v=list(t.v), dtype=t.q.dtype,
-                           mask=t.kwargs.get("mask"), causal=bool(t.kwargs.get("causal")),
-                           softcap=t.kwargs.get("softcap"), sinks=t.kwargs.get("sinks"),
-                           rope=t.kwargs.get("rope")))
-    steps = _steps.attention_steps("mask" in keywords, "causal" in keywords,
-                                   "softcap" in keywords, "sinks" in keywords,
-                                   "rope" in keywords)
     return _diagnose("attention", results, user_out, steps, starts, tol, dtype, None,
                      "general", [t.features() for t in cases])
 
