@@ -836,7 +836,7 @@ def check_prototype(fn: Callable, *, trials: int = 4, dtype=np.float64,
 
     When the outputs differ from :func:`mhattn.multi_head_attention`, the
     reference is re-enacted as its steps (project, split heads, scores,
-    [RoPE], scale, [mask], softmax, weights @ V, merge heads, W^O) with every single
+    [RoPE], scale, [mask], row max, softmax, weights @ V, merge heads, W^O) with every single
     known mistake (see :data:`MISTAKES`) and every pair of them at two
     different steps substituted, and the substitution matching the
     prototype on every trial is named (a single before a pair); failing
@@ -993,7 +993,7 @@ def check_attention_prototype(fn: Callable, *, trials: int = 4, dtype=np.float64
     row's answer is 0.
 
     The diagnosis is :func:`check_prototype`'s, with the attention steps
-    only (scores, scale, mask, softmax, weights @ V): every single mistake
+    only (scores, scale, mask, row max, softmax, weights @ V): every single mistake
     and every pair, among 'rope_not_offset', 'rope_on_v', 'rope_pairing_wrong',
     'no_scaling', 'scale_by_dk', 'scale_by_sqrt_dv',
     'scale_after_softmax', 'softcap_after_mask', 'mask_inverted',

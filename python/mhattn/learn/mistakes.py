@@ -319,6 +319,19 @@ TABLE: Tuple[Mistake, ...] = (
                  models=("attention",), needs=("causal",)),
         )),
     Mistake(
+        "no_max_subtraction",
+        "the softmax does not subtract the row maximum, so large scores overflow",
+        "Your softmax computes exp(scores) directly. With large inputs a score\n"
+        "above about 709 (float64) or 88 (float32) overflows exp to inf, and the\n"
+        "weights become inf/inf = nan, although the true answer is finite. The\n"
+        "document's code subtracts the maximum first, which leaves the softmax\n"
+        "unchanged (a constant shift cancels in the ratio):",
+        "w = np.exp(scores - scores.max(axis=-1, keepdims=True))\n"
+        "w = w / w.sum(axis=-1, keepdims=True)",
+        produce=(
+            Form("row max", "row_max_skipped", "exp(scores) without subtracting the row max"),
+        )),
+    Mistake(
         "softmax_wrong_axis",
         "the softmax normalises over the queries instead of the keys",
         "Your softmax runs down the columns (axis 0) of the T_q x T_k score matrix.\n"
@@ -330,19 +343,6 @@ TABLE: Tuple[Mistake, ...] = (
         "w = w / w.sum(axis=-1, keepdims=True)    # w.sum(axis=-1) == 1",
         produce=(
             Form("softmax", "softmax_axis0", "softmax over axis 0 (the queries)"),
-        )),
-    Mistake(
-        "no_max_subtraction",
-        "the softmax does not subtract the row maximum, so large scores overflow",
-        "Your softmax computes exp(scores) directly. With large inputs a score\n"
-        "above about 709 (float64) or 88 (float32) overflows exp to inf, and the\n"
-        "weights become inf/inf = nan, although the true answer is finite. The\n"
-        "document's code subtracts the maximum first, which leaves the softmax\n"
-        "unchanged (a constant shift cancels in the ratio):",
-        "w = np.exp(scores - scores.max(axis=-1, keepdims=True))\n"
-        "w = w / w.sum(axis=-1, keepdims=True)",
-        produce=(
-            Form("softmax", "softmax_naive", "exp(scores) without subtracting the row max"),
         )),
     Mistake(
         "softmax_over_heads",

@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .mistakes import TABLE
+from . import mistakes as _mistakes
 
 State = Dict[str, Any]
 StepFn = Callable[[State], State]
@@ -309,7 +309,21 @@ def causal_top_left(st: State) -> State:
 
 
 # ------------------------------------------------------------------ softmax
-def _softmax(s: np.ndarray, axis=-1) -> np.ndarray:
+# The softmax is two steps, so that a mistake in each composes with one in
+# the other: "row max" (whether the max is subtracted before exp) and
+# "softmax" (the normalisation, over which axis; it reads the first's mark).
+def row_max(st: State) -> State:
+    return st
+
+
+def row_max_skipped(st: State) -> State:
+    return _new(st, no_max=True)
+
+
+def _softmax(s: np.ndarray, axis=-1, no_max: bool = False) -> np.ndarray:
+    if no_max:              # exp of the raw scores: overflows to inf/inf = nan
+        e = np.exp(s)
+        return e / e.sum(axis=axis, keepdims=True)
     m = np.max(s, axis=axis, keepdims=True)
     m = np.where(np.isfinite(m), m, 0)
     e = np.exp(s - m)
@@ -326,11 +340,12 @@ def _finish(st: State, w: List[np.ndarray]) -> State:
     return _new(st, w=w)
 
 
-def _sink_softmax(s: np.ndarray, sink: float, in_numerator: bool = False) -> np.ndarray:
+def _sink_softmax(s: np.ndarray, sink: float, in_numerator: bool = False,
+                  no_max: bool = False) -> np.ndarray:
     """Softmax with one extra logit ``sink`` per row in the denominator (and,
     the mistake, added to every numerator too)."""
     sk = s.dtype.type(sink)
-    m = np.maximum(np.max(s, axis=-1, keepdims=True), sk)
+    m = 0 if no_max else np.maximum(np.max(s, axis=-1, keepdims=True), sk)
     e = np.exp(s - m)
     es = np.exp(sk - m)
     tot = e.sum(axis=-1, keepdims=True) + es
@@ -338,39 +353,34 @@ def _sink_softmax(s: np.ndarray, sink: float, in_numerator: bool = False) -> np.
 
 
 def softmax(st: State) -> State:
-    sinks = st.get("sinks")
+    sinks, nm = st.get("sinks"), bool(st.get("no_max"))
     if sinks is not None:
-        return _finish(st, [_sink_softmax(s, sinks[i])
+        return _finish(st, [_sink_softmax(s, sinks[i], no_max=nm)
                             for i, s in enumerate(_final_scores(st))])
-    return _finish(st, [_softmax(s) for s in _final_scores(st)])
+    return _finish(st, [_softmax(s, no_max=nm) for s in _final_scores(st)])
 
 
 def softmax_sink_in_numerator(st: State) -> State:
     sinks = st.get("sinks")
     if sinks is None:
         return softmax(st)
-    return _finish(st, [_sink_softmax(s, sinks[i], True)
+    return _finish(st, [_sink_softmax(s, sinks[i], True, bool(st.get("no_max")))
                         for i, s in enumerate(_final_scores(st))])
 
 
 def softmax_axis0(st: State) -> State:
-    return _finish(st, [_softmax(s, axis=0) for s in _final_scores(st)])
-
-
-def softmax_naive(st: State) -> State:
-    out = []
-    for s in _final_scores(st):
-        e = np.exp(s)
-        out.append(e / e.sum(axis=-1, keepdims=True))
-    return _finish(st, out)
+    nm = bool(st.get("no_max"))
+    return _finish(st, [_softmax(s, axis=0, no_max=nm) for s in _final_scores(st)])
 
 
 def softmax_heads_axis(st: State) -> State:
-    return _finish(st, list(_softmax(np.stack(_final_scores(st)), axis=0)))
+    nm = bool(st.get("no_max"))
+    return _finish(st, list(_softmax(np.stack(_final_scores(st)), axis=0, no_max=nm)))
 
 
 def softmax_whole_matrix(st: State) -> State:
-    return _finish(st, [_softmax(s, axis=None) for s in _final_scores(st)])
+    nm = bool(st.get("no_max"))
+    return _finish(st, [_softmax(s, axis=None, no_max=nm) for s in _final_scores(st)])
 
 
 # ------------------------------------------------------------------ weights @ V
@@ -473,6 +483,7 @@ MODEL_STEPS = {
               ("scores", "raw_scores", scores, None),
               ("scale", "scores", scale, None),
               ("mask", "scores", mask, "masked"),
+              ("row max", "weights", row_max, None),
               ("softmax", "weights", softmax, None),
               ("weights @ V", "heads", weights_v, None),
               ("merge heads", "concat", merge, None),
@@ -482,6 +493,7 @@ MODEL_STEPS = {
                   ("scale", "scores", scale, None),
                   ("softcap", "scores", softcap, None),
                   ("mask", "scores", mask, None),
+                  ("row max", "weights", row_max, None),
                   ("softmax", "weights", softmax, None),
                   ("weights @ V", "heads", weights_v, None),
                   ("output", "output", stack_heads, None)),
@@ -498,7 +510,7 @@ def build_model(model: str, features: Sequence[str] = ()) -> List[Step]:
     for name, stage, fn, needs in MODEL_STEPS[model]:
         if needs is not None and needs not in have:
             continue
-        wrong = [(m.id, f.written, fns[f.fn]) for m in TABLE for f in m.produce
+        wrong = [(m.id, f.written, fns[f.fn]) for m in _mistakes.TABLE for f in m.produce
                  if f.step == name and model in f.models and set(f.needs) <= have]
         out.append(Step(name, stage, fn, wrong))
     return out
@@ -520,7 +532,7 @@ def attention_steps(with_mask: bool, with_causal: bool, with_softcap: bool = Fal
 def _check_table() -> None:
     """Every form names a function of this module and a step of one of its
     models (a form is produced in each of its models that has its step)."""
-    for m in TABLE:
+    for m in _mistakes.TABLE:
         for f in m.produce:
             if not callable(globals().get(f.fn)):
                 raise ValueError(f"mistake {m.id!r}: no step function {f.fn!r}")
