@@ -10,7 +10,18 @@ function that does the wrong thing instead, and when it applies.
 table, and :mod:`mhattn.learn.checker` derives ``MISTAKES`` (identifier ->
 (title, explanation with its fix)) from it.  Adding a mistake is one record
 here (and, for a new way of computing, its step function in steps.py), plus
-its test.
+its test, for example::
+
+    Mistake(
+        "causal_off_by_one",
+        "the causal mask lets each query see the next key too",
+        "Your causal mask allows j <= i + 1. ... Fix:",
+        "allowed = np.tril(np.ones((T_q, T_k), bool), k=T_k - T_q)",
+        produce=(Form("mask", "causal_off_by_one", "j <= i + 1",
+                      needs=("causal",)),)),
+
+The step model then tries it, alone and paired with every mistake at
+another step, on every prototype whose trials have the features it needs.
 """
 from __future__ import annotations
 
