@@ -274,12 +274,13 @@ def test_diagnosis_holds_for_other_seeds_and_trials(mistake, fn, seed):
 
 def test_variants_are_pairwise_distinguishable():
     """On the designed trials alone, no two mistakes give the same outputs."""
-    from mhattn.learn.checker import _distance, _run, _trials
+    from mhattn.learn.checker import _distance, _reenact, _run, _trials
     for dtype, tol in ((np.float64, 1e-7), (np.float32, 2e-4)):
         cases = _trials(0, np.dtype(dtype), 0)
         outs = {}
-        for mistake, form, vfn in VARIANTS + [("correct", "", mhattn.learn.checker._correct)]:
+        for mistake, form, vfn in VARIANTS:
             outs[(mistake, form)] = [_run(vfn, t.args)[0] for t in cases]
+        outs[("correct", "")] = [_reenact(t.args) for t in cases]
         keys = list(outs)
         for i, a in enumerate(keys):
             for b in keys[i + 1:]:
@@ -292,7 +293,7 @@ def test_variants_are_pairwise_distinguishable():
 
 
 def test_trial_set_covers_the_shapes_where_bugs_show():
-    from mhattn.learn.checker import _trials, _no_max_subtraction
+    from mhattn.learn.checker import _reenact, _trials
     cases = _trials(0, np.dtype(np.float64), 0)
     names = [t.name for t in cases]
     assert names[0] == "worked_example"
@@ -306,7 +307,7 @@ def test_trial_set_covers_the_shapes_where_bugs_show():
     big = [t for t in cases if t.large]
     assert len(big) == 1
     with np.errstate(all="ignore"):
-        assert not np.isfinite(_no_max_subtraction(*big[0].args)).all()
+        assert not np.isfinite(_reenact(big[0].args, "no_max_subtraction")).all()
     assert np.isfinite(mhattn.multi_head_attention(*big[0].args[:5], num_heads=2)).all()
     # the worked example is the document's, fused
     we = cases[0]
@@ -775,3 +776,43 @@ def test_qk_norm_mistakes_are_named_and_a_correct_norm_passes():
     assert "qk_norm" not in [t.name for t in mhattn.check_prototype(
         lambda x, w_q, w_k, w_v, w_o, num_heads: make("ok")(x, w_q, w_k, w_v, w_o,
                                                              num_heads)).trials]
+
+
+# ------------------------------------------------------------ the mistake table
+
+def test_mistakes_are_one_table_read_by_the_model_and_the_checker():
+    from mhattn.learn import mistakes, steps
+    ids = [m.id for m in mistakes.TABLE]
+    assert list(MISTAKES) == ids and len(set(ids)) == len(ids)
+    for m in mistakes.TABLE:
+        assert MISTAKES[m.id] == (m.title, m.text)
+        assert m.fix and all(("    " + line) in m.text for line in m.fix.split("\n"))
+    # every form is produced by some model with every feature, and nothing else is
+    produced = set()
+    for model in mistakes.MODELS:
+        for step in steps.build_model(model, mistakes.FEATURES):
+            for name, written, fn in step.wrong:
+                produced.add((name, step.name, fn.__name__, written))
+    table = {(m.id, f.step, f.fn, f.written) for m in mistakes.TABLE for f in m.produce}
+    assert produced == table
+    # a form's features decide when it is tried
+    plain = {n for s in steps.build_model("attention") for n, _, _ in s.wrong}
+    assert "causal_top_left" not in plain and "no_scaling" in plain
+    causal = {n for s in steps.build_model("attention", ["causal", "masked"])
+              for n, _, _ in s.wrong}
+    assert "causal_top_left" in causal
+
+
+def test_two_mistakes_in_the_softmax_are_both_named():
+    """The softmax is two steps (row max, normalisation): a prototype that
+    forgets the max and normalises over the wrong axis has both named."""
+    def attend(q, k, v, mask=None):
+        s = q @ k.transpose(0, 2, 1) / np.sqrt(q.shape[-1])
+        if mask is not None:
+            s = np.where(mask, s, -np.inf)
+        e = np.exp(s)
+        return e / e.sum(axis=1, keepdims=True) @ v
+
+    rep = mhattn.check_attention_prototype(attend)
+    assert set(rep.mistakes) == {"no_max_subtraction", "softmax_wrong_axis"}, str(rep)
+    assert rep.exact and "two mistakes" in rep.title

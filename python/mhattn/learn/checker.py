@@ -25,6 +25,8 @@ from .._internal.args import check_memory
 from ..compute.attention import attention as _attention
 from ..compute.forward import multi_head_attention
 from ..reference import worked_example
+from . import mistakes as _mistakes
+from . import rounding as _rounding
 from . import steps as _steps
 from .trace import CompareReport, canonical_key, trace
 
@@ -33,47 +35,14 @@ __all__ = ["check_prototype", "check_attention_prototype", "PrototypeReport", "T
 
 
 # --------------------------------------------------------------------------
-# The document's computation, and each known mistake, in plain NumPy.
-# Every function takes the prototype's arguments (fused 2-D weights).
+# The document's computation, for the report; the mistakes are the table
+# of mhattn.learn.mistakes, re-enacted by the step model of steps.py.
 # --------------------------------------------------------------------------
 
 def _cols(w: np.ndarray, h: int) -> List[np.ndarray]:
     """Head i owns columns [i*d, (i+1)*d) of a fused weight."""
     d = w.shape[1] // h
     return [w[:, i * d:(i + 1) * d] for i in range(h)]
-
-
-def _softmax(s: np.ndarray, axis: int = -1) -> np.ndarray:
-    e = np.exp(s - s.max(axis=axis, keepdims=True))
-    return e / e.sum(axis=axis, keepdims=True)
-
-
-def _naive_softmax(s: np.ndarray) -> np.ndarray:
-    e = np.exp(s)
-    return e / e.sum(axis=-1, keepdims=True)
-
-
-def _sqrt_dk(d_k: int, d_model: int) -> float:
-    return 1.0 / np.sqrt(d_k)
-
-
-def _heads(x, w_q, w_k, w_v, h, scale=_sqrt_dk, softmax=_softmax) -> List[np.ndarray]:
-    """head_i = softmax(Q_i K_i^T * scale) V_i for every head i."""
-    out = []
-    for wq, wk, wv in zip(_cols(w_q, h), _cols(w_k, h), _cols(w_v, h)):
-        q, k, v = x @ wq, x @ wk, x @ wv
-        s = (q @ k.T) * x.dtype.type(scale(wq.shape[1], x.shape[1]))
-        out.append(softmax(s) @ v)
-    return out
-
-
-def _correct(x, w_q, w_k, w_v, w_o, h):
-    return np.concatenate(_heads(x, w_q, w_k, w_v, h), axis=-1) @ w_o
-
-
-def _no_max_subtraction(x, w_q, w_k, w_v, w_o, h):
-    heads = _heads(x, w_q, w_k, w_v, h, softmax=_naive_softmax)
-    return np.concatenate(heads, axis=-1) @ w_o
 
 
 _CODE_FIX = """\
@@ -90,265 +59,9 @@ _CODE_FIX = """\
         heads.append(w @ v)                  # head_i, (T, d_v)
     return np.concatenate(heads, axis=-1) @ w_o   # Concat(head_1..head_h) W^O"""
 
-#: mistake id -> (short title, explanation that teaches the fix).
-MISTAKES: Dict[str, Tuple[str, str]] = {
-    "no_scaling": (
-        "the scores are not divided by sqrt(d_k)",
-        "Your prototype computes softmax(Q K^T) V. The document's attention is\n"
-        "Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V. A dot product over d_k\n"
-        "terms has variance proportional to d_k, so without the division the\n"
-        "softmax saturates towards one-hot as d_k grows. Divide inside each head:\n"
-        "    scores = q @ k.T / np.sqrt(d_k)   # d_k = w_q.shape[1] // num_heads"),
-    "scale_by_dk": (
-        "the scores are divided by d_k instead of sqrt(d_k)",
-        "Your prototype divides Q K^T by d_k. The document divides by its square\n"
-        "root: softmax(Q K^T / sqrt(d_k)) V. Scaling by sqrt(d_k) brings the\n"
-        "variance of a d_k-term dot product back to about 1; dividing by d_k\n"
-        "over-flattens the weights. Fix:\n"
-        "    scores = q @ k.T / np.sqrt(d_k)"),
-    "scale_by_sqrt_dmodel": (
-        "the scores are divided by sqrt(d_model) instead of sqrt(d_k)",
-        "Your prototype divides Q K^T by sqrt(d_model), the embedding width. The\n"
-        "scale belongs to each head and uses that head's own width d_k = d_model / h\n"
-        "(the document's active recall 5: scaling happens inside each head, with\n"
-        "that head's d_k). Fix:\n"
-        "    d_k = w_q.shape[1] // num_heads\n"
-        "    scores = q @ k.T / np.sqrt(d_k)"),
-    "softmax_wrong_axis": (
-        "the softmax normalises over the queries instead of the keys",
-        "Your softmax runs down the columns (axis 0) of the T_q x T_k score matrix.\n"
-        "Each query's row must be a probability distribution over all the keys, as\n"
-        "in the worked example, where Head 1's weights for 'it' over (ball, full, it)\n"
-        "are [0.7337, 0.0879, 0.1784] and sum to 1. Take the max, exp and sum\n"
-        "along the last axis:\n"
-        "    w = np.exp(scores - scores.max(axis=-1, keepdims=True))\n"
-        "    w = w / w.sum(axis=-1, keepdims=True)    # w.sum(axis=-1) == 1"),
-    "heads_averaged": (
-        "the heads are averaged instead of concatenated",
-        "Your prototype averages the heads' outputs. The document concatenates them\n"
-        "and then applies one learned W^O:\n"
-        "    MultiHead(X) = Concat(head_1, ..., head_h) W^O\n"
-        "Averaging gives every head the fixed weight 1/h and blends the specialists\n"
-        "before W^O can combine them (this is the classmate's mistake in active\n"
-        "recall 6). Concatenate along the features, then project:\n"
-        "    z = np.concatenate(heads, axis=-1)      # (T, h*d_v)\n"
-        "    return z @ w_o"),
-    "heads_summed": (
-        "the heads are summed instead of concatenated",
-        "Your prototype adds the heads' outputs together. The document concatenates\n"
-        "them side by side and lets one learned W^O mix them:\n"
-        "    MultiHead(X) = Concat(head_1, ..., head_h) W^O\n"
-        "A sum squeezes h subspaces into one d_v-wide vector, so the output can no\n"
-        "longer say which head noticed what. Fix:\n"
-        "    z = np.concatenate(heads, axis=-1)      # (T, h*d_v)\n"
-        "    return z @ w_o"),
-    "wo_skipped": (
-        "W^O is never applied",
-        "Your prototype returns Concat(head_1, ..., head_h) itself. The worked\n"
-        "example takes W^O = identity for simplicity, which hides this; in general\n"
-        "MultiHead(X) = Concat(head_1, ..., head_h) W^O, and W^O is the producer\n"
-        "that blends the heads' reports. Fix:\n"
-        "    return np.concatenate(heads, axis=-1) @ w_o"),
-    "wo_transposed": (
-        "W^O is applied transposed",
-        "Your prototype multiplies the concatenation by W^O transposed. mhattn and\n"
-        "the document use row vectors (Q = X W^Q), so W^O has shape (h*d_v) x d_out\n"
-        "and multiplies from the right as it is. This only ran because W^O was\n"
-        "square; with a non-square W^O it fails on shapes. Fix:\n"
-        "    return concat @ w_o       # not concat @ w_o.T"),
-    "projections_transposed": (
-        "the projections are applied transposed",
-        "Your prototype projects with the transposed weights (X W^T, the layout of\n"
-        "PyTorch's nn.Linear.weight). The document uses row vectors: Q = X W^Q with\n"
-        "W^Q of shape d_model x d_k (fused: d_model x h*d_k), and likewise for K, V.\n"
-        "It only ran where the fused weights were square (d_model == h*d_k). Fix:\n"
-        "    Q = x @ w_q;  K = x @ w_k;  V = x @ w_v"),
-    "no_max_subtraction": (
-        "the softmax does not subtract the row maximum, so large scores overflow",
-        "Your softmax computes exp(scores) directly. With large inputs a score\n"
-        "above about 709 (float64) or 88 (float32) overflows exp to inf, and the\n"
-        "weights become inf/inf = nan, although the true answer is finite. The\n"
-        "document's code subtracts the maximum first, which leaves the softmax\n"
-        "unchanged (a constant shift cancels in the ratio):\n"
-        "    w = np.exp(scores - scores.max(axis=-1, keepdims=True))\n"
-        "    w = w / w.sum(axis=-1, keepdims=True)"),
-    "heads_split_sequence": (
-        "the heads are split along the sequence instead of the features",
-        "Your prototype gives each head a share of the tokens (rows). Heads split\n"
-        "the representation dimension, not the sequence: every head computes a\n"
-        "full T x T attention over all the tokens (the document's 'common\n"
-        "misconception' section). Head i owns columns [i*d_k, (i+1)*d_k) of X W^Q.\n"
-        "Fix (either form):\n"
-        "    q_i = Q[:, i*d_k:(i+1)*d_k]\n"
-        "    Qh = Q.reshape(T, h, d_k).transpose(1, 0, 2)   # (h, T, d_k)\n"
-        "not np.split(Q, h, axis=0) or Q.reshape(h, T, d_k)."),
-    "same_projection_every_head": (
-        "every head uses head 0's projection",
-        "Every head in your prototype uses the first block of columns of w_q, w_k\n"
-        "and w_v, so all heads compute the same thing and h heads collapse into\n"
-        "one. In the document, head_i = Attention(X W_i^Q, X W_i^K, X W_i^V) uses\n"
-        "head i's own matrices (active recall 6). Slice by the head index:\n"
-        "    q = x @ w_q[:, i*d_k:(i+1)*d_k]   # and likewise k, v with i"),
-    "v_with_wk": (
-        "V is computed with W^K",
-        "Your prototype computes the values with the key weights, V = X W^K. The\n"
-        "document gives each role its own matrix: Q = X W^Q, K = X W^K, V = X W^V.\n"
-        "Fix:\n"
-        "    v = x @ w_v[:, i*d_v:(i+1)*d_v]"),
-    "split_reshape_no_transpose": (
-        "the heads are split with reshape(h, T, d) instead of reshape(T, h, d) + transpose",
-        "Your prototype splits the fused (T, h*d) projection with Q.reshape(h, T, d).\n"
-        "That deals the rows out to the heads instead of the columns: head i owns\n"
-        "columns [i*d, (i+1)*d) of X W^Q. Reshape to (T, h, d) first, then move the\n"
-        "heads axis to the front:\n"
-        "    Qh = Q.reshape(T, h, d_k).transpose(1, 0, 2)   # (h, T, d_k)"),
-    "merge_reshape_no_transpose": (
-        "the heads are merged with reshape(T, h*d) without the transpose back",
-        "Your prototype merges the stacked heads (h, T, d_v) with .reshape(T, h*d_v).\n"
-        "That interleaves rows of different tokens. Concat(head_1, ..., head_h) puts\n"
-        "each token's heads side by side: move the heads axis back first:\n"
-        "    z = out.transpose(1, 0, 2).reshape(T, h * d_v)\n"
-        "    # or: z = np.concatenate(list(out), axis=-1)"),
-    "heads_wrong_order": (
-        "the heads are concatenated in the wrong order",
-        "Your prototype concatenates the heads in another order than head_1, ...,\n"
-        "head_h. W^O's rows [i*d_v, (i+1)*d_v) read head i, so the order matters.\n"
-        "Fix:\n"
-        "    z = np.concatenate([head_0, head_1, ..., head_(h-1)], axis=-1)"),
-    "dk_from_dmodel": (
-        "d_k is taken as d_model // h, but the weights say otherwise",
-        "Your prototype computes a head's width as d_model // num_heads. That is the\n"
-        "document's usual choice, not a rule: a head's width is whatever its weights\n"
-        "have, d_k = w_q.shape[1] // num_heads (and d_v = w_v.shape[1] // num_heads).\n"
-        "Fix:\n"
-        "    d_k = w_q.shape[1] // num_heads\n"
-        "    d_v = w_v.shape[1] // num_heads"),
-    "v_sliced_with_dk": (
-        "V is sliced into heads with d_k instead of d_v",
-        "Your prototype slices V with the query/key width d_k, as in the document's\n"
-        "recap where W^V is d_model x d_k. That is right only when d_v == d_k; in\n"
-        "general V's heads are d_v = w_v.shape[1] // num_heads wide. Fix:\n"
-        "    d_v = w_v.shape[1] // num_heads\n"
-        "    v = x @ w_v[:, i*d_v:(i+1)*d_v]"),
-    "scale_by_sqrt_dv": (
-        "the scores are divided by sqrt(d_v) instead of sqrt(d_k)",
-        "Your prototype divides Q K^T by the square root of the value width d_v. The\n"
-        "scale belongs to the dot product of a query and a key, which has d_k terms:\n"
-        "softmax(Q K^T / sqrt(d_k)) V. Fix:\n"
-        "    scores = q @ k.T / np.sqrt(q.shape[-1])"),
-    "scale_after_softmax": (
-        "the 1/sqrt(d_k) is applied after the softmax",
-        "Your prototype scales after the softmax, softmax(Q K^T) / sqrt(d_k). The\n"
-        "scale must shape the distribution, so it goes inside:\n"
-        "softmax(Q K^T / sqrt(d_k)); after the softmax the weights no longer sum\n"
-        "to 1. Fix:\n"
-        "    w = softmax(q @ k.T / np.sqrt(d_k))"),
-    "softmax_over_heads": (
-        "the softmax normalises over the heads axis",
-        "Your softmax runs over the heads axis of the stacked (h, T, T) scores. Each\n"
-        "head is its own attention: each query's row, in each head, must sum to 1\n"
-        "over the keys. Normalise along the last axis:\n"
-        "    w = np.exp(s - s.max(axis=-1, keepdims=True))\n"
-        "    w = w / w.sum(axis=-1, keepdims=True)"),
-    "softmax_whole_matrix": (
-        "the softmax normalises over the whole score matrix",
-        "Your softmax divides by the sum of the whole T x T matrix, so all the\n"
-        "weights together sum to 1. Each query's row must be its own distribution\n"
-        "over the keys (in the worked example, 'it' gives [0.7337, 0.0879, 0.1784]).\n"
-        "Sum along the last axis only:\n"
-        "    w = w / w.sum(axis=-1, keepdims=True)"),
-    "weights_transposed": (
-        "the weights are transposed before @ V",
-        "Your prototype multiplies weights.T @ V. Row i of the weights belongs to\n"
-        "query i, and head_i's row i is the weighted average of the values with that\n"
-        "row's weights: head = weights @ V, (T_q, T_k) @ (T_k, d_v). Fix:\n"
-        "    head = w @ v"),
-    "wo_cut_to_fit": (
-        "W^O is cut to the concatenation's width",
-        "Your prototype multiplies by the first rows of W^O only, as many as the\n"
-        "concatenation is wide. W^O is (h*d_v) x d_out, one block of d_v rows per\n"
-        "head; when the concatenation is narrower than W^O, the heads are wrong\n"
-        "(sliced with the wrong width, or combined without Concat), and cutting\n"
-        "W^O only hides it. Fix the heads, then use all of W^O:\n"
-        "    return np.concatenate(heads, axis=-1) @ w_o"),
-    "qk_norm_whole_row": (
-        "the q/k norm is taken over the whole projected row, not per head",
-        "Your prototype normalises each row of Q = X W^Q (and K) over all its\n"
-        "h*d_k features at once. The q/k norm (as in Qwen3 and Gemma 3) is an\n"
-        "RMSNorm of each head's own d_k features, after the split into heads and\n"
-        "before RoPE, with a (d_k,) weight shared by the heads. Fix, per head:\n"
-        "    q = q / np.sqrt((q * q).mean(-1, keepdims=True) + eps) * q_norm"),
-    "qk_norm_no_weight": (
-        "the q/k norm leaves out its weight",
-        "Your prototype RMS-normalises q and k but does not multiply by the\n"
-        "learned weights q_norm and k_norm ((d_k,) each). RMSNorm is the\n"
-        "normalisation times its weight. Fix:\n"
-        "    q = q / np.sqrt((q * q).mean(-1, keepdims=True) + eps) * q_norm\n"
-        "    k = k / np.sqrt((k * k).mean(-1, keepdims=True) + eps) * k_norm"),
-    "qk_norm_layernorm": (
-        "the q/k norm subtracts the mean (LayerNorm instead of RMSNorm)",
-        "Your prototype centres q and k before scaling them, as LayerNorm does.\n"
-        "The q/k norm is an RMSNorm: no mean is subtracted, only the root mean\n"
-        "square divided out. Fix:\n"
-        "    q = q / np.sqrt((q * q).mean(-1, keepdims=True) + eps) * q_norm"),
-    "rope_on_v": (
-        "RoPE is applied to V too",
-        "Your prototype rotates the values as well. RoPE encodes positions in the\n"
-        "dot product q . k only: rotate q and k (after the q/k norm, before the\n"
-        "scores) and leave V as X W^V. Fix:\n"
-        "    q, k = rope(q, positions), rope(k, positions)    # not v"),
-    "rope_pairing_wrong": (
-        "RoPE pairs the wrong features (interleaved vs rotate-half)",
-        "Your RoPE turns other pairs of features than the model's. Rotate-half\n"
-        "(GPT-NeoX, Llama; mhattn.RoPE's default) pairs feature c with\n"
-        "c + d/2; interleaved (GPT-J, RoFormer; RoPE(interleaved=True)) pairs\n"
-        "(2c, 2c+1). With half = d // 2 and c = np.arange(half):\n"
-        "    ia, ib = c, c + half          # rotate-half\n"
-        "    ia, ib = 2 * c, 2 * c + 1     # interleaved"),
-    "rope_not_offset": (
-        "RoPE's query positions are not offset by the cache length",
-        "Your prototype turns the queries as if they sat at positions 0, 1, ...\n"
-        "With a cache (more keys than queries), the new queries are the last T_q\n"
-        "of the T_k positions: query i sits at i + T_k - T_q, key j at j, so that\n"
-        "the angle of q_i . k_j depends on the true distance. Fix:\n"
-        "    q = rope(q, positions=np.arange(T_q) + T_k - T_q)\n"
-        "    k = rope(k, positions=np.arange(T_k))"),
-    "softcap_after_mask": (
-        "the softcap is applied after the mask",
-        "Your prototype soft-caps the scores after masking them, so a blocked key's\n"
-        "-inf becomes -c and gets a weight. The cap shapes the real scores:\n"
-        "cap first, then mask:\n"
-        "    s = c * np.tanh(s / c)\n"
-        "    s = np.where(mask, s, -np.inf)"),
-    "sink_in_numerator": (
-        "the sink is added to the numerator too",
-        "Your softmax adds the sink's exp(sink) to every weight as well as to the\n"
-        "denominator. A sink is one extra logit per row counted in the denominator\n"
-        "only, so a row's weights sum to 1 - p_sink:\n"
-        "    m = np.maximum(s.max(-1, keepdims=True), sink)\n"
-        "    e = np.exp(s - m)\n"
-        "    w = e / (e.sum(-1, keepdims=True) + np.exp(sink - m))"),
-    "mask_inverted": (
-        "the mask (or the causal triangle) is inverted",
-        "Your prototype blocks the keys that may be seen and keeps the others.\n"
-        "mhattn's boolean masks say True = may attend; causal lets query i see\n"
-        "keys j <= i (+ T_k - T_q). Fix:\n"
-        "    scores = np.where(mask, scores, -np.inf)"),
-    "mask_after_softmax": (
-        "the mask is applied after the softmax",
-        "Your prototype zeroes the blocked weights after the softmax, so the rest no\n"
-        "longer sum to 1. Mask the scores with -inf before it, and the softmax\n"
-        "renormalises over the keys that are left:\n"
-        "    scores = np.where(mask, scores, -np.inf)\n"
-        "    w = softmax(scores)"),
-    "causal_top_left": (
-        "the causal mask is aligned top-left instead of bottom-right",
-        "Your causal mask lets query i see keys j <= i. With more keys than queries\n"
-        "(a cache, or a prefix) the queries are the last T_q positions, so query i\n"
-        "sees keys j <= i + T_k - T_q (bottom-right aligned, as in mhattn, PyTorch's\n"
-        "is_causal with a cache and FlashAttention). Fix:\n"
-        "    allowed = np.tril(np.ones((T_q, T_k), bool), k=T_k - T_q)"),
-}
+#: mistake id -> (short title, explanation that teaches the fix), from the
+#: table of :mod:`mhattn.learn.mistakes`.
+MISTAKES: Dict[str, Tuple[str, str]] = {m.id: (m.title, m.text) for m in _mistakes.TABLE}
 
 
 # --------------------------------------------------------------------------
@@ -429,7 +142,7 @@ def _large_trial(rng, dtype) -> _Trial:
             scores = [np.abs((t.x @ q) @ (t.x @ k).T) / np.sqrt(q.shape[1])
                       for q, k in zip(_cols(t.w_q, 2), _cols(t.w_k, 2))]
             if max(s.max() for s in scores) > 3 * limit and not np.isfinite(
-                    _no_max_subtraction(*t.args)).all():
+                    _reenact(t.args, "no_max_subtraction")).all():
                 break
             t.x = (t.x * 2).astype(dtype)
     t.large = True
@@ -637,7 +350,7 @@ class _Candidate:
     matches: List[bool] = field(default_factory=list)
 
 
-def _search(steps, starts: List[Dict[str, Any]], user: List[Any], tol: float,
+def _search(steps, starts: List[Dict[str, Any]], user: List[Any], tol: Sequence[float],
             first_stage: Optional[str], passing: Sequence[int] = ()) -> List[_Candidate]:
     """Every single substitution and every pair at two different steps, run
     on every trial from the correct run's saved states; pairs whose first
@@ -667,7 +380,7 @@ def _search(steps, starts: List[Dict[str, Any]], user: List[Any], tol: float,
         if allowed(si):
             cands.append(_Candidate((name,), (form,), (si,), n, outs))
     for c in cands:
-        c.matches = [_same(u, o, tol) for u, o in zip(user, c.outcomes)]
+        c.matches = [_same(u, o, t) for u, o, t in zip(user, c.outcomes, tol)]
     if any(all(c.matches) for c in cands):
         return cands                  # a single explains everything: no pairs needed
     for n, (si, name, form, fn, outs, kept) in enumerate(singles):
@@ -686,7 +399,7 @@ def _search(steps, starts: List[Dict[str, Any]], user: List[Any], tol: float,
                 pouts.append(o)
             c = _Candidate((name, name2), (form, form2), (si, sj),
                            len(singles) * (1 + n) + m, pouts)
-            c.matches = [_same(u, o, tol) for u, o in zip(user, c.outcomes)]
+            c.matches = [_same(u, o, t) for u, o, t in zip(user, c.outcomes, tol)]
             cands.append(c)
     return cands
 
@@ -802,32 +515,19 @@ def _layer_start(t: _Trial) -> Dict[str, Any]:
                 q_norm=t.kwargs.get("q_norm"), k_norm=t.kwargs.get("k_norm"))
 
 
-def _layer_model(keywords: Sequence[str]) -> List[_steps.Step]:
-    steps = _steps.layer_steps()
-    if "rope" in keywords:
-        at = [s.name for s in steps].index("split heads") + 1
-        steps.insert(at, _steps.Step("RoPE", "q", _steps.rope, [
-            ("rope_on_v", "RoPE applied to V too", _steps.rope_on_v),
-            ("rope_pairing_wrong", "interleaved pairs instead of rotate-half (or back)",
-             _steps.rope_pairing_swapped)]))
-    if "q_norm" in keywords:
-        at = [s.name for s in steps].index("split heads") + 1
-        steps.insert(at, _steps.Step("q/k norm", "q", _steps.qk_norm, [
-            ("qk_norm_whole_row", "RMSNorm over the whole projected row, not per head",
-             _steps.qk_norm_whole_row),
-            ("qk_norm_no_weight", "RMSNorm without its weight", _steps.qk_norm_no_weight),
-            ("qk_norm_layernorm", "LayerNorm (the mean subtracted) instead of RMSNorm",
-             _steps.qk_norm_layernorm)]))
+def _features(keywords: Sequence[str]) -> List[str]:
+    """The step model's features (see mhattn.learn.mistakes.FEATURES) of a
+    prototype taking the options ``keywords``."""
+    out = [k for k in ("causal", "rope", "q_norm") if k in keywords]
     if "mask" in keywords or "causal" in keywords:
-        at = [s.name for s in steps].index("scale") + 1
-        steps.insert(at, _steps.Step("mask", "scores", _steps.mask, [
-            ("mask_inverted", "the mask inverted", _steps.mask_inverted),
-            ("mask_after_softmax", "the mask applied after the softmax",
-             _steps.mask_after_softmax)]))
-    return steps
+        out.append("masked")
+    return out
 
 
-_F32_TOL = 2e-4     # normwise relative: what float32 rounding reaches on these trials
+def _layer_model(keywords: Sequence[str]) -> List[_steps.Step]:
+    return _steps.layer_steps(_features(keywords))
+
+
 
 
 def _ok_report(kind, results, convention, stage, stage_note) -> "PrototypeReport":
@@ -846,14 +546,14 @@ def _ok_report(kind, results, convention, stage, stage_note) -> "PrototypeReport
                            first_divergent_stage=stage)
 
 
-def _float32_report(kind, results, fails) -> "PrototypeReport":
+def _float32_report(kind, results, fails, bound: float) -> "PrototypeReport":
     """Every differing trial agrees to float32's precision."""
     n = len(results)
     worst = max(results[i].max_rel for i in fails)
     text = (f"{len(fails)} of {n} trials differ from mhattn, but only by float32 "
-            f"rounding (max relative error {worst:.2g}, within float32's "
-            f"{_F32_TOL:g}): your prototype computes in float32 (or casts to it), "
-            "and these trials are float64. Check it in float32:\n"
+            f"rounding (max relative error {worst:.2g}, within the {bound:.2g} that "
+            "float32 rounding can reach on these trials): your prototype computes in "
+            "float32 (or casts to it), and these trials are float64. Check it in float32:\n"
             + ("    mhattn.check_prototype(fn, dtype=np.float32)" if kind == "layer"
                else "    mhattn.check_attention_prototype(fn, dtype=np.float32)"))
     return PrototypeReport(False, None, "agrees with mhattn to float32 rounding only",
@@ -862,8 +562,20 @@ def _float32_report(kind, results, fails) -> "PrototypeReport":
                                   "rounding: check with dtype=np.float32."])
 
 
+def _float32_bound(results, fails, steps, starts) -> Optional[float]:
+    """When every failing float64 trial differs by no more than float32's
+    rounding can reach on it (its inputs rounded too): the largest such
+    bound; else None."""
+    if not all(results[i].status == "differs" for i in fails):
+        return None
+    f32 = _tolerances(steps, [starts[i] for i in fails], np.dtype(np.float32))
+    if all(results[i].max_rel <= b for i, b in zip(fails, f32)):
+        return max(f32)
+    return None
+
+
 def _diagnose(kind: str, results: List["TrialResult"], user_out: List[Any],
-              steps: List[_steps.Step], starts: List[Dict[str, Any]], tol: float,
+              steps: List[_steps.Step], starts: List[Dict[str, Any]], tol: List[float],
               dtype: np.dtype, standard_ok: Optional[bool], convention: str,
               features: List[Dict[str, bool]]) -> "PrototypeReport":
     n = len(results)
@@ -877,9 +589,9 @@ def _diagnose(kind: str, results: List["TrialResult"], user_out: List[Any],
             break
     if not fails:
         return _ok_report(kind, results, convention, stage, stage_note)
-    if dtype == np.float64 and all(results[i].status == "differs" and
-                                   results[i].max_rel <= _F32_TOL for i in fails):
-        return _float32_report(kind, results, fails)
+    f32 = _float32_bound(results, fails, steps, starts) if dtype == np.float64 else None
+    if f32 is not None:
+        return _float32_report(kind, results, fails, f32)
 
     cands, ranked, exact = _search_and_rank(steps, starts, user_out, tol, stage, fails)
     if not exact and stage is not None:
@@ -1045,10 +757,21 @@ def _check_common(dtype, trials) -> np.dtype:
     return dtype
 
 
-def _run_layer_trials(fn, cases, dtype, tol):
+def _tolerances(steps: List[_steps.Step], starts: List[Dict[str, Any]],
+                dtype: np.dtype) -> List[float]:
+    """Each trial's normwise relative tolerance: float64 1e-7; float32 the
+    bound of :mod:`mhattn.learn.rounding` on that trial's inputs (how far two
+    correct float32 computations can be apart), never below float64's."""
+    if dtype == np.float64:
+        return [1e-7] * len(starts)
+    return [max(_rounding.float32_tolerance(steps, st), 1e-7) for st in starts]
+
+
+def _run_layer_trials(fn, cases, dtype, keywords):
     results: List[TrialResult] = []
     user_out: List[Any] = []
-    for t in cases:
+    tols = _tolerances(_layer_model(keywords), [_layer_start(t) for t in cases], dtype)
+    for t, tol in zip(cases, tols):
         want = multi_head_attention(*t.args[:5], num_heads=t.num_heads, **t.kwargs)
         got, inter = _run(fn, t.args, t.kwargs)
         user_out.append(got)
@@ -1058,10 +781,13 @@ def _run_layer_trials(fn, cases, dtype, tol):
             given = {k: v for k, v in inter.items() if canonical_key(k) is not None}
             if given:
                 ref = trace(*t.args[:5], num_heads=t.num_heads, **t.kwargs)
-                rtol, atol = (1e-4, 1e-5) if dtype == np.float32 else (1e-7, 1e-9)
+                # float32: no tighter than the trial's rounding bound (the
+                # output's, normwise; the intermediates are O(1) and feed it)
+                rtol, atol = ((max(1e-4, tol), max(1e-5, tol)) if dtype == np.float32
+                              else (1e-7, 1e-9))
                 r.stages = ref.compare(given, rtol=rtol, atol=atol)
         results.append(r)
-    return results, user_out
+    return results, user_out, tols
 
 
 def check_prototype(fn: Callable, *, trials: int = 4, dtype=np.float64,
@@ -1095,8 +821,9 @@ def check_prototype(fn: Callable, *, trials: int = 4, dtype=np.float64,
     trials : int, default 4
         How many random configurations to add to the designed ones.
     dtype : np.float64 (default) or np.float32
-        The trials' dtype; the tolerance follows it (float32: 2e-4
-        relative, float64: 1e-7).
+        The trials' dtype; the tolerance follows it (float64: 1e-7
+        relative; float32: a bound of float32's rounding error derived from
+        each trial's inputs, see :mod:`mhattn.learn.rounding`).
     seed : int, default 0
     convention : "general" (default) or "standard"
         "general" tests any widths, d_k != d_v and d_model != h*d_k
@@ -1112,7 +839,7 @@ def check_prototype(fn: Callable, *, trials: int = 4, dtype=np.float64,
 
     When the outputs differ from :func:`mhattn.multi_head_attention`, the
     reference is re-enacted as its steps (project, split heads, scores,
-    [RoPE], scale, [mask], softmax, weights @ V, merge heads, W^O) with every single
+    [RoPE], scale, [mask], row max, softmax, weights @ V, merge heads, W^O) with every single
     known mistake (see :data:`MISTAKES`) and every pair of them at two
     different steps substituted, and the substitution matching the
     prototype on every trial is named (a single before a pair); failing
@@ -1143,16 +870,15 @@ def check_prototype(fn: Callable, *, trials: int = 4, dtype=np.float64,
     if convention not in ("general", "standard"):
         raise ValueError(f"convention: expected 'general' or 'standard', got {convention!r}")
     dtype = _check_common(dtype, trials)
-    tol = 2e-4 if dtype == np.float32 else 1e-7
     keywords = [k for k in ("mask", "causal", "rope") if _accepts(fn, k)]
     if _accepts(fn, "q_norm") and _accepts(fn, "k_norm"):
         keywords.append("q_norm")
     cases = _trials(int(trials), dtype, seed, convention, keywords)
-    results, user_out = _run_layer_trials(fn, cases, dtype, tol)
+    results, user_out, tol = _run_layer_trials(fn, cases, dtype, keywords)
     standard_ok = None
     if convention == "general" and not all(r.ok for r in results):
         std = _trials(int(trials), dtype, seed, "standard", keywords)
-        standard_ok = all(r.ok for r in _run_layer_trials(fn, std, dtype, tol)[0])
+        standard_ok = all(r.ok for r in _run_layer_trials(fn, std, dtype, keywords)[0])
     return _diagnose("layer", results, user_out, _layer_model(keywords),
                      [_layer_start(t) for t in cases], tol, dtype, standard_ok,
                      convention, [t.features() for t in cases])
@@ -1270,7 +996,7 @@ def check_attention_prototype(fn: Callable, *, trials: int = 4, dtype=np.float64
     row's answer is 0.
 
     The diagnosis is :func:`check_prototype`'s, with the attention steps
-    only (scores, scale, mask, softmax, weights @ V): every single mistake
+    only (scores, scale, mask, row max, softmax, weights @ V): every single mistake
     and every pair, among 'rope_not_offset', 'rope_on_v', 'rope_pairing_wrong',
     'no_scaling', 'scale_by_dk', 'scale_by_sqrt_dv',
     'scale_after_softmax', 'softcap_after_mask', 'mask_inverted',
@@ -1305,40 +1031,52 @@ def check_attention_prototype(fn: Callable, *, trials: int = 4, dtype=np.float64
         raise TypeError(f"fn: expected a callable fn(q, k, v, mask=None), "
                         f"got {type(fn).__name__}")
     dtype = _check_common(dtype, trials)
-    tol = 2e-4 if dtype == np.float32 else 1e-7
     keywords = [k for k in ("mask", "causal", "softcap", "sinks", "rope")
                 if _accepts(fn, k)]
     cases = _attention_trials(int(trials), dtype, seed, keywords)
+    steps = _steps.attention_steps("mask" in keywords, "causal" in keywords,
+                                   "softcap" in keywords, "sinks" in keywords,
+                                   "rope" in keywords)
+    starts = [dict(q=list(t.q), k=list(t.k), v=list(t.v), dtype=t.q.dtype,
+                   mask=t.kwargs.get("mask"), causal=bool(t.kwargs.get("causal")),
+                   softcap=t.kwargs.get("softcap"), sinks=t.kwargs.get("sinks"),
+                   rope=t.kwargs.get("rope")) for t in cases]
+    tol = _tolerances(steps, starts, dtype)
     results: List[TrialResult] = []
     user_out: List[Any] = []
-    starts = []
-    for t in cases:
+    for t, t_tol in zip(cases, tol):
         want = _attention_reference(t)
         got, _ = _run(fn, (t.q, t.k, t.v), t.kwargs)
         user_out.append(got)
         r = TrialResult(t.name, t.about, t.shapes(), "ok", expected_shape=want.shape)
-        _compare_result(r, got, want, tol)
+        _compare_result(r, got, want, t_tol)
         results.append(r)
-        starts.append(dict(q=list(t.q), k=list(t.k), v=list(t.v), dtype=t.q.dtype,
-                           mask=t.kwargs.get("mask"), causal=bool(t.kwargs.get("causal")),
-                           softcap=t.kwargs.get("softcap"), sinks=t.kwargs.get("sinks"),
-                           rope=t.kwargs.get("rope")))
-    steps = _steps.attention_steps("mask" in keywords, "causal" in keywords,
-                                   "softcap" in keywords, "sinks" in keywords,
-                                   "rope" in keywords)
     return _diagnose("attention", results, user_out, steps, starts, tol, dtype, None,
                      "general", [t.features() for t in cases])
 
 
-def _variant_fn(steps_fn, step_i: int, alt: Callable) -> Callable:
+def _variant_fn(steps_fn, step_i: int, alt: Optional[Callable]) -> Callable:
     def reenact(x, w_q, w_k, w_v, w_o, h):
         steps = steps_fn()
         start = _layer_start(_Trial("", "", x, w_q, w_k, w_v, w_o, h))
-        out, _ = _steps.run(steps, start, {step_i: alt})
+        out, _ = _steps.run(steps, start, {} if alt is None else {step_i: alt})
         if isinstance(out, _steps.Raised):
             raise out.exc
         return out
     return reenact
+
+
+def _reenact(args, mistake: Optional[str] = None) -> np.ndarray:
+    """The step model's output on a layer trial's ``args``, with the first
+    form of ``mistake`` (None: the correct computation)."""
+    steps = _steps.layer_steps()
+    for i, step in enumerate(steps):
+        for name, _, alt in step.wrong:
+            if name == mistake:
+                return _variant_fn(_steps.layer_steps, i, alt)(*args)
+    if mistake is not None:
+        raise KeyError(mistake)
+    return _variant_fn(_steps.layer_steps, 0, None)(*args)
 
 
 #: (mistake, how it was written, re-enactment fn(x, w_q, w_k, w_v, w_o, h)):

@@ -19,6 +19,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from . import mistakes as _mistakes
+
 State = Dict[str, Any]
 StepFn = Callable[[State], State]
 
@@ -307,7 +309,21 @@ def causal_top_left(st: State) -> State:
 
 
 # ------------------------------------------------------------------ softmax
-def _softmax(s: np.ndarray, axis=-1) -> np.ndarray:
+# The softmax is two steps, so that a mistake in each composes with one in
+# the other: "row max" (whether the max is subtracted before exp) and
+# "softmax" (the normalisation, over which axis; it reads the first's mark).
+def row_max(st: State) -> State:
+    return st
+
+
+def row_max_skipped(st: State) -> State:
+    return _new(st, no_max=True)
+
+
+def _softmax(s: np.ndarray, axis=-1, no_max: bool = False) -> np.ndarray:
+    if no_max:              # exp of the raw scores: overflows to inf/inf = nan
+        e = np.exp(s)
+        return e / e.sum(axis=axis, keepdims=True)
     m = np.max(s, axis=axis, keepdims=True)
     m = np.where(np.isfinite(m), m, 0)
     e = np.exp(s - m)
@@ -324,11 +340,12 @@ def _finish(st: State, w: List[np.ndarray]) -> State:
     return _new(st, w=w)
 
 
-def _sink_softmax(s: np.ndarray, sink: float, in_numerator: bool = False) -> np.ndarray:
+def _sink_softmax(s: np.ndarray, sink: float, in_numerator: bool = False,
+                  no_max: bool = False) -> np.ndarray:
     """Softmax with one extra logit ``sink`` per row in the denominator (and,
     the mistake, added to every numerator too)."""
     sk = s.dtype.type(sink)
-    m = np.maximum(np.max(s, axis=-1, keepdims=True), sk)
+    m = 0 if no_max else np.maximum(np.max(s, axis=-1, keepdims=True), sk)
     e = np.exp(s - m)
     es = np.exp(sk - m)
     tot = e.sum(axis=-1, keepdims=True) + es
@@ -336,39 +353,34 @@ def _sink_softmax(s: np.ndarray, sink: float, in_numerator: bool = False) -> np.
 
 
 def softmax(st: State) -> State:
-    sinks = st.get("sinks")
+    sinks, nm = st.get("sinks"), bool(st.get("no_max"))
     if sinks is not None:
-        return _finish(st, [_sink_softmax(s, sinks[i])
+        return _finish(st, [_sink_softmax(s, sinks[i], no_max=nm)
                             for i, s in enumerate(_final_scores(st))])
-    return _finish(st, [_softmax(s) for s in _final_scores(st)])
+    return _finish(st, [_softmax(s, no_max=nm) for s in _final_scores(st)])
 
 
 def softmax_sink_in_numerator(st: State) -> State:
     sinks = st.get("sinks")
     if sinks is None:
         return softmax(st)
-    return _finish(st, [_sink_softmax(s, sinks[i], True)
+    return _finish(st, [_sink_softmax(s, sinks[i], True, bool(st.get("no_max")))
                         for i, s in enumerate(_final_scores(st))])
 
 
 def softmax_axis0(st: State) -> State:
-    return _finish(st, [_softmax(s, axis=0) for s in _final_scores(st)])
-
-
-def softmax_naive(st: State) -> State:
-    out = []
-    for s in _final_scores(st):
-        e = np.exp(s)
-        out.append(e / e.sum(axis=-1, keepdims=True))
-    return _finish(st, out)
+    nm = bool(st.get("no_max"))
+    return _finish(st, [_softmax(s, axis=0, no_max=nm) for s in _final_scores(st)])
 
 
 def softmax_heads_axis(st: State) -> State:
-    return _finish(st, list(_softmax(np.stack(_final_scores(st)), axis=0)))
+    nm = bool(st.get("no_max"))
+    return _finish(st, list(_softmax(np.stack(_final_scores(st)), axis=0, no_max=nm)))
 
 
 def softmax_whole_matrix(st: State) -> State:
-    return _finish(st, [_softmax(s, axis=None) for s in _final_scores(st)])
+    nm = bool(st.get("no_max"))
+    return _finish(st, [_softmax(s, axis=None, no_max=nm) for s in _final_scores(st)])
 
 
 # ------------------------------------------------------------------ weights @ V
@@ -461,90 +473,74 @@ class Step:
         self.name, self.stage, self.fn, self.wrong = name, stage, fn, list(wrong)
 
 
-def layer_steps() -> List[Step]:
+#: Each model's steps in order: (name, trace stage, correct function, the
+#: feature without which the step is left out, None: always there).
+MODEL_STEPS = {
+    "layer": (("project", "q", project, None),
+              ("split heads", "q", split, None),
+              ("q/k norm", "q", qk_norm, "q_norm"),
+              ("RoPE", "q", rope, "rope"),
+              ("scores", "raw_scores", scores, None),
+              ("scale", "scores", scale, None),
+              ("mask", "scores", mask, "masked"),
+              ("row max", "weights", row_max, None),
+              ("softmax", "weights", softmax, None),
+              ("weights @ V", "heads", weights_v, None),
+              ("merge heads", "concat", merge, None),
+              ("W^O", "output", out_proj, None)),
+    "attention": (("RoPE", "q", rope, "rope"),
+                  ("scores", "raw_scores", scores, None),
+                  ("scale", "scores", scale, None),
+                  ("softcap", "scores", softcap, None),
+                  ("mask", "scores", mask, None),
+                  ("row max", "weights", row_max, None),
+                  ("softmax", "weights", softmax, None),
+                  ("weights @ V", "heads", weights_v, None),
+                  ("output", "output", stack_heads, None)),
+}
+
+
+def build_model(model: str, features: Sequence[str] = ()) -> List[Step]:
+    """The steps of ``model`` ("layer" or "attention") for trials with
+    ``features`` (see :data:`mhattn.learn.mistakes.FEATURES`), each with the
+    wrong alternatives the mistake table gives it, in the table's order."""
+    have = set(features)
+    fns = globals()
+    out = []
+    for name, stage, fn, needs in MODEL_STEPS[model]:
+        if needs is not None and needs not in have:
+            continue
+        wrong = [(m.id, f.written, fns[f.fn]) for m in _mistakes.TABLE for f in m.produce
+                 if f.step == name and model in f.models and set(f.needs) <= have]
+        out.append(Step(name, stage, fn, wrong))
+    return out
+
+
+def layer_steps(features: Sequence[str] = ()) -> List[Step]:
     """The steps of MultiHead(X) = Concat(head_1..head_h) W^O, in order."""
-    return [
-        Step("project", "q", project, [
-            ("projections_transposed", "Q = X @ W^Q.T", project_transposed),
-            ("v_with_wk", "V = X @ W^K", project_v_with_wk)]),
-        Step("split heads", "q", split, [
-            ("same_projection_every_head", "head 0's columns for every head",
-             split_same_head),
-            ("heads_split_sequence", "np.split(Q, h, axis=0)", split_sequence),
-            ("heads_split_sequence", "Q.reshape(h, T, d_k) ... out.reshape(T, h*d_v)",
-             split_reshape_both),
-            ("split_reshape_no_transpose", "Q.reshape(h, T, d_k) without the transpose",
-             split_reshape_h_first),
-            ("dk_from_dmodel", "d_k = d_model // h", split_dk_from_dmodel),
-            ("v_sliced_with_dk", "V[:, i*d_k:(i+1)*d_k]", split_v_with_dk)]),
-        Step("scores", "raw_scores", scores, []),
-        Step("scale", "scores", scale, [
-            ("no_scaling", "softmax(Q K^T) V", scale_none),
-            ("scale_by_dk", "softmax(Q K^T / d_k) V", scale_dk),
-            ("scale_by_sqrt_dmodel", "softmax(Q K^T / sqrt(d_model)) V", scale_sqrt_dmodel),
-            ("scale_by_sqrt_dv", "softmax(Q K^T / sqrt(d_v)) V", scale_sqrt_dv),
-            ("dk_from_dmodel", "softmax(Q K^T / sqrt(d_model // h)) V", scale_dk_from_dmodel),
-            ("scale_after_softmax", "softmax(Q K^T) / sqrt(d_k) V", scale_after_softmax)]),
-        Step("softmax", "weights", softmax, [
-            ("softmax_wrong_axis", "softmax over axis 0 (the queries)", softmax_axis0),
-            ("no_max_subtraction", "exp(scores) without subtracting the row max",
-             softmax_naive),
-            ("softmax_over_heads", "softmax over the heads axis", softmax_heads_axis),
-            ("softmax_whole_matrix", "normalised over the whole T x T matrix",
-             softmax_whole_matrix)]),
-        Step("weights @ V", "heads", weights_v, [
-            ("weights_transposed", "weights.T @ V", weights_t_v)]),
-        Step("merge heads", "concat", merge, [
-            ("heads_averaged", "mean of the heads, no W^O", merge_mean),
-            ("heads_averaged", "mean over heads of head_i W^O_i", merge_mean_per_head_wo),
-            ("heads_averaged", "mean of the heads times the first d_v rows of W^O",
-             merge_mean_first_rows),
-            ("heads_summed", "sum of the heads, no W^O", merge_sum),
-            ("heads_summed", "sum of the heads times the first d_v rows of W^O",
-             merge_sum_first_rows),
-            ("merge_reshape_no_transpose", "np.stack(heads).reshape(T, h*d_v)",
-             merge_h_first),
-            ("heads_wrong_order", "the heads concatenated in reverse order",
-             merge_reversed)]),
-        Step("W^O", "output", out_proj, [
-            ("wo_skipped", "Concat(heads) without W^O", out_skipped),
-            ("wo_transposed", "Concat(heads) @ W^O.T", out_transposed),
-            ("wo_cut_to_fit", "Concat(heads) @ W^O[:width]", out_cut_to_fit)]),
-    ]
+    return build_model("layer", features)
 
 
 def attention_steps(with_mask: bool, with_causal: bool, with_softcap: bool = False,
                     with_sinks: bool = False, with_rope: bool = False) -> List[Step]:
     """The steps of softmax(q k^T / sqrt(d_k) [capped, masked]) v, per head."""
-    layer = {s.name: s for s in layer_steps()}
-    mask_wrong = []
-    if with_mask or with_causal:
-        mask_wrong += [("mask_inverted", "the mask (or causal triangle) inverted",
-                        mask_inverted),
-                       ("mask_after_softmax", "the mask applied after the softmax",
-                        mask_after_softmax)]
-    if with_causal:
-        mask_wrong.append(("causal_top_left", "causal aligned top-left (j <= i)",
-                           causal_top_left))
-    sc, sm = layer["scale"], layer["softmax"]
-    cap_wrong = ([("softcap_after_mask", "the softcap applied after the mask",
-                   softcap_after_mask)] if with_softcap and (with_mask or with_causal)
-                 else [])
-    sink_wrong = ([("sink_in_numerator", "the sink added to the numerator too",
-                    softmax_sink_in_numerator)] if with_sinks else [])
-    first = ([Step("RoPE", "q", rope, [
-        ("rope_not_offset", "query positions from 0, not T_k - T_q", rope_not_offset),
-        ("rope_on_v", "RoPE applied to V too", rope_on_v),
-        ("rope_pairing_wrong", "interleaved pairs instead of rotate-half (or back)",
-         rope_pairing_swapped)])] if with_rope else [])
-    return first + [layer["scores"],
-            Step("scale", "scores", sc.fn,
-                 [w for w in sc.wrong if w[0] not in ("scale_by_sqrt_dmodel",)]),
-            Step("softcap", "scores", softcap, cap_wrong),
-            Step("mask", "scores", mask, mask_wrong),
-            Step("softmax", "weights", sm.fn, sm.wrong + sink_wrong),
-            layer["weights @ V"],
-            Step("output", "output", stack_heads, [])]
+    flags = dict(masked=with_mask or with_causal, causal=with_causal,
+                 softcap=with_softcap, sinks=with_sinks, rope=with_rope)
+    return build_model("attention", [k for k, v in flags.items() if v])
+
+
+def _check_table() -> None:
+    """Every form names a function of this module and a step of one of its
+    models (a form is produced in each of its models that has its step)."""
+    for m in _mistakes.TABLE:
+        for f in m.produce:
+            if not callable(globals().get(f.fn)):
+                raise ValueError(f"mistake {m.id!r}: no step function {f.fn!r}")
+            if not any(f.step == s[0] for model in f.models for s in MODEL_STEPS[model]):
+                raise ValueError(f"mistake {m.id!r}: no step {f.step!r} in {f.models}")
+
+
+_check_table()
 
 
 # ------------------------------------------------------------------ running
