@@ -27,10 +27,10 @@ static arg_converter converter_of(arg_kind kind)
     return kind == ARG_BOOL ? store_truth : store_object;
 }
 
-/* Exactly sp->nargs positional arguments and no keyword, as mhattn passes
-   them: what parse_args would read, without the cost of the general
+/* Exactly sp->nargs positional arguments (or sp->nopt fewer) and no
+   keyword, as mhattn passes them: what parse_args would read, without the cost of the general
    parser. */
-int read_positional(call *c, const call_spec *sp, PyObject *const *argv,
+static int read_positional(call *c, const call_spec *sp, PyObject *const *argv,
                            Py_ssize_t nargs)
 {
     for (int i = (int)nargs; i < sp->nargs; i++)
@@ -49,7 +49,7 @@ int read_positional(call *c, const call_spec *sp, PyObject *const *argv,
  * variadic list is one (converter, slot) pair per position; the pairs past
  * sp->nargs are never read.
  */
-int parse_args(call *c, const call_spec *sp, PyObject *args,
+static int parse_args(call *c, const call_spec *sp, PyObject *args,
                       PyObject *kwds)
 {
     char format[2 * MAX_ARGS + 32], *f = format;
@@ -83,7 +83,7 @@ int parse_args(call *c, const call_spec *sp, PyObject *args,
 }
 
 /* parse_args for METH_FASTCALL arguments, as a tuple and a dict. */
-int parse_fastcall(call *c, const call_spec *sp, PyObject *const *argv,
+static int parse_fastcall(call *c, const call_spec *sp, PyObject *const *argv,
                           Py_ssize_t nargs, PyObject *kwnames)
 {
     // The objects parsed stay alive in argv, which the caller owns.
@@ -110,4 +110,30 @@ done:
     Py_DECREF(args);
     Py_XDECREF(kwds);
     return res;
+}
+
+/* 1 when a call passes its arguments as mhattn does: by position alone,
+   all of them or all but the optional ones. */
+static int positional(const call_spec *sp, Py_ssize_t nargs)
+{
+    return nargs <= sp->nargs && nargs >= sp->nargs - sp->nopt;
+}
+
+/* The arguments of a METH_FASTCALL | METH_KEYWORDS entry point into c. */
+int parse_fast(call *c, const call_spec *sp, PyObject *const *argv, Py_ssize_t nargs,
+               PyObject *kwnames)
+{
+    return kwnames == NULL && positional(sp, nargs)
+               ? read_positional(c, sp, argv, nargs)
+               : parse_fastcall(c, sp, argv, nargs, kwnames);
+}
+
+/* The arguments of a METH_VARARGS | METH_KEYWORDS entry point into c. A
+   tuple is its own PySequence_Fast, so its items are an argv. */
+int parse_tuple(call *c, const call_spec *sp, PyObject *args, PyObject *kwds)
+{
+    const Py_ssize_t nargs = PyTuple_GET_SIZE(args);
+    return (kwds == NULL || PyDict_GET_SIZE(kwds) == 0) && positional(sp, nargs)
+               ? read_positional(c, sp, PySequence_Fast_ITEMS(args), nargs)
+               : parse_args(c, sp, args, kwds);
 }

@@ -98,7 +98,7 @@ int sigint_setup(void)
    and Ctrl-C can be seen during a call here. It runs no Python code, which
    could run a pending signal handler and then lose the exception it
    raised. */
-int on_main_thread(void)
+static int on_main_thread(void)
 {
     return mha_sigint_supported() && PyThread_get_thread_ident() == sigint_main_ident;
 }
@@ -108,7 +108,7 @@ int on_main_thread(void)
  * Python's SIGINT handling back and runs any Python handler the signal
  * called for. -1 when that handler raised (the caller fails with its
  * exception), 1 when the core stopped early and the handler did not raise
- * (the caller starts the call over), else 0. Shared by forward and backward.
+ * (the caller starts the call over), else 0.
  */
 static int sigint_after_call(int main_thread, mha_status st)
 {
@@ -126,24 +126,26 @@ static int sigint_after_call(int main_thread, mha_status st)
 }
 
 
-/* Nulls what call_release frees. The rest is written before it is read:
-   that is cheaper than zeroing the whole struct on every small call. */
-void call_init(call *c)
+/* Nulls what call_release frees, and fills the ARG_NONE slot. The rest is
+   written before it is read: that is cheaper than zeroing the whole struct
+   on every small call. */
+static void call_init(call *c)
 {
     memset(c->in, 0, sizeof c->in);
     memset(c->out, 0, sizeof c->out);
     memset(c->var, 0, sizeof c->var);
+    c->arg[ARG_NONE] = (arg_value){Py_None, 0};
     c->widths = NULL;
     c->scales = NULL;
     c->lengths = NULL;
 }
 
-void call_release(call *c)
+static void call_release(call *c)
 {
     PyMem_Free(c->widths);
     PyMem_Free(c->scales);
     PyMem_Free(c->lengths);
-    for (int i = 0; i < MAX_ARGS; i++)
+    for (int i = 0; i <= MAX_ARGS; i++)
         Py_XDECREF(c->in[i]);
     for (int i = 0; i < MAX_OUTS; i++)
         Py_XDECREF(c->out[i]);
@@ -151,47 +153,13 @@ void call_release(call *c)
         Py_XDECREF(c->var[i]);
 }
 
-/*
- * The sizes (c->size) from x, key, value, dk, dv, scales and wo; the
- * shapes of the other arrays against them; the key lengths and the mask;
- * then c->cfg, checked by the core.
- */
-int build_config(call *c, const call_spec *sp)
+/* c->cfg, the one place an mha_config is filled: the sizes by letter, the
+   glue's snapshots, the mask and the truths at the positions sp names. */
+static void fill_config(call *c, const call_spec *sp, mha_mask_kind mask_kind,
+                        const ptrdiff_t ms[4])
 {
-    PyArrayObject *const *in = c->in;
-    PyArrayObject *x = in[sp->x], *key = in[sp->key], *value = in[sp->value];
-    PyArrayObject *wo = in[sp->wo];
-    npy_intp *n = c->size;
-    n[L_B] = PyArray_DIM(x, 0);
-    n[L_TQ] = PyArray_DIM(x, 1);
-    n[L_DIN] = PyArray_DIM(x, 2);
-    n[L_TK] = PyArray_DIM(key, 1);
-    n[L_DKIN] = PyArray_DIM(key, 2);
-    n[L_DVIN] = PyArray_DIM(value, 2);
-    n[L_H] = PyArray_DIM(in[sp->scales], 0);
-    if (check_shapes(c, sp, sp->checks_x) < 0)
-        return -1;
-
-    size_t fused[4];   // Sq, Sk, Sv, Svq
-    if (head_widths(&c->widths, fused, in[sp->dk], in[sp->dv], n[L_H]) < 0)
-        return -1;
-    const size_t G = (size_t)PyArray_DIM(in[sp->dk], 0);
-    n[L_SQ] = (npy_intp)fused[0];
-    n[L_SK] = (npy_intp)fused[1];
-    n[L_SV] = (npy_intp)fused[2];
-    n[L_SVQ] = (npy_intp)fused[3];
-    n[L_DOUT] = wo != NULL ? PyArray_DIM(wo, 1) : n[L_SVQ];
-    if (check_shapes(c, sp, sp->checks_widths) < 0)
-        return -1;
-
-    mha_mask_kind mask_kind;
-    ptrdiff_t mask_stride[4];
-    if (as_lengths(&c->lengths, c->arg[sp->key_lengths].obj, n[L_B],
-                   n[L_TK]) < 0 ||
-        convert_mask(c, sp, &mask_kind, mask_stride) < 0 ||
-        snapshot_scales(&c->scales, in[sp->scales]) < 0)
-        return -1;
-
+    const npy_intp *n = c->size;
+    const size_t G = (size_t)n[L_G];
     c->cfg = (mha_config){
         .B = (size_t)n[L_B], .Tq = (size_t)n[L_TQ], .Tk = (size_t)n[L_TK],
         .Din = (size_t)n[L_DIN], .Dkin = (size_t)n[L_DKIN],
@@ -200,20 +168,39 @@ int build_config(call *c, const call_spec *sp)
         .dk = c->widths, .dv = c->widths + G,
         .scale = c->scales,
         .causal = c->arg[sp->causal].truth,
-        .mask_kind = mask_kind, .mask = DATA(in[sp->mask]),
-        .mask_stride = {mask_stride[0], mask_stride[1], mask_stride[2],
-                        mask_stride[3]},
+        .mask_kind = mask_kind, .mask = DATA(c->in[sp->mask]),
+        .mask_stride = {ms[0], ms[1], ms[2], ms[3]},
         .key_lengths = c->lengths,
-        .has_wo = wo != NULL, .interrupt = NULL,
+        .has_wo = c->in[sp->wo] != NULL || sp->has_wo,
+        .lengths_aligned = c->arg[sp->lengths_aligned].truth,
+        .interrupt = NULL,
     };
-    if (read_variants(c, c->arg[sp->variants].obj) < 0)
+}
+
+/*
+ * The float arrays converted; the vectors, the sizes (c->size) and the
+ * head widths by the family's sizes step, which checks the shapes against
+ * them (in the order of errors its family has always had); the key
+ * lengths, the mask and the scales' snapshot; then c->cfg, the variants,
+ * the family's own checks and the core's, and the family's finish.
+ */
+static int build_config(call *c, const call_spec *sp)
+{
+    if (convert_arrays(c, sp) < 0 || sp->sizes(c, sp) < 0)
         return -1;
-    mha_layout lay;
-    const mha_status st = mha_check_config(&lay, &c->cfg);
-    if (st != MHA_OK) {
-        raise_status(st);
+    const npy_intp *n = c->size;
+    mha_mask_kind mask_kind;
+    ptrdiff_t mask_stride[4];
+    if (as_lengths(&c->lengths, c->arg[sp->key_lengths].obj, n[L_B], n[L_TK]) < 0 ||
+        convert_mask(c, sp, &mask_kind, mask_stride) < 0 ||
+        snapshot_scales(&c->scales, c->in[sp->scales]) < 0)
         return -1;
-    }
+    fill_config(c, sp, mask_kind, mask_stride);
+    if (read_variants(c, c->arg[sp->variants].obj) < 0 ||
+        (sp->check != NULL && sp->check(c) < 0) ||
+        (sp->checked && check_config(&c->cfg) < 0) ||
+        (sp->finish != NULL && sp->finish(c) < 0))
+        return -1;
     return 0;
 }
 
@@ -244,7 +231,7 @@ int make_outputs(call *c, int nout, const shape *shapes, const int *want)
  * signal, and the handler runs once the call is over. -1 with an exception
  * set on failure.
  */
-int run_core(call *c, mha_status (*core)(const call *), int main_thread)
+static int run_core(call *c, mha_status (*core)(const call *), int main_thread)
 {
     mha_status st;
     int again;
@@ -294,4 +281,51 @@ PyObject *arrays_tuple(PyArrayObject *const *a, int n)
         PyTuple_SET_ITEM(t, i, o);
     }
     return t;
+}
+
+/*
+ * The rest of a parsed call, the same for every entry point: its config,
+ * its outputs, the core run (a call of at most MHA_SMALL_WORK multiply-adds,
+ * tens of microseconds, is not worth the Ctrl-C handler's two sigaction
+ * system calls, nor the look-up of the main thread: Python sees a signal
+ * that comes during it as soon as it returns, as if it had come just
+ * after), and its result. Releases the call.
+ */
+static PyObject *call_run(call *c, const call_spec *sp)
+{
+    PyObject *result = NULL;
+    if (build_config(c, sp) == 0 && sp->outputs(c) == 0) {
+        const int main_thread =
+            (sp->work == NULL || sp->work(c) > MHA_SMALL_WORK) && on_main_thread();
+        if (run_core(c, sp->core, main_thread) == 0)
+            result = sp->result(c);
+    }
+    call_release(c);
+    return result;
+}
+
+/* The one call skeleton, for a METH_FASTCALL | METH_KEYWORDS entry point
+   described by sp. */
+PyObject *call_fast(const call_spec *sp, PyObject *const *argv, Py_ssize_t nargs,
+                    PyObject *kwnames)
+{
+    call c;
+    call_init(&c);
+    if (parse_fast(&c, sp, argv, nargs, kwnames) < 0) {
+        call_release(&c);
+        return NULL;
+    }
+    return call_run(&c, sp);
+}
+
+/* The same for a METH_VARARGS | METH_KEYWORDS one. */
+PyObject *call_tuple(const call_spec *sp, PyObject *args, PyObject *kwds)
+{
+    call c;
+    call_init(&c);
+    if (parse_tuple(&c, sp, args, kwds) < 0) {
+        call_release(&c);
+        return NULL;
+    }
+    return call_run(&c, sp);
 }

@@ -7,13 +7,13 @@
 
 #include <string.h>
 
-const char *dtype_name(int typenum)
+static const char *dtype_name(int typenum)
 {
     return typenum == NPY_FLOAT ? "float32" : "float64";
 }
 
 /* A new tuple (d0, d1, ...) of nd sizes, for error messages. */
-PyObject *dims_tuple(int nd, const npy_intp *dims)
+static PyObject *dims_tuple(int nd, const npy_intp *dims)
 {
     PyObject *t = PyTuple_New(nd);
     if (t == NULL)
@@ -102,48 +102,124 @@ static int as_c_array(PyArrayObject **res, PyObject *obj, const char *name,
     return 0;
 }
 
-/*
- * *res = a C-contiguous, aligned, native copy or view of the float array
- * obj (dtype typenum, nd dimensions), or NULL for None when allow_none.
- * Returns -1 with an exception set on failure.
- */
-static int as_float(PyArrayObject **res, PyObject *obj, const char *name,
-                    int typenum, int nd, int allow_none)
+/* *res = a itself when its strides over (B, heads, T) are non-negative
+   multiples of its item size and its last axis is contiguous, and it is
+   aligned and native (the core reads it in place), else a C-contiguous
+   copy. */
+static int as_strided(PyArrayObject **res, PyArrayObject *a)
 {
-    *res = NULL;
-    if (obj == Py_None && allow_none)
+    const npy_intp item = PyArray_ITEMSIZE(a);
+    int in_place = PyArray_ISALIGNED(a) && PyArray_ISNOTSWAPPED(a) &&
+                   (PyArray_DIM(a, 3) <= 1 || PyArray_STRIDE(a, 3) == item);
+    for (int d = 0; d < 3; d++)
+        in_place &= PyArray_STRIDE(a, d) >= 0 && PyArray_STRIDE(a, d) % item == 0;
+    if (in_place) {
+        Py_INCREF(a);
+        *res = a;
         return 0;
+    }
+    *res = (PyArrayObject *)PyArray_NewCopy(a, NPY_CORDER);
+    return *res == NULL ? -1 : 0;
+}
+
+static int is_vector(arg_kind kind)
+{
+    return kind == ARG_INT64 || kind == ARG_FLOAT64;
+}
+
+/*
+ * The one array converter: c->in[pos] = the argument at pos as its
+ * arg_spec says. A vector (ARG_INT64, ARG_FLOAT64) is any object NumPy
+ * converts to a 1-D array of that dtype with its safe casting, made
+ * C-contiguous. A float array must be an ndarray of the call's dtype (x's,
+ * or q's) and of the table's ndim, and is handed to the core as the call's
+ * layout says; None stands for an absent one (ARG_ARRAY_OPT: NULL) or for
+ * another input (ARG_ARRAY_ALIAS: a new reference to that input's array).
+ * -1 with an exception naming the argument on failure.
+ */
+static int convert_array(call *c, const call_spec *sp, int pos)
+{
+    const arg_spec *a = &sp->args[pos];
+    PyArrayObject **res = &c->in[pos];
+    PyObject *obj = c->arg[pos].obj;
+    if (is_vector(a->kind))
+        return as_c_array(res, obj, a->name, a->kind == ARG_INT64 ? NPY_INT64 : NPY_DOUBLE, 1);
+    const int allow_none = a->kind != ARG_ARRAY, nd = a->shape.nd;
+    if (obj == Py_None && allow_none) {
+        if (a->kind == ARG_ARRAY_ALIAS) {
+            *res = c->in[a->alias];
+            Py_INCREF(*res);
+        }
+        return 0;
+    }
     if (!PyArray_Check(obj)) {
         PyErr_Format(PyExc_TypeError, "%s: expected a numpy.ndarray%s, got %s",
-                     name, allow_none ? " or None" : "", Py_TYPE(obj)->tp_name);
+                     a->name, allow_none ? " or None" : "", Py_TYPE(obj)->tp_name);
         return -1;
     }
-    PyArrayObject *a = (PyArrayObject *)obj;
-    if (PyArray_TYPE(a) != typenum) {
-        PyErr_Format(PyExc_TypeError,
-                     "%s: expected dtype %s (the dtype of x), got %R", name,
-                     dtype_name(typenum), (PyObject *)PyArray_DESCR(a));
+    PyArrayObject *arr = (PyArrayObject *)obj;
+    if (PyArray_TYPE(arr) != c->typenum) {
+        PyErr_Format(PyExc_TypeError, "%s: expected dtype %s (the dtype of %s), got %R",
+                     a->name, dtype_name(c->typenum), sp->args[sp->x].name,
+                     (PyObject *)PyArray_DESCR(arr));
         return -1;
     }
-    if (PyArray_NDIM(a) != nd) {
-        PyObject *g = dims_tuple(PyArray_NDIM(a), PyArray_DIMS(a));
+    if (PyArray_NDIM(arr) != nd) {
+        PyObject *g = dims_tuple(PyArray_NDIM(arr), PyArray_DIMS(arr));
         if (g != NULL)
             PyErr_Format(PyExc_ValueError,
-                         "%s: expected a %d-D array, got shape %R", name, nd, g);
+                         "%s: expected a %d-D array, got shape %R", a->name, nd, g);
         Py_XDECREF(g);
         return -1;
     }
-    return as_c_array(res, obj, name, typenum, nd);
+    switch (sp->layout) {
+    case LAYOUT_STRIDED:
+        return as_strided(res, arr);
+    case LAYOUT_KEEP:
+        Py_INCREF(arr);
+        *res = arr;
+        return 0;
+    default:
+        return as_c_array(res, obj, a->name, c->typenum, nd);
+    }
 }
 
-/* *res = a 1-D C-contiguous copy or view of obj as typenum (int64 or
-   float64), converted with NumPy's safe casting. */
-int as_vector(PyArrayObject **res, PyObject *obj, const char *name,
-                     int typenum)
+/*
+ * The dtype of x (q for attention on projected tensors) is the compute
+ * dtype. Converts the float arrays in positional order; the vectors are
+ * converted by the family's sizes step (convert_vectors), where its order
+ * of errors puts them; masks and lengths need the sizes, and truths are
+ * read as parsed.
+ */
+int convert_arrays(call *c, const call_spec *sp)
 {
-    return as_c_array(res, obj, name, typenum, 1);
+    const char *x = sp->args[sp->x].name;
+    PyObject *x_o = c->arg[sp->x].obj;
+    if (!PyArray_Check(x_o)) {
+        PyErr_Format(PyExc_TypeError, "%s: expected a numpy.ndarray, got %s", x,
+                     Py_TYPE(x_o)->tp_name);
+        return -1;
+    }
+    c->typenum = PyArray_TYPE((PyArrayObject *)x_o);
+    if (c->typenum != NPY_FLOAT && c->typenum != NPY_DOUBLE) {
+        PyErr_Format(PyExc_TypeError, "%s: expected dtype float32 or float64, got %R", x,
+                     (PyObject *)PyArray_DESCR((PyArrayObject *)x_o));
+        return -1;
+    }
+    for (int i = 0; i < sp->nargs; i++)
+        if (sp->args[i].kind <= ARG_ARRAY_ALIAS && convert_array(c, sp, i) < 0)
+            return -1;
+    return 0;
 }
 
+/* The vectors (dk, dv, scales) in positional order. */
+int convert_vectors(call *c, const call_spec *sp)
+{
+    for (int i = 0; i < sp->nargs; i++)
+        if (is_vector(sp->args[i].kind) && convert_array(c, sp, i) < 0)
+            return -1;
+    return 0;
+}
 
 /* Head widths dk, dv (G,) as size_t in *widths (2G, PyMem; dk then dv),
    checked against the H = len(scales) query heads, and the fused widths
@@ -211,6 +287,21 @@ overflow:
     return -1;
 }
 
+/* The G kv heads all of width dk and dv (attention on projected tensors):
+   c->widths as head_widths makes it. */
+int uniform_widths(call *c, npy_intp G, npy_intp dk, npy_intp dv)
+{
+    if ((c->widths = PyMem_Malloc(2 * (size_t)G * sizeof *c->widths)) == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (npy_intp g = 0; g < G; g++) {
+        c->widths[g] = (size_t)dk;
+        c->widths[G + g] = (size_t)dv;
+    }
+    return 0;
+}
+
 /* key_lengths: None (*snap stays NULL) or int64 (B,), each in [0, Tk],
    copied into *snap (B, PyMem) and checked there: the core reads the copy,
    which no other thread can change once the GIL is released. */
@@ -220,7 +311,7 @@ int as_lengths(int64_t **snap, PyObject *obj, npy_intp B, npy_intp Tk)
     if (obj == Py_None)
         return 0;
     PyArrayObject *a;
-    if (as_vector(&a, obj, "key_lengths", NPY_INT64) < 0)
+    if (as_c_array(&a, obj, "key_lengths", NPY_INT64, 1) < 0)
         return -1;
     const npy_intp want = B;
     int res = check_shape(a, "key_lengths", 1, &want, "(B,)");
@@ -319,7 +410,7 @@ static int as_mask(PyArrayObject **mask, mha_mask_kind *kind,
  * np.broadcast_to(mask_o, want), so the result is the same as for such a
  * view. -1 with ValueError when the shapes do not broadcast.
  */
-int broadcast_mask(PyObject **res, PyObject *mask_o, const npy_intp want[4])
+static int broadcast_mask(PyObject **res, PyObject *mask_o, const npy_intp want[4])
 {
     *res = NULL;
     if (!PyArray_Check(mask_o) || PyArray_NDIM((PyArrayObject *)mask_o) > 4) {
@@ -376,72 +467,27 @@ int broadcast_mask(PyObject **res, PyObject *mask_o, const npy_intp want[4])
 }
 
 /* The sizes of shape s, given the call's sizes by letter. */
-void shape_dims(npy_intp dims[4], const shape *s,
-                       const npy_intp size[N_LETTERS])
+void shape_dims(npy_intp dims[4], const shape *s, const npy_intp size[N_LETTERS])
 {
     for (int d = 0; d < s->nd; d++)
         dims[d] = size[s->dim[d]];
 }
 
-/* s's letters as a Python tuple would print: "(B, Tk, Dkin)", "(Sq,)". */
-static void shape_letters(char buf[64], const shape *s)
-{
-    int n = snprintf(buf, 64, "(");
-    for (int d = 0; d < s->nd; d++)
-        n += snprintf(buf + n, (size_t)(64 - n), "%s%s", d ? ", " : "",
-                      letter_name[s->dim[d]]);
-    snprintf(buf + n, (size_t)(64 - n), s->nd == 1 ? ",)" : ")");
-}
+static const char *const letter_name[N_LETTERS] = {
+    "B", "Tq", "Tk", "Din", "Dkin", "Dvin", "Dout", "H",
+    "Sq", "Sk", "Sv", "Svq", "G", "dk", "dv"};
 
-/*
- * The dtype of x is the compute dtype. Converts the float arrays and the
- * vectors in positional order; a None that stands for another input
- * becomes a reference to that input's array.
- */
-int convert_arrays(call *c, const call_spec *sp)
+/* a's shape's letters as a Python tuple would print, "(B, Tk, Dkin)",
+   "(Sq,)", then its note if it has one. */
+static void shape_letters(char buf[96], const arg_spec *a)
 {
-    PyObject *x_o = c->arg[sp->x].obj;
-    if (!PyArray_Check(x_o)) {
-        PyErr_Format(PyExc_TypeError, "x: expected a numpy.ndarray, got %s",
-                     Py_TYPE(x_o)->tp_name);
-        return -1;
-    }
-    c->typenum = PyArray_TYPE((PyArrayObject *)x_o);
-    if (c->typenum != NPY_FLOAT && c->typenum != NPY_DOUBLE) {
-        PyErr_Format(PyExc_TypeError,
-                     "x: expected dtype float32 or float64, got %R",
-                     (PyObject *)PyArray_DESCR((PyArrayObject *)x_o));
-        return -1;
-    }
-    for (int i = 0; i < sp->nargs; i++) {
-        const arg_spec *a = &sp->args[i];
-        PyArrayObject **res = &c->in[i];
-        PyObject *obj = c->arg[i].obj;
-        int bad = 0;
-        switch (a->kind) {
-        case ARG_ARRAY:
-        case ARG_ARRAY_OPT:
-        case ARG_ARRAY_ALIAS:
-            bad = as_float(res, obj, a->name, c->typenum, a->shape.nd,
-                           a->kind != ARG_ARRAY);
-            if (bad == 0 && *res == NULL && a->kind == ARG_ARRAY_ALIAS) {
-                *res = c->in[a->alias];
-                Py_INCREF(*res);
-            }
-            break;
-        case ARG_INT64:
-            bad = as_vector(res, obj, a->name, NPY_INT64);
-            break;
-        case ARG_FLOAT64:
-            bad = as_vector(res, obj, a->name, NPY_DOUBLE);
-            break;
-        default:   // masks and lengths need the sizes; truths are read
-            break;
-        }
-        if (bad < 0)
-            return -1;
-    }
-    return 0;
+    const shape *s = &a->shape;
+    int n = snprintf(buf, 96, "(");
+    for (int d = 0; d < s->nd; d++)
+        n += snprintf(buf + n, (size_t)(96 - n), "%s%s", d ? ", " : "",
+                      letter_name[s->dim[d]]);
+    snprintf(buf + n, (size_t)(96 - n), "%s%s", s->nd == 1 ? ",)" : ")",
+             a->note != NULL ? a->note : "");
 }
 
 /* Checks the shapes of the float arrays at the positions pos (ended by
@@ -452,13 +498,13 @@ int check_shapes(const call *c, const call_spec *sp, const int *pos)
         const arg_spec *a = &sp->args[*pos];
         PyArrayObject *arr = c->in[*pos];
         npy_intp want[4];
-        char letters[64];
+        char letters[96];
         if (arr == NULL)
             continue;
         shape_dims(want, &a->shape, c->size);
         if (same_shape(arr, a->shape.nd, want))
             continue;
-        shape_letters(letters, &a->shape);
+        shape_letters(letters, a);
         return check_shape(arr, a->name, a->shape.nd, want, letters);
     }
     return 0;

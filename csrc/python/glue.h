@@ -41,24 +41,27 @@ enum {
     V_POSITIONS, V_KEY_POSITIONS, V_N
 };
 
-/* ---- one skeleton for forward() and backward() ------------------------- */
+/* ---- the argument tables and the call skeleton -------------------------- */
 /*
- * Both read their arguments by a table (one arg_spec per position),
- * convert the arrays in positional order, so that the first bad argument is
- * the one reported, derive the sizes and the mha_config the same way, make
- * their outputs from a table of shapes, and run the core with the GIL
- * released. Every reference a call owns is in its `call`, released by
- * call_release alone.
+ * Every entry point that calls the core (forward, backward, project,
+ * attention, attention_backward) reads its arguments by a table (one
+ * arg_spec per position) and is described by one call_spec, which the one
+ * skeleton (call.c, call_fast and call_tuple) follows: parse, convert the
+ * arrays in positional order with the one converter (convert.c), so that
+ * the first bad argument is the one reported, derive the sizes by letter
+ * (the family's sizes step), fill the mha_config (in one place,
+ * fill_config), make the outputs, run the core with the GIL released and
+ * Ctrl-C seen, and turn a status into an exception. Every reference a call
+ * owns is in its `call`, released by call_release alone.
  */
 
-/* The sizes of a call, by the letters of mha.h; indices into call.size. */
+/* The sizes of a call, by the letters of mha.h (and, for attention on
+   projected tensors, G and the one head width dk, dv); indices into
+   call.size. */
 enum {
     L_B, L_TQ, L_TK, L_DIN, L_DKIN, L_DVIN, L_DOUT, L_H,
-    L_SQ, L_SK, L_SV, L_SVQ, N_LETTERS
+    L_SQ, L_SK, L_SV, L_SVQ, L_G, L_DK, L_DV, N_LETTERS
 };
-static const char *const letter_name[N_LETTERS] = {
-    "B", "Tq", "Tk", "Din", "Dkin", "Dvin", "Dout", "H",
-    "Sq", "Sk", "Sv", "Svq"};
 
 /* A shape in letters: {3, {L_B, L_TQ, L_DIN}} is (B, Tq, Din). */
 typedef struct {
@@ -70,8 +73,9 @@ typedef struct {
 #define SHAPE3(a, b, c) {3, {a, b, c}}
 #define SHAPE4(a, b, c, d) {4, {a, b, c, d}}
 
+/* The float arrays' kinds come first (convert_arrays). */
 typedef enum {
-    ARG_ARRAY,       /* a float array of x's dtype */
+    ARG_ARRAY,       /* a float array of the call's dtype (x's, or q's) */
     ARG_ARRAY_OPT,   /* the same, or None for an absent one */
     ARG_ARRAY_ALIAS, /* the same, or None for the array of argument .alias */
     ARG_INT64,       /* a vector, converted to int64 (dk, dv) */
@@ -86,29 +90,21 @@ typedef enum {
 typedef struct {
     const char *name;   /* the keyword, and the prefix of its errors */
     arg_kind kind;
-    shape shape;        /* float arrays: ndim, and the letters checked */
+    shape shape;        /* arrays: ndim, and the letters checked */
     int alias;          /* ARG_ARRAY_ALIAS: the earlier position None
                            stands for */
+    const char *note;   /* said after the letters of a wrong shape, or NULL */
 } arg_spec;
 
-/*
- * A function's arguments, and the positions of those every call has. The
- * float arrays' shapes are checked once the letters they name are known:
- * first those against x's sizes, then, after the head widths, the others;
- * each list in the order its errors take precedence, ended by -1.
- */
-typedef struct {
-    const char *name;       /* "forward", for PyArg's messages */
-    int nargs;
-    const arg_spec *args;   /* (nargs,) in positional order */
-    const int *checks_x;       /* against x, key and value's sizes */
-    const int *checks_widths;  /* against all, Sq, ..., Svq and Dout too */
-    int x, key, value, wo, dk, dv, scales, mask, causal, key_lengths;
-    int variants;
-    int broadcast_mask;     /* the mask may broadcast to (B, H, Tq, Tk) */
-    int nopt;               /* trailing arguments that may be left out
-                               (None then) */
-} call_spec;
+/* How the converter hands a float array to the core. */
+typedef enum {
+    LAYOUT_C,        /* C-contiguous (a copy unless it is one already) */
+    LAYOUT_STRIDED,  /* in place when its strides are non-negative
+                        multiples of the item and its last axis contiguous,
+                        else a C-contiguous copy: call.st holds them */
+    LAYOUT_KEEP,     /* the caller's array as it is, for the family's
+                        finish step to copy */
+} layout;
 
 /* run_core's restarts after a handler that did not raise, before a last
    try that is not polled: a call takes at most MAX_RESTARTS + 1 times its
@@ -116,6 +112,9 @@ typedef struct {
 #define MAX_RESTARTS 3
 #define MAX_ARGS 24   /* backward()'s */
 #define MAX_OUTS 14   /* backward()'s gradients */
+/* A position past every function's arguments that holds None (false, no
+   array): a call_spec names it for an argument its function lacks. */
+#define ARG_NONE MAX_ARGS
 
 /* One argument as passed: the object (borrowed from the caller, who keeps
    it alive for the call) and, for ARG_BOOL, its truth value. */
@@ -126,14 +125,18 @@ typedef struct {
 
 /* One call in progress: call_init starts it, call_release ends it. */
 typedef struct {
-    arg_value arg[MAX_ARGS];
-    int typenum;                  /* NPY_FLOAT or NPY_DOUBLE: x's dtype */
-    PyArrayObject *in[MAX_ARGS];  /* owned: the converted arrays by position,
-                                     shaped as their arg_spec says; NULL for
-                                     None and for non-array arguments */
-    PyArrayObject *out[MAX_OUTS]; /* owned: the outputs, shaped as the
-                                     function's table says; NULL if unwanted */
-    npy_intp size[N_LETTERS];     /* the call's sizes, by letter */
+    arg_value arg[MAX_ARGS + 1];      /* and ARG_NONE */
+    int typenum;                      /* NPY_FLOAT or NPY_DOUBLE: the dtype
+                                         of x (or q) */
+    PyArrayObject *in[MAX_ARGS + 1];  /* owned: the converted arrays by
+                                         position, shaped as their arg_spec
+                                         says; NULL for None and for
+                                         non-array arguments */
+    PyArrayObject *out[MAX_OUTS];     /* owned: the outputs, shaped as the
+                                         function's table says; NULL if
+                                         unwanted */
+    npy_intp size[N_LETTERS];         /* the call's sizes, by letter */
+    mha_strides st[4];                /* LAYOUT_STRIDED: q, k, v, out */
     /* Glue-owned snapshots of the index-bearing vectors, taken while the
        GIL is held: the core never reads a caller's dk, dv, scales or
        key_lengths, which another thread may change during the call. */
@@ -147,45 +150,157 @@ typedef struct {
                                      var */
 } call;
 
+typedef struct call_spec call_spec;
 
-/* ---- convert.c: arrays, shapes, masks, key lengths, head widths --------- */
-const char *dtype_name(int typenum);
-PyObject *dims_tuple(int nd, const npy_intp *dims);
+/*
+ * An entry point, as the skeleton follows it: its arguments, the
+ * positions of those the config reads (ARG_NONE where it has none), and
+ * its family's steps. The float arrays' shapes are checked by the sizes
+ * step, from lists of positions (each in the order its errors take
+ * precedence, ended by -1): first those against the sizes of the arrays
+ * that set them, then, once the head widths are known, the others.
+ */
+struct call_spec {
+    const char *name;       /* "forward", for PyArg's messages */
+    int nargs;
+    const arg_spec *args;   /* (nargs,) in positional order */
+    int nopt;               /* trailing arguments that may be left out
+                               (None then) */
+    layout layout;          /* of the float arrays */
+    const int *checks_x;       /* against x, key and value's sizes (q's) */
+    const int *checks_widths;  /* against the head widths too */
+    int x;                  /* the array whose dtype is the call's */
+    int key, value, wo, dk, dv, scales, mask, causal, key_lengths;
+    int variants, lengths_aligned;
+    int broadcast_mask;     /* the mask may broadcast to (B, H, Tq, Tk) */
+    int has_wo;             /* cfg.has_wo when there is no wo argument */
+    int checked;            /* mha_check_config checks the config first */
+    /* the family's steps, in the order the skeleton runs them: each
+       returns -1 with an exception set on failure; check and finish may be
+       NULL, work NULL polls every main-thread call for Ctrl-C */
+    int (*sizes)(call *c, const call_spec *sp);  /* the vectors (convert_vectors),
+                                                    c->size, c->widths */
+    int (*check)(call *c);    /* after the variants, before the core's check */
+    int (*finish)(call *c);   /* once the config is checked */
+    int (*outputs)(call *c);
+    double (*work)(const call *c);   /* multiply-adds, for MHA_SMALL_WORK */
+    mha_status (*core)(const call *c);
+    PyObject *(*result)(call *c);
+};
+
+/* ---- each entry point's positions ---------------------------------------- */
+/*
+ * The positions of each entry point's arguments (its table, arg_spec[],
+ * lives beside its entry point: mha.c, attend.c) and of its outputs. They
+ * are here because core_calls.c, which hands them to the core, reads them
+ * too.
+ */
+
+/* forward()'s positional arguments (mha.c, forward_args). */
+enum {
+    FWD_X, FWD_KEY, FWD_VALUE, FWD_WQ, FWD_WK, FWD_WV, FWD_WO,
+    FWD_BQ, FWD_BK, FWD_BV, FWD_BO, FWD_DK, FWD_DV, FWD_SCALES, FWD_MASK,
+    FWD_CAUSAL, FWD_KEY_LENGTHS, FWD_VARIANTS, FWD_WANT_WEIGHTS, FWD_KEEP,
+    FWD_PACKED, FWD_NARGS
+};
+/* forward()'s outputs, in the order mha_forward_<sfx> takes them. */
+enum {
+    FWD_OUT, FWD_WEIGHTS, FWD_Q, FWD_K, FWD_V, FWD_CONCAT, FWD_LSE, FWD_NOUTS
+};
+_Static_assert(FWD_NARGS <= MAX_ARGS && FWD_NOUTS <= MAX_OUTS,
+               "a call holds forward()'s arguments and outputs");
+
+/* backward()'s positional arguments (mha.c, backward_args). */
+enum {
+    BWD_DOUT, BWD_X, BWD_KEY, BWD_VALUE, BWD_WQ, BWD_WK, BWD_WV, BWD_WO,
+    BWD_Q, BWD_K, BWD_V, BWD_CONCAT, BWD_LSE, BWD_DK, BWD_DV, BWD_SCALES,
+    BWD_MASK, BWD_CAUSAL, BWD_KEY_LENGTHS, BWD_VARIANTS, BWD_WANT_BQ,
+    BWD_WANT_BK, BWD_WANT_BV, BWD_WANT_BO, BWD_NARGS
+};
+/* backward()'s gradients, in the order mha_backward_<sfx> takes them. */
+enum {
+    BWD_DX, BWD_DKEY, BWD_DVALUE, BWD_DWQ, BWD_DWK, BWD_DWV, BWD_DWO,
+    BWD_DBQ, BWD_DBK, BWD_DBV, BWD_DBO, BWD_DSINKS, BWD_DQ_NORM, BWD_DK_NORM,
+    BWD_NOUTS
+};
+_Static_assert(BWD_NARGS <= MAX_ARGS && BWD_NOUTS <= MAX_OUTS,
+               "a call holds backward()'s arguments and gradients");
+
+/* project()'s positional arguments (mha.c, project_args); its outputs
+   are q, k, v. */
+enum {
+    PRJ_X, PRJ_KEY, PRJ_VALUE, PRJ_WQ, PRJ_WK, PRJ_WV, PRJ_BQ, PRJ_BK, PRJ_BV,
+    PRJ_DK, PRJ_DV, PRJ_SCALES, PRJ_VARIANTS, PRJ_PACKED, PRJ_NARGS
+};
+enum { PRJ_Q, PRJ_K, PRJ_V, PRJ_NOUTS };
+_Static_assert(PRJ_NARGS <= MAX_ARGS, "a call holds project()'s arguments");
+
+/* attention()'s positional arguments (attend.c, attention_args) and
+   outputs. */
+enum {
+    ATT_Q, ATT_K, ATT_V, ATT_SCALES, ATT_MASK, ATT_CAUSAL, ATT_KEY_LENGTHS,
+    ATT_VARIANTS, ATT_ALIGNED, ATT_OUT_BTHD, ATT_WANT_WEIGHTS, ATT_WANT_LSE,
+    ATT_NARGS
+};
+enum { ATT_OUT, ATT_WEIGHTS, ATT_LSE, ATT_NOUTS };
+_Static_assert(ATT_NARGS <= MAX_ARGS, "a call holds attention()'s arguments");
+
+/* attention_backward()'s positional arguments (attend.c,
+   attention_backward_args) and outputs: dq, dk, dv in the fused layout,
+   dsinks. */
+enum {
+    ABW_DOUT, ABW_Q, ABW_K, ABW_V, ABW_OUT, ABW_LSE, ABW_SCALES, ABW_MASK,
+    ABW_CAUSAL, ABW_KEY_LENGTHS, ABW_VARIANTS, ABW_LENGTHS_ALIGNED, ABW_NARGS
+};
+enum { ABW_DQ, ABW_DK, ABW_DV, ABW_DSINKS, ABW_NOUTS };
+_Static_assert(ABW_NARGS <= MAX_ARGS, "a call holds attention_backward()'s arguments");
+
+/* ---- convert.c: the one array converter, shapes, masks, lengths --------- */
 int check_shape(PyArrayObject *a, const char *name, int nd, const npy_intp *want,
                 const char *letters);
 void prefix_error(const char *name);
-int as_vector(PyArrayObject **res, PyObject *obj, const char *name, int typenum);
+int convert_arrays(call *c, const call_spec *sp);
+int convert_vectors(call *c, const call_spec *sp);
+int check_shapes(const call *c, const call_spec *sp, const int *pos);
 int head_widths(size_t **widths, size_t fused[4], PyArrayObject *dk_a, PyArrayObject *dv_a,
                 npy_intp H);
+void shape_dims(npy_intp dims[4], const shape *s, const npy_intp size[N_LETTERS]);
+int uniform_widths(call *c, npy_intp G, npy_intp dk, npy_intp dv);
+int convert_mask(call *c, const call_spec *sp, mha_mask_kind *kind, ptrdiff_t stride[4]);
 int as_lengths(int64_t **snap, PyObject *obj, npy_intp B, npy_intp Tk);
 int snapshot_scales(double **snap, PyArrayObject *scales);
-void shape_dims(npy_intp dims[4], const shape *s, const npy_intp size[N_LETTERS]);
-int convert_arrays(call *c, const call_spec *sp);
-int check_shapes(const call *c, const call_spec *sp, const int *pos);
-int convert_mask(call *c, const call_spec *sp, mha_mask_kind *kind, ptrdiff_t stride[4]);
 
 /* ---- args.c: the arguments as passed ------------------------------------ */
-int read_positional(call *c, const call_spec *sp, PyObject *const *argv, Py_ssize_t nargs);
-int parse_args(call *c, const call_spec *sp, PyObject *args, PyObject *kwds);
-int parse_fastcall(call *c, const call_spec *sp, PyObject *const *argv, Py_ssize_t nargs,
-                   PyObject *kwnames);
+int parse_fast(call *c, const call_spec *sp, PyObject *const *argv, Py_ssize_t nargs,
+               PyObject *kwnames);
+int parse_tuple(call *c, const call_spec *sp, PyObject *args, PyObject *kwds);
 
 /* ---- variants.c ---------------------------------------------------------- */
 int read_variants(call *c, PyObject *t);
 
-/* ---- call.c: the call skeleton ------------------------------------------- */
+/* ---- call.c: the one call skeleton --------------------------------------- */
+PyObject *call_fast(const call_spec *sp, PyObject *const *argv, Py_ssize_t nargs,
+                    PyObject *kwnames);
+PyObject *call_tuple(const call_spec *sp, PyObject *args, PyObject *kwds);
+int make_outputs(call *c, int nout, const shape *shapes, const int *want);
+PyObject *arrays_tuple(PyArrayObject *const *a, int n);
 void raise_status(mha_status st);
 int sigint_setup(void);
-int on_main_thread(void);
-void call_init(call *c);
-void call_release(call *c);
-int build_config(call *c, const call_spec *sp);
-int make_outputs(call *c, int nout, const shape *shapes, const int *want);
-int run_core(call *c, mha_status (*core)(const call *), int main_thread);
-PyObject *arrays_tuple(PyArrayObject *const *a, int n);
+
+/* ---- core_calls.c: every call into the core ------------------------------ */
+int check_config(const mha_config *cfg);
+mha_status forward_core(const call *c);
+mha_status backward_core(const call *c);
+mha_status project_core(const call *c);
+mha_status attention_core(const call *c);
+mha_status attention_backward_core(const call *c);
+PyObject *pack_core(PyArrayObject *w);
 
 /* ---- packed.c ------------------------------------------------------------- */
 int read_packed(call *c, PyObject *t, const int *wpos, int n);
+void packed_destroy(PyObject *cap);
+/* The name of a pack_weight() capsule (packed.c), which core_calls.c makes. */
+#define PACKED_CAPSULE "mhattn._C.packed"
 
 /* ---- the entry points and their docstrings (module.c's method table) ----- */
 PyObject *forward(PyObject *self, PyObject *const *argv, Py_ssize_t nargs, PyObject *kwnames);

@@ -112,7 +112,7 @@ static PyMethodDef mhattn_methods[] = {
  *     (csrc/core/threads.c: one owner at a time by compare-and-swap, the
  *     others run inline; the settings are atomics), the ISA choice
  *     (dispatch.c: an atomic) and the scratch (per call);
- *   - the glue's own state is the SIGINT state above (argued there) and
+ *   - the glue's own state is the SIGINT state (call.c, argued there) and
  *     nothing else mutable: every other static is const. Each call's
  *     arguments, conversions and outputs are its own; arrays a caller
  *     shares between threads are read (or written) as they already are

@@ -6,15 +6,11 @@
 
 #include "dispatch.h"
 
-/* ---- prepacked weights (issue 16) --------------------------------------- */
-
-/* A packed weight is a capsule of this name around a PyMem block holding
-   an mha_packed (its panels from the core's allocator), made only by
+/* A packed weight is a PACKED_CAPSULE around a PyMem block holding an
+   mha_packed (its panels from the core's allocator), made only by
    pack_weight(): Python code cannot reach inside, so its sizes and panels
    are the glue's own. */
-#define PACKED_CAPSULE "mhattn._C.packed"
-
-static void packed_destroy(PyObject *cap)
+void packed_destroy(PyObject *cap)
 {
     mha_packed *p = PyCapsule_GetPointer(cap, PACKED_CAPSULE);
     if (p != NULL) {
@@ -45,26 +41,8 @@ PyObject *pack_weight(PyObject *self, PyObject *arg)
         arg, typenum, 2, 2, NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED);
     if (a == NULL)
         return NULL;
-    const size_t K = (size_t)PyArray_DIM(a, 0), N = (size_t)PyArray_DIM(a, 1);
-    mha_packed *p = PyMem_Calloc(1, sizeof *p);
-    if (p == NULL) {
-        Py_DECREF(a);
-        return PyErr_NoMemory();
-    }
-    mha_status st;
-    Py_BEGIN_ALLOW_THREADS
-    st = typenum == NPY_FLOAT
-             ? mha_pack_weight_f32(p, PyArray_DATA(a), N, K, N)
-             : mha_pack_weight_f64(p, PyArray_DATA(a), N, K, N);
-    Py_END_ALLOW_THREADS
+    PyObject *cap = pack_core(a);
     Py_DECREF(a);
-    PyObject *cap = st == MHA_OK ? PyCapsule_New(p, PACKED_CAPSULE, packed_destroy) : NULL;
-    if (cap == NULL) {
-        if (st != MHA_OK)
-            raise_status(st);
-        mha_packed_free(p);
-        PyMem_Free(p);
-    }
     return cap;
 }
 
