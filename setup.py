@@ -82,9 +82,9 @@ class build_ext_flags(build_ext):
 
 ext = Extension(
     "mhattn._C",
-    # csrc/mhattn_module.c (the glue), csrc/core/ (drivers, GEMM, threads,
+    # csrc/python/ (the glue), csrc/core/ (drivers, GEMM, threads,
     # dispatch) and csrc/kernels/ (one compile unit per ISA); see csrc/README.md.
-    sources=sorted(glob.glob(os.path.join("csrc", "*.c"))
+    sources=sorted(glob.glob(os.path.join("csrc", "python", "*.c"))
                    + glob.glob(os.path.join("csrc", "core", "*.c"))
                    + glob.glob(os.path.join("csrc", "kernels", "*.c"))),
     depends=sorted(glob.glob(os.path.join("csrc", "**", "*.h"), recursive=True)

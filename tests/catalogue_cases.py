@@ -384,7 +384,7 @@ GLUE_BAD = {
     "key_lengths_float": (TE, ["key_lengths"], dict(key_lengths=np.array([1.5]))),
     "key_lengths_shape": (VE, ["key_lengths"], dict(key_lengths=np.array([1, 2]))),
     "missing_argument": (TE, ["forward"], None),
-    # The variants' tuple (csrc/mhattn_module.c, read_variants).
+    # The variants' tuple (csrc/python/variants.c, read_variants).
     "variants_int": (TE, ["variants"], dict(variants=5)),
     "variants_short": (TE, ["variants"], dict(variants=(None,))),
     "window_str": (TE, ["window"], dict(variants=variants(window="ab"))),

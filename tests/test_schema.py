@@ -197,7 +197,8 @@ def _glue_tables():
                     kind = re.search(r"\.kind = (\w+)", spec).group(1)
                     rows.append([name, kind, None, None])
                 else:
-                    m = re.fullmatch(r'"(\w+)", (\w+), SHAPE\d\(([\w, ]+)\), (\w+)', spec)
+                    m = re.fullmatch(r'"(\w+)", (\w+), SHAPE\d\(([\w, ]+)\), (\w+)'
+                                     r'(?:, (?:NULL|"[^"]*"))?', spec)
                     shape = tuple(x.strip()[2:] for x in m.group(3).split(","))
                     rows.append([m.group(1), m.group(2), shape, m.group(4)])
                 index[pos] = rows[-1][0]

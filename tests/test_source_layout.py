@@ -1,7 +1,8 @@
 """The layout rules of the source (csrc/README.md, shared STYLE.md), held
 by a test so that a change that breaks one fails here:
 
-- only the glue, csrc/mhattn_module.c, includes Python or NumPy;
+- only the glue, the files under csrc/python/, includes Python or NumPy;
+- no glue file is longer than 600 lines, and no glue function longer than 80;
 - the kernel table is the only ISA switch: no code outside core/dispatch.c
   (and the glue's name list) compares against an ISA;
 - no function in csrc/ is longer than 120 lines (tests/test_structure.py
@@ -23,7 +24,7 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 func_lengths = pytest.importorskip("func_lengths")
 
 CSRC = os.path.join(ROOT, "csrc")
-GLUE = os.path.join(CSRC, "mhattn_module.c")
+GLUE = os.path.join(CSRC, "python")
 if not os.path.isdir(CSRC):
     pytest.skip("no csrc/ here (an installed copy of the tests)", allow_module_level=True)
 
@@ -44,19 +45,28 @@ def code_only(text):
     return re.sub(r'"(\\.|[^"\\])*"', '""', text)
 
 
+def in_glue(path):
+    return os.path.dirname(path) == GLUE
+
+
 def test_only_the_glue_includes_python():
+    glue = []
     for path, text in c_sources():
         includes = re.findall(r'#\s*include\s*[<"]([^>"]+)[>"]', text)
         python = [i for i in includes if i.startswith(("Python", "numpy/"))]
-        if path != GLUE:
+        if in_glue(path):
+            glue.append(path)
+        else:
             assert not python, f"{path} includes {python}"
-    with open(GLUE, encoding="utf-8") as fh:
+    # the glue's files include Python through its header
+    assert os.path.join(GLUE, "glue.h") in glue and len(glue) > 2
+    with open(os.path.join(GLUE, "glue.h"), encoding="utf-8") as fh:
         assert "Python.h" in fh.read()
 
 
 def test_one_isa_switch():
     allowed = {os.path.join(CSRC, "core", "dispatch.c"), os.path.join(CSRC, "core", "dispatch.h"),
-               GLUE}
+               os.path.join(GLUE, "module.c")}
     for path, text in c_sources():
         if path in allowed:
             continue
@@ -67,7 +77,7 @@ def test_one_isa_switch():
 
 def test_no_token_pasted_names():
     for path, text in c_sources():
-        if path == GLUE:
+        if in_glue(path):
             continue
         code = code_only(text)
         assert "##" not in code, f"{path} pastes tokens; name the function in full (PICK)"
@@ -146,6 +156,25 @@ def test_the_naming_check_checks(tmp_path):
 def test_function_lengths():
     long_c = [(p, line, n, k) for p, line, n, k in func_lengths.c_functions(ROOT) if k > 120]
     assert not long_c, f"C functions over 120 lines: {long_c}"
+
+
+def test_glue_files_are_short():
+    # The glue is split by concern (csrc/README.md): no file of it over 600
+    # lines.
+    long_files = []
+    for path, text in c_sources():
+        if in_glue(path) and text.count("\n") > 600:
+            long_files.append((os.path.relpath(path, ROOT), text.count("\n")))
+    assert not long_files, f"glue files over 600 lines: {long_files}"
+
+
+def test_glue_functions_are_short():
+    glue = os.path.relpath(GLUE, ROOT)
+    found = [(p, line, n, k) for p, line, n, k in func_lengths.c_functions(ROOT)
+             if os.path.dirname(p) == glue]
+    assert len(found) > 50, "the counter sees the glue's functions"
+    long_glue = [f for f in found if f[3] > 80]
+    assert not long_glue, f"glue functions over 80 lines: {long_glue}"
 
 
 def test_the_length_counter_counts():

@@ -108,7 +108,8 @@ def header(s):
 # being split out. tests/test_schema.py holds these to them, so that the
 # switch to generated tables changes nothing.
 
-GLUE_LETTERS = ("B", "Tq", "Tk", "Din", "Dkin", "Dvin", "Dout", "H", "Sq", "Sk", "Sv", "Svq")
+GLUE_LETTERS = ("B", "Tq", "Tk", "Din", "Dkin", "Dvin", "Dout", "H", "Sq", "Sk", "Sv", "Svq",
+                "G", "dk", "dv")
 
 
 def arg_specs(s, name):
@@ -118,7 +119,7 @@ def arg_specs(s, name):
     rows = []
     for a, _ in s.params("_C." + name):
         shape = None
-        if f.table_shapes and a.c_kind.startswith("ARG_ARRAY"):
+        if a.c_kind in f.table_shapes:
             shape = tuple(x.strip() for x in a.shape.strip("(,)").split(",") if x.strip())
             assert all(x in GLUE_LETTERS for x in shape), (name, a)
         rows.append((a.name, a.c_kind, shape, a.alias or None))

@@ -93,14 +93,14 @@ NPI[x86_64-windows-gnu]=$(np_inc win_amd64) || exit 1
 # ---- 1. compile everything, every target -----------------------------------
 inc="-Icsrc -Icsrc/core -Icsrc/kernels"
 np_defs="-DNPY_NO_DEPRECATED_API=NPY_1_23_API_VERSION -DNPY_TARGET_VERSION=NPY_1_23_API_VERSION"
-files=$(ls csrc/*.c csrc/core/*.c csrc/kernels/*.c tests/c/*.c)
+files=$(ls csrc/python/*.c csrc/core/*.c csrc/kernels/*.c tests/c/*.c)
 n_ok=0
 fails_core=""
 fails_kernels=""
 for t in $targets; do
     for f in $files; do
         extra=""
-        case $f in csrc/mhattn_module.c) extra="-I${PYI[$t]} -I${NPI[$t]} $np_defs" ;; esac
+        case $f in csrc/python/*) extra="-I${PYI[$t]} -I${NPI[$t]} $np_defs" ;; esac
         log="$out/$t-$(echo "$f" | tr / _).log"
         if zig cc -target "$t" -std=c11 -Wall -Wextra -Werror $inc $extra \
                -c "$f" -o "$out/obj.o" >"$log" 2>&1; then

@@ -165,7 +165,7 @@ def head_arrays(call: Call) -> tuple:
 
 def variant_args(call: Call):
     """The glue's ``variants`` argument: None when every variant is off,
-    else the tuple whose layout csrc/mhattn_module.c (read_variants) gives."""
+    else the tuple whose layout csrc/python/variants.c (read_variants) gives."""
     v = call.var
     if not v.any:
         return None

@@ -83,11 +83,13 @@ class CFunction(NamedTuple):
     summary: str                  # the docstring after the signature
     returns_doc: str = ""         # "Returns ..." paragraph
     prefix: str = ""              # the glue's enum of positions: FWD_X, ...
-    table_shapes: bool = False    # the glue's arg_spec table checks the
-                                  # arrays' shapes (else the function does)
+    table_shapes: Tuple[str, ...] = ()  # the arg kinds whose shapes the glue's
+                                  # arg_spec table checks (ARG_ARRAY, ...); the
+                                  # function checks the others' itself
 
 
 _MHA = ("multi_head_attention", "multi_head_attention_grad")
+_ARRAYS = ("ARG_ARRAY", "ARG_ARRAY_OPT", "ARG_ARRAY_ALIAS")   # CFunction.table_shapes
 _ATT = ("attention", "attention_grad")
 _PACK = ("pack_weights",)
 _LAYER = ("MultiHeadAttention",)
@@ -661,7 +663,7 @@ C_FUNCTIONS: Dict[str, CFunction] = {
         "Returns (out (B, Tq, Dout), weights (B, H, Tq, Tk) or None, (q, k, v, "
         "concat, lse) or None), new C-contiguous arrays of the call's dtype. A fully "
         "masked query row gets zero weights, a zero head output and lse -inf.",
-        prefix="FWD", table_shapes=True),
+        prefix="FWD", table_shapes=_ARRAYS),
     "backward": CFunction(
         "METH_VARARGS | METH_KEYWORDS",
         "Tuple[_Float, %s, %s, _Float, _Float, _Float, %s, %s, %s, %s, %s, %s, %s, %s]"
@@ -673,7 +675,7 @@ C_FUNCTIONS: Dict[str, CFunction] = {
         "dbk, dbv, dbo, dsinks, dq_norm, dk_norm): new C-contiguous gradients, each "
         "bias gradient None unless its want_* is true, each variant's None unless it "
         "was given. Bitwise the same for any thread count.",
-        prefix="BWD", table_shapes=True),
+        prefix="BWD", table_shapes=_ARRAYS),
     "attention": CFunction(
         "METH_FASTCALL | METH_KEYWORDS",
         "Tuple[_Float, Optional[_Float], Optional[_Float]]",
@@ -684,7 +686,7 @@ C_FUNCTIONS: Dict[str, CFunction] = {
         "Returns (out, weights or None, lse or None): out (B, H, Tq, dv), or with "
         "out_bthd (B, Tq, H, dv), C-contiguous; weights (B, H, Tq, Tk); lse "
         "(B, H, Tq), natural log, -inf for a fully masked row.",
-        prefix="ATT"),
+        prefix="ATT", table_shapes=_ARRAYS + ("ARG_FLOAT64",)),
     "attention_backward": CFunction(
         "METH_FASTCALL | METH_KEYWORDS",
         "Tuple[_Float, _Float, _Float, Optional[_Float]]",
@@ -692,7 +694,7 @@ C_FUNCTIONS: Dict[str, CFunction] = {
         "mha_attend_backward). The variants' q/k transforms must be off.",
         "Returns (dq (B, H, Tq, dk), dk (B, G, Tk, dk), dv (B, G, Tk, dv), dsinks "
         "(H,) or None), C-contiguous.",
-        prefix="ABW"),
+        prefix="ABW", table_shapes=_ARRAYS + ("ARG_FLOAT64",)),
     "project": CFunction(
         "METH_FASTCALL | METH_KEYWORDS",
         "Tuple[_Float, _Float, _Float]",
@@ -701,7 +703,7 @@ C_FUNCTIONS: Dict[str, CFunction] = {
         "fourth ignored.",
         "Returns (q (B, Tq, Sq), k (B, Tk, Sk), v (B, Tk, Sv)), q and k after the "
         "q/k norm and RoPE (positions from the variants tuple, or the defaults).",
-        prefix="PRJ", table_shapes=True),
+        prefix="PRJ", table_shapes=_ARRAYS),
     "pack_weight": CFunction(
         "METH_O", "object",
         "w's GEMM panels for the ISA in force, as an opaque capsule for forward()'s "
@@ -746,7 +748,7 @@ _C_PARAMS = {
     "set_num_threads": "n, /",
 }
 for _name, _params in _C_PARAMS.items():
-    ENTRIES["_C." + _name] = Entry("csrc/mhattn_module.c", _name, _params)
+    ENTRIES["_C." + _name] = Entry("csrc/python", _name, _params)
 del _name, _params
 
 

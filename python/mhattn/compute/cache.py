@@ -272,7 +272,7 @@ def _new_lengths(new_lengths: Any, B: int, T: int, causal: bool) -> Optional[np.
 
 
 def _scores_only(variants: Optional[tuple]) -> Optional[tuple]:
-    """The variants' tuple (csrc/mhattn_module.c, read_variants) without the
+    """The variants' tuple (csrc/python/variants.c, read_variants) without the
     q/k transforms, which the projections applied: None when no score rule
     (window, softcap, ALiBi, sinks, key_mask) is left."""
     if variants is None:

@@ -1,0 +1,345 @@
+/*
+ * attend.c - attention on projected tensors (issue 17): attention() and
+ * attention_backward(), each with its argument table (arg_spec[]) and its
+ * call_spec, and the steps of their family that the skeleton (call.c)
+ * runs: the sizes from q, k and v (one head width for every head), the
+ * outputs, the result.
+ */
+#include "glue.h"
+
+/* The sizes by letter from a (B, H, Tq, dk) q, a (B, G, Tk, dk) k and a
+   (B, G, Tk, dv) v, their shapes unchecked. */
+static void attend_letters(call *c, PyArrayObject *q, PyArrayObject *k, PyArrayObject *v)
+{
+    npy_intp *n = c->size;
+    n[L_B] = PyArray_DIM(q, 0);
+    n[L_H] = PyArray_DIM(q, 1);
+    n[L_TQ] = PyArray_DIM(q, 2);
+    n[L_DK] = PyArray_DIM(q, 3);
+    n[L_G] = PyArray_DIM(k, 1);
+    n[L_TK] = PyArray_DIM(k, 2);
+    n[L_DV] = PyArray_DIM(v, 3);
+}
+
+/* ---- attention ---------------------------------------------------------- */
+
+GLUE_DOC(attention_doc, ATTENTION_DOC);
+
+static const arg_spec attention_args[ATT_NARGS] = {
+    [ATT_Q] = {"q", ARG_ARRAY, SHAPE4(L_B, L_H, L_TQ, L_DK), 0, NULL},
+    [ATT_K] = {"k", ARG_ARRAY, SHAPE4(L_B, L_G, L_TK, L_DK), 0, " from q's B and dk"},
+    [ATT_V] = {"v", ARG_ARRAY, SHAPE4(L_B, L_G, L_TK, L_DV), 0, " from k"},
+    [ATT_SCALES] = {"scales", ARG_FLOAT64, SHAPE1(L_H), 0, " from q"},
+    [ATT_MASK] = {.name = "mask", .kind = ARG_MASK},
+    [ATT_CAUSAL] = {.name = "causal", .kind = ARG_BOOL},
+    [ATT_KEY_LENGTHS] = {.name = "key_lengths", .kind = ARG_LENGTHS},
+    [ATT_VARIANTS] = {.name = "variants", .kind = ARG_VARIANTS},
+    [ATT_ALIGNED] = {.name = "lengths_aligned", .kind = ARG_BOOL},
+    [ATT_OUT_BTHD] = {.name = "out_bthd", .kind = ARG_BOOL},
+    [ATT_WANT_WEIGHTS] = {.name = "want_weights", .kind = ARG_BOOL},
+    [ATT_WANT_LSE] = {.name = "want_lse", .kind = ARG_BOOL},
+};
+
+static const int attention_checks_x[] = {ATT_K, ATT_V, ATT_SCALES, -1};
+
+/*
+ * The scales converted; the sizes from q, k and v, whose shapes (and
+ * scales') are checked against them: H a positive multiple of G, widths
+ * >= 1. The head widths, and the element strides of q, k and v (c->st)
+ * over (B, heads, T): the last axis is contiguous.
+ */
+static int attention_sizes(call *c, const call_spec *sp)
+{
+    if (convert_vectors(c, sp) < 0)
+        return -1;
+    attend_letters(c, c->in[ATT_Q], c->in[ATT_K], c->in[ATT_V]);
+    npy_intp *n = c->size;
+    const npy_intp H = n[L_H], G = n[L_G];
+    if (check_shapes(c, sp, sp->checks_x) < 0)
+        return -1;
+    if (G == 0 || H % G != 0) {
+        PyErr_Format(PyExc_ValueError, "k: the number of query heads H = %zd (q's axis "
+                     "1) must be a positive multiple of the number of kv heads G = %zd",
+                     (Py_ssize_t)H, (Py_ssize_t)G);
+        return -1;
+    }
+    if (n[L_DK] == 0 || n[L_DV] == 0) {
+        PyErr_SetString(PyExc_ValueError, n[L_DK] == 0
+                        ? "q: head width dk must be at least 1"
+                        : "v: head width dv must be at least 1");
+        return -1;
+    }
+    // No projections: the config's projection sizes stay 0.
+    n[L_DIN] = n[L_DKIN] = n[L_DVIN] = n[L_DOUT] = 0;
+    n[L_SQ] = n[L_SK] = n[L_SV] = n[L_SVQ] = 0;
+    for (int i = 0; i < 3; i++) {
+        PyArrayObject *a = c->in[ATT_Q + i];
+        const npy_intp item = PyArray_ITEMSIZE(a);
+        c->st[i] = (mha_strides){(size_t)(PyArray_STRIDE(a, 0) / item),
+                                 (size_t)(PyArray_STRIDE(a, 1) / item),
+                                 (size_t)(PyArray_STRIDE(a, 2) / item)};
+    }
+    return uniform_widths(c, G, n[L_DK], n[L_DV]);
+}
+
+/* The variants as for forward(), but the q/k transforms, which belong to
+   the projections: ValueError naming the first one given. Nor packed
+   sequences with lengths_aligned. */
+static int attention_variants(call *c)
+{
+    const mha_config *cfg = &c->cfg;
+    const char *on = cfg->q_norm ? "q_norm" : cfg->k_norm ? "k_norm"
+                     : cfg->rotary_dim ? "rotary_dim" : cfg->positions ? "positions"
+                     : cfg->key_positions ? "key_positions" : NULL;
+    if (on != NULL) {
+        PyErr_Format(PyExc_ValueError, "variants: %s is a q/k transform, applied with "
+                     "the projections; attention() takes q and k already "
+                     "transformed (%s must be off)", on, on);
+        return -1;
+    }
+    if (cfg->lengths_aligned && cfg->nseq > 0) {
+        PyErr_SetString(PyExc_ValueError, "lengths_aligned: not with packed sequences "
+                        "(cu_seqlens)");
+        return -1;
+    }
+    return 0;
+}
+
+/* out (B, H, Tq, dv) or, out_bthd, (B, Tq, H, dv); weights, lse if
+   wanted; c->st[3] = out's strides. */
+static int attention_outputs(call *c)
+{
+    static const shape bhtd[ATT_NOUTS] = {
+        [ATT_OUT] = SHAPE4(L_B, L_H, L_TQ, L_DV),
+        [ATT_WEIGHTS] = SHAPE4(L_B, L_H, L_TQ, L_TK),
+        [ATT_LSE] = SHAPE3(L_B, L_H, L_TQ)};
+    static const shape bthd[ATT_NOUTS] = {
+        [ATT_OUT] = SHAPE4(L_B, L_TQ, L_H, L_DV),
+        [ATT_WEIGHTS] = SHAPE4(L_B, L_H, L_TQ, L_TK),
+        [ATT_LSE] = SHAPE3(L_B, L_H, L_TQ)};
+    const npy_intp *n = c->size;
+    const size_t H = (size_t)n[L_H], Tq = (size_t)n[L_TQ], dv = (size_t)n[L_DV];
+    const int out_bthd = c->arg[ATT_OUT_BTHD].truth;
+    c->st[3] = out_bthd ? (mha_strides){Tq * H * dv, dv, H * dv}
+                        : (mha_strides){H * Tq * dv, Tq * dv, dv};
+    const int want[ATT_NOUTS] = {
+        [ATT_OUT] = 1, [ATT_WEIGHTS] = c->arg[ATT_WANT_WEIGHTS].truth,
+        [ATT_LSE] = c->arg[ATT_WANT_LSE].truth};
+    return make_outputs(c, ATT_NOUTS, out_bthd ? bthd : bhtd, want);
+}
+
+/* Multiply-adds of attention: as forward(), a small call runs without the
+   Ctrl-C handler. */
+static double attention_work(const call *c)
+{
+    const npy_intp *n = c->size;
+    return (double)n[L_B] * (double)n[L_H] * (double)n[L_TQ] * (double)n[L_TK] *
+           (double)(n[L_DK] + n[L_DV]);
+}
+
+static PyObject *attention_result(call *c)
+{
+    return arrays_tuple(c->out, ATT_NOUTS);
+}
+
+/* mha_attend checks its own config (.checked 0): no projections. */
+static const call_spec attention_spec = {
+    .name = "attention", .nargs = ATT_NARGS, .args = attention_args, .nopt = 0,
+    .layout = LAYOUT_STRIDED,
+    .checks_x = attention_checks_x, .checks_widths = NULL,
+    .x = ATT_Q, .key = ATT_K, .value = ATT_V, .wo = ARG_NONE,
+    .dk = ARG_NONE, .dv = ARG_NONE, .scales = ATT_SCALES, .mask = ATT_MASK,
+    .causal = ATT_CAUSAL, .key_lengths = ATT_KEY_LENGTHS,
+    .variants = ATT_VARIANTS, .lengths_aligned = ATT_ALIGNED,
+    .broadcast_mask = 1, .has_wo = 1, .checked = 0,
+    .sizes = attention_sizes, .check = attention_variants, .finish = NULL,
+    .outputs = attention_outputs, .work = attention_work, .core = attention_core,
+    .result = attention_result,
+};
+
+PyObject *attention(PyObject *self, PyObject *const *argv, Py_ssize_t nargs,
+                    PyObject *kwnames)
+{
+    (void)self;
+    return call_fast(&attention_spec, argv, nargs, kwnames);
+}
+
+/* ---- attention_backward ------------------------------------------------- */
+
+GLUE_DOC(attention_backward_doc, ATTENTION_BACKWARD_DOC);
+
+static const arg_spec attention_backward_args[ABW_NARGS] = {
+    [ABW_DOUT] = {"dout", ARG_ARRAY, SHAPE4(L_B, L_H, L_TQ, L_DV), 0, NULL},
+    [ABW_Q] = {"q", ARG_ARRAY, SHAPE4(L_B, L_H, L_TQ, L_DK), 0, NULL},
+    [ABW_K] = {"k", ARG_ARRAY, SHAPE4(L_B, L_G, L_TK, L_DK), 0, NULL},
+    [ABW_V] = {"v", ARG_ARRAY, SHAPE4(L_B, L_G, L_TK, L_DV), 0, NULL},
+    [ABW_OUT] = {"out", ARG_ARRAY, SHAPE4(L_B, L_H, L_TQ, L_DV), 0, NULL},
+    [ABW_LSE] = {"lse", ARG_ARRAY_OPT, SHAPE3(L_B, L_H, L_TQ), 0, NULL},
+    [ABW_SCALES] = {"scales", ARG_FLOAT64, SHAPE1(L_H), 0, NULL},
+    [ABW_MASK] = {.name = "mask", .kind = ARG_MASK},
+    [ABW_CAUSAL] = {.name = "causal", .kind = ARG_BOOL},
+    [ABW_KEY_LENGTHS] = {.name = "key_lengths", .kind = ARG_LENGTHS},
+    [ABW_VARIANTS] = {.name = "variants", .kind = ARG_VARIANTS},
+    [ABW_LENGTHS_ALIGNED] = {.name = "lengths_aligned", .kind = ARG_BOOL},
+};
+
+static const int attention_backward_checks_x[] = {
+    ABW_DOUT, ABW_Q, ABW_K, ABW_V, ABW_OUT, ABW_LSE, -1};
+static const int attention_backward_checks_widths[] = {ABW_SCALES, -1};
+
+/* The sizes from q, k and v, every array's shape checked against them,
+   the head widths (the fused widths are heads times width, and stand for
+   the projections' sizes too); then the scales, converted and checked. */
+static int attention_backward_sizes(call *c, const call_spec *sp)
+{
+    attend_letters(c, c->in[ABW_Q], c->in[ABW_K], c->in[ABW_V]);
+    npy_intp *n = c->size;
+    const npy_intp H = n[L_H], G = n[L_G], dk = n[L_DK], dv = n[L_DV];
+    if (check_shapes(c, sp, sp->checks_x) < 0)
+        return -1;
+    if (G == 0 || H == 0 || H % G != 0 || dk == 0 || dv == 0) {
+        PyErr_Format(PyExc_ValueError, "k: expected G >= 1 kv heads dividing the H = %zd "
+                     "query heads, and head widths >= 1, got G = %zd, dk = %zd, dv = %zd",
+                     (Py_ssize_t)H, (Py_ssize_t)G, (Py_ssize_t)dk, (Py_ssize_t)dv);
+        return -1;
+    }
+    if ((size_t)dk > MHA_MAX_ELEMS / (size_t)H || (size_t)dv > MHA_MAX_ELEMS / (size_t)H) {
+        PyErr_SetString(PyExc_ValueError, "q, v: sizes overflow");
+        return -1;
+    }
+    if (uniform_widths(c, G, dk, dv) < 0)
+        return -1;
+    n[L_SQ] = n[L_DIN] = H * dk, n[L_SK] = n[L_DKIN] = G * dk;
+    n[L_SV] = n[L_DVIN] = G * dv, n[L_SVQ] = n[L_DOUT] = H * dv;
+    if (convert_vectors(c, sp) < 0)
+        return -1;
+    return check_shapes(c, sp, sp->checks_widths);
+}
+
+/* The q/k transforms belong to the projections. */
+static int attention_backward_variants(call *c)
+{
+    if (c->cfg.q_norm != NULL || c->cfg.k_norm != NULL || c->cfg.rotary_dim != 0) {
+        PyErr_SetString(PyExc_ValueError, "variants: q_norm, k_norm and RoPE belong to the "
+                        "projections (project()), not to attention_backward()");
+        return -1;
+    }
+    return 0;
+}
+
+/* A new (B, T, heads, d) C-contiguous array: the fused layout (B, T,
+   heads d) of a (B, heads, T, d) one. */
+static PyArrayObject *fused_empty(const npy_intp dims[4], int typenum)
+{
+    const npy_intp f[4] = {dims[0], dims[2], dims[1], dims[3]};
+    return (PyArrayObject *)PyArray_EMPTY(4, f, typenum, 0);
+}
+
+/* fused's axes 1 and 2 swapped: a (B, heads, T, d) view of it. */
+static PyArrayObject *fused_view(PyArrayObject *fused)
+{
+    npy_intp perm[4] = {0, 2, 1, 3};
+    PyArray_Dims p = {perm, 4};
+    return (PyArrayObject *)PyArray_Transpose(fused, &p);
+}
+
+/* *dst = a copy of a (B, heads, T, d), any strides, in the fused layout. */
+static int fused_copy(PyArrayObject **dst, PyArrayObject *a)
+{
+    PyArrayObject *f = fused_empty(PyArray_DIMS(a), PyArray_TYPE(a)), *view;
+    if (f == NULL || (view = fused_view(f)) == NULL) {
+        Py_XDECREF(f);
+        return -1;
+    }
+    const int res = PyArray_CopyInto(view, a);
+    Py_DECREF(view);
+    if (res < 0) {
+        Py_DECREF(f);
+        return -1;
+    }
+    *dst = f;
+    return 0;
+}
+
+/* Once the config is checked: the snapshot the core reads of every array
+   in the fused layout (lse as a C-contiguous copy), in place of the
+   caller's arrays the converter kept (LAYOUT_KEEP). */
+static int attention_backward_fused(call *c)
+{
+    for (int i = 0; i <= ABW_LSE; i++) {
+        PyArrayObject *a = c->in[i];
+        if (a == NULL)
+            continue;
+        int res;
+        c->in[i] = NULL;
+        if (i == ABW_LSE) {
+            c->in[i] = (PyArrayObject *)PyArray_NewCopy(a, NPY_CORDER);
+            res = c->in[i] != NULL ? 0 : -1;
+        } else {
+            res = fused_copy(&c->in[i], a);
+        }
+        Py_DECREF(a);
+        if (res < 0)
+            return -1;
+    }
+    return 0;
+}
+
+/* The gradients in the fused layout, as q, k, v's snapshots; dsinks (H,)
+   when sinks are given. */
+static int attention_backward_outputs(call *c)
+{
+    static const shape fused_shapes[ABW_NOUTS] = {
+        [ABW_DQ] = SHAPE4(L_B, L_TQ, L_H, L_DK),
+        [ABW_DK] = SHAPE4(L_B, L_TK, L_G, L_DK),
+        [ABW_DV] = SHAPE4(L_B, L_TK, L_G, L_DV),
+        [ABW_DSINKS] = SHAPE1(L_H)};
+    const int want[ABW_NOUTS] = {1, 1, 1, c->var[V_SINKS] != NULL};
+    return make_outputs(c, ABW_NOUTS, fused_shapes, want);
+}
+
+/* (dq, dk, dv, dsinks or None): dq, dk, dv C-contiguous copies of the
+   fused gradients' (B, heads, T, d) views. */
+static PyObject *attention_backward_result(call *c)
+{
+    PyArrayObject *grad[3] = {NULL, NULL, NULL};
+    PyObject *result = NULL;
+    for (int i = 0; i < 3; i++) {
+        PyArrayObject *view = fused_view(c->out[ABW_DQ + i]);
+        grad[i] = view != NULL ? (PyArrayObject *)PyArray_NewCopy(view, NPY_CORDER) : NULL;
+        Py_XDECREF(view);
+        if (grad[i] == NULL)
+            goto done;
+    }
+    PyObject *dsinks = (PyObject *)c->out[ABW_DSINKS];
+    result = PyTuple_Pack(4, (PyObject *)grad[0], (PyObject *)grad[1], (PyObject *)grad[2],
+                          dsinks != NULL ? dsinks : Py_None);
+done:
+    for (int i = 0; i < 3; i++)
+        Py_XDECREF(grad[i]);
+    return result;
+}
+
+/* Every main-thread call polls for Ctrl-C (.work NULL). */
+static const call_spec attention_backward_spec = {
+    .name = "attention_backward", .nargs = ABW_NARGS,
+    .args = attention_backward_args, .nopt = 0, .layout = LAYOUT_KEEP,
+    .checks_x = attention_backward_checks_x,
+    .checks_widths = attention_backward_checks_widths,
+    .x = ABW_Q, .key = ABW_K, .value = ABW_V, .wo = ARG_NONE,
+    .dk = ARG_NONE, .dv = ARG_NONE, .scales = ABW_SCALES, .mask = ABW_MASK,
+    .causal = ABW_CAUSAL, .key_lengths = ABW_KEY_LENGTHS,
+    .variants = ABW_VARIANTS, .lengths_aligned = ABW_LENGTHS_ALIGNED,
+    .broadcast_mask = 1, .has_wo = 0, .checked = 1,
+    .sizes = attention_backward_sizes, .check = attention_backward_variants,
+    .finish = attention_backward_fused, .outputs = attention_backward_outputs,
+    .work = NULL, .core = attention_backward_core,
+    .result = attention_backward_result,
+};
+
+PyObject *attention_backward(PyObject *self, PyObject *const *argv, Py_ssize_t nargs,
+                             PyObject *kwnames)
+{
+    (void)self;
+    return call_fast(&attention_backward_spec, argv, nargs, kwnames);
+}

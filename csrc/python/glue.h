@@ -1,0 +1,318 @@
+/*
+ * glue.h - what the files of the CPython / NumPy glue of mhattn._C share.
+ *
+ * Only the files of csrc/python/ include Python.h and the NumPy headers.
+ * They parse and convert the arguments, re-check every shape and dtype the
+ * core relies on, allocate the outputs, release the GIL around the core
+ * call and turn a core status into a Python exception. The friendly,
+ * documented validation lives in the Python layer; the glue must still
+ * never crash whatever it is given, since _C can be imported alone.
+ *
+ * Letters: see mha.h.
+ */
+#ifndef MHATTN_GLUE_H
+#define MHATTN_GLUE_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+/* One NumPy API table for all the glue's files; module.c alone fills it
+   (import_array), the others name it. */
+#define PY_ARRAY_UNIQUE_SYMBOL mhattn_ARRAY_API
+#ifndef GLUE_IMPORTS_ARRAY
+#define NO_IMPORT_ARRAY
+#endif
+#include <numpy/arrayobject.h>
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "mha.h"
+#include "docstrings_gen.h"   /* the _C docstrings: tools/gen_schema.py */
+
+/* A docstring the method table (module.c) names from another file. */
+#define GLUE_DOC(name, str) const char name[] = PyDoc_STR(str)
+
+#define DATA(a) ((a) != NULL ? PyArray_DATA(a) : NULL)
+
+/* The variants' tuple, position by position (see read_variants). */
+enum {
+    V_WINDOW, V_SOFTCAP, V_ALIBI, V_SINKS, V_KEY_MASK, V_CU_Q, V_CU_K,
+    V_Q_NORM, V_K_NORM, V_NORM_EPS, V_ROTARY_DIM, V_INTERLEAVED, V_INV_FREQ,
+    V_POSITIONS, V_KEY_POSITIONS, V_N
+};
+
+/* ---- the argument tables and the call skeleton -------------------------- */
+/*
+ * Every entry point that calls the core (forward, backward, project,
+ * attention, attention_backward) reads its arguments by a table (one
+ * arg_spec per position) and is described by one call_spec, which the one
+ * skeleton (call.c, call_fast and call_tuple) follows: parse, convert the
+ * arrays in positional order with the one converter (convert.c), so that
+ * the first bad argument is the one reported, derive the sizes by letter
+ * (the family's sizes step), fill the mha_config (in one place,
+ * fill_config), make the outputs, run the core with the GIL released and
+ * Ctrl-C seen, and turn a status into an exception. Every reference a call
+ * owns is in its `call`, released by call_release alone.
+ */
+
+/* The sizes of a call, by the letters of mha.h (and, for attention on
+   projected tensors, G and the one head width dk, dv); indices into
+   call.size. */
+enum {
+    L_B, L_TQ, L_TK, L_DIN, L_DKIN, L_DVIN, L_DOUT, L_H,
+    L_SQ, L_SK, L_SV, L_SVQ, L_G, L_DK, L_DV, N_LETTERS
+};
+
+/* A shape in letters: {3, {L_B, L_TQ, L_DIN}} is (B, Tq, Din). */
+typedef struct {
+    int nd;
+    unsigned char dim[4];
+} shape;
+#define SHAPE1(a) {1, {a}}
+#define SHAPE2(a, b) {2, {a, b}}
+#define SHAPE3(a, b, c) {3, {a, b, c}}
+#define SHAPE4(a, b, c, d) {4, {a, b, c, d}}
+
+/* The float arrays' kinds come first (convert_arrays). */
+typedef enum {
+    ARG_ARRAY,       /* a float array of the call's dtype (x's, or q's) */
+    ARG_ARRAY_OPT,   /* the same, or None for an absent one */
+    ARG_ARRAY_ALIAS, /* the same, or None for the array of argument .alias */
+    ARG_INT64,       /* a vector, converted to int64 (dk, dv) */
+    ARG_FLOAT64,     /* a vector, converted to float64 (scales) */
+    ARG_MASK,        /* None or a mask: converted once the sizes are known */
+    ARG_LENGTHS,     /* None or key lengths: likewise */
+    ARG_BOOL,        /* any object, read as its truth value */
+    ARG_VARIANTS,    /* None or the variants' tuple (see read_variants) */
+    ARG_PACKED,      /* None or a tuple of packed weights (read_packed) */
+} arg_kind;
+
+typedef struct {
+    const char *name;   /* the keyword, and the prefix of its errors */
+    arg_kind kind;
+    shape shape;        /* arrays: ndim, and the letters checked */
+    int alias;          /* ARG_ARRAY_ALIAS: the earlier position None
+                           stands for */
+    const char *note;   /* said after the letters of a wrong shape, or NULL */
+} arg_spec;
+
+/* How the converter hands a float array to the core. */
+typedef enum {
+    LAYOUT_C,        /* C-contiguous (a copy unless it is one already) */
+    LAYOUT_STRIDED,  /* in place when its strides are non-negative
+                        multiples of the item and its last axis contiguous,
+                        else a C-contiguous copy: call.st holds them */
+    LAYOUT_KEEP,     /* the caller's array as it is, for the family's
+                        finish step to copy */
+} layout;
+
+/* run_core's restarts after a handler that did not raise, before a last
+   try that is not polled: a call takes at most MAX_RESTARTS + 1 times its
+   time, whatever the signals (a SIGINT storm included). */
+#define MAX_RESTARTS 3
+#define MAX_ARGS 24   /* backward()'s */
+#define MAX_OUTS 14   /* backward()'s gradients */
+/* A position past every function's arguments that holds None (false, no
+   array): a call_spec names it for an argument its function lacks. */
+#define ARG_NONE MAX_ARGS
+
+/* One argument as passed: the object (borrowed from the caller, who keeps
+   it alive for the call) and, for ARG_BOOL, its truth value. */
+typedef struct {
+    PyObject *obj;
+    int truth;
+} arg_value;
+
+/* One call in progress: call_init starts it, call_release ends it. */
+typedef struct {
+    arg_value arg[MAX_ARGS + 1];      /* and ARG_NONE */
+    int typenum;                      /* NPY_FLOAT or NPY_DOUBLE: the dtype
+                                         of x (or q) */
+    PyArrayObject *in[MAX_ARGS + 1];  /* owned: the converted arrays by
+                                         position, shaped as their arg_spec
+                                         says; NULL for None and for
+                                         non-array arguments */
+    PyArrayObject *out[MAX_OUTS];     /* owned: the outputs, shaped as the
+                                         function's table says; NULL if
+                                         unwanted */
+    npy_intp size[N_LETTERS];         /* the call's sizes, by letter */
+    mha_strides st[4];                /* LAYOUT_STRIDED: q, k, v, out */
+    /* Glue-owned snapshots of the index-bearing vectors, taken while the
+       GIL is held: the core never reads a caller's dk, dv, scales or
+       key_lengths, which another thread may change during the call. */
+    size_t *widths;               /* (2G,) PyMem: dk then dv, as size_t */
+    double *scales;               /* (H,) PyMem */
+    int64_t *lengths;             /* (B,) PyMem, or NULL for None */
+    /* owned: the glue's copies of the variants' arrays (read_variants),
+       NULL where absent */
+    PyArrayObject *var[V_N];
+    mha_config cfg;               /* borrows widths, scales, mask, lengths,
+                                     var */
+} call;
+
+typedef struct call_spec call_spec;
+
+/*
+ * An entry point, as the skeleton follows it: its arguments, the
+ * positions of those the config reads (ARG_NONE where it has none), and
+ * its family's steps. The float arrays' shapes are checked by the sizes
+ * step, from lists of positions (each in the order its errors take
+ * precedence, ended by -1): first those against the sizes of the arrays
+ * that set them, then, once the head widths are known, the others.
+ */
+struct call_spec {
+    const char *name;       /* "forward", for PyArg's messages */
+    int nargs;
+    const arg_spec *args;   /* (nargs,) in positional order */
+    int nopt;               /* trailing arguments that may be left out
+                               (None then) */
+    layout layout;          /* of the float arrays */
+    const int *checks_x;       /* against x, key and value's sizes (q's) */
+    const int *checks_widths;  /* against the head widths too */
+    int x;                  /* the array whose dtype is the call's */
+    int key, value, wo, dk, dv, scales, mask, causal, key_lengths;
+    int variants, lengths_aligned;
+    int broadcast_mask;     /* the mask may broadcast to (B, H, Tq, Tk) */
+    int has_wo;             /* cfg.has_wo when there is no wo argument */
+    int checked;            /* mha_check_config checks the config first */
+    /* the family's steps, in the order the skeleton runs them: each
+       returns -1 with an exception set on failure; check and finish may be
+       NULL, work NULL polls every main-thread call for Ctrl-C */
+    int (*sizes)(call *c, const call_spec *sp);  /* the vectors (convert_vectors),
+                                                    c->size, c->widths */
+    int (*check)(call *c);    /* after the variants, before the core's check */
+    int (*finish)(call *c);   /* once the config is checked */
+    int (*outputs)(call *c);
+    double (*work)(const call *c);   /* multiply-adds, for MHA_SMALL_WORK */
+    mha_status (*core)(const call *c);
+    PyObject *(*result)(call *c);
+};
+
+/* ---- each entry point's positions ---------------------------------------- */
+/*
+ * The positions of each entry point's arguments (its table, arg_spec[],
+ * lives beside its entry point: mha.c, attend.c) and of its outputs. They
+ * are here because core_calls.c, which hands them to the core, reads them
+ * too.
+ */
+
+/* forward()'s positional arguments (mha.c, forward_args). */
+enum {
+    FWD_X, FWD_KEY, FWD_VALUE, FWD_WQ, FWD_WK, FWD_WV, FWD_WO,
+    FWD_BQ, FWD_BK, FWD_BV, FWD_BO, FWD_DK, FWD_DV, FWD_SCALES, FWD_MASK,
+    FWD_CAUSAL, FWD_KEY_LENGTHS, FWD_VARIANTS, FWD_WANT_WEIGHTS, FWD_KEEP,
+    FWD_PACKED, FWD_NARGS
+};
+/* forward()'s outputs, in the order mha_forward_<sfx> takes them. */
+enum {
+    FWD_OUT, FWD_WEIGHTS, FWD_Q, FWD_K, FWD_V, FWD_CONCAT, FWD_LSE, FWD_NOUTS
+};
+_Static_assert(FWD_NARGS <= MAX_ARGS && FWD_NOUTS <= MAX_OUTS,
+               "a call holds forward()'s arguments and outputs");
+
+/* backward()'s positional arguments (mha.c, backward_args). */
+enum {
+    BWD_DOUT, BWD_X, BWD_KEY, BWD_VALUE, BWD_WQ, BWD_WK, BWD_WV, BWD_WO,
+    BWD_Q, BWD_K, BWD_V, BWD_CONCAT, BWD_LSE, BWD_DK, BWD_DV, BWD_SCALES,
+    BWD_MASK, BWD_CAUSAL, BWD_KEY_LENGTHS, BWD_VARIANTS, BWD_WANT_BQ,
+    BWD_WANT_BK, BWD_WANT_BV, BWD_WANT_BO, BWD_NARGS
+};
+/* backward()'s gradients, in the order mha_backward_<sfx> takes them. */
+enum {
+    BWD_DX, BWD_DKEY, BWD_DVALUE, BWD_DWQ, BWD_DWK, BWD_DWV, BWD_DWO,
+    BWD_DBQ, BWD_DBK, BWD_DBV, BWD_DBO, BWD_DSINKS, BWD_DQ_NORM, BWD_DK_NORM,
+    BWD_NOUTS
+};
+_Static_assert(BWD_NARGS <= MAX_ARGS && BWD_NOUTS <= MAX_OUTS,
+               "a call holds backward()'s arguments and gradients");
+
+/* project()'s positional arguments (mha.c, project_args); its outputs
+   are q, k, v. */
+enum {
+    PRJ_X, PRJ_KEY, PRJ_VALUE, PRJ_WQ, PRJ_WK, PRJ_WV, PRJ_BQ, PRJ_BK, PRJ_BV,
+    PRJ_DK, PRJ_DV, PRJ_SCALES, PRJ_VARIANTS, PRJ_PACKED, PRJ_NARGS
+};
+enum { PRJ_Q, PRJ_K, PRJ_V, PRJ_NOUTS };
+_Static_assert(PRJ_NARGS <= MAX_ARGS, "a call holds project()'s arguments");
+
+/* attention()'s positional arguments (attend.c, attention_args) and
+   outputs. */
+enum {
+    ATT_Q, ATT_K, ATT_V, ATT_SCALES, ATT_MASK, ATT_CAUSAL, ATT_KEY_LENGTHS,
+    ATT_VARIANTS, ATT_ALIGNED, ATT_OUT_BTHD, ATT_WANT_WEIGHTS, ATT_WANT_LSE,
+    ATT_NARGS
+};
+enum { ATT_OUT, ATT_WEIGHTS, ATT_LSE, ATT_NOUTS };
+_Static_assert(ATT_NARGS <= MAX_ARGS, "a call holds attention()'s arguments");
+
+/* attention_backward()'s positional arguments (attend.c,
+   attention_backward_args) and outputs: dq, dk, dv in the fused layout,
+   dsinks. */
+enum {
+    ABW_DOUT, ABW_Q, ABW_K, ABW_V, ABW_OUT, ABW_LSE, ABW_SCALES, ABW_MASK,
+    ABW_CAUSAL, ABW_KEY_LENGTHS, ABW_VARIANTS, ABW_LENGTHS_ALIGNED, ABW_NARGS
+};
+enum { ABW_DQ, ABW_DK, ABW_DV, ABW_DSINKS, ABW_NOUTS };
+_Static_assert(ABW_NARGS <= MAX_ARGS, "a call holds attention_backward()'s arguments");
+
+/* ---- convert.c: the one array converter, shapes, masks, lengths --------- */
+int check_shape(PyArrayObject *a, const char *name, int nd, const npy_intp *want,
+                const char *letters);
+void prefix_error(const char *name);
+int convert_arrays(call *c, const call_spec *sp);
+int convert_vectors(call *c, const call_spec *sp);
+int check_shapes(const call *c, const call_spec *sp, const int *pos);
+int head_widths(size_t **widths, size_t fused[4], PyArrayObject *dk_a, PyArrayObject *dv_a,
+                npy_intp H);
+void shape_dims(npy_intp dims[4], const shape *s, const npy_intp size[N_LETTERS]);
+int uniform_widths(call *c, npy_intp G, npy_intp dk, npy_intp dv);
+int convert_mask(call *c, const call_spec *sp, mha_mask_kind *kind, ptrdiff_t stride[4]);
+int as_lengths(int64_t **snap, PyObject *obj, npy_intp B, npy_intp Tk);
+int snapshot_scales(double **snap, PyArrayObject *scales);
+
+/* ---- args.c: the arguments as passed ------------------------------------ */
+int parse_fast(call *c, const call_spec *sp, PyObject *const *argv, Py_ssize_t nargs,
+               PyObject *kwnames);
+int parse_tuple(call *c, const call_spec *sp, PyObject *args, PyObject *kwds);
+
+/* ---- variants.c ---------------------------------------------------------- */
+int read_variants(call *c, PyObject *t);
+
+/* ---- call.c: the one call skeleton --------------------------------------- */
+PyObject *call_fast(const call_spec *sp, PyObject *const *argv, Py_ssize_t nargs,
+                    PyObject *kwnames);
+PyObject *call_tuple(const call_spec *sp, PyObject *args, PyObject *kwds);
+int make_outputs(call *c, int nout, const shape *shapes, const int *want);
+PyObject *arrays_tuple(PyArrayObject *const *a, int n);
+void raise_status(mha_status st);
+int sigint_setup(void);
+
+/* ---- core_calls.c: every call into the core ------------------------------ */
+int check_config(const mha_config *cfg);
+mha_status forward_core(const call *c);
+mha_status backward_core(const call *c);
+mha_status project_core(const call *c);
+mha_status attention_core(const call *c);
+mha_status attention_backward_core(const call *c);
+PyObject *pack_core(PyArrayObject *w);
+
+/* ---- packed.c ------------------------------------------------------------- */
+int read_packed(call *c, PyObject *t, const int *wpos, int n);
+void packed_destroy(PyObject *cap);
+/* The name of a pack_weight() capsule (packed.c), which core_calls.c makes. */
+#define PACKED_CAPSULE "mhattn._C.packed"
+
+/* ---- the entry points and their docstrings (module.c's method table) ----- */
+PyObject *forward(PyObject *self, PyObject *const *argv, Py_ssize_t nargs, PyObject *kwnames);
+PyObject *backward(PyObject *self, PyObject *args, PyObject *kwds);
+PyObject *project(PyObject *self, PyObject *const *argv, Py_ssize_t nargs, PyObject *kwnames);
+PyObject *attention(PyObject *self, PyObject *const *argv, Py_ssize_t nargs, PyObject *kwnames);
+PyObject *attention_backward(PyObject *self, PyObject *const *argv, Py_ssize_t nargs,
+                             PyObject *kwnames);
+PyObject *pack_weight(PyObject *self, PyObject *arg);
+PyObject *packed_info(PyObject *self, PyObject *cap);
+extern const char forward_doc[], backward_doc[], project_doc[], attention_doc[],
+    attention_backward_doc[], pack_weight_doc[], packed_info_doc[];
+
+#endif

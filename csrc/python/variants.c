@@ -1,0 +1,227 @@
+/*
+ * variants.c - the variants' tuple (issue 13: window, softcap, ALiBi, sinks, key
+ * mask, packed sequences, q/k norm, RoPE) read into the call's mha_config.
+ */
+#include "glue.h"
+
+/* ---- the variants (issue 13) ------------------------------------------- */
+/*
+ * forward() and backward() take the variants of today's models as one
+ * argument: None (all off), or a tuple of V_N items in this order, as
+ * mhattn._core.variant_args makes it:
+ *   window         None or (left, right): ints, -1 for an unbounded side
+ *   softcap        float, 0 for off
+ *   alibi          None or float64 (1 or B, H)
+ *   sinks          None or (H,) of x's dtype
+ *   key_mask       None or bool (B, Tk)
+ *   cu_q, cu_k     None or int64 (n + 1,) each, both or neither
+ *   q_norm         None, (d,) or (H, d) of x's dtype
+ *   k_norm         None, (d,) or (G, d) of x's dtype
+ *   norm_eps       float
+ *   rotary_dim     int, 0 for off
+ *   interleaved    truth value
+ *   inv_freq       None or float64 (rotary_dim / 2,)
+ *   positions      None or int64 (1 or B, Tq)
+ *   key_positions  None or int64 (1 or B, Tk)
+ * Every array is copied into memory the call owns (they are small), so no
+ * index, offset or size the core uses lives where another thread can write
+ * during the call; mha_check_config then checks the copies.
+ */
+static const char *const variant_name[V_N] = {
+    "window", "softcap", "alibi_slopes", "sinks", "key_mask", "cu_seqlens",
+    "key_cu_seqlens", "q_norm", "k_norm", "norm_eps", "rotary_dim",
+    "interleaved", "inv_freq", "positions", "key_positions"};
+
+/* *res = a C-contiguous copy of obj (1 to nd_max dimensions) as typenum,
+   owned by the call, or NULL for None. */
+static int variant_copy(PyArrayObject **res, PyObject *obj, const char *name,
+                        int typenum, int nd_max)
+{
+    *res = NULL;
+    if (obj == Py_None)
+        return 0;
+    if (!PyArray_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s: expected a numpy.ndarray or None, got %s",
+                     name, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    *res = (PyArrayObject *)PyArray_FromAny(
+        obj, PyArray_DescrFromType(typenum), 1, nd_max,
+        NPY_ARRAY_CARRAY | NPY_ARRAY_ENSURECOPY, NULL);
+    if (*res == NULL) {
+        prefix_error(name);
+        return -1;
+    }
+    return 0;
+}
+
+/* 0 when a is absent or has one of the shapes (rows, n) or, when rows1,
+   (1, n) or, when flat, (n,); else ValueError naming it. *bstride = the
+   row stride in elements (0 for one shared row). */
+static int variant_rows(PyArrayObject *a, const char *name, npy_intp rows,
+                        npy_intp n, int rows1, int flat, size_t *bstride)
+{
+    *bstride = 0;
+    if (a == NULL)
+        return 0;
+    const int nd = PyArray_NDIM(a);
+    const npy_intp r = nd == 2 ? PyArray_DIM(a, 0) : 1;
+    const npy_intp cols = PyArray_DIM(a, nd - 1);
+    if (cols == n && ((nd == 1 && flat) || (nd == 2 && (r == rows || (rows1 && r == 1))))) {
+        *bstride = nd == 2 && r > 1 ? (size_t)n : 0;
+        return 0;
+    }
+    const npy_intp want[2] = {rows, n};
+    return check_shape(a, name, 2, want, "");
+}
+
+/* The window (left, right) of the tuple's first item into cfg. */
+static int variant_window(mha_config *cfg, PyObject *w)
+{
+    if (w == Py_None)
+        return 0;
+    long long left, right;
+    if (!PyTuple_Check(w) || !PyArg_ParseTuple(w, "LL", &left, &right)) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "window: expected None or a tuple of two ints "
+                     "(-1 for an unbounded side), got %R", w);
+        return -1;
+    }
+    cfg->windowed = 1;
+    cfg->window_left = left < 0 ? -1 : (int64_t)left;
+    cfg->window_right = right < 0 ? -1 : (int64_t)right;
+    return 0;
+}
+
+/* The scalars of the tuple t into cfg: softcap, norm_eps, rotary_dim,
+   interleaved. */
+static int variant_scalars(mha_config *cfg, PyObject *t)
+{
+    cfg->softcap = PyFloat_AsDouble(PyTuple_GET_ITEM(t, V_SOFTCAP));
+    cfg->norm_eps = PyFloat_AsDouble(PyTuple_GET_ITEM(t, V_NORM_EPS));
+    const Py_ssize_t rd = PyLong_AsSsize_t(PyTuple_GET_ITEM(t, V_ROTARY_DIM));
+    const int inter = PyObject_IsTrue(PyTuple_GET_ITEM(t, V_INTERLEAVED));
+    if (PyErr_Occurred()) {
+        prefix_error("variants");
+        return -1;
+    }
+    if (rd < 0 || !(cfg->softcap >= 0) || !(cfg->norm_eps >= 0)) {
+        PyErr_Format(PyExc_ValueError, "variants: expected softcap >= 0, norm_eps >= 0 "
+                     "and rotary_dim >= 0, got %R", t);
+        return -1;
+    }
+    cfg->rotary_dim = (size_t)rd;
+    cfg->rope_interleaved = inter;
+    return 0;
+}
+
+/* Copies the tuple's arrays into c->var, by dtype. */
+static int variant_arrays(call *c, PyObject *t)
+{
+    // typenum + 1 of each array (0: not an array), -1: x's dtype
+    static const int kind[V_N] = {
+        [V_ALIBI] = NPY_DOUBLE + 1, [V_KEY_MASK] = NPY_BOOL + 1,
+        [V_CU_Q] = NPY_INT64 + 1, [V_CU_K] = NPY_INT64 + 1,
+        [V_INV_FREQ] = NPY_DOUBLE + 1, [V_POSITIONS] = NPY_INT64 + 1,
+        [V_KEY_POSITIONS] = NPY_INT64 + 1, [V_SINKS] = -1, [V_Q_NORM] = -1,
+        [V_K_NORM] = -1};
+    for (int i = 0; i < V_N; i++) {
+        if (kind[i] == 0)
+            continue;
+        const int typenum = kind[i] < 0 ? c->typenum : kind[i] - 1;
+        const int nd_max = (i == V_SINKS || i == V_CU_Q || i == V_CU_K ||
+                            i == V_INV_FREQ) ? 1 : 2;
+        if (variant_copy(&c->var[i], PyTuple_GET_ITEM(t, i), variant_name[i],
+                         typenum, nd_max) < 0)
+            return -1;
+    }
+    return 0;
+}
+
+/* Packed-sequence offsets cu (n + 1,) of the glue's copy: they index rows,
+   so they are checked here, naming the argument: B == 1, cu[0] == 0,
+   nondecreasing, cu[n] == total. */
+static int variant_offsets(PyArrayObject *a, const char *name, npy_intp B,
+                           npy_intp total)
+{
+    const npy_intp n = PyArray_DIM(a, 0);
+    const int64_t *cu = PyArray_DATA(a);
+    if (B != 1 || n < 2) {
+        PyErr_Format(PyExc_ValueError, "%s: packed sequences need B == 1 and at "
+                     "least 2 offsets, got B = %zd and %zd", name, (Py_ssize_t)B,
+                     (Py_ssize_t)n);
+        return -1;
+    }
+    for (npy_intp s = 0; s < n; s++) {
+        const int64_t lo = s == 0 ? 0 : cu[s - 1];
+        if (cu[s] < lo || cu[s] > (int64_t)total || (s == 0 && cu[0] != 0) ||
+            (s == n - 1 && cu[s] != (int64_t)total)) {
+            PyErr_Format(PyExc_ValueError, "%s: expected offsets 0 <= ... nondecreasing "
+                         "... == %zd, got %s[%zd] = %lld", name, (Py_ssize_t)total,
+                         name, (Py_ssize_t)s, (long long)cu[s]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* The arrays' shapes against the call's sizes, and their pointers and
+   strides into cfg. */
+static int variant_shapes(call *c, mha_config *cfg)
+{
+    PyArrayObject *const *v = c->var;
+    const npy_intp *n = c->size, G = (npy_intp)cfg->G;
+    const npy_intp d = G > 0 ? (npy_intp)cfg->dk[0] : 0;
+    size_t unused;
+    if (variant_rows(v[V_ALIBI], "alibi_slopes", n[L_B], n[L_H], 1, 0,
+                     &cfg->alibi_bstride) < 0 ||
+        variant_rows(v[V_SINKS], "sinks", 1, n[L_H], 0, 1, &unused) < 0 ||
+        variant_rows(v[V_KEY_MASK], "key_mask", n[L_B], n[L_TK], 0, 0, &unused) < 0 ||
+        variant_rows(v[V_Q_NORM], "q_norm", n[L_H], d, 0, 1, &cfg->q_norm_hstride) < 0 ||
+        variant_rows(v[V_K_NORM], "k_norm", G, d, 0, 1, &cfg->k_norm_hstride) < 0 ||
+        variant_rows(v[V_INV_FREQ], "inv_freq", 1, (npy_intp)cfg->rotary_dim / 2, 0, 1,
+                     &unused) < 0 ||
+        variant_rows(v[V_POSITIONS], "positions", n[L_B], n[L_TQ], 1, 0,
+                     &cfg->positions_bstride) < 0 ||
+        variant_rows(v[V_KEY_POSITIONS], "key_positions", n[L_B], n[L_TK], 1, 0,
+                     &cfg->key_positions_bstride) < 0)
+        return -1;
+    if ((v[V_CU_Q] == NULL) != (v[V_CU_K] == NULL) ||
+        (v[V_CU_Q] != NULL && PyArray_DIM(v[V_CU_Q], 0) != PyArray_DIM(v[V_CU_K], 0))) {
+        PyErr_SetString(PyExc_ValueError, "key_cu_seqlens: expected as many offsets "
+                        "as cu_seqlens");
+        return -1;
+    }
+    if (v[V_CU_Q] != NULL &&
+        (variant_offsets(v[V_CU_Q], "cu_seqlens", n[L_B], n[L_TQ]) < 0 ||
+         variant_offsets(v[V_CU_K], "key_cu_seqlens", n[L_B], n[L_TK]) < 0))
+        return -1;
+    cfg->alibi = DATA(v[V_ALIBI]);
+    cfg->sinks = DATA(v[V_SINKS]);
+    cfg->key_mask = DATA(v[V_KEY_MASK]);
+    cfg->nseq = v[V_CU_Q] != NULL ? (size_t)PyArray_DIM(v[V_CU_Q], 0) - 1 : 0;
+    cfg->cu_q = DATA(v[V_CU_Q]);
+    cfg->cu_k = DATA(v[V_CU_K]);
+    cfg->q_norm = DATA(v[V_Q_NORM]);
+    cfg->k_norm = DATA(v[V_K_NORM]);
+    cfg->inv_freq = DATA(v[V_INV_FREQ]);
+    cfg->positions = DATA(v[V_POSITIONS]);
+    cfg->key_positions = DATA(v[V_KEY_POSITIONS]);
+    return 0;
+}
+
+/* The variants' argument (None or the tuple above) into c->cfg. */
+int read_variants(call *c, PyObject *t)
+{
+    if (t == Py_None)
+        return 0;
+    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != V_N) {
+        PyErr_Format(PyExc_TypeError, "variants: expected None or a tuple of %d "
+                     "items, got %s", V_N, Py_TYPE(t)->tp_name);
+        return -1;
+    }
+    if (variant_window(&c->cfg, PyTuple_GET_ITEM(t, V_WINDOW)) < 0 ||
+        variant_scalars(&c->cfg, t) < 0 || variant_arrays(c, t) < 0)
+        return -1;
+    return variant_shapes(c, &c->cfg);
+}
