@@ -185,7 +185,21 @@ static void raise_status(mha_status st)
     }
 }
 
+/* Turns a rejection by the core's config check into a Python exception:
+   MHA_ERR_ARG is the ValueError of the core's message, which names the
+   rule and the values seen (mha_error); the other statuses as above. */
+static void raise_check(mha_status st, const mha_error *err)
+{
+    if (st == MHA_ERR_ARG && err->msg[0] != '\0')
+        PyErr_Format(PyExc_ValueError, "mhattn: %s", err->msg);
+    else
+        raise_status(st);
+}
+
 #define DATA(a) ((a) != NULL ? PyArray_DATA(a) : NULL)
+
+/* The element type of a call's arrays (NPY_FLOAT or NPY_DOUBLE). */
+#define DTYPE_OF(typenum) ((typenum) == NPY_FLOAT ? MHA_DTYPE_F32 : MHA_DTYPE_F64)
 
 /*
  * Ctrl-C during a long call. Python's own SIGINT handler only sets a flag
@@ -1142,9 +1156,10 @@ static int build_config(call *c, const call_spec *sp)
     if (read_variants(c, c->arg[sp->variants].obj) < 0)
         return -1;
     mha_layout lay;
-    const mha_status st = mha_check_config(&lay, &c->cfg);
+    mha_error err;
+    const mha_status st = mha_check_config(&lay, &c->cfg, &err);
     if (st != MHA_OK) {
-        raise_status(st);
+        raise_check(st, &err);
         return -1;
     }
     return 0;
@@ -1276,9 +1291,7 @@ static PyObject *pack_weight(PyObject *self, PyObject *arg)
     }
     mha_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = typenum == NPY_FLOAT
-             ? mha_pack_weight_f32(p, PyArray_DATA(a), N, K, N)
-             : mha_pack_weight_f64(p, PyArray_DATA(a), N, K, N);
+    st = mha_pack_weight(p, PyArray_DATA(a), N, K, N, DTYPE_OF(typenum));
     Py_END_ALLOW_THREADS
     Py_DECREF(a);
     PyObject *cap = st == MHA_OK ? PyCapsule_New(p, PACKED_CAPSULE, packed_destroy) : NULL;
@@ -1440,20 +1453,20 @@ static const shape forward_outs[FWD_NOUTS] = {
     [FWD_LSE] = SHAPE3(L_B, L_H, L_TQ),
 };
 
-/* mha_forward_f32 and _f64 take the same arguments, each in its dtype. */
-#define FORWARD_CORE(fn, in, out, cfg)                                        \
-    fn(DATA(out[FWD_OUT]), DATA(out[FWD_WEIGHTS]), DATA(out[FWD_Q]),          \
-       DATA(out[FWD_K]), DATA(out[FWD_V]), DATA(out[FWD_CONCAT]),             \
-       DATA(out[FWD_LSE]), DATA(in[FWD_X]), DATA(in[FWD_KEY]),                \
-       DATA(in[FWD_VALUE]), DATA(in[FWD_WQ]), DATA(in[FWD_WK]),               \
-       DATA(in[FWD_WV]), DATA(in[FWD_WO]), DATA(in[FWD_BQ]),                  \
-       DATA(in[FWD_BK]), DATA(in[FWD_BV]), DATA(in[FWD_BO]), cfg)
-
 static mha_status forward_core(const call *c)
 {
-    if (c->typenum == NPY_FLOAT)
-        return FORWARD_CORE(mha_forward_f32, c->in, c->out, &c->cfg);
-    return FORWARD_CORE(mha_forward_f64, c->in, c->out, &c->cfg);
+    PyArrayObject *const *in = c->in, *const *out = c->out;
+    const mha_params prm = {
+        .dtype = DTYPE_OF(c->typenum),
+        .out = DATA(out[FWD_OUT]), .weights = DATA(out[FWD_WEIGHTS]),
+        .q = DATA(out[FWD_Q]), .k = DATA(out[FWD_K]), .v = DATA(out[FWD_V]),
+        .concat = DATA(out[FWD_CONCAT]), .lse = DATA(out[FWD_LSE]),
+        .x = DATA(in[FWD_X]), .key = DATA(in[FWD_KEY]), .value = DATA(in[FWD_VALUE]),
+        .wq = DATA(in[FWD_WQ]), .wk = DATA(in[FWD_WK]), .wv = DATA(in[FWD_WV]),
+        .wo = DATA(in[FWD_WO]), .bq = DATA(in[FWD_BQ]), .bk = DATA(in[FWD_BK]),
+        .bv = DATA(in[FWD_BV]), .bo = DATA(in[FWD_BO]),
+    };
+    return mha_forward(&c->cfg, &prm, NULL);
 }
 
 /* Multiply-adds of a forward call: the four projections and attention. */
@@ -1609,29 +1622,27 @@ static const shape backward_outs[BWD_NOUTS] = {
     [BWD_DBO] = SHAPE1(L_DOUT),
 };
 
-/* mha_backward_f32 and _f64 take the same arguments, each in its dtype. */
-#define BACKWARD_CORE(fn, in, out, dkey, dvalue, cfg)                         \
-    fn(DATA(out[BWD_DX]), dkey, dvalue, DATA(out[BWD_DWQ]),                   \
-       DATA(out[BWD_DWK]), DATA(out[BWD_DWV]), DATA(out[BWD_DWO]),            \
-       DATA(out[BWD_DBQ]), DATA(out[BWD_DBK]), DATA(out[BWD_DBV]),            \
-       DATA(out[BWD_DBO]), DATA(out[BWD_DSINKS]), DATA(out[BWD_DQ_NORM]),     \
-       DATA(out[BWD_DK_NORM]), DATA(in[BWD_DOUT]),                            \
-       DATA(in[BWD_X]),                                                       \
-       DATA(in[BWD_KEY]), DATA(in[BWD_VALUE]), DATA(in[BWD_WQ]),              \
-       DATA(in[BWD_WK]), DATA(in[BWD_WV]), DATA(in[BWD_WO]), DATA(in[BWD_Q]), \
-       DATA(in[BWD_K]), DATA(in[BWD_V]), DATA(in[BWD_CONCAT]),                \
-       DATA(in[BWD_LSE]), cfg)
-
 static mha_status backward_core(const call *c)
 {
     // A role fed by another input adds into that input's gradient: dkey is
     // made only when key is not x, dvalue only when value is not key.
-    PyArrayObject *const *out = c->out;
+    PyArrayObject *const *in = c->in, *const *out = c->out;
     void *dkey = out[BWD_DKEY] != NULL ? DATA(out[BWD_DKEY]) : DATA(out[BWD_DX]);
     void *dvalue = out[BWD_DVALUE] != NULL ? DATA(out[BWD_DVALUE]) : dkey;
-    if (c->typenum == NPY_FLOAT)
-        return BACKWARD_CORE(mha_backward_f32, c->in, out, dkey, dvalue, &c->cfg);
-    return BACKWARD_CORE(mha_backward_f64, c->in, out, dkey, dvalue, &c->cfg);
+    const mha_params prm = {
+        .dtype = DTYPE_OF(c->typenum),
+        .dx = DATA(out[BWD_DX]), .dkey = dkey, .dvalue = dvalue,
+        .dwq = DATA(out[BWD_DWQ]), .dwk = DATA(out[BWD_DWK]), .dwv = DATA(out[BWD_DWV]),
+        .dwo = DATA(out[BWD_DWO]), .dbq = DATA(out[BWD_DBQ]), .dbk = DATA(out[BWD_DBK]),
+        .dbv = DATA(out[BWD_DBV]), .dbo = DATA(out[BWD_DBO]),
+        .dsinks = DATA(out[BWD_DSINKS]), .dq_norm = DATA(out[BWD_DQ_NORM]),
+        .dk_norm = DATA(out[BWD_DK_NORM]), .dout = DATA(in[BWD_DOUT]),
+        .x = DATA(in[BWD_X]), .key = DATA(in[BWD_KEY]), .value = DATA(in[BWD_VALUE]),
+        .wq = DATA(in[BWD_WQ]), .wk = DATA(in[BWD_WK]), .wv = DATA(in[BWD_WV]),
+        .wo = DATA(in[BWD_WO]), .q = DATA(in[BWD_Q]), .k = DATA(in[BWD_K]),
+        .v = DATA(in[BWD_V]), .concat = DATA(in[BWD_CONCAT]), .lse = DATA(in[BWD_LSE]),
+    };
+    return mha_backward(&c->cfg, &prm, NULL);
 }
 
 /* The learnable variants' gradients, shaped as they are: dsinks (H,),
@@ -1897,13 +1908,13 @@ static mha_status attention_core(const call *c)
 {
     const attention_call *ac = (const attention_call *)c;
     const mha_strides *s = ac->st;
-    void *w = DATA(c->out[1]), *l = DATA(c->out[2]);
-    if (c->typenum == NPY_FLOAT)
-        return mha_attend_f32(DATA(c->out[0]), w, l, DATA(c->in[ATT_Q]),
-                              DATA(c->in[ATT_K]), DATA(c->in[ATT_V]), &s[0], &s[1],
-                              &s[2], &s[3], &c->cfg);
-    return mha_attend_f64(DATA(c->out[0]), w, l, DATA(c->in[ATT_Q]), DATA(c->in[ATT_K]),
-                          DATA(c->in[ATT_V]), &s[0], &s[1], &s[2], &s[3], &c->cfg);
+    const mha_params prm = {
+        .dtype = DTYPE_OF(c->typenum),
+        .out = DATA(c->out[0]), .weights = DATA(c->out[1]), .lse = DATA(c->out[2]),
+        .q = DATA(c->in[ATT_Q]), .k = DATA(c->in[ATT_K]), .v = DATA(c->in[ATT_V]),
+        .sq = s[0], .sk = s[1], .sv = s[2], .so = s[3],
+    };
+    return mha_attend(&c->cfg, &prm, NULL);
 }
 
 /* out (B, H, Tq, dv) or, out_bthd, (B, Tq, H, dv); weights, lse if wanted;
@@ -2011,18 +2022,17 @@ static const call_spec project_spec = {
 static const shape project_outs[3] = {
     SHAPE3(L_B, L_TQ, L_SQ), SHAPE3(L_B, L_TK, L_SK), SHAPE3(L_B, L_TK, L_SV)};
 
-/* mha_project_f32 and _f64 take the same arguments, each in its dtype. */
-#define PROJECT_CORE(fn, in, out, cfg)                                        \
-    fn(DATA(out[0]), DATA(out[1]), DATA(out[2]), DATA(in[PRJ_X]),             \
-       DATA(in[PRJ_KEY]), DATA(in[PRJ_VALUE]), DATA(in[PRJ_WQ]),              \
-       DATA(in[PRJ_WK]), DATA(in[PRJ_WV]), DATA(in[PRJ_BQ]),                  \
-       DATA(in[PRJ_BK]), DATA(in[PRJ_BV]), cfg)
-
 static mha_status project_core(const call *c)
 {
-    if (c->typenum == NPY_FLOAT)
-        return PROJECT_CORE(mha_project_f32, c->in, c->out, &c->cfg);
-    return PROJECT_CORE(mha_project_f64, c->in, c->out, &c->cfg);
+    PyArrayObject *const *in = c->in, *const *out = c->out;
+    const mha_params prm = {
+        .dtype = DTYPE_OF(c->typenum),
+        .q = DATA(out[0]), .k = DATA(out[1]), .v = DATA(out[2]),
+        .x = DATA(in[PRJ_X]), .key = DATA(in[PRJ_KEY]), .value = DATA(in[PRJ_VALUE]),
+        .wq = DATA(in[PRJ_WQ]), .wk = DATA(in[PRJ_WK]), .wv = DATA(in[PRJ_WV]),
+        .bq = DATA(in[PRJ_BQ]), .bk = DATA(in[PRJ_BK]), .bv = DATA(in[PRJ_BV]),
+    };
+    return mha_project(&c->cfg, &prm, NULL);
 }
 
 static PyObject *project(PyObject *self, PyObject *const *argv, Py_ssize_t nargs,
@@ -2269,9 +2279,10 @@ static int attn_config(call *c, const call_spec *sp)
         goto done;
     }
     mha_layout lay;
-    const mha_status st = mha_check_config(&lay, &c->cfg);
+    mha_error err;
+    const mha_status st = mha_check_config(&lay, &c->cfg, &err);
     if (st != MHA_OK) {
-        raise_status(st);
+        raise_check(st, &err);
         goto done;
     }
     for (int i = 0; i < ABW_LSE; i++)
@@ -2287,18 +2298,18 @@ done:
     return res;
 }
 
-/* mha_attend_backward_f32 and _f64 take the same arguments, each in its
-   dtype: fused dq, dk, dv (out[0..2]), dsinks (out[3]). */
-#define ATTEND_BACKWARD_CORE(fn, in, out, cfg)                                \
-    fn(DATA(out[0]), DATA(out[1]), DATA(out[2]), DATA(out[3]),                \
-       DATA(in[ABW_DOUT]), DATA(in[ABW_Q]), DATA(in[ABW_K]), DATA(in[ABW_V]), \
-       DATA(in[ABW_OUT]), DATA(in[ABW_LSE]), cfg)
-
+/* Fused dq, dk, dv (out[0..2]), dsinks (out[3]). */
 static mha_status attention_backward_core(const call *c)
 {
-    if (c->typenum == NPY_FLOAT)
-        return ATTEND_BACKWARD_CORE(mha_attend_backward_f32, c->in, c->out, &c->cfg);
-    return ATTEND_BACKWARD_CORE(mha_attend_backward_f64, c->in, c->out, &c->cfg);
+    PyArrayObject *const *in = c->in, *const *out = c->out;
+    const mha_params prm = {
+        .dtype = DTYPE_OF(c->typenum),
+        .dq = DATA(out[0]), .dk = DATA(out[1]), .dv = DATA(out[2]),
+        .dsinks = DATA(out[3]), .dout = DATA(in[ABW_DOUT]), .q = DATA(in[ABW_Q]),
+        .k = DATA(in[ABW_K]), .v = DATA(in[ABW_V]), .out = DATA(in[ABW_OUT]),
+        .lse = DATA(in[ABW_LSE]),
+    };
+    return mha_attend_backward(&c->cfg, &prm, NULL);
 }
 
 static PyObject *attention_backward(PyObject *self, PyObject *const *argv,
