@@ -113,8 +113,8 @@ static mha_status PICK(bwd_check_args_f32, bwd_check_args_f64)(BWD_ARGS *a,
     if (a->dx != NULL && a->dvalue == a->dx && (cfg->Tk != cfg->Tq || cfg->Dvin != cfg->Din))
         return mha_reject(err, MHA_ERR_ARG, MHA_FIELD_PARAMS,
                           "dvalue == dx (value is x) needs Tk == Tq and Dvin == Din: "
-                          "Tk = %zu, Tq = %zu, Dvin = %zu, Din = %zu", cfg->Tk, cfg->Tq, cfg->Dvin,
-                          cfg->Din);
+                          "Tk = %zu, Tq = %zu, Dvin = %zu, Din = %zu", cfg->Tk, cfg->Tq,
+                          cfg->Dvin, cfg->Din);
     if (a->dkey != NULL && a->dvalue == a->dkey && cfg->Dvin != cfg->Dkin)
         return mha_reject(err, MHA_ERR_ARG, MHA_FIELD_PARAMS,
                           "dvalue == dkey (value is key) needs Dvin == Dkin: Dvin = %zu, "

@@ -870,8 +870,10 @@ static void test_config(void)
     BAD(c.dk = NULL, "dk NULL", A, MHA_FIELD_DK, "dk is NULL");
     BAD(c.dv = NULL, "dv NULL", A, MHA_FIELD_DV, "dv is NULL");
     BAD(c.scale = NULL, "scale NULL", A, MHA_FIELD_SCALE, "scale is NULL");
-    BAD(c.mask_kind = (mha_mask_kind)7, "mask_kind 7", A, MHA_FIELD_MASK_KIND, "mask_kind = 7");
-    BAD(c.mask_kind = MHA_MASK_BOOL, "mask NULL", A, MHA_FIELD_MASK, "mask is NULL", "mask_kind = 1");
+    BAD(c.mask_kind = (mha_mask_kind)7, "mask_kind 7", A, MHA_FIELD_MASK_KIND,
+        "mask_kind = 7");
+    BAD(c.mask_kind = MHA_MASK_BOOL, "mask NULL", A, MHA_FIELD_MASK, "mask is NULL",
+        "mask_kind = 1");
     GOOD((c.mask_kind = MHA_MASK_BOOL, c.mask = maskb), "bool mask");
     BAD(c.dk = dk0, "dk[1] = 0", A, MHA_FIELD_DK, "dk[1] = 0");
     BAD(c.dv = dv0, "dv[1] = 0", A, MHA_FIELD_DV, "dv[1] = 0");
@@ -883,7 +885,8 @@ static void test_config(void)
     BAD(c.Tq = MHA_MAX_ELEMS + 1, "Tq too large", S, MHA_FIELD_TQ, "Tq = ", "MHA_MAX_ELEMS");
     BAD(c.B = MHA_MAX_ELEMS + 1, "B too large", S, MHA_FIELD_B, "B = ", "MHA_MAX_ELEMS");
     BAD(c.Dout = MHA_MAX_ELEMS + 1, "Dout too large", S, MHA_FIELD_DOUT, "Dout = ");
-    BAD(c.Din = MHA_MAX_ELEMS / 2, "x too large", S, MHA_FIELD_DIN, "x (B, Tq, Din) = (1, 5, ");
+    BAD(c.Din = MHA_MAX_ELEMS / 2, "x too large", S, MHA_FIELD_DIN,
+        "x (B, Tq, Din) = (1, 5, ");
     BAD((c.Tq = (size_t)1 << 31, c.Tk = (size_t)1 << 31), "weights too large", S, MHA_FIELD_TK,
         "weights (B, H, Tq, Tk) = (1, 4, 2147483648, 2147483648)");
     // Key lengths.
@@ -904,26 +907,33 @@ static void test_config(void)
     GOOD((c.alibi = slopes), "alibi (H,)");
     BAD((c.alibi = slopes, c.alibi_bstride = 3), "alibi_bstride 3", A, MHA_FIELD_ALIBI_BSTRIDE,
         "alibi_bstride = 3", "H = 4");
-    BAD((c.alibi_bstride = 4), "alibi_bstride without alibi", A, MHA_FIELD_ALIBI, "alibi is NULL",
+    BAD((c.alibi_bstride = 4), "alibi_bstride without alibi", A, MHA_FIELD_ALIBI,
+        "alibi is NULL",
         "alibi_bstride = 4");
     GOOD((c.nseq = 2, c.cu_q = cu_q, c.cu_k = cu_k), "packed");
     BAD((c.nseq = 2, c.cu_q = NULL, c.cu_k = cu_k), "packed, cu_q NULL", A, MHA_FIELD_CU_Q,
         "cu_q is NULL", "nseq = 2");
     BAD((c.nseq = 2, c.cu_q = cu_q, c.cu_k = NULL), "packed, cu_k NULL", A, MHA_FIELD_CU_K,
         "cu_k is NULL");
-    BAD((c.nseq = 2, c.cu_q = cu_q, c.cu_k = bad_cu), "packed, decreasing cu_k", A, MHA_FIELD_CU_K,
+    BAD((c.nseq = 2, c.cu_q = cu_q, c.cu_k = bad_cu), "packed, decreasing cu_k", A,
+        MHA_FIELD_CU_K,
         "cu_k[2] = 3 < cu_k[1] = 4");
-    BAD((c.nseq = 2, c.cu_q = cu_k, c.cu_k = cu_k), "packed, cu_q[nseq] != Tq", A, MHA_FIELD_CU_Q,
+    BAD((c.nseq = 2, c.cu_q = cu_k, c.cu_k = cu_k), "packed, cu_q[nseq] != Tq", A,
+        MHA_FIELD_CU_Q,
         "cu_q[nseq = 2] = 7 is not Tq = 5");
-    BAD((c.nseq = 2, c.cu_q = cu_q, c.cu_k = cu_k, c.B = 2), "packed, B = 2", A, MHA_FIELD_NSEQ,
+    BAD((c.nseq = 2, c.cu_q = cu_q, c.cu_k = cu_k, c.B = 2), "packed, B = 2", A,
+        MHA_FIELD_NSEQ,
         "nseq = 2", "B = 2");
-    BAD((c.nseq = 1, c.cu_q = cu_q + 1, c.cu_k = cu_k), "packed, cu_q[0] != 0", A, MHA_FIELD_CU_Q,
+    BAD((c.nseq = 1, c.cu_q = cu_q + 1, c.cu_k = cu_k), "packed, cu_q[0] != 0", A,
+        MHA_FIELD_CU_Q,
         "cu_q[0] = 3");
     BAD((c.nseq = 2, c.cu_q = cu_q, c.cu_k = cu_k, c.lengths_aligned = 1),
-        "packed, lengths_aligned", A, MHA_FIELD_LENGTHS_ALIGNED, "lengths_aligned = 1", "nseq = 2");
+        "packed, lengths_aligned", A, MHA_FIELD_LENGTHS_ALIGNED, "lengths_aligned = 1",
+        "nseq = 2");
     // The q/k transforms.
     GOOD((c.rotary_dim = 8, c.inv_freq = slopes), "rotary_dim 8");
-    BAD((c.rotary_dim = 6), "rotary_dim without inv_freq", A, MHA_FIELD_INV_FREQ, "inv_freq is NULL",
+    BAD((c.rotary_dim = 6), "rotary_dim without inv_freq", A, MHA_FIELD_INV_FREQ,
+        "inv_freq is NULL",
         "rotary_dim = 6");
     BAD((c.rotary_dim = 5, c.inv_freq = slopes), "rotary_dim odd", A, MHA_FIELD_ROTARY_DIM,
         "rotary_dim = 5");
@@ -949,7 +959,8 @@ static void test_config(void)
     GOOD((c.positions_bstride = 5, c.key_positions_bstride = 7), "positions strides");
     BAD((c.positions_bstride = 7), "positions_bstride", A, MHA_FIELD_POSITIONS_BSTRIDE,
         "positions_bstride = 7", "Tq = 5");
-    BAD((c.key_positions_bstride = 5), "key_positions_bstride", A, MHA_FIELD_KEY_POSITIONS_BSTRIDE,
+    BAD((c.key_positions_bstride = 5), "key_positions_bstride", A,
+        MHA_FIELD_KEY_POSITIONS_BSTRIDE,
         "key_positions_bstride = 5", "Tk = 7");
 #undef BAD
 #undef GOOD
