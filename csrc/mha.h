@@ -1,8 +1,8 @@
 /*
  * mha.h - the public API of mhattn's C core.
  *
- * The core is plain C11: it knows nothing of Python or NumPy. The only file
- * that includes Python.h is mhattn_module.c (the glue).
+ * The core is plain C11: it knows nothing of Python or NumPy. The only files
+ * that include Python.h are the glue's, in csrc/python/.
  *
  * Letters used in every shape comment of the core:
  *   B    batch size
@@ -26,9 +26,13 @@
  * Head h's block of a fused buffer starts at the sum of the widths of the
  * heads before it (see mha_layout).
  *
- * Conventions: outputs come first, then inputs, then sizes and options.
- * Every function returns an mha_status; none prints, exits or asserts on
- * anything a caller can pass.
+ * The API: a call is an mha_config (its sizes and options) and an
+ * mha_params (its buffers and their element type), handed to one function
+ * per operation (mha_forward, mha_backward, mha_attend,
+ * mha_attend_backward, mha_project) that dispatches on the element type;
+ * mha_check_config says which field of a rejected config is wrong and why
+ * (mha_error). Every function returns an mha_status; none prints, exits or
+ * asserts on anything a caller can pass.
  */
 #ifndef MHA_H
 #define MHA_H
@@ -66,6 +70,13 @@ typedef enum {
 /* A static, human-readable name for a status ("MHA_OK", ...). */
 const char *mha_status_name(mha_status s);
 
+/* The element type of a call's buffers (mha_params.dtype). Room is left for
+   half types, which would be storage formats only (widened when packed). */
+typedef enum {
+    MHA_DTYPE_F32 = 0, /* float  */
+    MHA_DTYPE_F64 = 1, /* double */
+} mha_dtype;
+
 typedef enum {
     MHA_MASK_NONE = 0,
     MHA_MASK_BOOL, /* uint8: nonzero = may attend (SDPA / JAX / Keras) */
@@ -76,7 +87,7 @@ typedef enum {
  * A weight packed once for the GEMM's micro-kernels (issue 16): w (K, N)
  * cut into the column panels the GEMM would otherwise pack on every call,
  * for the ISA in force when it was packed and one element type. Made by
- * mha_pack_weight_<type>, freed by mha_packed_free; read-only after that.
+ * mha_pack_weight, freed by mha_packed_free; read-only after that.
  * A call whose ISA, type or sizes differ ignores it (and packs as usual),
  * so a packed weight never changes a result, only saves the packing.
  */
@@ -88,19 +99,27 @@ typedef struct {
     int f64;              /* 1: double elements, 0: float               */
 } mha_packed;
 
-/* Packs w (K, N), row stride ldw >= N, for the ISA in force into *p (an
-   aligned block of the core's allocator; K or N == 0 gives data NULL).
-   MHA_ERR_ARG for a NULL w or ldw < N, MHA_ERR_SIZE, MHA_ERR_NOMEM. */
-mha_status mha_pack_weight_f32(mha_packed *p, const float *w, size_t ldw, size_t K,
-                               size_t N);
-mha_status mha_pack_weight_f64(mha_packed *p, const double *w, size_t ldw, size_t K,
-                               size_t N);
-/* Frees what mha_pack_weight_* allocated (NULL data is fine); *p is zeroed. */
+/* Packs w (K, N) of element type dtype, row stride ldw >= N, for the ISA
+   in force into *p (an aligned block of the core's allocator; K or N == 0
+   gives data NULL). MHA_ERR_ARG for a NULL w, ldw < N or an unknown dtype,
+   MHA_ERR_SIZE, MHA_ERR_NOMEM. */
+mha_status mha_pack_weight(mha_packed *p, const void *w, size_t ldw, size_t K, size_t N,
+                           mha_dtype dtype);
+/* Frees what mha_pack_weight allocated (NULL data is fine); *p is zeroed. */
 void mha_packed_free(mha_packed *p);
 
 /*
- * Sizes and options of one call. The head-width arrays are borrowed: they
- * must outlive the call.
+ * Sizes and options of one call (its buffers are in mha_params). The arrays
+ * are borrowed: they must outlive the call.
+ *
+ * Why the mask, sinks, norm weights, ALiBi slopes, key lengths and
+ * positions stay here although they are data: each is read with the sizes,
+ * strides and flags beside it (mask_kind and mask_stride, q_norm_hstride,
+ * ...) by every layer, down to the attention rules (core/rules.h) and the
+ * SIMD tiles (kernels/flash.inc), which see the config alone. Moving them
+ * would thread mha_params through every kernel for no change in what a
+ * caller passes; they describe the problem, where the buffers of mha_params
+ * are what is computed on.
  */
 typedef struct {
     size_t B, Tq, Tk;
@@ -199,9 +218,73 @@ typedef struct {
     size_t Sq, Sk, Sv, Svq;
 } mha_layout;
 
+/*
+ * Which field a rejected call got wrong (mha_error.field): one id per field
+ * of mha_config, named after it, plus MHA_FIELD_PARAMS (a buffer or the
+ * strides of mha_params; the message names which), MHA_FIELD_DTYPE and
+ * MHA_FIELD_CALL (a NULL config, layout or params). A rule that ties two
+ * fields names the one it constrains: "H % G == 0" is G's. A size product
+ * past MHA_MAX_ELEMS names the field of the buffer's last axis (Sq, Sk
+ * count as DK, Sv, Svq as DV).
+ */
+typedef enum {
+    MHA_FIELD_NONE = 0, /* no error */
+    MHA_FIELD_CALL,
+    MHA_FIELD_DTYPE,
+    MHA_FIELD_PARAMS,
+    MHA_FIELD_B,
+    MHA_FIELD_TQ,
+    MHA_FIELD_TK,
+    MHA_FIELD_DIN,
+    MHA_FIELD_DKIN,
+    MHA_FIELD_DVIN,
+    MHA_FIELD_DOUT,
+    MHA_FIELD_H,
+    MHA_FIELD_G,
+    MHA_FIELD_DK,
+    MHA_FIELD_DV,
+    MHA_FIELD_SCALE,
+    MHA_FIELD_MASK_KIND,
+    MHA_FIELD_MASK,
+    MHA_FIELD_KEY_LENGTHS,
+    MHA_FIELD_WINDOW,          /* windowed, window_left, window_right */
+    MHA_FIELD_SOFTCAP,
+    MHA_FIELD_ALIBI,
+    MHA_FIELD_ALIBI_BSTRIDE,
+    MHA_FIELD_NSEQ,
+    MHA_FIELD_CU_Q,
+    MHA_FIELD_CU_K,
+    MHA_FIELD_Q_NORM,
+    MHA_FIELD_K_NORM,
+    MHA_FIELD_Q_NORM_HSTRIDE,
+    MHA_FIELD_K_NORM_HSTRIDE,
+    MHA_FIELD_NORM_EPS,
+    MHA_FIELD_ROTARY_DIM,
+    MHA_FIELD_ROPE_INTERLEAVED,
+    MHA_FIELD_INV_FREQ,
+    MHA_FIELD_POSITIONS_BSTRIDE,
+    MHA_FIELD_KEY_POSITIONS_BSTRIDE,
+    MHA_FIELD_LENGTHS_ALIGNED,
+} mha_field;
+
+/*
+ * Why a call was rejected: the field and a message that names the rule and
+ * the values seen, e.g. "H = 6 is not a multiple of G = 4" (field
+ * MHA_FIELD_G). Every function below that takes an mha_error *err fills it
+ * when it returns MHA_ERR_ARG or MHA_ERR_SIZE for what the caller passed,
+ * and sets field MHA_FIELD_NONE and an empty msg when the call passes its
+ * checks; err may be NULL. (NOMEM and INTERRUPTED leave field NONE.)
+ */
+typedef struct {
+    mha_field field;
+    char msg[256];
+} mha_error;
+
 /* Fills *lay and checks that every size product the core allocates fits in
-   size_t and that the config is self-consistent. */
-mha_status mha_check_config(mha_layout *lay, const mha_config *cfg);
+   size_t and that the config is self-consistent: MHA_OK, MHA_ERR_ARG or
+   MHA_ERR_SIZE, with the reason in *err (may be NULL). Each rule on a
+   config is checked here and nowhere else. */
+mha_status mha_check_config(mha_layout *lay, const mha_config *cfg, mha_error *err);
 
 /* Column offsets of every head in the fused buffers of a checked config:
      qoff[h]  (H,) in q (B, Tq, Sq)     cvoff[h] (H,) in concat (B, Tq, Svq)
@@ -210,23 +293,76 @@ void mha_head_offsets(size_t *qoff, size_t *cvoff, size_t *koff, size_t *voff,
                       const mha_config *cfg);
 
 /*
- * Forward pass, float32 and float64 (one templated source,
- * core/forward_impl.h).
+ * mha_strides: element strides of a (B, heads, T, d) tensor whose d axis is
+ * contiguous: element (b, h, t, c) lies at b * sb + h * sh + t * st + c.
+ * So mha_attend reads (B, H, T, d) ("bhtd"), (B, T, H, d) ("bthd") and a
+ * KV cache's (B, G, capacity, d) storage without copies.
+ */
+typedef struct {
+    size_t sb, sh, st;
+} mha_strides;
+
+/*
+ * The buffers of one call, for every entry point (as FlashAttention's
+ * Flash_fwd_params): each operation reads the fields its comment names and
+ * ignores the others, so one zero-initialised struct, filled in, serves any
+ * of them, and the backward reads q, k, v, concat, lse where the forward
+ * wrote them. Every buffer holds elements of type dtype (float or double),
+ * is row-major and contiguous unless strides say otherwise; NULL where
+ * optional and not wanted. The config's own arrays (head widths, scales,
+ * masks, sinks, norms, positions) stay in mha_config: see there.
  *
- * Outputs (NULL where optional and not wanted):
- *   out      (B, Tq, Dout)           required
- *   weights  (B, H, Tq, Tk)          optional: post-softmax probabilities
- *   q        (B, Tq, Sq)             optional: kept projections (else scratch)
- *   k        (B, Tk, Sk)             optional
- *   v        (B, Tk, Sv)             optional
- *   concat   (B, Tq, Svq)            optional: heads side by side, pre-W^O
- *   lse      (B, H, Tq)              optional: each row's log-sum-exp of the
- *                                    masked, scaled scores (-inf when the row
- *                                    is fully masked)
- * Inputs:
- *   x (B, Tq, Din), key (B, Tk, Dkin), value (B, Tk, Dvin)
- *   wq (Din, Sq), wk (Dkin, Sk), wv (Dvin, Sv), wo (Svq, Dout) or NULL
- *   bq (Sq,), bk (Sk,), bv (Sv,), bo (Dout,): each may be NULL (zero)
+ * Operations:  F mha_forward, B mha_backward, A mha_attend,
+ *              AB mha_attend_backward, P mha_project.
+ */
+typedef struct {
+    mha_dtype dtype;
+
+    /* ---- Outputs of the forward, and what the backward reads back ---- */
+    void *out;      /* F:  (B, Tq, Dout) required
+                       A:  (B, H, Tq, dv) at strides so, required
+                       AB: input, (B, Tq, Svq) as mha_attend made it */
+    void *weights;  /* F, A: (B, H, Tq, Tk) post-softmax probabilities  */
+    void *q;        /* F: (B, Tq, Sq) kept projections (else scratch);
+                       B: input, as F kept it; P: output (transformed);
+                       A: input (B, H, Tq, dk) at strides sq;
+                       AB: input (B, Tq, Sq)                            */
+    void *k;        /* F, B, P, AB: (B, Tk, Sk); A: (B, G, Tk, dk) at sk */
+    void *v;        /* F, B, P, AB: (B, Tk, Sv); A: (B, G, Tk, dv) at sv */
+    void *concat;   /* F: (B, Tq, Svq) heads side by side, pre-W^O;
+                       B: input, as F kept it                           */
+    void *lse;      /* F, A: (B, H, Tq) each row's log-sum-exp of the
+                       masked, scaled scores (-inf: fully masked row);
+                       B: input, required; AB: input, or NULL to have it
+                       recomputed                                       */
+
+    /* ---- Inputs of the projections (F, B, P) ---- */
+    const void *x;                 /* (B, Tq, Din)                      */
+    const void *key;               /* (B, Tk, Dkin)                     */
+    const void *value;             /* (B, Tk, Dvin)                     */
+    const void *wq, *wk, *wv;      /* (Din, Sq) (Dkin, Sk) (Dvin, Sv)   */
+    const void *wo;                /* (Svq, Dout), or NULL without W^O  */
+    const void *bq, *bk, *bv, *bo; /* (Sq,) (Sk,) (Sv,) (Dout,) or NULL
+                                      (zero); B does not read them      */
+
+    /* ---- The backward's (B, AB) upstream gradient and gradients ---- */
+    const void *dout;              /* B: (B, Tq, Dout); AB: (B, Tq, Svq) */
+    void *dx, *dkey, *dvalue;      /* B: (B, Tq, Din) (B, Tk, Dkin) (B, Tk, Dvin) */
+    void *dwq, *dwk, *dwv, *dwo;   /* B: (Din, Sq) (Dkin, Sk) (Dvin, Sv) (Svq, Dout) */
+    void *dbq, *dbk, *dbv, *dbo;   /* B: (Sq,) (Sk,) (Sv,) (Dout,)      */
+    void *dq, *dk, *dv;            /* AB: (B, Tq, Sq) (B, Tk, Sk) (B, Tk, Sv) */
+    void *dsinks;                  /* B, AB: (H,), with cfg->sinks      */
+    void *dq_norm, *dk_norm;       /* B: shaped as cfg->q_norm, k_norm  */
+
+    /* ---- mha_attend's strides (A only) ---- */
+    mha_strides sq, sk, sv, so;    /* of q, k, v and out                */
+} mha_params;
+
+/*
+ * Forward pass (one templated source, core/forward_impl.h).
+ * Writes out and whichever of weights, q, k, v, concat, lse are given;
+ * reads x, key, value, wq, wk, wv, wo (NULL iff !cfg->has_wo) and the
+ * biases bq, bk, bv, bo (each may be NULL: zero).
  *
  * A query row whose keys are all masked gets zero attention: its head
  * output is 0, its weights are 0 and its lse is -inf. No NaN is made; a
@@ -237,42 +373,23 @@ void mha_head_offsets(size_t *qoff, size_t *cvoff, size_t *koff, size_t *voff,
  * of mha_get_isa() (core/dispatch.h); the result does not depend on the thread
  * count, nor `out` on whether weights are wanted.
  */
-mha_status mha_forward_f32(
-    float *out, float *weights, float *q, float *k, float *v, float *concat,
-    float *lse,
-    const float *x, const float *key, const float *value,
-    const float *wq, const float *wk, const float *wv, const float *wo,
-    const float *bq, const float *bk, const float *bv, const float *bo,
-    const mha_config *cfg);
-mha_status mha_forward_f64(
-    double *out, double *weights, double *q, double *k, double *v,
-    double *concat, double *lse,
-    const double *x, const double *key, const double *value,
-    const double *wq, const double *wk, const double *wv, const double *wo,
-    const double *bq, const double *bk, const double *bv, const double *bo,
-    const mha_config *cfg);
+mha_status mha_forward(const mha_config *cfg, const mha_params *prm, mha_error *err);
 
 /*
- * Backward pass of mha_forward_<sfx>, float32 and float64 (one templated
- * source, core/backward_impl.h): the gradient of a scalar loss with respect to
- * every input, given dout = dL/dout. FlashAttention-2 style: the forward's
- * probabilities are recomputed tile by tile from its lse, never stored.
+ * Backward pass of mha_forward (one templated source, core/backward_impl.h):
+ * the gradient of a scalar loss with respect to every input, given dout =
+ * dL/dout. FlashAttention-2 style: the forward's probabilities are
+ * recomputed tile by tile from its lse, never stored.
  *
- * Overwrites (never adds into) every gradient it is given; pass NULL for a
- * gradient that is not wanted (work that no wanted gradient needs is
- * skipped). Gradients:
- *   dx (B, Tq, Din), dkey (B, Tk, Dkin), dvalue (B, Tk, Dvin)
- *   dwq (Din, Sq), dwk (Dkin, Sk), dwv (Dvin, Sv), dwo (Svq, Dout)
- *   dbq (Sq,), dbk (Sk,), dbv (Sv,), dbo (Dout,)
- *   dsinks (H,)                     with cfg->sinks
- *   dq_norm, dk_norm                with cfg->q_norm / k_norm, shaped as
- *                                   they are ((H, dk) or (dk,), (G, dk) or (dk,))
- * dwo is ignored without W^O (cfg->has_wo == 0); biases need not have been
- * given to the forward for their gradient to be computed.
- * Inputs:
- *   dout (B, Tq, Dout)
- *   x, key, value, wq, wk, wv, wo: as given to the forward (biases are not
- *   needed); q, k, v, concat, lse: as kept by the forward, same cfg.
+ * Overwrites (never adds into) every gradient it is given: dx, dkey,
+ * dvalue, dwq, dwk, dwv, dwo, dbq, dbk, dbv, dbo, dsinks (with cfg->sinks),
+ * dq_norm, dk_norm (with cfg->q_norm / k_norm); NULL for a gradient that is
+ * not wanted (work that no wanted gradient needs is skipped). dwo is
+ * ignored without W^O (cfg->has_wo == 0); biases need not have been given
+ * to the forward for their gradient to be computed.
+ * Reads dout; x, key, value, wq, wk, wv, wo as given to the forward (the
+ * biases are not needed); q, k, v, concat, lse as kept by the forward, same
+ * cfg.
  *
  * One input feeding several roles: when key is x (self-attention), pass
  * dkey == dx; the keys' gradient is then added into dx, which holds the
@@ -283,42 +400,14 @@ mha_status mha_forward_f64(
  * never NaN. An additive mask gets no gradient. The result is bitwise the
  * same for any thread count.
  */
-mha_status mha_backward_f32(
-    float *dx, float *dkey, float *dvalue,
-    float *dwq, float *dwk, float *dwv, float *dwo,
-    float *dbq, float *dbk, float *dbv, float *dbo,
-    float *dsinks, float *dq_norm, float *dk_norm,
-    const float *dout,
-    const float *x, const float *key, const float *value,
-    const float *wq, const float *wk, const float *wv, const float *wo,
-    const float *q, const float *k, const float *v, const float *concat,
-    const float *lse, const mha_config *cfg);
-mha_status mha_backward_f64(
-    double *dx, double *dkey, double *dvalue,
-    double *dwq, double *dwk, double *dwv, double *dwo,
-    double *dbq, double *dbk, double *dbv, double *dbo,
-    double *dsinks, double *dq_norm, double *dk_norm,
-    const double *dout,
-    const double *x, const double *key, const double *value,
-    const double *wq, const double *wk, const double *wv, const double *wo,
-    const double *q, const double *k, const double *v, const double *concat,
-    const double *lse, const mha_config *cfg);
+mha_status mha_backward(const mha_config *cfg, const mha_params *prm, mha_error *err);
 
 /*
  * Attention on tensors already projected (issue 17): the attention of
- * mha_forward without its projections and W^O.
+ * mha_forward without its projections and W^O. Writes out (at strides so),
+ * and weights, lse (contiguous) when given; reads q, k, v at strides sq,
+ * sk, sv.
  *
- * mha_strides: element strides of a (B, heads, T, d) tensor whose d axis is
- * contiguous: element (b, h, t, c) lies at b * sb + h * sh + t * st + c.
- * So one entry point reads (B, H, T, d) ("bhtd"), (B, T, H, d) ("bthd") and
- * a KV cache's (B, G, capacity, d) storage without copies.
- *
- *   out      (B, H, Tq, dv) at strides *so     required
- *   weights  (B, H, Tq, Tk) contiguous          optional
- *   lse      (B, H, Tq) contiguous              optional (natural log; -inf
- *                                               for a fully masked row)
- *   q        (B, H, Tq, dk) at *sq; k (B, G, Tk, dk) at *sk; v (B, G, Tk, dv)
- *            at *sv
  * cfg: B, Tq, Tk, H, G, dk, dv (every kv head the same widths), scale,
  * masks, causal, key_lengths, lengths_aligned and the score variants
  * (window, softcap, ALiBi, sinks, key_mask, packed sequences); Din, Dkin,
@@ -328,57 +417,27 @@ mha_status mha_backward_f64(
  * query rows splits its keys into a number of parts that depends on Tk
  * alone, merged in a fixed order (split-K, as flash-decoding).
  */
-typedef struct {
-    size_t sb, sh, st;
-} mha_strides;
-
-mha_status mha_attend_f32(float *out, float *weights, float *lse,
-                          const float *q, const float *k, const float *v,
-                          const mha_strides *sq, const mha_strides *sk,
-                          const mha_strides *sv, const mha_strides *so,
-                          const mha_config *cfg);
-mha_status mha_attend_f64(double *out, double *weights, double *lse,
-                          const double *q, const double *k, const double *v,
-                          const mha_strides *sq, const mha_strides *sk,
-                          const mha_strides *sv, const mha_strides *so,
-                          const mha_config *cfg);
+mha_status mha_attend(const mha_config *cfg, const mha_params *prm, mha_error *err);
 
 /*
  * Backward of mha_attend, on contiguous fused tensors (the layout of
- * mha_forward's q, k, v, concat): q (B, Tq, Sq), k (B, Tk, Sk), v (B, Tk, Sv),
- * out and dout (B, Tq, Svq), lse (B, H, Tq) as mha_attend made it, or NULL
- * to have it recomputed. Writes dq (B, Tq, Sq), dk (B, Tk, Sk), dv (B, Tk,
- * Sv) and, with cfg->sinks, dsinks (H,); any may be NULL when not wanted.
- * Bitwise the same for any thread count.
+ * mha_forward's q, k, v, concat): reads q (B, Tq, Sq), k (B, Tk, Sk), v
+ * (B, Tk, Sv), out and dout (B, Tq, Svq), lse (B, H, Tq) as mha_attend
+ * made it, or NULL to have it recomputed. Writes dq, dk, dv and, with
+ * cfg->sinks, dsinks (H,); any may be NULL when not wanted. Bitwise the
+ * same for any thread count.
  */
-mha_status mha_attend_backward_f32(float *dq, float *dk, float *dv, float *dsinks,
-                                   const float *dout, const float *q,
-                                   const float *k, const float *v,
-                                   const float *out, const float *lse,
-                                   const mha_config *cfg);
-mha_status mha_attend_backward_f64(double *dq, double *dk, double *dv,
-                                   double *dsinks, const double *dout,
-                                   const double *q, const double *k,
-                                   const double *v, const double *out,
-                                   const double *lse, const mha_config *cfg);
+mha_status mha_attend_backward(const mha_config *cfg, const mha_params *prm,
+                               mha_error *err);
 
 /*
  * The projections of mha_forward alone, with the q/k transforms (RMSNorm,
- * RoPE at cfg's positions): q (B, Tq, Sq), k (B, Tk, Sk), v (B, Tk, Sv) as
- * the attention would use them (after the transforms), from x, key, value
- * and the weights and biases of mha_forward. For a KV cache: the new rows'
- * projections, their keys turned at their positions in the cache.
+ * RoPE at cfg's positions): writes q, k, v (each when given) as the
+ * attention would use them (after the transforms), from x, key, value and
+ * wq, wk, wv, bq, bk, bv as mha_forward reads them. For a KV cache: the new
+ * rows' projections, their keys turned at their positions in the cache.
  */
-mha_status mha_project_f32(float *q, float *k, float *v,
-                           const float *x, const float *key, const float *value,
-                           const float *wq, const float *wk, const float *wv,
-                           const float *bq, const float *bk, const float *bv,
-                           const mha_config *cfg);
-mha_status mha_project_f64(double *q, double *k, double *v,
-                           const double *x, const double *key, const double *value,
-                           const double *wq, const double *wk, const double *wv,
-                           const double *bq, const double *bk, const double *bv,
-                           const mha_config *cfg);
+mha_status mha_project(const mha_config *cfg, const mha_params *prm, mha_error *err);
 
 #ifdef __cplusplus
 }

@@ -2,7 +2,9 @@
  * backward.c - the backward pass of multi-head attention (contract in
  * mha.h): FlashAttention-2's backward, with the forward's log-sum-exp
  * instead of a stored T x T probability matrix. The driver is
- * backward_impl.h, once per element type; its passes are numbered there.
+ * backward_impl.h, once per element type; its passes are numbered there;
+ * mha_backward and mha_attend_backward, at the end, dispatch on the
+ * params' element type.
  * The tiles are the kernels of the ISA in force (kernels/bwd.inc).
  */
 #include <stddef.h>
@@ -11,6 +13,7 @@
 
 #include "alloc.h"
 #include "attend_fused.h"
+#include "check.h"
 #include "dispatch.h"
 #include "gemm.h"
 #include "kernels.h"
@@ -42,3 +45,16 @@ static int mha_bwd_plan_fused(size_t ntasks, int nth)
 #define MHA_F64 1
 #include "backward_impl.h"
 #undef MHA_F64
+
+/* The entry points (mha.h): the call's checks common to every operation,
+   then the driver of its element type. */
+mha_status mha_backward(const mha_config *cfg, const mha_params *prm, mha_error *err)
+{
+    return mha_call_typed(cfg, prm, err, mha_backward_f32, mha_backward_f64);
+}
+
+mha_status mha_attend_backward(const mha_config *cfg, const mha_params *prm,
+                               mha_error *err)
+{
+    return mha_call_typed(cfg, prm, err, mha_attend_backward_f32, mha_attend_backward_f64);
+}

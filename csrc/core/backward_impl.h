@@ -33,7 +33,7 @@
 #define BWD_ARGS PICK(bwd_args_t_f32, bwd_args_t_f64)
 #define BWD_PLAN PICK(bwd_plan_t_f32, bwd_plan_t_f64)
 
-/* The call's arrays, as mha_backward_<type> takes them (see mha.h). */
+/* The call's arrays, typed, as mha_backward reads them from mha_params. */
 typedef struct {
     REAL *dx, *dkey, *dvalue;           /* (B, Tq, Din) (B, Tk, Dkin) (B, Tk, Dvin) */
     REAL *dwq, *dwk, *dwv, *dwo;        /* (Din, Sq) (Dkin, Sk) (Dvin, Sv) (Svq, Dout) */
@@ -88,26 +88,37 @@ static void PICK(bwd_plan_free_f32, bwd_plan_free_f64)(BWD_PLAN *p)
    they hold no element, and a shared gradient buffer means a shared input,
    whose shapes must then agree. Drops dwo when there is no W^O. */
 static mha_status PICK(bwd_check_args_f32, bwd_check_args_f64)(BWD_ARGS *a,
-                                                               const BWD_PLAN *p)
+                                                               const BWD_PLAN *p,
+                                                               mha_error *err)
 {
     const mha_config *cfg = p->cfg;
     const size_t nq = p->nq, nk = p->nk;
-    if ((a->dout == NULL && nq * cfg->Dout != 0) ||
-        (a->x == NULL && nq * cfg->Din != 0) ||
-        (a->key == NULL && nk * cfg->Dkin != 0) ||
-        (a->value == NULL && nk * cfg->Dvin != 0) ||
-        (a->wq == NULL && cfg->Din != 0) || (a->wk == NULL && cfg->Dkin != 0) ||
-        (a->wv == NULL && cfg->Dvin != 0) || (cfg->has_wo && a->wo == NULL) ||
-        (a->q == NULL && nq != 0) || (a->k == NULL && nk != 0) ||
-        (a->v == NULL && nk != 0) || (a->concat == NULL && nq != 0) ||
-        (a->lse == NULL && nq != 0))
-        return MHA_ERR_ARG;
+    const mha_required req[] = {
+        {a->dout, nq * cfg->Dout != 0, "dout"},   {a->x, nq * cfg->Din != 0, "x"},
+        {a->key, nk * cfg->Dkin != 0, "key"},     {a->value, nk * cfg->Dvin != 0, "value"},
+        {a->wq, cfg->Din != 0, "wq"},             {a->wk, cfg->Dkin != 0, "wk"},
+        {a->wv, cfg->Dvin != 0, "wv"},            {a->wo, cfg->has_wo, "wo (has_wo = 1)"},
+        {a->q, nq != 0, "q"},                     {a->k, nk != 0, "k"},
+        {a->v, nk != 0, "v"},                     {a->concat, nq != 0, "concat"},
+        {a->lse, nq != 0, "lse"},
+    };
+    mha_status st = mha_check_required(req, sizeof req / sizeof req[0], err);
+    if (st != MHA_OK)
+        return st;
     if (a->dx != NULL && a->dkey == a->dx && (cfg->Tk != cfg->Tq || cfg->Dkin != cfg->Din))
-        return MHA_ERR_ARG;
+        return mha_reject(err, MHA_ERR_ARG, MHA_FIELD_PARAMS,
+                          "dkey == dx (key is x) needs Tk == Tq and Dkin == Din: Tk = %zu, "
+                          "Tq = %zu, Dkin = %zu, Din = %zu", cfg->Tk, cfg->Tq, cfg->Dkin,
+                          cfg->Din);
     if (a->dx != NULL && a->dvalue == a->dx && (cfg->Tk != cfg->Tq || cfg->Dvin != cfg->Din))
-        return MHA_ERR_ARG;
+        return mha_reject(err, MHA_ERR_ARG, MHA_FIELD_PARAMS,
+                          "dvalue == dx (value is x) needs Tk == Tq and Dvin == Din: "
+                          "Tk = %zu, Tq = %zu, Dvin = %zu, Din = %zu", cfg->Tk, cfg->Tq,
+                          cfg->Dvin, cfg->Din);
     if (a->dkey != NULL && a->dvalue == a->dkey && cfg->Dvin != cfg->Dkin)
-        return MHA_ERR_ARG;
+        return mha_reject(err, MHA_ERR_ARG, MHA_FIELD_PARAMS,
+                          "dvalue == dkey (value is key) needs Dvin == Dkin: Dvin = %zu, "
+                          "Dkin = %zu", cfg->Dvin, cfg->Dkin);
     if (!cfg->has_wo)
         a->dwo = NULL;
     if (cfg->sinks == NULL)
@@ -153,15 +164,15 @@ static mha_status PICK(bwd_plan_tiles_f32, bwd_plan_tiles_f64)(BWD_PLAN *p)
 /* Plans the call: sizes, which gradients need which passes, and every
    buffer, allocated here and freed by bwd_plan_free whatever happens. */
 static mha_status PICK(bwd_plan_f32, bwd_plan_f64)(BWD_PLAN *p, BWD_ARGS *a,
-                                                   const mha_config *cfg)
+                                                   const mha_config *cfg, mha_error *err)
 {
     *p = (BWD_PLAN){.cfg = cfg};
-    mha_status st = mha_check_config(&p->lay, cfg);
+    mha_status st = mha_check_config(&p->lay, cfg, err);
     if (st != MHA_OK)
         return st;
     p->nq = cfg->B * cfg->Tq;
     p->nk = cfg->B * cfg->Tk;
-    if ((st = PICK(bwd_check_args_f32, bwd_check_args_f64)(a, p)) != MHA_OK)
+    if ((st = PICK(bwd_check_args_f32, bwd_check_args_f64)(a, p, err)) != MHA_OK)
         return st;
     p->kern = mha_kernels_for(mha_get_isa(), MHA_F64);
     p->need_dq = a->dx != NULL || a->dwq != NULL || a->dbq != NULL ||
@@ -381,22 +392,24 @@ static mha_status PICK(bwd_pass_inputs_f32, bwd_pass_inputs_f64)(const BWD_PLAN 
     return st;
 }
 
-mha_status PICK(mha_backward_f32, mha_backward_f64)(
-    REAL *dx, REAL *dkey, REAL *dvalue,
-    REAL *dwq, REAL *dwk, REAL *dwv, REAL *dwo,
-    REAL *dbq, REAL *dbk, REAL *dbv, REAL *dbo,
-    REAL *dsinks, REAL *dq_norm, REAL *dk_norm,
-    const REAL *dout,
-    const REAL *x, const REAL *key, const REAL *value,
-    const REAL *wq, const REAL *wk, const REAL *wv, const REAL *wo,
-    const REAL *q, const REAL *k, const REAL *v, const REAL *concat,
-    const REAL *lse, const mha_config *cfg)
+/* mha_backward (backward.c) for one element type; prm checked by
+   mha_call_typed. */
+static mha_status PICK(mha_backward_f32, mha_backward_f64)(const mha_config *cfg,
+                                                           const mha_params *prm,
+                                                           mha_error *err)
 {
     // Shapes: see BWD_ARGS above and mha.h.
-    BWD_ARGS a = {dx, dkey, dvalue, dwq, dwk, dwv, dwo, dbq, dbk, dbv, dbo,
-                  dsinks, dq_norm, dk_norm, dout, x, key, value, wq, wk, wv, wo, q, k, v, concat, lse};
+    BWD_ARGS a = {
+        .dx = prm->dx, .dkey = prm->dkey, .dvalue = prm->dvalue,
+        .dwq = prm->dwq, .dwk = prm->dwk, .dwv = prm->dwv, .dwo = prm->dwo,
+        .dbq = prm->dbq, .dbk = prm->dbk, .dbv = prm->dbv, .dbo = prm->dbo,
+        .dsinks = prm->dsinks, .dq_norm = prm->dq_norm, .dk_norm = prm->dk_norm,
+        .dout = prm->dout, .x = prm->x, .key = prm->key, .value = prm->value,
+        .wq = prm->wq, .wk = prm->wk, .wv = prm->wv, .wo = prm->wo,
+        .q = prm->q, .k = prm->k, .v = prm->v, .concat = prm->concat, .lse = prm->lse,
+    };
     BWD_PLAN p;
-    mha_status st = PICK(bwd_plan_f32, bwd_plan_f64)(&p, &a, cfg);
+    mha_status st = PICK(bwd_plan_f32, bwd_plan_f64)(&p, &a, cfg, err);
     if (st == MHA_OK)
         st = PICK(bwd_pass_output_f32, bwd_pass_output_f64)(&p, &a);
     if (st == MHA_OK && (p.need_dq || p.need_dkv || a.dsinks != NULL)) {
@@ -429,24 +442,29 @@ mha_status PICK(mha_backward_f32, mha_backward_f64)(
  * bitwise, on the same problem.
  */
 static mha_status PICK(bwd_attend_plan_f32, bwd_attend_plan_f64)(
-    BWD_PLAN *p, BWD_ARGS *a, REAL *dq, REAL *dk, REAL *dv, const mha_config *cfg)
+    BWD_PLAN *p, BWD_ARGS *a, REAL *dq, REAL *dk, REAL *dv, const mha_config *cfg,
+    mha_error *err)
 {
     *p = (BWD_PLAN){.cfg = cfg};
-    mha_status st = mha_check_config(&p->lay, cfg);
+    mha_status st = mha_check_config(&p->lay, cfg, err);
     if (st != MHA_OK)
         return st;
     // The q/k transforms belong to the projections (mha_project).
-    if (cfg->q_norm != NULL || cfg->k_norm != NULL || cfg->rotary_dim != 0)
-        return MHA_ERR_ARG;
+    if ((st = mha_check_no_qk(cfg, err)) != MHA_OK)
+        return st;
     const size_t nq = p->nq = cfg->B * cfg->Tq, nk = p->nk = cfg->B * cfg->Tk;
     if (cfg->sinks == NULL)
         a->dsinks = NULL;
     p->need_dq = dq != NULL;
     p->need_dkv = dk != NULL || dv != NULL;
     const int any = p->need_dq || p->need_dkv || a->dsinks != NULL;
-    if (any && ((nq != 0 && (a->dout == NULL || a->q == NULL || a->concat == NULL)) ||
-                (nk != 0 && (a->k == NULL || a->v == NULL))))
-        return MHA_ERR_ARG;
+    const mha_required req[] = {
+        {a->dout, any && nq != 0, "dout"}, {a->q, any && nq != 0, "q"},
+        {a->concat, any && nq != 0, "out"}, {a->k, any && nk != 0, "k"},
+        {a->v, any && nk != 0, "v"},
+    };
+    if ((st = mha_check_required(req, sizeof req / sizeof req[0], err)) != MHA_OK)
+        return st;
     p->kern = mha_kernels_for(mha_get_isa(), MHA_F64);
     const int nth = mha_get_num_threads();
     p->nth = nth < 1 ? 1 : nth;
@@ -488,17 +506,18 @@ static mha_status PICK(bwd_attend_lse_f32, bwd_attend_lse_f64)(const BWD_PLAN *p
     return st;
 }
 
-mha_status PICK(mha_attend_backward_f32, mha_attend_backward_f64)(
-    REAL *dq, REAL *dk, REAL *dv, REAL *dsinks, const REAL *dout, const REAL *q,
-    const REAL *k, const REAL *v, const REAL *out, const REAL *lse,
-    const mha_config *cfg)
+/* mha_attend_backward (backward.c) for one element type; prm checked by
+   mha_call_typed. */
+static mha_status PICK(mha_attend_backward_f32, mha_attend_backward_f64)(
+    const mha_config *cfg, const mha_params *prm, mha_error *err)
 {
     // dq, q (B, Tq, Sq); dk, k (B, Tk, Sk); dv, v (B, Tk, Sv);
     // dout, out (B, Tq, Svq); lse (B, H, Tq); dsinks (H,).
-    BWD_ARGS a = {.dsinks = dsinks, .dout = dout, .q = q, .k = k, .v = v,
-                  .concat = out, .lse = lse};
+    BWD_ARGS a = {.dsinks = prm->dsinks, .dout = prm->dout, .q = prm->q, .k = prm->k,
+                  .v = prm->v, .concat = prm->out, .lse = prm->lse};
     BWD_PLAN p;
-    mha_status st = PICK(bwd_attend_plan_f32, bwd_attend_plan_f64)(&p, &a, dq, dk, dv, cfg);
+    mha_status st = PICK(bwd_attend_plan_f32, bwd_attend_plan_f64)(&p, &a, prm->dq, prm->dk,
+                                                                   prm->dv, cfg, err);
     if (st == MHA_OK && p.lse_s != NULL)
         st = PICK(bwd_attend_lse_f32, bwd_attend_lse_f64)(&p, &a);
     if (st == MHA_OK && (p.need_dq || p.need_dkv || a.dsinks != NULL)) {

@@ -1,7 +1,10 @@
 /*
  * config.c - the checks of a call's sizes and options, and the head
  * offsets (contract in mha.h). Every size the core allocates or indexes
- * with is checked here, once, before any driver runs.
+ * with is checked here, once, before any driver runs. Each rejection says
+ * which field is wrong and why (mha_error: a field id and a message with
+ * the values seen), through mha_reject (check.h), also used by the entry
+ * points' checks of their buffers.
  *
  * Letters (see mha.h): B batch, Tq queries, Tk keys, H query heads, G kv
  * heads, dk[g] / dv[g] head widths, Sq / Sk / Sv / Svq fused widths.
@@ -10,9 +13,12 @@
  * Tq, Tk can be used in signed ptrdiff_t arithmetic without overflow.
  */
 #include <math.h>
+#include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
+#include "check.h"
 #include "mha.h"
 
 /* *r = a * b; returns 0 when the product exceeds MHA_MAX_ELEMS. */
@@ -43,136 +49,326 @@ static int count_ok(size_t a, size_t b, size_t c, size_t d)
     return mul_ok(&r, a, b) && mul_ok(&r, r, c) && mul_ok(&r, r, d);
 }
 
-/* Packed offsets cu (nseq + 1,): cu[0] = 0, nondecreasing, cu[nseq] = n. */
-static int cu_ok(const int64_t *cu, size_t nseq, size_t n)
+void mha_error_clear(mha_error *err)
 {
-    if (cu == NULL || cu[0] != 0)
-        return 0;
+    if (err != NULL) {
+        err->field = MHA_FIELD_NONE;
+        err->msg[0] = '\0';
+    }
+}
+
+mha_status mha_reject(mha_error *err, mha_status st, mha_field field, const char *fmt, ...)
+{
+    if (err == NULL)
+        return st;
+    err->field = field;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err->msg, sizeof err->msg, fmt, ap);
+    va_end(ap);
+    return st;
+}
+
+/* A rejection of what the caller passed (MHA_ERR_ARG). */
+#define REJECT(field, ...) mha_reject(err, MHA_ERR_ARG, field, __VA_ARGS__)
+
+/* The checks every entry point starts with: a config, params of a known
+   dtype. Clears *err first. */
+static mha_status check_call(const mha_config *cfg, const mha_params *prm, mha_error *err)
+{
+    mha_error_clear(err);
+    if (cfg == NULL || prm == NULL)
+        return REJECT(MHA_FIELD_CALL, "the %s is NULL", cfg == NULL ? "config" : "params");
+    if (prm->dtype != MHA_DTYPE_F32 && prm->dtype != MHA_DTYPE_F64)
+        return mha_reject(err, MHA_ERR_ARG, MHA_FIELD_DTYPE,
+                          "dtype = %d is not MHA_DTYPE_F32 (0) or MHA_DTYPE_F64 (1)",
+                          (int)prm->dtype);
+    return MHA_OK;
+}
+
+mha_status mha_call_typed(const mha_config *cfg, const mha_params *prm, mha_error *err,
+                           mha_typed_fn f32, mha_typed_fn f64)
+{
+    mha_status st = check_call(cfg, prm, err);
+    if (st != MHA_OK)
+        return st;
+    return prm->dtype == MHA_DTYPE_F64 ? f64(cfg, prm, err) : f32(cfg, prm, err);
+}
+
+mha_status mha_check_no_qk(const mha_config *cfg, mha_error *err)
+{
+    if (cfg->q_norm == NULL && cfg->k_norm == NULL && cfg->rotary_dim == 0)
+        return MHA_OK;
+    return REJECT(cfg->q_norm != NULL   ? MHA_FIELD_Q_NORM
+                  : cfg->k_norm != NULL ? MHA_FIELD_K_NORM
+                                        : MHA_FIELD_ROTARY_DIM,
+                  "q_norm, k_norm and RoPE (rotary_dim = %zu) belong to the projections "
+                  "(mha_project), not to attention alone", cfg->rotary_dim);
+}
+
+mha_status mha_check_required(const mha_required *r, size_t n, mha_error *err)
+{
+    for (size_t i = 0; i < n; i++)
+        if (r[i].p == NULL && r[i].needed)
+            return mha_reject(err, MHA_ERR_ARG, MHA_FIELD_PARAMS,
+                              "%s is NULL, but this call needs it (its shape is not empty)",
+                              r[i].name);
+    return MHA_OK;
+}
+
+/* Packed offsets cu (nseq + 1,): cu[0] = 0, nondecreasing, cu[nseq] = n. */
+static mha_status cu_check(const int64_t *cu, size_t nseq, size_t n, const char *name,
+                           mha_field field, mha_error *err)
+{
+    if (cu == NULL)
+        return mha_reject(err, MHA_ERR_ARG, field, "%s is NULL with nseq = %zu", name, nseq);
+    if (cu[0] != 0)
+        return mha_reject(err, MHA_ERR_ARG, field, "%s[0] = %lld is not 0", name,
+                          (long long)cu[0]);
     for (size_t s = 0; s < nseq; s++)
         if (cu[s + 1] < cu[s])
-            return 0;
-    return (uint64_t)cu[nseq] == (uint64_t)n;
+            return mha_reject(err, MHA_ERR_ARG, field,
+                              "%s decreases: %s[%zu] = %lld < %s[%zu] = %lld", name, name,
+                              s + 1, (long long)cu[s + 1], name, s, (long long)cu[s]);
+    if ((uint64_t)cu[nseq] != (uint64_t)n)
+        return mha_reject(err, MHA_ERR_ARG, field, "%s[nseq = %zu] = %lld is not %s = %zu",
+                          name, nseq, (long long)cu[nseq],
+                          field == MHA_FIELD_CU_Q ? "Tq" : "Tk", n);
+    return MHA_OK;
 }
 
 /* The variants (mha.h): window, softcap, ALiBi, packed sequences,
    lengths_aligned. */
-static int variants_ok(const mha_config *cfg)
+static mha_status variants_check(const mha_config *cfg, mha_error *err)
 {
     if (!cfg->windowed && (cfg->window_left != 0 || cfg->window_right != 0))
-        return 0;
+        return REJECT(MHA_FIELD_WINDOW,
+                      "window_left = %lld, window_right = %lld need windowed != 0",
+                      (long long)cfg->window_left, (long long)cfg->window_right);
     if (!(cfg->softcap >= 0) || !isfinite(cfg->softcap))
-        return 0;
-    if (cfg->alibi_bstride != 0 && (cfg->alibi == NULL || cfg->alibi_bstride != cfg->H))
-        return 0;
-    if (cfg->nseq > 0 &&
-        (cfg->B != 1 || cfg->nseq > MHA_MAX_ELEMS ||
-         !cu_ok(cfg->cu_q, cfg->nseq, cfg->Tq) || !cu_ok(cfg->cu_k, cfg->nseq, cfg->Tk)))
-        return 0;
+        return REJECT(MHA_FIELD_SOFTCAP,
+                      "softcap = %g is not a finite number >= 0", cfg->softcap);
+    if (cfg->alibi_bstride != 0 && cfg->alibi == NULL)
+        return REJECT(MHA_FIELD_ALIBI,
+                      "alibi is NULL with alibi_bstride = %zu", cfg->alibi_bstride);
+    if (cfg->alibi_bstride != 0 && cfg->alibi_bstride != cfg->H)
+        return REJECT(MHA_FIELD_ALIBI_BSTRIDE, "alibi_bstride = %zu is neither 0 nor H = %zu",
+                      cfg->alibi_bstride, cfg->H);
+    if (cfg->nseq > 0) {
+        if (cfg->B != 1)
+            return REJECT(MHA_FIELD_NSEQ,
+                          "packed sequences (nseq = %zu) need B = 1, not B = %zu",
+                          cfg->nseq, cfg->B);
+        if (cfg->nseq > MHA_MAX_ELEMS)
+            return REJECT(MHA_FIELD_NSEQ, "nseq = %zu is past MHA_MAX_ELEMS", cfg->nseq);
+        mha_status st = cu_check(cfg->cu_q, cfg->nseq, cfg->Tq, "cu_q", MHA_FIELD_CU_Q, err);
+        if (st == MHA_OK)
+            st = cu_check(cfg->cu_k, cfg->nseq, cfg->Tk, "cu_k", MHA_FIELD_CU_K, err);
+        if (st != MHA_OK)
+            return st;
+    }
     // Packed sequences place their queries by their own sequence's keys:
     // lengths_aligned (a KV cache's batch items) has no meaning with them.
     if (cfg->lengths_aligned && cfg->nseq > 0)
-        return 0;
-    return 1;
+        return REJECT(MHA_FIELD_LENGTHS_ALIGNED,
+                      "lengths_aligned = %d is not allowed with packed sequences (nseq = %zu)",
+                      cfg->lengths_aligned, cfg->nseq);
+    return MHA_OK;
 }
 
 /* The q/k transforms (mha.h): RMSNorm and RoPE, their positions. */
-static int transforms_ok(const mha_config *cfg)
+static mha_status transforms_check(const mha_config *cfg, mha_error *err)
 {
     const size_t G = cfg->G, d = cfg->dk[0];
-    if (cfg->rotary_dim % 2 != 0 || (cfg->rotary_dim > 0 && cfg->inv_freq == NULL))
-        return 0;
+    if (cfg->rotary_dim % 2 != 0)
+        return REJECT(MHA_FIELD_ROTARY_DIM, "rotary_dim = %zu is odd", cfg->rotary_dim);
+    if (cfg->rotary_dim > 0 && cfg->inv_freq == NULL)
+        return REJECT(MHA_FIELD_INV_FREQ,
+                      "inv_freq is NULL with rotary_dim = %zu", cfg->rotary_dim);
     if (cfg->rope_interleaved != 0 && cfg->rope_interleaved != 1)
-        return 0;
+        return REJECT(MHA_FIELD_ROPE_INTERLEAVED, "rope_interleaved = %d is neither 0 nor 1",
+                      cfg->rope_interleaved);
     for (size_t g = 0; g < G; g++) {
         if (cfg->rotary_dim > cfg->dk[g])
-            return 0;
+            return REJECT(MHA_FIELD_ROTARY_DIM, "rotary_dim = %zu is wider than dk[%zu] = %zu",
+                          cfg->rotary_dim, g, cfg->dk[g]);
         if ((cfg->q_norm != NULL || cfg->k_norm != NULL) && cfg->dk[g] != d)
-            return 0;
+            return REJECT(MHA_FIELD_DK,
+                          "q_norm / k_norm need one dk for every head: dk[%zu] = %zu, "
+                          "dk[0] = %zu", g, cfg->dk[g], d);
     }
-    if ((cfg->q_norm_hstride != 0 && (cfg->q_norm == NULL || cfg->q_norm_hstride != d)) ||
-        (cfg->k_norm_hstride != 0 && (cfg->k_norm == NULL || cfg->k_norm_hstride != d)))
-        return 0;
+    // The norm weights of each side: (d,) with hstride 0, or one row per head.
+    const struct {
+        const void *w;
+        size_t hstride;
+        mha_field fw, fh;
+        const char *name;
+    } side[2] = {
+        {cfg->q_norm, cfg->q_norm_hstride, MHA_FIELD_Q_NORM, MHA_FIELD_Q_NORM_HSTRIDE, "q"},
+        {cfg->k_norm, cfg->k_norm_hstride, MHA_FIELD_K_NORM, MHA_FIELD_K_NORM_HSTRIDE, "k"},
+    };
+    for (int i = 0; i < 2; i++) {
+        if (side[i].hstride != 0 && side[i].w == NULL)
+            return REJECT(side[i].fw, "%s_norm is NULL with %s_norm_hstride = %zu",
+                          side[i].name, side[i].name, side[i].hstride);
+        if (side[i].hstride != 0 && side[i].hstride != d)
+            return REJECT(side[i].fh, "%s_norm_hstride = %zu is neither 0 nor dk = %zu",
+                          side[i].name, side[i].hstride, d);
+    }
     if (!(cfg->norm_eps >= 0) || !isfinite(cfg->norm_eps))
-        return 0;
-    if ((cfg->positions_bstride != 0 && cfg->positions_bstride != cfg->Tq) ||
-        (cfg->key_positions_bstride != 0 && cfg->key_positions_bstride != cfg->Tk))
-        return 0;
-    return 1;
+        return REJECT(MHA_FIELD_NORM_EPS,
+                      "norm_eps = %g is not a finite number >= 0", cfg->norm_eps);
+    if (cfg->positions_bstride != 0 && cfg->positions_bstride != cfg->Tq)
+        return REJECT(MHA_FIELD_POSITIONS_BSTRIDE,
+                      "positions_bstride = %zu is neither 0 nor Tq = %zu",
+                      cfg->positions_bstride, cfg->Tq);
+    if (cfg->key_positions_bstride != 0 && cfg->key_positions_bstride != cfg->Tk)
+        return REJECT(MHA_FIELD_KEY_POSITIONS_BSTRIDE,
+                      "key_positions_bstride = %zu is neither 0 nor Tk = %zu",
+                      cfg->key_positions_bstride, cfg->Tk);
+    return MHA_OK;
 }
 
-mha_status mha_check_config(mha_layout *lay, const mha_config *cfg)
+/* The head counts, head widths and the arrays every call reads; *lay gets
+   the fused widths. */
+static mha_status heads_check(mha_layout *lay, const mha_config *cfg, mha_error *err)
 {
-    if (lay == NULL || cfg == NULL)
-        return MHA_ERR_ARG;
-    const size_t B = cfg->B, Tq = cfg->Tq, Tk = cfg->Tk;
     const size_t H = cfg->H, G = cfg->G;
-
-    if (H == 0 || G == 0 || H % G != 0)
-        return MHA_ERR_ARG;
-    if (cfg->dk == NULL || cfg->dv == NULL || cfg->scale == NULL)
-        return MHA_ERR_ARG;
+    if (H == 0)
+        return REJECT(MHA_FIELD_H, "H = 0: a call needs at least one query head");
+    if (G == 0)
+        return REJECT(MHA_FIELD_G, "G = 0: a call needs at least one key/value head");
+    if (H % G != 0)
+        return REJECT(MHA_FIELD_G, "H = %zu is not a multiple of G = %zu", H, G);
+    if (cfg->dk == NULL)
+        return REJECT(MHA_FIELD_DK, "dk is NULL");
+    if (cfg->dv == NULL)
+        return REJECT(MHA_FIELD_DV, "dv is NULL");
+    if (cfg->scale == NULL)
+        return REJECT(MHA_FIELD_SCALE, "scale is NULL");
     if (cfg->mask_kind != MHA_MASK_NONE && cfg->mask_kind != MHA_MASK_BOOL &&
         cfg->mask_kind != MHA_MASK_ADD)
-        return MHA_ERR_ARG;
+        return REJECT(MHA_FIELD_MASK_KIND,
+                      "mask_kind = %d is not an mha_mask_kind", (int)cfg->mask_kind);
     if (cfg->mask_kind != MHA_MASK_NONE && cfg->mask == NULL)
-        return MHA_ERR_ARG;
+        return REJECT(MHA_FIELD_MASK, "mask is NULL with mask_kind = %d", (int)cfg->mask_kind);
 
     // Fused widths. Each head is at least one column wide.
     size_t Sq = 0, Sk = 0, Sv = 0, Svq = 0;
     for (size_t g = 0; g < G; g++) {
-        if (cfg->dk[g] == 0 || cfg->dv[g] == 0)
-            return MHA_ERR_ARG;
-        if (!add_ok(&Sk, Sk, cfg->dk[g]) || !add_ok(&Sv, Sv, cfg->dv[g]))
-            return MHA_ERR_SIZE;
+        if (cfg->dk[g] == 0)
+            return REJECT(MHA_FIELD_DK,
+                          "dk[%zu] = 0: every head is at least one column wide", g);
+        if (cfg->dv[g] == 0)
+            return REJECT(MHA_FIELD_DV,
+                          "dv[%zu] = 0: every head is at least one column wide", g);
+        if (!add_ok(&Sk, Sk, cfg->dk[g]))
+            return mha_reject(err, MHA_ERR_SIZE, MHA_FIELD_DK,
+                              "the key widths dk[0..%zu] sum past MHA_MAX_ELEMS", g);
+        if (!add_ok(&Sv, Sv, cfg->dv[g]))
+            return mha_reject(err, MHA_ERR_SIZE, MHA_FIELD_DV,
+                              "the value widths dv[0..%zu] sum past MHA_MAX_ELEMS", g);
     }
     const size_t per_kv = H / G;
     for (size_t h = 0; h < H; h++) {
         const size_t g = h / per_kv;
-        if (!add_ok(&Sq, Sq, cfg->dk[g]) || !add_ok(&Svq, Svq, cfg->dv[g]))
-            return MHA_ERR_SIZE;
+        if (!add_ok(&Sq, Sq, cfg->dk[g]))
+            return mha_reject(err, MHA_ERR_SIZE, MHA_FIELD_DK,
+                              "the query width Sq of H = %zu heads is past MHA_MAX_ELEMS", H);
+        if (!add_ok(&Svq, Svq, cfg->dv[g]))
+            return mha_reject(err, MHA_ERR_SIZE, MHA_FIELD_DV,
+                              "the concat width Svq of H = %zu heads is past "
+                              "MHA_MAX_ELEMS", H);
     }
     if (!cfg->has_wo && cfg->Dout != Svq)
-        return MHA_ERR_ARG;
-
-    // Every size used to allocate or index a buffer (element counts).
-    const size_t one = 1;
-    size_t tmp;
-    if (Tq > MHA_MAX_ELEMS || Tk > MHA_MAX_ELEMS || B > MHA_MAX_ELEMS ||
-        cfg->Din > MHA_MAX_ELEMS || cfg->Dkin > MHA_MAX_ELEMS ||
-        cfg->Dvin > MHA_MAX_ELEMS || cfg->Dout > MHA_MAX_ELEMS ||
-        !add_ok(&tmp, H, G) || !mul_ok(&tmp, tmp, 2) ||          // offsets
-        !count_ok(B, Tq, cfg->Din, one) ||                        // x
-        !count_ok(B, Tk, cfg->Dkin, one) ||                       // key
-        !count_ok(B, Tk, cfg->Dvin, one) ||                       // value
-        !count_ok(cfg->Din, Sq, one, one) ||                      // wq
-        !count_ok(cfg->Dkin, Sk, one, one) ||                     // wk
-        !count_ok(cfg->Dvin, Sv, one, one) ||                     // wv
-        !count_ok(Svq, cfg->Dout, one, one) ||                    // wo
-        !count_ok(B, Tq, Sq, one) ||                              // q
-        !count_ok(B, Tk, Sk, one) ||                              // k
-        !count_ok(B, Tk, Sv, one) ||                              // v
-        !count_ok(B, Tq, Svq, one) ||                             // concat
-        !count_ok(B, H, Tq, Tk) ||                                // weights
-        !count_ok(B, H, Tq, one) ||                               // lse
-        !count_ok(B, Tq, cfg->Dout, one))                         // out
-        return MHA_ERR_SIZE;
-
-    if (!variants_ok(cfg) || !transforms_ok(cfg))
-        return MHA_ERR_ARG;
-    if (cfg->key_lengths != NULL) {
-        for (size_t b = 0; b < B; b++) {
-            const int64_t len = cfg->key_lengths[b];
-            if (len < 0 || (uint64_t)len > (uint64_t)Tk)
-                return MHA_ERR_ARG;
-        }
-    }
-
-    lay->Sq = Sq;
-    lay->Sk = Sk;
-    lay->Sv = Sv;
-    lay->Svq = Svq;
+        return REJECT(MHA_FIELD_DOUT, "Dout = %zu is not Svq = %zu, the concat width (no W^O)",
+                      cfg->Dout, Svq);
+    *lay = (mha_layout){.Sq = Sq, .Sk = Sk, .Sv = Sv, .Svq = Svq};
     return MHA_OK;
 }
+
+/* Every size used to allocate or index a buffer (element counts). */
+static mha_status sizes_check(const mha_layout *lay, const mha_config *cfg, mha_error *err)
+{
+    const size_t B = cfg->B, Tq = cfg->Tq, Tk = cfg->Tk, H = cfg->H, G = cfg->G;
+    const size_t Sq = lay->Sq, Sk = lay->Sk, Sv = lay->Sv, Svq = lay->Svq;
+    const struct {
+        size_t n;
+        mha_field field;
+        const char *name;
+    } one[] = {
+        {Tq, MHA_FIELD_TQ, "Tq"}, {Tk, MHA_FIELD_TK, "Tk"}, {B, MHA_FIELD_B, "B"},
+        {cfg->Din, MHA_FIELD_DIN, "Din"}, {cfg->Dkin, MHA_FIELD_DKIN, "Dkin"},
+        {cfg->Dvin, MHA_FIELD_DVIN, "Dvin"}, {cfg->Dout, MHA_FIELD_DOUT, "Dout"},
+    };
+    for (size_t i = 0; i < sizeof one / sizeof one[0]; i++)
+        if (one[i].n > MHA_MAX_ELEMS)
+            return mha_reject(err, MHA_ERR_SIZE, one[i].field,
+                              "%s = %zu is past MHA_MAX_ELEMS", one[i].name, one[i].n);
+    size_t tmp;
+    if (!add_ok(&tmp, H, G) || !mul_ok(&tmp, tmp, 2)) // the head offsets
+        return mha_reject(err, MHA_ERR_SIZE, MHA_FIELD_H,
+                          "2 (H + G) = 2 (%zu + %zu) is past MHA_MAX_ELEMS", H, G);
+    // Each buffer's shape; its field is that of its last axis (mha_field).
+    const struct {
+        size_t d[4];
+        mha_field field;
+        const char *shape;
+    } buf[] = {
+        {{B, Tq, cfg->Din, 1}, MHA_FIELD_DIN, "x (B, Tq, Din)"},
+        {{B, Tk, cfg->Dkin, 1}, MHA_FIELD_DKIN, "key (B, Tk, Dkin)"},
+        {{B, Tk, cfg->Dvin, 1}, MHA_FIELD_DVIN, "value (B, Tk, Dvin)"},
+        {{cfg->Din, Sq, 1, 1}, MHA_FIELD_DK, "wq (Din, Sq)"},
+        {{cfg->Dkin, Sk, 1, 1}, MHA_FIELD_DK, "wk (Dkin, Sk)"},
+        {{cfg->Dvin, Sv, 1, 1}, MHA_FIELD_DV, "wv (Dvin, Sv)"},
+        {{Svq, cfg->Dout, 1, 1}, MHA_FIELD_DOUT, "wo (Svq, Dout)"},
+        {{B, Tq, Sq, 1}, MHA_FIELD_DK, "q (B, Tq, Sq)"},
+        {{B, Tk, Sk, 1}, MHA_FIELD_DK, "k (B, Tk, Sk)"},
+        {{B, Tk, Sv, 1}, MHA_FIELD_DV, "v (B, Tk, Sv)"},
+        {{B, Tq, Svq, 1}, MHA_FIELD_DV, "concat (B, Tq, Svq)"},
+        {{B, H, Tq, Tk}, MHA_FIELD_TK, "weights (B, H, Tq, Tk)"},
+        {{B, H, Tq, 1}, MHA_FIELD_TQ, "lse (B, H, Tq)"},
+        {{B, Tq, cfg->Dout, 1}, MHA_FIELD_DOUT, "out (B, Tq, Dout)"},
+    };
+    for (size_t i = 0; i < sizeof buf / sizeof buf[0]; i++) {
+        const size_t *d = buf[i].d;
+        if (!count_ok(d[0], d[1], d[2], d[3]))
+            return mha_reject(err, MHA_ERR_SIZE, buf[i].field,
+                              "%s = (%zu, %zu, %zu, %zu) holds more than MHA_MAX_ELEMS "
+                              "elements", buf[i].shape, d[0], d[1], d[2], d[3]);
+    }
+    return MHA_OK;
+}
+
+mha_status mha_check_config(mha_layout *lay, const mha_config *cfg, mha_error *err)
+{
+    mha_error_clear(err);
+    if (lay == NULL || cfg == NULL)
+        return REJECT(MHA_FIELD_CALL, "the %s is NULL", cfg == NULL ? "config" : "layout");
+    mha_layout l;
+    mha_status st = heads_check(&l, cfg, err);
+    if (st == MHA_OK)
+        st = sizes_check(&l, cfg, err);
+    if (st == MHA_OK)
+        st = variants_check(cfg, err);
+    if (st == MHA_OK)
+        st = transforms_check(cfg, err);
+    if (st != MHA_OK)
+        return st;
+    if (cfg->key_lengths != NULL) {
+        for (size_t b = 0; b < cfg->B; b++) {
+            const int64_t len = cfg->key_lengths[b];
+            if (len < 0 || (uint64_t)len > (uint64_t)cfg->Tk)
+                return REJECT(MHA_FIELD_KEY_LENGTHS,
+                              "key_lengths[%zu] = %lld is not in [0, Tk = %zu]",
+                              b, (long long)len, cfg->Tk);
+        }
+    }
+    *lay = l;
+    return MHA_OK;
+}
+
+#undef REJECT
 
 /*
  * Column offsets of every head in the fused buffers:

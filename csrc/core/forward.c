@@ -1,9 +1,10 @@
 /*
- * forward.c - the forward pass of multi-head attention (contract in
- * mha.h). The driver is forward_impl.h, once per element type; its passes
- * are numbered there. Pass 2, the attention itself, is the fused tile of
- * the ISA in force (kernels/flash.inc), run by attend() below, which does
- * not depend on the element type.
+ * forward.c - the forward pass of multi-head attention and mha_attend
+ * (contract in mha.h). The driver is forward_impl.h, once per element
+ * type; its passes are numbered there; mha_forward and mha_attend, at the
+ * end, dispatch on the params' element type. Pass 2, the attention
+ * itself, is the fused tile of the ISA in force (kernels/flash.inc), run
+ * by attend() below, which does not depend on the element type.
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -12,6 +13,7 @@
 
 #include "alloc.h"
 #include "attend_fused.h"
+#include "check.h"
 #include "dispatch.h"
 #include "gemm.h"
 #include "kernels.h"
@@ -212,3 +214,15 @@ static mha_status attend(mha_flash_ctx *ctx, const mha_kernels *kern,
 #define MHA_F64 1
 #include "forward_impl.h"
 #undef MHA_F64
+
+/* The entry points (mha.h): the call's checks common to every operation,
+   then the driver of its element type. */
+mha_status mha_forward(const mha_config *cfg, const mha_params *prm, mha_error *err)
+{
+    return mha_call_typed(cfg, prm, err, mha_forward_f32, mha_forward_f64);
+}
+
+mha_status mha_attend(const mha_config *cfg, const mha_params *prm, mha_error *err)
+{
+    return mha_call_typed(cfg, prm, err, mha_attend_f32, mha_attend_f64);
+}

@@ -22,7 +22,7 @@
 #define FWD_ARGS PICK(fwd_args_t_f32, fwd_args_t_f64)
 #define FWD_PLAN PICK(fwd_plan_t_f32, fwd_plan_t_f64)
 
-/* The call's arrays, as mha_forward_<type> takes them (see mha.h). */
+/* The call's arrays, typed, as mha_forward reads them from mha_params. */
 typedef struct {
     REAL *out;                         /* (B, Tq, Dout)                  */
     REAL *weights;                     /* (B, H, Tq, Tk) or NULL         */
@@ -63,23 +63,24 @@ static mha_status PICK(fwd_buffer_f32, fwd_buffer_f64)(REAL **use, REAL **own,
 /* Plans the call: checks it, and allocates every buffer (freed by
    fwd_plan_free whatever happens). */
 static mha_status PICK(fwd_plan_f32, fwd_plan_f64)(FWD_PLAN *p, const FWD_ARGS *a,
-                                                   const mha_config *cfg)
+                                                   const mha_config *cfg, mha_error *err)
 {
     *p = (FWD_PLAN){.cfg = cfg};
-    mha_status st = mha_check_config(&p->lay, cfg);
+    mha_status st = mha_check_config(&p->lay, cfg, err);
     if (st != MHA_OK)
         return st;
     const size_t nq = cfg->B * cfg->Tq, nk = cfg->B * cfg->Tk;
     p->nq = nq;
     p->nk = nk;
     // Required buffers may only be NULL when they hold no element.
-    if ((a->out == NULL && nq * cfg->Dout != 0) ||
-        (a->x == NULL && nq * cfg->Din != 0) ||
-        (a->key == NULL && nk * cfg->Dkin != 0) ||
-        (a->value == NULL && nk * cfg->Dvin != 0) ||
-        (a->wq == NULL && cfg->Din != 0) || (a->wk == NULL && cfg->Dkin != 0) ||
-        (a->wv == NULL && cfg->Dvin != 0) || (cfg->has_wo && a->wo == NULL))
-        return MHA_ERR_ARG;
+    const mha_required req[] = {
+        {a->out, nq * cfg->Dout != 0, "out"},     {a->x, nq * cfg->Din != 0, "x"},
+        {a->key, nk * cfg->Dkin != 0, "key"},     {a->value, nk * cfg->Dvin != 0, "value"},
+        {a->wq, cfg->Din != 0, "wq"},             {a->wk, cfg->Dkin != 0, "wk"},
+        {a->wv, cfg->Dvin != 0, "wv"},            {a->wo, cfg->has_wo, "wo (has_wo = 1)"},
+    };
+    if ((st = mha_check_required(req, sizeof req / sizeof req[0], err)) != MHA_OK)
+        return st;
     const size_t H = cfg->H, G = cfg->G;
     if ((st = mha_scratch((void **)&p->off, 2 * (H + G), sizeof *p->off)) != MHA_OK)
         return st;
@@ -195,19 +196,17 @@ static mha_status PICK(fwd_pass_output_f32, fwd_pass_output_f64)(const FWD_PLAN 
     return MHA_OK;
 }
 
-mha_status PICK(mha_forward_f32, mha_forward_f64)(
-    REAL *out, REAL *weights, REAL *q, REAL *k, REAL *v, REAL *concat,
-    REAL *lse,
-    const REAL *x, const REAL *key, const REAL *value,
-    const REAL *wq, const REAL *wk, const REAL *wv, const REAL *wo,
-    const REAL *bq, const REAL *bk, const REAL *bv, const REAL *bo,
-    const mha_config *cfg)
+/* mha_forward (forward.c) for one element type; prm checked by mha_call_typed. */
+static mha_status PICK(mha_forward_f32, mha_forward_f64)(const mha_config *cfg,
+                                                         const mha_params *prm,
+                                                         mha_error *err)
 {
     // Shapes: see FWD_ARGS above and mha.h.
-    const FWD_ARGS a = {out, weights, q, k, v, concat, lse, x, key, value,
-                        wq, wk, wv, wo, bq, bk, bv, bo};
+    const FWD_ARGS a = {prm->out, prm->weights, prm->q, prm->k, prm->v, prm->concat,
+                        prm->lse, prm->x, prm->key, prm->value, prm->wq, prm->wk,
+                        prm->wv, prm->wo, prm->bq, prm->bk, prm->bv, prm->bo};
     FWD_PLAN p;
-    mha_status st = PICK(fwd_plan_f32, fwd_plan_f64)(&p, &a, cfg);
+    mha_status st = PICK(fwd_plan_f32, fwd_plan_f64)(&p, &a, cfg, err);
     if (st == MHA_OK)
         st = PICK(fwd_pass_project_f32, fwd_pass_project_f64)(&p, &a);
     if (st == MHA_OK)
@@ -302,51 +301,62 @@ static int PICK(attend_extent_ok_f32, attend_extent_ok_f64)(const mha_strides *s
 /* mha_attend's checks: *lc = cfg with the projections' sizes ignored, as
    mha_check_config then checks it; q/k transforms off; every kv head the
    same widths; the buffers there and their extents within bounds. */
-static mha_status PICK(attend_check_f32, attend_check_f64)(
-    mha_config *lc, const void *out, const void *q, const void *k, const void *v,
-    const mha_strides *sq, const mha_strides *sk, const mha_strides *sv,
-    const mha_strides *so, const mha_config *cfg)
+static mha_status PICK(attend_check_f32, attend_check_f64)(mha_config *lc,
+                                                           const mha_params *prm,
+                                                           const mha_config *cfg,
+                                                           mha_error *err)
 {
-    if (cfg == NULL || sq == NULL || sk == NULL || sv == NULL || so == NULL)
-        return MHA_ERR_ARG;
     *lc = *cfg;
     lc->Din = lc->Dkin = lc->Dvin = lc->Dout = 0;
     lc->has_wo = 1;
     mha_layout lay;
-    mha_status st = mha_check_config(&lay, lc);
+    mha_status st = mha_check_config(&lay, lc, err);
     if (st != MHA_OK)
         return st;
-    if (cfg->q_norm != NULL || cfg->k_norm != NULL || cfg->rotary_dim != 0)
-        return MHA_ERR_ARG;
+    if ((st = mha_check_no_qk(cfg, err)) != MHA_OK)
+        return st;
     const size_t dk = cfg->dk[0], dv = cfg->dv[0];
     for (size_t g = 1; g < cfg->G; g++)
         if (cfg->dk[g] != dk || cfg->dv[g] != dv)
-            return MHA_ERR_ARG;
+            return mha_reject(err, MHA_ERR_ARG, cfg->dk[g] != dk ? MHA_FIELD_DK : MHA_FIELD_DV,
+                              "attention alone needs every kv head the same widths: "
+                              "dk[%zu] = %zu, dv[%zu] = %zu, dk[0] = %zu, dv[0] = %zu",
+                              g, cfg->dk[g], g, cfg->dv[g], dk, dv);
     const size_t B = cfg->B, Tq = cfg->Tq, Tk = cfg->Tk, H = cfg->H, G = cfg->G;
-    if ((out == NULL && B * Tq != 0) || (q == NULL && B * Tq != 0) ||
-        ((k == NULL || v == NULL) && B * Tk != 0))
-        return MHA_ERR_ARG;
-    if (!PICK(attend_extent_ok_f32, attend_extent_ok_f64)(sq, B, H, Tq, dk) ||
-        !PICK(attend_extent_ok_f32, attend_extent_ok_f64)(so, B, H, Tq, dv) ||
-        !PICK(attend_extent_ok_f32, attend_extent_ok_f64)(sk, B, G, Tk, dk) ||
-        !PICK(attend_extent_ok_f32, attend_extent_ok_f64)(sv, B, G, Tk, dv))
-        return MHA_ERR_SIZE;
+    const mha_required req[] = {
+        {prm->out, B * Tq != 0, "out"}, {prm->q, B * Tq != 0, "q"},
+        {prm->k, B * Tk != 0, "k"},     {prm->v, B * Tk != 0, "v"},
+    };
+    if ((st = mha_check_required(req, sizeof req / sizeof req[0], err)) != MHA_OK)
+        return st;
+    const struct {
+        const mha_strides *st;
+        size_t n, T, d;
+        const char *name;
+    } ext[] = {{&prm->sq, H, Tq, dk, "q"}, {&prm->so, H, Tq, dv, "out"},
+               {&prm->sk, G, Tk, dk, "k"}, {&prm->sv, G, Tk, dv, "v"}};
+    for (size_t i = 0; i < sizeof ext / sizeof ext[0]; i++)
+        if (!PICK(attend_extent_ok_f32, attend_extent_ok_f64)(ext[i].st, B, ext[i].n, ext[i].T,
+                                                               ext[i].d))
+            return mha_reject(err, MHA_ERR_SIZE, MHA_FIELD_PARAMS,
+                              "%s at strides (sb, sh, st) = (%zu, %zu, %zu) reaches past "
+                              "MHA_MAX_ELEMS", ext[i].name, ext[i].st->sb, ext[i].st->sh,
+                              ext[i].st->st);
     return MHA_OK;
 }
 
-mha_status PICK(mha_attend_f32, mha_attend_f64)(REAL *out, REAL *weights, REAL *lse,
-                                                const REAL *q, const REAL *k,
-                                                const REAL *v, const mha_strides *sq,
-                                                const mha_strides *sk,
-                                                const mha_strides *sv,
-                                                const mha_strides *so,
-                                                const mha_config *cfg)
+/* mha_attend (forward.c) for one element type; prm checked by mha_call_typed. */
+static mha_status PICK(mha_attend_f32, mha_attend_f64)(const mha_config *cfg,
+                                                       const mha_params *prm,
+                                                       mha_error *err)
 {
-    // out (B, H, Tq, dv) at *so; weights (B, H, Tq, Tk), lse (B, H, Tq)
-    // contiguous; q (B, H, Tq, dk) at *sq; k, v (B, G, Tk, dk | dv) at *sk, *sv.
+    // out (B, H, Tq, dv) at so; weights (B, H, Tq, Tk), lse (B, H, Tq)
+    // contiguous; q (B, H, Tq, dk) at sq; k, v (B, G, Tk, dk | dv) at sk, sv.
+    REAL *out = prm->out, *weights = prm->weights, *lse = prm->lse;
+    const REAL *q = prm->q, *k = prm->k, *v = prm->v;
+    const mha_strides *sq = &prm->sq, *sk = &prm->sk, *sv = &prm->sv, *so = &prm->so;
     mha_config lc;
-    mha_status st = PICK(attend_check_f32, attend_check_f64)(&lc, out, q, k, v, sq, sk,
-                                                             sv, so, cfg);
+    mha_status st = PICK(attend_check_f32, attend_check_f64)(&lc, prm, cfg, err);
     if (st != MHA_OK)
         return st;
     const size_t H = lc.H, G = lc.G;
@@ -382,7 +392,7 @@ mha_status PICK(mha_attend_fused_f32, mha_attend_fused_f64)(REAL *cat, REAL *lse
 {
     // cat (B, Tq, Svq), lse (B, H, Tq); q (B, Tq, Sq), k (B, Tk, Sk), v (B, Tk, Sv).
     mha_layout lay;
-    mha_status st = mha_check_config(&lay, cfg);
+    mha_status st = mha_check_config(&lay, cfg, NULL);
     if (st != MHA_OK)
         return st;
     if (mha_qk_active(cfg, 0) || mha_qk_active(cfg, 1))

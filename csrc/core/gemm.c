@@ -109,6 +109,19 @@ static mha_status gemm_check(size_t elem, const void *C, size_t ldc,
 #include "gemm_impl.h"
 #undef MHA_F64
 
+mha_status mha_pack_weight(mha_packed *p, const void *w, size_t ldw, size_t K, size_t N,
+                           mha_dtype dtype)
+{
+    if (p == NULL)
+        return MHA_ERR_ARG;
+    if (dtype != MHA_DTYPE_F32 && dtype != MHA_DTYPE_F64) {
+        *p = (mha_packed){0};
+        return MHA_ERR_ARG;
+    }
+    return dtype == MHA_DTYPE_F64 ? mha_pack_weight_f64(p, w, ldw, K, N)
+                                  : mha_pack_weight_f32(p, w, ldw, K, N);
+}
+
 void mha_packed_free(mha_packed *p)
 {
     if (p == NULL)

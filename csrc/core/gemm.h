@@ -55,7 +55,7 @@ mha_status mha_gemm_f64(double *C, size_t ldc, const double *A, size_t lda,
                         const double *bias, size_t M, size_t N, size_t K,
                         int accumulate);
 
-/* The same with B's panels prepacked by mha_pack_weight_* (mha.h): pb, when
+/* The same with B's panels prepacked by mha_pack_weight (mha.h): pb, when
    it was packed from this (K, N) B for the ISA in force and this type,
    replaces packing B (pb NULL, or any other, is ignored: B is packed as
    usual). The bits are the same either way: the panels are. B itself is

@@ -260,7 +260,7 @@ static void gemm_small(REAL *C, size_t ldc, const REAL *A, size_t lda, int trans
     }
 }
 
-/* 5. Prepacked B (mha_pack_weight_*, mha.h): op(B) (K, N) packed once, as
+/* 5. Prepacked B (mha_pack_weight, mha.h): op(B) (K, N) packed once, as
    the loop of section 7 packs it on every call. Column block jc (bk->nc
    wide, the last one narrower) holds, for each K block in order, its np
    panels of (kc, NR); as bk->nc is a multiple of NR, block jc starts at
@@ -300,7 +300,9 @@ static void gemm_pack_all(REAL *dst, const mha_gemm_blocking *bk, const REAL *B,
     }
 }
 
-mha_status mha_pack_weight(mha_packed *p, const REAL *w, size_t ldw, size_t K, size_t N)
+/* mha_pack_weight (gemm.c) for one element type. */
+static mha_status mha_pack_weight(mha_packed *p, const REAL *w, size_t ldw, size_t K,
+                                  size_t N)
 {
     *p = (mha_packed){.K = K, .N = N, .isa = (int)mha_get_isa(), .f64 = MHA_F64};
     mha_status st = check_matrix(w, ldw, K, N, sizeof(REAL));

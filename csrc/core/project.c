@@ -11,6 +11,7 @@
 #include <stdlib.h>
 
 #include "alloc.h"
+#include "check.h"
 #include "gemm.h"
 #include "kernels.h"
 #include "mha.h"
@@ -24,3 +25,9 @@
 #define MHA_F64 1
 #include "project_impl.h"
 #undef MHA_F64
+
+/* The entry point (mha.h): the call's checks, then the element type's. */
+mha_status mha_project(const mha_config *cfg, const mha_params *prm, mha_error *err)
+{
+    return mha_call_typed(cfg, prm, err, mha_project_f32, mha_project_f64);
+}

@@ -18,16 +18,20 @@
 #endif
 #include "dtype.h"
 
-mha_status PICK(mha_project_f32, mha_project_f64)(
-    REAL *q, REAL *k, REAL *v, const REAL *x, const REAL *key, const REAL *value,
-    const REAL *wq, const REAL *wk, const REAL *wv, const REAL *bq, const REAL *bk,
-    const REAL *bv, const mha_config *cfg)
+/* mha_project (project.c) for one element type; prm checked by mha_call_typed. */
+static mha_status PICK(mha_project_f32, mha_project_f64)(const mha_config *cfg,
+                                                         const mha_params *prm,
+                                                         mha_error *err)
 {
     // q (B, Tq, Sq), k (B, Tk, Sk), v (B, Tk, Sv); x (B, Tq, Din),
     // key (B, Tk, Dkin), value (B, Tk, Dvin); wq (Din, Sq), wk (Dkin, Sk),
     // wv (Dvin, Sv); bq (Sq,), bk (Sk,), bv (Sv,) or NULL.
+    REAL *q = prm->q, *k = prm->k, *v = prm->v;
+    const REAL *x = prm->x, *key = prm->key, *value = prm->value;
+    const REAL *wq = prm->wq, *wk = prm->wk, *wv = prm->wv;
+    const REAL *bq = prm->bq, *bk = prm->bk, *bv = prm->bv;
     mha_layout lay;
-    mha_status st = mha_check_config(&lay, cfg);
+    mha_status st = mha_check_config(&lay, cfg, err);
     if (st != MHA_OK)
         return st;
     const REAL *input[3] = {x, key, value}, *w[3] = {wq, wk, wv}, *bias[3] = {bq, bk, bv};
@@ -35,13 +39,18 @@ mha_status PICK(mha_project_f32, mha_project_f64)(
     const size_t rows[3] = {cfg->B * cfg->Tq, cfg->B * cfg->Tk, cfg->B * cfg->Tk};
     const size_t d_in[3] = {cfg->Din, cfg->Dkin, cfg->Dvin};
     const size_t S[3] = {lay.Sq, lay.Sk, lay.Sv};
+    static const char *const in_name[3] = {"x", "key", "value"};
+    static const char *const w_name[3] = {"wq", "wk", "wv"};
     const int qk_on = mha_qk_active(cfg, 0) || mha_qk_active(cfg, 1);
     int need[3];
     for (int r = 0; r < 3; r++) {
         need[r] = dst[r] != NULL || (r < 2 && qk_on && (q != NULL || k != NULL));
-        if (need[r] && ((input[r] == NULL && rows[r] * d_in[r] != 0) ||
-                        (w[r] == NULL && d_in[r] != 0)))
-            return MHA_ERR_ARG;
+        const mha_required req[2] = {
+            {input[r], need[r] && rows[r] * d_in[r] != 0, in_name[r]},
+            {w[r], need[r] && d_in[r] != 0, w_name[r]},
+        };
+        if ((st = mha_check_required(req, 2, err)) != MHA_OK)
+            return st;
     }
     // raw[r]: where projection r goes; scratch[r] holds what is ours of
     // it, scratch[3 + r] an unwanted side's transformed copy.

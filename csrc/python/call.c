@@ -10,9 +10,15 @@
 #include <string.h>
 #include "platform.h"
 
-/* Turns a core status into a Python exception. */
-void raise_status(mha_status st)
+/* Turns a core status into a Python exception: MHA_ERR_ARG with the
+   core's message (err, which may be NULL or empty) is the ValueError of
+   that message, which names the rule and the values seen. */
+void raise_status(mha_status st, const mha_error *err)
 {
+    if (st == MHA_ERR_ARG && err != NULL && err->msg[0] != '\0') {
+        PyErr_Format(PyExc_ValueError, "mhattn: %s", err->msg);
+        return;
+    }
     switch (st) {
     case MHA_ERR_NOMEM:
         PyErr_NoMemory();
@@ -138,6 +144,7 @@ static void call_init(call *c)
     c->widths = NULL;
     c->scales = NULL;
     c->lengths = NULL;
+    c->err.msg[0] = '\0';   /* read only after a status of MHA_ERR_ARG */
 }
 
 static void call_release(call *c)
@@ -231,7 +238,7 @@ int make_outputs(call *c, int nout, const shape *shapes, const int *want)
  * signal, and the handler runs once the call is over. -1 with an exception
  * set on failure.
  */
-static int run_core(call *c, mha_status (*core)(const call *), int main_thread)
+static int run_core(call *c, mha_status (*core)(call *), int main_thread)
 {
     mha_status st;
     int again;
@@ -263,7 +270,7 @@ static int run_core(call *c, mha_status (*core)(const call *), int main_thread)
     if (polled && !main_thread && PyErr_CheckSignals() < 0)
         return -1;
     if (st != MHA_OK) {
-        raise_status(st);
+        raise_status(st, &c->err);
         return -1;
     }
     return 0;

@@ -149,6 +149,7 @@ typedef struct {
     PyArrayObject *var[V_N];
     mha_config cfg;               /* borrows widths, scales, mask, lengths,
                                      var */
+    mha_error err;                /* the core step's rejection, if any */
 } call;
 
 typedef struct call_spec call_spec;
@@ -185,7 +186,7 @@ struct call_spec {
     int (*finish)(call *c);   /* once the config is checked */
     int (*outputs)(call *c);
     double (*work)(const call *c);   /* multiply-adds, for MHA_SMALL_WORK */
-    mha_status (*core)(const call *c);
+    mha_status (*core)(call *c);       /* its errors in c->err */
     PyObject *(*result)(call *c);
 };
 
@@ -285,16 +286,16 @@ PyObject *call_fast(const call_spec *sp, PyObject *const *argv, Py_ssize_t nargs
 PyObject *call_tuple(const call_spec *sp, PyObject *args, PyObject *kwds);
 int make_outputs(call *c, int nout, const shape *shapes, const int *want);
 PyObject *arrays_tuple(PyArrayObject *const *a, int n);
-void raise_status(mha_status st);
+void raise_status(mha_status st, const mha_error *err);
 int sigint_setup(void);
 
 /* ---- core_calls.c: every call into the core ------------------------------ */
 int check_config(const mha_config *cfg);
-mha_status forward_core(const call *c);
-mha_status backward_core(const call *c);
-mha_status project_core(const call *c);
-mha_status attention_core(const call *c);
-mha_status attention_backward_core(const call *c);
+mha_status forward_core(call *c);
+mha_status backward_core(call *c);
+mha_status project_core(call *c);
+mha_status attention_core(call *c);
+mha_status attention_backward_core(call *c);
 PyObject *pack_core(PyArrayObject *w);
 
 /* ---- packed.c ------------------------------------------------------------- */

@@ -1,5 +1,5 @@
 /*
- * test_attend.c - mha_attend_f32 / _f64 (issue 17): attention on tensors
+ * test_attend.c - mha_attend (issue 17): attention on tensors
  * already projected, read at any strides, with lengths_aligned and the
  * split-K decode path.
  *
@@ -186,8 +186,11 @@ static mha_status run_attend(const prob *P, int f64, int want_w, double *out,
     mha_status st;
     if (f64) {
         c.sinks = P->sp.sinks ? P->sinks : NULL;
-        return mha_attend_f64(out, want_w ? w : NULL, lse, P->q, P->k, P->v, &P->sq,
-                              &P->sk, &P->sv, &P->so, &c);
+        const mha_params prm = {.dtype = MHA_DTYPE_F64, .out = out,
+                                .weights = want_w ? w : NULL, .lse = lse, .q = P->q,
+                                .k = P->k, .v = P->v, .sq = P->sq, .sk = P->sk,
+                                .sv = P->sv, .so = P->so};
+        return mha_attend(&c, &prm, NULL);
     }
     c.sinks = P->sp.sinks ? P->sinks_f : NULL;
     float *qf = to_f(P->q, P->nq), *kf = to_f(P->k, P->nk), *vf = to_f(P->v, P->nv);
@@ -198,8 +201,10 @@ static mha_status run_attend(const prob *P, int f64, int want_w, double *out,
         maskf = to_f(P->maskd, nw);
         c.mask = maskf;
     }
-    st = mha_attend_f32(of, want_w ? wf : NULL, lf, qf, kf, vf, &P->sq, &P->sk,
-                        &P->sv, &P->so, &c);
+    const mha_params prm = {.dtype = MHA_DTYPE_F32, .out = of, .weights = want_w ? wf : NULL,
+                            .lse = lf, .q = qf, .k = kf, .v = vf, .sq = P->sq, .sk = P->sk,
+                            .sv = P->sv, .so = P->so};
+    st = mha_attend(&c, &prm, NULL);
     for (size_t i = 0; i < P->no; i++)
         out[i] = of[i];
     for (size_t i = 0; i < nw && want_w; i++)
@@ -317,7 +322,7 @@ static const spec k_cases[] = {
      .mask_kind = MHA_MASK_BOOL, .key_lengths = 1},
 };
 
-/* The refusals of mha_attend. */
+/* The refusals of mha_attend, each with its field (mha_error). */
 static void test_refusals(void)
 {
     const spec sp = {"refusals", BASE};
@@ -326,38 +331,52 @@ static void test_refusals(void)
     double *o = xcalloc(P.no, 8), *l = xcalloc(64 * 64, 8);
     mha_config c = P.cfg;
     double qn[19];
+    mha_error err;
+    const mha_params good = {.dtype = MHA_DTYPE_F64, .out = o, .lse = l, .q = P.q, .k = P.k,
+                             .v = P.v, .sq = P.sq, .sk = P.sk, .sv = P.sv, .so = P.so};
+    mha_params prm = good;
+#define REFUSED(status, fid, what)                                                        \
+    CHECK(mha_attend(&c, &prm, &err) == (status) && err.field == (fid), "%s (%s)", what,  \
+          err.msg)
     c.q_norm = qn;
-    CHECK(mha_attend_f64(o, NULL, l, P.q, P.k, P.v, &P.sq, &P.sk, &P.sv, &P.so, &c) ==
-          MHA_ERR_ARG, "q_norm accepted");
+    REFUSED(MHA_ERR_ARG, MHA_FIELD_Q_NORM, "q_norm accepted");
     c = P.cfg;
     c.rotary_dim = 2;
-    CHECK(mha_attend_f64(o, NULL, l, P.q, P.k, P.v, &P.sq, &P.sk, &P.sv, &P.so, &c) ==
-          MHA_ERR_ARG, "rotary_dim accepted");
+    c.inv_freq = qn;
+    REFUSED(MHA_ERR_ARG, MHA_FIELD_ROTARY_DIM, "rotary_dim accepted");
     c = P.cfg;
-    CHECK(mha_attend_f64(o, NULL, l, NULL, P.k, P.v, &P.sq, &P.sk, &P.sv, &P.so, &c) ==
-          MHA_ERR_ARG, "NULL q accepted");
-    CHECK(mha_attend_f64(NULL, NULL, l, P.q, P.k, P.v, &P.sq, &P.sk, &P.sv, &P.so, &c) ==
-          MHA_ERR_ARG, "NULL out accepted");
-    CHECK(mha_attend_f64(o, NULL, l, P.q, P.k, P.v, NULL, &P.sk, &P.sv, &P.so, &c) ==
-          MHA_ERR_ARG, "NULL strides accepted");
+    prm.q = NULL;
+    REFUSED(MHA_ERR_ARG, MHA_FIELD_PARAMS, "NULL q accepted");
+    prm = good;
+    prm.out = NULL;
+    REFUSED(MHA_ERR_ARG, MHA_FIELD_PARAMS, "NULL out accepted");
+    prm = good;
+    CHECK(mha_attend(&c, NULL, &err) == MHA_ERR_ARG && err.field == MHA_FIELD_CALL,
+          "NULL params accepted");
     size_t dkr[2] = {19, 20};
     c.dk = dkr;
-    CHECK(mha_attend_f64(o, NULL, l, P.q, P.k, P.v, &P.sq, &P.sk, &P.sv, &P.so, &c) ==
-          MHA_ERR_ARG, "ragged heads accepted");
+    REFUSED(MHA_ERR_ARG, MHA_FIELD_DK, "ragged heads accepted");
     c = P.cfg;
-    mha_strides huge = {SIZE_MAX / 2, 1, 1};
-    CHECK(mha_attend_f64(o, NULL, l, P.q, P.k, P.v, &huge, &P.sk, &P.sv, &P.so, &c) ==
-          MHA_ERR_SIZE, "overflowing strides accepted");
+    prm.sq = (mha_strides){SIZE_MAX / 2, 1, 1};
+    REFUSED(MHA_ERR_SIZE, MHA_FIELD_PARAMS, "overflowing strides accepted");
+    prm = good;
+    REFUSED(MHA_OK, MHA_FIELD_NONE, "the good call refused");
     prob_free(&P);
     const spec pk = {"packed aligned", .B = 1, .Tq = 4, .Tk = 4, .H = 1, .G = 1,
                      .dk = 4, .dv = 4, .nseq = 1, .cu_q = {0, 4}, .cu_k = {0, 4},
                      .aligned = 1};
     prob_init(&P, &pk);
     mha_layout lay;
-    CHECK(mha_check_config(&lay, &P.cfg) == MHA_ERR_ARG,
-          "lengths_aligned with packed sequences accepted");
-    CHECK(mha_attend_f64(o, NULL, l, P.q, P.k, P.v, &P.sq, &P.sk, &P.sv, &P.so,
-                         &P.cfg) == MHA_ERR_ARG, "attend: packed + aligned accepted");
+    c = P.cfg;
+    c.has_wo = 1; // mha_attend ignores it; mha_check_config would reject Dout != Svq
+    CHECK(mha_check_config(&lay, &c, &err) == MHA_ERR_ARG &&
+              err.field == MHA_FIELD_LENGTHS_ALIGNED,
+          "lengths_aligned with packed sequences accepted (%d: %s)", (int)err.field, err.msg);
+    c = P.cfg;
+    prm = (mha_params){.dtype = MHA_DTYPE_F64, .out = o, .lse = l, .q = P.q, .k = P.k,
+                       .v = P.v, .sq = P.sq, .sk = P.sk, .sv = P.sv, .so = P.so};
+    REFUSED(MHA_ERR_ARG, MHA_FIELD_LENGTHS_ALIGNED, "attend: packed + aligned accepted");
+#undef REFUSED
     prob_free(&P);
     free(o), free(l);
 }

@@ -223,8 +223,10 @@ static mha_status run_fwd(const prob *P, int f64, fwd_res *o)
     mha_status st;
     if (f64) {
         cfg.sinks = P->sp.sinks ? P->sinks : NULL;
-        st = mha_forward_f64(o->out, NULL, NULL, NULL, NULL, NULL, o->lse, P->q, P->k, P->v,
-                             wq, wk, wv, NULL, NULL, NULL, NULL, NULL, &cfg);
+        const mha_params prm = {.dtype = MHA_DTYPE_F64, .out = o->out, .lse = o->lse,
+                                .x = P->q, .key = P->k, .value = P->v, .wq = wq, .wk = wk,
+                                .wv = wv};
+        st = mha_forward(&cfg, &prm, NULL);
     } else {
         float *q = to_f(P->q, P->nq * P->Sq), *k = to_f(P->k, P->nk * P->Sk);
         float *v = to_f(P->v, P->nk * P->Sv), *fwq = to_f(wq, P->Sq * P->Sq);
@@ -234,8 +236,9 @@ static mha_status run_fwd(const prob *P, int f64, fwd_res *o)
         if (cfg.mask_kind == MHA_MASK_ADD)
             cfg.mask = maskd;
         cfg.sinks = P->sp.sinks ? sinks : NULL;
-        st = mha_forward_f32(out, NULL, NULL, NULL, NULL, NULL, lse, q, k, v, fwq, fwk, fwv,
-                             NULL, NULL, NULL, NULL, NULL, &cfg);
+        const mha_params prm = {.dtype = MHA_DTYPE_F32, .out = out, .lse = lse, .x = q,
+                                .key = k, .value = v, .wq = fwq, .wk = fwk, .wv = fwv};
+        st = mha_forward(&cfg, &prm, NULL);
         from_f(o->out, out, P->nq * P->Svq);
         from_f(o->lse, lse, P->sp.B * P->sp.H * P->sp.Tq);
         free(q), free(k), free(v), free(fwq), free(fwk), free(fwv), free(maskd);
@@ -248,13 +251,18 @@ static mha_status run_fwd(const prob *P, int f64, fwd_res *o)
 static mha_status call_bwd_f64(const prob *P, int mode, const fwd_res *o, double *const g[4],
                                mha_config *cfg)
 {
-    if (mode == 0)
-        return mha_attend_backward_f64(g[0], g[1], g[2], g[3], P->R, P->q, P->k, P->v, o->out,
-                                       o->lse, cfg);
+    if (mode == 0) {
+        const mha_params prm = {.dtype = MHA_DTYPE_F64, .dq = g[0], .dk = g[1], .dv = g[2],
+                                .dsinks = g[3], .dout = P->R, .q = P->q, .k = P->k,
+                                .v = P->v, .out = o->out, .lse = o->lse};
+        return mha_attend_backward(cfg, &prm, NULL);
+    }
     double *wq = identity(P->Sq), *wk = identity(P->Sk), *wv = identity(P->Sv);
-    const mha_status st = mha_backward_f64(
-        g[0], g[1], g[2], NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, g[3], NULL, NULL,
-        P->R, P->q, P->k, P->v, wq, wk, wv, NULL, P->q, P->k, P->v, o->out, o->lse, cfg);
+    const mha_params prm = {.dtype = MHA_DTYPE_F64, .dx = g[0], .dkey = g[1], .dvalue = g[2],
+                            .dsinks = g[3], .dout = P->R, .x = P->q, .key = P->k,
+                            .value = P->v, .wq = wq, .wk = wk, .wv = wv, .q = P->q,
+                            .k = P->k, .v = P->v, .concat = o->out, .lse = o->lse};
+    const mha_status st = mha_backward(cfg, &prm, NULL);
     free(wq), free(wk), free(wv);
     return st;
 }
@@ -272,14 +280,19 @@ static mha_status call_bwd_f32(const prob *P, int mode, const fwd_res *o, float 
     cfg->sinks = P->sp.sinks ? sinks : NULL;
     mha_status st;
     if (mode == 0) {
-        st = mha_attend_backward_f32(g[0], g[1], g[2], g[3], R, q, k, v, out, lse, cfg);
+        const mha_params prm = {.dtype = MHA_DTYPE_F32, .dq = g[0], .dk = g[1], .dv = g[2],
+                                .dsinks = g[3], .dout = R, .q = q, .k = k, .v = v,
+                                .out = out, .lse = lse};
+        st = mha_attend_backward(cfg, &prm, NULL);
     } else {
         double *wqd = identity(P->Sq), *wkd = identity(P->Sk), *wvd = identity(P->Sv);
         float *wq = to_f(wqd, P->Sq * P->Sq), *wk = to_f(wkd, P->Sk * P->Sk);
         float *wv = to_f(wvd, P->Sv * P->Sv);
-        st = mha_backward_f32(g[0], g[1], g[2], NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
-                              g[3], NULL, NULL, R, q, k, v, wq, wk, wv, NULL, q, k, v, out, lse,
-                              cfg);
+        const mha_params prm = {.dtype = MHA_DTYPE_F32, .dx = g[0], .dkey = g[1],
+                                .dvalue = g[2], .dsinks = g[3], .dout = R, .x = q, .key = k,
+                                .value = v, .wq = wq, .wk = wk, .wv = wv, .q = q, .k = k,
+                                .v = v, .concat = out, .lse = lse};
+        st = mha_backward(cfg, &prm, NULL);
         free(wqd), free(wkd), free(wvd), free(wq), free(wk), free(wv);
     }
     free(q), free(k), free(v), free(R), free(out), free(lse), free(maskd), free(sinks);
@@ -469,21 +482,26 @@ static void test_errors(void)
     grads_alloc(&G, &P);
     double lse[10] = {0}, out[5 * 8] = {0}, normw[4] = {1, 1, 1, 1}, inv[2] = {1, 0.1};
     mha_config cfg = P.cfg;
+    mha_error err;
+    mha_params prm = {.dtype = MHA_DTYPE_F64, .dq = G.g[0], .dk = G.g[1], .dv = G.g[2],
+                      .dout = P.R, .q = P.q, .k = P.k, .v = P.v, .out = out, .lse = lse};
     cfg.q_norm = normw;
-    CHECK(mha_attend_backward_f64(G.g[0], G.g[1], G.g[2], NULL, P.R, P.q, P.k, P.v, out, lse,
-                                  &cfg) == MHA_ERR_ARG, "q_norm accepted");
+    CHECK(mha_attend_backward(&cfg, &prm, &err) == MHA_ERR_ARG &&
+              err.field == MHA_FIELD_Q_NORM, "q_norm accepted (%s)", err.msg);
     cfg = P.cfg;
     cfg.k_norm = normw;
-    CHECK(mha_attend_backward_f64(G.g[0], G.g[1], G.g[2], NULL, P.R, P.q, P.k, P.v, out, lse,
-                                  &cfg) == MHA_ERR_ARG, "k_norm accepted");
+    CHECK(mha_attend_backward(&cfg, &prm, &err) == MHA_ERR_ARG &&
+              err.field == MHA_FIELD_K_NORM, "k_norm accepted (%s)", err.msg);
     cfg = P.cfg;
     cfg.rotary_dim = 2, cfg.inv_freq = inv;
-    CHECK(mha_attend_backward_f64(G.g[0], G.g[1], G.g[2], NULL, P.R, P.q, P.k, P.v, out, lse,
-                                  &cfg) == MHA_ERR_ARG, "RoPE accepted");
-    CHECK(mha_attend_backward_f64(G.g[0], G.g[1], G.g[2], NULL, P.R, NULL, P.k, P.v, out, lse,
-                                  &P.cfg) == MHA_ERR_ARG, "q NULL accepted");
-    CHECK(mha_attend_backward_f64(NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
-                                  &P.cfg) == MHA_OK, "nothing wanted");
+    CHECK(mha_attend_backward(&cfg, &prm, &err) == MHA_ERR_ARG &&
+              err.field == MHA_FIELD_ROTARY_DIM, "RoPE accepted (%s)", err.msg);
+    prm.q = NULL;
+    CHECK(mha_attend_backward(&P.cfg, &prm, &err) == MHA_ERR_ARG &&
+              err.field == MHA_FIELD_PARAMS && strstr(err.msg, "q is NULL") != NULL,
+          "q NULL accepted (%s)", err.msg);
+    CHECK(mha_attend_backward(&P.cfg, &(mha_params){.dtype = MHA_DTYPE_F64}, &err) == MHA_OK &&
+              err.field == MHA_FIELD_NONE, "nothing wanted");
     grads_free(&G);
     prob_free(&P);
 }
@@ -649,9 +667,12 @@ static void ref_transform(double *y, size_t rows, size_t T, size_t nh, size_t dk
 
 static mha_status project_f(const pprob *P, int f64, double *q, double *k, double *v)
 {
-    if (f64)
-        return mha_project_f64(q, k, v, P->x, P->key, P->value, P->wq, P->wk, P->wv, P->bq,
-                               P->bk, P->bv, &P->cfg);
+    if (f64) {
+        const mha_params prm = {.dtype = MHA_DTYPE_F64, .q = q, .k = k, .v = v, .x = P->x,
+                                .key = P->key, .value = P->value, .wq = P->wq, .wk = P->wk,
+                                .wv = P->wv, .bq = P->bq, .bk = P->bk, .bv = P->bv};
+        return mha_project(&P->cfg, &prm, NULL);
+    }
     const mha_config *c = &P->cfg;
     mha_config cfg = *c;
     float *x = to_f(P->x, P->nq * c->Din), *key = to_f(P->key, P->nk * c->Dkin);
@@ -662,8 +683,10 @@ static mha_status project_f(const pprob *P, int f64, double *q, double *k, doubl
     float *qf = to_f(NULL, P->nq * P->Sq), *kf = to_f(NULL, P->nk * P->Sk);
     float *vf = to_f(NULL, P->nk * P->Sv);
     cfg.q_norm = c->q_norm ? qn : NULL, cfg.k_norm = c->k_norm ? kn : NULL;
-    const mha_status st = mha_project_f32(q ? qf : NULL, k ? kf : NULL, v ? vf : NULL, x,
-                                          key, value, wq, wk, wv, bq, bk, bv, &cfg);
+    const mha_params prm = {.dtype = MHA_DTYPE_F32, .q = q ? qf : NULL, .k = k ? kf : NULL,
+                            .v = v ? vf : NULL, .x = x, .key = key, .value = value, .wq = wq,
+                            .wk = wk, .wv = wv, .bq = bq, .bk = bk, .bv = bv};
+    const mha_status st = mha_project(&cfg, &prm, NULL);
     from_f(q, qf, P->nq * P->Sq), from_f(k, kf, P->nk * P->Sk), from_f(v, vf, P->nk * P->Sv);
     free(x), free(key), free(value), free(wq), free(wk), free(wv), free(bq), free(bk);
     free(bv), free(qn), free(kn), free(qf), free(kf), free(vf);
@@ -677,8 +700,11 @@ static mha_status forward_kept(const pprob *P, int f64, double *q, double *k, do
     double *out = xcalloc(P->nq * c->Dout, sizeof(double));
     mha_status st;
     if (f64) {
-        st = mha_forward_f64(out, NULL, q, k, v, NULL, NULL, P->x, P->key, P->value, P->wq,
-                             P->wk, P->wv, NULL, P->bq, P->bk, P->bv, NULL, c);
+        const mha_params prm = {.dtype = MHA_DTYPE_F64, .out = out, .q = q, .k = k, .v = v,
+                                .x = P->x, .key = P->key, .value = P->value, .wq = P->wq,
+                                .wk = P->wk, .wv = P->wv, .bq = P->bq, .bk = P->bk,
+                                .bv = P->bv};
+        st = mha_forward(c, &prm, NULL);
     } else {
         float *x = to_f(P->x, P->nq * c->Din), *key = to_f(P->key, P->nk * c->Dkin);
         float *value = to_f(P->value, P->nk * c->Dvin), *wq = to_f(P->wq, c->Din * P->Sq);
@@ -686,8 +712,10 @@ static mha_status forward_kept(const pprob *P, int f64, double *q, double *k, do
         float *bq = to_f(P->bq, P->Sq), *bk = to_f(P->bk, P->Sk), *bv = to_f(P->bv, P->Sv);
         float *of = to_f(NULL, P->nq * c->Dout), *qf = to_f(NULL, P->nq * P->Sq);
         float *kf = to_f(NULL, P->nk * P->Sk), *vf = to_f(NULL, P->nk * P->Sv);
-        st = mha_forward_f32(of, NULL, qf, kf, vf, NULL, NULL, x, key, value, wq, wk, wv, NULL,
-                             bq, bk, bv, NULL, c);
+        const mha_params prm = {.dtype = MHA_DTYPE_F32, .out = of, .q = qf, .k = kf, .v = vf,
+                                .x = x, .key = key, .value = value, .wq = wq, .wk = wk,
+                                .wv = wv, .bq = bq, .bk = bk, .bv = bv};
+        st = mha_forward(c, &prm, NULL);
         from_f(q, qf, P->nq * P->Sq), from_f(k, kf, P->nk * P->Sk);
         from_f(v, vf, P->nk * P->Sv);
         free(x), free(key), free(value), free(wq), free(wk), free(wv), free(bq), free(bk);
@@ -740,8 +768,12 @@ static void test_project(void)
                 CHECK(memcmp(one[t], got[t], n[t] * sizeof(double)) == 0,
                       "project mode %d f%d: output %d alone differs", mode, f64 ? 64 : 32, t);
             }
-            CHECK(mha_project_f64(got[0], NULL, NULL, NULL, P.key, P.value, P.wq, P.wk, P.wv,
-                                  NULL, NULL, NULL, &P.cfg) == MHA_ERR_ARG, "x NULL accepted");
+            mha_error err;
+            const mha_params bad = {.dtype = MHA_DTYPE_F64, .q = got[0], .key = P.key,
+                                    .value = P.value, .wq = P.wq, .wk = P.wk, .wv = P.wv};
+            CHECK(mha_project(&P.cfg, &bad, &err) == MHA_ERR_ARG &&
+                      err.field == MHA_FIELD_PARAMS && strstr(err.msg, "x is NULL") != NULL,
+                  "x NULL accepted (%s)", err.msg);
             for (int t = 0; t < 3; t++)
                 free(got[t]), free(want[t]), free(one[t]);
             pprob_free(&P);

@@ -68,6 +68,9 @@ static const int k_threads[] = {1, 2, 3, 8};
 /* GEMM correctness, one template for float and double                 */
 /* ------------------------------------------------------------------ */
 
+/* The mha_dtype of a real type (float or double). */
+#define DTYPE(real) (sizeof(real) == sizeof(double) ? MHA_DTYPE_F64 : MHA_DTYPE_F32)
+
 #define DEFINE_GEMM_TEST(real, sfx, TOL)                                      \
     static void test_case_##sfx(size_t M, size_t N, size_t K, int tA, int tB, \
                                 int use_bias, int acc, size_t pad)            \
@@ -393,8 +396,8 @@ DEFINE_IN_PLACE_TEST(double, f64)
                 mha_set_isa((mha_isa)isa);                                    \
                 mha_packed pk[3];                                             \
                 for (int s = 0; s < 3; s++)                                   \
-                    CHECK(mha_pack_weight_##sfx(&pk[s], B[s], N[s], K, N[s]) == MHA_OK,\
-                          #sfx " pack");                                      \
+                    CHECK(mha_pack_weight(&pk[s], B[s], N[s], K, N[s], DTYPE(real)) ==  \
+                              MHA_OK, #sfx " pack");                          \
                 /* which segments have panels: none, all, the middle one */   \
                 for (int form = 0; form < 3; form++) {                        \
                     const mha_packed *pb[3];                                  \
@@ -471,7 +474,8 @@ DEFINE_MULTI_TEST(double, f64)
             for (int isa = 0; isa <= (int)harness_best_isa(); isa++) {        \
                 mha_set_isa((mha_isa)isa);                                    \
                 mha_packed pk;                                                \
-                CHECK(mha_pack_weight_##sfx(&pk, B, N, K, N) == MHA_OK, #sfx " pack");\
+                CHECK(mha_pack_weight(&pk, B, N, K, N, DTYPE(real)) == MHA_OK,    \
+                      #sfx " pack");                                          \
                 /* form 0: prepacked panels; 1: B transposed; 2: B as is */   \
                 for (int form = 0; form < 3; form++)                          \
                     for (int nth = quick ? 3 : 1; nth <= 3; nth++) {          \
@@ -888,7 +892,7 @@ static int run_gemms(size_t M, size_t N, size_t K, int reps)
     }
     for (size_t i = 0; i < M * K; i++) A[i] = (float)rng_unit();
     for (size_t i = 0; i < K * N; i++) B[i] = (float)rng_unit();
-    if (mha_pack_weight_f32(&pk, B, N, K, N) != MHA_OK)
+    if (mha_pack_weight(&pk, B, N, K, N, MHA_DTYPE_F32) != MHA_OK)
         return 1;
     for (int r = 0; r < reps; r++)
         mha_gemm_packed_f32(C, N, A, K, 0, B, N, 0, &pk, NULL, M, N, K, 0);
@@ -914,7 +918,7 @@ static int time_gemms(size_t M, size_t N, size_t K, int reps, int plain, int col
         B[b] = ok ? malloc(K * N * sizeof *B[b]) : NULL;
         ok = ok && B[b] != NULL;
         for (size_t i = 0; ok && i < K * N; i++) B[b][i] = (float)rng_unit();
-        ok = ok && mha_pack_weight_f32(&pk[b], B[b], N, K, N) == MHA_OK;
+        ok = ok && mha_pack_weight(&pk[b], B[b], N, K, N, MHA_DTYPE_F32) == MHA_OK;
     }
     if (!ok) {
         fprintf(stderr, "time: bad sizes or out of memory\n");

@@ -134,7 +134,7 @@ static void problem_make(problem *P, const spec *sp)
     for (size_t h = 0; h < sp->H; h++)
         Svq += sp->dv[h / (sp->H / sp->G)];
     c->Dout = sp->has_wo ? sp->Dout : Svq;
-    if (mha_check_config(&P->lay, c) != MHA_OK) {
+    if (mha_check_config(&P->lay, c, NULL) != MHA_OK) {
         fprintf(stderr, "%s: bad config\n", sp->name);
         exit(2);
     }
@@ -233,27 +233,20 @@ static void run_problem(results *R, problem *P, int f64)
     for (int i = 0; i < NRES; i++)
         o[i] = n[i] ? xcalloc(n[i], es) : NULL;
     mha_status st;
-    if (f64)
-        st = mha_forward_f64(o[R_OUT], o[R_W], o[R_Q], o[R_K], o[R_V], o[R_CAT], o[R_LSE],
-                             in[I_X], in[I_KEY], in[I_VAL], in[I_WQ], in[I_WK], in[I_WV],
-                             in[I_WO], in[I_BQ], in[I_BK], in[I_BV], in[I_BO], &cfg);
-    else
-        st = mha_forward_f32(o[R_OUT], o[R_W], o[R_Q], o[R_K], o[R_V], o[R_CAT], o[R_LSE],
-                             in[I_X], in[I_KEY], in[I_VAL], in[I_WQ], in[I_WK], in[I_WV],
-                             in[I_WO], in[I_BQ], in[I_BK], in[I_BV], in[I_BO], &cfg);
+    const mha_params prm = {
+        .dtype = f64 ? MHA_DTYPE_F64 : MHA_DTYPE_F32,
+        .out = o[R_OUT], .weights = o[R_W], .q = o[R_Q], .k = o[R_K], .v = o[R_V],
+        .concat = o[R_CAT], .lse = o[R_LSE], .x = in[I_X], .key = in[I_KEY],
+        .value = in[I_VAL], .wq = in[I_WQ], .wk = in[I_WK], .wv = in[I_WV], .wo = in[I_WO],
+        .bq = in[I_BQ], .bk = in[I_BK], .bv = in[I_BV], .bo = in[I_BO],
+        .dout = in[I_DOUT], .dx = o[R_DX], .dkey = o[R_DKEY], .dvalue = o[R_DVAL],
+        .dwq = o[R_DWQ], .dwk = o[R_DWK], .dwv = o[R_DWV], .dwo = o[R_DWO], .dbq = o[R_DBQ],
+        .dbk = o[R_DBK], .dbv = o[R_DBV], .dbo = o[R_DBO], .dsinks = o[R_DSINK]};
+    // One params struct for both: the backward reads q, k, v, concat, lse
+    // where the forward kept them.
+    st = mha_forward(&cfg, &prm, NULL);
     CHECK(st == MHA_OK, "%s f%d: forward %s", sp->name, f64 ? 64 : 32, mha_status_name(st));
-    if (f64)
-        st = mha_backward_f64(o[R_DX], o[R_DKEY], o[R_DVAL], o[R_DWQ], o[R_DWK], o[R_DWV],
-                              o[R_DWO], o[R_DBQ], o[R_DBK], o[R_DBV], o[R_DBO], o[R_DSINK],
-                              NULL, NULL, in[I_DOUT], in[I_X], in[I_KEY], in[I_VAL],
-                              in[I_WQ], in[I_WK], in[I_WV], in[I_WO], o[R_Q], o[R_K],
-                              o[R_V], o[R_CAT], o[R_LSE], &cfg);
-    else
-        st = mha_backward_f32(o[R_DX], o[R_DKEY], o[R_DVAL], o[R_DWQ], o[R_DWK], o[R_DWV],
-                              o[R_DWO], o[R_DBQ], o[R_DBK], o[R_DBV], o[R_DBO], o[R_DSINK],
-                              NULL, NULL, in[I_DOUT], in[I_X], in[I_KEY], in[I_VAL],
-                              in[I_WQ], in[I_WK], in[I_WV], in[I_WO], o[R_Q], o[R_K],
-                              o[R_V], o[R_CAT], o[R_LSE], &cfg);
+    st = mha_backward(&cfg, &prm, NULL);
     CHECK(st == MHA_OK, "%s f%d: backward %s", sp->name, f64 ? 64 : 32, mha_status_name(st));
     for (int i = 0; i < NRES; i++) {
         R->n[i] = n[i];
@@ -374,8 +367,10 @@ static void run_attend(results *R, problem *P, int f64)
     const mha_strides sk = {a->G * a->Tk * a->dk, a->Tk * a->dk, a->dk};
     const mha_strides sv = {a->G * a->Tk * a->dv, a->Tk * a->dv, a->dv};
     const mha_strides so = {a->H * a->Tq * a->dv, a->Tq * a->dv, a->dv};
-    const mha_status st = f64 ? mha_attend_f64(out, NULL, lse, q, k, v, &sq, &sk, &sv, &so, &cfg)
-                              : mha_attend_f32(out, NULL, lse, q, k, v, &sq, &sk, &sv, &so, &cfg);
+    const mha_params prm = {.dtype = f64 ? MHA_DTYPE_F64 : MHA_DTYPE_F32, .out = out,
+                            .lse = lse, .q = q, .k = k, .v = v, .sq = sq, .sk = sk, .sv = sv,
+                            .so = so};
+    const mha_status st = mha_attend(&cfg, &prm, NULL);
     CHECK(st == MHA_OK, "%s f%d: attend %s", a->name, f64 ? 64 : 32, mha_status_name(st));
     memset(R, 0, sizeof *R);
     R->n[R_OUT] = no, R->r[R_OUT] = widened(out, no, f64);

@@ -7,7 +7,7 @@
  *   ./test_qk [quick]
  *
  * What is checked:
- *   - mha_forward_f32 / f64 against a naive double reference (plain loops:
+ *   - mha_forward (float32 and float64) against a naive double reference (plain loops:
  *     project, RMSNorm, RoPE, softmax attention, W^O), on every ISA this
  *     machine runs, for: norm only (shared (d,) and per-head weights), RoPE
  *     only (both pairings, partial rotary_dim, custom inv_freq, explicit
@@ -386,15 +386,13 @@ static mha_status run_fwd(problem *P, int f64, fwd_out *o)
     cfg_bind(P, f64);
     const typed_in *t = &P->t[f64];
     const void *bo = BIAS(t, bo);
-    if (f64)
-        return mha_forward_f64(o->out, NULL, o->q, o->k, o->v, o->cat, o->lse,
-                               t->x, t->key, t->value, t->wq, t->wk, t->wv,
-                               P->c.has_wo ? t->wo : NULL, BIAS(t, bq), BIAS(t, bk),
-                               BIAS(t, bv), bo, &P->cfg);
-    return mha_forward_f32(o->out, NULL, o->q, o->k, o->v, o->cat, o->lse,
-                           t->x, t->key, t->value, t->wq, t->wk, t->wv,
-                           P->c.has_wo ? t->wo : NULL, BIAS(t, bq), BIAS(t, bk),
-                           BIAS(t, bv), bo, &P->cfg);
+    const mha_params prm = {
+        .dtype = f64 ? MHA_DTYPE_F64 : MHA_DTYPE_F32, .out = o->out, .q = o->q, .k = o->k,
+        .v = o->v, .concat = o->cat, .lse = o->lse, .x = t->x, .key = t->key,
+        .value = t->value, .wq = t->wq, .wk = t->wk, .wv = t->wv,
+        .wo = P->c.has_wo ? t->wo : NULL, .bq = BIAS(t, bq), .bk = BIAS(t, bk),
+        .bv = BIAS(t, bv), .bo = bo};
+    return mha_forward(&P->cfg, &prm, NULL);
 }
 
 /* Gradients, typed; NULL = not wanted. */
@@ -435,16 +433,14 @@ static mha_status run_bwd(problem *P, int f64, grads *g, const void *dout,
     cfg_bind(P, f64);
     const typed_in *t = &P->t[f64];
     const void *wo = P->c.has_wo ? t->wo : NULL;
-    if (f64)
-        return mha_backward_f64(g->dx, g->dkey, g->dvalue, g->dwq, g->dwk, g->dwv,
-                                g->dwo, g->dbq, g->dbk, g->dbv, g->dbo, NULL,
-                                g->dqn, g->dkn, dout, t->x, t->key, t->value,
-                                t->wq, t->wk, t->wv, wo, o->q, o->k, o->v,
-                                o->cat, o->lse, &P->cfg);
-    return mha_backward_f32(g->dx, g->dkey, g->dvalue, g->dwq, g->dwk, g->dwv,
-                            g->dwo, g->dbq, g->dbk, g->dbv, g->dbo, NULL, g->dqn,
-                            g->dkn, dout, t->x, t->key, t->value, t->wq, t->wk,
-                            t->wv, wo, o->q, o->k, o->v, o->cat, o->lse, &P->cfg);
+    const mha_params prm = {
+        .dtype = f64 ? MHA_DTYPE_F64 : MHA_DTYPE_F32, .dx = g->dx, .dkey = g->dkey,
+        .dvalue = g->dvalue, .dwq = g->dwq, .dwk = g->dwk, .dwv = g->dwv, .dwo = g->dwo,
+        .dbq = g->dbq, .dbk = g->dbk, .dbv = g->dbv, .dbo = g->dbo, .dq_norm = g->dqn,
+        .dk_norm = g->dkn, .dout = dout, .x = t->x, .key = t->key, .value = t->value,
+        .wq = t->wq, .wk = t->wk, .wv = t->wv, .wo = wo, .q = o->q, .k = o->k, .v = o->v,
+        .concat = o->cat, .lse = o->lse};
+    return mha_backward(&P->cfg, &prm, NULL);
 }
 
 static double val(const void *a, size_t i, int f64)
@@ -818,9 +814,10 @@ static void bench(int reps)
             } else {
                 const mha_config keep = P.cfg;
                 const typed_in *ti = &P.t[0];
-                mha_forward_f32(o.out, NULL, NULL, NULL, NULL, NULL, NULL, ti->x, ti->key,
-                                ti->value, ti->wq, ti->wk, ti->wv, ti->wo, NULL, NULL, NULL,
-                                NULL, &P.cfg);
+                const mha_params prm = {.dtype = MHA_DTYPE_F32, .out = o.out, .x = ti->x,
+                                        .key = ti->key, .value = ti->value, .wq = ti->wq,
+                                        .wk = ti->wk, .wv = ti->wv, .wo = ti->wo};
+                mha_forward(&P.cfg, &prm, NULL);
                 P.cfg = keep;
             }
             t[r] = cpu_s() - a;
@@ -838,7 +835,7 @@ static void bench(int reps)
 
 /* ./test_qk once plain|qk: one forward and one backward of the bench's
    shape on one thread, float32, for an instruction count, e.g.
-   valgrind --tool=callgrind --toggle-collect=mha_forward_f32 ./test_qk once qk */
+   valgrind --tool=callgrind --toggle-collect=mha_forward ./test_qk once qk */
 static void once(int qk)
 {
     const tcase c = {"once", 1, 1024, 1024, 512, 8, 8, 64, {64}, 1, 1, 0, 1, 1, 64, 0, 0, 0, 0};

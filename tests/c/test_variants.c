@@ -11,7 +11,7 @@
  *   ./test_variants quick    fewer ISA / thread combinations (sanitizers)
  *
  * What is checked:
- *   - the forward (out, weights, lse) of mha_forward_f32 / _f64 against a
+ *   - the forward (out, weights, lse) of mha_forward (float, double) against a
  *     naive dense reference in double written from mha.h's contract (loops,
  *     one rule per line), on every ISA this CPU runs and at 1 and 3
  *     threads, with bitwise equality across the thread counts; shapes are
@@ -26,7 +26,8 @@
  *     skipped; the backward's dQ product would turn them into NaN if the
  *     block were computed) and test_skip_timing (a narrow window must cost
  *     a fraction of the full causal call);
- *   - mha_check_config rejects each malformed new field.
+ *   - mha_check_config rejects each malformed field with its field id and
+ *     a message naming the values; the entry points' own checks likewise.
  */
 #include <math.h>
 #include <stdint.h>
@@ -272,9 +273,11 @@ static mha_status run_fwd(const prob *P, int f64, const fwd_out *o)
             od0[t][e] = NAN;
     if (f64) {
         cfg.sinks = P->sp.sinks ? P->sinks : NULL;
-        return mha_forward_f64(o->out, o->w, o->q, o->k, o->v, o->cat, o->lse,
-                               P->x, P->key, P->value, P->wq, P->wk, P->wv,
-                               P->wo, NULL, NULL, NULL, NULL, &cfg);
+        const mha_params prm = {
+            .dtype = MHA_DTYPE_F64, .out = o->out, .weights = o->w, .q = o->q, .k = o->k,
+            .v = o->v, .concat = o->cat, .lse = o->lse, .x = P->x, .key = P->key,
+            .value = P->value, .wq = P->wq, .wk = P->wk, .wv = P->wv, .wo = P->wo};
+        return mha_forward(&cfg, &prm, NULL);
     }
     const size_t Din = P->sp.Din;
     float *x = to_f(P->x, nx(P)), *key = to_f(P->key, nkey(P));
@@ -291,9 +294,11 @@ static mha_status run_fwd(const prob *P, int f64, const fwd_out *o)
         for (size_t e = 0; e < n[t]; e++)
             of[t][e] = NAN;
     }
-    const mha_status st = mha_forward_f32(of[0], of[1], of[3], of[4], of[5], of[6],
-                                          of[2], x, key, value, wq, wk, wv, wo,
-                                          NULL, NULL, NULL, NULL, &cfg);
+    const mha_params prm = {
+        .dtype = MHA_DTYPE_F32, .out = of[0], .weights = of[1], .q = of[3], .k = of[4],
+        .v = of[5], .concat = of[6], .lse = of[2], .x = x, .key = key, .value = value,
+        .wq = wq, .wk = wk, .wv = wv, .wo = wo};
+    const mha_status st = mha_forward(&cfg, &prm, NULL);
     double *od[7] = {o->out, o->w, o->lse, o->q, o->k, o->v, o->cat};
     for (int t = 0; t < 7; t++) {
         from_f(od[t], of[t], n[t]);
@@ -342,11 +347,13 @@ static mha_status run_bwd(const prob *P, int f64, const fwd_out *fo, const bwd_o
     double *wo_d = P->sp.has_wo ? g->dwo : NULL;
     if (f64) {
         cfg.sinks = P->sp.sinks ? P->sinks : NULL;
-        return mha_backward_f64(g->dx, g->dkey, g->dvalue, g->dwq, g->dwk, g->dwv,
-                                wo_d, NULL, NULL, NULL, NULL, g->dsinks, NULL,
-                                NULL, P->R, P->x, P->key, P->value, P->wq, P->wk,
-                                P->wv, P->wo, fo->q, fo->k, fo->v, fo->cat,
-                                fo->lse, &cfg);
+        const mha_params prm = {
+            .dtype = MHA_DTYPE_F64, .dx = g->dx, .dkey = g->dkey, .dvalue = g->dvalue,
+            .dwq = g->dwq, .dwk = g->dwk, .dwv = g->dwv, .dwo = wo_d, .dsinks = g->dsinks,
+            .dout = P->R, .x = P->x, .key = P->key, .value = P->value, .wq = P->wq,
+            .wk = P->wk, .wv = P->wv, .wo = P->wo, .q = fo->q, .k = fo->k, .v = fo->v,
+            .concat = fo->cat, .lse = fo->lse};
+        return mha_backward(&cfg, &prm, NULL);
     }
     const size_t Din = P->sp.Din;
     float *x = to_f(P->x, nx(P)), *key = to_f(P->key, nkey(P));
@@ -362,10 +369,12 @@ static mha_status run_bwd(const prob *P, int f64, const fwd_out *fo, const bwd_o
     float *gf[8];
     for (int t = 0; t < 8; t++)
         gf[t] = xcalloc(n[t], sizeof(float));
-    const mha_status st = mha_backward_f32(
-        gf[0], gf[1], gf[2], gf[3], gf[4], gf[5], P->sp.has_wo ? gf[6] : NULL,
-        NULL, NULL, NULL, NULL, gf[7], NULL, NULL, R, x, key, value, wq, wk, wv,
-        wo, q, k, v, cat, lse, &cfg);
+    const mha_params prm = {
+        .dtype = MHA_DTYPE_F32, .dx = gf[0], .dkey = gf[1], .dvalue = gf[2], .dwq = gf[3],
+        .dwk = gf[4], .dwv = gf[5], .dwo = P->sp.has_wo ? gf[6] : NULL, .dsinks = gf[7],
+        .dout = R, .x = x, .key = key, .value = value, .wq = wq, .wk = wk, .wv = wv,
+        .wo = wo, .q = q, .k = k, .v = v, .concat = cat, .lse = lse};
+    const mha_status st = mha_backward(&cfg, &prm, NULL);
     double *gd[8] = {g->dx, g->dkey, g->dvalue, g->dwq, g->dwk, g->dwv, g->dwo, g->dsinks};
     for (int t = 0; t < 8; t++) {
         from_f(gd[t], gf[t], n[t]);
@@ -779,9 +788,9 @@ static void test_skip_timing(void)
         cfg.windowed = k, cfg.window_left = k ? 63 : 0;
         for (int r = 0; r < 5; r++) {
             const double t0 = now_s();
-            const mha_status st = mha_forward_f32(out, NULL, NULL, NULL, NULL, NULL,
-                                                  NULL, x, x, x, w, w, w, NULL, NULL,
-                                                  NULL, NULL, NULL, &cfg);
+            const mha_params prm = {.dtype = MHA_DTYPE_F32, .out = out, .x = x, .key = x,
+                                    .value = x, .wq = w, .wk = w, .wv = w};
+            const mha_status st = mha_forward(&cfg, &prm, NULL);
             const double dt = now_s() - t0;
             CHECK(st == MHA_OK, "timing call");
             best[k] = dt < best[k] ? dt : best[k];
@@ -796,64 +805,203 @@ static void test_skip_timing(void)
 }
 
 /* ------------------------------------------------------------------ */
-/* mha_check_config on the new fields.                                 */
+/* mha_check_config: each rule accepts a good config and rejects a bad one
+   with its status, its field id and a message that names the values.      */
+
+/* 1 when hay contains every needle of the NULL-terminated list. */
+static int has_all(const char *hay, const char *const *needles)
+{
+    for (; *needles != NULL; needles++)
+        if (strstr(hay, *needles) == NULL)
+            return 0;
+    return 1;
+}
 
 static void test_config(void)
 {
-    size_t dk[2] = {8, 8}, dv[2] = {4, 4}, dk_r[2] = {8, 6};
+    size_t dk[2] = {8, 8}, dv[2] = {4, 4}, dk_r[2] = {8, 6}, dk0[2] = {8, 0},
+           dv0[2] = {4, 0}, huge[2] = {MHA_MAX_ELEMS, MHA_MAX_ELEMS};
     double scale[4] = {1, 1, 1, 1}, slopes[8] = {0};
     int64_t cu_q[3] = {0, 3, 5}, cu_k[3] = {0, 4, 7}, bad_cu[3] = {0, 4, 3};
+    int64_t lens[1] = {8};
     float qn[8] = {0};
+    uint8_t maskb[1] = {1};
     mha_layout lay;
+    mha_error err;
     const mha_config base = {.B = 1, .Tq = 5, .Tk = 7, .Din = 3, .Dkin = 3, .Dvin = 3,
                              .Dout = 2, .H = 4, .G = 2, .dk = dk, .dv = dv,
                              .scale = scale, .has_wo = 1};
-    CHECK(mha_check_config(&lay, &base) == MHA_OK, "base config");
+    CHECK(mha_check_config(&lay, &base, &err) == MHA_OK && err.field == MHA_FIELD_NONE &&
+              err.msg[0] == '\0', "base config");
+    CHECK(mha_check_config(&lay, &base, NULL) == MHA_OK, "base config, err NULL");
     mha_config c;
-#define BAD(field_setting, what)                                              \
-    do {                                                                      \
-        c = base;                                                             \
-        field_setting;                                                        \
-        CHECK(mha_check_config(&lay, &c) == MHA_ERR_ARG, "accepted: %s", what); \
+    // BAD(setting, status, field, substrings of the message...): with err
+    // and, for the status alone, with err NULL.
+#define BAD(field_setting, what, status, fid, ...)                                         \
+    do {                                                                                   \
+        c = base;                                                                          \
+        field_setting;                                                                     \
+        static const char *const want_[] = {__VA_ARGS__, NULL};                            \
+        err.field = MHA_FIELD_NONE, err.msg[0] = '\0';                                     \
+        const mha_status st_ = mha_check_config(&lay, &c, &err);                          \
+        CHECK(st_ == (status), "accepted or wrong status: %s (%s)", what,                  \
+              mha_status_name(st_));                                                       \
+        CHECK(err.field == (fid), "%s: field %d, not %d (%s)", what,             \
+              (int)err.field, (int)(fid), err.msg);                              \
+        CHECK(has_all(err.msg, want_), "%s: message \"%s\"", what, err.msg);               \
+        CHECK(mha_check_config(&lay, &c, NULL) == (status), "%s: err NULL", what);         \
     } while (0)
 #define GOOD(field_setting, what)                                             \
     do {                                                                      \
         c = base;                                                             \
         field_setting;                                                        \
-        CHECK(mha_check_config(&lay, &c) == MHA_OK, "rejected: %s", what);    \
+        CHECK(mha_check_config(&lay, &c, &err) == MHA_OK && err.field == MHA_FIELD_NONE, \
+              "rejected: %s (%s)", what, err.msg);                            \
     } while (0)
+    const int A = MHA_ERR_ARG, S = MHA_ERR_SIZE;
+    CHECK(mha_check_config(NULL, &base, &err) == MHA_ERR_ARG && err.field == MHA_FIELD_CALL,
+          "NULL layout");
+    CHECK(mha_check_config(&lay, NULL, &err) == MHA_ERR_ARG && err.field == MHA_FIELD_CALL,
+          "NULL config");
+    // Heads and widths.
+    BAD(c.H = 0, "H = 0", A, MHA_FIELD_H, "H = 0");
+    BAD(c.G = 0, "G = 0", A, MHA_FIELD_G, "G = 0");
+    BAD((c.H = 6, c.G = 4), "H % G", A, MHA_FIELD_G, "H = 6 is not a multiple of G = 4");
+    BAD(c.dk = NULL, "dk NULL", A, MHA_FIELD_DK, "dk is NULL");
+    BAD(c.dv = NULL, "dv NULL", A, MHA_FIELD_DV, "dv is NULL");
+    BAD(c.scale = NULL, "scale NULL", A, MHA_FIELD_SCALE, "scale is NULL");
+    BAD(c.mask_kind = (mha_mask_kind)7, "mask_kind 7", A, MHA_FIELD_MASK_KIND,
+        "mask_kind = 7");
+    BAD(c.mask_kind = MHA_MASK_BOOL, "mask NULL", A, MHA_FIELD_MASK, "mask is NULL",
+        "mask_kind = 1");
+    GOOD((c.mask_kind = MHA_MASK_BOOL, c.mask = maskb), "bool mask");
+    BAD(c.dk = dk0, "dk[1] = 0", A, MHA_FIELD_DK, "dk[1] = 0");
+    BAD(c.dv = dv0, "dv[1] = 0", A, MHA_FIELD_DV, "dv[1] = 0");
+    BAD(c.has_wo = 0, "Dout != Svq", A, MHA_FIELD_DOUT, "Dout = 2", "Svq = 16");
+    GOOD((c.has_wo = 0, c.Dout = 16), "no W^O, Dout = Svq");
+    BAD(c.dk = huge, "Sk overflows", S, MHA_FIELD_DK, "dk[0..1]", "MHA_MAX_ELEMS");
+    BAD(c.dv = huge, "Sv overflows", S, MHA_FIELD_DV, "dv[0..1]", "MHA_MAX_ELEMS");
+    // Sizes past MHA_MAX_ELEMS.
+    BAD(c.Tq = MHA_MAX_ELEMS + 1, "Tq too large", S, MHA_FIELD_TQ, "Tq = ", "MHA_MAX_ELEMS");
+    BAD(c.B = MHA_MAX_ELEMS + 1, "B too large", S, MHA_FIELD_B, "B = ", "MHA_MAX_ELEMS");
+    BAD(c.Dout = MHA_MAX_ELEMS + 1, "Dout too large", S, MHA_FIELD_DOUT, "Dout = ");
+    BAD(c.Din = MHA_MAX_ELEMS / 2, "x too large", S, MHA_FIELD_DIN,
+        "x (B, Tq, Din) = (1, 5, ");
+    BAD((c.Tq = (size_t)1 << 31, c.Tk = (size_t)1 << 31), "weights too large", S, MHA_FIELD_TK,
+        "weights (B, H, Tq, Tk) = (1, 4, 2147483648, 2147483648)");
+    // Key lengths.
+    GOOD((lens[0] = 7, c.key_lengths = lens), "key_lengths");
+    BAD((lens[0] = 8, c.key_lengths = lens), "key_lengths > Tk", A, MHA_FIELD_KEY_LENGTHS,
+        "key_lengths[0] = 8", "Tk = 7");
+    BAD((lens[0] = -1, c.key_lengths = lens), "key_lengths < 0", A, MHA_FIELD_KEY_LENGTHS,
+        "key_lengths[0] = -1");
+    // The variants.
     GOOD((c.windowed = 1, c.window_left = -1, c.window_right = 3), "window");
-    BAD((c.window_left = 3), "window without windowed");
+    BAD((c.window_left = 3), "window without windowed", A, MHA_FIELD_WINDOW, "window_left = 3",
+        "windowed");
     GOOD(c.softcap = 30, "softcap");
-    BAD(c.softcap = -1, "softcap < 0");
-    BAD(c.softcap = NAN, "softcap NaN");
-    BAD(c.softcap = INFINITY, "softcap inf");
+    BAD(c.softcap = -1, "softcap < 0", A, MHA_FIELD_SOFTCAP, "softcap = -1");
+    BAD(c.softcap = NAN, "softcap NaN", A, MHA_FIELD_SOFTCAP, "softcap = ");
+    BAD(c.softcap = INFINITY, "softcap inf", A, MHA_FIELD_SOFTCAP, "softcap = inf");
     GOOD((c.alibi = slopes, c.alibi_bstride = 4), "alibi (B, H)");
     GOOD((c.alibi = slopes), "alibi (H,)");
-    BAD((c.alibi = slopes, c.alibi_bstride = 3), "alibi_bstride 3");
-    BAD((c.alibi_bstride = 4), "alibi_bstride without alibi");
+    BAD((c.alibi = slopes, c.alibi_bstride = 3), "alibi_bstride 3", A, MHA_FIELD_ALIBI_BSTRIDE,
+        "alibi_bstride = 3", "H = 4");
+    BAD((c.alibi_bstride = 4), "alibi_bstride without alibi", A, MHA_FIELD_ALIBI,
+        "alibi is NULL",
+        "alibi_bstride = 4");
     GOOD((c.nseq = 2, c.cu_q = cu_q, c.cu_k = cu_k), "packed");
-    BAD((c.nseq = 2, c.cu_q = cu_q, c.cu_k = NULL), "packed, cu_k NULL");
-    BAD((c.nseq = 2, c.cu_q = cu_q, c.cu_k = bad_cu), "packed, decreasing cu_k");
-    BAD((c.nseq = 2, c.cu_q = cu_k, c.cu_k = cu_k), "packed, cu_q[nseq] != Tq");
-    BAD((c.nseq = 2, c.cu_q = cu_q, c.cu_k = cu_k, c.B = 2), "packed, B = 2");
-    BAD((c.nseq = 1, c.cu_q = cu_q + 1, c.cu_k = cu_k), "packed, cu_q[0] != 0");
+    BAD((c.nseq = 2, c.cu_q = NULL, c.cu_k = cu_k), "packed, cu_q NULL", A, MHA_FIELD_CU_Q,
+        "cu_q is NULL", "nseq = 2");
+    BAD((c.nseq = 2, c.cu_q = cu_q, c.cu_k = NULL), "packed, cu_k NULL", A, MHA_FIELD_CU_K,
+        "cu_k is NULL");
+    BAD((c.nseq = 2, c.cu_q = cu_q, c.cu_k = bad_cu), "packed, decreasing cu_k", A,
+        MHA_FIELD_CU_K,
+        "cu_k[2] = 3 < cu_k[1] = 4");
+    BAD((c.nseq = 2, c.cu_q = cu_k, c.cu_k = cu_k), "packed, cu_q[nseq] != Tq", A,
+        MHA_FIELD_CU_Q,
+        "cu_q[nseq = 2] = 7 is not Tq = 5");
+    BAD((c.nseq = 2, c.cu_q = cu_q, c.cu_k = cu_k, c.B = 2), "packed, B = 2", A,
+        MHA_FIELD_NSEQ,
+        "nseq = 2", "B = 2");
+    BAD((c.nseq = 1, c.cu_q = cu_q + 1, c.cu_k = cu_k), "packed, cu_q[0] != 0", A,
+        MHA_FIELD_CU_Q,
+        "cu_q[0] = 3");
+    BAD((c.nseq = 2, c.cu_q = cu_q, c.cu_k = cu_k, c.lengths_aligned = 1),
+        "packed, lengths_aligned", A, MHA_FIELD_LENGTHS_ALIGNED, "lengths_aligned = 1",
+        "nseq = 2");
+    // The q/k transforms.
     GOOD((c.rotary_dim = 8, c.inv_freq = slopes), "rotary_dim 8");
-    BAD((c.rotary_dim = 6), "rotary_dim without inv_freq");
-    BAD((c.rotary_dim = 5, c.inv_freq = slopes), "rotary_dim odd");
-    BAD((c.rotary_dim = 10, c.inv_freq = slopes), "rotary_dim > dk");
-    BAD((c.dk = dk_r, c.rotary_dim = 8, c.inv_freq = slopes), "rotary_dim > one dk");
+    BAD((c.rotary_dim = 6), "rotary_dim without inv_freq", A, MHA_FIELD_INV_FREQ,
+        "inv_freq is NULL",
+        "rotary_dim = 6");
+    BAD((c.rotary_dim = 5, c.inv_freq = slopes), "rotary_dim odd", A, MHA_FIELD_ROTARY_DIM,
+        "rotary_dim = 5");
+    BAD((c.rotary_dim = 10, c.inv_freq = slopes), "rotary_dim > dk", A, MHA_FIELD_ROTARY_DIM,
+        "rotary_dim = 10", "dk[0] = 8");
+    BAD((c.dk = dk_r, c.rotary_dim = 8, c.inv_freq = slopes), "rotary_dim > one dk", A,
+        MHA_FIELD_ROTARY_DIM, "rotary_dim = 8", "dk[1] = 6");
+    BAD((c.rope_interleaved = 2), "rope_interleaved 2", A, MHA_FIELD_ROPE_INTERLEAVED,
+        "rope_interleaved = 2");
     GOOD((c.q_norm = qn, c.q_norm_hstride = 8, c.k_norm = qn), "q_norm, k_norm");
-    BAD((c.q_norm = qn, c.q_norm_hstride = 4), "q_norm_hstride");
-    BAD((c.k_norm = qn, c.k_norm_hstride = 7), "k_norm_hstride");
-    BAD((c.q_norm = qn, c.dk = dk_r), "q_norm with ragged heads");
-    BAD((c.norm_eps = -1e-6), "norm_eps < 0");
-    BAD((c.norm_eps = NAN), "norm_eps NaN");
+    BAD((c.q_norm = qn, c.q_norm_hstride = 4), "q_norm_hstride", A, MHA_FIELD_Q_NORM_HSTRIDE,
+        "q_norm_hstride = 4", "dk = 8");
+    BAD((c.q_norm_hstride = 8), "q_norm_hstride without q_norm", A, MHA_FIELD_Q_NORM,
+        "q_norm is NULL");
+    BAD((c.k_norm = qn, c.k_norm_hstride = 7), "k_norm_hstride", A, MHA_FIELD_K_NORM_HSTRIDE,
+        "k_norm_hstride = 7");
+    BAD((c.k_norm_hstride = 8), "k_norm_hstride without k_norm", A, MHA_FIELD_K_NORM,
+        "k_norm is NULL");
+    BAD((c.q_norm = qn, c.dk = dk_r), "q_norm with ragged heads", A, MHA_FIELD_DK, "dk[1] = 6",
+        "dk[0] = 8");
+    BAD((c.norm_eps = -1e-6), "norm_eps < 0", A, MHA_FIELD_NORM_EPS, "norm_eps = -1e-06");
+    BAD((c.norm_eps = NAN), "norm_eps NaN", A, MHA_FIELD_NORM_EPS, "norm_eps = ");
     GOOD((c.positions_bstride = 5, c.key_positions_bstride = 7), "positions strides");
-    BAD((c.positions_bstride = 7), "positions_bstride");
-    BAD((c.key_positions_bstride = 5), "key_positions_bstride");
+    BAD((c.positions_bstride = 7), "positions_bstride", A, MHA_FIELD_POSITIONS_BSTRIDE,
+        "positions_bstride = 7", "Tq = 5");
+    BAD((c.key_positions_bstride = 5), "key_positions_bstride", A,
+        MHA_FIELD_KEY_POSITIONS_BSTRIDE,
+        "key_positions_bstride = 5", "Tk = 7");
 #undef BAD
 #undef GOOD
+
+    // The entry points' own checks report through the same mha_error.
+    double buf[64] = {0};
+    mha_params prm = {.dtype = MHA_DTYPE_F64, .out = buf, .x = buf, .key = buf,
+                      .value = buf, .wq = buf, .wk = buf, .wv = buf, .wo = NULL};
+    c = base;
+    CHECK(mha_forward(&c, &prm, &err) == MHA_ERR_ARG && err.field == MHA_FIELD_PARAMS &&
+              strstr(err.msg, "wo") != NULL, "forward: wo NULL with has_wo (%s)", err.msg);
+    prm.dtype = (mha_dtype)5;
+    CHECK(mha_forward(&c, &prm, &err) == MHA_ERR_ARG && err.field == MHA_FIELD_DTYPE &&
+              strstr(err.msg, "dtype = 5") != NULL, "forward: dtype 5 (%s)", err.msg);
+    CHECK(mha_forward(&c, NULL, &err) == MHA_ERR_ARG && err.field == MHA_FIELD_CALL,
+          "forward: params NULL");
+    prm.dtype = MHA_DTYPE_F64;
+    c.H = 6, c.G = 4;
+    CHECK(mha_backward(&c, &prm, &err) == MHA_ERR_ARG && err.field == MHA_FIELD_G &&
+              strstr(err.msg, "H = 6 is not a multiple of G = 4") != NULL,
+          "backward: the config's message (%s)", err.msg);
+    CHECK(mha_project(&c, &prm, NULL) == MHA_ERR_ARG, "project: err NULL");
+    c = base;
+    prm.x = NULL;
+    prm.q = buf;
+    CHECK(mha_project(&c, &prm, &err) == MHA_ERR_ARG && err.field == MHA_FIELD_PARAMS &&
+              strstr(err.msg, "x is NULL") != NULL, "project: x NULL (%s)", err.msg);
+    c.q_norm = qn;
+    CHECK(mha_attend(&c, &prm, &err) == MHA_ERR_ARG && err.field == MHA_FIELD_Q_NORM &&
+              strstr(err.msg, "mha_project") != NULL, "attend: q_norm (%s)", err.msg);
+    CHECK(mha_attend_backward(&c, &prm, &err) == MHA_ERR_ARG &&
+              err.field == MHA_FIELD_Q_NORM, "attend_backward: q_norm (%s)", err.msg);
+    c = base;
+    c.dk = dk_r;
+    CHECK(mha_attend(&c, &prm, &err) == MHA_ERR_ARG && err.field == MHA_FIELD_DK &&
+              strstr(err.msg, "dk[1] = 6") != NULL, "attend: ragged (%s)", err.msg);
+    c = base;
+    prm.k = prm.v = buf;
+    prm.sq = (mha_strides){1, SIZE_MAX / 2, 1};
+    CHECK(mha_attend(&c, &prm, &err) == MHA_ERR_SIZE && err.field == MHA_FIELD_PARAMS &&
+              strstr(err.msg, "q at strides") != NULL, "attend: strides (%s)", err.msg);
 }
 
 int main(int argc, char **argv)

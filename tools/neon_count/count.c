@@ -57,9 +57,10 @@ int main(int argc, char **argv)
         void *q = T(8 * 64), *k = T(2 * 2048 * 64), *v = T(2 * 2048 * 64), *o = Z(8 * 64);
         const mha_strides sq = {8 * 64, 64, 64}, sk = {2 * 2048 * 64, 2048 * 64, 64};
         const mha_strides so = {8 * 64, 64, 64};
+        const mha_params prm = {.dtype = f64 ? MHA_DTYPE_F64 : MHA_DTYPE_F32, .out = o, .q = q,
+                                .k = k, .v = v, .sq = sq, .sk = sk, .sv = sk, .so = so};
         for (int r = 0; r < reps; r++)
-            printf("st %d\n", f64 ? mha_attend_f64(o, NULL, NULL, q, k, v, &sq, &sk, &sk, &so, &c)
-                : mha_attend_f32(o, NULL, NULL, q, k, v, &sq, &sk, &sk, &so, &c));
+            printf("st %d\n", mha_attend(&c, &prm, NULL));
         printf("%s\n", mha_isa_name(mha_get_isa()));
         return 0;
     }
@@ -72,19 +73,18 @@ int main(int argc, char **argv)
     const size_t S = H * 64;
     void *q = T(Tq * S), *k = T(Tk * S), *v = T(Tk * S), *o = Z(Tq * S), *lse = Z(H * Tq);
     const mha_strides st = {Tq * S, 64, S};
-    if (f64)
-        mha_attend_f64(o, NULL, lse, q, k, v, &st, &st, &st, &st, &c);
-    else
-        mha_attend_f32(o, NULL, lse, q, k, v, &st, &st, &st, &st, &c);
+    /* One params struct: mha_attend's out and lse are what the backward
+       reads; its fused layout is the same (B = 1, bthd). */
+    mha_params prm = {.dtype = f64 ? MHA_DTYPE_F64 : MHA_DTYPE_F32, .out = o, .lse = lse,
+                      .q = q, .k = k, .v = v, .sq = st, .sk = st, .sv = st, .so = st};
+    mha_attend(&c, &prm, NULL);
     if (strcmp(op, "fwd") == 0) {
         for (int r = 0; r < reps; r++)
-            f64 ? mha_attend_f64(o, NULL, lse, q, k, v, &st, &st, &st, &st, &c)
-                : mha_attend_f32(o, NULL, lse, q, k, v, &st, &st, &st, &st, &c);
+            mha_attend(&c, &prm, NULL);
     } else {
-        void *dout = T(Tq * S), *dq = Z(Tq * S), *dkk = Z(Tk * S), *dvv = Z(Tk * S);
+        prm.dout = T(Tq * S), prm.dq = Z(Tq * S), prm.dk = Z(Tk * S), prm.dv = Z(Tk * S);
         for (int r = 0; r < reps; r++)
-            printf("st %d\n", f64 ? mha_attend_backward_f64(dq, dkk, dvv, NULL, dout, q, k, v, o, lse, &c)
-                : mha_attend_backward_f32(dq, dkk, dvv, NULL, dout, q, k, v, o, lse, &c));
+            printf("st %d\n", mha_attend_backward(&c, &prm, NULL));
     }
     printf("%s\n", mha_isa_name(mha_get_isa()));
     return 0;
