@@ -38,13 +38,8 @@ static int mha_bwd_plan_fused(size_t ntasks, int nth)
     return ntasks > 0 && ntasks <= SIZE_MAX / 4 && 4 * ntasks >= 3 * rounds * n;
 }
 
-#define MHA_F64 0
-#include "backward_impl.h"
-#undef MHA_F64
-
-#define MHA_F64 1
-#include "backward_impl.h"
-#undef MHA_F64
+#define MHA_TEMPLATE "backward_impl.h"
+#include "each_type.h"
 
 /* The entry points (mha.h): the call's checks common to every operation,
    then the driver of its element type. */

@@ -126,6 +126,21 @@ static mha_status PICK(bwd_check_args_f32, bwd_check_args_f64)(BWD_ARGS *a,
     return MHA_OK;
 }
 
+/* What both plans (the layer's and mha_attend_backward's) start from: the
+   thread count, and every head's column offsets in the fused buffers
+   (p->off: qoff (H,), cvoff (H,), koff (G,), voff (G,)). */
+static mha_status PICK(bwd_plan_heads_f32, bwd_plan_heads_f64)(BWD_PLAN *p,
+                                                               const mha_config *cfg)
+{
+    const int nth = mha_get_num_threads();
+    p->nth = nth < 1 ? 1 : nth;
+    const size_t H = cfg->H, G = cfg->G;
+    const mha_status st = mha_scratch((void **)&p->off, 2 * (H + G), sizeof *p->off);
+    if (st == MHA_OK)
+        mha_head_offsets(p->off, p->off + H, p->off + 2 * H, p->off + 2 * H + G, cfg);
+    return st;
+}
+
 /* Allocates the tiles' scratch: per-thread S and dP tiles, the packed
    operands (kh, kT: B nkb BK Sk reals, vT: B nkb BK Sv, with B nkb BK <
    B Tk + B BK; qh: B Tq Sq, doh: B Tq Svq) and dq, dk, dv as needed,
@@ -180,13 +195,9 @@ static mha_status PICK(bwd_plan_f32, bwd_plan_f64)(BWD_PLAN *p, BWD_ARGS *a,
     p->need_dkv = a->dkey != NULL || a->dvalue != NULL || a->dwk != NULL ||
                   a->dbk != NULL || a->dwv != NULL || a->dbv != NULL ||
                   (a->dk_norm != NULL && cfg->k_norm != NULL);
-    const int nth = mha_get_num_threads();
-    p->nth = nth < 1 ? 1 : nth;
-
     const size_t H = cfg->H, G = cfg->G;
-    if ((st = mha_scratch((void **)&p->off, 2 * (H + G), sizeof *p->off)) != MHA_OK)
+    if ((st = PICK(bwd_plan_heads_f32, bwd_plan_heads_f64)(p, cfg)) != MHA_OK)
         return st;
-    mha_head_offsets(p->off, p->off + H, p->off + 2 * H, p->off + 2 * H + G, cfg);
     if (cfg->has_wo && (p->need_dq || p->need_dkv || a->dsinks != NULL) &&
         (st = mha_scratch((void **)&p->dcat_s, p->nq * p->lay.Svq, sizeof(REAL))) != MHA_OK)
         return st;
@@ -466,12 +477,9 @@ static mha_status PICK(bwd_attend_plan_f32, bwd_attend_plan_f64)(
     if ((st = mha_check_required(req, sizeof req / sizeof req[0], err)) != MHA_OK)
         return st;
     p->kern = mha_kernels_for(mha_get_isa(), MHA_F64);
-    const int nth = mha_get_num_threads();
-    p->nth = nth < 1 ? 1 : nth;
     const size_t H = cfg->H, G = cfg->G;
-    if ((st = mha_scratch((void **)&p->off, 2 * (H + G), sizeof *p->off)) != MHA_OK)
+    if ((st = PICK(bwd_plan_heads_f32, bwd_plan_heads_f64)(p, cfg)) != MHA_OK)
         return st;
-    mha_head_offsets(p->off, p->off + H, p->off + 2 * H, p->off + 2 * H + G, cfg);
     if (any && (st = mha_scratch((void **)&p->D, cfg->B * H * cfg->Tq, sizeof(REAL))) != MHA_OK)
         return st;
     // Without lse, pass 0 recomputes it (bwd_attend_lse).

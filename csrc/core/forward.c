@@ -207,13 +207,8 @@ static mha_status attend(mha_flash_ctx *ctx, const mha_kernels *kern,
     return attend_run(ctx, kern, ntasks, nth, real_size, merge);
 }
 
-#define MHA_F64 0
-#include "forward_impl.h"
-#undef MHA_F64
-
-#define MHA_F64 1
-#include "forward_impl.h"
-#undef MHA_F64
+#define MHA_TEMPLATE "forward_impl.h"
+#include "each_type.h"
 
 /* The entry points (mha.h): the call's checks common to every operation,
    then the driver of its element type. */

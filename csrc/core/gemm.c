@@ -101,13 +101,8 @@ static mha_status gemm_check(size_t elem, const void *C, size_t ldc,
     return st;
 }
 
-#define MHA_F64 0
-#include "gemm_impl.h"
-#undef MHA_F64
-
-#define MHA_F64 1
-#include "gemm_impl.h"
-#undef MHA_F64
+#define MHA_TEMPLATE "gemm_impl.h"
+#include "each_type.h"
 
 mha_status mha_pack_weight(mha_packed *p, const void *w, size_t ldw, size_t K, size_t N,
                            mha_dtype dtype)

@@ -18,13 +18,8 @@
 #include "qk.h"
 #include "threads.h"
 
-#define MHA_F64 0
-#include "project_impl.h"
-#undef MHA_F64
-
-#define MHA_F64 1
-#include "project_impl.h"
-#undef MHA_F64
+#define MHA_TEMPLATE "project_impl.h"
+#include "each_type.h"
 
 /* The entry point (mha.h): the call's checks, then the element type's. */
 mha_status mha_project(const mha_config *cfg, const mha_params *prm, mha_error *err)

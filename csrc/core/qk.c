@@ -196,10 +196,5 @@ static mha_status qk_run_rows(qk_side *s, mha_task_fn fn, void *ctx)
     return st;
 }
 
-#define MHA_F64 0
-#include "qk_impl.h"
-#undef MHA_F64
-
-#define MHA_F64 1
-#include "qk_impl.h"
-#undef MHA_F64
+#define MHA_TEMPLATE "qk_impl.h"
+#include "each_type.h"
