@@ -182,3 +182,20 @@ def test_the_length_counter_counts():
     found = {n: k for _, _, n, k in func_lengths.c_functions(ROOT)}
     assert {"mha_check_config", "flash_task", "bwd_mm", "mha_forward_f64"} <= set(found)
     assert all(k > 0 for k in found.values())
+
+
+def test_the_core_api_takes_at_most_six_parameters():
+    """Issue 34: every function of mha.h takes at most 6 parameters (the
+    config, the params struct, the error out and a few sizes), so a new
+    argument is a field of mha_config or mha_params, never a new parameter;
+    and each operation is one function for every element type."""
+    with open(os.path.join(CSRC, "mha.h"), encoding="utf-8") as fh:
+        text = code_only(fh.read())
+    protos = re.findall(r"^[A-Za-z_][\w \*]*?\b(mha_\w+)\s*\(([^;{]*?)\)\s*;", text, re.M)
+    names = {name for name, _ in protos}
+    assert {"mha_forward", "mha_backward", "mha_attend", "mha_attend_backward", "mha_project",
+            "mha_check_config", "mha_pack_weight"} <= names, names
+    for name, params in protos:
+        count = 0 if params.strip() in ("", "void") else params.count(",") + 1
+        assert count <= 6, f"mha.h: {name} takes {count} parameters"
+        assert not re.search(r"_f(32|64)$", name), f"mha.h: {name} is one type's entry point"
