@@ -221,20 +221,33 @@ int convert_vectors(call *c, const call_spec *sp)
     return 0;
 }
 
+/* The core's verdict on H query heads and G kv heads: the glue needs H / G
+   to lay out the fused widths before a call's config is complete, so it
+   asks mha_check_config, which checks H and G before any other field (the
+   rule and its message live there, once). -1 with the core's ValueError
+   (call.c, raise_status) when H or G is wrong. */
+int check_heads(npy_intp H, npy_intp G)
+{
+    const mha_config cfg = {.H = (size_t)H, .G = (size_t)G};
+    mha_layout lay;
+    mha_error err;
+    const mha_status st = mha_check_config(&lay, &cfg, &err);
+    if (st == MHA_OK || (err.field != MHA_FIELD_H && err.field != MHA_FIELD_G))
+        return 0;
+    raise_status(st, &err);
+    return -1;
+}
+
 /* Head widths dk, dv (G,) as size_t in *widths (2G, PyMem; dk then dv),
-   checked against the H = len(scales) query heads, and the fused widths
-   fused = {Sq, Sk, Sv, Svq} (see mha.h). -1 with an exception on failure. */
+   checked against the H = len(scales) query heads (check_heads), and the
+   fused widths fused = {Sq, Sk, Sv, Svq} (see mha.h). -1 with an
+   exception on failure. */
 int head_widths(size_t **widths, size_t fused[4], PyArrayObject *dk_a,
                        PyArrayObject *dv_a, npy_intp H)
 {
     const npy_intp G = PyArray_DIM(dk_a, 0);
-    if (G == 0 || H == 0 || H % G != 0) {
-        PyErr_Format(PyExc_ValueError,
-                     "dk, scales: the number of query heads H = len(scales) = %zd "
-                     "must be a positive multiple of the number of kv heads "
-                     "G = len(dk) = %zd", (Py_ssize_t)H, (Py_ssize_t)G);
+    if (check_heads(H, G) < 0)
         return -1;
-    }
     if (PyArray_DIM(dv_a, 0) != G) {
         PyErr_Format(PyExc_ValueError,
                      "dv: expected length %zd (G = len(dk)), got %zd",

@@ -264,6 +264,7 @@ void prefix_error(const char *name);
 int convert_arrays(call *c, const call_spec *sp);
 int convert_vectors(call *c, const call_spec *sp);
 int check_shapes(const call *c, const call_spec *sp, const int *pos);
+int check_heads(npy_intp H, npy_intp G);
 int head_widths(size_t **widths, size_t fused[4], PyArrayObject *dk_a, PyArrayObject *dv_a,
                 npy_intp H);
 void shape_dims(npy_intp dims[4], const shape *s, const npy_intp size[N_LETTERS]);
