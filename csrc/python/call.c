@@ -245,7 +245,7 @@ static int build_config(call *c, const call_spec *sp)
     const npy_intp *n = c->size;
     mha_mask_kind mask_kind;
     ptrdiff_t mask_stride[4];
-    if (as_lengths(&c->lengths, c->arg[sp->key_lengths].obj, n[L_B], n[L_TK]) < 0 ||
+    if (as_lengths(&c->lengths, c->arg[sp->key_lengths].obj, n[L_B]) < 0 ||
         convert_mask(c, sp, &mask_kind, mask_stride) < 0 ||
         snapshot_scales(&c->scales, c->in[sp->scales]) < 0)
         return -1;

@@ -264,10 +264,11 @@ int head_widths(size_t **widths, size_t fused[4], PyArrayObject *dk_a,
     for (npy_intp g = 0; g < G; g++) {
         // Each caller value is read once, into the copy the core reads.
         const int64_t dk_g = dk64[g], dv_g = dv64[g];
-        if (dk_g <= 0 || dv_g <= 0 || (uint64_t)dk_g > MHA_MAX_ELEMS ||
+        // As size_t; a width of 0 is the core's to reject (mha_check_config).
+        if (dk_g < 0 || dv_g < 0 || (uint64_t)dk_g > MHA_MAX_ELEMS ||
             (uint64_t)dv_g > MHA_MAX_ELEMS) {
             PyErr_Format(PyExc_ValueError,
-                         "dk, dv: head widths must be between 1 and %zu, got "
+                         "dk, dv: head widths must be between 0 and %zu, got "
                          "dk[%zd] = %lld, dv[%zd] = %lld", MHA_MAX_ELEMS,
                          (Py_ssize_t)g, (long long)dk_g, (Py_ssize_t)g,
                          (long long)dv_g);
@@ -315,10 +316,10 @@ int uniform_widths(call *c, npy_intp G, npy_intp dk, npy_intp dv)
     return 0;
 }
 
-/* key_lengths: None (*snap stays NULL) or int64 (B,), each in [0, Tk],
-   copied into *snap (B, PyMem) and checked there: the core reads the copy,
-   which no other thread can change once the GIL is released. */
-int as_lengths(int64_t **snap, PyObject *obj, npy_intp B, npy_intp Tk)
+/* key_lengths: None (*snap stays NULL) or int64 (B,), copied into *snap
+   (B, PyMem): the core checks and reads the copy, which no other thread
+   can change once the GIL is released. */
+int as_lengths(int64_t **snap, PyObject *obj, npy_intp B)
 {
     *snap = NULL;
     if (obj == Py_None)
@@ -335,17 +336,7 @@ int as_lengths(int64_t **snap, PyObject *obj, npy_intp B, npy_intp Tk)
     if (res == 0)
         memcpy(*snap, PyArray_DATA(a), (size_t)B * sizeof **snap);
     Py_DECREF(a);
-    for (npy_intp b = 0; res == 0 && b < B; b++) {
-        const int64_t len = (*snap)[b];
-        if (len < 0 || len > (int64_t)Tk) {
-            PyErr_Format(PyExc_ValueError,
-                         "key_lengths: expected 0 <= key_lengths[b] <= Tk = %zd, "
-                         "got key_lengths[%zd] = %lld", (Py_ssize_t)Tk,
-                         (Py_ssize_t)b, (long long)len);
-            res = -1;
-        }
-    }
-    return res;
+    return res;   // each length in [0, Tk]: the core's rule (mha_check_config)
 }
 
 /* scales (H,) float64 copied into *snap (H, PyMem), for the same reason. */
