@@ -87,6 +87,47 @@ def _attention_grad(H, G, kw):
     return mhattn.attention_grad(_r(B, H, T, 2), q, k, v, **kw)
 
 
+def _layer_owned(H, G, kw):
+    """The layer's own norm_eps / sinks, given to its constructor, used by its call."""
+    layer = mhattn.MultiHeadAttention(D, H, num_kv_heads=G, d_k=2, dtype=np.float64,
+                                      qk_norm=True, seed=0, **kw)
+    return layer(X)
+
+
+# Packed sequences: 2-D x (total, d_in), unbatched q, k, v (heads, total, d).
+XP = _r(T, D)
+
+
+def _mha_packed(H, G, kw):
+    w = _layer_weights(H, G)
+    return mhattn.multi_head_attention(XP, *w, num_heads=H, num_kv_heads=G, **kw)
+
+
+def _grad_packed(H, G, kw):
+    w = _layer_weights(H, G)
+    return mhattn.multi_head_attention_grad(_r(T, D), XP, *w, num_heads=H,
+                                            num_kv_heads=G, **kw)
+
+
+def _layer_packed(H, G, kw):
+    layer = mhattn.MultiHeadAttention(D, H, num_kv_heads=G, d_k=2, dtype=np.float64,
+                                      seed=0)
+    return layer(XP, **kw)
+
+
+def _attention_packed(H, G, kw):
+    return mhattn.attention(_r(H, T, 2), _r(G, T, 2), _r(G, T, 2), **kw)
+
+
+def _attention_grad_packed(H, G, kw):
+    return mhattn.attention_grad(_r(H, T, 2), _r(H, T, 2), _r(G, T, 2), _r(G, T, 2), **kw)
+
+
+PACKED = {"multi_head_attention": _mha_packed, "multi_head_attention_grad": _grad_packed,
+          "layer": _layer_packed, "attention": _attention_packed,
+          "attention_grad": _attention_grad_packed}
+
+
 def _append(H, G, kw):
     cache = mhattn.KVCache(B, G, 8, 2, dtype=np.float64)
     return cache.append(_r(B, G, 2, 2), _r(B, G, 2, 2), **kw)
@@ -132,6 +173,30 @@ VIOLATIONS = {
     "norm_eps_negative": ((2, 2), dict(norm_eps=-1.0, q_norm=np.ones(2)),
                           {e: f for e, f in LAYER.items() if e != "layer"},
                           ["norm_eps", "-1"]),
+    "norm_eps_nan": ((2, 2), dict(norm_eps=float("nan"), q_norm=np.ones(2)),
+                     {e: f for e, f in LAYER.items() if e != "layer"},
+                     ["norm_eps", "nan"]),
+    "norm_eps_of_the_layer": ((2, 2), dict(norm_eps=-1.0),
+                              {"multi_head_attention": lambda H, G, kw: _mha(
+                                  H, G, dict(kw, q_norm=np.ones(2))),
+                               "layer": _layer_owned},
+                              ["norm_eps", "-1"]),
+    "rotary_dim_wider_than_heads": ((2, 2), dict(rope=mhattn.RoPE(rotary_dim=4)), LAYER,
+                                    ["rotary_dim", "4", "2"]),
+    "cu_seqlens_decreasing": ((2, 2), dict(cu_seqlens=[0, 2, 1, 3]), PACKED,
+                              ["cu_seqlens", "2", "1"]),
+    "cu_seqlens_start": ((2, 2), dict(cu_seqlens=[1, 3]), PACKED, ["cu_seqlens", "1"]),
+    "cu_seqlens_end": ((2, 2), dict(cu_seqlens=[0, 2]), PACKED, ["cu_seqlens", "2", "3"]),
+    # Only Python sees per-head weights: the layer family's rule, one message.
+    "head_widths_q_k": ((2, 2), dict(w_k=_r(D, 6)),
+                        {"multi_head_attention": lambda H, G, kw: mhattn.multi_head_attention(
+                            X, _r(D, 4), kw["w_k"], _r(D, 4), num_heads=2),
+                         "multi_head_attention_grad": lambda H, G, kw:
+                            mhattn.multi_head_attention_grad(G_OUT[..., :4], X, _r(D, 4),
+                                                             kw["w_k"], _r(D, 4), num_heads=2),
+                         "pack_weights": lambda H, G, kw: mhattn.pack_weights(
+                            _r(D, 4), kw["w_k"], _r(D, 4), num_heads=2)},
+                        ["w_q / w_k", "width 2", "width 3"]),
     "lengths_in_append": ((2, 2), dict(lengths=np.array([3, 1])), {"append": _append},
                           ["lengths", "3"]),
 }
