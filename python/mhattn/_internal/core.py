@@ -53,43 +53,35 @@ __all__ = ["fast", "slow", "core_args", "variant_args", "head_arrays", "run_core
 # ``_C.name(...)`` call does. Their arguments are those of _C.pyi.
 
 # A rejection by the core's config check (a ValueError with .field, see
-# mhattn._internal.fields) is re-raised by _call naming the user's argument:
-# ``names`` says how the calling entry point's family names the fields.
+# mhattn._internal.fields) is re-raised naming the user's argument: each
+# entry point's ``names`` says how its family of public functions names the
+# fields. _door makes each entry point one function (no extra frame on the
+# small call's path); a ``try`` costs nothing until something is raised.
 
-def _call(name: str, names: Names, args: tuple):
-    """``_C.<name>(*args)``; a core rejection in the words of ``names``."""
-    try:
-        return getattr(_C, name)(*args)
-    except ValueError as e:
-        if not hasattr(e, "field"):
-            raise
-        raise user_error(e, names) from None
-
-
-def forward(*args):
-    """``_C.forward``: the layer's forward pass (:func:`core_args` and the packed capsules)."""
-    return _call("forward", LAYER, args)
-
-
-def backward(*args):
-    """``_C.backward``: the layer's backward pass."""
-    return _call("backward", LAYER, args)
+def _door(name: str, names: Names, doc: str):
+    """The entry point ``_C.<name>(*args)``; a core rejection raised in the
+    words of ``names`` (a keyword of the entry point, for a caller whose
+    family differs: a KV cache's step calls attention with LAYER)."""
+    def door(*args, names: Names = names):
+        try:
+            return getattr(_C, name)(*args)
+        except ValueError as e:
+            if not hasattr(e, "field"):
+                raise
+            raise user_error(e, names) from None
+    door.__name__ = door.__qualname__ = name
+    door.__doc__ = doc
+    return door
 
 
-def attention(*args, names: Names = ATTENTION):
-    """``_C.attention``: attention on projected q, k, v; ``names``: the
-    family of the public entry point (LAYER for a KV cache's step)."""
-    return _call("attention", names, args)
-
-
-def attention_backward(*args):
-    """``_C.attention_backward``: the gradients of :func:`attention`."""
-    return _call("attention_backward", ATTENTION, args)
-
-
-def project(*args):
-    """``_C.project``: the q, k, v projections of new rows (a KV cache's step)."""
-    return _call("project", LAYER, args)
+forward = _door("forward", LAYER, "``_C.forward``: the layer's forward pass "
+                "(:func:`core_args` and the packed capsules).")
+backward = _door("backward", LAYER, "``_C.backward``: the layer's backward pass.")
+attention = _door("attention", ATTENTION, "``_C.attention``: attention on projected q, k, v.")
+attention_backward = _door("attention_backward", ATTENTION,
+                           "``_C.attention_backward``: the gradients of :func:`attention`.")
+project = _door("project", LAYER, "``_C.project``: the q, k, v projections of new rows "
+                "(a KV cache's step).")
 
 
 _EMPTY = np.empty((0, 1, 0, 1))
