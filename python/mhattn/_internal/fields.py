@@ -64,6 +64,8 @@ def user_error(err: ValueError, names: Names) -> ValueError:
     """The core's rejection ``err`` (it has ``.field``) as the user should
     read it: "<argument>: <the core's message in the user's names>"."""
     field = err.field
+    if not field:   # a field the glue has no name for: the core's words as they are
+        return err
     msg = str(err)
     if msg.startswith("mhattn: "):
         msg = msg[len("mhattn: "):]
