@@ -373,14 +373,14 @@ GLUE_BAD = {
     "dk_negative": (VE, ["dk"], dict(dk=np.array([-2, 6]))),
     "dk_huge": (VE, ["dk"], dict(dk=np.array([2 ** 62, 2 ** 62]))),
     "dv_length": (VE, ["dv"], dict(dv=np.array([4]))),
-    "dk_empty": (VE, ["dk"], dict(dk=np.zeros(0, np.int64), dv=np.zeros(0, np.int64))),
-    "scales_count": (VE, ["scales"], dict(scales=np.ones(3))),
+    "dk_empty": (VE, ["G = 0"], dict(dk=np.zeros(0, np.int64), dv=np.zeros(0, np.int64))),
+    "scales_count": (VE, ["H = 3", "G = 2"], dict(scales=np.ones(3))),
     "scales_strings": (TE, ["scales"], dict(scales=np.array(["a", "b"]))),
     "mask_shape": (VE, ["mask"], dict(mask=np.ones((1, 2, 3, 2), bool))),
     "mask_dtype": (TE, ["mask"], dict(mask=np.ones((1, 2, 3, 3), np.int8))),
     "mask_list": (TE, ["mask"], dict(mask=[[[[True]]]])),
-    "key_lengths_range": (VE, ["key_lengths"], dict(key_lengths=np.array([9]))),
-    "key_lengths_negative": (VE, ["key_lengths"], dict(key_lengths=np.array([-1]))),
+    "key_lengths_range": (VE, ["key_lengths[0] = 9", "Tk = 3"], dict(key_lengths=np.array([9]))),
+    "key_lengths_negative": (VE, ["key_lengths[0] = -1"], dict(key_lengths=np.array([-1]))),
     "key_lengths_float": (TE, ["key_lengths"], dict(key_lengths=np.array([1.5]))),
     "key_lengths_shape": (VE, ["key_lengths"], dict(key_lengths=np.array([1, 2]))),
     "missing_argument": (TE, ["forward"], None),
@@ -412,15 +412,17 @@ GLUE_BAD = {
     "key_positions_float": (TE, ["key_positions"], dict(variants=variants(
         rotary_dim=2, inv_freq=np.ones(1), key_positions=np.ones((1, 3))))),
     "cu_one_side": (VE, ["key_cu_seqlens"], dict(variants=variants(cu_q=np.array([0, 3])))),
-    "cu_start": (VE, ["cu_seqlens"], dict(variants=variants(cu_q=np.array([1, 3]),
+    # The offsets' values and B == 1 are the core's rules (mha_check_config):
+    # its message names the config's fields, cu_q and cu_k.
+    "cu_start": (VE, ["cu_q[0] = 1 is not 0"], dict(variants=variants(cu_q=np.array([1, 3]),
                                                             cu_k=np.array([0, 3])))),
-    "cu_end": (VE, ["key_cu_seqlens"], dict(variants=variants(cu_q=np.array([0, 3]),
+    "cu_end": (VE, ["cu_k[nseq = 1] = 2", "Tk = 3"], dict(variants=variants(cu_q=np.array([0, 3]),
                                                               cu_k=np.array([0, 2])))),
-    "cu_decreasing": (VE, ["cu_seqlens"], dict(variants=variants(
+    "cu_decreasing": (VE, ["cu_q decreases", "cu_q[2] = 1"], dict(variants=variants(
         cu_q=np.array([0, 3, 1, 3]), cu_k=np.array([0, 1, 2, 3])))),
-    "cu_past_end": (VE, ["cu_seqlens"], dict(variants=variants(
+    "cu_past_end": (VE, ["cu_q", str(2 ** 40)], dict(variants=variants(
         cu_q=np.array([0, 2 ** 40, 3]), cu_k=np.array([0, 1, 3])))),
-    "cu_batched": (VE, ["cu_seqlens"], dict(x=np.ones((2, 3, 4)), key=np.ones((2, 3, 4)),
+    "cu_batched": (VE, ["nseq = 1", "B = 2"], dict(x=np.ones((2, 3, 4)), key=np.ones((2, 3, 4)),
                                             value=np.ones((2, 3, 4)), variants=variants(
         cu_q=np.array([0, 3]), cu_k=np.array([0, 3])))),
 }

@@ -459,7 +459,7 @@ BAD = [
     (dict(key_lengths=[1, 2, 3]), ValueError, ["key_lengths", "(3,)", "(2,)"]),
     (dict(key_lengths=3), ValueError, ["key_lengths", "(2,)"]),
     (dict(key_lengths=[True, False]), TypeError, ["key_lengths", "bool"]),
-    (dict(num_kv_heads=3, num_heads=2), ValueError, ["num_kv_heads", "3", "num_heads=2"]),
+    (dict(num_kv_heads=3, num_heads=2), ValueError, ["num_kv_heads", "num_kv_heads = 3", "num_heads = 2"]),
     (dict(num_kv_heads=0), ValueError, ["num_kv_heads"]),
     (dict(num_kv_heads=1.5), TypeError, ["num_kv_heads"]),
     (dict(b_q=np.ones(3)), ValueError, ["b_q", "(3,)", "(4,)"]),

@@ -57,12 +57,8 @@ static int attention_sizes(call *c, const call_spec *sp)
     const npy_intp H = n[L_H], G = n[L_G];
     if (check_shapes(c, sp, sp->checks_x) < 0)
         return -1;
-    if (G == 0 || H % G != 0) {
-        PyErr_Format(PyExc_ValueError, "k: the number of query heads H = %zd (q's axis "
-                     "1) must be a positive multiple of the number of kv heads G = %zd",
-                     (Py_ssize_t)H, (Py_ssize_t)G);
+    if (check_heads(H, G) < 0)
         return -1;
-    }
     if (n[L_DK] == 0 || n[L_DV] == 0) {
         PyErr_SetString(PyExc_ValueError, n[L_DK] == 0
                         ? "q: head width dk must be at least 1"
@@ -197,10 +193,11 @@ static int attention_backward_sizes(call *c, const call_spec *sp)
     const npy_intp H = n[L_H], G = n[L_G], dk = n[L_DK], dv = n[L_DV];
     if (check_shapes(c, sp, sp->checks_x) < 0)
         return -1;
-    if (G == 0 || H == 0 || H % G != 0 || dk == 0 || dv == 0) {
-        PyErr_Format(PyExc_ValueError, "k: expected G >= 1 kv heads dividing the H = %zd "
-                     "query heads, and head widths >= 1, got G = %zd, dk = %zd, dv = %zd",
-                     (Py_ssize_t)H, (Py_ssize_t)G, (Py_ssize_t)dk, (Py_ssize_t)dv);
+    if (check_heads(H, G) < 0)
+        return -1;
+    if (dk == 0 || dv == 0) {
+        PyErr_SetString(PyExc_ValueError, dk == 0 ? "q: head width dk must be at least 1"
+                                                  : "v: head width dv must be at least 1");
         return -1;
     }
     if ((size_t)dk > MHA_MAX_ELEMS / (size_t)H || (size_t)dv > MHA_MAX_ELEMS / (size_t)H) {

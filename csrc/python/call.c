@@ -10,13 +10,60 @@
 #include <string.h>
 #include "platform.h"
 
+/* mha_field's names: the mha_config field each id stands for, as
+   mhattn._internal.fields maps them to the public arguments. */
+static const char *const field_names[] = {
+    [MHA_FIELD_NONE] = "", [MHA_FIELD_CALL] = "call", [MHA_FIELD_DTYPE] = "dtype",
+    [MHA_FIELD_PARAMS] = "params", [MHA_FIELD_B] = "B", [MHA_FIELD_TQ] = "Tq",
+    [MHA_FIELD_TK] = "Tk", [MHA_FIELD_DIN] = "Din", [MHA_FIELD_DKIN] = "Dkin",
+    [MHA_FIELD_DVIN] = "Dvin", [MHA_FIELD_DOUT] = "Dout", [MHA_FIELD_H] = "H",
+    [MHA_FIELD_G] = "G", [MHA_FIELD_DK] = "dk", [MHA_FIELD_DV] = "dv",
+    [MHA_FIELD_SCALE] = "scale", [MHA_FIELD_MASK_KIND] = "mask_kind",
+    [MHA_FIELD_MASK] = "mask", [MHA_FIELD_KEY_LENGTHS] = "key_lengths",
+    [MHA_FIELD_WINDOW] = "window", [MHA_FIELD_SOFTCAP] = "softcap",
+    [MHA_FIELD_ALIBI] = "alibi", [MHA_FIELD_ALIBI_BSTRIDE] = "alibi_bstride",
+    [MHA_FIELD_NSEQ] = "nseq", [MHA_FIELD_CU_Q] = "cu_q", [MHA_FIELD_CU_K] = "cu_k",
+    [MHA_FIELD_Q_NORM] = "q_norm", [MHA_FIELD_K_NORM] = "k_norm",
+    [MHA_FIELD_Q_NORM_HSTRIDE] = "q_norm_hstride",
+    [MHA_FIELD_K_NORM_HSTRIDE] = "k_norm_hstride", [MHA_FIELD_NORM_EPS] = "norm_eps",
+    [MHA_FIELD_ROTARY_DIM] = "rotary_dim", [MHA_FIELD_ROPE_INTERLEAVED] = "rope_interleaved",
+    [MHA_FIELD_INV_FREQ] = "inv_freq", [MHA_FIELD_POSITIONS_BSTRIDE] = "positions_bstride",
+    [MHA_FIELD_KEY_POSITIONS_BSTRIDE] = "key_positions_bstride",
+    [MHA_FIELD_LENGTHS_ALIGNED] = "lengths_aligned",
+};
+_Static_assert(sizeof field_names / sizeof field_names[0] == MHA_FIELD_LENGTHS_ALIGNED + 1,
+               "a name for every mha_field");
+
+/* The ValueError of a core rejection: "mhattn: <the core's message>", with
+   the field's name (field_names) as its attribute .field, which the door
+   to _C (mhattn._internal.core) reads to name the user's argument. */
+static void raise_rejection(const mha_error *err)
+{
+    const char *field = (unsigned)err->field < sizeof field_names / sizeof field_names[0]
+                            ? field_names[err->field] : "";
+    PyObject *exc = PyObject_CallFunction(PyExc_ValueError, "s", "");
+    if (exc == NULL)
+        return;
+    PyObject *msg = PyUnicode_FromFormat("mhattn: %s", err->msg);
+    PyObject *name = PyUnicode_FromString(field);
+    PyObject *args = msg != NULL ? PyTuple_Pack(1, msg) : NULL;
+    if (args != NULL && name != NULL && PyObject_SetAttrString(exc, "args", args) == 0 &&
+        PyObject_SetAttrString(exc, "field", name) == 0)
+        PyErr_SetObject(PyExc_ValueError, exc);
+    Py_XDECREF(args);
+    Py_XDECREF(msg);
+    Py_XDECREF(name);
+    Py_DECREF(exc);
+}
+
 /* Turns a core status into a Python exception: MHA_ERR_ARG with the
    core's message (err, which may be NULL or empty) is the ValueError of
-   that message, which names the rule and the values seen. */
+   that message, which names the rule and the values seen, and carries
+   the field's name (raise_rejection). */
 void raise_status(mha_status st, const mha_error *err)
 {
     if (st == MHA_ERR_ARG && err != NULL && err->msg[0] != '\0') {
-        PyErr_Format(PyExc_ValueError, "mhattn: %s", err->msg);
+        raise_rejection(err);
         return;
     }
     switch (st) {
@@ -198,7 +245,7 @@ static int build_config(call *c, const call_spec *sp)
     const npy_intp *n = c->size;
     mha_mask_kind mask_kind;
     ptrdiff_t mask_stride[4];
-    if (as_lengths(&c->lengths, c->arg[sp->key_lengths].obj, n[L_B], n[L_TK]) < 0 ||
+    if (as_lengths(&c->lengths, c->arg[sp->key_lengths].obj, n[L_B]) < 0 ||
         convert_mask(c, sp, &mask_kind, mask_stride) < 0 ||
         snapshot_scales(&c->scales, c->in[sp->scales]) < 0)
         return -1;

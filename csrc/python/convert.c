@@ -221,20 +221,33 @@ int convert_vectors(call *c, const call_spec *sp)
     return 0;
 }
 
+/* The core's verdict on H query heads and G kv heads: the glue needs H / G
+   to lay out the fused widths before a call's config is complete, so it
+   asks mha_check_config, which checks H and G before any other field (the
+   rule and its message live there, once). -1 with the core's ValueError
+   (call.c, raise_status) when H or G is wrong. */
+int check_heads(npy_intp H, npy_intp G)
+{
+    const mha_config cfg = {.H = (size_t)H, .G = (size_t)G};
+    mha_layout lay;
+    mha_error err;
+    const mha_status st = mha_check_config(&lay, &cfg, &err);
+    if (st == MHA_OK || (err.field != MHA_FIELD_H && err.field != MHA_FIELD_G))
+        return 0;
+    raise_status(st, &err);
+    return -1;
+}
+
 /* Head widths dk, dv (G,) as size_t in *widths (2G, PyMem; dk then dv),
-   checked against the H = len(scales) query heads, and the fused widths
-   fused = {Sq, Sk, Sv, Svq} (see mha.h). -1 with an exception on failure. */
+   checked against the H = len(scales) query heads (check_heads), and the
+   fused widths fused = {Sq, Sk, Sv, Svq} (see mha.h). -1 with an
+   exception on failure. */
 int head_widths(size_t **widths, size_t fused[4], PyArrayObject *dk_a,
                        PyArrayObject *dv_a, npy_intp H)
 {
     const npy_intp G = PyArray_DIM(dk_a, 0);
-    if (G == 0 || H == 0 || H % G != 0) {
-        PyErr_Format(PyExc_ValueError,
-                     "dk, scales: the number of query heads H = len(scales) = %zd "
-                     "must be a positive multiple of the number of kv heads "
-                     "G = len(dk) = %zd", (Py_ssize_t)H, (Py_ssize_t)G);
+    if (check_heads(H, G) < 0)
         return -1;
-    }
     if (PyArray_DIM(dv_a, 0) != G) {
         PyErr_Format(PyExc_ValueError,
                      "dv: expected length %zd (G = len(dk)), got %zd",
@@ -251,10 +264,11 @@ int head_widths(size_t **widths, size_t fused[4], PyArrayObject *dk_a,
     for (npy_intp g = 0; g < G; g++) {
         // Each caller value is read once, into the copy the core reads.
         const int64_t dk_g = dk64[g], dv_g = dv64[g];
-        if (dk_g <= 0 || dv_g <= 0 || (uint64_t)dk_g > MHA_MAX_ELEMS ||
+        // As size_t; a width of 0 is the core's to reject (mha_check_config).
+        if (dk_g < 0 || dv_g < 0 || (uint64_t)dk_g > MHA_MAX_ELEMS ||
             (uint64_t)dv_g > MHA_MAX_ELEMS) {
             PyErr_Format(PyExc_ValueError,
-                         "dk, dv: head widths must be between 1 and %zu, got "
+                         "dk, dv: head widths must be between 0 and %zu, got "
                          "dk[%zd] = %lld, dv[%zd] = %lld", MHA_MAX_ELEMS,
                          (Py_ssize_t)g, (long long)dk_g, (Py_ssize_t)g,
                          (long long)dv_g);
@@ -302,10 +316,10 @@ int uniform_widths(call *c, npy_intp G, npy_intp dk, npy_intp dv)
     return 0;
 }
 
-/* key_lengths: None (*snap stays NULL) or int64 (B,), each in [0, Tk],
-   copied into *snap (B, PyMem) and checked there: the core reads the copy,
-   which no other thread can change once the GIL is released. */
-int as_lengths(int64_t **snap, PyObject *obj, npy_intp B, npy_intp Tk)
+/* key_lengths: None (*snap stays NULL) or int64 (B,), copied into *snap
+   (B, PyMem): the core checks and reads the copy, which no other thread
+   can change once the GIL is released. */
+int as_lengths(int64_t **snap, PyObject *obj, npy_intp B)
 {
     *snap = NULL;
     if (obj == Py_None)
@@ -322,17 +336,7 @@ int as_lengths(int64_t **snap, PyObject *obj, npy_intp B, npy_intp Tk)
     if (res == 0)
         memcpy(*snap, PyArray_DATA(a), (size_t)B * sizeof **snap);
     Py_DECREF(a);
-    for (npy_intp b = 0; res == 0 && b < B; b++) {
-        const int64_t len = (*snap)[b];
-        if (len < 0 || len > (int64_t)Tk) {
-            PyErr_Format(PyExc_ValueError,
-                         "key_lengths: expected 0 <= key_lengths[b] <= Tk = %zd, "
-                         "got key_lengths[%zd] = %lld", (Py_ssize_t)Tk,
-                         (Py_ssize_t)b, (long long)len);
-            res = -1;
-        }
-    }
-    return res;
+    return res;   // each length in [0, Tk]: the core's rule (mha_check_config)
 }
 
 /* scales (H,) float64 copied into *snap (H, PyMem), for the same reason. */

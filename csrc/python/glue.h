@@ -264,12 +264,13 @@ void prefix_error(const char *name);
 int convert_arrays(call *c, const call_spec *sp);
 int convert_vectors(call *c, const call_spec *sp);
 int check_shapes(const call *c, const call_spec *sp, const int *pos);
+int check_heads(npy_intp H, npy_intp G);
 int head_widths(size_t **widths, size_t fused[4], PyArrayObject *dk_a, PyArrayObject *dv_a,
                 npy_intp H);
 void shape_dims(npy_intp dims[4], const shape *s, const npy_intp size[N_LETTERS]);
 int uniform_widths(call *c, npy_intp G, npy_intp dk, npy_intp dv);
 int convert_mask(call *c, const call_spec *sp, mha_mask_kind *kind, ptrdiff_t stride[4]);
-int as_lengths(int64_t **snap, PyObject *obj, npy_intp B, npy_intp Tk);
+int as_lengths(int64_t **snap, PyObject *obj, npy_intp B);
 int snapshot_scales(double **snap, PyArrayObject *scales);
 
 /* ---- args.c: the arguments as passed ------------------------------------ */

@@ -3,8 +3,11 @@
 Every public entry point (``mhattn.multi_head_attention``, the reference, the
 trace, the layer class) turns its arguments into one :class:`Call` through
 :func:`normalize`.  This is where the user-facing errors are raised: each one
-names the argument and the shapes it saw.  The C glue re-checks what the core
-relies on, but a user should never reach those messages.
+names the argument and the shapes it saw.  What exists only in Python is
+checked here: the forms of the weights and how they split into heads,
+Python types. The rules about a call's config (head counts, ...) are the
+core's (csrc/core/config.c), which the one door to _C reports in the
+user's names (mhattn._internal.fields); Python never re-checks them.
 
 Letters follow the C core (``csrc/mha.h``): B batch, Tq queries, Tk keys,
 H query heads, G key/value heads, dk[g] / dv[g] the widths of kv head g.
@@ -580,19 +583,23 @@ def _sources(x: Any, key: Any, value: Any) -> tuple:
     return xa, ka, va, batched
 
 
+def heads_verdict(H: int, G: int) -> None:
+    """Raises the core's ValueError for H query heads and G kv heads that
+    cannot be paired: the rule is the core's (mha_check_config). This module
+    sits below the one door to _C, which installs the function
+    (mhattn._internal.core.check_heads) when it is imported."""
+    raise NotImplementedError("mhattn._internal.core is not imported")
+
+
 def split_heads(w_q: Any, w_k: Any, w_v: Any, num_heads: Optional[int],
                 num_kv_heads: Optional[int]) -> tuple:
     """(wq, wk, wv, G): the weights split per head and checked against each
     other (head counts, q and k widths); their sources are not looked at."""
     wq = _split_weight("w_q", w_q, num_heads, "num_heads")
     H = len(wq.heads)
-    if num_kv_heads is not None:
-        if H % num_kv_heads != 0:
-            raise ValueError(f"num_kv_heads: {num_kv_heads} does not divide "
-                             f"num_heads={H}")
-        G = num_kv_heads
-    else:
-        G = H
+    G = H if num_kv_heads is None else num_kv_heads
+    if H % G:   # the heads cannot be paired: the core says why
+        heads_verdict(H, G)
     kv_name = "num_kv_heads" if num_kv_heads is not None else "num_heads"
     wk = _split_weight("w_k", w_k, G, kv_name)
     wv = _split_weight("w_v", w_v, G, kv_name)

@@ -8,11 +8,17 @@ options in their usual forms), which returns None for anything else; and
 :func:`slow`, which checks every argument through
 :func:`mhattn._internal.args.normalize` and raises the friendly errors.
 
-The fast branch makes every check the glue makes, so that the glue accepts
-whatever it returns; it never relies on the glue's errors (nor catches
-them: they may come from a user's SIGINT handler). What it returns is
-bitwise what the slow branch returns: the same arrays, or views with the
-same values.
+The fast branch takes only calls the glue and the core accept, and hands
+anything else to the slow one; it never relies on the glue's errors. What
+it returns is bitwise what the slow branch returns: the same arrays, or
+views with the same values.
+
+Each rule about a call's config is checked once, by the core's
+``mha_check_config``; its rejection reaches Python as a ValueError with a
+``field`` attribute, which the entry points below re-raise naming the
+user's argument (:mod:`mhattn._internal.fields`). Other exceptions pass
+through untouched (a KeyboardInterrupt, or whatever a user's SIGINT
+handler raises).
 
 :func:`run_core` hands a checked :class:`mhattn._internal.args.Call` to the core;
 :class:`Context` is what the forward keeps for the backward.
@@ -28,13 +34,14 @@ import numpy as np
 
 from .. import _C  # the one module of the package that imports the extension
 from . import args as _args
+from .fields import ATTENTION, LAYER, Names, user_error
 from .args import (PER_HEAD_BYTES, Call, bool_arg, check_memory, fused_widths,
                    head_scales, memory_limit, normalize, plan)
 
 __all__ = ["fast", "slow", "core_args", "variant_args", "head_arrays", "run_core",
            "Context", "make_context",
            # the C entry points
-           "forward", "backward", "attention", "attention_backward", "project",
+           "forward", "backward", "attention", "attention_backward", "project", "check_heads",
            "pack_weight", "packed_info", "get_isa", "set_isa", "get_num_threads",
            "set_num_threads", "library_path"]
 
@@ -45,29 +52,54 @@ __all__ = ["fast", "slow", "core_args", "variant_args", "head_arrays", "run_core
 # these functions. Each looks _C's function up when it is called, as a direct
 # ``_C.name(...)`` call does. Their arguments are those of _C.pyi.
 
-def forward(*args):
-    """``_C.forward``: the layer's forward pass (:func:`core_args` and the packed capsules)."""
-    return _C.forward(*args)
+# A rejection by the core's config check (a ValueError with .field, see
+# mhattn._internal.fields) is re-raised naming the user's argument: each
+# entry point's ``names`` says how its family of public functions names the
+# fields. _door makes each entry point one function (no extra frame on the
+# small call's path); a ``try`` costs nothing until something is raised.
+
+def _door(name: str, names: Names, doc: str):
+    """The entry point ``_C.<name>(*args)``; a core rejection raised in the
+    words of ``names`` (a keyword of the entry point, for a caller whose
+    family differs: a KV cache's step calls attention with LAYER)."""
+    def door(*args, names: Names = names):
+        try:
+            return getattr(_C, name)(*args)
+        except ValueError as e:
+            if not hasattr(e, "field"):
+                raise
+            raise user_error(e, names) from None
+    door.__name__ = door.__qualname__ = name
+    door.__doc__ = doc
+    return door
 
 
-def backward(*args):
-    """``_C.backward``: the layer's backward pass."""
-    return _C.backward(*args)
+forward = _door("forward", LAYER, "``_C.forward``: the layer's forward pass "
+                "(:func:`core_args` and the packed capsules).")
+backward = _door("backward", LAYER, "``_C.backward``: the layer's backward pass.")
+attention = _door("attention", ATTENTION, "``_C.attention``: attention on projected q, k, v.")
+attention_backward = _door("attention_backward", ATTENTION,
+                           "``_C.attention_backward``: the gradients of :func:`attention`.")
+project = _door("project", LAYER, "``_C.project``: the q, k, v projections of new rows "
+                "(a KV cache's step).")
 
 
-def attention(*args):
-    """``_C.attention``: attention on projected q, k, v."""
-    return _C.attention(*args)
+_EMPTY = np.empty((0, 1, 0, 1))
+_ONES = np.ones(1)
 
 
-def attention_backward(*args):
-    """``_C.attention_backward``: the gradients of :func:`attention`."""
-    return _C.attention_backward(*args)
+def check_heads(H: int, G: int, names: Names = LAYER) -> None:
+    """The core's verdict on H query heads and G kv heads, for what splits
+    weights per head before any call of the core (normalize, pack_weights,
+    the layer's constructor): an empty call of :func:`attention`, whose
+    glue asks mha_check_config (csrc/python/convert.c, check_heads). The
+    rule and its message live in the core; this raises them."""
+    attention(np.broadcast_to(_EMPTY, (0, H, 0, 1)), np.broadcast_to(_EMPTY, (0, G, 0, 1)),
+              np.broadcast_to(_EMPTY, (0, G, 0, 1)), np.broadcast_to(_ONES, (H,)), None,
+              False, None, None, False, False, False, False, names=names)
 
 
-def project(*args):
-    """``_C.project``: the q, k, v projections of new rows (a KV cache's step)."""
-    return _C.project(*args)
+_args.heads_verdict = check_heads
 
 
 def pack_weight(w):

@@ -90,9 +90,7 @@ def check_projected(q, k, v, layout: str = "bhtd") -> Projected:
         raise ValueError(f"v: has {Tv} keys but k has {Tk}; they must share T_k {seen}")
     if dkk != dk:
         raise ValueError(f"k: its width d_k = {dkk} differs from q's {dk} {seen}")
-    if G == 0 or H == 0 or H % G:
-        raise ValueError(f"k: its {G} heads must divide q's {H} heads (grouped-query "
-                         f"attention) {seen}")
+    # H a positive multiple of G: the core's rule, checked once there (core.attention).
     if dk == 0 or dv == 0:
         raise ValueError(f"{'q' if dk == 0 else 'v'}: heads of width 0 {seen}")
     return Projected(q=qb, k=kb, v=vb, B=B, H=H, G=G, Tq=Tq, Tk=Tk, dk=dk, dv=dv,

@@ -341,7 +341,7 @@ def cached_step(x, w_q, w_k, w_v, w_o, *, cache, num_heads=None, scale=None,
         concat, weights, _ = core.attention(
             q4, cache.key_storage, cache.value_storage, scales, None, call.causal,
             cache._lengths.copy(), scores_only, True,
-            True, want_w, False)
+            True, want_w, False, names=core.LAYER)
     except BaseException:
         cache._lengths[:] = before      # a failed (or interrupted) step appends nothing
         raise

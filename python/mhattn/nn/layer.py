@@ -32,6 +32,7 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
+from .._internal import core as _core
 from .._internal.args import _check_numeric, _int_arg, _to_array
 from ..compute.forward import multi_head_attention
 from ..compute.grad import backward as _backward
@@ -244,9 +245,8 @@ class MultiHeadAttention:
         self.num_heads = _int_arg("num_heads", num_heads, allow_none=False)
         g = _int_arg("num_kv_heads", num_kv_heads)
         self.num_kv_heads = self.num_heads if g is None else g
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_kv_heads: {self.num_kv_heads} does not divide "
-                             f"num_heads={self.num_heads}")
+        if self.num_heads % self.num_kv_heads:   # cannot be paired: the core says why
+            _core.check_heads(self.num_heads, self.num_kv_heads)
         d_k = _int_arg("d_k", d_k)
         d_v = _int_arg("d_v", d_v)
         if d_k is None:

@@ -1,0 +1,245 @@
+"""Each rule is checked once, so a violation gets one message everywhere
+(issue 34 item 3).
+
+A table of violations, each run through every public entry point that takes
+the argument: multi_head_attention, multi_head_attention_grad, the cached
+decode step (multi_head_attention(..., cache=)) and KVCache.append,
+pack_weights, the MultiHeadAttention layer (its constructor and its call),
+attention and attention_grad. Every entry point must raise the same
+exception type with the same message, once the names of the projected-tensor
+API (attention, attention_grad: "k", "q's heads", "k's heads", see
+mhattn._internal.fields) are mapped to the layer's (num_kv_heads, num_heads).
+Each message must also name the argument and the values it saw.
+"""
+import re
+
+import numpy as np
+import pytest
+
+import mhattn
+
+rng = np.random.default_rng(34)
+B, T, D = 2, 3, 12
+
+
+def _r(*shape):
+    return rng.standard_normal(shape)
+
+
+X = _r(B, T, D)
+G_OUT = _r(B, T, D)
+
+
+def _layer_weights(H, G, d=2):
+    """(w_q, w_k, w_v, w_o) fused, for H query heads, G kv heads of width d."""
+    return _r(D, H * d), _r(D, G * d), _r(D, G * d), _r(H * d, D)
+
+
+def _qkv(H, G, d=2, Tk=T):
+    return _r(B, H, T, d), _r(B, G, Tk, d), _r(B, G, Tk, d)
+
+
+# --- the entry points, each a function of the violation's keywords ----------
+# `heads` (H, G) is the call's head counts; `kw` the keywords under test.
+
+def _mha(H, G, kw):
+    w = _layer_weights(H, G)
+    return mhattn.multi_head_attention(X, *w, num_heads=H, num_kv_heads=G, **kw)
+
+
+def _grad(H, G, kw):
+    w = _layer_weights(H, G)
+    return mhattn.multi_head_attention_grad(G_OUT, X, *w, num_heads=H, num_kv_heads=G, **kw)
+
+
+def _decode(H, G, kw):
+    w = _layer_weights(H, G)
+    cache = mhattn.KVCache(B, G, 8, 2, dtype=np.float64)
+    return mhattn.multi_head_attention(X[:, :1], *w, num_heads=H, num_kv_heads=G,
+                                       cache=cache, **kw)
+
+
+def _pack(H, G, kw):
+    return mhattn.pack_weights(*_layer_weights(H, G), num_heads=H, num_kv_heads=G, **kw)
+
+
+def _layer_new(H, G, kw):
+    return mhattn.MultiHeadAttention(D, H, num_kv_heads=G, d_k=2, dtype=np.float64, **kw)
+
+
+def _layer_call(H, G, kw):
+    layer = mhattn.MultiHeadAttention(D, H, num_kv_heads=G, d_k=2, dtype=np.float64,
+                                      seed=0)
+    return layer(X, **kw)
+
+
+def _packed_call(H, G, kw):
+    packed = mhattn.pack_weights(*_layer_weights(H, G), num_heads=H, num_kv_heads=G)
+    return mhattn.multi_head_attention(X, packed, **kw)
+
+
+def _attention(H, G, kw):
+    return mhattn.attention(*_qkv(H, G), **kw)
+
+
+def _attention_grad(H, G, kw):
+    q, k, v = _qkv(H, G)
+    return mhattn.attention_grad(_r(B, H, T, 2), q, k, v, **kw)
+
+
+def _layer_owned(H, G, kw):
+    """The layer's own norm_eps / sinks, given to its constructor, used by its call."""
+    layer = mhattn.MultiHeadAttention(D, H, num_kv_heads=G, d_k=2, dtype=np.float64,
+                                      qk_norm=True, seed=0, **kw)
+    return layer(X)
+
+
+# Packed sequences: 2-D x (total, d_in), unbatched q, k, v (heads, total, d).
+XP = _r(T, D)
+
+
+def _mha_packed(H, G, kw):
+    w = _layer_weights(H, G)
+    return mhattn.multi_head_attention(XP, *w, num_heads=H, num_kv_heads=G, **kw)
+
+
+def _grad_packed(H, G, kw):
+    w = _layer_weights(H, G)
+    return mhattn.multi_head_attention_grad(_r(T, D), XP, *w, num_heads=H,
+                                            num_kv_heads=G, **kw)
+
+
+def _layer_packed(H, G, kw):
+    layer = mhattn.MultiHeadAttention(D, H, num_kv_heads=G, d_k=2, dtype=np.float64,
+                                      seed=0)
+    return layer(XP, **kw)
+
+
+def _attention_packed(H, G, kw):
+    return mhattn.attention(_r(H, T, 2), _r(G, T, 2), _r(G, T, 2), **kw)
+
+
+def _attention_grad_packed(H, G, kw):
+    return mhattn.attention_grad(_r(H, T, 2), _r(H, T, 2), _r(G, T, 2), _r(G, T, 2), **kw)
+
+
+PACKED = {"multi_head_attention": _mha_packed, "multi_head_attention_grad": _grad_packed,
+          "layer": _layer_packed, "attention": _attention_packed,
+          "attention_grad": _attention_grad_packed}
+
+
+def _append(H, G, kw):
+    cache = mhattn.KVCache(B, G, 8, 2, dtype=np.float64)
+    return cache.append(_r(B, G, 2, 2), _r(B, G, 2, 2), **kw)
+
+
+LAYER = {"multi_head_attention": _mha, "multi_head_attention_grad": _grad,
+         "decode": _decode, "layer": _layer_call, "packed": _packed_call}
+HEADS_ONLY = {"pack_weights": _pack, "MultiHeadAttention": _layer_new}
+ATTENTION = {"attention": _attention, "attention_grad": _attention_grad}
+EVERY_CALL = {**LAYER, **ATTENTION}
+# The decode step attends to the cache's keys: no mask, key_lengths, key_mask.
+NOT_CACHED = {e: f for e, f in EVERY_CALL.items() if e != "decode"}
+# The layer owns its sinks and norms: its call does not take them.
+NOT_OWNED = {e: f for e, f in EVERY_CALL.items() if e != "layer"}
+
+# The projected-tensor API's names for the layer's (mhattn._internal.fields).
+ATTENTION_WORDS = {"q's heads": "num_heads", "k's heads": "num_kv_heads"}
+
+# violation -> ((H, G), keywords, entry points, words the message must hold)
+VIOLATIONS = {
+    "kv_heads_not_dividing": (
+        (6, 4), {}, {**EVERY_CALL, **HEADS_ONLY},
+        ["num_kv_heads: ", "num_heads = 6", "num_kv_heads = 4"]),
+    "kv_heads_more_than_heads": (
+        (2, 4), {}, {**EVERY_CALL, **HEADS_ONLY},
+        ["num_kv_heads: ", "num_heads = 2", "num_kv_heads = 4"]),
+    "softcap_negative": ((2, 2), dict(softcap=-1.0), EVERY_CALL, ["softcap", "-1"]),
+    "softcap_nan": ((2, 2), dict(softcap=float("nan")), EVERY_CALL, ["softcap", "nan"]),
+    "softcap_inf": ((2, 2), dict(softcap=float("inf")), EVERY_CALL, ["softcap", "inf"]),
+    "window_negative": ((2, 2), dict(window=(-1, 0)), EVERY_CALL, ["window", "-1"]),
+    "window_three": ((2, 2), dict(window=(1, 2, 3)), EVERY_CALL, ["window", "3"]),
+    "sinks_shape": ((2, 2), dict(sinks=np.zeros(3)), NOT_OWNED, ["sinks", "(3,)"]),
+    "key_lengths_above": ((2, 2), dict(key_lengths=np.array([1, 9])), NOT_CACHED,
+                          ["key_lengths", "9"]),
+    "key_lengths_negative": ((2, 2), dict(key_lengths=np.array([-1, 2])), NOT_CACHED,
+                             ["key_lengths", "-1"]),
+    "mask_shape": ((2, 2), dict(mask=np.ones((5, 5), bool)), NOT_CACHED,
+                   ["mask", "(5, 5)"]),
+    "alibi_shape": ((2, 2), dict(alibi_slopes=np.ones(3)), EVERY_CALL,
+                    ["alibi_slopes", "(3,)"]),
+    "key_mask_shape": ((2, 2), dict(key_mask=np.ones((2, 7), bool)), NOT_CACHED,
+                       ["key_mask", "(2, 7)"]),
+    "norm_eps_negative": ((2, 2), dict(norm_eps=-1.0, q_norm=np.ones(2)),
+                          {e: f for e, f in LAYER.items() if e != "layer"},
+                          ["norm_eps", "-1"]),
+    "norm_eps_nan": ((2, 2), dict(norm_eps=float("nan"), q_norm=np.ones(2)),
+                     {e: f for e, f in LAYER.items() if e != "layer"},
+                     ["norm_eps", "nan"]),
+    "norm_eps_of_the_layer": ((2, 2), dict(norm_eps=-1.0),
+                              {"multi_head_attention": lambda H, G, kw: _mha(
+                                  H, G, dict(kw, q_norm=np.ones(2))),
+                               "layer": _layer_owned},
+                              ["norm_eps", "-1"]),
+    "rotary_dim_wider_than_heads": ((2, 2), dict(rope=mhattn.RoPE(rotary_dim=4)), LAYER,
+                                    ["rotary_dim", "4", "2"]),
+    "cu_seqlens_decreasing": ((2, 2), dict(cu_seqlens=[0, 2, 1, 3]), PACKED,
+                              ["cu_seqlens", "2", "1"]),
+    "cu_seqlens_start": ((2, 2), dict(cu_seqlens=[1, 3]), PACKED, ["cu_seqlens", "1"]),
+    "cu_seqlens_end": ((2, 2), dict(cu_seqlens=[0, 2]), PACKED, ["cu_seqlens", "2", "3"]),
+    # Only Python sees per-head weights: the layer family's rule, one message.
+    "head_widths_q_k": ((2, 2), dict(w_k=_r(D, 6)),
+                        {"multi_head_attention": lambda H, G, kw: mhattn.multi_head_attention(
+                            X, _r(D, 4), kw["w_k"], _r(D, 4), num_heads=2),
+                         "multi_head_attention_grad": lambda H, G, kw:
+                            mhattn.multi_head_attention_grad(G_OUT[..., :4], X, _r(D, 4),
+                                                             kw["w_k"], _r(D, 4), num_heads=2),
+                         "pack_weights": lambda H, G, kw: mhattn.pack_weights(
+                            _r(D, 4), kw["w_k"], _r(D, 4), num_heads=2)},
+                        ["w_q / w_k", "width 2", "width 3"]),
+    "lengths_in_append": ((2, 2), dict(lengths=np.array([3, 1])), {"append": _append},
+                          ["lengths", "3"]),
+}
+
+
+def _message(fn, H, G, kw):
+    with pytest.raises(Exception) as info:
+        fn(H, G, kw)
+    return type(info.value), str(info.value)
+
+
+def _as_layer(entry, msg):
+    if entry in ATTENTION:
+        if msg.startswith("k: "):
+            msg = "num_kv_heads: " + msg[3:]
+        for theirs, ours in ATTENTION_WORDS.items():
+            msg = msg.replace(theirs, ours)
+    return msg
+
+
+@pytest.mark.parametrize("name", sorted(VIOLATIONS))
+def test_one_message_everywhere(name):
+    (H, G), kw, entries, words = VIOLATIONS[name]
+    seen = {e: _message(fn, H, G, kw) for e, fn in entries.items()}
+    kinds = {e: t for e, (t, _) in seen.items()}
+    assert len(set(kinds.values())) == 1, f"{name}: different exception types {kinds}"
+    messages = {e: _as_layer(e, m) for e, (_, m) in seen.items()}
+    first = next(iter(messages.values()))
+    differ = {e: m for e, m in messages.items() if m != first}
+    assert not differ, (f"{name}: the same violation, different messages:\n" +
+                        "\n".join(f"  {e}: {m}" for e, m in messages.items()))
+    for w in words:
+        assert w in first, f"{name}: {w!r} not in {first!r}"
+
+
+def test_core_rejection_names_the_field():
+    """The glue's ValueError of a core rejection carries the field, which the
+    door to _C maps to the user's argument (mhattn._internal.fields)."""
+    with pytest.raises(ValueError) as info:
+        _mha(6, 4, {})
+    assert info.value.field == "G"
+    assert re.fullmatch(r"num_kv_heads: num_heads = 6 is not a multiple of "
+                        r"num_kv_heads = 4", str(info.value))
+    with pytest.raises(ValueError) as info:
+        _attention(6, 4, {})
+    assert str(info.value) == "k: q's heads = 6 is not a multiple of k's heads = 4"
