@@ -36,7 +36,8 @@ def test_generated_files_are_fresh(capsys):
 
 def _copy(tmp_path):
     """The schema and the generated files, copied under tmp_path."""
-    paths = {gen_schema.SCHEMA, gen_schema.PYI, gen_schema.HEADER}
+    paths = {gen_schema.SCHEMA, gen_schema.PYI, gen_schema.HEADER, gen_schema.ARGS_H,
+             gen_schema.ARGS_C}
     paths |= {e.file for e in schema.ENTRIES.values() if e.doc_groups}
     for p in paths:
         os.makedirs(tmp_path / os.path.dirname(p), exist_ok=True)
@@ -75,6 +76,7 @@ def test_a_schema_edit_makes_every_output_stale(tmp_path, capsys):
     out = capsys.readouterr().out
     for p in (gen_schema.PYI, gen_schema.HEADER, "python/mhattn/compute/forward.py"):
         assert f"stale: {p}" in out
+    assert gen_schema.ARGS_H not in out and gen_schema.ARGS_C not in out
     gen_schema.main(["--root", str(root)])
     assert "Where the queries come from." in (root / "python/mhattn/compute/forward.py").read_text()
 
@@ -177,47 +179,45 @@ def test_records():
         gen_schema.parameters_section(schema, e) if schema.ENTRIES[e].doc_groups else None
 
 
-def _glue_tables():
-    """{function: its arg_spec rows} as the glue's C source writes them
-    (wherever under csrc/ its tables live)."""
+def test_a_schema_edit_makes_the_glue_tables_stale(tmp_path, capsys):
+    # The glue's tables are the schema's: an argument's shape, its order,
+    # a shape check's order or a note changes the generated C.
+    root = _copy(tmp_path)
+    _edit(root / gen_schema.SCHEMA, '"(B, Tq, Sq)", REQUIRED,\n        "forward()\'s kept q',
+          '"(B, Tq, Sk)", REQUIRED,\n        "forward()\'s kept q')
+    _edit(root / gen_schema.SCHEMA, '("k", " from q\'s B and dk")', '("k", " from q")')
+    _edit(root / gen_schema.SCHEMA, 'checks_x=("k", "v", "scales")',
+          'checks_x=("v", "k", "scales")')
+    assert gen_schema.main(["--check", "--root", str(root)]) == 1
+    out = capsys.readouterr().out
+    assert f"stale: {gen_schema.ARGS_C}" in out and gen_schema.ARGS_H not in out
+    gen_schema.main(["--root", str(root)])
+    text = (root / gen_schema.ARGS_C).read_text()
+    assert '{"q", ARG_ARRAY, SHAPE3(L_B, L_TQ, L_SK), 0, NULL}' in text
+    assert '" from q"}' in text and "{ATT_V, ATT_K, ATT_SCALES, -1}" in text
+    _edit(root / gen_schema.SCHEMA, 'variants, lengths_aligned, "\n                 "out_bthd,',
+          'variants, out_bthd, "\n                 "lengths_aligned,')
+    gen_schema.main(["--root", str(root)])
+    assert "ATT_OUT_BTHD, ATT_LENGTHS_ALIGNED" in (root / gen_schema.ARGS_H).read_text()
+
+
+def test_glue_tables_are_only_generated():
+    # No hand-written glue file restates a table, a positions enum or the
+    # call_spec fields the schema says.
     import glob
     import re
-    tables = {}
-    for path in glob.glob(os.path.join(ROOT, "csrc", "**", "*.c"), recursive=True):
+    generated = {os.path.join(ROOT, p) for p in (gen_schema.ARGS_H, gen_schema.ARGS_C)}
+    for path in glob.glob(os.path.join(ROOT, "csrc", "python", "*.[ch]")):
+        if path in generated:
+            continue
         text = open(path, encoding="utf-8").read()
-        for fn, body in re.findall(r"static const arg_spec (\w+)_args\[\w+\] = \{(.*?)\n\};",
-                                   text, re.S):
-            entries = re.findall(r"\[(\w+)\] = \{(.*?)\},", body, re.S)
-            index = {pos: None for pos, _ in entries}
-            rows = []
-            for pos, spec in entries:
-                spec = " ".join(spec.split())
-                if spec.startswith(".name"):
-                    name = re.search(r'\.name = "(\w+)"', spec).group(1)
-                    kind = re.search(r"\.kind = (\w+)", spec).group(1)
-                    rows.append([name, kind, None, None])
-                else:
-                    m = re.fullmatch(r'"(\w+)", (\w+), SHAPE\d\(([\w, ]+)\), (\w+)'
-                                     r'(?:, (?:NULL|"[^"]*"))?', spec)
-                    shape = tuple(x.strip()[2:] for x in m.group(3).split(","))
-                    rows.append([m.group(1), m.group(2), shape, m.group(4)])
-                index[pos] = rows[-1][0]
-            for row in rows:   # an alias is written as its position
-                row[3] = index.get(row[3]) if row[3] not in (None, "0") else None
-            tables[fn] = [tuple(r) for r in rows]
-    return tables
-
-
-def test_the_schema_says_what_the_glue_tables_say():
-    tables = _glue_tables()
-    with_tables = [n for n, f in schema.C_FUNCTIONS.items() if f.prefix]
-    assert sorted(tables) == sorted(with_tables)
-    for name in with_tables:
-        want = [(n, k, None if sh is None else tuple(x.upper() for x in sh), al)
-                for n, k, sh, al in gen_schema.arg_specs(schema, name)]
-        got = [(n, k, sh, al) for n, k, sh, al in tables[name]]
-        assert got == want, name
-        assert "_args[" in gen_schema.arg_spec_c(schema, name)
+        assert not re.search(r"\barg_spec \w+\[", text), path
+        assert not re.search(r"\bshape \w+_outs\[", text), path
+        assert not re.search(r"enum \{[^}]*_N(ARGS|OUTS)\b", text), path
+        assert not re.search(r"\.(nopt|checks_x|checks_widths) = ", text), path
+    specs = re.findall(r"(\w+)_SPEC_ARGS,", "".join(
+        open(os.path.join(ROOT, "csrc", "python", f)).read() for f in ("mha.c", "attend.c")))
+    assert sorted(specs) == sorted(n.upper() for n, f in schema.C_FUNCTIONS.items() if f.prefix)
 
 
 def test_schema_imports_nothing_of_mhattn():
@@ -246,21 +246,7 @@ def test_variants_are_the_glues():
     assert names == [v[0] for v in schema.VARIANTS]
 
 
-def test_outputs_are_the_glues():
-    import glob
-    import re
-    tables = {}
-    for path in glob.glob(os.path.join(ROOT, "csrc", "**", "*.c"), recursive=True):
-        text = open(path, encoding="utf-8").read()
-        for fn, body in re.findall(r"static const shape (\w+)_outs\[\w+\] = \{(.*?)\};",
-                                   text, re.S):
-            tables[fn] = [tuple(x.strip()[2:] for x in m.split(","))
-                          for m in re.findall(r"SHAPE\d\(([\w, ]+)\)", body)]
-    assert sorted(tables) == ["backward", "forward", "project"]
-    for fn, shapes in tables.items():
-        want = [tuple(x.strip().upper() for x in o.shape.strip("(,)").split(",") if x.strip())
-                for o in schema.C_OUTPUTS[fn]][:len(shapes)]
-        assert shapes == want, fn
+def test_outputs_ask_for_arguments():
     for fn, outs in schema.C_OUTPUTS.items():
         for o in outs:   # what asks for an output is an argument of the function
             asked = o.when.split(":")[0]

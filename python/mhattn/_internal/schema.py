@@ -86,6 +86,13 @@ class CFunction(NamedTuple):
     table_shapes: Tuple[str, ...] = ()  # the arg kinds whose shapes the glue's
                                   # arg_spec table checks (ARG_ARRAY, ...); the
                                   # function checks the others' itself
+    notes: Tuple[Tuple[str, str], ...] = ()  # (argument, arg_spec.note): said
+                                  # after the letters of a wrong shape
+    checks_x: Tuple[str, ...] = ()  # call_spec.checks_x: the arrays checked
+                                  # against x's, key's, value's (q's) sizes,
+                                  # in the order their errors take precedence
+    checks_widths: Tuple[str, ...] = ()  # call_spec.checks_widths: then those
+                                  # checked once the head widths are known
 
 
 _MHA = ("multi_head_attention", "multi_head_attention_grad")
@@ -623,6 +630,16 @@ C_ARGS = (
         "A thread count; 0 restores the default."),
 )
 
+# The roles a call_spec names by position (csrc/python/glue.h, struct
+# call_spec): role -> the arguments that may play it, the first a function
+# takes; ARG_NONE where it takes none.
+C_ROLES = {
+    "x": ("x", "q"), "key": ("key", "k"), "value": ("value", "v"), "wo": ("wo",),
+    "dk": ("dk",), "dv": ("dv",), "scales": ("scales",), "mask": ("mask",),
+    "causal": ("causal",), "key_lengths": ("key_lengths",), "variants": ("variants",),
+    "lengths_aligned": ("lengths_aligned",),
+}
+
 # The variants' tuple (C_ARGS's ``variants``), position by position, as
 # mhattn._internal.core.variant_args makes it and the glue's read_variants
 # reads it: (name, kind, dtype, shape, the mha_config field(s), doc). The
@@ -663,7 +680,8 @@ C_FUNCTIONS: Dict[str, CFunction] = {
         "Returns (out (B, Tq, Dout), weights (B, H, Tq, Tk) or None, (q, k, v, "
         "concat, lse) or None), new C-contiguous arrays of the call's dtype. A fully "
         "masked query row gets zero weights, a zero head output and lse -inf.",
-        prefix="FWD", table_shapes=_ARRAYS),
+        prefix="FWD", table_shapes=_ARRAYS, checks_x=("key", "value"),
+        checks_widths=("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo")),
     "backward": CFunction(
         "METH_VARARGS | METH_KEYWORDS",
         "Tuple[_Float, %s, %s, _Float, _Float, _Float, %s, %s, %s, %s, %s, %s, %s, %s]"
@@ -675,7 +693,8 @@ C_FUNCTIONS: Dict[str, CFunction] = {
         "dbk, dbv, dbo, dsinks, dq_norm, dk_norm): new C-contiguous gradients, each "
         "bias gradient None unless its want_* is true, each variant's None unless it "
         "was given. Bitwise the same for any thread count.",
-        prefix="BWD", table_shapes=_ARRAYS),
+        prefix="BWD", table_shapes=_ARRAYS, checks_x=("key", "value"),
+        checks_widths=("wq", "wk", "wv", "wo", "dout", "q", "k", "v", "concat", "lse")),
     "attention": CFunction(
         "METH_FASTCALL | METH_KEYWORDS",
         "Tuple[_Float, Optional[_Float], Optional[_Float]]",
@@ -686,7 +705,9 @@ C_FUNCTIONS: Dict[str, CFunction] = {
         "Returns (out, weights or None, lse or None): out (B, H, Tq, dv), or with "
         "out_bthd (B, Tq, H, dv), C-contiguous; weights (B, H, Tq, Tk); lse "
         "(B, H, Tq), natural log, -inf for a fully masked row.",
-        prefix="ATT", table_shapes=_ARRAYS + ("ARG_FLOAT64",)),
+        prefix="ATT", table_shapes=_ARRAYS + ("ARG_FLOAT64",),
+        notes=(("k", " from q's B and dk"), ("v", " from k"), ("scales", " from q")),
+        checks_x=("k", "v", "scales")),
     "attention_backward": CFunction(
         "METH_FASTCALL | METH_KEYWORDS",
         "Tuple[_Float, _Float, _Float, Optional[_Float]]",
@@ -694,7 +715,8 @@ C_FUNCTIONS: Dict[str, CFunction] = {
         "mha_attend_backward). The variants' q/k transforms must be off.",
         "Returns (dq (B, H, Tq, dk), dk (B, G, Tk, dk), dv (B, G, Tk, dv), dsinks "
         "(H,) or None), C-contiguous.",
-        prefix="ABW", table_shapes=_ARRAYS + ("ARG_FLOAT64",)),
+        prefix="ABW", table_shapes=_ARRAYS + ("ARG_FLOAT64",),
+        checks_x=("dout", "q", "k", "v", "out", "lse"), checks_widths=("scales",)),
     "project": CFunction(
         "METH_FASTCALL | METH_KEYWORDS",
         "Tuple[_Float, _Float, _Float]",
@@ -703,7 +725,8 @@ C_FUNCTIONS: Dict[str, CFunction] = {
         "fourth ignored.",
         "Returns (q (B, Tq, Sq), k (B, Tk, Sk), v (B, Tk, Sv)), q and k after the "
         "q/k norm and RoPE (positions from the variants tuple, or the defaults).",
-        prefix="PRJ", table_shapes=_ARRAYS),
+        prefix="PRJ", table_shapes=_ARRAYS, checks_x=("key", "value"),
+        checks_widths=("wq", "wk", "wv", "bq", "bk", "bv")),
     "pack_weight": CFunction(
         "METH_O", "object",
         "w's GEMM panels for the ISA in force, as an opaque capsule for forward()'s "
@@ -759,6 +782,8 @@ class Out(NamedTuple):
     shape: str                    # in mha.h's letters
     when: str                     # what asks for it; "" always made
     doc: str
+    made: str = ""                # the shape the glue allocates, where it
+                                  # differs (attention_backward's fused layout)
 
 
 C_OUTPUTS: Dict[str, Tuple[Out, ...]] = {
@@ -793,9 +818,9 @@ C_OUTPUTS: Dict[str, Tuple[Out, ...]] = {
         Out("lse", "(B, H, Tq)", "want_lse", "Each row's log-sum-exp, natural log."),
     ),
     "attention_backward": (
-        Out("dq", "(B, H, Tq, dk)", "", "dL/dq."),
-        Out("dk", "(B, G, Tk, dk)", "", "dL/dk."),
-        Out("dv", "(B, G, Tk, dv)", "", "dL/dv."),
+        Out("dq", "(B, H, Tq, dk)", "", "dL/dq.", "(B, Tq, H, dk)"),
+        Out("dk", "(B, G, Tk, dk)", "", "dL/dk.", "(B, Tk, G, dk)"),
+        Out("dv", "(B, G, Tk, dv)", "", "dL/dv.", "(B, Tk, G, dv)"),
         Out("dsinks", "(H,)", "variants: sinks", "dL/dsinks."),
     ),
     "project": (
