@@ -37,7 +37,7 @@ def test_generated_files_are_fresh(capsys):
 def _copy(tmp_path):
     """The schema and the generated files, copied under tmp_path."""
     paths = {gen_schema.SCHEMA, gen_schema.PYI, gen_schema.HEADER, gen_schema.ARGS_H,
-             gen_schema.ARGS_C}
+             gen_schema.ARGS_C, gen_schema.PARAMS_H}
     paths |= {e.file for e in schema.ENTRIES.values() if e.doc_groups}
     for p in paths:
         os.makedirs(tmp_path / os.path.dirname(p), exist_ok=True)
@@ -77,6 +77,7 @@ def test_a_schema_edit_makes_every_output_stale(tmp_path, capsys):
     for p in (gen_schema.PYI, gen_schema.HEADER, "python/mhattn/compute/forward.py"):
         assert f"stale: {p}" in out
     assert gen_schema.ARGS_H not in out and gen_schema.ARGS_C not in out
+    assert gen_schema.PARAMS_H not in out
     gen_schema.main(["--root", str(root)])
     assert "Where the queries come from." in (root / "python/mhattn/compute/forward.py").read_text()
 
@@ -251,3 +252,57 @@ def test_outputs_ask_for_arguments():
         for o in outs:   # what asks for an output is an argument of the function
             asked = o.when.split(":")[0]
             assert not asked or asked in [a.name for a, _ in schema.params("_C." + fn)], o
+
+
+def _config_fields():
+    """The field names of mha_config, as csrc/mha.h declares them."""
+    import re
+    text = open(os.path.join(ROOT, "csrc", "mha.h"), encoding="utf-8").read()
+    body = text[:text.index("} mha_config;")]
+    body = body[body.rindex("typedef struct {") + len("typedef struct {"):]
+    body = re.sub(r"/\*.*?\*/", "", body, flags=re.S)
+    names = set()
+    for decl in body.split(";"):
+        decl = decl.strip()
+        if decl:
+            for part in decl.split(","):
+                names.add(re.search(r"(\w+)\s*(\[\w*\])?\s*$", part).group(1))
+    return names
+
+
+def test_c_fields_name_real_fields():
+    # c_field says which fields of the core's structs an argument fills:
+    # mha_params's (generated from schema.PARAMS) or mha_config's.
+    params = {f.name for f in schema.PARAMS}
+    config = _config_fields()
+    assert {"B", "Tq", "mask_stride", "packed", "interrupt", "cu_q", "cu_k"} <= config
+    for a in schema.C_ARGS:
+        for token in filter(None, (t.strip() for t in a.c_field.split(","))):
+            name = token.replace("!= NULL", "").strip()
+            assert name in params or name in config, (a.name, a.takes, token)
+    for v in schema.VARIANTS:
+        for name in (t.strip() for t in v[4].split(",")):
+            assert name in config, (v[0], name)
+    for f in schema.PARAMS:
+        for u in f.uses:
+            assert all(op.strip() in schema.OPS for op in u.ops.split(",")), f
+            assert u.io in ("reads", "writes"), f
+
+
+def test_params_struct_is_generated():
+    # mha.h includes the generated struct and declares no other mha_params.
+    text = open(os.path.join(ROOT, "csrc", "mha.h"), encoding="utf-8").read()
+    assert '#include "mha_params_gen.h"' in text and "} mha_params;" not in text
+    gen = open(os.path.join(ROOT, gen_schema.PARAMS_H), encoding="utf-8").read()
+    for f in schema.PARAMS:
+        assert f" *{f.name};" in gen or f" {f.name};" in gen, f.name
+
+
+def test_a_params_edit_makes_the_struct_stale(tmp_path, capsys):
+    root = _copy(tmp_path)
+    _edit(root / gen_schema.SCHEMA, '("dbo", "(Dout,)")', '("dbo", "(Dout,)"), ("dbx", "(X,)")')
+    assert gen_schema.main(["--check", "--root", str(root)]) == 1
+    out = capsys.readouterr().out
+    assert f"stale: {gen_schema.PARAMS_H}" in out and gen_schema.ARGS_C not in out
+    gen_schema.main(["--root", str(root)])
+    assert "void *dbx;" in (root / gen_schema.PARAMS_H).read_text()

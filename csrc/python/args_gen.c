@@ -2,7 +2,9 @@
    edit the schema, then run the tool.
    The glue's argument tables (one arg_spec a position, from the
    schema's records: SPEC_<ARG> once for every function that takes
-   the argument alike) and output-shape tables. */
+   the argument alike) and output-shape tables;
+   <name>_params: where each array of a call goes in its mha_params
+   (an output by its name, an argument by its c_field). */
 #include "glue.h"
 
 #define SPEC_X {"x", ARG_ARRAY, SHAPE3(L_B, L_TQ, L_DIN), 0, NULL}
@@ -51,6 +53,8 @@
 #define SPEC_OUT {"out", ARG_ARRAY, SHAPE4(L_B, L_H, L_TQ, L_DV), 0, NULL}
 #define SPEC_LSE_ABW {"lse", ARG_ARRAY_OPT, SHAPE3(L_B, L_H, L_TQ), 0, NULL}
 #define SPEC_SCALES_ABW {"scales", ARG_FLOAT64, SHAPE1(L_H), 0, NULL}
+#define IN(pos, field) {pos, 0, offsetof(mha_params, field)}
+#define OUT(pos, field) {pos, 1, offsetof(mha_params, field)}
 
 const arg_spec forward_args[FWD_NARGS] = {SPEC_X, SPEC_KEY_FWD, SPEC_VALUE_FWD, SPEC_WQ,
     SPEC_WK, SPEC_WV, SPEC_WO, SPEC_BQ, SPEC_BK, SPEC_BV, SPEC_BO, SPEC_DK, SPEC_DV,
@@ -59,6 +63,11 @@ const arg_spec forward_args[FWD_NARGS] = {SPEC_X, SPEC_KEY_FWD, SPEC_VALUE_FWD, 
 const int forward_checks_x[] = {FWD_KEY, FWD_VALUE, -1};
 const int forward_checks_widths[] = {FWD_WQ, FWD_WK, FWD_WV, FWD_WO, FWD_BQ, FWD_BK, FWD_BV,
     FWD_BO, -1};
+const param_slot forward_params[] = {OUT(FWD_OUT, out), OUT(FWD_WEIGHTS, weights),
+    OUT(FWD_Q, q), OUT(FWD_K, k), OUT(FWD_V, v), OUT(FWD_CONCAT, concat), OUT(FWD_LSE, lse),
+    IN(FWD_X, x), IN(FWD_KEY, key), IN(FWD_VALUE, value), IN(FWD_WQ, wq), IN(FWD_WK, wk),
+    IN(FWD_WV, wv), IN(FWD_WO, wo), IN(FWD_BQ, bq), IN(FWD_BK, bk), IN(FWD_BV, bv),
+    IN(FWD_BO, bo), {-1, 0, 0}};
 const shape forward_outs[FWD_NOUTS] = {SHAPE3(L_B, L_TQ, L_DOUT),
     SHAPE4(L_B, L_H, L_TQ, L_TK), SHAPE3(L_B, L_TQ, L_SQ), SHAPE3(L_B, L_TK, L_SK),
     SHAPE3(L_B, L_TK, L_SV), SHAPE3(L_B, L_TQ, L_SVQ), SHAPE3(L_B, L_H, L_TQ)};
@@ -71,6 +80,14 @@ const arg_spec backward_args[BWD_NARGS] = {SPEC_DOUT_BWD, SPEC_X, SPEC_KEY_BWD,
 const int backward_checks_x[] = {BWD_KEY, BWD_VALUE, -1};
 const int backward_checks_widths[] = {BWD_WQ, BWD_WK, BWD_WV, BWD_WO, BWD_DOUT, BWD_Q,
     BWD_K, BWD_V, BWD_CONCAT, BWD_LSE, -1};
+const param_slot backward_params[] = {OUT(BWD_DX, dx), OUT(BWD_DKEY, dkey),
+    OUT(BWD_DVALUE, dvalue), OUT(BWD_DWQ, dwq), OUT(BWD_DWK, dwk), OUT(BWD_DWV, dwv),
+    OUT(BWD_DWO, dwo), OUT(BWD_DBQ, dbq), OUT(BWD_DBK, dbk), OUT(BWD_DBV, dbv),
+    OUT(BWD_DBO, dbo), OUT(BWD_DSINKS, dsinks), OUT(BWD_DQ_NORM, dq_norm),
+    OUT(BWD_DK_NORM, dk_norm), IN(BWD_DOUT, dout), IN(BWD_X, x), IN(BWD_KEY, key),
+    IN(BWD_VALUE, value), IN(BWD_WQ, wq), IN(BWD_WK, wk), IN(BWD_WV, wv), IN(BWD_WO, wo),
+    IN(BWD_Q, q), IN(BWD_K, k), IN(BWD_V, v), IN(BWD_CONCAT, concat), IN(BWD_LSE, lse),
+    {-1, 0, 0}};
 const shape backward_outs[BWD_NOUTS] = {SHAPE3(L_B, L_TQ, L_DIN), SHAPE3(L_B, L_TK, L_DKIN),
     SHAPE3(L_B, L_TK, L_DVIN), SHAPE2(L_DIN, L_SQ), SHAPE2(L_DKIN, L_SK),
     SHAPE2(L_DVIN, L_SV), SHAPE2(L_SVQ, L_DOUT), SHAPE1(L_SQ), SHAPE1(L_SK), SHAPE1(L_SV),
@@ -80,6 +97,8 @@ const arg_spec attention_args[ATT_NARGS] = {SPEC_Q_ATT, SPEC_K_ATT, SPEC_V_ATT,
     SPEC_SCALES_ATT, SPEC_MASK, SPEC_CAUSAL, SPEC_KEY_LENGTHS, SPEC_VARIANTS,
     SPEC_LENGTHS_ALIGNED, SPEC_OUT_BTHD, SPEC_WANT_WEIGHTS, SPEC_WANT_LSE};
 const int attention_checks_x[] = {ATT_K, ATT_V, ATT_SCALES, -1};
+const param_slot attention_params[] = {OUT(ATT_OUT, out), OUT(ATT_WEIGHTS, weights),
+    OUT(ATT_LSE, lse), IN(ATT_Q, q), IN(ATT_K, k), IN(ATT_V, v), {-1, 0, 0}};
 const shape attention_outs[2][ATT_NOUTS] = {
     {SHAPE4(L_B, L_H, L_TQ, L_DV), SHAPE4(L_B, L_H, L_TQ, L_TK), SHAPE3(L_B, L_H, L_TQ)},
     {SHAPE4(L_B, L_TQ, L_H, L_DV), SHAPE4(L_B, L_H, L_TQ, L_TK), SHAPE3(L_B, L_H, L_TQ)},
@@ -91,6 +110,9 @@ const arg_spec attention_backward_args[ABW_NARGS] = {SPEC_DOUT_ABW, SPEC_Q_ATT, 
 const int attention_backward_checks_x[] = {ABW_DOUT, ABW_Q, ABW_K, ABW_V, ABW_OUT, ABW_LSE,
     -1};
 const int attention_backward_checks_widths[] = {ABW_SCALES, -1};
+const param_slot attention_backward_params[] = {OUT(ABW_DQ, dq), OUT(ABW_DK, dk),
+    OUT(ABW_DV, dv), OUT(ABW_DSINKS, dsinks), IN(ABW_DOUT, dout), IN(ABW_Q, q),
+    IN(ABW_K, k), IN(ABW_V, v), IN(ABW_OUT, out), IN(ABW_LSE, lse), {-1, 0, 0}};
 const shape attention_backward_outs[ABW_NOUTS] = {SHAPE4(L_B, L_TQ, L_H, L_DK),
     SHAPE4(L_B, L_TK, L_G, L_DK), SHAPE4(L_B, L_TK, L_G, L_DV), SHAPE1(L_H)};
 
@@ -99,5 +121,8 @@ const arg_spec project_args[PRJ_NARGS] = {SPEC_X, SPEC_KEY_FWD, SPEC_VALUE_FWD, 
     SPEC_VARIANTS, SPEC_PACKED};
 const int project_checks_x[] = {PRJ_KEY, PRJ_VALUE, -1};
 const int project_checks_widths[] = {PRJ_WQ, PRJ_WK, PRJ_WV, PRJ_BQ, PRJ_BK, PRJ_BV, -1};
+const param_slot project_params[] = {OUT(PRJ_Q, q), OUT(PRJ_K, k), OUT(PRJ_V, v),
+    IN(PRJ_X, x), IN(PRJ_KEY, key), IN(PRJ_VALUE, value), IN(PRJ_WQ, wq), IN(PRJ_WK, wk),
+    IN(PRJ_WV, wv), IN(PRJ_BQ, bq), IN(PRJ_BK, bk), IN(PRJ_BV, bv), {-1, 0, 0}};
 const shape project_outs[PRJ_NOUTS] = {SHAPE3(L_B, L_TQ, L_SQ), SHAPE3(L_B, L_TK, L_SK),
     SHAPE3(L_B, L_TK, L_SV)};

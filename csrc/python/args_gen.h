@@ -13,11 +13,6 @@ enum { FWD_X, FWD_KEY, FWD_VALUE, FWD_WQ, FWD_WK, FWD_WV, FWD_WO, FWD_BQ, FWD_BK
     FWD_BO, FWD_DK, FWD_DV, FWD_SCALES, FWD_MASK, FWD_CAUSAL, FWD_KEY_LENGTHS, FWD_VARIANTS,
     FWD_WANT_WEIGHTS, FWD_KEEP, FWD_PACKED, FWD_NARGS };
 enum { FWD_OUT, FWD_WEIGHTS, FWD_Q, FWD_K, FWD_V, FWD_CONCAT, FWD_LSE, FWD_NOUTS };
-extern const shape forward_outs[FWD_NOUTS];
-extern const arg_spec forward_args[FWD_NARGS];
-extern const int forward_checks_x[], forward_checks_widths[];
-_Static_assert(FWD_NARGS <= MAX_ARGS && FWD_NOUTS <= MAX_OUTS,
-               "a call holds forward()'s arguments");
 #define FORWARD_SPEC_ARGS .name = "forward", .nargs = FWD_NARGS, .args = forward_args, \
     .nopt = 1, .checks_x = forward_checks_x, .checks_widths = forward_checks_widths, \
     .x = FWD_X, .key = FWD_KEY, .value = FWD_VALUE, .wo = FWD_WO, .dk = FWD_DK, \
@@ -32,11 +27,6 @@ enum { BWD_DOUT, BWD_X, BWD_KEY, BWD_VALUE, BWD_WQ, BWD_WK, BWD_WV, BWD_WO, BWD_
     BWD_NARGS };
 enum { BWD_DX, BWD_DKEY, BWD_DVALUE, BWD_DWQ, BWD_DWK, BWD_DWV, BWD_DWO, BWD_DBQ, BWD_DBK,
     BWD_DBV, BWD_DBO, BWD_DSINKS, BWD_DQ_NORM, BWD_DK_NORM, BWD_NOUTS };
-extern const shape backward_outs[BWD_NOUTS];
-extern const arg_spec backward_args[BWD_NARGS];
-extern const int backward_checks_x[], backward_checks_widths[];
-_Static_assert(BWD_NARGS <= MAX_ARGS && BWD_NOUTS <= MAX_OUTS,
-               "a call holds backward()'s arguments");
 #define BACKWARD_SPEC_ARGS .name = "backward", .nargs = BWD_NARGS, \
     .args = backward_args, .nopt = 0, .checks_x = backward_checks_x, \
     .checks_widths = backward_checks_widths, .x = BWD_X, .key = BWD_KEY, \
@@ -48,11 +38,6 @@ _Static_assert(BWD_NARGS <= MAX_ARGS && BWD_NOUTS <= MAX_OUTS,
 enum { ATT_Q, ATT_K, ATT_V, ATT_SCALES, ATT_MASK, ATT_CAUSAL, ATT_KEY_LENGTHS, ATT_VARIANTS,
     ATT_LENGTHS_ALIGNED, ATT_OUT_BTHD, ATT_WANT_WEIGHTS, ATT_WANT_LSE, ATT_NARGS };
 enum { ATT_OUT, ATT_WEIGHTS, ATT_LSE, ATT_NOUTS };
-extern const shape attention_outs[2][ATT_NOUTS];
-extern const arg_spec attention_args[ATT_NARGS];
-extern const int attention_checks_x[];
-_Static_assert(ATT_NARGS <= MAX_ARGS && ATT_NOUTS <= MAX_OUTS,
-               "a call holds attention()'s arguments");
 #define ATTENTION_SPEC_ARGS .name = "attention", .nargs = ATT_NARGS, \
     .args = attention_args, .nopt = 0, .checks_x = attention_checks_x, \
     .checks_widths = NULL, .x = ATT_Q, .key = ATT_K, .value = ATT_V, .wo = ARG_NONE, \
@@ -64,11 +49,6 @@ _Static_assert(ATT_NARGS <= MAX_ARGS && ATT_NOUTS <= MAX_OUTS,
 enum { ABW_DOUT, ABW_Q, ABW_K, ABW_V, ABW_OUT, ABW_LSE, ABW_SCALES, ABW_MASK, ABW_CAUSAL,
     ABW_KEY_LENGTHS, ABW_VARIANTS, ABW_LENGTHS_ALIGNED, ABW_NARGS };
 enum { ABW_DQ, ABW_DK, ABW_DV, ABW_DSINKS, ABW_NOUTS };
-extern const shape attention_backward_outs[ABW_NOUTS];
-extern const arg_spec attention_backward_args[ABW_NARGS];
-extern const int attention_backward_checks_x[], attention_backward_checks_widths[];
-_Static_assert(ABW_NARGS <= MAX_ARGS && ABW_NOUTS <= MAX_OUTS,
-               "a call holds attention_backward()'s arguments");
 #define ATTENTION_BACKWARD_SPEC_ARGS .name = "attention_backward", .nargs = ABW_NARGS, \
     .args = attention_backward_args, .nopt = 0, .checks_x = attention_backward_checks_x, \
     .checks_widths = attention_backward_checks_widths, .x = ABW_Q, .key = ABW_K, \
@@ -81,15 +61,27 @@ _Static_assert(ABW_NARGS <= MAX_ARGS && ABW_NOUTS <= MAX_OUTS,
 enum { PRJ_X, PRJ_KEY, PRJ_VALUE, PRJ_WQ, PRJ_WK, PRJ_WV, PRJ_BQ, PRJ_BK, PRJ_BV, PRJ_DK,
     PRJ_DV, PRJ_SCALES, PRJ_VARIANTS, PRJ_PACKED, PRJ_NARGS };
 enum { PRJ_Q, PRJ_K, PRJ_V, PRJ_NOUTS };
-extern const shape project_outs[PRJ_NOUTS];
-extern const arg_spec project_args[PRJ_NARGS];
-extern const int project_checks_x[], project_checks_widths[];
-_Static_assert(PRJ_NARGS <= MAX_ARGS && PRJ_NOUTS <= MAX_OUTS,
-               "a call holds project()'s arguments");
 #define PROJECT_SPEC_ARGS .name = "project", .nargs = PRJ_NARGS, .args = project_args, \
     .nopt = 1, .checks_x = project_checks_x, .checks_widths = project_checks_widths, \
     .x = PRJ_X, .key = PRJ_KEY, .value = PRJ_VALUE, .wo = ARG_NONE, .dk = PRJ_DK, \
     .dv = PRJ_DV, .scales = PRJ_SCALES, .mask = ARG_NONE, .causal = ARG_NONE, \
     .key_lengths = ARG_NONE, .variants = PRJ_VARIANTS, .lengths_aligned = ARG_NONE
+
+/* The tables, in args_gen.c. */
+extern const arg_spec forward_args[FWD_NARGS], backward_args[BWD_NARGS],
+    attention_args[ATT_NARGS], attention_backward_args[ABW_NARGS], project_args[PRJ_NARGS];
+extern const shape forward_outs[FWD_NOUTS], backward_outs[BWD_NOUTS],
+    attention_outs[2][ATT_NOUTS], attention_backward_outs[ABW_NOUTS],
+    project_outs[PRJ_NOUTS];
+extern const int forward_checks_x[], forward_checks_widths[], backward_checks_x[],
+    backward_checks_widths[], attention_checks_x[], attention_backward_checks_x[],
+    attention_backward_checks_widths[], project_checks_x[], project_checks_widths[];
+extern const param_slot forward_params[], backward_params[], attention_params[],
+    attention_backward_params[], project_params[];
+_Static_assert(FWD_NOUTS <= MAX_OUTS && FWD_NARGS <= MAX_ARGS && BWD_NOUTS <= MAX_OUTS &&
+               BWD_NARGS <= MAX_ARGS && ATT_NOUTS <= MAX_OUTS && ATT_NARGS <= MAX_ARGS &&
+               ABW_NOUTS <= MAX_OUTS && ABW_NARGS <= MAX_ARGS && PRJ_NOUTS <= MAX_OUTS &&
+               PRJ_NARGS <= MAX_ARGS,
+               "a call holds every function's arguments and outputs");
 
 #endif

@@ -24,8 +24,6 @@ static void attend_letters(call *c, PyArrayObject *q, PyArrayObject *k, PyArrayO
 
 /* ---- attention ---------------------------------------------------------- */
 
-GLUE_DOC(attention_doc, ATTENTION_DOC);
-
 /*
  * The scales converted; the sizes from q, k and v, whose shapes (and
  * scales') are checked against them: H a positive multiple of G, widths
@@ -120,23 +118,15 @@ static PyObject *attention_result(call *c)
 
 /* mha_attend checks its own config (.checked 0): no projections. */
 static const call_spec attention_spec = {
-    ATTENTION_SPEC_ARGS, .layout = LAYOUT_STRIDED,
-    .broadcast_mask = 1, .has_wo = 1, .checked = 0,
+    ATTENTION_SPEC_ARGS, .layout = LAYOUT_STRIDED, .broadcast_mask = 1, .has_wo = 1, .checked = 0,
     .sizes = attention_sizes, .check = attention_variants, .finish = NULL,
     .outputs = attention_outputs, .work = attention_work, .core = attention_core,
     .result = attention_result,
 };
 
-PyObject *attention(PyObject *self, PyObject *const *argv, Py_ssize_t nargs,
-                    PyObject *kwnames)
-{
-    (void)self;
-    return call_fast(&attention_spec, argv, nargs, kwnames);
-}
+GLUE_FASTCALL_ENTRY(attention, ATTENTION_DOC)
 
 /* ---- attention_backward ------------------------------------------------- */
-
-GLUE_DOC(attention_backward_doc, ATTENTION_BACKWARD_DOC);
 
 /* The sizes from q, k and v, every array's shape checked against them,
    the head widths (the fused widths are heads times width, and stand for
@@ -268,17 +258,10 @@ done:
 
 /* Every main-thread call polls for Ctrl-C (.work NULL). */
 static const call_spec attention_backward_spec = {
-    ATTENTION_BACKWARD_SPEC_ARGS, .layout = LAYOUT_KEEP,
-    .broadcast_mask = 1, .has_wo = 0, .checked = 1,
+    ATTENTION_BACKWARD_SPEC_ARGS, .layout = LAYOUT_KEEP, .broadcast_mask = 1, .has_wo = 0, .checked = 1,
     .sizes = attention_backward_sizes, .check = attention_backward_variants,
-    .finish = attention_backward_fused, .outputs = attention_backward_outputs,
-    .work = NULL, .core = attention_backward_core,
-    .result = attention_backward_result,
+    .finish = attention_backward_fused, .outputs = attention_backward_outputs, .work = NULL,
+    .core = attention_backward_core, .result = attention_backward_result,
 };
 
-PyObject *attention_backward(PyObject *self, PyObject *const *argv, Py_ssize_t nargs,
-                             PyObject *kwnames)
-{
-    (void)self;
-    return call_fast(&attention_backward_spec, argv, nargs, kwnames);
-}
+GLUE_FASTCALL_ENTRY(attention_backward, ATTENTION_BACKWARD_DOC)

@@ -190,6 +190,16 @@ struct call_spec {
     PyObject *(*result)(call *c);
 };
 
+/* Where one array of a call goes in its mha_params: c->in[pos] (or, out,
+   c->out[pos]) at byte offset `offset`, a void * or const void * field.
+   A table of them (args_gen.c, <name>_params) ends with pos -1. */
+typedef struct {
+    signed char pos;
+    unsigned char out;
+    unsigned short offset;
+} param_slot;
+_Static_assert(sizeof(mha_params) <= 65535, "a param_slot's offset fits");
+
 /* ---- each entry point's positions and tables --------------------------- */
 /*
  * Generated from the schema (python/mhattn/_internal/schema.py) by
@@ -251,6 +261,25 @@ void packed_destroy(PyObject *cap);
 #define PACKED_CAPSULE "mhattn._C.packed"
 
 /* ---- the entry points and their docstrings (module.c's method table) ----- */
+/* The entry point name(), which the skeleton runs by name_spec (its
+   call_spec), and its docstring name_doc: METH_FASTCALL | METH_KEYWORDS,
+   or (TUPLE) METH_VARARGS | METH_KEYWORDS. Declared below by their full
+   names. */
+#define GLUE_FASTCALL_ENTRY(name, doc)                                                  \
+    GLUE_DOC(name##_doc, doc);                                                           \
+    PyObject *name(PyObject *self, PyObject *const *argv, Py_ssize_t nargs,              \
+                   PyObject *kwnames)                                                    \
+    {                                                                                    \
+        (void)self;                                                                      \
+        return call_fast(&name##_spec, argv, nargs, kwnames);                            \
+    }
+#define GLUE_TUPLE_ENTRY(name, doc)                                                     \
+    GLUE_DOC(name##_doc, doc);                                                           \
+    PyObject *name(PyObject *self, PyObject *args, PyObject *kwds)                       \
+    {                                                                                    \
+        (void)self;                                                                      \
+        return call_tuple(&name##_spec, args, kwds);                                     \
+    }
 PyObject *forward(PyObject *self, PyObject *const *argv, Py_ssize_t nargs, PyObject *kwnames);
 PyObject *backward(PyObject *self, PyObject *args, PyObject *kwds);
 PyObject *project(PyObject *self, PyObject *const *argv, Py_ssize_t nargs, PyObject *kwnames);

@@ -47,8 +47,6 @@ static int mha_sizes(call *c, const call_spec *sp)
 
 /* ---- forward ------------------------------------------------------------ */
 
-GLUE_DOC(forward_doc, FORWARD_DOC);
-
 
 /* The packed weights, once the config is checked. */
 static int forward_packed(call *c)
@@ -98,23 +96,14 @@ static PyObject *forward_result(call *c)
 }
 
 static const call_spec forward_spec = {
-    FORWARD_SPEC_ARGS, .layout = LAYOUT_C,
-    .broadcast_mask = 1, .has_wo = 0, .checked = 1,
-    .sizes = mha_sizes, .check = NULL, .finish = forward_packed,
-    .outputs = forward_outputs, .work = forward_work, .core = forward_core,
-    .result = forward_result,
+    FORWARD_SPEC_ARGS, .layout = LAYOUT_C, .broadcast_mask = 1, .has_wo = 0, .checked = 1,
+    .sizes = mha_sizes, .check = NULL, .finish = forward_packed, .outputs = forward_outputs,
+    .work = forward_work, .core = forward_core, .result = forward_result,
 };
 
-PyObject *forward(PyObject *self, PyObject *const *argv, Py_ssize_t nargs,
-                  PyObject *kwnames)
-{
-    (void)self;
-    return call_fast(&forward_spec, argv, nargs, kwnames);
-}
+GLUE_FASTCALL_ENTRY(forward, FORWARD_DOC)
 
 /* ---- backward ----------------------------------------------------------- */
-
-GLUE_DOC(backward_doc, BACKWARD_DOC);
 
 /* The learnable variants' gradients, shaped as they are: dsinks (H,),
    dq_norm and dk_norm as q_norm and k_norm; none for an absent one. */
@@ -157,22 +146,14 @@ static PyObject *backward_result(call *c)
 /* Unlike forward(), no small-call shortcut (.work NULL): a main-thread
    call always polls for Ctrl-C. */
 static const call_spec backward_spec = {
-    BACKWARD_SPEC_ARGS, .layout = LAYOUT_C,
-    .broadcast_mask = 0, .has_wo = 0, .checked = 1,
-    .sizes = mha_sizes, .check = NULL, .finish = NULL,
-    .outputs = backward_outputs, .work = NULL, .core = backward_core,
-    .result = backward_result,
+    BACKWARD_SPEC_ARGS, .layout = LAYOUT_C, .broadcast_mask = 0, .has_wo = 0, .checked = 1,
+    .sizes = mha_sizes, .check = NULL, .finish = NULL, .outputs = backward_outputs,
+    .work = NULL, .core = backward_core, .result = backward_result,
 };
 
-PyObject *backward(PyObject *self, PyObject *args, PyObject *kwds)
-{
-    (void)self;
-    return call_tuple(&backward_spec, args, kwds);
-}
+GLUE_TUPLE_ENTRY(backward, BACKWARD_DOC)
 
 /* ---- project ------------------------------------------------------------ */
-
-GLUE_DOC(project_doc, PROJECT_DOC);
 
 /* The packed weights (a fourth entry is ignored), once the config is
    checked. */
@@ -203,16 +184,9 @@ static PyObject *project_result(call *c)
 }
 
 static const call_spec project_spec = {
-    PROJECT_SPEC_ARGS, .layout = LAYOUT_C,
-    .broadcast_mask = 0, .has_wo = 0, .checked = 1,
-    .sizes = mha_sizes, .check = NULL, .finish = project_packed,
-    .outputs = project_outputs, .work = project_work, .core = project_core,
-    .result = project_result,
+    PROJECT_SPEC_ARGS, .layout = LAYOUT_C, .broadcast_mask = 0, .has_wo = 0, .checked = 1,
+    .sizes = mha_sizes, .check = NULL, .finish = project_packed, .outputs = project_outputs,
+    .work = project_work, .core = project_core, .result = project_result,
 };
 
-PyObject *project(PyObject *self, PyObject *const *argv, Py_ssize_t nargs,
-                  PyObject *kwnames)
-{
-    (void)self;
-    return call_fast(&project_spec, argv, nargs, kwnames);
-}
+GLUE_FASTCALL_ENTRY(project, PROJECT_DOC)

@@ -56,7 +56,8 @@ class Arg(NamedTuple):
     text: str = ""                # numpydoc: the indented description
     c_kind: str = ""              # glue: ARG_ARRAY, ARG_ARRAY_OPT, ...
     alias: str = ""               # ARG_ARRAY_ALIAS: the argument it stands for
-    c_field: str = ""             # core: the params struct's field(s)
+    c_field: str = ""             # core: the mha_params / mha_config
+                                  # fields it fills (PARAMS, CONFIG)
 
 
 class Entry(NamedTuple):
@@ -594,7 +595,7 @@ C_ARGS = (
         c_kind="ARG_LENGTHS", c_field="key_lengths"),
     Arg("variants", _ALL5, "tuple?", "", "(15,)", REQUIRED,
         "None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).",
-        c_kind="ARG_VARIANTS", c_field="see VARIANTS"),
+        c_kind="ARG_VARIANTS", c_field=""),   # VARIANTS' fields
     Arg("lengths_aligned", (_AT, _ABW), "bool", "", "", REQUIRED,
         "Align each item's queries to its own key length (a KV cache).",
         c_kind="ARG_BOOL", c_field="lengths_aligned"),
@@ -619,7 +620,7 @@ C_ARGS = (
         c_field="dbo != NULL"),
     Arg("packed", (_FWD, _PRJ), "tuple?", "", "(4,)", "None",
         "None, or pack_weight() capsules (or None) of wq, wk, wv, wo.",
-        c_kind="ARG_PACKED", c_field="packed[4]"),
+        c_kind="ARG_PACKED", c_field="packed"),
     Arg("w", ("_C.pack_weight",), "array", "T", "(K, N)", REQUIRED,
         "A weight, float32 or float64; copied, never kept.", c_kind="ARG_ARRAY"),
     Arg("packed", ("_C.packed_info",), "capsule", "", "", REQUIRED,
@@ -835,6 +836,88 @@ C_CONSTANTS = {
     "EMULATED_AVX512": ("int", "1 in the test build whose 'avx512' kernels are emulated "
                         "in plain C (``MHATTN_EMULATE_AVX512=1``, setup.py), else 0."),
 }
+
+# ---- the core: csrc/mha.h ------------------------------------------------------
+# The core's operations, by the letters the comments of mha_params use.
+OPS = {"F": "mha_forward", "B": "mha_backward", "A": "mha_attend",
+       "AB": "mha_attend_backward", "P": "mha_project"}
+
+
+class Use(NamedTuple):
+    """What some operations do with a field of mha_params."""
+    ops: str                      # "F, A": keys of OPS
+    io: str                       # "reads" or "writes"
+    text: str                     # its shape, and when it may be NULL
+
+
+class Field(NamedTuple):
+    """A field of mha_params, the buffers of one core call (csrc/mha.h):
+    every operation reads the fields its uses name and ignores the others."""
+    name: str
+    ctype: str                    # "void *", "const void *", "mha_strides"
+    section: str                  # the comment of the fields' group
+    uses: Tuple[Use, ...]
+
+
+_OUTS = "Outputs of the forward, and what the backward reads back"
+_PROJ = "Inputs of the projections (F, B, P)"
+_GRADS = "The backward's (B, AB) upstream gradient and gradients"
+_STR = "mha_attend's strides (A only)"
+
+
+def _io(ops, io, *shapes_and_names):
+    """Fields of one section alike but for their shapes: (name, shape) pairs."""
+    return [(n, (Use(ops, io, sh),)) for n, sh in shapes_and_names]
+
+
+PARAMS: Tuple[Field, ...] = tuple(
+    [Field("dtype", "mha_dtype", "The element type of every buffer", (Use("F, B, A, AB, P", "reads",
+                                          "float or double (MHA_DTYPE_F32, _F64)"),))]
+    + [Field(n, "void *", _OUTS, u) for n, u in (
+        ("out", (Use("F", "writes", "(B, Tq, Dout), required"),
+                 Use("A", "writes", "(B, H, Tq, dv) at strides so, required"),
+                 Use("AB", "reads", "(B, Tq, Svq), as mha_attend made it"))),
+        ("weights", (Use("F, A", "writes", "(B, H, Tq, Tk) post-softmax probabilities"),)),
+        ("q", (Use("F", "writes", "(B, Tq, Sq) kept projections (else scratch)"),
+               Use("B", "reads", "(B, Tq, Sq) as F kept it"),
+               Use("P", "writes", "(B, Tq, Sq), transformed"),
+               Use("A", "reads", "(B, H, Tq, dk) at strides sq"),
+               Use("AB", "reads", "(B, Tq, Sq)"))),
+        ("k", (Use("F, P", "writes", "(B, Tk, Sk)"), Use("B, AB", "reads", "(B, Tk, Sk)"),
+               Use("A", "reads", "(B, G, Tk, dk) at strides sk"))),
+        ("v", (Use("F, P", "writes", "(B, Tk, Sv)"), Use("B, AB", "reads", "(B, Tk, Sv)"),
+               Use("A", "reads", "(B, G, Tk, dv) at strides sv"))),
+        ("concat", (Use("F", "writes", "(B, Tq, Svq) heads side by side, pre-W^O"),
+                    Use("B", "reads", "(B, Tq, Svq) as F kept it"))),
+        ("lse", (Use("F, A", "writes", "(B, H, Tq) each row's log-sum-exp of the masked, "
+                                       "scaled scores (-inf: fully masked row)"),
+                 Use("B", "reads", "(B, H, Tq) as F kept it, required"),
+                 Use("AB", "reads", "(B, H, Tq) as A made it, or NULL to have it recomputed"))))]
+    + [Field(n, "const void *", _PROJ, u) for n, u in _io("F, B, P", "reads",
+        ("x", "(B, Tq, Din)"), ("key", "(B, Tk, Dkin)"), ("value", "(B, Tk, Dvin)"),
+        ("wq", "(Din, Sq)"), ("wk", "(Dkin, Sk)"), ("wv", "(Dvin, Sv)"))]
+    + [Field("wo", "const void *", _PROJ,
+             (Use("F, B", "reads", "(Svq, Dout), or NULL without W^O"),))]
+    + [Field(n, "const void *", _PROJ, u) for n, u in _io("F, P", "reads",
+        ("bq", "(Sq,) or NULL (zero)"), ("bk", "(Sk,) or NULL (zero)"),
+        ("bv", "(Sv,) or NULL (zero)"))]
+    + [Field("bo", "const void *", _PROJ, (Use("F", "reads", "(Dout,) or NULL (zero)"),)),
+       Field("dout", "const void *", _GRADS, (Use("B", "reads", "(B, Tq, Dout)"),
+                                              Use("AB", "reads", "(B, Tq, Svq)")))]
+    + [Field(n, "void *", _GRADS, u) for n, u in _io("B", "writes",
+        ("dx", "(B, Tq, Din)"), ("dkey", "(B, Tk, Dkin)"), ("dvalue", "(B, Tk, Dvin)"),
+        ("dwq", "(Din, Sq)"), ("dwk", "(Dkin, Sk)"), ("dwv", "(Dvin, Sv)"),
+        ("dwo", "(Svq, Dout)"), ("dbq", "(Sq,)"), ("dbk", "(Sk,)"), ("dbv", "(Sv,)"),
+        ("dbo", "(Dout,)"))]
+    + [Field(n, "void *", _GRADS, u) for n, u in _io("AB", "writes",
+        ("dq", "(B, Tq, Sq)"), ("dk", "(B, Tk, Sk)"), ("dv", "(B, Tk, Sv)"))]
+    + [Field("dsinks", "void *", _GRADS, (Use("B, AB", "writes", "(H,), with cfg->sinks"),))]
+    + [Field(n, "void *", _GRADS, u) for n, u in _io("B", "writes",
+        ("dq_norm", "shaped as cfg->q_norm"), ("dk_norm", "shaped as cfg->k_norm"))]
+    + [Field(n, "mha_strides", _STR, u) for n, u in _io("A", "reads",
+        ("sq", "the strides of q"), ("sk", "those of k"), ("sv", "those of v"),
+        ("so", "those of out"))])
+
 
 ARGS = PUBLIC_ARGS + C_ARGS
 
