@@ -8,12 +8,19 @@ The outputs:
 
 - python/mhattn/_C.pyi: the stubs of every function of mhattn._C;
 - csrc/python/docstrings_gen.h: one ``#define <NAME>_DOC`` per function of
-  mhattn._C, its docstring opening with the ``__text_signature__``
+  mhattn._C (an argument several take as one ``ARG_DOC_<NAME>``), its
+  docstring opening with the ``__text_signature__``
   (``name(a, b, /)\\n--\\n\\n``, CPython's convention, which
   inspect.signature reads);
 - the "Parameters" section of each public docstring whose entry point has
   ``doc_groups`` in the schema: from its ``Parameters`` header to the next
   numpydoc section header, rewritten in place in its .py file.
+- csrc/python/args_gen.h: per core-calling _C function, its argument and
+  output positions, <NAME>_SPEC_ARGS (the call_spec fields its arguments
+  give) and the tables' declarations;
+- csrc/python/args_gen.c: those tables (arg_spec, shape checks, output
+  shapes, mha_params slots);
+- csrc/mha_params_gen.h: the core's mha_params struct.
 
 It needs only the standard library: the schema is loaded by path, without
 importing mhattn (whose extension need not be built yet).

@@ -10,6 +10,12 @@ The generator writes from it, and tests/test_schema.py holds to it:
 - the "Parameters" sections of the public numpydoc docstrings (the region
   from the ``Parameters`` header to the next section header; the text of
   each entry is the ``type`` and ``text`` of its first argument's record).
+- csrc/python/args_gen.h and args_gen.c, the glue's tables: each core-calling
+  _C function's argument and output positions, arg_spec table (from the
+  records' ``c_kind``, ``shape``, ``alias`` and the function's ``notes``),
+  output shapes (:data:`C_OUTPUTS`), shape-check orders, role positions
+  (:data:`C_ROLES`), and where each array goes in mha_params (``c_field``);
+- csrc/mha_params_gen.h, the core's mha_params struct (:data:`PARAMS`).
 
 Why a Python module and not YAML (PyTorch's native_functions.yaml) or
 comments in the C source (Argument Clinic): the package already depends on
@@ -20,6 +26,9 @@ To add an argument: add its :class:`Arg` record below (with every entry
 point that takes it in ``takes``), put its name into those entry points'
 ``params`` in :data:`ENTRIES` (and, for a public one with a Parameters
 section, into its ``doc_groups``), then run ``python tools/gen_schema.py``.
+A new buffer of the core is a :class:`Field` of :data:`PARAMS`; a new
+option's config field, its rule (core/config.c) and its use in the core
+are written by hand (csrc/README.md, "One schema for every argument").
 
 Shapes use the letters of csrc/mha.h: B batch, Tq queries, Tk keys, H query
 heads, G key/value heads, dk / dv a head's widths, Din / Dkin / Dvin the
@@ -38,10 +47,10 @@ class Arg(NamedTuple):
 
     Two records may share a name (``sinks`` is an array for
     multi_head_attention and a flag for the layer) if no entry point takes
-    both. Fields for the later phases (the glue's arg_spec tables, the
-    core's params struct) are filled for the ``_C.*`` records: ``c_kind``
-    is the glue's arg_kind, ``shape`` its letters, ``alias`` the argument
-    None stands for, ``c_field`` the mha_config / params field it becomes.
+    both. For the ``_C.*`` records, which the glue's tables come from:
+    ``c_kind`` is the glue's arg_kind, ``shape`` its letters, ``alias`` the
+    argument None stands for, ``c_field`` the mha_params / mha_config
+    field(s) it fills (the first, for an array, is where the glue puts it).
     """
     name: str
     takes: Tuple[str, ...]        # the entry points, as in ENTRIES
