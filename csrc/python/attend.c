@@ -12,14 +12,9 @@
    (B, G, Tk, dv) v, their shapes unchecked. */
 static void attend_letters(call *c, PyArrayObject *q, PyArrayObject *k, PyArrayObject *v)
 {
-    npy_intp *n = c->size;
-    n[L_B] = PyArray_DIM(q, 0);
-    n[L_H] = PyArray_DIM(q, 1);
-    n[L_TQ] = PyArray_DIM(q, 2);
-    n[L_DK] = PyArray_DIM(q, 3);
-    n[L_G] = PyArray_DIM(k, 1);
-    n[L_TK] = PyArray_DIM(k, 2);
-    n[L_DV] = PyArray_DIM(v, 3);
+    sizes_from(c->size, q, 4, (const signed char[]){L_B, L_H, L_TQ, L_DK});
+    sizes_from(c->size, k, 4, (const signed char[]){-1, L_G, L_TK, -1});
+    sizes_from(c->size, v, 4, (const signed char[]){-1, -1, -1, L_DV});
 }
 
 /* ---- attention ---------------------------------------------------------- */

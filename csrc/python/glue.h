@@ -64,6 +64,16 @@ enum {
     L_SQ, L_SK, L_SV, L_SVQ, L_G, L_DK, L_DV, N_LETTERS
 };
 
+/* The sizes a's axes give: size[letter[i]] = a's axis i, for the first nd
+   axes, skipping those whose letter is -1 (set by another array). */
+static inline void sizes_from(npy_intp size[N_LETTERS], PyArrayObject *a, int nd,
+                              const signed char *letter)
+{
+    for (int i = 0; i < nd; i++)
+        if (letter[i] >= 0)
+            size[letter[i]] = PyArray_DIM(a, i);
+}
+
 /* A shape in letters: {3, {L_B, L_TQ, L_DIN}} is (B, Tq, Din). */
 typedef struct {
     int nd;

@@ -23,12 +23,9 @@ static int mha_sizes(call *c, const call_spec *sp)
     PyArrayObject *x = in[sp->x], *key = in[sp->key], *value = in[sp->value];
     PyArrayObject *wo = in[sp->wo];
     npy_intp *n = c->size;
-    n[L_B] = PyArray_DIM(x, 0);
-    n[L_TQ] = PyArray_DIM(x, 1);
-    n[L_DIN] = PyArray_DIM(x, 2);
-    n[L_TK] = PyArray_DIM(key, 1);
-    n[L_DKIN] = PyArray_DIM(key, 2);
-    n[L_DVIN] = PyArray_DIM(value, 2);
+    sizes_from(n, x, 3, (const signed char[]){L_B, L_TQ, L_DIN});
+    sizes_from(n, key, 3, (const signed char[]){-1, L_TK, L_DKIN});
+    sizes_from(n, value, 3, (const signed char[]){-1, -1, L_DVIN});
     n[L_H] = PyArray_DIM(in[sp->scales], 0);
     if (check_shapes(c, sp, sp->checks_x) < 0)
         return -1;
