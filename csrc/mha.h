@@ -225,47 +225,9 @@ typedef struct {
  * MHA_FIELD_CALL (a NULL config, layout or params). A rule that ties two
  * fields names the one it constrains: "H % G == 0" is G's. A size product
  * past MHA_MAX_ELEMS names the field of the buffer's last axis (Sq, Sk
- * count as DK, Sv, Svq as DV).
+ * count as DK, Sv, Svq as DV). Generated from the schema's MHA_FIELDS.
  */
-typedef enum {
-    MHA_FIELD_NONE = 0, /* no error */
-    MHA_FIELD_CALL,
-    MHA_FIELD_DTYPE,
-    MHA_FIELD_PARAMS,
-    MHA_FIELD_B,
-    MHA_FIELD_TQ,
-    MHA_FIELD_TK,
-    MHA_FIELD_DIN,
-    MHA_FIELD_DKIN,
-    MHA_FIELD_DVIN,
-    MHA_FIELD_DOUT,
-    MHA_FIELD_H,
-    MHA_FIELD_G,
-    MHA_FIELD_DK,
-    MHA_FIELD_DV,
-    MHA_FIELD_SCALE,
-    MHA_FIELD_MASK_KIND,
-    MHA_FIELD_MASK,
-    MHA_FIELD_KEY_LENGTHS,
-    MHA_FIELD_WINDOW,          /* windowed, window_left, window_right */
-    MHA_FIELD_SOFTCAP,
-    MHA_FIELD_ALIBI,
-    MHA_FIELD_ALIBI_BSTRIDE,
-    MHA_FIELD_NSEQ,
-    MHA_FIELD_CU_Q,
-    MHA_FIELD_CU_K,
-    MHA_FIELD_Q_NORM,
-    MHA_FIELD_K_NORM,
-    MHA_FIELD_Q_NORM_HSTRIDE,
-    MHA_FIELD_K_NORM_HSTRIDE,
-    MHA_FIELD_NORM_EPS,
-    MHA_FIELD_ROTARY_DIM,
-    MHA_FIELD_ROPE_INTERLEAVED,
-    MHA_FIELD_INV_FREQ,
-    MHA_FIELD_POSITIONS_BSTRIDE,
-    MHA_FIELD_KEY_POSITIONS_BSTRIDE,
-    MHA_FIELD_LENGTHS_ALIGNED,
-} mha_field;
+#include "mha_field_gen.h"   /* mha_field: tools/gen_schema.py */
 
 /*
  * Why a call was rejected: the field and a message that names the rule and

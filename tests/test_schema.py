@@ -37,7 +37,7 @@ def test_generated_files_are_fresh(capsys):
 def _copy(tmp_path):
     """The schema and the generated files, copied under tmp_path."""
     paths = {gen_schema.SCHEMA, gen_schema.PYI, gen_schema.HEADER, gen_schema.ARGS_H,
-             gen_schema.ARGS_C, gen_schema.PARAMS_H}
+             gen_schema.ARGS_C, gen_schema.PARAMS_H, gen_schema.FIELDS_H}
     paths |= {e.file for e in schema.ENTRIES.values() if e.doc_groups}
     for p in paths:
         os.makedirs(tmp_path / os.path.dirname(p), exist_ok=True)
@@ -306,3 +306,15 @@ def test_a_params_edit_makes_the_struct_stale(tmp_path, capsys):
     assert f"stale: {gen_schema.PARAMS_H}" in out and gen_schema.ARGS_C not in out
     gen_schema.main(["--root", str(root)])
     assert "void *dbx;" in (root / gen_schema.PARAMS_H).read_text()
+
+
+def test_mha_fields_name_config_fields():
+    # Each id of mha_field stands for fields mha_config has; mha.h includes
+    # the generated enum and declares no other.
+    config = _config_fields()
+    for fid, fields, doc in schema.MHA_FIELDS:
+        assert fields or doc, fid
+        for name in filter(None, (t.strip() for t in fields.split(","))):
+            assert name in config, (fid, name)
+    text = open(os.path.join(ROOT, "csrc", "mha.h"), encoding="utf-8").read()
+    assert '#include "mha_field_gen.h"' in text and "} mha_field;" not in text

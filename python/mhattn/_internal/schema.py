@@ -928,6 +928,32 @@ PARAMS: Tuple[Field, ...] = tuple(
         ("so", "those of out"))])
 
 
+# mha_field (csrc/mha.h), the ids by which mha_error names what a rejected
+# call got wrong, in order: (id, the mha_config fields it stands for, doc).
+# The first four name other parts of a call; a rule that ties two fields
+# names the one it constrains (core/config.c, where each rule is checked).
+MHA_FIELDS = (
+    ("NONE", "", "no error"),
+    ("CALL", "", "a NULL config, layout or params"),
+    ("DTYPE", "", "mha_params.dtype"),
+    ("PARAMS", "", "a buffer or the strides of mha_params; the message names which"),
+    ("B", "B", ""), ("TQ", "Tq", ""), ("TK", "Tk", ""), ("DIN", "Din", ""),
+    ("DKIN", "Dkin", ""), ("DVIN", "Dvin", ""), ("DOUT", "Dout", ""), ("H", "H", ""),
+    ("G", "G", ""), ("DK", "dk", ""), ("DV", "dv", ""), ("SCALE", "scale", ""),
+    ("MASK_KIND", "mask_kind", ""), ("MASK", "mask", ""),
+    ("KEY_LENGTHS", "key_lengths", ""),
+    ("WINDOW", "windowed, window_left, window_right", ""),
+    ("SOFTCAP", "softcap", ""), ("ALIBI", "alibi", ""),
+    ("ALIBI_BSTRIDE", "alibi_bstride", ""), ("NSEQ", "nseq", ""), ("CU_Q", "cu_q", ""),
+    ("CU_K", "cu_k", ""), ("Q_NORM", "q_norm", ""), ("K_NORM", "k_norm", ""),
+    ("Q_NORM_HSTRIDE", "q_norm_hstride", ""), ("K_NORM_HSTRIDE", "k_norm_hstride", ""),
+    ("NORM_EPS", "norm_eps", ""), ("ROTARY_DIM", "rotary_dim", ""),
+    ("ROPE_INTERLEAVED", "rope_interleaved", ""), ("INV_FREQ", "inv_freq", ""),
+    ("POSITIONS_BSTRIDE", "positions_bstride", ""),
+    ("KEY_POSITIONS_BSTRIDE", "key_positions_bstride", ""),
+    ("LENGTHS_ALIGNED", "lengths_aligned", ""),
+)
+
 ARGS = PUBLIC_ARGS + C_ARGS
 
 
