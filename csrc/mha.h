@@ -225,47 +225,9 @@ typedef struct {
  * MHA_FIELD_CALL (a NULL config, layout or params). A rule that ties two
  * fields names the one it constrains: "H % G == 0" is G's. A size product
  * past MHA_MAX_ELEMS names the field of the buffer's last axis (Sq, Sk
- * count as DK, Sv, Svq as DV).
+ * count as DK, Sv, Svq as DV). Generated from the schema's MHA_FIELDS.
  */
-typedef enum {
-    MHA_FIELD_NONE = 0, /* no error */
-    MHA_FIELD_CALL,
-    MHA_FIELD_DTYPE,
-    MHA_FIELD_PARAMS,
-    MHA_FIELD_B,
-    MHA_FIELD_TQ,
-    MHA_FIELD_TK,
-    MHA_FIELD_DIN,
-    MHA_FIELD_DKIN,
-    MHA_FIELD_DVIN,
-    MHA_FIELD_DOUT,
-    MHA_FIELD_H,
-    MHA_FIELD_G,
-    MHA_FIELD_DK,
-    MHA_FIELD_DV,
-    MHA_FIELD_SCALE,
-    MHA_FIELD_MASK_KIND,
-    MHA_FIELD_MASK,
-    MHA_FIELD_KEY_LENGTHS,
-    MHA_FIELD_WINDOW,          /* windowed, window_left, window_right */
-    MHA_FIELD_SOFTCAP,
-    MHA_FIELD_ALIBI,
-    MHA_FIELD_ALIBI_BSTRIDE,
-    MHA_FIELD_NSEQ,
-    MHA_FIELD_CU_Q,
-    MHA_FIELD_CU_K,
-    MHA_FIELD_Q_NORM,
-    MHA_FIELD_K_NORM,
-    MHA_FIELD_Q_NORM_HSTRIDE,
-    MHA_FIELD_K_NORM_HSTRIDE,
-    MHA_FIELD_NORM_EPS,
-    MHA_FIELD_ROTARY_DIM,
-    MHA_FIELD_ROPE_INTERLEAVED,
-    MHA_FIELD_INV_FREQ,
-    MHA_FIELD_POSITIONS_BSTRIDE,
-    MHA_FIELD_KEY_POSITIONS_BSTRIDE,
-    MHA_FIELD_LENGTHS_ALIGNED,
-} mha_field;
+#include "mha_field_gen.h"   /* mha_field: tools/gen_schema.py */
 
 /*
  * Why a call was rejected: the field and a message that names the rule and
@@ -312,51 +274,12 @@ typedef struct {
  * optional and not wanted. The config's own arrays (head widths, scales,
  * masks, sinks, norms, positions) stay in mha_config: see there.
  *
- * Operations:  F mha_forward, B mha_backward, A mha_attend,
- *              AB mha_attend_backward, P mha_project.
+ * The struct is generated from the schema (python/mhattn/_internal/
+ * schema.py, PARAMS) into mha_params_gen.h, each field with what each
+ * operation (F mha_forward, B mha_backward, A mha_attend, AB
+ * mha_attend_backward, P mha_project) reads or writes there.
  */
-typedef struct {
-    mha_dtype dtype;
-
-    /* ---- Outputs of the forward, and what the backward reads back ---- */
-    void *out;      /* F:  (B, Tq, Dout) required
-                       A:  (B, H, Tq, dv) at strides so, required
-                       AB: input, (B, Tq, Svq) as mha_attend made it */
-    void *weights;  /* F, A: (B, H, Tq, Tk) post-softmax probabilities  */
-    void *q;        /* F: (B, Tq, Sq) kept projections (else scratch);
-                       B: input, as F kept it; P: output (transformed);
-                       A: input (B, H, Tq, dk) at strides sq;
-                       AB: input (B, Tq, Sq)                            */
-    void *k;        /* F, B, P, AB: (B, Tk, Sk); A: (B, G, Tk, dk) at sk */
-    void *v;        /* F, B, P, AB: (B, Tk, Sv); A: (B, G, Tk, dv) at sv */
-    void *concat;   /* F: (B, Tq, Svq) heads side by side, pre-W^O;
-                       B: input, as F kept it                           */
-    void *lse;      /* F, A: (B, H, Tq) each row's log-sum-exp of the
-                       masked, scaled scores (-inf: fully masked row);
-                       B: input, required; AB: input, or NULL to have it
-                       recomputed                                       */
-
-    /* ---- Inputs of the projections (F, B, P) ---- */
-    const void *x;                 /* (B, Tq, Din)                      */
-    const void *key;               /* (B, Tk, Dkin)                     */
-    const void *value;             /* (B, Tk, Dvin)                     */
-    const void *wq, *wk, *wv;      /* (Din, Sq) (Dkin, Sk) (Dvin, Sv)   */
-    const void *wo;                /* (Svq, Dout), or NULL without W^O  */
-    const void *bq, *bk, *bv, *bo; /* (Sq,) (Sk,) (Sv,) (Dout,) or NULL
-                                      (zero); B does not read them      */
-
-    /* ---- The backward's (B, AB) upstream gradient and gradients ---- */
-    const void *dout;              /* B: (B, Tq, Dout); AB: (B, Tq, Svq) */
-    void *dx, *dkey, *dvalue;      /* B: (B, Tq, Din) (B, Tk, Dkin) (B, Tk, Dvin) */
-    void *dwq, *dwk, *dwv, *dwo;   /* B: (Din, Sq) (Dkin, Sk) (Dvin, Sv) (Svq, Dout) */
-    void *dbq, *dbk, *dbv, *dbo;   /* B: (Sq,) (Sk,) (Sv,) (Dout,)      */
-    void *dq, *dk, *dv;            /* AB: (B, Tq, Sq) (B, Tk, Sk) (B, Tk, Sv) */
-    void *dsinks;                  /* B, AB: (H,), with cfg->sinks      */
-    void *dq_norm, *dk_norm;       /* B: shaped as cfg->q_norm, k_norm  */
-
-    /* ---- mha_attend's strides (A only) ---- */
-    mha_strides sq, sk, sv, so;    /* of q, k, v and out                */
-} mha_params;
+#include "mha_params_gen.h"   /* mha_params: tools/gen_schema.py */
 
 /*
  * Forward pass (one templated source, core/forward_impl.h).

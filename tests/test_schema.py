@@ -36,7 +36,8 @@ def test_generated_files_are_fresh(capsys):
 
 def _copy(tmp_path):
     """The schema and the generated files, copied under tmp_path."""
-    paths = {gen_schema.SCHEMA, gen_schema.PYI, gen_schema.HEADER}
+    paths = {gen_schema.SCHEMA, gen_schema.PYI, gen_schema.HEADER, gen_schema.ARGS_H,
+             gen_schema.ARGS_C, gen_schema.PARAMS_H, gen_schema.FIELDS_H}
     paths |= {e.file for e in schema.ENTRIES.values() if e.doc_groups}
     for p in paths:
         os.makedirs(tmp_path / os.path.dirname(p), exist_ok=True)
@@ -75,6 +76,8 @@ def test_a_schema_edit_makes_every_output_stale(tmp_path, capsys):
     out = capsys.readouterr().out
     for p in (gen_schema.PYI, gen_schema.HEADER, "python/mhattn/compute/forward.py"):
         assert f"stale: {p}" in out
+    assert gen_schema.ARGS_H not in out and gen_schema.ARGS_C not in out
+    assert gen_schema.PARAMS_H not in out
     gen_schema.main(["--root", str(root)])
     assert "Where the queries come from." in (root / "python/mhattn/compute/forward.py").read_text()
 
@@ -177,47 +180,45 @@ def test_records():
         gen_schema.parameters_section(schema, e) if schema.ENTRIES[e].doc_groups else None
 
 
-def _glue_tables():
-    """{function: its arg_spec rows} as the glue's C source writes them
-    (wherever under csrc/ its tables live)."""
+def test_a_schema_edit_makes_the_glue_tables_stale(tmp_path, capsys):
+    # The glue's tables are the schema's: an argument's shape, its order,
+    # a shape check's order or a note changes the generated C.
+    root = _copy(tmp_path)
+    _edit(root / gen_schema.SCHEMA, '"(B, Tq, Sq)", REQUIRED,\n        "forward()\'s kept q',
+          '"(B, Tq, Sk)", REQUIRED,\n        "forward()\'s kept q')
+    _edit(root / gen_schema.SCHEMA, '("k", " from q\'s B and dk")', '("k", " from q")')
+    _edit(root / gen_schema.SCHEMA, 'checks_x=("k", "v", "scales")',
+          'checks_x=("v", "k", "scales")')
+    assert gen_schema.main(["--check", "--root", str(root)]) == 1
+    out = capsys.readouterr().out
+    assert f"stale: {gen_schema.ARGS_C}" in out and gen_schema.ARGS_H not in out
+    gen_schema.main(["--root", str(root)])
+    text = (root / gen_schema.ARGS_C).read_text()
+    assert '{"q", ARG_ARRAY, SHAPE3(L_B, L_TQ, L_SK), 0, NULL}' in text
+    assert '" from q"}' in text and "{ATT_V, ATT_K, ATT_SCALES, -1}" in text
+    _edit(root / gen_schema.SCHEMA, 'variants, lengths_aligned, "\n                 "out_bthd,',
+          'variants, out_bthd, "\n                 "lengths_aligned,')
+    gen_schema.main(["--root", str(root)])
+    assert "ATT_OUT_BTHD, ATT_LENGTHS_ALIGNED" in (root / gen_schema.ARGS_H).read_text()
+
+
+def test_glue_tables_are_only_generated():
+    # No hand-written glue file restates a table, a positions enum or the
+    # call_spec fields the schema says.
     import glob
     import re
-    tables = {}
-    for path in glob.glob(os.path.join(ROOT, "csrc", "**", "*.c"), recursive=True):
+    generated = {os.path.join(ROOT, p) for p in (gen_schema.ARGS_H, gen_schema.ARGS_C)}
+    for path in glob.glob(os.path.join(ROOT, "csrc", "python", "*.[ch]")):
+        if path in generated:
+            continue
         text = open(path, encoding="utf-8").read()
-        for fn, body in re.findall(r"static const arg_spec (\w+)_args\[\w+\] = \{(.*?)\n\};",
-                                   text, re.S):
-            entries = re.findall(r"\[(\w+)\] = \{(.*?)\},", body, re.S)
-            index = {pos: None for pos, _ in entries}
-            rows = []
-            for pos, spec in entries:
-                spec = " ".join(spec.split())
-                if spec.startswith(".name"):
-                    name = re.search(r'\.name = "(\w+)"', spec).group(1)
-                    kind = re.search(r"\.kind = (\w+)", spec).group(1)
-                    rows.append([name, kind, None, None])
-                else:
-                    m = re.fullmatch(r'"(\w+)", (\w+), SHAPE\d\(([\w, ]+)\), (\w+)'
-                                     r'(?:, (?:NULL|"[^"]*"))?', spec)
-                    shape = tuple(x.strip()[2:] for x in m.group(3).split(","))
-                    rows.append([m.group(1), m.group(2), shape, m.group(4)])
-                index[pos] = rows[-1][0]
-            for row in rows:   # an alias is written as its position
-                row[3] = index.get(row[3]) if row[3] not in (None, "0") else None
-            tables[fn] = [tuple(r) for r in rows]
-    return tables
-
-
-def test_the_schema_says_what_the_glue_tables_say():
-    tables = _glue_tables()
-    with_tables = [n for n, f in schema.C_FUNCTIONS.items() if f.prefix]
-    assert sorted(tables) == sorted(with_tables)
-    for name in with_tables:
-        want = [(n, k, None if sh is None else tuple(x.upper() for x in sh), al)
-                for n, k, sh, al in gen_schema.arg_specs(schema, name)]
-        got = [(n, k, sh, al) for n, k, sh, al in tables[name]]
-        assert got == want, name
-        assert "_args[" in gen_schema.arg_spec_c(schema, name)
+        assert not re.search(r"\barg_spec \w+\[", text), path
+        assert not re.search(r"\bshape \w+_outs\[", text), path
+        assert not re.search(r"enum \{[^}]*_N(ARGS|OUTS)\b", text), path
+        assert not re.search(r"\.(nopt|checks_x|checks_widths) = ", text), path
+    specs = re.findall(r"(\w+)_SPEC_ARGS,", "".join(
+        open(os.path.join(ROOT, "csrc", "python", f)).read() for f in ("mha.c", "attend.c")))
+    assert sorted(specs) == sorted(n.upper() for n, f in schema.C_FUNCTIONS.items() if f.prefix)
 
 
 def test_schema_imports_nothing_of_mhattn():
@@ -246,22 +247,74 @@ def test_variants_are_the_glues():
     assert names == [v[0] for v in schema.VARIANTS]
 
 
-def test_outputs_are_the_glues():
-    import glob
-    import re
-    tables = {}
-    for path in glob.glob(os.path.join(ROOT, "csrc", "**", "*.c"), recursive=True):
-        text = open(path, encoding="utf-8").read()
-        for fn, body in re.findall(r"static const shape (\w+)_outs\[\w+\] = \{(.*?)\};",
-                                   text, re.S):
-            tables[fn] = [tuple(x.strip()[2:] for x in m.split(","))
-                          for m in re.findall(r"SHAPE\d\(([\w, ]+)\)", body)]
-    assert sorted(tables) == ["backward", "forward", "project"]
-    for fn, shapes in tables.items():
-        want = [tuple(x.strip().upper() for x in o.shape.strip("(,)").split(",") if x.strip())
-                for o in schema.C_OUTPUTS[fn]][:len(shapes)]
-        assert shapes == want, fn
+def test_outputs_ask_for_arguments():
     for fn, outs in schema.C_OUTPUTS.items():
         for o in outs:   # what asks for an output is an argument of the function
             asked = o.when.split(":")[0]
             assert not asked or asked in [a.name for a, _ in schema.params("_C." + fn)], o
+
+
+def _config_fields():
+    """The field names of mha_config, as csrc/mha.h declares them."""
+    import re
+    text = open(os.path.join(ROOT, "csrc", "mha.h"), encoding="utf-8").read()
+    body = text[:text.index("} mha_config;")]
+    body = body[body.rindex("typedef struct {") + len("typedef struct {"):]
+    body = re.sub(r"/\*.*?\*/", "", body, flags=re.S)
+    names = set()
+    for decl in body.split(";"):
+        decl = decl.strip()
+        if decl:
+            for part in decl.split(","):
+                names.add(re.search(r"(\w+)\s*(\[\w*\])?\s*$", part).group(1))
+    return names
+
+
+def test_c_fields_name_real_fields():
+    # c_field says which fields of the core's structs an argument fills:
+    # mha_params's (generated from schema.PARAMS) or mha_config's.
+    params = {f.name for f in schema.PARAMS}
+    config = _config_fields()
+    assert {"B", "Tq", "mask_stride", "packed", "interrupt", "cu_q", "cu_k"} <= config
+    for a in schema.C_ARGS:
+        for token in filter(None, (t.strip() for t in a.c_field.split(","))):
+            name = token.replace("!= NULL", "").strip()
+            assert name in params or name in config, (a.name, a.takes, token)
+    for v in schema.VARIANTS:
+        for name in (t.strip() for t in v[4].split(",")):
+            assert name in config, (v[0], name)
+    for f in schema.PARAMS:
+        for u in f.uses:
+            assert all(op.strip() in schema.OPS for op in u.ops.split(",")), f
+            assert u.io in ("reads", "writes"), f
+
+
+def test_params_struct_is_generated():
+    # mha.h includes the generated struct and declares no other mha_params.
+    text = open(os.path.join(ROOT, "csrc", "mha.h"), encoding="utf-8").read()
+    assert '#include "mha_params_gen.h"' in text and "} mha_params;" not in text
+    gen = open(os.path.join(ROOT, gen_schema.PARAMS_H), encoding="utf-8").read()
+    for f in schema.PARAMS:
+        assert f" *{f.name};" in gen or f" {f.name};" in gen, f.name
+
+
+def test_a_params_edit_makes_the_struct_stale(tmp_path, capsys):
+    root = _copy(tmp_path)
+    _edit(root / gen_schema.SCHEMA, '("dbo", "(Dout,)")', '("dbo", "(Dout,)"), ("dbx", "(X,)")')
+    assert gen_schema.main(["--check", "--root", str(root)]) == 1
+    out = capsys.readouterr().out
+    assert f"stale: {gen_schema.PARAMS_H}" in out and gen_schema.ARGS_C not in out
+    gen_schema.main(["--root", str(root)])
+    assert "void *dbx;" in (root / gen_schema.PARAMS_H).read_text()
+
+
+def test_mha_fields_name_config_fields():
+    # Each id of mha_field stands for fields mha_config has; mha.h includes
+    # the generated enum and declares no other.
+    config = _config_fields()
+    for fid, fields, doc in schema.MHA_FIELDS:
+        assert fields or doc, fid
+        for name in filter(None, (t.strip() for t in fields.split(","))):
+            assert name in config, (fid, name)
+    text = open(os.path.join(ROOT, "csrc", "mha.h"), encoding="utf-8").read()
+    assert '#include "mha_field_gen.h"' in text and "} mha_field;" not in text

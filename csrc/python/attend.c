@@ -1,7 +1,8 @@
 /*
  * attend.c - attention on projected tensors (issue 17): attention() and
- * attention_backward(), each with its argument table (arg_spec[]) and its
- * call_spec, and the steps of their family that the skeleton (call.c)
+ * attention_backward(), each with its call_spec (its argument table and
+ * the fields that follow from its arguments are generated: args_gen.h),
+ * and the steps of their family that the skeleton (call.c)
  * runs: the sizes from q, k and v (one head width for every head), the
  * outputs, the result.
  */
@@ -11,36 +12,12 @@
    (B, G, Tk, dv) v, their shapes unchecked. */
 static void attend_letters(call *c, PyArrayObject *q, PyArrayObject *k, PyArrayObject *v)
 {
-    npy_intp *n = c->size;
-    n[L_B] = PyArray_DIM(q, 0);
-    n[L_H] = PyArray_DIM(q, 1);
-    n[L_TQ] = PyArray_DIM(q, 2);
-    n[L_DK] = PyArray_DIM(q, 3);
-    n[L_G] = PyArray_DIM(k, 1);
-    n[L_TK] = PyArray_DIM(k, 2);
-    n[L_DV] = PyArray_DIM(v, 3);
+    sizes_from(c->size, q, 4, (const signed char[]){L_B, L_H, L_TQ, L_DK});
+    sizes_from(c->size, k, 4, (const signed char[]){-1, L_G, L_TK, -1});
+    sizes_from(c->size, v, 4, (const signed char[]){-1, -1, -1, L_DV});
 }
 
 /* ---- attention ---------------------------------------------------------- */
-
-GLUE_DOC(attention_doc, ATTENTION_DOC);
-
-static const arg_spec attention_args[ATT_NARGS] = {
-    [ATT_Q] = {"q", ARG_ARRAY, SHAPE4(L_B, L_H, L_TQ, L_DK), 0, NULL},
-    [ATT_K] = {"k", ARG_ARRAY, SHAPE4(L_B, L_G, L_TK, L_DK), 0, " from q's B and dk"},
-    [ATT_V] = {"v", ARG_ARRAY, SHAPE4(L_B, L_G, L_TK, L_DV), 0, " from k"},
-    [ATT_SCALES] = {"scales", ARG_FLOAT64, SHAPE1(L_H), 0, " from q"},
-    [ATT_MASK] = {.name = "mask", .kind = ARG_MASK},
-    [ATT_CAUSAL] = {.name = "causal", .kind = ARG_BOOL},
-    [ATT_KEY_LENGTHS] = {.name = "key_lengths", .kind = ARG_LENGTHS},
-    [ATT_VARIANTS] = {.name = "variants", .kind = ARG_VARIANTS},
-    [ATT_ALIGNED] = {.name = "lengths_aligned", .kind = ARG_BOOL},
-    [ATT_OUT_BTHD] = {.name = "out_bthd", .kind = ARG_BOOL},
-    [ATT_WANT_WEIGHTS] = {.name = "want_weights", .kind = ARG_BOOL},
-    [ATT_WANT_LSE] = {.name = "want_lse", .kind = ARG_BOOL},
-};
-
-static const int attention_checks_x[] = {ATT_K, ATT_V, ATT_SCALES, -1};
 
 /*
  * The scales converted; the sizes from q, k and v, whose shapes (and
@@ -105,14 +82,6 @@ static int attention_variants(call *c)
    wanted; c->st[3] = out's strides. */
 static int attention_outputs(call *c)
 {
-    static const shape bhtd[ATT_NOUTS] = {
-        [ATT_OUT] = SHAPE4(L_B, L_H, L_TQ, L_DV),
-        [ATT_WEIGHTS] = SHAPE4(L_B, L_H, L_TQ, L_TK),
-        [ATT_LSE] = SHAPE3(L_B, L_H, L_TQ)};
-    static const shape bthd[ATT_NOUTS] = {
-        [ATT_OUT] = SHAPE4(L_B, L_TQ, L_H, L_DV),
-        [ATT_WEIGHTS] = SHAPE4(L_B, L_H, L_TQ, L_TK),
-        [ATT_LSE] = SHAPE3(L_B, L_H, L_TQ)};
     const npy_intp *n = c->size;
     const size_t H = (size_t)n[L_H], Tq = (size_t)n[L_TQ], dv = (size_t)n[L_DV];
     const int out_bthd = c->arg[ATT_OUT_BTHD].truth;
@@ -121,7 +90,7 @@ static int attention_outputs(call *c)
     const int want[ATT_NOUTS] = {
         [ATT_OUT] = 1, [ATT_WEIGHTS] = c->arg[ATT_WANT_WEIGHTS].truth,
         [ATT_LSE] = c->arg[ATT_WANT_LSE].truth};
-    return make_outputs(c, ATT_NOUTS, out_bthd ? bthd : bhtd, want);
+    return make_outputs(c, ATT_NOUTS, attention_outs[out_bthd], want);
 }
 
 /* Multiply-adds of attention: as forward(), a small call runs without the
@@ -140,48 +109,15 @@ static PyObject *attention_result(call *c)
 
 /* mha_attend checks its own config (.checked 0): no projections. */
 static const call_spec attention_spec = {
-    .name = "attention", .nargs = ATT_NARGS, .args = attention_args, .nopt = 0,
-    .layout = LAYOUT_STRIDED,
-    .checks_x = attention_checks_x, .checks_widths = NULL,
-    .x = ATT_Q, .key = ATT_K, .value = ATT_V, .wo = ARG_NONE,
-    .dk = ARG_NONE, .dv = ARG_NONE, .scales = ATT_SCALES, .mask = ATT_MASK,
-    .causal = ATT_CAUSAL, .key_lengths = ATT_KEY_LENGTHS,
-    .variants = ATT_VARIANTS, .lengths_aligned = ATT_ALIGNED,
-    .broadcast_mask = 1, .has_wo = 1, .checked = 0,
+    ATTENTION_SPEC_ARGS, .layout = LAYOUT_STRIDED, .broadcast_mask = 1, .has_wo = 1, .checked = 0,
     .sizes = attention_sizes, .check = attention_variants, .finish = NULL,
     .outputs = attention_outputs, .work = attention_work, .core = attention_core,
     .result = attention_result,
 };
 
-PyObject *attention(PyObject *self, PyObject *const *argv, Py_ssize_t nargs,
-                    PyObject *kwnames)
-{
-    (void)self;
-    return call_fast(&attention_spec, argv, nargs, kwnames);
-}
+GLUE_FASTCALL_ENTRY(attention, ATTENTION_DOC)
 
 /* ---- attention_backward ------------------------------------------------- */
-
-GLUE_DOC(attention_backward_doc, ATTENTION_BACKWARD_DOC);
-
-static const arg_spec attention_backward_args[ABW_NARGS] = {
-    [ABW_DOUT] = {"dout", ARG_ARRAY, SHAPE4(L_B, L_H, L_TQ, L_DV), 0, NULL},
-    [ABW_Q] = {"q", ARG_ARRAY, SHAPE4(L_B, L_H, L_TQ, L_DK), 0, NULL},
-    [ABW_K] = {"k", ARG_ARRAY, SHAPE4(L_B, L_G, L_TK, L_DK), 0, NULL},
-    [ABW_V] = {"v", ARG_ARRAY, SHAPE4(L_B, L_G, L_TK, L_DV), 0, NULL},
-    [ABW_OUT] = {"out", ARG_ARRAY, SHAPE4(L_B, L_H, L_TQ, L_DV), 0, NULL},
-    [ABW_LSE] = {"lse", ARG_ARRAY_OPT, SHAPE3(L_B, L_H, L_TQ), 0, NULL},
-    [ABW_SCALES] = {"scales", ARG_FLOAT64, SHAPE1(L_H), 0, NULL},
-    [ABW_MASK] = {.name = "mask", .kind = ARG_MASK},
-    [ABW_CAUSAL] = {.name = "causal", .kind = ARG_BOOL},
-    [ABW_KEY_LENGTHS] = {.name = "key_lengths", .kind = ARG_LENGTHS},
-    [ABW_VARIANTS] = {.name = "variants", .kind = ARG_VARIANTS},
-    [ABW_LENGTHS_ALIGNED] = {.name = "lengths_aligned", .kind = ARG_BOOL},
-};
-
-static const int attention_backward_checks_x[] = {
-    ABW_DOUT, ABW_Q, ABW_K, ABW_V, ABW_OUT, ABW_LSE, -1};
-static const int attention_backward_checks_widths[] = {ABW_SCALES, -1};
 
 /* The sizes from q, k and v, every array's shape checked against them,
    the head widths (the fused widths are heads times width, and stand for
@@ -286,13 +222,8 @@ static int attention_backward_fused(call *c)
    when sinks are given. */
 static int attention_backward_outputs(call *c)
 {
-    static const shape fused_shapes[ABW_NOUTS] = {
-        [ABW_DQ] = SHAPE4(L_B, L_TQ, L_H, L_DK),
-        [ABW_DK] = SHAPE4(L_B, L_TK, L_G, L_DK),
-        [ABW_DV] = SHAPE4(L_B, L_TK, L_G, L_DV),
-        [ABW_DSINKS] = SHAPE1(L_H)};
     const int want[ABW_NOUTS] = {1, 1, 1, c->var[V_SINKS] != NULL};
-    return make_outputs(c, ABW_NOUTS, fused_shapes, want);
+    return make_outputs(c, ABW_NOUTS, attention_backward_outs, want);
 }
 
 /* (dq, dk, dv, dsinks or None): dq, dk, dv C-contiguous copies of the
@@ -319,24 +250,10 @@ done:
 
 /* Every main-thread call polls for Ctrl-C (.work NULL). */
 static const call_spec attention_backward_spec = {
-    .name = "attention_backward", .nargs = ABW_NARGS,
-    .args = attention_backward_args, .nopt = 0, .layout = LAYOUT_KEEP,
-    .checks_x = attention_backward_checks_x,
-    .checks_widths = attention_backward_checks_widths,
-    .x = ABW_Q, .key = ABW_K, .value = ABW_V, .wo = ARG_NONE,
-    .dk = ARG_NONE, .dv = ARG_NONE, .scales = ABW_SCALES, .mask = ABW_MASK,
-    .causal = ABW_CAUSAL, .key_lengths = ABW_KEY_LENGTHS,
-    .variants = ABW_VARIANTS, .lengths_aligned = ABW_LENGTHS_ALIGNED,
-    .broadcast_mask = 1, .has_wo = 0, .checked = 1,
+    ATTENTION_BACKWARD_SPEC_ARGS, .layout = LAYOUT_KEEP, .broadcast_mask = 1, .has_wo = 0, .checked = 1,
     .sizes = attention_backward_sizes, .check = attention_backward_variants,
-    .finish = attention_backward_fused, .outputs = attention_backward_outputs,
-    .work = NULL, .core = attention_backward_core,
-    .result = attention_backward_result,
+    .finish = attention_backward_fused, .outputs = attention_backward_outputs, .work = NULL,
+    .core = attention_backward_core, .result = attention_backward_result,
 };
 
-PyObject *attention_backward(PyObject *self, PyObject *const *argv, Py_ssize_t nargs,
-                             PyObject *kwnames)
-{
-    (void)self;
-    return call_fast(&attention_backward_spec, argv, nargs, kwnames);
-}
+GLUE_FASTCALL_ENTRY(attention_backward, ATTENTION_BACKWARD_DOC)

@@ -6,6 +6,8 @@
  */
 #include "glue.h"
 
+#include <string.h>
+
 /* The element type of a call's arrays (NPY_FLOAT or NPY_DOUBLE). */
 #define DTYPE_OF(typenum) ((typenum) == NPY_FLOAT ? MHA_DTYPE_F32 : MHA_DTYPE_F64)
 
@@ -24,22 +26,26 @@ int check_config(const mha_config *cfg)
     return 0;
 }
 
-/* Each core step fills an mha_params from the call's arrays and runs one
-   operation; a rejection of the params (a NULL required buffer, say) is
-   kept in c->err for run_core to raise. */
+/* An mha_params of the call's element type, its buffers from the call's
+   arrays as the function's table says (args_gen.c, <name>_params: each
+   where the schema's c_field puts it). A pointer's bytes are the same as a
+   void * and as a const void * (C11 6.2.5), so memcpy stores either. */
+static mha_params params_of(const call *c, const param_slot *slot)
+{
+    mha_params prm = {.dtype = DTYPE_OF(c->typenum)};
+    for (; slot->pos >= 0; slot++) {
+        void *data = DATA((slot->out ? c->out : c->in)[slot->pos]);
+        memcpy((char *)&prm + slot->offset, &data, sizeof data);
+    }
+    return prm;
+}
+
+/* Each core step runs one operation on the params of its call; a rejection
+   of the params (a NULL required buffer, say) is kept in c->err for
+   run_core to raise. */
 mha_status forward_core(call *c)
 {
-    PyArrayObject *const *in = c->in, *const *out = c->out;
-    const mha_params prm = {
-        .dtype = DTYPE_OF(c->typenum),
-        .out = DATA(out[FWD_OUT]), .weights = DATA(out[FWD_WEIGHTS]),
-        .q = DATA(out[FWD_Q]), .k = DATA(out[FWD_K]), .v = DATA(out[FWD_V]),
-        .concat = DATA(out[FWD_CONCAT]), .lse = DATA(out[FWD_LSE]),
-        .x = DATA(in[FWD_X]), .key = DATA(in[FWD_KEY]), .value = DATA(in[FWD_VALUE]),
-        .wq = DATA(in[FWD_WQ]), .wk = DATA(in[FWD_WK]), .wv = DATA(in[FWD_WV]),
-        .wo = DATA(in[FWD_WO]), .bq = DATA(in[FWD_BQ]), .bk = DATA(in[FWD_BK]),
-        .bv = DATA(in[FWD_BV]), .bo = DATA(in[FWD_BO]),
-    };
+    const mha_params prm = params_of(c, forward_params);
     return mha_forward(&c->cfg, &prm, &c->err);
 }
 
@@ -47,35 +53,17 @@ mha_status backward_core(call *c)
 {
     // A role fed by another input adds into that input's gradient: dkey is
     // made only when key is not x, dvalue only when value is not key.
-    PyArrayObject *const *in = c->in, *const *out = c->out;
-    void *dkey = out[BWD_DKEY] != NULL ? DATA(out[BWD_DKEY]) : DATA(out[BWD_DX]);
-    void *dvalue = out[BWD_DVALUE] != NULL ? DATA(out[BWD_DVALUE]) : dkey;
-    const mha_params prm = {
-        .dtype = DTYPE_OF(c->typenum),
-        .dx = DATA(out[BWD_DX]), .dkey = dkey, .dvalue = dvalue,
-        .dwq = DATA(out[BWD_DWQ]), .dwk = DATA(out[BWD_DWK]), .dwv = DATA(out[BWD_DWV]),
-        .dwo = DATA(out[BWD_DWO]), .dbq = DATA(out[BWD_DBQ]), .dbk = DATA(out[BWD_DBK]),
-        .dbv = DATA(out[BWD_DBV]), .dbo = DATA(out[BWD_DBO]),
-        .dsinks = DATA(out[BWD_DSINKS]), .dq_norm = DATA(out[BWD_DQ_NORM]),
-        .dk_norm = DATA(out[BWD_DK_NORM]), .dout = DATA(in[BWD_DOUT]),
-        .x = DATA(in[BWD_X]), .key = DATA(in[BWD_KEY]), .value = DATA(in[BWD_VALUE]),
-        .wq = DATA(in[BWD_WQ]), .wk = DATA(in[BWD_WK]), .wv = DATA(in[BWD_WV]),
-        .wo = DATA(in[BWD_WO]), .q = DATA(in[BWD_Q]), .k = DATA(in[BWD_K]),
-        .v = DATA(in[BWD_V]), .concat = DATA(in[BWD_CONCAT]), .lse = DATA(in[BWD_LSE]),
-    };
+    mha_params prm = params_of(c, backward_params);
+    if (prm.dkey == NULL)
+        prm.dkey = prm.dx;
+    if (prm.dvalue == NULL)
+        prm.dvalue = prm.dkey;
     return mha_backward(&c->cfg, &prm, &c->err);
 }
 
 mha_status project_core(call *c)
 {
-    PyArrayObject *const *in = c->in, *const *out = c->out;
-    const mha_params prm = {
-        .dtype = DTYPE_OF(c->typenum),
-        .q = DATA(out[PRJ_Q]), .k = DATA(out[PRJ_K]), .v = DATA(out[PRJ_V]),
-        .x = DATA(in[PRJ_X]), .key = DATA(in[PRJ_KEY]), .value = DATA(in[PRJ_VALUE]),
-        .wq = DATA(in[PRJ_WQ]), .wk = DATA(in[PRJ_WK]), .wv = DATA(in[PRJ_WV]),
-        .bq = DATA(in[PRJ_BQ]), .bk = DATA(in[PRJ_BK]), .bv = DATA(in[PRJ_BV]),
-    };
+    const mha_params prm = params_of(c, project_params);
     return mha_project(&c->cfg, &prm, &c->err);
 }
 
@@ -83,28 +71,15 @@ mha_status project_core(call *c)
    out written with those of its layout. */
 mha_status attention_core(call *c)
 {
-    PyArrayObject *const *in = c->in, *const *out = c->out;
-    const mha_params prm = {
-        .dtype = DTYPE_OF(c->typenum),
-        .out = DATA(out[ATT_OUT]), .weights = DATA(out[ATT_WEIGHTS]),
-        .lse = DATA(out[ATT_LSE]),
-        .q = DATA(in[ATT_Q]), .k = DATA(in[ATT_K]), .v = DATA(in[ATT_V]),
-        .sq = c->st[0], .sk = c->st[1], .sv = c->st[2], .so = c->st[3],
-    };
+    mha_params prm = params_of(c, attention_params);
+    prm.sq = c->st[0], prm.sk = c->st[1], prm.sv = c->st[2], prm.so = c->st[3];
     return mha_attend(&c->cfg, &prm, &c->err);
 }
 
 /* Fused dq, dk, dv, and dsinks. */
 mha_status attention_backward_core(call *c)
 {
-    PyArrayObject *const *in = c->in, *const *out = c->out;
-    const mha_params prm = {
-        .dtype = DTYPE_OF(c->typenum),
-        .dq = DATA(out[ABW_DQ]), .dk = DATA(out[ABW_DK]), .dv = DATA(out[ABW_DV]),
-        .dsinks = DATA(out[ABW_DSINKS]), .dout = DATA(in[ABW_DOUT]),
-        .q = DATA(in[ABW_Q]), .k = DATA(in[ABW_K]), .v = DATA(in[ABW_V]),
-        .out = DATA(in[ABW_OUT]), .lse = DATA(in[ABW_LSE]),
-    };
+    const mha_params prm = params_of(c, attention_backward_params);
     return mha_attend_backward(&c->cfg, &prm, &c->err);
 }
 

@@ -2,9 +2,59 @@
    edit the schema, then run the tool.
    The docstrings of mhattn._C's functions, each opening with its
    __text_signature__ (name(...)\n--\n\n), which inspect.signature
-   reads. */
+   reads; ARG_DOC_<NAME> the lines of an argument that several take. */
 #ifndef MHATTN_DOCSTRINGS_GEN_H
 #define MHATTN_DOCSTRINGS_GEN_H
+
+#define ARG_DOC_X \
+    "x (B, Tq, Din): The queries' source; its dtype is the call's.\n"
+#define ARG_DOC_KEY \
+    "key (B, Tk, Dkin): The keys' source.\n"
+#define ARG_DOC_VALUE \
+    "value (B, Tk, Dvin): The values' source.\n"
+#define ARG_DOC_WQ \
+    "wq (Din, Sq): W^Q fused, head h's block after the heads before it.\n"
+#define ARG_DOC_WK \
+    "wk (Dkin, Sk): W^K fused.\n"
+#define ARG_DOC_WV \
+    "wv (Dvin, Sv): W^V fused.\n"
+#define ARG_DOC_WO \
+    "wo (Svq, Dout): W^O, or None: out is the concatenation.\n"
+#define ARG_DOC_BQ \
+    "bq (Sq,): The query bias, or None.\n"
+#define ARG_DOC_BK \
+    "bk (Sk,): The key bias, or None.\n"
+#define ARG_DOC_BV \
+    "bv (Sv,): The value bias, or None.\n"
+#define ARG_DOC_DK \
+    "dk (G,): Each kv head's key width.\n"
+#define ARG_DOC_DV \
+    "dv (G,): Each kv head's value width.\n"
+#define ARG_DOC_SCALES \
+    "scales (H,): The multiplier of q.k of each query head.\n"
+#define ARG_DOC_MASK \
+    "mask broadcasts to (B, H, Tq, Tk): None, or bool (True = may attend) or\n" \
+    "    float (added), any strides.\n"
+#define ARG_DOC_CAUSAL \
+    "causal: Query i sees keys j <= i + (Tk - Tq).\n"
+#define ARG_DOC_KEY_LENGTHS \
+    "key_lengths (B,): None, or each item's key count: keys j >= it are padding.\n"
+#define ARG_DOC_VARIANTS \
+    "variants (15,): None, or the tuple of mhattn._internal.core.variant_args\n" \
+    "    (VARIANTS).\n"
+#define ARG_DOC_WANT_WEIGHTS \
+    "want_weights: Also return the weights (B, H, Tq, Tk).\n"
+#define ARG_DOC_PACKED \
+    "packed (4,): None, or pack_weight() capsules (or None) of wq, wk, wv, wo.\n"
+#define ARG_DOC_Q \
+    "q (B, H, Tq, dk): The queries, any strides, the last axis contiguous.\n"
+#define ARG_DOC_K \
+    "k (B, G, Tk, dk): The keys, any strides.\n"
+#define ARG_DOC_V \
+    "v (B, G, Tk, dv): The values, any strides.\n"
+#define ARG_DOC_LENGTHS_ALIGNED \
+    "lengths_aligned: Align each item's queries to its own key length (a KV\n" \
+    "    cache).\n"
 
 #define FORWARD_DOC \
     "forward(x, key, value, wq, wk, wv, wo, bq, bk, bv, bo, dk, dv, scales, mask,\n" \
@@ -12,31 +62,16 @@
     "--\n" \
     "\n" \
     "Multi-head attention forward pass (low level; see mhattn for the public\n" \
-    "API). All float arrays share one dtype, float32 or float64.\n" \
+    "API). All float arrays share one dtype, float32 or float64." \
     "\n" \
-    "x (B, Tq, Din): The queries' source; its dtype is the call's.\n" \
-    "key (B, Tk, Dkin): The keys' source.\n" \
-    "value (B, Tk, Dvin): The values' source.\n" \
-    "wq (Din, Sq): W^Q fused, head h's block after the heads before it.\n" \
-    "wk (Dkin, Sk): W^K fused.\n" \
-    "wv (Dvin, Sv): W^V fused.\n" \
-    "wo (Svq, Dout): W^O, or None: out is the concatenation.\n" \
-    "bq (Sq,): The query bias, or None.\n" \
-    "bk (Sk,): The key bias, or None.\n" \
-    "bv (Sv,): The value bias, or None.\n" \
+    "\n" \
+    ARG_DOC_X ARG_DOC_KEY ARG_DOC_VALUE ARG_DOC_WQ ARG_DOC_WK ARG_DOC_WV \
+    ARG_DOC_WO ARG_DOC_BQ ARG_DOC_BK ARG_DOC_BV \
     "bo (Dout,): The output bias, or None.\n" \
-    "dk (G,): Each kv head's key width.\n" \
-    "dv (G,): Each kv head's value width.\n" \
-    "scales (H,): The multiplier of q.k of each query head.\n" \
-    "mask broadcasts to (B, H, Tq, Tk): None, or bool (True = may attend) or\n" \
-    "    float (added), any strides.\n" \
-    "causal: Query i sees keys j <= i + (Tk - Tq).\n" \
-    "key_lengths (B,): None, or each item's key count: keys j >= it are padding.\n" \
-    "variants (15,): None, or the tuple of mhattn._internal.core.variant_args\n" \
-    "    (VARIANTS).\n" \
-    "want_weights: Also return the weights (B, H, Tq, Tk).\n" \
+    ARG_DOC_DK ARG_DOC_DV ARG_DOC_SCALES ARG_DOC_MASK ARG_DOC_CAUSAL \
+    ARG_DOC_KEY_LENGTHS ARG_DOC_VARIANTS ARG_DOC_WANT_WEIGHTS \
     "keep: Also return (q, k, v, concat, lse) for backward().\n" \
-    "packed (4,): None, or pack_weight() capsules (or None) of wq, wk, wv, wo.\n" \
+    ARG_DOC_PACKED \
     "\n" \
     "Returns (out (B, Tq, Dout), weights (B, H, Tq, Tk) or None, (q, k, v,\n" \
     "concat, lse) or None), new C-contiguous arrays of the call's dtype. A fully\n" \
@@ -50,32 +85,23 @@
     "\n" \
     "Backward pass of forward() (low level; see mhattn.backward). x, key, value,\n" \
     "wq, wk, wv, wo, dk, dv, scales, mask, causal, key_lengths, variants as given\n" \
-    "to forward().\n" \
+    "to forward()." \
+    "\n" \
     "\n" \
     "dout (B, Tq, Dout): dL/dout.\n" \
-    "x (B, Tq, Din): The queries' source; its dtype is the call's.\n" \
+    ARG_DOC_X \
     "key (B, Tk, Dkin): The keys' source, or None: key is x (its gradient added\n" \
     "    into x's).\n" \
     "value (B, Tk, Dvin): The values' source, or None: value is key (its gradient\n" \
     "    added into key's).\n" \
-    "wq (Din, Sq): W^Q fused, head h's block after the heads before it.\n" \
-    "wk (Dkin, Sk): W^K fused.\n" \
-    "wv (Dvin, Sv): W^V fused.\n" \
-    "wo (Svq, Dout): W^O, or None: out is the concatenation.\n" \
+    ARG_DOC_WQ ARG_DOC_WK ARG_DOC_WV ARG_DOC_WO \
     "q (B, Tq, Sq): forward()'s kept q projection.\n" \
     "k (B, Tk, Sk): forward()'s kept k projection.\n" \
     "v (B, Tk, Sv): forward()'s kept v projection.\n" \
     "concat (B, Tq, Svq): forward()'s kept concatenation of the heads.\n" \
     "lse (B, H, Tq): forward()'s kept log-sum-exp of each row.\n" \
-    "dk (G,): Each kv head's key width.\n" \
-    "dv (G,): Each kv head's value width.\n" \
-    "scales (H,): The multiplier of q.k of each query head.\n" \
-    "mask broadcasts to (B, H, Tq, Tk): None, or bool (True = may attend) or\n" \
-    "    float (added), any strides.\n" \
-    "causal: Query i sees keys j <= i + (Tk - Tq).\n" \
-    "key_lengths (B,): None, or each item's key count: keys j >= it are padding.\n" \
-    "variants (15,): None, or the tuple of mhattn._internal.core.variant_args\n" \
-    "    (VARIANTS).\n" \
+    ARG_DOC_DK ARG_DOC_DV ARG_DOC_SCALES ARG_DOC_MASK ARG_DOC_CAUSAL \
+    ARG_DOC_KEY_LENGTHS ARG_DOC_VARIANTS \
     "want_bq: Return dbq.\n" \
     "want_bk: Return dbk.\n" \
     "want_bv: Return dbv.\n" \
@@ -94,22 +120,13 @@
     "Attention on tensors already projected (low level; see mhattn.attention; the\n" \
     "core's mha_attend). q, k, v are 4-D of one dtype; any non-negative strides\n" \
     "with a contiguous last axis are read in place, anything else is copied. The\n" \
-    "variants' q/k transforms must be off.\n" \
+    "variants' q/k transforms must be off." \
     "\n" \
-    "q (B, H, Tq, dk): The queries, any strides, the last axis contiguous.\n" \
-    "k (B, G, Tk, dk): The keys, any strides.\n" \
-    "v (B, G, Tk, dv): The values, any strides.\n" \
-    "scales (H,): The multiplier of q.k of each query head.\n" \
-    "mask broadcasts to (B, H, Tq, Tk): None, or bool (True = may attend) or\n" \
-    "    float (added), any strides.\n" \
-    "causal: Query i sees keys j <= i + (Tk - Tq).\n" \
-    "key_lengths (B,): None, or each item's key count: keys j >= it are padding.\n" \
-    "variants (15,): None, or the tuple of mhattn._internal.core.variant_args\n" \
-    "    (VARIANTS).\n" \
-    "lengths_aligned: Align each item's queries to its own key length (a KV\n" \
-    "    cache).\n" \
+    "\n" \
+    ARG_DOC_Q ARG_DOC_K ARG_DOC_V ARG_DOC_SCALES ARG_DOC_MASK ARG_DOC_CAUSAL \
+    ARG_DOC_KEY_LENGTHS ARG_DOC_VARIANTS ARG_DOC_LENGTHS_ALIGNED \
     "out_bthd: out (B, Tq, H, dv) instead of (B, H, Tq, dv).\n" \
-    "want_weights: Also return the weights (B, H, Tq, Tk).\n" \
+    ARG_DOC_WANT_WEIGHTS \
     "want_lse: Also return lse (B, H, Tq).\n" \
     "\n" \
     "Returns (out, weights or None, lse or None): out (B, H, Tq, dv), or with\n" \
@@ -122,23 +139,15 @@
     "--\n" \
     "\n" \
     "Backward of attention() (low level; see mhattn.attention_grad; the core's\n" \
-    "mha_attend_backward). The variants' q/k transforms must be off.\n" \
+    "mha_attend_backward). The variants' q/k transforms must be off." \
+    "\n" \
     "\n" \
     "dout (B, H, Tq, dv): dL/dout, any strides.\n" \
-    "q (B, H, Tq, dk): The queries, any strides, the last axis contiguous.\n" \
-    "k (B, G, Tk, dk): The keys, any strides.\n" \
-    "v (B, G, Tk, dv): The values, any strides.\n" \
+    ARG_DOC_Q ARG_DOC_K ARG_DOC_V \
     "out (B, H, Tq, dv): attention()'s out.\n" \
     "lse (B, H, Tq): attention()'s lse, or None: recomputed.\n" \
-    "scales (H,): The multiplier of q.k of each query head.\n" \
-    "mask broadcasts to (B, H, Tq, Tk): None, or bool (True = may attend) or\n" \
-    "    float (added), any strides.\n" \
-    "causal: Query i sees keys j <= i + (Tk - Tq).\n" \
-    "key_lengths (B,): None, or each item's key count: keys j >= it are padding.\n" \
-    "variants (15,): None, or the tuple of mhattn._internal.core.variant_args\n" \
-    "    (VARIANTS).\n" \
-    "lengths_aligned: Align each item's queries to its own key length (a KV\n" \
-    "    cache).\n" \
+    ARG_DOC_SCALES ARG_DOC_MASK ARG_DOC_CAUSAL ARG_DOC_KEY_LENGTHS \
+    ARG_DOC_VARIANTS ARG_DOC_LENGTHS_ALIGNED \
     "\n" \
     "Returns (dq (B, H, Tq, dk), dk (B, G, Tk, dk), dv (B, G, Tk, dv), dsinks\n" \
     "(H,) or None), C-contiguous."
@@ -150,23 +159,12 @@
     "\n" \
     "The projections of forward() alone (low level; the core's mha_project), each\n" \
     "argument as given to forward(); packed may be a 3- or 4-tuple, its fourth\n" \
-    "ignored.\n" \
+    "ignored." \
     "\n" \
-    "x (B, Tq, Din): The queries' source; its dtype is the call's.\n" \
-    "key (B, Tk, Dkin): The keys' source.\n" \
-    "value (B, Tk, Dvin): The values' source.\n" \
-    "wq (Din, Sq): W^Q fused, head h's block after the heads before it.\n" \
-    "wk (Dkin, Sk): W^K fused.\n" \
-    "wv (Dvin, Sv): W^V fused.\n" \
-    "bq (Sq,): The query bias, or None.\n" \
-    "bk (Sk,): The key bias, or None.\n" \
-    "bv (Sv,): The value bias, or None.\n" \
-    "dk (G,): Each kv head's key width.\n" \
-    "dv (G,): Each kv head's value width.\n" \
-    "scales (H,): The multiplier of q.k of each query head.\n" \
-    "variants (15,): None, or the tuple of mhattn._internal.core.variant_args\n" \
-    "    (VARIANTS).\n" \
-    "packed (4,): None, or pack_weight() capsules (or None) of wq, wk, wv, wo.\n" \
+    "\n" \
+    ARG_DOC_X ARG_DOC_KEY ARG_DOC_VALUE ARG_DOC_WQ ARG_DOC_WK ARG_DOC_WV \
+    ARG_DOC_BQ ARG_DOC_BK ARG_DOC_BV ARG_DOC_DK ARG_DOC_DV ARG_DOC_SCALES \
+    ARG_DOC_VARIANTS ARG_DOC_PACKED \
     "\n" \
     "Returns (q (B, Tq, Sq), k (B, Tk, Sk), v (B, Tk, Sv)), q and k after the q/k\n" \
     "norm and RoPE (positions from the variants tuple, or the defaults)."
@@ -176,7 +174,8 @@
     "--\n" \
     "\n" \
     "w's GEMM panels for the ISA in force, as an opaque capsule for forward()'s\n" \
-    "and project()'s packed argument (low level; see mhattn.pack_weights).\n" \
+    "and project()'s packed argument (low level; see mhattn.pack_weights)." \
+    "\n" \
     "\n" \
     "w (K, N): A weight, float32 or float64; copied, never kept."
 
@@ -184,7 +183,8 @@
     "packed_info(packed, /)\n" \
     "--\n" \
     "\n" \
-    "What a pack_weight() capsule holds.\n" \
+    "What a pack_weight() capsule holds." \
+    "\n" \
     "\n" \
     "packed: A pack_weight() capsule.\n" \
     "\n" \
@@ -202,7 +202,8 @@
     "--\n" \
     "\n" \
     "Caps the instruction set at name, lowered to what this CPU supports; for\n" \
-    "tests.\n" \
+    "tests." \
+    "\n" \
     "\n" \
     "name: 'scalar', 'avx2', 'avx512' or 'neon'.\n" \
     "\n" \
@@ -219,7 +220,8 @@
     "--\n" \
     "\n" \
     "Uses n threads from the next call on (at most 256); 0 restores the default\n" \
-    "(MHATTN_NUM_THREADS, else the CPUs this process may use).\n" \
+    "(MHATTN_NUM_THREADS, else the CPUs this process may use)." \
+    "\n" \
     "\n" \
     "n: A thread count; 0 restores the default."
 

@@ -64,6 +64,16 @@ enum {
     L_SQ, L_SK, L_SV, L_SVQ, L_G, L_DK, L_DV, N_LETTERS
 };
 
+/* The sizes a's axes give: size[letter[i]] = a's axis i, for the first nd
+   axes, skipping those whose letter is -1 (set by another array). */
+static inline void sizes_from(npy_intp size[N_LETTERS], PyArrayObject *a, int nd,
+                              const signed char *letter)
+{
+    for (int i = 0; i < nd; i++)
+        if (letter[i] >= 0)
+            size[letter[i]] = PyArray_DIM(a, i);
+}
+
 /* A shape in letters: {3, {L_B, L_TQ, L_DIN}} is (B, Tq, Din). */
 typedef struct {
     int nd;
@@ -190,72 +200,28 @@ struct call_spec {
     PyObject *(*result)(call *c);
 };
 
-/* ---- each entry point's positions ---------------------------------------- */
+/* Where one array of a call goes in its mha_params: c->in[pos] (or, out,
+   c->out[pos]) at byte offset `offset`, a void * or const void * field.
+   A table of them (args_gen.c, <name>_params) ends with pos -1. */
+typedef struct {
+    signed char pos;
+    unsigned char out;
+    unsigned short offset;
+} param_slot;
+_Static_assert(sizeof(mha_params) <= 65535, "a param_slot's offset fits");
+
+/* ---- each entry point's positions and tables --------------------------- */
 /*
- * The positions of each entry point's arguments (its table, arg_spec[],
- * lives beside its entry point: mha.c, attend.c) and of its outputs. They
- * are here because core_calls.c, which hands them to the core, reads them
- * too.
+ * Generated from the schema (python/mhattn/_internal/schema.py) by
+ * tools/gen_schema.py: per entry point the positions of its arguments and
+ * outputs (FWD_X ... FWD_NARGS, FWD_OUT ... FWD_NOUTS), its arg_spec table
+ * and output shapes (args_gen.c), and <NAME>_SPEC_ARGS, the fields of its
+ * call_spec that follow from its arguments (name, table, nopt, the shape
+ * checks in the order their errors take precedence, the roles' positions).
+ * The rest of a call_spec (layout, flags, the family's steps) is code,
+ * beside its entry point (mha.c, attend.c).
  */
-
-/* forward()'s positional arguments (mha.c, forward_args). */
-enum {
-    FWD_X, FWD_KEY, FWD_VALUE, FWD_WQ, FWD_WK, FWD_WV, FWD_WO,
-    FWD_BQ, FWD_BK, FWD_BV, FWD_BO, FWD_DK, FWD_DV, FWD_SCALES, FWD_MASK,
-    FWD_CAUSAL, FWD_KEY_LENGTHS, FWD_VARIANTS, FWD_WANT_WEIGHTS, FWD_KEEP,
-    FWD_PACKED, FWD_NARGS
-};
-/* forward()'s outputs, in the order mha_forward_<sfx> takes them. */
-enum {
-    FWD_OUT, FWD_WEIGHTS, FWD_Q, FWD_K, FWD_V, FWD_CONCAT, FWD_LSE, FWD_NOUTS
-};
-_Static_assert(FWD_NARGS <= MAX_ARGS && FWD_NOUTS <= MAX_OUTS,
-               "a call holds forward()'s arguments and outputs");
-
-/* backward()'s positional arguments (mha.c, backward_args). */
-enum {
-    BWD_DOUT, BWD_X, BWD_KEY, BWD_VALUE, BWD_WQ, BWD_WK, BWD_WV, BWD_WO,
-    BWD_Q, BWD_K, BWD_V, BWD_CONCAT, BWD_LSE, BWD_DK, BWD_DV, BWD_SCALES,
-    BWD_MASK, BWD_CAUSAL, BWD_KEY_LENGTHS, BWD_VARIANTS, BWD_WANT_BQ,
-    BWD_WANT_BK, BWD_WANT_BV, BWD_WANT_BO, BWD_NARGS
-};
-/* backward()'s gradients, in the order mha_backward_<sfx> takes them. */
-enum {
-    BWD_DX, BWD_DKEY, BWD_DVALUE, BWD_DWQ, BWD_DWK, BWD_DWV, BWD_DWO,
-    BWD_DBQ, BWD_DBK, BWD_DBV, BWD_DBO, BWD_DSINKS, BWD_DQ_NORM, BWD_DK_NORM,
-    BWD_NOUTS
-};
-_Static_assert(BWD_NARGS <= MAX_ARGS && BWD_NOUTS <= MAX_OUTS,
-               "a call holds backward()'s arguments and gradients");
-
-/* project()'s positional arguments (mha.c, project_args); its outputs
-   are q, k, v. */
-enum {
-    PRJ_X, PRJ_KEY, PRJ_VALUE, PRJ_WQ, PRJ_WK, PRJ_WV, PRJ_BQ, PRJ_BK, PRJ_BV,
-    PRJ_DK, PRJ_DV, PRJ_SCALES, PRJ_VARIANTS, PRJ_PACKED, PRJ_NARGS
-};
-enum { PRJ_Q, PRJ_K, PRJ_V, PRJ_NOUTS };
-_Static_assert(PRJ_NARGS <= MAX_ARGS, "a call holds project()'s arguments");
-
-/* attention()'s positional arguments (attend.c, attention_args) and
-   outputs. */
-enum {
-    ATT_Q, ATT_K, ATT_V, ATT_SCALES, ATT_MASK, ATT_CAUSAL, ATT_KEY_LENGTHS,
-    ATT_VARIANTS, ATT_ALIGNED, ATT_OUT_BTHD, ATT_WANT_WEIGHTS, ATT_WANT_LSE,
-    ATT_NARGS
-};
-enum { ATT_OUT, ATT_WEIGHTS, ATT_LSE, ATT_NOUTS };
-_Static_assert(ATT_NARGS <= MAX_ARGS, "a call holds attention()'s arguments");
-
-/* attention_backward()'s positional arguments (attend.c,
-   attention_backward_args) and outputs: dq, dk, dv in the fused layout,
-   dsinks. */
-enum {
-    ABW_DOUT, ABW_Q, ABW_K, ABW_V, ABW_OUT, ABW_LSE, ABW_SCALES, ABW_MASK,
-    ABW_CAUSAL, ABW_KEY_LENGTHS, ABW_VARIANTS, ABW_LENGTHS_ALIGNED, ABW_NARGS
-};
-enum { ABW_DQ, ABW_DK, ABW_DV, ABW_DSINKS, ABW_NOUTS };
-_Static_assert(ABW_NARGS <= MAX_ARGS, "a call holds attention_backward()'s arguments");
+#include "args_gen.h"
 
 /* ---- convert.c: the one array converter, shapes, masks, lengths --------- */
 int check_shape(PyArrayObject *a, const char *name, int nd, const npy_intp *want,
@@ -306,6 +272,25 @@ void packed_destroy(PyObject *cap);
 #define PACKED_CAPSULE "mhattn._C.packed"
 
 /* ---- the entry points and their docstrings (module.c's method table) ----- */
+/* The entry point name(), which the skeleton runs by name_spec (its
+   call_spec), and its docstring name_doc: METH_FASTCALL | METH_KEYWORDS,
+   or (TUPLE) METH_VARARGS | METH_KEYWORDS. Declared below by their full
+   names. */
+#define GLUE_FASTCALL_ENTRY(name, doc)                                                  \
+    GLUE_DOC(name##_doc, doc);                                                           \
+    PyObject *name(PyObject *self, PyObject *const *argv, Py_ssize_t nargs,              \
+                   PyObject *kwnames)                                                    \
+    {                                                                                    \
+        (void)self;                                                                      \
+        return call_fast(&name##_spec, argv, nargs, kwnames);                            \
+    }
+#define GLUE_TUPLE_ENTRY(name, doc)                                                     \
+    GLUE_DOC(name##_doc, doc);                                                           \
+    PyObject *name(PyObject *self, PyObject *args, PyObject *kwds)                       \
+    {                                                                                    \
+        (void)self;                                                                      \
+        return call_tuple(&name##_spec, args, kwds);                                     \
+    }
 PyObject *forward(PyObject *self, PyObject *const *argv, Py_ssize_t nargs, PyObject *kwnames);
 PyObject *backward(PyObject *self, PyObject *args, PyObject *kwds);
 PyObject *project(PyObject *self, PyObject *const *argv, Py_ssize_t nargs, PyObject *kwnames);

@@ -1,6 +1,7 @@
 /*
  * mha.c - the multi-head entry points: forward(), backward() and project(),
- * each with its argument table (arg_spec[]) and its call_spec, and the
+ * each with its call_spec (its argument table and the fields that follow
+ * from its arguments are generated: args_gen.h), and the
  * steps of their family that the skeleton (call.c) runs: the sizes from x,
  * key, value and the head widths, the outputs, the result.
  */
@@ -22,12 +23,9 @@ static int mha_sizes(call *c, const call_spec *sp)
     PyArrayObject *x = in[sp->x], *key = in[sp->key], *value = in[sp->value];
     PyArrayObject *wo = in[sp->wo];
     npy_intp *n = c->size;
-    n[L_B] = PyArray_DIM(x, 0);
-    n[L_TQ] = PyArray_DIM(x, 1);
-    n[L_DIN] = PyArray_DIM(x, 2);
-    n[L_TK] = PyArray_DIM(key, 1);
-    n[L_DKIN] = PyArray_DIM(key, 2);
-    n[L_DVIN] = PyArray_DIM(value, 2);
+    sizes_from(n, x, 3, (const signed char[]){L_B, L_TQ, L_DIN});
+    sizes_from(n, key, 3, (const signed char[]){-1, L_TK, L_DKIN});
+    sizes_from(n, value, 3, (const signed char[]){-1, -1, L_DVIN});
     n[L_H] = PyArray_DIM(in[sp->scales], 0);
     if (check_shapes(c, sp, sp->checks_x) < 0)
         return -1;
@@ -46,45 +44,6 @@ static int mha_sizes(call *c, const call_spec *sp)
 
 /* ---- forward ------------------------------------------------------------ */
 
-GLUE_DOC(forward_doc, FORWARD_DOC);
-
-static const arg_spec forward_args[FWD_NARGS] = {
-    [FWD_X] = {"x", ARG_ARRAY, SHAPE3(L_B, L_TQ, L_DIN), 0, NULL},
-    [FWD_KEY] = {"key", ARG_ARRAY, SHAPE3(L_B, L_TK, L_DKIN), 0, NULL},
-    [FWD_VALUE] = {"value", ARG_ARRAY, SHAPE3(L_B, L_TK, L_DVIN), 0, NULL},
-    [FWD_WQ] = {"wq", ARG_ARRAY, SHAPE2(L_DIN, L_SQ), 0, NULL},
-    [FWD_WK] = {"wk", ARG_ARRAY, SHAPE2(L_DKIN, L_SK), 0, NULL},
-    [FWD_WV] = {"wv", ARG_ARRAY, SHAPE2(L_DVIN, L_SV), 0, NULL},
-    [FWD_WO] = {"wo", ARG_ARRAY_OPT, SHAPE2(L_SVQ, L_DOUT), 0, NULL},
-    [FWD_BQ] = {"bq", ARG_ARRAY_OPT, SHAPE1(L_SQ), 0, NULL},
-    [FWD_BK] = {"bk", ARG_ARRAY_OPT, SHAPE1(L_SK), 0, NULL},
-    [FWD_BV] = {"bv", ARG_ARRAY_OPT, SHAPE1(L_SV), 0, NULL},
-    [FWD_BO] = {"bo", ARG_ARRAY_OPT, SHAPE1(L_DOUT), 0, NULL},
-    [FWD_DK] = {.name = "dk", .kind = ARG_INT64},
-    [FWD_DV] = {.name = "dv", .kind = ARG_INT64},
-    [FWD_SCALES] = {.name = "scales", .kind = ARG_FLOAT64},
-    [FWD_MASK] = {.name = "mask", .kind = ARG_MASK},
-    [FWD_CAUSAL] = {.name = "causal", .kind = ARG_BOOL},
-    [FWD_KEY_LENGTHS] = {.name = "key_lengths", .kind = ARG_LENGTHS},
-    [FWD_VARIANTS] = {.name = "variants", .kind = ARG_VARIANTS},
-    [FWD_WANT_WEIGHTS] = {.name = "want_weights", .kind = ARG_BOOL},
-    [FWD_KEEP] = {.name = "keep", .kind = ARG_BOOL},
-    [FWD_PACKED] = {.name = "packed", .kind = ARG_PACKED},
-};
-
-static const int forward_checks_x[] = {FWD_KEY, FWD_VALUE, -1};
-static const int forward_checks_widths[] = {
-    FWD_WQ, FWD_WK, FWD_WV, FWD_WO, FWD_BQ, FWD_BK, FWD_BV, FWD_BO, -1};
-
-static const shape forward_outs[FWD_NOUTS] = {
-    [FWD_OUT] = SHAPE3(L_B, L_TQ, L_DOUT),
-    [FWD_WEIGHTS] = SHAPE4(L_B, L_H, L_TQ, L_TK),
-    [FWD_Q] = SHAPE3(L_B, L_TQ, L_SQ),
-    [FWD_K] = SHAPE3(L_B, L_TK, L_SK),
-    [FWD_V] = SHAPE3(L_B, L_TK, L_SV),
-    [FWD_CONCAT] = SHAPE3(L_B, L_TQ, L_SVQ),
-    [FWD_LSE] = SHAPE3(L_B, L_H, L_TQ),
-};
 
 /* The packed weights, once the config is checked. */
 static int forward_packed(call *c)
@@ -134,79 +93,14 @@ static PyObject *forward_result(call *c)
 }
 
 static const call_spec forward_spec = {
-    .name = "forward", .nargs = FWD_NARGS, .args = forward_args, .nopt = 1,
-    .layout = LAYOUT_C,
-    .checks_x = forward_checks_x, .checks_widths = forward_checks_widths,
-    .x = FWD_X, .key = FWD_KEY, .value = FWD_VALUE, .wo = FWD_WO,
-    .dk = FWD_DK, .dv = FWD_DV, .scales = FWD_SCALES, .mask = FWD_MASK,
-    .causal = FWD_CAUSAL, .key_lengths = FWD_KEY_LENGTHS,
-    .variants = FWD_VARIANTS, .lengths_aligned = ARG_NONE,
-    .broadcast_mask = 1, .has_wo = 0, .checked = 1,
-    .sizes = mha_sizes, .check = NULL, .finish = forward_packed,
-    .outputs = forward_outputs, .work = forward_work, .core = forward_core,
-    .result = forward_result,
+    FORWARD_SPEC_ARGS, .layout = LAYOUT_C, .broadcast_mask = 1, .has_wo = 0, .checked = 1,
+    .sizes = mha_sizes, .check = NULL, .finish = forward_packed, .outputs = forward_outputs,
+    .work = forward_work, .core = forward_core, .result = forward_result,
 };
 
-PyObject *forward(PyObject *self, PyObject *const *argv, Py_ssize_t nargs,
-                  PyObject *kwnames)
-{
-    (void)self;
-    return call_fast(&forward_spec, argv, nargs, kwnames);
-}
+GLUE_FASTCALL_ENTRY(forward, FORWARD_DOC)
 
 /* ---- backward ----------------------------------------------------------- */
-
-GLUE_DOC(backward_doc, BACKWARD_DOC);
-
-/* key None means key is x; value None means value is key (or x). */
-static const arg_spec backward_args[BWD_NARGS] = {
-    [BWD_DOUT] = {"dout", ARG_ARRAY, SHAPE3(L_B, L_TQ, L_DOUT), 0, NULL},
-    [BWD_X] = {"x", ARG_ARRAY, SHAPE3(L_B, L_TQ, L_DIN), 0, NULL},
-    [BWD_KEY] = {"key", ARG_ARRAY_ALIAS,
-                 SHAPE3(L_B, L_TK, L_DKIN), BWD_X, NULL},
-    [BWD_VALUE] = {"value", ARG_ARRAY_ALIAS,
-                   SHAPE3(L_B, L_TK, L_DVIN), BWD_KEY, NULL},
-    [BWD_WQ] = {"wq", ARG_ARRAY, SHAPE2(L_DIN, L_SQ), 0, NULL},
-    [BWD_WK] = {"wk", ARG_ARRAY, SHAPE2(L_DKIN, L_SK), 0, NULL},
-    [BWD_WV] = {"wv", ARG_ARRAY, SHAPE2(L_DVIN, L_SV), 0, NULL},
-    [BWD_WO] = {"wo", ARG_ARRAY_OPT, SHAPE2(L_SVQ, L_DOUT), 0, NULL},
-    [BWD_Q] = {"q", ARG_ARRAY, SHAPE3(L_B, L_TQ, L_SQ), 0, NULL},
-    [BWD_K] = {"k", ARG_ARRAY, SHAPE3(L_B, L_TK, L_SK), 0, NULL},
-    [BWD_V] = {"v", ARG_ARRAY, SHAPE3(L_B, L_TK, L_SV), 0, NULL},
-    [BWD_CONCAT] = {"concat", ARG_ARRAY,
-                    SHAPE3(L_B, L_TQ, L_SVQ), 0, NULL},
-    [BWD_LSE] = {"lse", ARG_ARRAY, SHAPE3(L_B, L_H, L_TQ), 0, NULL},
-    [BWD_DK] = {.name = "dk", .kind = ARG_INT64},
-    [BWD_DV] = {.name = "dv", .kind = ARG_INT64},
-    [BWD_SCALES] = {.name = "scales", .kind = ARG_FLOAT64},
-    [BWD_MASK] = {.name = "mask", .kind = ARG_MASK},
-    [BWD_CAUSAL] = {.name = "causal", .kind = ARG_BOOL},
-    [BWD_KEY_LENGTHS] = {.name = "key_lengths", .kind = ARG_LENGTHS},
-    [BWD_VARIANTS] = {.name = "variants", .kind = ARG_VARIANTS},
-    [BWD_WANT_BQ] = {.name = "want_bq", .kind = ARG_BOOL},
-    [BWD_WANT_BK] = {.name = "want_bk", .kind = ARG_BOOL},
-    [BWD_WANT_BV] = {.name = "want_bv", .kind = ARG_BOOL},
-    [BWD_WANT_BO] = {.name = "want_bo", .kind = ARG_BOOL},
-};
-
-static const int backward_checks_x[] = {BWD_KEY, BWD_VALUE, -1};
-static const int backward_checks_widths[] = {
-    BWD_WQ, BWD_WK, BWD_WV, BWD_WO, BWD_DOUT, BWD_Q, BWD_K, BWD_V, BWD_CONCAT,
-    BWD_LSE, -1};
-
-static const shape backward_outs[BWD_NOUTS] = {
-    [BWD_DX] = SHAPE3(L_B, L_TQ, L_DIN),
-    [BWD_DKEY] = SHAPE3(L_B, L_TK, L_DKIN),
-    [BWD_DVALUE] = SHAPE3(L_B, L_TK, L_DVIN),
-    [BWD_DWQ] = SHAPE2(L_DIN, L_SQ),
-    [BWD_DWK] = SHAPE2(L_DKIN, L_SK),
-    [BWD_DWV] = SHAPE2(L_DVIN, L_SV),
-    [BWD_DWO] = SHAPE2(L_SVQ, L_DOUT),
-    [BWD_DBQ] = SHAPE1(L_SQ),
-    [BWD_DBK] = SHAPE1(L_SK),
-    [BWD_DBV] = SHAPE1(L_SV),
-    [BWD_DBO] = SHAPE1(L_DOUT),
-};
 
 /* The learnable variants' gradients, shaped as they are: dsinks (H,),
    dq_norm and dk_norm as q_norm and k_norm; none for an absent one. */
@@ -249,57 +143,14 @@ static PyObject *backward_result(call *c)
 /* Unlike forward(), no small-call shortcut (.work NULL): a main-thread
    call always polls for Ctrl-C. */
 static const call_spec backward_spec = {
-    .name = "backward", .nargs = BWD_NARGS, .args = backward_args, .nopt = 0,
-    .layout = LAYOUT_C,
-    .checks_x = backward_checks_x, .checks_widths = backward_checks_widths,
-    .x = BWD_X, .key = BWD_KEY, .value = BWD_VALUE, .wo = BWD_WO,
-    .dk = BWD_DK, .dv = BWD_DV, .scales = BWD_SCALES, .mask = BWD_MASK,
-    .causal = BWD_CAUSAL, .key_lengths = BWD_KEY_LENGTHS,
-    .variants = BWD_VARIANTS, .lengths_aligned = ARG_NONE,
-    .broadcast_mask = 0, .has_wo = 0, .checked = 1,
-    .sizes = mha_sizes, .check = NULL, .finish = NULL,
-    .outputs = backward_outputs, .work = NULL, .core = backward_core,
-    .result = backward_result,
+    BACKWARD_SPEC_ARGS, .layout = LAYOUT_C, .broadcast_mask = 0, .has_wo = 0, .checked = 1,
+    .sizes = mha_sizes, .check = NULL, .finish = NULL, .outputs = backward_outputs,
+    .work = NULL, .core = backward_core, .result = backward_result,
 };
 
-PyObject *backward(PyObject *self, PyObject *args, PyObject *kwds)
-{
-    (void)self;
-    return call_tuple(&backward_spec, args, kwds);
-}
+GLUE_TUPLE_ENTRY(backward, BACKWARD_DOC)
 
 /* ---- project ------------------------------------------------------------ */
-
-GLUE_DOC(project_doc, PROJECT_DOC);
-
-/* project() has no W^O, mask, causal or key_lengths: its call_spec names
-   ARG_NONE for them. */
-static const arg_spec project_args[PRJ_NARGS] = {
-    [PRJ_X] = {"x", ARG_ARRAY, SHAPE3(L_B, L_TQ, L_DIN), 0, NULL},
-    [PRJ_KEY] = {"key", ARG_ARRAY, SHAPE3(L_B, L_TK, L_DKIN), 0, NULL},
-    [PRJ_VALUE] = {"value", ARG_ARRAY, SHAPE3(L_B, L_TK, L_DVIN), 0, NULL},
-    [PRJ_WQ] = {"wq", ARG_ARRAY, SHAPE2(L_DIN, L_SQ), 0, NULL},
-    [PRJ_WK] = {"wk", ARG_ARRAY, SHAPE2(L_DKIN, L_SK), 0, NULL},
-    [PRJ_WV] = {"wv", ARG_ARRAY, SHAPE2(L_DVIN, L_SV), 0, NULL},
-    [PRJ_BQ] = {"bq", ARG_ARRAY_OPT, SHAPE1(L_SQ), 0, NULL},
-    [PRJ_BK] = {"bk", ARG_ARRAY_OPT, SHAPE1(L_SK), 0, NULL},
-    [PRJ_BV] = {"bv", ARG_ARRAY_OPT, SHAPE1(L_SV), 0, NULL},
-    [PRJ_DK] = {.name = "dk", .kind = ARG_INT64},
-    [PRJ_DV] = {.name = "dv", .kind = ARG_INT64},
-    [PRJ_SCALES] = {.name = "scales", .kind = ARG_FLOAT64},
-    [PRJ_VARIANTS] = {.name = "variants", .kind = ARG_VARIANTS},
-    [PRJ_PACKED] = {.name = "packed", .kind = ARG_PACKED},
-};
-
-static const int project_checks_x[] = {PRJ_KEY, PRJ_VALUE, -1};
-static const int project_checks_widths[] = {
-    PRJ_WQ, PRJ_WK, PRJ_WV, PRJ_BQ, PRJ_BK, PRJ_BV, -1};
-
-static const shape project_outs[PRJ_NOUTS] = {
-    [PRJ_Q] = SHAPE3(L_B, L_TQ, L_SQ),
-    [PRJ_K] = SHAPE3(L_B, L_TK, L_SK),
-    [PRJ_V] = SHAPE3(L_B, L_TK, L_SV),
-};
 
 /* The packed weights (a fourth entry is ignored), once the config is
    checked. */
@@ -330,21 +181,9 @@ static PyObject *project_result(call *c)
 }
 
 static const call_spec project_spec = {
-    .name = "project", .nargs = PRJ_NARGS, .args = project_args, .nopt = 1,
-    .layout = LAYOUT_C,
-    .checks_x = project_checks_x, .checks_widths = project_checks_widths,
-    .x = PRJ_X, .key = PRJ_KEY, .value = PRJ_VALUE, .wo = ARG_NONE,
-    .dk = PRJ_DK, .dv = PRJ_DV, .scales = PRJ_SCALES, .mask = ARG_NONE,
-    .causal = ARG_NONE, .key_lengths = ARG_NONE, .variants = PRJ_VARIANTS,
-    .lengths_aligned = ARG_NONE, .broadcast_mask = 0, .has_wo = 0, .checked = 1,
-    .sizes = mha_sizes, .check = NULL, .finish = project_packed,
-    .outputs = project_outputs, .work = project_work, .core = project_core,
-    .result = project_result,
+    PROJECT_SPEC_ARGS, .layout = LAYOUT_C, .broadcast_mask = 0, .has_wo = 0, .checked = 1,
+    .sizes = mha_sizes, .check = NULL, .finish = project_packed, .outputs = project_outputs,
+    .work = project_work, .core = project_core, .result = project_result,
 };
 
-PyObject *project(PyObject *self, PyObject *const *argv, Py_ssize_t nargs,
-                  PyObject *kwnames)
-{
-    (void)self;
-    return call_fast(&project_spec, argv, nargs, kwnames);
-}
+GLUE_FASTCALL_ENTRY(project, PROJECT_DOC)

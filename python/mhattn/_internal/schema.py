@@ -10,6 +10,12 @@ The generator writes from it, and tests/test_schema.py holds to it:
 - the "Parameters" sections of the public numpydoc docstrings (the region
   from the ``Parameters`` header to the next section header; the text of
   each entry is the ``type`` and ``text`` of its first argument's record).
+- csrc/python/args_gen.h and args_gen.c, the glue's tables: each core-calling
+  _C function's argument and output positions, arg_spec table (from the
+  records' ``c_kind``, ``shape``, ``alias`` and the function's ``notes``),
+  output shapes (:data:`C_OUTPUTS`), shape-check orders, role positions
+  (:data:`C_ROLES`), and where each array goes in mha_params (``c_field``);
+- csrc/mha_params_gen.h, the core's mha_params struct (:data:`PARAMS`).
 
 Why a Python module and not YAML (PyTorch's native_functions.yaml) or
 comments in the C source (Argument Clinic): the package already depends on
@@ -20,6 +26,9 @@ To add an argument: add its :class:`Arg` record below (with every entry
 point that takes it in ``takes``), put its name into those entry points'
 ``params`` in :data:`ENTRIES` (and, for a public one with a Parameters
 section, into its ``doc_groups``), then run ``python tools/gen_schema.py``.
+A new buffer of the core is a :class:`Field` of :data:`PARAMS`; a new
+option's config field, its rule (core/config.c) and its use in the core
+are written by hand (csrc/README.md, "One schema for every argument").
 
 Shapes use the letters of csrc/mha.h: B batch, Tq queries, Tk keys, H query
 heads, G key/value heads, dk / dv a head's widths, Din / Dkin / Dvin the
@@ -38,10 +47,10 @@ class Arg(NamedTuple):
 
     Two records may share a name (``sinks`` is an array for
     multi_head_attention and a flag for the layer) if no entry point takes
-    both. Fields for the later phases (the glue's arg_spec tables, the
-    core's params struct) are filled for the ``_C.*`` records: ``c_kind``
-    is the glue's arg_kind, ``shape`` its letters, ``alias`` the argument
-    None stands for, ``c_field`` the mha_config / params field it becomes.
+    both. For the ``_C.*`` records, which the glue's tables come from:
+    ``c_kind`` is the glue's arg_kind, ``shape`` its letters, ``alias`` the
+    argument None stands for, ``c_field`` the mha_params / mha_config
+    field(s) it fills (the first, for an array, is where the glue puts it).
     """
     name: str
     takes: Tuple[str, ...]        # the entry points, as in ENTRIES
@@ -56,7 +65,8 @@ class Arg(NamedTuple):
     text: str = ""                # numpydoc: the indented description
     c_kind: str = ""              # glue: ARG_ARRAY, ARG_ARRAY_OPT, ...
     alias: str = ""               # ARG_ARRAY_ALIAS: the argument it stands for
-    c_field: str = ""             # core: the params struct's field(s)
+    c_field: str = ""             # core: the mha_params / mha_config
+                                  # fields it fills (PARAMS, CONFIG)
 
 
 class Entry(NamedTuple):
@@ -86,6 +96,13 @@ class CFunction(NamedTuple):
     table_shapes: Tuple[str, ...] = ()  # the arg kinds whose shapes the glue's
                                   # arg_spec table checks (ARG_ARRAY, ...); the
                                   # function checks the others' itself
+    notes: Tuple[Tuple[str, str], ...] = ()  # (argument, arg_spec.note): said
+                                  # after the letters of a wrong shape
+    checks_x: Tuple[str, ...] = ()  # call_spec.checks_x: the arrays checked
+                                  # against x's, key's, value's (q's) sizes,
+                                  # in the order their errors take precedence
+    checks_widths: Tuple[str, ...] = ()  # call_spec.checks_widths: then those
+                                  # checked once the head widths are known
 
 
 _MHA = ("multi_head_attention", "multi_head_attention_grad")
@@ -587,7 +604,7 @@ C_ARGS = (
         c_kind="ARG_LENGTHS", c_field="key_lengths"),
     Arg("variants", _ALL5, "tuple?", "", "(15,)", REQUIRED,
         "None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).",
-        c_kind="ARG_VARIANTS", c_field="see VARIANTS"),
+        c_kind="ARG_VARIANTS", c_field=""),   # VARIANTS' fields
     Arg("lengths_aligned", (_AT, _ABW), "bool", "", "", REQUIRED,
         "Align each item's queries to its own key length (a KV cache).",
         c_kind="ARG_BOOL", c_field="lengths_aligned"),
@@ -612,7 +629,7 @@ C_ARGS = (
         c_field="dbo != NULL"),
     Arg("packed", (_FWD, _PRJ), "tuple?", "", "(4,)", "None",
         "None, or pack_weight() capsules (or None) of wq, wk, wv, wo.",
-        c_kind="ARG_PACKED", c_field="packed[4]"),
+        c_kind="ARG_PACKED", c_field="packed"),
     Arg("w", ("_C.pack_weight",), "array", "T", "(K, N)", REQUIRED,
         "A weight, float32 or float64; copied, never kept.", c_kind="ARG_ARRAY"),
     Arg("packed", ("_C.packed_info",), "capsule", "", "", REQUIRED,
@@ -622,6 +639,16 @@ C_ARGS = (
     Arg("n", ("_C.set_num_threads",), "int", "", "", REQUIRED,
         "A thread count; 0 restores the default."),
 )
+
+# The roles a call_spec names by position (csrc/python/glue.h, struct
+# call_spec): role -> the arguments that may play it, the first a function
+# takes; ARG_NONE where it takes none.
+C_ROLES = {
+    "x": ("x", "q"), "key": ("key", "k"), "value": ("value", "v"), "wo": ("wo",),
+    "dk": ("dk",), "dv": ("dv",), "scales": ("scales",), "mask": ("mask",),
+    "causal": ("causal",), "key_lengths": ("key_lengths",), "variants": ("variants",),
+    "lengths_aligned": ("lengths_aligned",),
+}
 
 # The variants' tuple (C_ARGS's ``variants``), position by position, as
 # mhattn._internal.core.variant_args makes it and the glue's read_variants
@@ -663,7 +690,8 @@ C_FUNCTIONS: Dict[str, CFunction] = {
         "Returns (out (B, Tq, Dout), weights (B, H, Tq, Tk) or None, (q, k, v, "
         "concat, lse) or None), new C-contiguous arrays of the call's dtype. A fully "
         "masked query row gets zero weights, a zero head output and lse -inf.",
-        prefix="FWD", table_shapes=_ARRAYS),
+        prefix="FWD", table_shapes=_ARRAYS, checks_x=("key", "value"),
+        checks_widths=("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo")),
     "backward": CFunction(
         "METH_VARARGS | METH_KEYWORDS",
         "Tuple[_Float, %s, %s, _Float, _Float, _Float, %s, %s, %s, %s, %s, %s, %s, %s]"
@@ -675,7 +703,8 @@ C_FUNCTIONS: Dict[str, CFunction] = {
         "dbk, dbv, dbo, dsinks, dq_norm, dk_norm): new C-contiguous gradients, each "
         "bias gradient None unless its want_* is true, each variant's None unless it "
         "was given. Bitwise the same for any thread count.",
-        prefix="BWD", table_shapes=_ARRAYS),
+        prefix="BWD", table_shapes=_ARRAYS, checks_x=("key", "value"),
+        checks_widths=("wq", "wk", "wv", "wo", "dout", "q", "k", "v", "concat", "lse")),
     "attention": CFunction(
         "METH_FASTCALL | METH_KEYWORDS",
         "Tuple[_Float, Optional[_Float], Optional[_Float]]",
@@ -686,7 +715,9 @@ C_FUNCTIONS: Dict[str, CFunction] = {
         "Returns (out, weights or None, lse or None): out (B, H, Tq, dv), or with "
         "out_bthd (B, Tq, H, dv), C-contiguous; weights (B, H, Tq, Tk); lse "
         "(B, H, Tq), natural log, -inf for a fully masked row.",
-        prefix="ATT", table_shapes=_ARRAYS + ("ARG_FLOAT64",)),
+        prefix="ATT", table_shapes=_ARRAYS + ("ARG_FLOAT64",),
+        notes=(("k", " from q's B and dk"), ("v", " from k"), ("scales", " from q")),
+        checks_x=("k", "v", "scales")),
     "attention_backward": CFunction(
         "METH_FASTCALL | METH_KEYWORDS",
         "Tuple[_Float, _Float, _Float, Optional[_Float]]",
@@ -694,7 +725,8 @@ C_FUNCTIONS: Dict[str, CFunction] = {
         "mha_attend_backward). The variants' q/k transforms must be off.",
         "Returns (dq (B, H, Tq, dk), dk (B, G, Tk, dk), dv (B, G, Tk, dv), dsinks "
         "(H,) or None), C-contiguous.",
-        prefix="ABW", table_shapes=_ARRAYS + ("ARG_FLOAT64",)),
+        prefix="ABW", table_shapes=_ARRAYS + ("ARG_FLOAT64",),
+        checks_x=("dout", "q", "k", "v", "out", "lse"), checks_widths=("scales",)),
     "project": CFunction(
         "METH_FASTCALL | METH_KEYWORDS",
         "Tuple[_Float, _Float, _Float]",
@@ -703,7 +735,8 @@ C_FUNCTIONS: Dict[str, CFunction] = {
         "fourth ignored.",
         "Returns (q (B, Tq, Sq), k (B, Tk, Sk), v (B, Tk, Sv)), q and k after the "
         "q/k norm and RoPE (positions from the variants tuple, or the defaults).",
-        prefix="PRJ", table_shapes=_ARRAYS),
+        prefix="PRJ", table_shapes=_ARRAYS, checks_x=("key", "value"),
+        checks_widths=("wq", "wk", "wv", "bq", "bk", "bv")),
     "pack_weight": CFunction(
         "METH_O", "object",
         "w's GEMM panels for the ISA in force, as an opaque capsule for forward()'s "
@@ -759,6 +792,8 @@ class Out(NamedTuple):
     shape: str                    # in mha.h's letters
     when: str                     # what asks for it; "" always made
     doc: str
+    made: str = ""                # the shape the glue allocates, where it
+                                  # differs (attention_backward's fused layout)
 
 
 C_OUTPUTS: Dict[str, Tuple[Out, ...]] = {
@@ -793,9 +828,9 @@ C_OUTPUTS: Dict[str, Tuple[Out, ...]] = {
         Out("lse", "(B, H, Tq)", "want_lse", "Each row's log-sum-exp, natural log."),
     ),
     "attention_backward": (
-        Out("dq", "(B, H, Tq, dk)", "", "dL/dq."),
-        Out("dk", "(B, G, Tk, dk)", "", "dL/dk."),
-        Out("dv", "(B, G, Tk, dv)", "", "dL/dv."),
+        Out("dq", "(B, H, Tq, dk)", "", "dL/dq.", "(B, Tq, H, dk)"),
+        Out("dk", "(B, G, Tk, dk)", "", "dL/dk.", "(B, Tk, G, dk)"),
+        Out("dv", "(B, G, Tk, dv)", "", "dL/dv.", "(B, Tk, G, dv)"),
         Out("dsinks", "(H,)", "variants: sinks", "dL/dsinks."),
     ),
     "project": (
@@ -810,6 +845,114 @@ C_CONSTANTS = {
     "EMULATED_AVX512": ("int", "1 in the test build whose 'avx512' kernels are emulated "
                         "in plain C (``MHATTN_EMULATE_AVX512=1``, setup.py), else 0."),
 }
+
+# ---- the core: csrc/mha.h ------------------------------------------------------
+# The core's operations, by the letters the comments of mha_params use.
+OPS = {"F": "mha_forward", "B": "mha_backward", "A": "mha_attend",
+       "AB": "mha_attend_backward", "P": "mha_project"}
+
+
+class Use(NamedTuple):
+    """What some operations do with a field of mha_params."""
+    ops: str                      # "F, A": keys of OPS
+    io: str                       # "reads" or "writes"
+    text: str                     # its shape, and when it may be NULL
+
+
+class Field(NamedTuple):
+    """A field of mha_params, the buffers of one core call (csrc/mha.h):
+    every operation reads the fields its uses name and ignores the others."""
+    name: str
+    ctype: str                    # "void *", "const void *", "mha_strides"
+    section: str                  # the comment of the fields' group
+    uses: Tuple[Use, ...]
+
+
+_OUTS = "Outputs of the forward, and what the backward reads back"
+_PROJ = "Inputs of the projections (F, B, P)"
+_GRADS = "The backward's (B, AB) upstream gradient and gradients"
+_STR = "mha_attend's strides (A only)"
+
+
+def _io(ops, io, *shapes_and_names):
+    """Fields of one section alike but for their shapes: (name, shape) pairs."""
+    return [(n, (Use(ops, io, sh),)) for n, sh in shapes_and_names]
+
+
+PARAMS: Tuple[Field, ...] = tuple(
+    [Field("dtype", "mha_dtype", "The element type of every buffer", (Use("F, B, A, AB, P", "reads",
+                                          "float or double (MHA_DTYPE_F32, _F64)"),))]
+    + [Field(n, "void *", _OUTS, u) for n, u in (
+        ("out", (Use("F", "writes", "(B, Tq, Dout), required"),
+                 Use("A", "writes", "(B, H, Tq, dv) at strides so, required"),
+                 Use("AB", "reads", "(B, Tq, Svq), as mha_attend made it"))),
+        ("weights", (Use("F, A", "writes", "(B, H, Tq, Tk) post-softmax probabilities"),)),
+        ("q", (Use("F", "writes", "(B, Tq, Sq) kept projections (else scratch)"),
+               Use("B", "reads", "(B, Tq, Sq) as F kept it"),
+               Use("P", "writes", "(B, Tq, Sq), transformed"),
+               Use("A", "reads", "(B, H, Tq, dk) at strides sq"),
+               Use("AB", "reads", "(B, Tq, Sq)"))),
+        ("k", (Use("F, P", "writes", "(B, Tk, Sk)"), Use("B, AB", "reads", "(B, Tk, Sk)"),
+               Use("A", "reads", "(B, G, Tk, dk) at strides sk"))),
+        ("v", (Use("F, P", "writes", "(B, Tk, Sv)"), Use("B, AB", "reads", "(B, Tk, Sv)"),
+               Use("A", "reads", "(B, G, Tk, dv) at strides sv"))),
+        ("concat", (Use("F", "writes", "(B, Tq, Svq) heads side by side, pre-W^O"),
+                    Use("B", "reads", "(B, Tq, Svq) as F kept it"))),
+        ("lse", (Use("F, A", "writes", "(B, H, Tq) each row's log-sum-exp of the masked, "
+                                       "scaled scores (-inf: fully masked row)"),
+                 Use("B", "reads", "(B, H, Tq) as F kept it, required"),
+                 Use("AB", "reads", "(B, H, Tq) as A made it, or NULL to have it recomputed"))))]
+    + [Field(n, "const void *", _PROJ, u) for n, u in _io("F, B, P", "reads",
+        ("x", "(B, Tq, Din)"), ("key", "(B, Tk, Dkin)"), ("value", "(B, Tk, Dvin)"),
+        ("wq", "(Din, Sq)"), ("wk", "(Dkin, Sk)"), ("wv", "(Dvin, Sv)"))]
+    + [Field("wo", "const void *", _PROJ,
+             (Use("F, B", "reads", "(Svq, Dout), or NULL without W^O"),))]
+    + [Field(n, "const void *", _PROJ, u) for n, u in _io("F, P", "reads",
+        ("bq", "(Sq,) or NULL (zero)"), ("bk", "(Sk,) or NULL (zero)"),
+        ("bv", "(Sv,) or NULL (zero)"))]
+    + [Field("bo", "const void *", _PROJ, (Use("F", "reads", "(Dout,) or NULL (zero)"),)),
+       Field("dout", "const void *", _GRADS, (Use("B", "reads", "(B, Tq, Dout)"),
+                                              Use("AB", "reads", "(B, Tq, Svq)")))]
+    + [Field(n, "void *", _GRADS, u) for n, u in _io("B", "writes",
+        ("dx", "(B, Tq, Din)"), ("dkey", "(B, Tk, Dkin)"), ("dvalue", "(B, Tk, Dvin)"),
+        ("dwq", "(Din, Sq)"), ("dwk", "(Dkin, Sk)"), ("dwv", "(Dvin, Sv)"),
+        ("dwo", "(Svq, Dout)"), ("dbq", "(Sq,)"), ("dbk", "(Sk,)"), ("dbv", "(Sv,)"),
+        ("dbo", "(Dout,)"))]
+    + [Field(n, "void *", _GRADS, u) for n, u in _io("AB", "writes",
+        ("dq", "(B, Tq, Sq)"), ("dk", "(B, Tk, Sk)"), ("dv", "(B, Tk, Sv)"))]
+    + [Field("dsinks", "void *", _GRADS, (Use("B, AB", "writes", "(H,), with cfg->sinks"),))]
+    + [Field(n, "void *", _GRADS, u) for n, u in _io("B", "writes",
+        ("dq_norm", "shaped as cfg->q_norm"), ("dk_norm", "shaped as cfg->k_norm"))]
+    + [Field(n, "mha_strides", _STR, u) for n, u in _io("A", "reads",
+        ("sq", "the strides of q"), ("sk", "those of k"), ("sv", "those of v"),
+        ("so", "those of out"))])
+
+
+# mha_field (csrc/mha.h), the ids by which mha_error names what a rejected
+# call got wrong, in order: (id, the mha_config fields it stands for, doc).
+# The first four name other parts of a call; a rule that ties two fields
+# names the one it constrains (core/config.c, where each rule is checked).
+MHA_FIELDS = (
+    ("NONE", "", "no error"),
+    ("CALL", "", "a NULL config, layout or params"),
+    ("DTYPE", "", "mha_params.dtype"),
+    ("PARAMS", "", "a buffer or the strides of mha_params; the message names which"),
+    ("B", "B", ""), ("TQ", "Tq", ""), ("TK", "Tk", ""), ("DIN", "Din", ""),
+    ("DKIN", "Dkin", ""), ("DVIN", "Dvin", ""), ("DOUT", "Dout", ""), ("H", "H", ""),
+    ("G", "G", ""), ("DK", "dk", ""), ("DV", "dv", ""), ("SCALE", "scale", ""),
+    ("MASK_KIND", "mask_kind", ""), ("MASK", "mask", ""),
+    ("KEY_LENGTHS", "key_lengths", ""),
+    ("WINDOW", "windowed, window_left, window_right", ""),
+    ("SOFTCAP", "softcap", ""), ("ALIBI", "alibi", ""),
+    ("ALIBI_BSTRIDE", "alibi_bstride", ""), ("NSEQ", "nseq", ""), ("CU_Q", "cu_q", ""),
+    ("CU_K", "cu_k", ""), ("Q_NORM", "q_norm", ""), ("K_NORM", "k_norm", ""),
+    ("Q_NORM_HSTRIDE", "q_norm_hstride", ""), ("K_NORM_HSTRIDE", "k_norm_hstride", ""),
+    ("NORM_EPS", "norm_eps", ""), ("ROTARY_DIM", "rotary_dim", ""),
+    ("ROPE_INTERLEAVED", "rope_interleaved", ""), ("INV_FREQ", "inv_freq", ""),
+    ("POSITIONS_BSTRIDE", "positions_bstride", ""),
+    ("KEY_POSITIONS_BSTRIDE", "key_positions_bstride", ""),
+    ("LENGTHS_ALIGNED", "lengths_aligned", ""),
+)
 
 ARGS = PUBLIC_ARGS + C_ARGS
 
