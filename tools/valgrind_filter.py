@@ -1,7 +1,9 @@
 """Read a memcheck XML report; print and count the errors in mhattn's code.
 
 An error is ours when a frame of its stack lies in the mhattn._C shared
-object or in a source file of csrc/. The interpreter and NumPy report
+object or in a source file of csrc/ (a file of that name in a folder csrc/
+or below it: the glue's call.c and module.c share their names with
+CPython's Objects/call.c and Python/module.c, which are not ours). The interpreter and NumPy report
 plenty of their own (uninitialised reads in the allocator, memory kept
 until exit); those are counted, not shown.
 
@@ -13,7 +15,8 @@ import sys
 import xml.etree.ElementTree as ET
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CSRC = {f for _, _, files in os.walk(os.path.join(ROOT, "csrc")) for f in files}
+CSRC = {os.path.relpath(os.path.join(d, f), ROOT).replace(os.sep, "/")
+        for d, _, files in os.walk(os.path.join(ROOT, "csrc")) for f in files}
 
 
 # The thread pool's workers live until the process exits (csrc/threads.c);
@@ -30,9 +33,15 @@ def live_thread_tls(err):
 
 
 def ours(frame, so_name):
+    """The frame is in the extension, or in a source file of csrc/ by its
+    path (the build's folder may be another checkout's, or pip's copy, so
+    the path is read from its last csrc/ component on)."""
     obj = frame.findtext("obj") or ""
-    src = frame.findtext("file") or ""
-    return os.path.basename(obj) == so_name or src in CSRC
+    if os.path.basename(obj) == so_name:
+        return True
+    path = "/".join(((frame.findtext("dir") or "").replace(os.sep, "/"),
+                     frame.findtext("file") or ""))
+    return "csrc/" in path and "csrc/" + path.rsplit("csrc/", 1)[1] in CSRC
 
 
 def main(report, so_path):
