@@ -45,6 +45,7 @@ typedef enum {
     MHA_FIELD_POSITIONS_BSTRIDE,
     MHA_FIELD_KEY_POSITIONS_BSTRIDE,
     MHA_FIELD_LENGTHS_ALIGNED,
+    MHA_FIELD_COUNT                 /* the number of ids, not an id */
 } mha_field;
 
 #endif

@@ -320,7 +320,9 @@ def args_header(s):
                   f".checks_widths = {checks[1]}"] + roles
         lines = wrap_list(f"#define {up}_SPEC_ARGS ", fields, "", width=88)
         out += [line + " \\" for line in lines[:-1]] + [lines[-1], ""]
-    out.append("/* The tables, in args_gen.c. */")
+    out += ["/* The tables, in args_gen.c; mha_field_names: each mha_field id's",
+            "   name, the ValueError's .field of a core rejection (call.c). */"]
+    decls["char *const"] = ["mha_field_names[MHA_FIELD_COUNT]"]
     for ctype, names in decls.items():
         out += wrap_list(f"extern const {ctype} ", names, ";")
     # the conditions joined by &&: wrapped as a list, each line's ", " -> " && "
@@ -344,6 +346,9 @@ def args_source(s):
            '#include "glue.h"', ""] + defs + [
            "#define IN(pos, field) {pos, 0, offsetof(mha_params, field)}",
            "#define OUT(pos, field) {pos, 1, offsetof(mha_params, field)}", ""]
+    out += wrap_list("const char *const mha_field_names[MHA_FIELD_COUNT] = {",
+                     [f'[MHA_FIELD_{fid}] = "{s.field_name(fid, cf)}"'
+                      for fid, cf, _ in s.MHA_FIELDS], "};")
     fields = {f.name for f in s.PARAMS if f.ctype.endswith("*")}   # buffers
     for name, f in s.C_FUNCTIONS.items():
         if not f.prefix:
@@ -425,7 +430,8 @@ def fields_header(s):
                        + (" */" if j == len(lines) - 1 else ""))
         if not lines:
             out.append(name)
-    out += ["} mha_field;", "", "#endif"]
+    out += ["    MHA_FIELD_COUNT                 /* the number of ids, not an id */",
+            "} mha_field;", "", "#endif"]
     return "\n".join(out) + "\n"
 
 

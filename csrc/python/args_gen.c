@@ -56,6 +56,24 @@
 #define IN(pos, field) {pos, 0, offsetof(mha_params, field)}
 #define OUT(pos, field) {pos, 1, offsetof(mha_params, field)}
 
+const char *const mha_field_names[MHA_FIELD_COUNT] = {[MHA_FIELD_NONE] = "",
+    [MHA_FIELD_CALL] = "call", [MHA_FIELD_DTYPE] = "dtype", [MHA_FIELD_PARAMS] = "params",
+    [MHA_FIELD_B] = "B", [MHA_FIELD_TQ] = "Tq", [MHA_FIELD_TK] = "Tk",
+    [MHA_FIELD_DIN] = "Din", [MHA_FIELD_DKIN] = "Dkin", [MHA_FIELD_DVIN] = "Dvin",
+    [MHA_FIELD_DOUT] = "Dout", [MHA_FIELD_H] = "H", [MHA_FIELD_G] = "G",
+    [MHA_FIELD_DK] = "dk", [MHA_FIELD_DV] = "dv", [MHA_FIELD_SCALE] = "scale",
+    [MHA_FIELD_MASK_KIND] = "mask_kind", [MHA_FIELD_MASK] = "mask",
+    [MHA_FIELD_KEY_LENGTHS] = "key_lengths", [MHA_FIELD_WINDOW] = "window",
+    [MHA_FIELD_SOFTCAP] = "softcap", [MHA_FIELD_ALIBI] = "alibi",
+    [MHA_FIELD_ALIBI_BSTRIDE] = "alibi_bstride", [MHA_FIELD_NSEQ] = "nseq",
+    [MHA_FIELD_CU_Q] = "cu_q", [MHA_FIELD_CU_K] = "cu_k", [MHA_FIELD_Q_NORM] = "q_norm",
+    [MHA_FIELD_K_NORM] = "k_norm", [MHA_FIELD_Q_NORM_HSTRIDE] = "q_norm_hstride",
+    [MHA_FIELD_K_NORM_HSTRIDE] = "k_norm_hstride", [MHA_FIELD_NORM_EPS] = "norm_eps",
+    [MHA_FIELD_ROTARY_DIM] = "rotary_dim",
+    [MHA_FIELD_ROPE_INTERLEAVED] = "rope_interleaved", [MHA_FIELD_INV_FREQ] = "inv_freq",
+    [MHA_FIELD_POSITIONS_BSTRIDE] = "positions_bstride",
+    [MHA_FIELD_KEY_POSITIONS_BSTRIDE] = "key_positions_bstride",
+    [MHA_FIELD_LENGTHS_ALIGNED] = "lengths_aligned"};
 const arg_spec forward_args[FWD_NARGS] = {SPEC_X, SPEC_KEY_FWD, SPEC_VALUE_FWD, SPEC_WQ,
     SPEC_WK, SPEC_WV, SPEC_WO, SPEC_BQ, SPEC_BK, SPEC_BV, SPEC_BO, SPEC_DK, SPEC_DV,
     SPEC_SCALES_FWD, SPEC_MASK, SPEC_CAUSAL, SPEC_KEY_LENGTHS, SPEC_VARIANTS,

@@ -67,7 +67,8 @@ enum { PRJ_Q, PRJ_K, PRJ_V, PRJ_NOUTS };
     .dv = PRJ_DV, .scales = PRJ_SCALES, .mask = ARG_NONE, .causal = ARG_NONE, \
     .key_lengths = ARG_NONE, .variants = PRJ_VARIANTS, .lengths_aligned = ARG_NONE
 
-/* The tables, in args_gen.c. */
+/* The tables, in args_gen.c; mha_field_names: each mha_field id's
+   name, the ValueError's .field of a core rejection (call.c). */
 extern const arg_spec forward_args[FWD_NARGS], backward_args[BWD_NARGS],
     attention_args[ATT_NARGS], attention_backward_args[ABW_NARGS], project_args[PRJ_NARGS];
 extern const shape forward_outs[FWD_NOUTS], backward_outs[BWD_NOUTS],
@@ -78,6 +79,7 @@ extern const int forward_checks_x[], forward_checks_widths[], backward_checks_x[
     attention_backward_checks_widths[], project_checks_x[], project_checks_widths[];
 extern const param_slot forward_params[], backward_params[], attention_params[],
     attention_backward_params[], project_params[];
+extern const char *const mha_field_names[MHA_FIELD_COUNT];
 _Static_assert(FWD_NOUTS <= MAX_OUTS && FWD_NARGS <= MAX_ARGS && BWD_NOUTS <= MAX_OUTS &&
                BWD_NARGS <= MAX_ARGS && ATT_NOUTS <= MAX_OUTS && ATT_NARGS <= MAX_ARGS &&
                ABW_NOUTS <= MAX_OUTS && ABW_NARGS <= MAX_ARGS && PRJ_NOUTS <= MAX_OUTS &&

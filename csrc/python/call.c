@@ -10,37 +10,14 @@
 #include <string.h>
 #include "platform.h"
 
-/* mha_field's names: the mha_config field each id stands for, as
-   mhattn._internal.fields maps them to the public arguments. */
-static const char *const field_names[] = {
-    [MHA_FIELD_NONE] = "", [MHA_FIELD_CALL] = "call", [MHA_FIELD_DTYPE] = "dtype",
-    [MHA_FIELD_PARAMS] = "params", [MHA_FIELD_B] = "B", [MHA_FIELD_TQ] = "Tq",
-    [MHA_FIELD_TK] = "Tk", [MHA_FIELD_DIN] = "Din", [MHA_FIELD_DKIN] = "Dkin",
-    [MHA_FIELD_DVIN] = "Dvin", [MHA_FIELD_DOUT] = "Dout", [MHA_FIELD_H] = "H",
-    [MHA_FIELD_G] = "G", [MHA_FIELD_DK] = "dk", [MHA_FIELD_DV] = "dv",
-    [MHA_FIELD_SCALE] = "scale", [MHA_FIELD_MASK_KIND] = "mask_kind",
-    [MHA_FIELD_MASK] = "mask", [MHA_FIELD_KEY_LENGTHS] = "key_lengths",
-    [MHA_FIELD_WINDOW] = "window", [MHA_FIELD_SOFTCAP] = "softcap",
-    [MHA_FIELD_ALIBI] = "alibi", [MHA_FIELD_ALIBI_BSTRIDE] = "alibi_bstride",
-    [MHA_FIELD_NSEQ] = "nseq", [MHA_FIELD_CU_Q] = "cu_q", [MHA_FIELD_CU_K] = "cu_k",
-    [MHA_FIELD_Q_NORM] = "q_norm", [MHA_FIELD_K_NORM] = "k_norm",
-    [MHA_FIELD_Q_NORM_HSTRIDE] = "q_norm_hstride",
-    [MHA_FIELD_K_NORM_HSTRIDE] = "k_norm_hstride", [MHA_FIELD_NORM_EPS] = "norm_eps",
-    [MHA_FIELD_ROTARY_DIM] = "rotary_dim", [MHA_FIELD_ROPE_INTERLEAVED] = "rope_interleaved",
-    [MHA_FIELD_INV_FREQ] = "inv_freq", [MHA_FIELD_POSITIONS_BSTRIDE] = "positions_bstride",
-    [MHA_FIELD_KEY_POSITIONS_BSTRIDE] = "key_positions_bstride",
-    [MHA_FIELD_LENGTHS_ALIGNED] = "lengths_aligned",
-};
-_Static_assert(sizeof field_names / sizeof field_names[0] == MHA_FIELD_LENGTHS_ALIGNED + 1,
-               "a name for every mha_field");
-
 /* The ValueError of a core rejection: "mhattn: <the core's message>", with
-   the field's name (field_names) as its attribute .field, which the door
-   to _C (mhattn._internal.core) reads to name the user's argument. */
+   the field's name (mha_field_names, args_gen.c, from the schema) as its
+   attribute .field, which the door to _C (mhattn._internal.core) reads to
+   name the user's argument. */
 static void raise_rejection(const mha_error *err)
 {
-    const char *field = (unsigned)err->field < sizeof field_names / sizeof field_names[0]
-                            ? field_names[err->field] : "";
+    const char *field = (unsigned)err->field < MHA_FIELD_COUNT ? mha_field_names[err->field]
+                                                               : "";
     PyObject *exc = PyObject_CallFunction(PyExc_ValueError, "s", "");
     if (exc == NULL)
         return;

@@ -954,6 +954,18 @@ MHA_FIELDS = (
     ("LENGTHS_ALIGNED", "lengths_aligned", ""),
 )
 
+
+
+def field_name(fid: str, fields: str) -> str:
+    """The name a rejection's ``field`` attribute gives an mha_field id (the
+    glue's mha_field_names, args_gen.c): its one mha_config field
+    ("Tq", "key_lengths"), else the id in lower case ("window" for
+    windowed, window_left, window_right; "params"), "" for NONE."""
+    if fid == "NONE":
+        return ""
+    return fields if fields and "," not in fields else fid.lower()
+
+
 ARGS = PUBLIC_ARGS + C_ARGS
 
 
