@@ -221,19 +221,22 @@ table("num_heads", raises(MemoryError, words=["w_q", "heads"]), [
     ("huge_zero_width", lambda: mha(X, np.zeros((2 ** 40, 4, 0)), W, W)),
 ])
 
-# A head of width 0 has no default scale 1/sqrt(d_k): named, never a
-# ZeroDivisionError or the glue's "dk, dv" message.
+# A head of width 0 has no default scale 1/sqrt(d_k): the core's rule
+# (mha_check_config: dk[g] / dv[g] = 0), named in the user's words, never a
+# ZeroDivisionError. d_k is the width of a q head and of its k head.
 Z0 = np.zeros((4, 0))
 ZERO_WIDTH_ENTRIES = (("forward", mha), ("trace", mhattn.trace),
                       ("grad", lambda *a: mhattn.multi_head_attention_grad(np.ones((3, 4)), *a)))
 for label, arg, ws in [
-        ("w_q_stacked", "w_q[0]", (np.zeros((2, 4, 0)), np.zeros((2, 4, 0)), W)),
-        ("w_q_list", "w_q[1]", ([WL[0], Z0], [WL[0], Z0], WL)),
-        ("w_k_list", "w_k[0]", (WL, [Z0, WL[1]], WL)),
-        ("w_v_list", "w_v[1]", (WL, WL, [WL[0], Z0])),
-        ("w_v_stacked", "w_v[0]", (np.ones((2, 4, 2)), np.ones((2, 4, 2)), np.zeros((2, 4, 0))))]:
+        ("w_q_stacked", "w_q / w_k: d_k[0]", (np.zeros((2, 4, 0)), np.zeros((2, 4, 0)), W)),
+        ("w_q_list", "w_q / w_k: d_k[1]", ([WL[0], Z0], [WL[0], Z0], WL)),
+        ("w_k_list", "w_q / w_k: d_k[0]", (WL, [Z0, WL[1]], WL)),
+        ("w_v_list", "w_v: d_v[1]", (WL, WL, [WL[0], Z0])),
+        ("w_v_stacked", "w_v: d_v[0]",
+         (np.ones((2, 4, 2)), np.ones((2, 4, 2)), np.zeros((2, 4, 0))))]:
     for entry, fn in ZERO_WIDTH_ENTRIES:
-        case(f"zero_width_{label}_{entry}", raises(VE, words=[arg + ":", "width 0"]))(
+        case(f"zero_width_{label}_{entry}",
+             raises(VE, words=[arg + " = 0: every head is at least one column wide"]))(
             lambda ws=ws, fn=fn: fn(X, *ws))
 
 # --- sizes that overflow size_t or exceed memory -----------------------------
@@ -748,7 +751,7 @@ table("attention", raises(VE, words=["window"]), [("window", lambda: att(window=
 table("attention", raises(VE, words=["sinks"]), [("sinks", lambda: att(sinks=np.ones(3)))])
 table("attention", raises(VE, words=["key_mask"]), [
     ("key_mask", lambda: att(key_mask=np.ones((2, 4), bool)))])
-table("glue_attention", raises(VE, words=["variants"]), [
+table("glue_attention", raises(VE, words=["rotary_dim", "belong to the projections"]), [
     ("transforms", lambda: _C.attention(Q4, K4, K4, np.ones(4), None, False, None,
                                         variants(rotary_dim=2, inv_freq=np.ones(1)),
                                         False, False, False, False))])

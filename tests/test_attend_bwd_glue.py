@@ -269,8 +269,15 @@ def test_attention_backward_errors():
     bad(6, scales[:-1], ValueError, "scales")
     bad(7, np.ones((1, 1, 3, 2), bool), ValueError, "mask")
     bad(9, np.array([100, 1], np.int64), ValueError, r"mhattn: key_lengths\[0\] = 100")
-    bad(10, variants(q_norm=np.ones(8)), ValueError, "variants")
-    bad(10, variants(rotary_dim=2, inv_freq=np.ones(1)), ValueError, "variants")
+    # The q/k transforms are the core's to reject (mha_check_no_qk): its
+    # message, and the field that is wrong.
+    for var, field in ((variants(q_norm=np.ones(8)), "q_norm"),
+                       (variants(rotary_dim=2, inv_freq=np.ones(1)), "rotary_dim")):
+        args = list(ok)
+        args[10] = var
+        with pytest.raises(ValueError, match="belong to the projections") as e:
+            _C.attention_backward(*args)
+        assert e.value.field == field
     args = list(ok)   # G = 3 kv heads do not divide H = 4
     args[2], args[3] = k[:, :1].repeat(3, axis=1), v[:, :1].repeat(3, axis=1)
     # The core's rule and message (mha_check_config), with the field it names.

@@ -168,13 +168,18 @@ def test_refusals_name_the_argument():
         call(q=np.zeros((4, 3, 8)))
     with pytest.raises(TypeError, match="^k:"):
         call(k=k.astype(np.float32))
-    with pytest.raises(ValueError, match="^variants: q_norm"):
+    # The q/k transforms: the core's rule (mha_check_no_qk), its field.
+    with pytest.raises(ValueError, match="^mhattn: q_norm, k_norm and RoPE") as e:
         call(variants=variants(q_norm=np.ones(8)))
-    with pytest.raises(ValueError, match="^variants: rotary_dim"):
+    assert e.value.field == "q_norm"
+    with pytest.raises(ValueError, match=r"^mhattn: .*\(rotary_dim = 2\) belong") as e:
         call(variants=variants(rotary_dim=2, inv_freq=np.ones(1)))
+    assert e.value.field == "rotary_dim"
     with pytest.raises(ValueError, match=r"^mhattn: key_lengths\[1\] = 9 is not in \[0, Tk = 5\]"):
         call(key_lengths=np.array([1, 9]))
-    with pytest.raises(ValueError, match="^lengths_aligned:"):
+    with pytest.raises(ValueError, match="^mhattn: lengths_aligned = 1 is not allowed with "
+                       "packed sequences") as e:
         _C.attention(q[:1], k[:1], v[:1], sc, None, False, None,
                      variants(cu_q=np.array([0, 3]), cu_k=np.array([0, 5])), True,
                      False, False, False)
+    assert e.value.field == "lengths_aligned"

@@ -28,6 +28,7 @@ def _r(*shape):
 
 X = _r(B, T, D)
 G_OUT = _r(B, T, D)
+Z3 = np.ones((2, D, 0))
 
 
 def _layer_weights(H, G, d=2):
@@ -123,7 +124,12 @@ def _attention_grad_packed(H, G, kw):
     return mhattn.attention_grad(_r(H, T, 2), _r(H, T, 2), _r(G, T, 2), _r(G, T, 2), **kw)
 
 
-PACKED = {"multi_head_attention": _mha_packed, "multi_head_attention_grad": _grad_packed,
+def _reference_packed(H, G, kw):
+    w = _layer_weights(H, G)
+    return mhattn.reference.multi_head_attention(XP, *w, num_heads=H, num_kv_heads=G, **kw)
+
+
+PACKED = {"reference": _reference_packed, "multi_head_attention": _mha_packed, "multi_head_attention_grad": _grad_packed,
           "layer": _layer_packed, "attention": _attention_packed,
           "attention_grad": _attention_grad_packed}
 
@@ -133,8 +139,21 @@ def _append(H, G, kw):
     return cache.append(_r(B, G, 2, 2), _r(B, G, 2, 2), **kw)
 
 
+def _trace(H, G, kw):
+    w = _layer_weights(H, G)
+    return mhattn.trace(X, *w, num_heads=H, num_kv_heads=G, **kw)
+
+
+def _reference(H, G, kw):
+    w = _layer_weights(H, G)
+    return mhattn.reference.multi_head_attention(X, *w, num_heads=H, num_kv_heads=G, **kw)
+
+
+# The learner's tools read a call's values in Python (the reference, the
+# trace): the core checks their configs too (mhattn._internal.core.check_config).
 LAYER = {"multi_head_attention": _mha, "multi_head_attention_grad": _grad,
-         "decode": _decode, "layer": _layer_call, "packed": _packed_call}
+         "decode": _decode, "layer": _layer_call, "packed": _packed_call,
+         "trace": _trace, "reference": _reference}
 HEADS_ONLY = {"pack_weights": _pack, "MultiHeadAttention": _layer_new}
 ATTENTION = {"attention": _attention, "attention_grad": _attention_grad}
 EVERY_CALL = {**LAYER, **ATTENTION}
@@ -183,6 +202,28 @@ VIOLATIONS = {
                               ["norm_eps", "-1"]),
     "rotary_dim_wider_than_heads": ((2, 2), dict(rope=mhattn.RoPE(rotary_dim=4)), LAYER,
                                     ["rotary_dim", "4", "2"]),
+    "rotary_dim_odd": ((2, 2), dict(rope=mhattn.RoPE(rotary_dim=1)), LAYER,
+                       ["rotary_dim", "1", "odd"]),
+    "rotary_dim_odd_heads": ((2, 2), dict(rope=mhattn.RoPE()),
+                             {"multi_head_attention": lambda H, G, kw:
+                                 mhattn.multi_head_attention(X, _r(D, 6), _r(D, 6), _r(D, 6),
+                                                             num_heads=2, **kw),
+                              "trace": lambda H, G, kw: mhattn.trace(
+                                 X, _r(D, 6), _r(D, 6), _r(D, 6), num_heads=2, **kw)},
+                             ["rotary_dim", "3", "odd"]),
+    # Stacked (heads, d_in, 0) weights: two heads of width 0.
+    "head_width_zero": ((2, 2), {}, {
+        "multi_head_attention": lambda H, G, kw: mhattn.multi_head_attention(
+            X, Z3, Z3, _r(2, D, 2), num_heads=2),
+        "multi_head_attention_grad": lambda H, G, kw: mhattn.multi_head_attention_grad(
+            G_OUT[..., :4], X, Z3, Z3, _r(2, D, 2), num_heads=2),
+        "pack_weights": lambda H, G, kw: mhattn.pack_weights(
+            Z3, Z3, _r(2, D, 2), num_heads=2),
+        "trace": lambda H, G, kw: mhattn.trace(
+            X, Z3, Z3, _r(2, D, 2), num_heads=2),
+        "reference": lambda H, G, kw: mhattn.reference.multi_head_attention(
+            X, Z3, Z3, _r(2, D, 2), num_heads=2)},
+        ["w_q / w_k", "d_k[0] = 0", "column wide"]),
     "cu_seqlens_decreasing": ((2, 2), dict(cu_seqlens=[0, 2, 1, 3]), PACKED,
                               ["cu_seqlens", "2", "1"]),
     "cu_seqlens_start": ((2, 2), dict(cu_seqlens=[1, 3]), PACKED, ["cu_seqlens", "1"]),
@@ -202,10 +243,20 @@ VIOLATIONS = {
 }
 
 
+# The rules the core checks (mha_check_config): their errors carry the
+# core's field, so no layer above re-checked them first.
+CORE_RULES = {"kv_heads_not_dividing", "kv_heads_more_than_heads", "softcap_negative",
+              "softcap_nan", "softcap_inf", "key_lengths_above", "key_lengths_negative",
+              "norm_eps_negative", "norm_eps_nan", "norm_eps_of_the_layer",
+              "rotary_dim_wider_than_heads", "rotary_dim_odd", "rotary_dim_odd_heads",
+              "head_width_zero", "cu_seqlens_decreasing", "cu_seqlens_start",
+              "cu_seqlens_end"}
+
+
 def _message(fn, H, G, kw):
     with pytest.raises(Exception) as info:
         fn(H, G, kw)
-    return type(info.value), str(info.value)
+    return type(info.value), str(info.value), getattr(info.value, "field", None)
 
 
 def _as_layer(entry, msg):
@@ -221,9 +272,12 @@ def _as_layer(entry, msg):
 def test_one_message_everywhere(name):
     (H, G), kw, entries, words = VIOLATIONS[name]
     seen = {e: _message(fn, H, G, kw) for e, fn in entries.items()}
-    kinds = {e: t for e, (t, _) in seen.items()}
+    kinds = {e: t for e, (t, _, _) in seen.items()}
     assert len(set(kinds.values())) == 1, f"{name}: different exception types {kinds}"
-    messages = {e: _as_layer(e, m) for e, (_, m) in seen.items()}
+    if name in CORE_RULES:
+        fields = {e: f for e, (_, _, f) in seen.items()}
+        assert all(fields.values()), f"{name}: not the core's rejection in {fields}"
+    messages = {e: _as_layer(e, m) for e, (_, m, _) in seen.items()}
     first = next(iter(messages.values()))
     differ = {e: m for e, m in messages.items() if m != first}
     assert not differ, (f"{name}: the same violation, different messages:\n" +
@@ -243,3 +297,20 @@ def test_core_rejection_names_the_field():
     with pytest.raises(ValueError) as info:
         _attention(6, 4, {})
     assert str(info.value) == "k: q's heads = 6 is not a multiple of k's heads = 4"
+
+
+def test_every_field_has_a_users_name():
+    """Each family names every field the core can reject (schema.MHA_FIELDS,
+    but those of no argument: NONE, CALL, DTYPE, PARAMS); the fields every
+    family names alike come from the schema's records, not a second list."""
+    from mhattn._internal import fields, schema
+    ids = {schema.field_name(fid, f) for fid, f, _ in schema.MHA_FIELDS} - {
+        "", "call", "dtype", "params"}
+    # attention() has no projections: its Din, Dkin, Dvin, Dout are 0.
+    projections = {"Din", "Dkin", "Dvin", "Dout"}
+    for names, want in ((fields.LAYER, ids), (fields.ATTENTION, ids - projections)):
+        assert want <= set(names.argument), want - set(names.argument)
+    derived = fields.schema_arguments()
+    assert derived["cu_k"] == "key_cu_seqlens" and derived["mask_kind"] == "mask"
+    for names in (fields.LAYER, fields.ATTENTION):
+        assert all(names.argument[f] == a for f, a in derived.items())

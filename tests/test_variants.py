@@ -288,7 +288,6 @@ def test_packed_sequences_do_not_leak(rng, causal):
 # --- errors -----------------------------------------------------------------
 
 BAD = [
-    (dict(softcap=0.0), ValueError, "softcap"),
     (dict(softcap=-1.0), ValueError, "softcap"),
     (dict(softcap=float("nan")), ValueError, "softcap"),
     (dict(window=(-1, 0)), ValueError, "window"),
@@ -319,8 +318,19 @@ def test_bad_variant_raises_naming_the_argument(rng, kw, exc, word):
             f(**p, **kw)
 
 
-@pytest.mark.parametrize("cu,word", [([1, 10], "start at 0"), ([0, 6, 4, 10], "non-decreasing"),
-                                     ([0, 4, 9], "end at 10"), ([[0, 10]], "1-D")])
+def test_softcap_zero_is_off(rng):
+    """0 turns softcapping off, as FlashAttention's softcap=0.0 does: the
+    same bits as None, in the C path and the reference."""
+    p = _params(rng, np.float64)
+    for f in (mhattn.multi_head_attention, mhattn.reference.multi_head_attention):
+        assert f(**p, softcap=0.0).tobytes() == f(**p, softcap=None).tobytes()
+        assert f(**p, softcap=0.5).tobytes() != f(**p).tobytes()
+
+
+# The offsets' rules are the core's (mha_check_config), in the user's names.
+@pytest.mark.parametrize("cu,word", [([1, 10], r"^cu_seqlens: cu_seqlens\[0\] = 1 is not 0$"),
+                                     ([0, 6, 4, 10], r"^cu_seqlens: cu_seqlens decreases"),
+                                     ([0, 4, 9], r"is not T_q = 10$"), ([[0, 10]], "1-D")])
 def test_bad_cu_seqlens(rng, cu, word):
     x = rng.standard_normal((10, D_IN))
     w = rng.standard_normal((D_IN, H * DK))

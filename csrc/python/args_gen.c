@@ -144,3 +144,8 @@ const param_slot project_params[] = {OUT(PRJ_Q, q), OUT(PRJ_K, k), OUT(PRJ_V, v)
     IN(PRJ_WV, wv), IN(PRJ_BQ, bq), IN(PRJ_BK, bk), IN(PRJ_BV, bv), {-1, 0, 0}};
 const shape project_outs[PRJ_NOUTS] = {SHAPE3(L_B, L_TQ, L_SQ), SHAPE3(L_B, L_TK, L_SK),
     SHAPE3(L_B, L_TK, L_SV)};
+
+const arg_spec check_config_args[CHK_NARGS] = {SPEC_X, SPEC_KEY_FWD, SPEC_DK, SPEC_DV,
+    SPEC_SCALES_FWD, SPEC_KEY_LENGTHS, SPEC_VARIANTS, SPEC_LENGTHS_ALIGNED};
+const int check_config_checks_x[] = {CHK_KEY, -1};
+const param_slot check_config_params[] = {IN(CHK_X, x), IN(CHK_KEY, key), {-1, 0, 0}};

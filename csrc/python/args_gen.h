@@ -67,23 +67,35 @@ enum { PRJ_Q, PRJ_K, PRJ_V, PRJ_NOUTS };
     .dv = PRJ_DV, .scales = PRJ_SCALES, .mask = ARG_NONE, .causal = ARG_NONE, \
     .key_lengths = ARG_NONE, .variants = PRJ_VARIANTS, .lengths_aligned = ARG_NONE
 
+/* check_config() */
+enum { CHK_X, CHK_KEY, CHK_DK, CHK_DV, CHK_SCALES, CHK_KEY_LENGTHS, CHK_VARIANTS,
+    CHK_LENGTHS_ALIGNED, CHK_NARGS };
+#define CHECK_CONFIG_SPEC_ARGS .name = "check_config", .nargs = CHK_NARGS, \
+    .args = check_config_args, .nopt = 0, .checks_x = check_config_checks_x, \
+    .checks_widths = NULL, .x = CHK_X, .key = CHK_KEY, .value = ARG_NONE, \
+    .wo = ARG_NONE, .dk = CHK_DK, .dv = CHK_DV, .scales = CHK_SCALES, .mask = ARG_NONE, \
+    .causal = ARG_NONE, .key_lengths = CHK_KEY_LENGTHS, .variants = CHK_VARIANTS, \
+    .lengths_aligned = CHK_LENGTHS_ALIGNED
+
 /* The tables, in args_gen.c; mha_field_names: each mha_field id's
    name, the ValueError's .field of a core rejection (call.c). */
 extern const arg_spec forward_args[FWD_NARGS], backward_args[BWD_NARGS],
-    attention_args[ATT_NARGS], attention_backward_args[ABW_NARGS], project_args[PRJ_NARGS];
+    attention_args[ATT_NARGS], attention_backward_args[ABW_NARGS], project_args[PRJ_NARGS],
+    check_config_args[CHK_NARGS];
 extern const shape forward_outs[FWD_NOUTS], backward_outs[BWD_NOUTS],
     attention_outs[2][ATT_NOUTS], attention_backward_outs[ABW_NOUTS],
     project_outs[PRJ_NOUTS];
 extern const int forward_checks_x[], forward_checks_widths[], backward_checks_x[],
     backward_checks_widths[], attention_checks_x[], attention_backward_checks_x[],
-    attention_backward_checks_widths[], project_checks_x[], project_checks_widths[];
+    attention_backward_checks_widths[], project_checks_x[], project_checks_widths[],
+    check_config_checks_x[];
 extern const param_slot forward_params[], backward_params[], attention_params[],
-    attention_backward_params[], project_params[];
+    attention_backward_params[], project_params[], check_config_params[];
 extern const char *const mha_field_names[MHA_FIELD_COUNT];
 _Static_assert(FWD_NOUTS <= MAX_OUTS && FWD_NARGS <= MAX_ARGS && BWD_NOUTS <= MAX_OUTS &&
                BWD_NARGS <= MAX_ARGS && ATT_NOUTS <= MAX_OUTS && ATT_NARGS <= MAX_ARGS &&
                ABW_NOUTS <= MAX_OUTS && ABW_NARGS <= MAX_ARGS && PRJ_NOUTS <= MAX_OUTS &&
-               PRJ_NARGS <= MAX_ARGS,
+               PRJ_NARGS <= MAX_ARGS && CHK_NARGS <= MAX_ARGS,
                "a call holds every function's arguments and outputs");
 
 #endif

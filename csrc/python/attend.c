@@ -34,14 +34,8 @@ static int attention_sizes(call *c, const call_spec *sp)
     const npy_intp H = n[L_H], G = n[L_G];
     if (check_shapes(c, sp, sp->checks_x) < 0)
         return -1;
-    if (check_heads(H, G) < 0)
+    if (check_heads(H, G) < 0)   // the widths (>= 1) are the core's, in mha_attend
         return -1;
-    if (n[L_DK] == 0 || n[L_DV] == 0) {
-        PyErr_SetString(PyExc_ValueError, n[L_DK] == 0
-                        ? "q: head width dk must be at least 1"
-                        : "v: head width dv must be at least 1");
-        return -1;
-    }
     // No projections: the config's projection sizes stay 0.
     n[L_DIN] = n[L_DKIN] = n[L_DVIN] = n[L_DOUT] = 0;
     n[L_SQ] = n[L_SK] = n[L_SV] = n[L_SVQ] = 0;
@@ -55,28 +49,9 @@ static int attention_sizes(call *c, const call_spec *sp)
     return uniform_widths(c, G, n[L_DK], n[L_DV]);
 }
 
-/* The variants as for forward(), but the q/k transforms, which belong to
-   the projections: ValueError naming the first one given. Nor packed
-   sequences with lengths_aligned. */
-static int attention_variants(call *c)
-{
-    const mha_config *cfg = &c->cfg;
-    const char *on = cfg->q_norm ? "q_norm" : cfg->k_norm ? "k_norm"
-                     : cfg->rotary_dim ? "rotary_dim" : cfg->positions ? "positions"
-                     : cfg->key_positions ? "key_positions" : NULL;
-    if (on != NULL) {
-        PyErr_Format(PyExc_ValueError, "variants: %s is a q/k transform, applied with "
-                     "the projections; attention() takes q and k already "
-                     "transformed (%s must be off)", on, on);
-        return -1;
-    }
-    if (cfg->lengths_aligned && cfg->nseq > 0) {
-        PyErr_SetString(PyExc_ValueError, "lengths_aligned: not with packed sequences "
-                        "(cu_seqlens)");
-        return -1;
-    }
-    return 0;
-}
+/* The variants as for forward(); the q/k transforms, which belong to the
+   projections, and lengths_aligned with packed sequences are the core's to
+   reject (mha_attend: mha_check_no_qk, mha_check_config). */
 
 /* out (B, H, Tq, dv) or, out_bthd, (B, Tq, H, dv); weights, lse if
    wanted; c->st[3] = out's strides. */
@@ -110,7 +85,7 @@ static PyObject *attention_result(call *c)
 /* mha_attend checks its own config (.checked 0): no projections. */
 static const call_spec attention_spec = {
     ATTENTION_SPEC_ARGS, .layout = LAYOUT_STRIDED, .broadcast_mask = 1, .has_wo = 1, .checked = 0,
-    .sizes = attention_sizes, .check = attention_variants, .finish = NULL,
+    .sizes = attention_sizes, .check = NULL, .finish = NULL,
     .outputs = attention_outputs, .work = attention_work, .core = attention_core,
     .result = attention_result,
 };
@@ -129,13 +104,8 @@ static int attention_backward_sizes(call *c, const call_spec *sp)
     const npy_intp H = n[L_H], G = n[L_G], dk = n[L_DK], dv = n[L_DV];
     if (check_shapes(c, sp, sp->checks_x) < 0)
         return -1;
-    if (check_heads(H, G) < 0)
+    if (check_heads(H, G) < 0)   // the widths (>= 1) are the core's
         return -1;
-    if (dk == 0 || dv == 0) {
-        PyErr_SetString(PyExc_ValueError, dk == 0 ? "q: head width dk must be at least 1"
-                                                  : "v: head width dv must be at least 1");
-        return -1;
-    }
     if ((size_t)dk > MHA_MAX_ELEMS / (size_t)H || (size_t)dv > MHA_MAX_ELEMS / (size_t)H) {
         PyErr_SetString(PyExc_ValueError, "q, v: sizes overflow");
         return -1;
@@ -147,17 +117,6 @@ static int attention_backward_sizes(call *c, const call_spec *sp)
     if (convert_vectors(c, sp) < 0)
         return -1;
     return check_shapes(c, sp, sp->checks_widths);
-}
-
-/* The q/k transforms belong to the projections. */
-static int attention_backward_variants(call *c)
-{
-    if (c->cfg.q_norm != NULL || c->cfg.k_norm != NULL || c->cfg.rotary_dim != 0) {
-        PyErr_SetString(PyExc_ValueError, "variants: q_norm, k_norm and RoPE belong to the "
-                        "projections (project()), not to attention_backward()");
-        return -1;
-    }
-    return 0;
 }
 
 /* A new (B, T, heads, d) C-contiguous array: the fused layout (B, T,
@@ -251,7 +210,7 @@ done:
 /* Every main-thread call polls for Ctrl-C (.work NULL). */
 static const call_spec attention_backward_spec = {
     ATTENTION_BACKWARD_SPEC_ARGS, .layout = LAYOUT_KEEP, .broadcast_mask = 1, .has_wo = 0, .checked = 1,
-    .sizes = attention_backward_sizes, .check = attention_backward_variants,
+    .sizes = attention_backward_sizes, .check = NULL,   /* the q/k transforms: mha_check_no_qk */
     .finish = attention_backward_fused, .outputs = attention_backward_outputs, .work = NULL,
     .core = attention_backward_core, .result = attention_backward_result,
 };

@@ -495,10 +495,10 @@ static void shape_letters(char buf[96], const arg_spec *a)
 }
 
 /* Checks the shapes of the float arrays at the positions pos (ended by
-   -1) against c->size; None (absent) arrays are skipped. */
+   -1; NULL for none) against c->size; None (absent) arrays are skipped. */
 int check_shapes(const call *c, const call_spec *sp, const int *pos)
 {
-    for (; *pos >= 0; pos++) {
+    for (; pos != NULL && *pos >= 0; pos++) {
         const arg_spec *a = &sp->args[*pos];
         PyArrayObject *arr = c->in[*pos];
         npy_intp want[4];

@@ -14,7 +14,7 @@
 /* mha_check_config on the config the skeleton filled (call.c,
    fill_config): -1 with the core's verdict as a Python exception (its
    message, which names the rule and the values seen, for MHA_ERR_ARG). */
-int check_config(const mha_config *cfg)
+int core_check(const mha_config *cfg)
 {
     mha_layout lay;
     mha_error err;

@@ -169,6 +169,24 @@
     "Returns (q (B, Tq, Sq), k (B, Tk, Sk), v (B, Tk, Sv)), q and k after the q/k\n" \
     "norm and RoPE (positions from the variants tuple, or the defaults)."
 
+#define CHECK_CONFIG_DOC \
+    "check_config(x, key, dk, dv, scales, key_lengths, variants, lengths_aligned)\n" \
+    "--\n" \
+    "\n" \
+    "The core's verdict on a call's config (mha_check_config), nothing computed:\n" \
+    "the sizes of x (B, Tq, Din) and key (B, Tk, Dkin), which may hold no\n" \
+    "elements (Din = Dkin = 0), the head widths dk and dv, the scales, the key\n" \
+    "lengths and the variants, as forward() would read them. For Python code that\n" \
+    "uses a call's values before a call of the core (the reference, the checker):\n" \
+    "each rule lives in the core, once." \
+    "\n" \
+    "\n" \
+    ARG_DOC_X ARG_DOC_KEY ARG_DOC_DK ARG_DOC_DV ARG_DOC_SCALES \
+    ARG_DOC_KEY_LENGTHS ARG_DOC_VARIANTS ARG_DOC_LENGTHS_ALIGNED \
+    "\n" \
+    "Returns None; raises the core's ValueError (its .field names the config\n" \
+    "field) for a config the core rejects."
+
 #define PACK_WEIGHT_DOC \
     "pack_weight(w, /)\n" \
     "--\n" \

@@ -257,7 +257,7 @@ void raise_status(mha_status st, const mha_error *err);
 int sigint_setup(void);
 
 /* ---- core_calls.c: every call into the core ------------------------------ */
-int check_config(const mha_config *cfg);
+int core_check(const mha_config *cfg);
 mha_status forward_core(call *c);
 mha_status backward_core(call *c);
 mha_status project_core(call *c);
@@ -294,12 +294,14 @@ void packed_destroy(PyObject *cap);
 PyObject *forward(PyObject *self, PyObject *const *argv, Py_ssize_t nargs, PyObject *kwnames);
 PyObject *backward(PyObject *self, PyObject *args, PyObject *kwds);
 PyObject *project(PyObject *self, PyObject *const *argv, Py_ssize_t nargs, PyObject *kwnames);
+PyObject *check_config(PyObject *self, PyObject *const *argv, Py_ssize_t nargs,
+                       PyObject *kwnames);
 PyObject *attention(PyObject *self, PyObject *const *argv, Py_ssize_t nargs, PyObject *kwnames);
 PyObject *attention_backward(PyObject *self, PyObject *const *argv, Py_ssize_t nargs,
                              PyObject *kwnames);
 PyObject *pack_weight(PyObject *self, PyObject *arg);
 PyObject *packed_info(PyObject *self, PyObject *cap);
 extern const char forward_doc[], backward_doc[], project_doc[], attention_doc[],
-    attention_backward_doc[], pack_weight_doc[], packed_info_doc[];
+    attention_backward_doc[], check_config_doc[], pack_weight_doc[], packed_info_doc[];
 
 #endif

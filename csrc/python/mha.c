@@ -25,7 +25,10 @@ static int mha_sizes(call *c, const call_spec *sp)
     npy_intp *n = c->size;
     sizes_from(n, x, 3, (const signed char[]){L_B, L_TQ, L_DIN});
     sizes_from(n, key, 3, (const signed char[]){-1, L_TK, L_DKIN});
-    sizes_from(n, value, 3, (const signed char[]){-1, -1, L_DVIN});
+    if (value != NULL)   // check_config takes none
+        sizes_from(n, value, 3, (const signed char[]){-1, -1, L_DVIN});
+    else
+        n[L_DVIN] = 0;
     n[L_H] = PyArray_DIM(in[sp->scales], 0);
     if (check_shapes(c, sp, sp->checks_x) < 0)
         return -1;
@@ -187,3 +190,40 @@ static const call_spec project_spec = {
 };
 
 GLUE_FASTCALL_ENTRY(project, PROJECT_DOC)
+
+/* ---- check_config --------------------------------------------------------- */
+
+/* Nothing to compute: build_config (call.c) has had the core check the
+   config (.checked 1), which is all this entry point is for. */
+static int check_config_outputs(call *c)
+{
+    (void)c;
+    return 0;
+}
+
+static double check_config_work(const call *c)
+{
+    (void)c;
+    return 0.0;
+}
+
+static mha_status check_config_core(call *c)
+{
+    (void)c;
+    return MHA_OK;
+}
+
+static PyObject *check_config_result(call *c)
+{
+    (void)c;
+    Py_RETURN_NONE;
+}
+
+static const call_spec check_config_spec = {
+    CHECK_CONFIG_SPEC_ARGS, .layout = LAYOUT_C, .broadcast_mask = 0, .has_wo = 0,
+    .checked = 1, .sizes = mha_sizes, .check = NULL, .finish = NULL,
+    .outputs = check_config_outputs, .work = check_config_work, .core = check_config_core,
+    .result = check_config_result,
+};
+
+GLUE_FASTCALL_ENTRY(check_config, CHECK_CONFIG_DOC)

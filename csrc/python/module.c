@@ -84,6 +84,8 @@ static PyMethodDef mhattn_methods[] = {
      METH_FASTCALL | METH_KEYWORDS, project_doc},
     {"attention_backward", (PyCFunction)(void (*)(void))attention_backward,
      METH_FASTCALL | METH_KEYWORDS, attention_backward_doc},
+    {"check_config", (PyCFunction)(void (*)(void))check_config,
+     METH_FASTCALL | METH_KEYWORDS, check_config_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -208,6 +208,31 @@ def project(
     """
     ...
 
+def check_config(
+    x: _Float,  # (B, Tq, Din): The queries' source; its dtype is the call's.
+    key: _Float,  # (B, Tk, Dkin): The keys' source.
+    dk: npt.NDArray[np.int64],  # (G,): Each kv head's key width.
+    dv: npt.NDArray[np.int64],  # (G,): Each kv head's value width.
+    scales: npt.NDArray[np.float64],  # (H,): The multiplier of q.k of each query head.
+    # (B,): None, or each item's key count: keys j >= it are padding.
+    key_lengths: Optional[npt.NDArray[np.int64]],
+    # (15,): None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).
+    variants: Optional[tuple],
+    lengths_aligned: bool,  # Align each item's queries to its own key length (a KV cache).
+) -> None:
+    """The core's verdict on a call's config (mha_check_config), nothing
+    computed: the sizes of x (B, Tq, Din) and key (B, Tk, Dkin), which
+    may hold no elements (Din = Dkin = 0), the head widths dk and dv,
+    the scales, the key lengths and the variants, as forward() would
+    read them. For Python code that uses a call's values before a call
+    of the core (the reference, the checker): each rule lives in the
+    core, once.
+
+    Returns None; raises the core's ValueError (its .field names the
+    config field) for a config the core rejects.
+    """
+    ...
+
 def pack_weight(
     w: _Float,  # (K, N): A weight, float32 or float64; copied, never kept.
     /,

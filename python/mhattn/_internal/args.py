@@ -25,7 +25,8 @@ from typing import Any, List, Optional, Sequence
 import numpy as np
 
 from .arrays import _check_numeric, _shape, _to_array
-from .variants import VARIANT_DEFAULTS, Variants, normalize_variants, variant_floats
+from .variants import (VARIANT_DEFAULTS, Variants, normalize_variants, variant_floats,
+                       variants_tuple)
 
 __all__ = ["Call", "normalize", "compute_dtype", "check_memory", "core_items",
            "memory_limit", "plan", "bool_arg", "fused_widths", "head_scales",
@@ -170,15 +171,6 @@ class _Heads:
         return np.concatenate(self.heads, axis=1)
 
 
-def _check_widths(name: str, heads: Sequence[np.ndarray]) -> None:
-    """Every head needs at least one column: 1/sqrt(d_k) and the core's
-    head widths are undefined for zero."""
-    for i, a in enumerate(heads):
-        if a.shape[1] == 0:
-            raise ValueError(f"{name}[{i}]: head {i} has width 0 (shape {a.shape}); "
-                             "every head needs at least one column (d_head >= 1)")
-
-
 def _split_weight(name: str, w: Any, count: Optional[int], count_name: str) -> _Heads:
     if _is_head_list(w):
         if len(w) == 0:
@@ -200,7 +192,6 @@ def _split_weight(name: str, w: Any, count: Optional[int], count_name: str) -> _
         if count is not None and len(heads) != count:
             raise ValueError(f"{name}: the list has {len(heads)} heads but "
                              f"{count_name}={count}")
-        _check_widths(name, heads)
         return _Heads("list", heads, [a.shape[1] for a in heads], rows, None)
 
     a = _to_array(name, w)
@@ -213,7 +204,6 @@ def _split_weight(name: str, w: Any, count: Optional[int], count_name: str) -> _
             raise ValueError(f"{name}: stacked weights of shape {a.shape} have {h} heads "
                              f"but {count_name}={count}")
         _check_head_count(name, h)
-        _check_widths(name, a[:1])
         return _Heads("stacked", [a[i] for i in range(h)], [width] * h, rows, a)
     if a.ndim == 2:
         rows, total = a.shape
@@ -307,7 +297,10 @@ def head_scales(H: int, G: int, dk: Sequence[int], scale: Optional[float]) -> Li
     if scale is not None:
         return [scale] * H
     group = H // G
-    return [1.0 / float(np.sqrt(dk[h // group])) for h in range(H)]
+    # A width of 0 is the core's to reject (mha_check_config); its scale is
+    # never read.
+    return [1.0 / float(np.sqrt(dk[h // group])) if dk[h // group] else 1.0
+            for h in range(H)]
 
 
 @dataclass
@@ -554,11 +547,8 @@ def _normalize_lengths(key_lengths: Any, batched: bool, B: int, Tk: int) -> Opti
         raise ValueError(f"key_lengths: expected shape {want} "
                          f"({'one length per batch item' if batched else 'a scalar'}), "
                          f"got {kl.shape}")
-    kl = kl.reshape(-1).astype(np.int64)
-    if kl.size and (kl.min() < 0 or kl.max() > Tk):
-        raise ValueError(f"key_lengths: every length must lie in [0, T_k={Tk}], "
-                         f"got {kl.tolist()}")
-    return kl
+    # Each length in [0, T_k]: the core's rule (config_verdict, or the call).
+    return kl.reshape(-1).astype(np.int64)
 
 
 def _sources(x: Any, key: Any, value: Any) -> tuple:
@@ -583,11 +573,19 @@ def _sources(x: Any, key: Any, value: Any) -> tuple:
     return xa, ka, va, batched
 
 
-def heads_verdict(H: int, G: int) -> None:
+def heads_verdict(H: int, G: int, dk=None, dv=None) -> None:
     """Raises the core's ValueError for H query heads and G kv heads that
-    cannot be paired: the rule is the core's (mha_check_config). This module
-    sits below the one door to _C, which installs the function
-    (mhattn._internal.core.check_heads) when it is imported."""
+    cannot be paired, or kv head widths dk, dv it rejects: the rules are the
+    core's (mha_check_config). This module sits below the one door to _C,
+    which installs the function (mhattn._internal.core.check_heads) when it
+    is imported."""
+    raise NotImplementedError("mhattn._internal.core is not imported")
+
+
+def config_verdict(B: int, Tq: int, Tk: int, dk, dv, scales, dtype, *, key_lengths=None,
+                   variants=None, lengths_aligned: bool = False) -> None:
+    """Raises the core's ValueError for a call's config it rejects
+    (mhattn._internal.core.check_config, installed as heads_verdict is)."""
     raise NotImplementedError("mhattn._internal.core is not imported")
 
 
@@ -598,11 +596,11 @@ def split_heads(w_q: Any, w_k: Any, w_v: Any, num_heads: Optional[int],
     wq = _split_weight("w_q", w_q, num_heads, "num_heads")
     H = len(wq.heads)
     G = H if num_kv_heads is None else num_kv_heads
-    if H % G:   # the heads cannot be paired: the core says why
-        heads_verdict(H, G)
+    heads_verdict(H, G)   # can the heads be paired? the core says
     kv_name = "num_kv_heads" if num_kv_heads is not None else "num_heads"
     wk = _split_weight("w_k", w_k, G, kv_name)
     wv = _split_weight("w_v", w_v, G, kv_name)
+    heads_verdict(H, G, wk.widths, wv.widths)   # is every head a column wide?
 
     group = H // G
     for h in range(H):
@@ -752,7 +750,7 @@ def normalize(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=Non
     xb = xa if batched else xa[np.newaxis]
     kb = ka if batched else ka[np.newaxis]
     vb = va if batched else va[np.newaxis]
-    return Call(
+    call = Call(
         dtype=dtype, batched=batched,
         x=_cast(xb, dtype), key=_cast(kb, dtype), value=_cast(vb, dtype),
         key_given=key is not None, value_given=value is not None,
@@ -763,6 +761,12 @@ def normalize(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=Non
         H=H, G=G, dk=dk, dv=dv, scales=scales, causal=bool(causal),
         mask=mask_v, key_lengths=kl,
         Sq=Sq, Sk=Sk, Sv=Sv, Svq=Svq, var=var)
+    # The rules on the config's values (the key lengths, the variants'
+    # offsets, softcap, norm_eps, rotary_dim) are the core's: it checks them
+    # here, before the reference or the checker reads any of them.
+    config_verdict(B, Tq, Tk, dk, dv, scales, dtype, key_lengths=kl,
+                   variants=variants_tuple(call))
+    return call
 
 
 def _needs_copy(a: np.ndarray) -> bool:

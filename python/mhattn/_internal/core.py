@@ -35,13 +35,14 @@ import numpy as np
 from .. import _C  # the one module of the package that imports the extension
 from . import args as _args
 from .fields import ATTENTION, LAYER, Names, user_error
+from .variants import variants_tuple
 from .args import (PER_HEAD_BYTES, Call, bool_arg, check_memory, fused_widths,
                    head_scales, memory_limit, normalize, plan)
 
 __all__ = ["fast", "slow", "core_args", "variant_args", "head_arrays", "run_core",
            "Context", "make_context",
            # the C entry points
-           "forward", "backward", "attention", "attention_backward", "project", "check_heads",
+           "forward", "backward", "attention", "attention_backward", "project", "check_heads", "check_config",
            "pack_weight", "packed_info", "get_isa", "set_isa", "get_num_threads",
            "set_num_threads", "library_path"]
 
@@ -77,6 +78,8 @@ def _door(name: str, names: Names, doc: str):
 forward = _door("forward", LAYER, "``_C.forward``: the layer's forward pass "
                 "(:func:`core_args` and the packed capsules).")
 backward = _door("backward", LAYER, "``_C.backward``: the layer's backward pass.")
+_check_config = _door("check_config", LAYER, "``_C.check_config``: the core's verdict "
+                      "on a call's config.")
 attention = _door("attention", ATTENTION, "``_C.attention``: attention on projected q, k, v.")
 attention_backward = _door("attention_backward", ATTENTION,
                            "``_C.attention_backward``: the gradients of :func:`attention`.")
@@ -84,22 +87,37 @@ project = _door("project", LAYER, "``_C.project``: the q, k, v projections of ne
                 "(a KV cache's step).")
 
 
-_EMPTY = np.empty((0, 1, 0, 1))
-_ONES = np.ones(1)
 
 
-def check_heads(H: int, G: int, names: Names = LAYER) -> None:
-    """The core's verdict on H query heads and G kv heads, for what splits
-    weights per head before any call of the core (normalize, pack_weights,
-    the layer's constructor): an empty call of :func:`attention`, whose
-    glue asks mha_check_config (csrc/python/convert.c, check_heads). The
-    rule and its message live in the core; this raises them."""
-    attention(np.broadcast_to(_EMPTY, (0, H, 0, 1)), np.broadcast_to(_EMPTY, (0, G, 0, 1)),
-              np.broadcast_to(_EMPTY, (0, G, 0, 1)), np.broadcast_to(_ONES, (H,)), None,
-              False, None, None, False, False, False, False, names=names)
+def check_config(B: int, Tq: int, Tk: int, dk, dv, scales, dtype=np.float64, *,
+                 key_lengths=None, variants=None, lengths_aligned: bool = False,
+                 names: Names = LAYER) -> None:
+    """The core's verdict on a call's config, nothing computed: for what uses
+    a call's values in Python before (or instead of) a call of the core, such
+    as normalize() before the reference and the checker. x and key are
+    passed as (B, Tq, 0) and (B, Tk, 0) arrays of ``dtype``, which hold no
+    elements; dk, dv (G,), scales (H,), the key lengths and the variants'
+    tuple (:func:`variant_args`) as forward() takes them. Every rule and its
+    message live in the core (mha_check_config); this raises them in the
+    words of ``names``."""
+    dt = np.dtype(dtype)
+    _check_config(np.empty((B, Tq, 0), dt), np.empty((B, Tk, 0), dt),
+                  np.asarray(dk, dtype=np.int64), np.asarray(dv, dtype=np.int64),
+                  np.asarray(scales, dtype=np.float64), key_lengths, variants,
+                  lengths_aligned, names=names)
+
+
+def check_heads(H: int, G: int, dk=None, dv=None, names: Names = LAYER) -> None:
+    """The core's verdict on H query heads and G kv heads (and, given, the
+    kv heads' widths dk, dv), for what splits weights per head before any
+    call of the core (normalize, pack_weights, the layer's constructor)."""
+    ones = np.ones(max(G, 0), dtype=np.int64)
+    check_config(1, 0, 0, ones if dk is None else dk, ones if dv is None else dv,
+                 np.ones(max(H, 0)), names=names)
 
 
 _args.heads_verdict = check_heads
+_args.config_verdict = check_config
 
 
 def pack_weight(w):
@@ -196,17 +214,9 @@ def head_arrays(call: Call) -> tuple:
 
 
 def variant_args(call: Call):
-    """The glue's ``variants`` argument: None when every variant is off,
-    else the tuple whose layout csrc/python/variants.c (read_variants) gives."""
-    v = call.var
-    if not v.any:
-        return None
-    window = None
-    if v.window is not None:
-        window = tuple(-1 if side is None else side for side in v.window)
-    return (window, 0.0 if v.softcap is None else v.softcap, v.alibi, v.sinks,
-            v.key_mask, v.cu_q, v.cu_k, v.q_norm, v.k_norm, v.norm_eps, v.rotary_dim,
-            v.interleaved, v.inv_freq, v.positions, v.key_positions)
+    """The glue's ``variants`` argument of a checked call:
+    :func:`mhattn._internal.variants.variants_tuple`."""
+    return variants_tuple(call)
 
 
 def core_args(call: Call, *, want_weights: bool = False, keep: bool = False) -> tuple:

@@ -26,7 +26,9 @@ from __future__ import annotations
 import re
 from typing import Dict, NamedTuple
 
-__all__ = ["Names", "LAYER", "ATTENTION", "user_error"]
+from . import schema
+
+__all__ = ["Names", "LAYER", "ATTENTION", "user_error", "schema_arguments"]
 
 
 class Names(NamedTuple):
@@ -35,25 +37,49 @@ class Names(NamedTuple):
     letters: Dict[str, str]    # a letter of the core's messages -> the user's word
 
 
-# Fields whose public argument has the same name in every family.
-_SAME = {f: f for f in ("key_lengths", "window", "softcap", "norm_eps", "rotary_dim",
-                        "inv_freq", "q_norm", "k_norm", "mask", "scale")}
-_SAME.update(cu_q="cu_seqlens", cu_k="key_cu_seqlens", nseq="cu_seqlens",
-             alibi="alibi_slopes", alibi_bstride="alibi_slopes",
-             q_norm_hstride="q_norm", k_norm_hstride="k_norm",
-             positions_bstride="positions", key_positions_bstride="key_positions",
-             rope_interleaved="rope", lengths_aligned="key_lengths")
+# The variants' own RoPE item is the user's rope= (a mhattn.RoPE holds it).
+_VARIANT_ARGUMENT = {"interleaved": "rope"}
+
+
+def _split(fields: str) -> set:
+    return {f.strip() for f in fields.split(",") if f.strip()}
+
+
+def schema_arguments() -> Dict[str, str]:
+    """mha_field name -> the public argument it comes from, for the fields
+    every family of entry points names alike, read off the schema: a field
+    of the variants' tuple is the variant's (schema.VARIANTS: its mha_config
+    fields), one of the glue's mask and key-length arguments is that
+    argument's (schema.C_ARGS' ``c_field``). The sizes and head counts are
+    each family's own (LAYER, ATTENTION)."""
+    out = {}
+    for fid, fields, _ in schema.MHA_FIELDS:
+        cfg = _split(fields)
+        name = schema.field_name(fid, fields)
+        for vname, _k, _d, _s, vfields, _doc in schema.VARIANTS:
+            if cfg & _split(vfields):
+                out[name] = _VARIANT_ARGUMENT.get(vname, vname)
+                break
+        else:
+            for a in schema.C_ARGS:
+                if a.c_kind in ("ARG_MASK", "ARG_LENGTHS", "ARG_BOOL") and cfg & _split(a.c_field):
+                    out[name] = a.name
+                    break
+    return out
+
+
+_SAME = schema_arguments()
 _LETTERS = {"Tq": "T_q", "Tk": "T_k", "cu_q": "cu_seqlens", "cu_k": "key_cu_seqlens"}
 
 LAYER = Names(
-    argument={**_SAME, "H": "num_heads", "G": "num_kv_heads", "dk": "w_k", "dv": "w_v",
+    argument={**_SAME, "scale": "scale", "H": "num_heads", "G": "num_kv_heads", "dk": "w_q / w_k", "dv": "w_v",
               "Din": "x", "Dkin": "key", "Dvin": "value", "Dout": "w_o", "B": "x",
               "Tq": "x", "Tk": "key"},
     letters={**_LETTERS, "H": "num_heads", "G": "num_kv_heads", "dk": "d_k",
              "dv": "d_v"})
 
 ATTENTION = Names(
-    argument={**_SAME, "H": "q", "G": "k", "dk": "k", "dv": "v", "B": "q", "Tq": "q",
+    argument={**_SAME, "scale": "scale", "H": "q", "G": "k", "dk": "k", "dv": "v", "B": "q", "Tq": "q",
               "Tk": "k"},
     letters={**_LETTERS, "H": "q's heads", "G": "k's heads", "dk": "d_k", "dv": "d_v"})
 

@@ -206,10 +206,11 @@ side may be None (unbounded).  Mistral's ``sliding_window=W`` is
 the window are skipped."""),
     Arg("softcap", _MHA + _ATT, "float", "", "", "None",
         "Gemma 2's logit softcapping: s -> softcap * tanh(s / softcap).",
-        type="float > 0, optional",
+        type="float >= 0, optional",
         text="""\
 Gemma 2's logit softcapping: each scaled score s becomes
-softcap * tanh(s / softcap), before ALiBi and the masks."""),
+softcap * tanh(s / softcap), before ALiBi and the masks. None or 0
+(FlashAttention's convention) for none."""),
     Arg("alibi_slopes", _MHA + _ATT, "array?", "float64", "(H,) or (B, H)", "None",
         "ALiBi: adds -slope_h * |p_i - j| to the scores.",
         type="(h,) or (B, h), optional",
@@ -526,14 +527,15 @@ RoPE) are not attention keywords: apply them before."""))),
 
 _FWD, _BWD, _PRJ = "_C.forward", "_C.backward", "_C.project"
 _AT, _ABW = "_C.attention", "_C.attention_backward"
-_ALL5 = (_FWD, _BWD, _AT, _ABW, _PRJ)
+_CHK = "_C.check_config"
+_ALL5 = (_FWD, _BWD, _AT, _ABW, _PRJ, _CHK)
 _MASKED = (_FWD, _BWD, _AT, _ABW)
 
 C_ARGS = (
-    Arg("x", (_FWD, _BWD, _PRJ), "array", "T", "(B, Tq, Din)", REQUIRED,
+    Arg("x", (_FWD, _BWD, _PRJ, _CHK), "array", "T", "(B, Tq, Din)", REQUIRED,
         "The queries' source; its dtype is the call's.", c_kind="ARG_ARRAY",
         c_field="x"),
-    Arg("key", (_FWD, _PRJ), "array", "T", "(B, Tk, Dkin)", REQUIRED,
+    Arg("key", (_FWD, _PRJ, _CHK), "array", "T", "(B, Tk, Dkin)", REQUIRED,
         "The keys' source.", c_kind="ARG_ARRAY", c_field="key"),
     Arg("value", (_FWD, _PRJ), "array", "T", "(B, Tk, Dvin)", REQUIRED,
         "The values' source.", c_kind="ARG_ARRAY", c_field="value"),
@@ -574,9 +576,9 @@ C_ARGS = (
         c_field="concat"),
     Arg("lse", (_BWD,), "array", "T", "(B, H, Tq)", REQUIRED,
         "forward()'s kept log-sum-exp of each row.", c_kind="ARG_ARRAY", c_field="lse"),
-    Arg("dk", (_FWD, _BWD, _PRJ), "vector", "int64", "(G,)", REQUIRED,
+    Arg("dk", (_FWD, _BWD, _PRJ, _CHK), "vector", "int64", "(G,)", REQUIRED,
         "Each kv head's key width.", c_kind="ARG_INT64", c_field="dk, G"),
-    Arg("dv", (_FWD, _BWD, _PRJ), "vector", "int64", "(G,)", REQUIRED,
+    Arg("dv", (_FWD, _BWD, _PRJ, _CHK), "vector", "int64", "(G,)", REQUIRED,
         "Each kv head's value width.", c_kind="ARG_INT64", c_field="dv"),
     Arg("scales", _ALL5, "vector", "float64", "(H,)", REQUIRED,
         "The multiplier of q.k of each query head.", c_kind="ARG_FLOAT64",
@@ -599,13 +601,13 @@ C_ARGS = (
         c_kind="ARG_MASK", c_field="mask, mask_kind, mask_stride"),
     Arg("causal", _MASKED, "bool", "", "", REQUIRED,
         "Query i sees keys j <= i + (Tk - Tq).", c_kind="ARG_BOOL", c_field="causal"),
-    Arg("key_lengths", _MASKED, "vector?", "int64", "(B,)", REQUIRED,
+    Arg("key_lengths", _MASKED + (_CHK,), "vector?", "int64", "(B,)", REQUIRED,
         "None, or each item's key count: keys j >= it are padding.",
         c_kind="ARG_LENGTHS", c_field="key_lengths"),
     Arg("variants", _ALL5, "tuple?", "", "(15,)", REQUIRED,
         "None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).",
         c_kind="ARG_VARIANTS", c_field=""),   # VARIANTS' fields
-    Arg("lengths_aligned", (_AT, _ABW), "bool", "", "", REQUIRED,
+    Arg("lengths_aligned", (_AT, _ABW, _CHK), "bool", "", "", REQUIRED,
         "Align each item's queries to its own key length (a KV cache).",
         c_kind="ARG_BOOL", c_field="lengths_aligned"),
     Arg("out_bthd", (_AT,), "bool", "", "", REQUIRED,
@@ -737,6 +739,17 @@ C_FUNCTIONS: Dict[str, CFunction] = {
         "q/k norm and RoPE (positions from the variants tuple, or the defaults).",
         prefix="PRJ", table_shapes=_ARRAYS, checks_x=("key", "value"),
         checks_widths=("wq", "wk", "wv", "bq", "bk", "bv")),
+    "check_config": CFunction(
+        "METH_FASTCALL | METH_KEYWORDS", "None",
+        "The core's verdict on a call's config (mha_check_config), nothing "
+        "computed: the sizes of x (B, Tq, Din) and key (B, Tk, Dkin), which may "
+        "hold no elements (Din = Dkin = 0), the head widths dk and dv, the scales, "
+        "the key lengths and the variants, as forward() would read them. For "
+        "Python code that uses a call's values before a call of the core (the "
+        "reference, the checker): each rule lives in the core, once.",
+        "Returns None; raises the core's ValueError (its .field names the "
+        "config field) for a config the core rejects.",
+        prefix="CHK", table_shapes=_ARRAYS, checks_x=("key",)),
     "pack_weight": CFunction(
         "METH_O", "object",
         "w's GEMM panels for the ISA in force, as an opaque capsule for forward()'s "
@@ -773,6 +786,7 @@ _C_PARAMS = {
     "attention_backward": "dout, q, k, v, out, lse, scales, mask, causal, key_lengths, "
                           "variants, lengths_aligned",
     "project": "x, key, value, wq, wk, wv, bq, bk, bv, dk, dv, scales, variants, packed",
+    "check_config": "x, key, dk, dv, scales, key_lengths, variants, lengths_aligned",
     "pack_weight": "w, /",
     "packed_info": "packed, /",
     "get_isa": "",
@@ -797,6 +811,7 @@ class Out(NamedTuple):
 
 
 C_OUTPUTS: Dict[str, Tuple[Out, ...]] = {
+    "check_config": (),
     "forward": (
         Out("out", "(B, Tq, Dout)", "", "The layer's output."),
         Out("weights", "(B, H, Tq, Tk)", "want_weights", "The post-softmax weights."),

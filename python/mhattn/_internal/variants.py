@@ -90,8 +90,9 @@ class RoPE:
         if rotary_dim is not None:
             if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, numbers.Integral):
                 raise TypeError(f"rotary_dim: expected an int or None, got {rotary_dim!r}")
-            if rotary_dim <= 0 or rotary_dim % 2:
-                raise ValueError(f"rotary_dim: must be even and positive, got {rotary_dim}")
+            if rotary_dim <= 0:   # 0 would be no RoPE; even and <= d_k: the core's rules
+                raise ValueError(f"rotary_dim: expected a positive int or None, got "
+                                 f"{rotary_dim}")
         if not isinstance(interleaved, (bool, np.bool_)):
             raise TypeError(f"RoPE: interleaved must be a bool, got {interleaved!r}")
         self.theta = float(theta)
@@ -102,7 +103,7 @@ class RoPE:
             if f.ndim != 1 or f.size == 0 or not np.isfinite(f).all():
                 raise ValueError(f"inv_freq: expected a 1-D array of finite numbers, "
                                  f"got shape {f.shape}")
-            if self.rotary_dim is not None and f.size * 2 != self.rotary_dim:
+            if self.rotary_dim is not None and f.size != self.rotary_dim // 2:
                 raise ValueError(f"inv_freq: expected shape ({self.rotary_dim // 2},) "
                                  f"(rotary_dim/2), got {f.shape}")
             f.flags.writeable = False
@@ -118,7 +119,8 @@ class RoPE:
         """(rotary_dim/2,) float64: inv_freq, or theta ** (-2c / rotary_dim)."""
         if self.inv_freq is not None:
             return self.inv_freq
-        return 1.0 / self.theta ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)
+        c = np.arange(rotary_dim // 2, dtype=np.float64)
+        return 1.0 / self.theta ** (2 * c / rotary_dim)
 
 
 @dataclass
@@ -208,10 +210,9 @@ def _softcap(softcap: Any) -> Optional[float]:
     if isinstance(softcap, (bool, np.bool_)) or not isinstance(
             softcap, (numbers.Real, np.floating, np.integer)):
         raise TypeError(f"softcap: expected a positive real number or None, got {softcap!r}")
+    # 0 is off, as in FlashAttention; the rest (finite, >= 0) is the core's rule.
     c = float(softcap)
-    if not (math.isfinite(c) and c > 0):
-        raise ValueError(f"softcap: must be a finite number > 0, got {softcap!r}")
-    return c
+    return None if c == 0 else c
 
 
 def _per_head(name: str, obj: Any, H: int, B: int, batched: bool, dtype) -> np.ndarray:
@@ -247,10 +248,7 @@ def _eps(norm_eps: Any) -> float:
     if isinstance(norm_eps, (bool, np.bool_)) or not isinstance(
             norm_eps, (numbers.Real, np.floating, np.integer)):
         raise TypeError(f"norm_eps: expected a real number >= 0, got {norm_eps!r}")
-    e = float(norm_eps)
-    if not (math.isfinite(e) and e >= 0):
-        raise ValueError(f"norm_eps: must be a finite number >= 0, got {norm_eps!r}")
-    return e
+    return float(norm_eps)   # finite and >= 0: the core's rule
 
 
 def _rope(rope: Any, dk: Sequence[int]) -> tuple:
@@ -268,13 +266,9 @@ def _rope(rope: Any, dk: Sequence[int]) -> tuple:
         else:
             raise ValueError(f"rope: the heads have widths {list(dk)}; give "
                              "RoPE(rotary_dim=...) <= the smallest")
-    if rd % 2 or rd <= 0:
-        raise ValueError(f"rotary_dim: must be even and positive, got {rd} "
-                         f"(the heads' d_k is {min(dk)})")
-    if rd > min(dk):
-        raise ValueError(f"rotary_dim: {rd} is more than d_k = {min(dk)}")
+    # Even and <= d_k: the core's rules (rd is RoPE's, >= 2, or d_k, >= 1).
     f = rope.frequencies(rd)
-    if f.size * 2 != rd:
+    if f.size != rd // 2:
         raise ValueError(f"inv_freq: expected shape ({rd // 2},) (rotary_dim/2), got {f.shape}")
     return rd, rope.interleaved, _frozen(np.asarray(f, dtype=np.float64))
 
@@ -319,16 +313,8 @@ def _offsets(name: str, obj: Any, total: int, what: str) -> np.ndarray:
     if a.ndim != 1 or a.size < 2:
         raise ValueError(f"{name}: expected a 1-D array (n+1,) of offsets [0, ..., "
                          f"{total}], got shape {a.shape}")
-    a = a.astype(np.int64)
-    if a[0] != 0:
-        raise ValueError(f"{name}: must start at 0, got {a[0]}")
-    if (np.diff(a) < 0).any():
-        k = int(np.argmax(np.diff(a) < 0))
-        raise ValueError(f"{name}: must be non-decreasing, but {name}[{k}] = {a[k]} > "
-                         f"{name}[{k + 1}] = {a[k + 1]}")
-    if a[-1] != total:
-        raise ValueError(f"{name}: must end at {total} (the {what}), got {a[-1]}")
-    return _frozen(a)
+    # 0, ..., total and non-decreasing: the core's rules (cu_q, cu_k).
+    return _frozen(a.astype(np.int64))
 
 
 def _packing(cu_seqlens: Any, key_cu_seqlens: Any, batched: bool, Tq: int, Tk: int,
@@ -382,6 +368,21 @@ def normalize_variants(v: dict, *, batched: bool, B: int, Tq: int, Tk: int, H: i
         norm_eps=_eps(get("norm_eps")), rotary_dim=rd, interleaved=inter, inv_freq=freq,
         positions=pos, key_positions=kpos,
         key_mask=_key_mask(get("key_mask"), B, Tk, batched), cu_q=cu_q, cu_k=cu_k)
+
+
+def variants_tuple(call: Any):
+    """The glue's ``variants`` argument for ``call.var`` (a :class:`Variants`):
+    None when every variant is off, else the tuple whose layout
+    csrc/python/variants.c (read_variants) gives."""
+    v = call.var
+    if not v.any:
+        return None
+    window = None
+    if v.window is not None:
+        window = tuple(-1 if side is None else side for side in v.window)
+    return (window, 0.0 if v.softcap is None else v.softcap, v.alibi, v.sinks,
+            v.key_mask, v.cu_q, v.cu_k, v.q_norm, v.k_norm, v.norm_eps, v.rotary_dim,
+            v.interleaved, v.inv_freq, v.positions, v.key_positions)
 
 
 def variant_floats(v: dict) -> list:

@@ -90,9 +90,8 @@ def check_projected(q, k, v, layout: str = "bhtd") -> Projected:
         raise ValueError(f"v: has {Tv} keys but k has {Tk}; they must share T_k {seen}")
     if dkk != dk:
         raise ValueError(f"k: its width d_k = {dkk} differs from q's {dk} {seen}")
-    # H a positive multiple of G: the core's rule, checked once there (core.attention).
-    if dk == 0 or dv == 0:
-        raise ValueError(f"{'q' if dk == 0 else 'v'}: heads of width 0 {seen}")
+    # H a positive multiple of G, and heads at least one column wide: the
+    # core's rules, checked once there (core.attention).
     return Projected(q=qb, k=kb, v=vb, B=B, H=H, G=G, Tq=Tq, Tk=Tk, dk=dk, dv=dv,
                      dtype=dtype, batched=nd == 4, layout=layout)
 

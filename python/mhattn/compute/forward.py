@@ -81,9 +81,10 @@ def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None
         side may be None (unbounded).  Mistral's ``sliding_window=W`` is
         ``window=(W-1, 0)`` with ``causal=True``.  Key blocks wholly outside
         the window are skipped.
-    softcap : float > 0, optional
+    softcap : float >= 0, optional
         Gemma 2's logit softcapping: each scaled score s becomes
-        softcap * tanh(s / softcap), before ALiBi and the masks.
+        softcap * tanh(s / softcap), before ALiBi and the masks. None or 0
+        (FlashAttention's convention) for none.
     alibi_slopes : (h,) or (B, h), optional
         ALiBi: adds -slope_h * |p_i - j| to the scores (no gradient).
     sinks : (h,), optional
