@@ -248,6 +248,12 @@ typedef struct {
    config is checked here and nowhere else. */
 mha_status mha_check_config(mha_layout *lay, const mha_config *cfg, mha_error *err);
 
+/* The first of mha_check_config's rules alone: H query heads and G
+   key/value heads that a call can pair (H, G >= 1, G divides H). For a
+   caller that lays out per-head data before its config is complete (the
+   glue); mha_check_config applies the same function. */
+mha_status mha_check_heads(size_t H, size_t G, mha_error *err);
+
 /* Column offsets of every head in the fused buffers of a checked config:
      qoff[h]  (H,) in q (B, Tq, Sq)     cvoff[h] (H,) in concat (B, Tq, Svq)
      koff[g]  (G,) in k (B, Tk, Sk)     voff[g]  (G,) in v (B, Tk, Sv) */

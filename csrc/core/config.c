@@ -229,17 +229,26 @@ static mha_status transforms_check(const mha_config *cfg, mha_error *err)
     return MHA_OK;
 }
 
-/* The head counts, head widths and the arrays every call reads; *lay gets
-   the fused widths. */
-static mha_status heads_check(mha_layout *lay, const mha_config *cfg, mha_error *err)
+mha_status mha_check_heads(size_t H, size_t G, mha_error *err)
 {
-    const size_t H = cfg->H, G = cfg->G;
+    mha_error_clear(err);
     if (H == 0)
         return REJECT(MHA_FIELD_H, "H = 0: a call needs at least one query head");
     if (G == 0)
         return REJECT(MHA_FIELD_G, "G = 0: a call needs at least one key/value head");
     if (H % G != 0)
         return REJECT(MHA_FIELD_G, "H = %zu is not a multiple of G = %zu", H, G);
+    return MHA_OK;
+}
+
+/* The head counts, head widths and the arrays every call reads; *lay gets
+   the fused widths. */
+static mha_status heads_check(mha_layout *lay, const mha_config *cfg, mha_error *err)
+{
+    const size_t H = cfg->H, G = cfg->G;
+    mha_status st = mha_check_heads(H, G, err);
+    if (st != MHA_OK)
+        return st;
     if (cfg->dk == NULL)
         return REJECT(MHA_FIELD_DK, "dk is NULL");
     if (cfg->dv == NULL)
@@ -287,11 +296,27 @@ static mha_status heads_check(mha_layout *lay, const mha_config *cfg, mha_error 
     return MHA_OK;
 }
 
+/* A size below which any product of four sizes, and 2 (H + G), stays below
+   MHA_MAX_ELEMS (2^60 - 1 with a 64-bit size_t, 2^28 - 1 with a 32-bit
+   one): (2^15 - 1)^4 < 2^60 - 1 and (2^7 - 1)^4 < 2^28 - 1. A power of two,
+   so that an OR of sizes below it is below it. */
+#define SMALL_SIZE ((size_t)1 << (SIZE_MAX > 0xFFFFFFFFu ? 15 : 7))
+_Static_assert(SIZE_MAX <= 0xFFFFFFFFu || (uint64_t)MHA_MAX_ELEMS >= ((uint64_t)1 << 60) - 1,
+               "SMALL_SIZE bounds the products of four sizes");
+_Static_assert(SIZE_MAX > 0xFFFFFFFFu || (uint64_t)MHA_MAX_ELEMS >= ((uint64_t)1 << 28) - 1,
+               "SMALL_SIZE bounds the products of four sizes");
+
 /* Every size used to allocate or index a buffer (element counts). */
 static mha_status sizes_check(const mha_layout *lay, const mha_config *cfg, mha_error *err)
 {
     const size_t B = cfg->B, Tq = cfg->Tq, Tk = cfg->Tk, H = cfg->H, G = cfg->G;
     const size_t Sq = lay->Sq, Sk = lay->Sk, Sv = lay->Sv, Svq = lay->Svq;
+    // Every size below SMALL_SIZE: no product of four of them, nor 2 (H + G),
+    // reaches MHA_MAX_ELEMS, so none of the checks below can fail (the small
+    // call's path: each call checks its config twice, in the glue and here).
+    if ((B | Tq | Tk | H | G | Sq | Sk | Sv | Svq | cfg->Din | cfg->Dkin | cfg->Dvin |
+         cfg->Dout) < SMALL_SIZE)
+        return MHA_OK;
     const struct {
         size_t n;
         mha_field field;

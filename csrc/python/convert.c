@@ -223,16 +223,14 @@ int convert_vectors(call *c, const call_spec *sp)
 
 /* The core's verdict on H query heads and G kv heads: the glue needs H / G
    to lay out the fused widths before a call's config is complete, so it
-   asks mha_check_config, which checks H and G before any other field (the
-   rule and its message live there, once). -1 with the core's ValueError
-   (call.c, raise_status) when H or G is wrong. */
+   asks the core's rule alone (mha_check_heads, which mha_check_config
+   applies too: the rule and its message live there, once). -1 with the
+   core's ValueError (call.c, raise_status) when H or G is wrong. */
 int check_heads(npy_intp H, npy_intp G)
 {
-    const mha_config cfg = {.H = (size_t)H, .G = (size_t)G};
-    mha_layout lay;
     mha_error err;
-    const mha_status st = mha_check_config(&lay, &cfg, &err);
-    if (st == MHA_OK || (err.field != MHA_FIELD_H && err.field != MHA_FIELD_G))
+    const mha_status st = mha_check_heads((size_t)H, (size_t)G, &err);
+    if (st == MHA_OK)
         return 0;
     raise_status(st, &err);
     return -1;

@@ -33,8 +33,14 @@ __all__ = ["Call", "normalize", "compute_dtype", "check_memory", "core_items",
            "offsets", "PER_HEAD_BYTES", "backward_items", "ambiguous_mask"]
 
 
+_NATIVE_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+
+
 def compute_dtype(arrays: Sequence[np.ndarray]) -> np.dtype:
     """NumPy promotion with a float32 floor: integers count as float64."""
+    first = arrays[0].dtype
+    if first in _NATIVE_FLOATS and all(a.dtype == first for a in arrays):
+        return first   # the common case: one float dtype
     kinds = []
     for a in arrays:
         if a.dtype.kind == "f":
@@ -299,8 +305,8 @@ def head_scales(H: int, G: int, dk: Sequence[int], scale: Optional[float]) -> Li
     group = H // G
     # A width of 0 is the core's to reject (mha_check_config); its scale is
     # never read.
-    return [1.0 / float(np.sqrt(dk[h // group])) if dk[h // group] else 1.0
-            for h in range(H)]
+    per_kv = [1.0 / math.sqrt(d) if d else 1.0 for d in dk]   # IEEE sqrt, as np.sqrt
+    return [per_kv[h // group] for h in range(H)]
 
 
 @dataclass
@@ -677,6 +683,8 @@ def _cast_items(dtype: np.dtype, xa, ka, va, wo, bo, weights) -> list:
 
 
 def _cast_heads(hs: _Heads, dtype: np.dtype) -> _Heads:
+    if all(a.dtype == dtype for a in ([hs.array] if hs.array is not None else hs.heads)):
+        return hs   # nothing to cast: the views stand
     if hs.array is None:
         return _Heads(hs.form, [_cast(a, dtype) for a in hs.heads], hs.widths,
                       hs.rows, None)
@@ -696,11 +704,15 @@ def _cast_list(bl: Optional[List[np.ndarray]], dtype: np.dtype) -> Optional[List
 def normalize(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=None,
               scale=None, mask=None, causal=False, key_lengths=None,
               num_kv_heads=None, b_q=None, b_k=None, b_v=None, b_o=None,
-              **variants) -> Call:
+              core_checks_next: bool = False, **variants) -> Call:
     """Check every argument and return the canonical :class:`Call`.
 
     ``variants``: the keywords of :data:`mhattn._internal.variants.VARIANT_DEFAULTS`
-    (window, softcap, ..., key_cu_seqlens); any other name is a TypeError."""
+    (window, softcap, ..., key_cu_seqlens); any other name is a TypeError.
+    The values the core checks are checked by the core (config_verdict),
+    unless ``core_checks_next``: the caller hands the call to a core entry
+    point, which checks its config, before any of those values is read (the
+    cached decode step's project())."""
     unknown = sorted(set(variants) - set(VARIANT_DEFAULTS))
     if unknown:
         raise TypeError(f"unexpected keyword argument {unknown[0]!r}")
@@ -764,8 +776,9 @@ def normalize(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=Non
     # The rules on the config's values (the key lengths, the variants'
     # offsets, softcap, norm_eps, rotary_dim) are the core's: it checks them
     # here, before the reference or the checker reads any of them.
-    config_verdict(B, Tq, Tk, dk, dv, scales, dtype, key_lengths=kl,
-                   variants=variants_tuple(call))
+    if not core_checks_next:
+        config_verdict(B, Tq, Tk, dk, dv, scales, dtype, key_lengths=kl,
+                       variants=variants_tuple(call))
     return call
 
 

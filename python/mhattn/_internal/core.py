@@ -28,6 +28,7 @@ The letters follow ``csrc/mha.h``.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, Optional
 
 import numpy as np
@@ -50,8 +51,8 @@ __all__ = ["fast", "slow", "core_args", "variant_args", "head_arrays", "run_core
 # --- the C entry points --------------------------------------------------------
 # This module is the only one that imports mhattn._C (tests/test_structure.py
 # holds the package to that); the rest of the package calls the core through
-# these functions. Each looks _C's function up when it is called, as a direct
-# ``_C.name(...)`` call does. Their arguments are those of _C.pyi.
+# these functions. Each holds _C's function from import on (a test that
+# stands in for one replaces the door). Their arguments are those of _C.pyi.
 
 # A rejection by the core's config check (a ValueError with .field, see
 # mhattn._internal.fields) is re-raised naming the user's argument: each
@@ -63,9 +64,11 @@ def _door(name: str, names: Names, doc: str):
     """The entry point ``_C.<name>(*args)``; a core rejection raised in the
     words of ``names`` (a keyword of the entry point, for a caller whose
     family differs: a KV cache's step calls attention with LAYER)."""
+    fn = getattr(_C, name)
+
     def door(*args, names: Names = names):
         try:
-            return getattr(_C, name)(*args)
+            return fn(*args)
         except ValueError as e:
             if not hasattr(e, "field"):
                 raise
@@ -110,10 +113,25 @@ def check_config(B: int, Tq: int, Tk: int, dk, dv, scales, dtype=np.float64, *,
 def check_heads(H: int, G: int, dk=None, dv=None, names: Names = LAYER) -> None:
     """The core's verdict on H query heads and G kv heads (and, given, the
     kv heads' widths dk, dv), for what splits weights per head before any
-    call of the core (normalize, pack_weights, the layer's constructor)."""
+    call of the core (normalize, pack_weights, the layer's constructor).
+    A verdict depends on these numbers alone: the accepted ones are kept
+    (a decode step asks each token), a rejection is asked again."""
+    try:
+        _heads_ok(H, G, None if dk is None else tuple(dk), None if dv is None else tuple(dv))
+    except ValueError as e:
+        if not hasattr(e, "field"):
+            raise
+        raise user_error(e, names) from None
+
+
+@functools.lru_cache(maxsize=64)
+def _heads_ok(H: int, G: int, dk: Optional[tuple], dv: Optional[tuple]) -> None:
+    """``_C.check_config`` on no rows: the core's raw rejection, or None."""
     ones = np.ones(max(G, 0), dtype=np.int64)
-    check_config(1, 0, 0, ones if dk is None else dk, ones if dv is None else dv,
-                 np.ones(max(H, 0)), names=names)
+    _C.check_config(np.empty((1, 0, 0)), np.empty((1, 0, 0)),
+                    ones if dk is None else np.asarray(dk, dtype=np.int64),
+                    ones if dv is None else np.asarray(dv, dtype=np.int64),
+                    np.ones(max(H, 0)), None, None, False)
 
 
 _args.heads_verdict = check_heads

@@ -318,7 +318,7 @@ def cached_step(x, w_q, w_k, w_v, w_o, *, cache, num_heads=None, scale=None,
         options = dict(options, positions=pos, key_positions=pos)
     call = normalize(xa, w_q, w_k, w_v, w_o, num_heads=num_heads, scale=scale,
                      causal=causal, num_kv_heads=num_kv_heads, b_q=b_q, b_k=b_k,
-                     b_v=b_v, b_o=b_o, **options)
+                     b_v=b_v, b_o=b_o, core_checks_next=True, **options)
     _check_cache(cache, call, call.Tq)
     counts = _new_lengths(new_lengths, call.B, call.Tq, call.causal)
     dk, dv, scales = head_arrays(call)
