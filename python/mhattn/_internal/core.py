@@ -43,7 +43,7 @@ from .args import (PER_HEAD_BYTES, Call, bool_arg, check_memory, fused_widths,
 __all__ = ["fast", "slow", "core_args", "variant_args", "head_arrays", "run_core",
            "Context", "make_context",
            # the C entry points
-           "forward", "backward", "attention", "attention_backward", "project", "check_heads", "check_config",
+           "forward", "backward", "attention", "attention_backward", "project", "check_heads", "check_config", "attention_in_layer_words",
            "pack_weight", "packed_info", "get_isa", "set_isa", "get_num_threads",
            "set_num_threads", "library_path"]
 
@@ -61,12 +61,12 @@ __all__ = ["fast", "slow", "core_args", "variant_args", "head_arrays", "run_core
 # small call's path); a ``try`` costs nothing until something is raised.
 
 def _door(name: str, names: Names, doc: str):
-    """The entry point ``_C.<name>(*args)``; a core rejection raised in the
-    words of ``names`` (a keyword of the entry point, for a caller whose
-    family differs: a KV cache's step calls attention with LAYER)."""
+    """The entry point ``_C.<name>(*args)``, a core rejection raised in the
+    words of ``names``. A plain ``*args`` function, with no keyword of its
+    own: CPython calls it as cheaply as a direct wrapper (the small call)."""
     fn = getattr(_C, name)
 
-    def door(*args, names: Names = names):
+    def door(*args):
         try:
             return fn(*args)
         except ValueError as e:
@@ -81,8 +81,9 @@ def _door(name: str, names: Names, doc: str):
 forward = _door("forward", LAYER, "``_C.forward``: the layer's forward pass "
                 "(:func:`core_args` and the packed capsules).")
 backward = _door("backward", LAYER, "``_C.backward``: the layer's backward pass.")
-_check_config = _door("check_config", LAYER, "``_C.check_config``: the core's verdict "
-                      "on a call's config.")
+# A KV cache's step attends in the layer's words (it was given num_heads...).
+attention_in_layer_words = _door("attention", LAYER, "``_C.attention`` for the cached "
+                                 "decode step, its rejections in the layer's words.")
 attention = _door("attention", ATTENTION, "``_C.attention``: attention on projected q, k, v.")
 attention_backward = _door("attention_backward", ATTENTION,
                            "``_C.attention_backward``: the gradients of :func:`attention`.")
@@ -104,10 +105,15 @@ def check_config(B: int, Tq: int, Tk: int, dk, dv, scales, dtype=np.float64, *,
     message live in the core (mha_check_config); this raises them in the
     words of ``names``."""
     dt = np.dtype(dtype)
-    _check_config(np.empty((B, Tq, 0), dt), np.empty((B, Tk, 0), dt),
-                  np.asarray(dk, dtype=np.int64), np.asarray(dv, dtype=np.int64),
-                  np.asarray(scales, dtype=np.float64), key_lengths, variants,
-                  lengths_aligned, names=names)
+    try:
+        _C.check_config(np.empty((B, Tq, 0), dt), np.empty((B, Tk, 0), dt),
+                        np.asarray(dk, dtype=np.int64), np.asarray(dv, dtype=np.int64),
+                        np.asarray(scales, dtype=np.float64), key_lengths, variants,
+                        lengths_aligned)
+    except ValueError as e:
+        if not hasattr(e, "field"):
+            raise
+        raise user_error(e, names) from None
 
 
 def check_heads(H: int, G: int, dk=None, dv=None, names: Names = LAYER) -> None:

@@ -338,10 +338,10 @@ def cached_step(x, w_q, w_k, w_v, w_o, *, cache, num_heads=None, scale=None,
         # Every new row is written and attended at lengths[b] + i, so the
         # real rows sit where they belong; with new_lengths the padding rows
         # are then dropped from the lengths (causal: no real query saw them).
-        concat, weights, _ = core.attention(
+        concat, weights, _ = core.attention_in_layer_words(
             q4, cache.key_storage, cache.value_storage, scales, None, call.causal,
             cache._lengths.copy(), scores_only, True,
-            True, want_w, False, names=core.LAYER)
+            True, want_w, False)
     except BaseException:
         cache._lengths[:] = before      # a failed (or interrupted) step appends nothing
         raise
