@@ -1,0 +1,167 @@
+"""Hostile callers, round 2: merge_attention on non-finite parts, objects
+half made, memory unchecked (pack_weights, trace), errors that do not name
+the argument (the checkers), and plot_attention refusing sink weights."""
+import copy
+import importlib
+import pickle
+import tracemalloc
+import warnings
+
+import numpy as np
+import pytest
+
+import mhattn
+from mhattn._internal import args as _args, core as _core
+
+_packed = importlib.import_module("mhattn.compute.packed")
+_trace = importlib.import_module("mhattn.learn.trace")
+
+
+# --- 1. merge_attention equals the unsplit call under IEEE arithmetic ----------
+
+def _strict():
+    """No NumPy warning may escape: every one is an error here."""
+    ctx = warnings.catch_warnings()
+    ctx.__enter__()
+    warnings.simplefilter("error")
+    return ctx
+
+
+def _halves(dtype, layout, nan_rows=True):
+    """q, k, v (B, H, T, d) with causal masking, so that the early rows see
+    no key of the second half (a part with lse -inf), and NaN query rows."""
+    rng = np.random.default_rng(35)
+    B, H, T, d = 2, 3, 8, 5
+    q, k, v = (rng.standard_normal((B, H, T, d)).astype(dtype) for _ in "qkv")
+    if nan_rows:
+        q[0, 1, 2, 3] = np.nan        # a NaN row seen by both halves
+        q[1, 0, 6] = np.nan           # another, late
+        q[1, 2, 0, 0] = np.nan        # a NaN row that sees the first half only
+    tr = (lambda a: np.swapaxes(a, 1, 2)) if layout == "bthd" else (lambda a: a)
+    return q, k, v, tr, T
+
+
+def _split(q, k, v, tr, T, layout, cut):
+    """Attention on keys [0, cut) and [cut, T), causal over the whole set."""
+    allowed = np.arange(T)[None, :] <= np.arange(T)[:, None]
+    outs, lses = [], []
+    for sl in (slice(0, cut), slice(cut, T)):
+        o, s = mhattn.attention(tr(q), tr(k[:, :, sl]), tr(v[:, :, sl]),
+                                mask=allowed[:, sl], layout=layout, return_lse=True)
+        outs.append(o)
+        lses.append(s)
+    return outs, lses
+
+
+@pytest.mark.parametrize("layout", ["bhtd", "bthd"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_merge_of_halves_equals_the_unsplit_call_nan_rows_included(dtype, layout):
+    q, k, v, tr, T = _halves(dtype, layout)
+    full, full_lse = mhattn.attention(tr(q), tr(k), tr(v), causal=True, layout=layout,
+                                      return_lse=True)
+    outs, lses = _split(q, k, v, tr, T, layout, cut=4)
+    assert np.isneginf(lses[1]).any() and np.isnan(lses[0]).any()
+    ctx = _strict()
+    try:
+        with np.errstate(all="raise"):
+            out, lse = mhattn.merge_attention(outs, lses, layout=layout)
+    finally:
+        ctx.__exit__(None, None, None)
+    # NaN exactly where the unsplit call has NaN: the NaN rows stay NaN,
+    # never turned into a fully masked row (out 0, lse -inf).
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(full))
+    np.testing.assert_array_equal(np.isnan(lse), np.isnan(full_lse))
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(full_lse))
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == np.float64 else dict(rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out, full, **tol)      # NaN == NaN here
+    np.testing.assert_allclose(lse, full_lse, **tol)
+
+
+@pytest.mark.parametrize("garbage", [np.nan, np.inf, -np.inf, 1e300])
+@pytest.mark.parametrize("layout", ["bhtd", "bthd"])
+def test_a_part_that_saw_no_key_is_never_read(garbage, layout):
+    q, k, v, tr, T = _halves(np.float64, layout, nan_rows=False)
+    full = mhattn.attention(tr(q), tr(k), tr(v), causal=True, layout=layout)
+    outs, lses = _split(q, k, v, tr, T, layout, cut=5)
+    # The rows of the second part that saw no key: their out is garbage now.
+    none = np.isneginf(lses[1])
+    assert none.any()
+    rows = none if layout == "bhtd" else np.swapaxes(none, 1, 2)
+    outs[1] = outs[1].copy()
+    outs[1][rows] = garbage
+    ctx = _strict()
+    try:
+        with np.errstate(all="raise"):
+            out, lse = mhattn.merge_attention(outs, lses, layout=layout)
+    finally:
+        ctx.__exit__(None, None, None)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, full, rtol=1e-12, atol=1e-12)
+
+
+def test_merge_nan_lse_makes_the_row_nan_and_every_part_masked_stays_zero():
+    o = np.ones((2, 3, 4))
+    s = np.zeros((2, 3))
+    nan_s = s.copy()
+    nan_s[1, 2] = np.nan
+    out, lse = mhattn.merge_attention([o, o], [s, nan_s])
+    assert np.isnan(out[1, 2]).all() and np.isnan(lse[1, 2])
+    assert np.isfinite(np.delete(out.reshape(6, 4), 5, axis=0)).all()
+    # NaN in the out of a part that contributes: NaN there, as unsplit
+    o2 = o.copy()
+    o2[0, 1, 3] = np.nan
+    out, lse = mhattn.merge_attention([o, o2], [s, s])
+    assert np.isnan(out[0, 1, 3]) and np.isfinite(lse).all()
+    assert np.isfinite(out).sum() == out.size - 1
+    # every part masked: out 0, lse -inf, whatever the outs hold
+    ninf = np.full((2, 3), -np.inf)
+    out, lse = mhattn.merge_attention([np.full_like(o, np.nan), o * np.inf], [ninf, ninf])
+    assert (out == 0).all() and np.isneginf(lse).all()
+
+
+@pytest.mark.parametrize("lses", [
+    [np.full((1, 2), 1e308), np.full((1, 2), -1e308)],
+    [np.full((1, 2), -1e308), np.full((1, 2), 1e308)],
+    [np.full((1, 2), np.inf), np.zeros((1, 2))],
+    [np.full((1, 2), np.inf), np.full((1, 2), np.inf)],
+    [np.full((1, 2), np.nan), np.full((1, 2), -np.inf)],
+], ids=["huge-tiny", "tiny-huge", "inf-0", "inf-inf", "nan-masked"])
+def test_merge_of_degenerate_parts_warns_nothing(lses):
+    outs = [np.ones((1, 2, 3)), np.full((1, 2, 3), 2.0)]
+    ctx = _strict()
+    try:
+        with np.errstate(all="raise"):
+            out, lse = mhattn.merge_attention(outs, lses)
+    finally:
+        ctx.__exit__(None, None, None)
+    if np.isnan(lses[0]).any() or np.isinf(lses[0]).all() and lses[0][0, 0] > 0:
+        assert np.isnan(out).all() and np.isnan(lse).all()   # IEEE: inf - inf
+    else:
+        np.testing.assert_array_equal(lse, np.full((1, 2), 1e308))
+        expect = 1.0 if lses[0][0, 0] > 0 else 2.0
+        np.testing.assert_array_equal(out, np.full((1, 2, 3), expect))
+
+
+@pytest.mark.parametrize("outs, lses, err, match", [
+    (None, [np.zeros((1, 2))], TypeError, r"^outs: expected a list of arrays.*None"),
+    ([np.zeros((1, 2, 3))], None, TypeError, r"^lses: expected a list of arrays.*None"),
+    (5, [np.zeros((1, 2))], TypeError, r"^outs: .* got int"),
+    ([np.zeros((1, 2, 3))], 5.0, TypeError, r"^lses: .* got float"),
+    ("ab", [np.zeros((1, 2))], TypeError, r"^outs: .* got str"),
+    (np.zeros((2, 1, 2, 3)), [np.zeros((1, 2))] * 2, TypeError,
+     r"^outs: .* one array of shape \(2, 1, 2, 3\)"),
+    ([np.zeros((1, 2, 3)), np.zeros((1, 2, 4))], [np.zeros((1, 2))] * 2, ValueError,
+     r"^outs\[1\]: shape \(1, 2, 4\) differs"),
+    ([np.zeros((1, 2, 3))], [np.zeros((2, 1))], ValueError, r"^lses\[0\]: expected shape"),
+    ([None], [np.zeros((1, 2))], TypeError, r"^outs\[0\]: expected an array"),
+])
+def test_merge_bad_parts_name_the_argument(outs, lses, err, match):
+    with pytest.raises(err, match=match):
+        mhattn.merge_attention(outs, lses)
+
+
+def test_merge_takes_any_iterable_of_parts():
+    o, s = np.ones((1, 2, 3)), np.zeros((1, 2))
+    out, lse = mhattn.merge_attention((a for a in [o, o]), iter([s, s]))
+    np.testing.assert_array_equal(out, o)
+    np.testing.assert_allclose(lse, np.full((1, 2), np.log(2)))
