@@ -165,3 +165,49 @@ def test_merge_takes_any_iterable_of_parts():
     out, lse = mhattn.merge_attention((a for a in [o, o]), iter([s, s]))
     np.testing.assert_array_equal(out, o)
     np.testing.assert_allclose(lse, np.full((1, 2), np.log(2)))
+
+
+# --- 2. objects half made ---------------------------------------------------
+
+@pytest.mark.parametrize("args, kw", [((), {}), ((1, 2), {}), ((), {"w_q": np.eye(2)})])
+def test_packed_weights_cannot_be_half_made(args, kw):
+    with pytest.raises(TypeError, match=r"^PackedWeights: .*mhattn\.pack_weights\("):
+        mhattn.PackedWeights(*args, **kw)
+
+
+def test_packed_weights_copies_and_pickles_whole():
+    tokens, X, *w = mhattn.worked_example()
+    packed = mhattn.pack_weights(*w)
+    want = mhattn.multi_head_attention(X, packed)
+    for other in (copy.copy(packed), copy.deepcopy(packed),
+                  pickle.loads(pickle.dumps(packed))):
+        assert type(other) is mhattn.PackedWeights
+        assert repr(other) == repr(packed)
+        np.testing.assert_array_equal(mhattn.multi_head_attention(X, other), want)
+    # even one made by hand through object.__new__ has a repr
+    assert "PackedWeights(" in repr(object.__new__(mhattn.PackedWeights))
+
+
+_TRACE_KW = dict(num_heads=1, num_kv_heads=1, d_k=[1], d_v=[1], scales=[1.0],
+                 batched=False, dtype=np.float64)
+
+
+@pytest.mark.parametrize("arrays, err, match", [
+    (None, TypeError, r"^arrays: expected a dict.*mhattn\.trace"),
+    (5, TypeError, r"^arrays: expected a dict"),
+    (dict.fromkeys(_trace.KEYS), TypeError, r"^arrays\['q'\]: expected an array"),
+    ({**{k: np.zeros((1, 1, 1)) for k in _trace.KEYS}, "weights": np.zeros(3)},
+     ValueError, r"^arrays\['weights'\]: expected \(h, T_q, T_k\)"),
+])
+def test_trace_cannot_be_half_made(arrays, err, match):
+    with pytest.raises(err, match=match):
+        mhattn.Trace(arrays, **_TRACE_KW)
+
+
+def test_a_trace_built_by_hand_from_a_traces_arrays_is_whole():
+    tokens, X, *w = mhattn.worked_example()
+    t = mhattn.trace(X, *w)
+    again = mhattn.Trace(t.to_dict(), num_heads=2, num_kv_heads=2, d_k=t.d_k, d_v=t.d_v,
+                         scales=t.scales, batched=False, dtype=t.dtype)
+    assert repr(again) == repr(t)
+    assert again.compare(t).first_divergence is None

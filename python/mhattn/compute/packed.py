@@ -50,7 +50,9 @@ class PackedWeights:
 
     Immutable: the attributes are read-only arrays, and assigning one
     raises AttributeError. Pass the object where ``w_q`` goes:
-    ``multi_head_attention(x, packed, ...)``.
+    ``multi_head_attention(x, packed, ...)``. Only :func:`pack_weights`
+    makes one (``PackedWeights(...)`` raises TypeError); copies and pickles
+    pack the same weights again.
 
     Attributes
     ----------
@@ -86,6 +88,12 @@ class PackedWeights:
     __slots__ = ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o", "num_heads",
                  "num_kv_heads", "d_k", "d_v", "dtype", "isa", "nbytes", "_fused",
                  "_caps", "_args")
+
+    def __new__(cls, *args, **kwargs):
+        # Only _pack makes one (object.__new__), whole: an empty one would
+        # raise AttributeError on its first use.
+        raise TypeError("PackedWeights: cannot be made directly; use "
+                        "mhattn.pack_weights(w_q, w_k, w_v, w_o, ...) to make one")
 
     def __setattr__(self, name, value):
         raise AttributeError(f"{name}: PackedWeights is immutable; pack new weights "
@@ -132,6 +140,8 @@ class PackedWeights:
         return (_unpickle, (kw, self.num_heads, self.num_kv_heads, self.dtype.name))
 
     def __repr__(self) -> str:
+        if not hasattr(self, "_args"):   # only object.__new__ makes one so
+            return "PackedWeights(<empty: not made by mhattn.pack_weights>)"
         d_out = self.w_o.shape[1] if self.w_o is not None else sum(
             self.d_v) * (self.num_heads // self.num_kv_heads)
         return (f"PackedWeights(num_heads={self.num_heads}, "

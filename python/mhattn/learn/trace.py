@@ -229,9 +229,25 @@ class Trace:
                  batched: bool, dtype, causal: bool = False, masked: bool = False,
                  tokens: Optional[Sequence[str]] = None,
                  key_tokens: Optional[Sequence[str]] = None):
+        # Made by mhattn.trace (Trace.from_call); built by hand, it is whole
+        # or refused: every stage an array (a per-head one may be a list).
+        if not isinstance(arrays, Mapping):
+            raise TypeError(f"arrays: expected a dict of the stages' arrays, got "
+                            f"{type(arrays).__name__}; mhattn.trace(...) makes a Trace")
         missing = [k for k in KEYS if k not in arrays]
         if missing:
             raise ValueError(f"Trace: missing arrays {missing}")
+        for k in KEYS:
+            a = arrays[k]
+            if not (isinstance(a, np.ndarray) or (k in _PER_HEAD and isinstance(a, list)
+                                                  and all(isinstance(p, np.ndarray)
+                                                          for p in a))):
+                raise TypeError(f"arrays[{k!r}]: expected an array"
+                                f"{' or a list of per-head arrays' if k in _PER_HEAD else ''}"
+                                f", got {type(a).__name__}")
+        if arrays["weights"].ndim not in (3, 4):
+            raise ValueError(f"arrays['weights']: expected (h, T_q, T_k) or "
+                             f"(B, h, T_q, T_k), got shape {arrays['weights'].shape}")
         self.q, self.k, self.v = arrays["q"], arrays["k"], arrays["v"]
         self.raw_scores, self.scores = arrays["raw_scores"], arrays["scores"]
         self.row_max, self.lse = arrays["row_max"], arrays["lse"]
