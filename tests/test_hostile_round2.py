@@ -211,3 +211,150 @@ def test_a_trace_built_by_hand_from_a_traces_arrays_is_whole():
                          scales=t.scales, batched=False, dtype=t.dtype)
     assert repr(again) == repr(t)
     assert again.compare(t).first_divergence is None
+
+
+# --- 3. memory: pack_weights and trace check what they allocate --------------
+
+def _captured(monkeypatch, module):
+    """Record the items each check_memory of ``module`` sees."""
+    seen = []
+    real = _args.check_memory
+
+    def spy(items):
+        seen.append(list(items))
+        return real(items)
+    monkeypatch.setattr(module, "check_memory", spy, raising=False)
+    return seen
+
+
+def _bytes(items):
+    return sum(int(np.prod(f, dtype=object)) * n for _, _, f, n in items)
+
+
+@pytest.mark.parametrize("form", ["fused", "stacked", "list", "cast"])
+def test_pack_weights_counts_its_panels_and_copies(monkeypatch, form):
+    rng = np.random.default_rng(3)
+    d, h = 96, 3
+    dtype = np.float64
+    if form == "fused" or form == "cast":
+        w = [rng.standard_normal((d, h * 21)) for _ in range(3)]
+    elif form == "stacked":
+        w = [rng.standard_normal((h, d, 21)) for _ in range(3)]
+    else:
+        w = [[rng.standard_normal((d, 21)) for _ in range(h)] for _ in range(3)]
+    w_o = rng.standard_normal((h * 21, 50))
+    kw = dict(num_heads=h) if form in ("fused", "cast") else {}
+    if form == "cast":
+        kw["dtype"] = np.float32
+        dtype = np.float32
+    # The panel width's probe (a 1x1 pack, once per ISA and dtype) outside the measure
+    mhattn.pack_weights(np.eye(2), np.eye(2), np.eye(2), num_heads=1, dtype=dtype)
+    seen = _captured(monkeypatch, _packed)
+    tracemalloc.start()
+    try:
+        packed = mhattn.pack_weights(*w, w_o, b_q=np.zeros(h * 21), **kw)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(seen) == 1, "pack_weights allocated without a memory check"
+    (items,) = seen
+    # Each weight's panels: at least what the core made (it pads to whole panels).
+    for name, cap in zip(("w_q", "w_k", "w_v", "w_o"), packed._caps):
+        (panel,) = [it for it in items if it[0] == f"{name}'s panels"]
+        assert _bytes([panel]) >= _core.packed_info(cap)[4]
+    # The whole: at least the Python peak plus the panels (C memory), and
+    # not absurdly more.
+    need = peak + packed.nbytes
+    assert need <= _bytes(items) <= 3 * need
+
+
+def test_pack_weights_raises_memory_error_before_packing(monkeypatch):
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((64, 64))
+    mhattn.pack_weights(np.eye(2), np.eye(2), np.eye(2), num_heads=1)  # the panel width's probe
+
+    def packs(*a):
+        raise AssertionError("a weight was packed before the memory check")
+    monkeypatch.setattr(_core, "pack_weight", packs)
+    monkeypatch.setattr(_args, "_memory_limit_bytes", 64 * 64 * 8 * 4)
+    with pytest.raises(MemoryError, match=r"w_[qkvo]'s .* needs .* elements"):
+        mhattn.pack_weights(w, w, w, w, num_heads=4)
+    # replace() and unpickling pack too, under the same check
+    monkeypatch.setattr(_args, "_memory_limit_bytes", 1 << 40)
+    monkeypatch.undo()
+    packed = mhattn.pack_weights(w, w, w, w, num_heads=4)
+    monkeypatch.setattr(_args, "_memory_limit_bytes", 64 * 64 * 8)
+    with pytest.raises(MemoryError, match=r"w_o's panels needs"):
+        packed.replace(w_o=2 * w)
+    with pytest.raises(MemoryError):
+        pickle.loads(pickle.dumps(packed))
+
+
+_rng = np.random.default_rng(5)
+_F32 = np.float32
+
+TRACE_CASES = {
+    "plain-f64": dict(T=128, d=32, h=4),
+    "batched-causal-f32": dict(B=2, T=96, d=32, h=4, dtype=_F32, causal=True),
+    "softcap-alibi-sinks-f32": dict(T=128, d=32, h=2, dtype=_F32, softcap=20.0,
+                                    alibi_slopes=np.array([0.5, 0.25], _F32),
+                                    sinks=np.zeros(2, _F32)),
+    "softcap-alibi-f64-one-head": dict(T=256, d=16, h=1, softcap=20.0, alibi_slopes=[0.5]),
+    "float-mask-window-f64": dict(T=128, d=32, h=2, window=(16, 0),
+                                  mask=np.zeros((128, 128))),
+    "rope-qk-norm-f32": dict(T=96, d=32, h=4, dtype=_F32, rope=mhattn.RoPE(),
+                             q_norm=np.ones(8, _F32), k_norm=np.ones(8, _F32)),
+    "gqa-cross-f64": dict(T=64, Tk=160, d=32, h=4, num_kv_heads=2, dkv=16),
+    "ragged-f64": dict(T=96, d=24, h=3, ragged=True),
+}
+
+
+def _trace_args(T, d, h, B=None, Tk=None, dtype=np.float64, ragged=False, dkv=None, **kw):
+    shape = (T, d) if B is None else (B, T, d)
+    x = _rng.standard_normal(shape).astype(dtype)
+    if Tk is not None:
+        kshape = (Tk, d) if B is None else (B, Tk, d)
+        kw["key"] = _rng.standard_normal(kshape).astype(dtype)
+    if ragged:
+        widths = [8 + 4 * (i % 2) for i in range(h)]
+        ws = [[_rng.standard_normal((d, c)).astype(dtype) for c in widths] for _ in range(3)]
+        return (x, *ws, _rng.standard_normal((sum(widths), d)).astype(dtype)), kw
+    kw["num_heads"] = h
+    cols = (d, dkv or d, dkv or d)
+    ws = [_rng.standard_normal((d, c)).astype(dtype) / np.sqrt(d) for c in cols]
+    return (x, *ws, _rng.standard_normal((d, d)).astype(dtype)), kw
+
+
+@pytest.mark.parametrize("case", list(TRACE_CASES))
+def test_trace_estimate_bounds_its_peak(monkeypatch, case):
+    args, kw = _trace_args(**TRACE_CASES[case])
+    seen = _captured(monkeypatch, _trace)
+    tracemalloc.start()
+    try:
+        t = mhattn.trace(*args, **kw)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(seen) == 1
+    (items,) = seen
+    need = _bytes(items)
+    assert peak <= need <= 3 * peak, (peak, need)
+    assert t.output is not None
+
+
+def test_trace_raises_memory_error_before_allocating(monkeypatch):
+    args, kw = _trace_args(**TRACE_CASES["softcap-alibi-f64-one-head"])
+    seen = _captured(monkeypatch, _trace)
+    mhattn.trace(*args, **kw)
+    need = _bytes(seen[0])
+    monkeypatch.setattr(_args, "_memory_limit_bytes", need - 1)
+    tracemalloc.start()
+    try:
+        with pytest.raises(MemoryError, match=r"one head's score steps|the trace's"):
+            mhattn.trace(*args, **kw)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < need / 20          # refused before the scores were made
+    monkeypatch.setattr(_args, "_memory_limit_bytes", need)
+    mhattn.trace(*args, **kw)        # and the estimate itself is enough
