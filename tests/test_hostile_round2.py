@@ -358,3 +358,74 @@ def test_trace_raises_memory_error_before_allocating(monkeypatch):
     assert peak < need / 20          # refused before the scores were made
     monkeypatch.setattr(_args, "_memory_limit_bytes", need)
     mhattn.trace(*args, **kw)        # and the estimate itself is enough
+
+
+# --- 4. the checkers name their arguments, and report a wrong shape -----------
+
+def _good_layer(x, w_q, w_k, w_v, w_o, h):
+    return mhattn.multi_head_attention(x, w_q, w_k, w_v, w_o, num_heads=h)
+
+
+def _good_attend(q, k, v):
+    return mhattn.attention(q, k, v)
+
+
+CHECKERS = {"layer": (mhattn.check_prototype, _good_layer),
+            "attention": (mhattn.check_attention_prototype, _good_attend)}
+
+
+@pytest.mark.parametrize("which", list(CHECKERS))
+@pytest.mark.parametrize("kw, err, match", [
+    (dict(seed=-1), ValueError, r"^seed: expected a non-negative integer, got -1"),
+    (dict(seed=1.5), TypeError, r"^seed: "),
+    (dict(seed="x"), TypeError, r"^seed: "),
+    (dict(seed=True), TypeError, r"^seed: "),
+    (dict(seed=None), TypeError, r"^seed: "),
+    (dict(dtype="not a dtype"), TypeError, r"^dtype: "),
+    (dict(dtype=np.int64), TypeError, r"^dtype: "),
+    (dict(trials=1.5), TypeError, r"^trials: "),
+    (dict(trials="3"), TypeError, r"^trials: "),
+    (dict(trials=-2), ValueError, r"^trials: "),
+])
+def test_checker_arguments_are_named(which, kw, err, match):
+    check, fn = CHECKERS[which]
+    with pytest.raises(err, match=match):
+        check(fn, **kw)
+
+
+@pytest.mark.parametrize("convention, err", [(None, TypeError), (["general"], TypeError),
+                                             (np.array(["general"]), TypeError),
+                                             ("plain", ValueError)])
+def test_check_prototype_convention_is_named(convention, err):
+    with pytest.raises(err, match=r"^convention: "):
+        mhattn.check_prototype(_good_layer, convention=convention)
+
+
+def _huge(*args, **kw):
+    return np.broadcast_to(np.float64(1.0), (10 ** 6, 10 ** 6))
+
+
+@pytest.mark.parametrize("which", list(CHECKERS))
+def test_a_huge_wrong_shape_is_reported_not_allocated(which):
+    check, _ = CHECKERS[which]
+    rep = check(_huge, trials=1)
+    assert not rep.ok
+    assert all(t.status == "shape" and t.got_shape == (10 ** 6, 10 ** 6) for t in rep.trials)
+    assert "output shape (1000000, 1000000), expected" in rep.trials[0].describe()
+
+
+def test_an_attention_prototype_returning_2d_is_reported():
+    rep = mhattn.check_attention_prototype(lambda q, k, v: np.zeros((3, 3)), trials=1)
+    assert not rep.ok and all(t.status == "shape" for t in rep.trials)
+
+
+def test_huge_intermediates_are_compared_by_shape_only():
+    big = np.broadcast_to(np.float64(1.0), (10 ** 6, 10 ** 6))
+
+    def proto(x, w_q, w_k, w_v, w_o, h):
+        out = _good_layer(x, w_q, w_k, w_v, w_o, h)
+        return {"output": out, "q": [big] * h, "weights": big}
+    rep = mhattn.check_prototype(proto, trials=1)
+    assert rep.ok
+    row = rep.trials[0].stages["q"]
+    assert row.ok is False and "shapes differ" in row.note

@@ -504,6 +504,10 @@ class Trace:
         if isinstance(theirs, (list, tuple)) and not isinstance(mine, list):
             try:
                 parts = [np.asarray(p) for p in theirs]
+                # Every layout below holds mine.size numbers: others (a
+                # broadcast view of 10^12, say) are not stacked or copied.
+                if sum(p.size for p in parts) != mine.size:
+                    return None
                 if len(parts) == H and len({p.shape for p in parts}) == 1:
                     theirs = np.stack(parts, axis=1 if self.batched else 0)
                 else:
