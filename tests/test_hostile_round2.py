@@ -429,3 +429,53 @@ def test_huge_intermediates_are_compared_by_shape_only():
     assert rep.ok
     row = rep.trials[0].stages["q"]
     assert row.ok is False and "shapes differ" in row.note
+
+
+# --- 5. plot_attention takes the weights of a call with sinks ----------------
+
+def _sink_call(rng, T=5, d=8, h=2, **kw):
+    x = rng.standard_normal((T, d))
+    w = [rng.standard_normal((d, d)) / np.sqrt(d) for _ in range(4)]
+    return x, w, dict(num_heads=h, sinks=np.array([0.5, 1.5]), **kw)
+
+
+def test_plot_attention_takes_sink_weights():
+    pytest.importorskip("matplotlib")
+    x, w, kw = _sink_call(np.random.default_rng(6), causal=True)
+    _, weights = mhattn.multi_head_attention(x, *w, return_weights=True, **kw)
+    sums = weights.sum(-1)
+    assert (sums < 0.99).any() and (sums <= 1 + 1e-12).all()
+    with pytest.raises(ValueError, match=r"weights: row 0 of head 1 sums to .*sinks="):
+        mhattn.plot_attention(weights, causal=True)
+    fig = mhattn.plot_attention(weights, causal=True, sinks=kw["sinks"])
+    assert len(fig.axes) == 3
+    np.testing.assert_array_equal(fig.axes[0].get_images()[0].get_array().data, weights[0])
+    # a Trace knows its sinks
+    t = mhattn.trace(x, *w, **kw)
+    np.testing.assert_array_equal(t.weights, weights)
+    fig = mhattn.plot_attention(t)
+    assert np.ma.getmaskarray(fig.axes[0].get_images()[0].get_array()).any()   # causal
+    # batched and without a mask
+    xb = np.stack([x, x[::-1]])
+    _, wb = mhattn.multi_head_attention(xb, *w, return_weights=True,
+                                        **dict(kw, causal=False))
+    mhattn.plot_attention(wb, batch=1, sinks=kw["sinks"])
+    mhattn.plot_attention(mhattn.trace(xb, *w, **dict(kw, causal=False)), batch=1)
+
+
+def test_plot_attention_with_sinks_still_refuses_non_probabilities():
+    pytest.importorskip("matplotlib")
+    x, w, kw = _sink_call(np.random.default_rng(7))
+    _, weights = mhattn.multi_head_attention(x, *w, return_weights=True, **kw)
+    sinks = kw["sinks"]
+    with pytest.raises(ValueError, match=r"weights: row \d+ of head \d+ sums to 2\.5"):
+        mhattn.plot_attention(np.full((2, 5, 5), 0.5), sinks=sinks)
+    with pytest.raises(ValueError, match=r"not probabilities"):
+        mhattn.plot_attention(-weights, sinks=sinks)
+    # weight on a key the mask hides: the mask does not match them
+    with pytest.raises(ValueError, match=r"mask passed does not match"):
+        mhattn.plot_attention(weights, sinks=sinks, causal=True)
+    with pytest.raises(ValueError, match=r"^sinks: expected shape \(2,\)"):
+        mhattn.plot_attention(weights, sinks=sinks[:1])
+    with pytest.raises(TypeError, match=r"^sinks: "):
+        mhattn.plot_attention(weights, sinks="ab")
