@@ -328,6 +328,12 @@ def merge_attention(outs, lses, *, layout="bhtd"):
     Parts computed with ``sinks`` each count the sink once: merge parts
     without sinks (the sinks belong to the whole softmax, not to a part).
 
+    The merge is the unsplit call's result under IEEE arithmetic: a part
+    whose lse is -inf has no visible key and contributes nothing (its out
+    is never read, so a part's garbage there cannot leak in); a part that
+    contributes with a NaN lse (a NaN score) makes its row's out and lse
+    NaN, and a NaN in its out gives NaN where the unsplit call's would.
+
     Examples
     --------
     >>> q, k, v = (np.random.default_rng(0).standard_normal((1, 2, 3, 4)) for _ in "qkv")
@@ -338,8 +344,8 @@ def merge_attention(outs, lses, *, layout="bhtd"):
     True
     """
     layout = _layout(layout)
-    outs = [_to_array(f"outs[{i}]", o) for i, o in enumerate(outs)]
-    lses = [_to_array(f"lses[{i}]", s) for i, s in enumerate(lses)]
+    outs = [_to_array(f"outs[{i}]", o) for i, o in enumerate(_parts("outs", outs))]
+    lses = [_to_array(f"lses[{i}]", s) for i, s in enumerate(_parts("lses", lses))]
     if not outs or len(outs) != len(lses):
         raise ValueError(f"outs, lses: expected the same non-zero number of parts, got "
                          f"{len(outs)} and {len(lses)}")
@@ -348,23 +354,47 @@ def merge_attention(outs, lses, *, layout="bhtd"):
         _check_numeric(f"lses[{i}]", s)
         if o.ndim < 3:
             raise ValueError(f"outs[{i}]: expected (..., H, T_q, d_v), got shape {o.shape}")
+        if o.shape != outs[0].shape:
+            raise ValueError(f"outs[{i}]: shape {o.shape} differs from outs[0]'s "
+                             f"{outs[0].shape}; the parts must have one shape")
         lead = o.shape[:-3] + ((o.shape[-3], o.shape[-2]) if layout == "bhtd"
                                else (o.shape[-2], o.shape[-3]))
-        if o.ndim < 3 or s.shape != lead or o.shape != outs[0].shape:
-            raise ValueError(f"lses[{i}]: shape {s.shape} does not match outs[{i}] "
-                             f"{o.shape} (layout={layout!r}), or the parts' shapes differ")
+        if s.shape != lead:
+            raise ValueError(f"lses[{i}]: expected shape {lead} to match outs[{i}] "
+                             f"{o.shape} (layout={layout!r}), got {s.shape}")
     dtype = compute_dtype(outs + lses)
     lse_all = np.stack([s.astype(dtype, copy=False) for s in lses])
-    top = lse_all.max(axis=0)
-    top = np.where(np.isfinite(top), top, 0)
-    w = np.exp(lse_all - top)            # exp(-inf) = 0: a masked part weighs 0
-    total = w.sum(axis=0)
-    with np.errstate(divide="ignore"):
-        lse = np.where(total > 0, top + np.log(np.where(total > 0, total, 1)), -np.inf)
-    share = np.where(total > 0, w / np.where(total > 0, total, 1), 0).astype(dtype)
-    if layout == "bthd":
-        share = np.swapaxes(share, -1, -2)
-    out = np.zeros(outs[0].shape, dtype)
-    for part, o in zip(share, outs):
-        out += part[..., np.newaxis] * o
+    # A part with lse -inf saw no key: it is selected out, never multiplied
+    # (its out may hold anything). NaN != -inf: a NaN part contributes.
+    seen = lse_all != -np.inf
+    # Inf - inf, exp of +inf and the like are the IEEE arithmetic the merge
+    # means (a +inf or NaN lse makes its row NaN, as in the unsplit call).
+    with np.errstate(over="ignore", under="ignore", invalid="ignore", divide="ignore"):
+        top = lse_all.max(axis=0)            # NaN if a part's lse is NaN
+        top = np.where(top == -np.inf, 0, top)
+        w = np.where(seen, np.exp(lse_all - top), 0)
+        total = w.sum(axis=0)
+        some = seen.any(axis=0)             # total >= 1 there, or NaN
+        lse = np.where(some, top + np.log(np.where(some, total, 1)), -np.inf)
+        share = np.where(some, w / np.where(some, total, 1), 0).astype(dtype)
+        if layout == "bthd":
+            share, seen = np.swapaxes(share, -1, -2), np.swapaxes(seen, -1, -2)
+        out = np.zeros(outs[0].shape, dtype)
+        for part, s, o in zip(share, seen, outs):
+            term = part[..., np.newaxis] * o
+            if not s.all():
+                term = np.where(s[..., np.newaxis], term, 0)
+            out += term
     return out, lse.astype(dtype)
+
+
+def _parts(name: str, parts: Any) -> list:
+    """The list of a merge's parts: a list, tuple or other iterable of
+    arrays, one per part, never one array (whose rows would be read as
+    parts)."""
+    if parts is None or isinstance(parts, (str, bytes, dict)) or hasattr(parts, "shape") \
+            or hasattr(parts, "__array__") or not hasattr(parts, "__iter__"):
+        got = (f"one array of shape {tuple(parts.shape)}" if hasattr(parts, "shape")
+               else repr(parts) if parts is None else type(parts).__name__)
+        raise TypeError(f"{name}: expected a list of arrays, one per part, got {got}")
+    return list(parts)

@@ -16,8 +16,8 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 
 from .._internal import core
-from .._internal.args import (_int_arg, _split_bias, _vector, compute_dtype, fused_widths,
-                              split_heads)
+from .._internal.args import (_int_arg, _split_bias, _vector, check_memory, compute_dtype,
+                              fused_widths, split_heads)
 
 __all__ = ["pack_weights", "PackedWeights"]
 
@@ -50,7 +50,9 @@ class PackedWeights:
 
     Immutable: the attributes are read-only arrays, and assigning one
     raises AttributeError. Pass the object where ``w_q`` goes:
-    ``multi_head_attention(x, packed, ...)``.
+    ``multi_head_attention(x, packed, ...)``. Only :func:`pack_weights`
+    makes one (``PackedWeights(...)`` raises TypeError); copies and pickles
+    pack the same weights again.
 
     Attributes
     ----------
@@ -86,6 +88,12 @@ class PackedWeights:
     __slots__ = ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o", "num_heads",
                  "num_kv_heads", "d_k", "d_v", "dtype", "isa", "nbytes", "_fused",
                  "_caps", "_args")
+
+    def __new__(cls, *args, **kwargs):
+        # Only _pack makes one (object.__new__), whole: an empty one would
+        # raise AttributeError on its first use.
+        raise TypeError("PackedWeights: cannot be made directly; use "
+                        "mhattn.pack_weights(w_q, w_k, w_v, w_o, ...) to make one")
 
     def __setattr__(self, name, value):
         raise AttributeError(f"{name}: PackedWeights is immutable; pack new weights "
@@ -132,6 +140,8 @@ class PackedWeights:
         return (_unpickle, (kw, self.num_heads, self.num_kv_heads, self.dtype.name))
 
     def __repr__(self) -> str:
+        if not hasattr(self, "_args"):   # only object.__new__ makes one so
+            return "PackedWeights(<empty: not made by mhattn.pack_weights>)"
         d_out = self.w_o.shape[1] if self.w_o is not None else sum(
             self.d_v) * (self.num_heads // self.num_kv_heads)
         return (f"PackedWeights(num_heads={self.num_heads}, "
@@ -142,6 +152,38 @@ class PackedWeights:
         """The capsules for ``_C.forward``'s packed argument, when the call
         computes in this object's dtype; else None (the weights are cast)."""
         return self._caps if dtype == self.dtype else None
+
+
+# (ISA, dtype) -> NR, the width of the micro-kernel's column panels.
+_PANEL_WIDTH: Dict[Tuple[str, np.dtype], int] = {}
+
+
+def _panel_width(dtype: np.dtype) -> int:
+    """NR for the ISA in force: a packed (1, 1) weight is one panel of one
+    row, NR elements (the core pads the last column block to whole panels)."""
+    key = (core.get_isa(), dtype)
+    if key not in _PANEL_WIDTH:
+        cap = core.pack_weight(np.zeros((1, 1), dtype))
+        _PANEL_WIDTH[key] = core.packed_info(cap)[4] // dtype.itemsize
+    return _PANEL_WIDTH[key]
+
+
+def _pack_items(shapes: Dict[str, Tuple[int, int]], dtype: np.dtype, biases: int) -> list:
+    """What packing the weights of ``shapes`` ({name: (rows, cols)}, the
+    fused weights to pack) allocates, for check_memory: per weight its
+    panels, rows*(cols + NR - 1) at most (the last column block is padded
+    to whole panels of NR columns), and up to three copies of it (fused
+    from heads, cast to dtype, and the immutable one kept), a bound on
+    what _immutable and hs.fused() make; and the biases' copies."""
+    n, nr = dtype.itemsize, _panel_width(dtype)
+    items = []
+    for name, (rows, cols) in shapes.items():
+        items.append((f"{name}'s panels", "rows*(cols + NR - 1)",
+                      (rows, cols + nr - 1 if cols else 0), n))
+        items.append((f"{name}'s fused, cast and kept copies", "3*rows*cols",
+                      (3, rows, cols), n))
+    items.append(("the biases' copies", "2*sum of their sizes", (2, biases), n))
+    return items
 
 
 def _unpickle(kw, num_heads, num_kv_heads, dtype):
@@ -174,10 +216,21 @@ def _pack(kw: Dict[str, Any], num_heads, num_kv_heads, dtype, reuse) -> PackedWe
         if dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
             raise TypeError(f"dtype: mhattn computes in float32 or float64, got {dtype}")
 
+    def reused(name):
+        return name in reuse and reuse[name][0] is not None and reuse[name][0].dtype == dtype
+
+    shapes = {name: (hs.rows, sum(hs.widths)) for name, hs in zip(_NAMES, (wq, wk, wv))
+              if not reused(name)}
+    if w_o is not None and not reused("w_o"):
+        shapes["w_o"] = w_o.shape
+    bias_size = sum(sum(hs.widths) for name, hs in zip(_BIASES, (wq, wk, wv))
+                    if biases[name] is not None) + (0 if b_o is None else b_o.size)
+    check_memory(_pack_items(shapes, dtype, bias_size))
+
     pw = object.__new__(PackedWeights)
     fused, caps = [], []
     for name, hs in zip(_NAMES, (wq, wk, wv, None)):
-        if name in reuse and reuse[name][0] is not None and reuse[name][0].dtype == dtype:
+        if reused(name):
             f, cap = reuse[name]
         else:
             raw = w_o if hs is None else hs.fused()
@@ -251,6 +304,11 @@ def pack_weights(w_q, w_k, w_v, w_o=None, *, num_heads=None, num_kv_heads=None,
     A call with a packed object may not also pass w_k, w_v, w_o,
     num_kv_heads or a bias the object holds; num_heads may be passed if it
     agrees. With ``cache=`` the projections use the panels as well.
+
+    Packing needs each weight's panels (rows * (cols + NR - 1) at most, NR
+    the kernel's panel width) and up to three copies of it (fused, cast,
+    kept); when that exceeds the machine's memory, MemoryError is raised
+    before anything is packed.
 
     Examples
     --------

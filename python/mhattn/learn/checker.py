@@ -16,6 +16,7 @@ most trials) is named, with an explanation of the fix.
 from __future__ import annotations
 
 import inspect
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -226,9 +227,14 @@ class _BadReturn(Exception):
     """The prototype returned something that is not an output array."""
 
 
-def _run(fn: Callable, args, kwargs: Optional[Mapping] = None
-         ) -> Tuple[Any, Optional[Mapping]]:
-    """(output array or exception, dict of intermediates or None)."""
+def _run(fn: Callable, args, kwargs: Optional[Mapping] = None,
+         shape: Optional[Tuple[int, ...]] = None) -> Tuple[Any, Optional[Mapping]]:
+    """(output array or exception, dict of intermediates or None).
+
+    An output of the expected ``shape`` (any, when None) comes back as
+    float64; one of another shape as the prototype returned it (a wrong
+    shape, reported as such): it is never copied or computed with, so a
+    huge one (a broadcast view of a scalar) costs nothing."""
     copies = [np.array(a, copy=True) if isinstance(a, np.ndarray) else a for a in args]
     kw = {k: (np.array(v, copy=True) if isinstance(v, np.ndarray) else v)
           for k, v in (kwargs or {}).items()}
@@ -260,6 +266,8 @@ def _run(fn: Callable, args, kwargs: Optional[Mapping] = None
         return _BadReturn(f"returned {type(res).__name__}, not an array ({exc})"), inter
     if arr.dtype.kind not in "biuf":
         return _BadReturn(f"returned an array of dtype {arr.dtype}"), inter
+    if shape is not None and arr.shape != tuple(shape):
+        return arr, inter
     return arr.astype(np.float64), inter
 
 
@@ -675,6 +683,12 @@ def _diagnose(kind: str, results: List["TrialResult"], user_out: List[Any],
                            mistakes=mistakes, standard_ok=standard_ok)
 
 
+def _dims(shapes: str) -> Dict[str, str]:
+    """A trial's sizes from its shapes text ("T=3, d_model=4, ..."); words
+    without a value (an attention trial's "causal") are left out."""
+    return dict(p.split("=", 1) for p in shapes.replace(" ", "").split(",") if "=" in p)
+
+
 def _hints(results, fails, features, mistakes, cands, standard_ok) -> List[str]:
     """Patterns in the failing trials; ``mistakes`` are those that explain
     every trial, if any (then hints pointing elsewhere are left out)."""
@@ -706,7 +720,9 @@ def _hints(results, fails, features, mistakes, cands, standard_ok) -> List[str]:
         r = results[i]
         if r.status == "shape" and r.got_shape and r.expected_shape and \
                 len(r.got_shape) == 2 and "d_v=" in r.shapes:
-            dims = dict(p.split("=") for p in r.shapes.replace(" ", "").split(","))
+            dims = _dims(r.shapes)
+            if "T" not in dims:       # an attention trial: (T_q, d_v) is no layer's
+                continue
             if r.got_shape == (int(dims["T"]), int(dims["d_v"])) and \
                     int(dims["d_v"]) != int(dims["d_out"]):
                 hints.append(f"your output on {r.name} is (T, d_v) = {r.got_shape}: one "
@@ -722,7 +738,7 @@ def _hints(results, fails, features, mistakes, cands, standard_ok) -> List[str]:
         except KeyError:
             continue
         if row.ok is False and row.other_shape and "d_k=" in results[i].shapes:
-            dims = dict(p.split("=") for p in results[i].shapes.replace(" ", "").split(","))
+            dims = _dims(results[i].shapes)
             hk = int(dims["h"]) * int(dims["d_k"])
             if hk != int(dims["h"]) * int(dims["d_v"]) and row.other_shape.endswith(
                     f", {hk})"):
@@ -744,12 +760,21 @@ def _hints(results, fails, features, mistakes, cands, standard_ok) -> List[str]:
 # The public checks
 # --------------------------------------------------------------------------
 
-def _check_common(dtype, trials) -> np.dtype:
-    dtype = np.dtype(dtype)
+def _check_common(dtype, trials, seed) -> np.dtype:
+    """The checks' shared arguments, each named in its error: the trials'
+    dtype, their number and the seed they are drawn from."""
+    try:
+        dtype = np.dtype(dtype)
+    except (TypeError, ValueError):
+        raise TypeError(f"dtype: expected np.float64 or np.float32, got {dtype!r}") from None
     if dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
         raise TypeError(f"dtype: expected float32 or float64, got {dtype}")
-    if isinstance(trials, bool) or not isinstance(trials, (int, np.integer)) or trials < 0:
-        raise ValueError(f"trials: expected a non-negative integer, got {trials!r}")
+    for name, value in (("trials", trials), ("seed", seed)):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name}: expected a non-negative integer, got {value!r} "
+                            f"({type(value).__name__})")
+        if value < 0:
+            raise ValueError(f"{name}: expected a non-negative integer, got {value!r}")
     # Every trial, its result and its re-enactments are kept until the report
     # is built: the whole need is checked before the first one is drawn.
     check_memory([(f"trials={int(trials)}", "(trials + 7)*bytes per trial",
@@ -773,7 +798,7 @@ def _run_layer_trials(fn, cases, dtype, keywords):
     tols = _tolerances(_layer_model(keywords), [_layer_start(t) for t in cases], dtype)
     for t, tol in zip(cases, tols):
         want = multi_head_attention(*t.args[:5], num_heads=t.num_heads, **t.kwargs)
-        got, inter = _run(fn, t.args, t.kwargs)
+        got, inter = _run(fn, t.args, t.kwargs, want.shape)
         user_out.append(got)
         r = TrialResult(t.name, t.about, t.shapes(), "ok", expected_shape=want.shape)
         _compare_result(r, got, want, tol)
@@ -867,9 +892,13 @@ def check_prototype(fn: Callable, *, trials: int = 4, dtype=np.float64,
     if not callable(fn):
         raise TypeError(f"fn: expected a callable fn(x, w_q, w_k, w_v, w_o, num_heads), "
                         f"got {type(fn).__name__}")
+    if not isinstance(convention, str):
+        raise TypeError(f"convention: expected 'general' or 'standard', got "
+                        f"{type(convention).__name__}")
     if convention not in ("general", "standard"):
         raise ValueError(f"convention: expected 'general' or 'standard', got {convention!r}")
-    dtype = _check_common(dtype, trials)
+    dtype = _check_common(dtype, trials, seed)
+    seed = int(seed)
     keywords = [k for k in ("mask", "causal", "rope") if _accepts(fn, k)]
     if _accepts(fn, "q_norm") and _accepts(fn, "k_norm"):
         keywords.append("q_norm")
@@ -1030,7 +1059,8 @@ def check_attention_prototype(fn: Callable, *, trials: int = 4, dtype=np.float64
     if not callable(fn):
         raise TypeError(f"fn: expected a callable fn(q, k, v, mask=None), "
                         f"got {type(fn).__name__}")
-    dtype = _check_common(dtype, trials)
+    dtype = _check_common(dtype, trials, seed)
+    seed = int(seed)
     keywords = [k for k in ("mask", "causal", "softcap", "sinks", "rope")
                 if _accepts(fn, k)]
     cases = _attention_trials(int(trials), dtype, seed, keywords)
@@ -1046,7 +1076,7 @@ def check_attention_prototype(fn: Callable, *, trials: int = 4, dtype=np.float64
     user_out: List[Any] = []
     for t, t_tol in zip(cases, tol):
         want = _attention_reference(t)
-        got, _ = _run(fn, (t.q, t.k, t.v), t.kwargs)
+        got, _ = _run(fn, (t.q, t.k, t.v), t.kwargs, want.shape)
         user_out.append(got)
         r = TrialResult(t.name, t.about, t.shapes(), "ok", expected_shape=want.shape)
         _compare_result(r, got, want, t_tol)

@@ -14,6 +14,8 @@ from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
+from .._internal.arrays import _check_numeric, _to_array
+
 __all__ = ["plot_attention"]
 
 _INSTALL = ("mhattn.plot_attention needs matplotlib, which is an optional "
@@ -55,7 +57,7 @@ def plot_attention(weights: Any, tokens: Optional[Sequence[Any]] = None,
                    figsize: Optional[Sequence[float]] = None,
                    title: Optional[str] = None, mask: Any = None,
                    causal: bool = False, key_lengths: Any = None,
-                   window: Any = None, key_mask: Any = None,
+                   window: Any = None, key_mask: Any = None, sinks: Any = None,
                    kind: str = "weights", vmax: Union[None, float, str] = None):
     """Heatmaps of attention weights, one per head, with one shared colour bar.
 
@@ -63,7 +65,7 @@ def plot_attention(weights: Any, tokens: Optional[Sequence[Any]] = None,
                    batch=0, annotate=None, fmt="{:.2f}", cmap=None,
                    ncols=None, figsize=None, title=None, mask=None,
                    causal=False, key_lengths=None, window=None, key_mask=None,
-                   kind="weights", vmax=None) -> matplotlib Figure
+                   sinks=None, kind="weights", vmax=None) -> matplotlib Figure
 
     Cells a query can never see (masked, causal, padding, outside the
     window) are drawn hatched in grey, not as a 0.00 in the colour of tiny
@@ -110,11 +112,19 @@ def plot_attention(weights: Any, tokens: Optional[Sequence[Any]] = None,
         >= key_lengths[b] are padding; ``window=(left, right)``;
         ``key_mask`` (T_k,) or (B, T_k), False = padding).  Cells no rule
         allows are drawn as masked.  Default: nothing masked.
+    sinks : (h,) array, optional
+        The sinks of the call that made the weights.  A sink takes its share
+        of each row's softmax and the weights exclude it, so a row of such
+        weights sums to 1 - p_sink, less than 1 (0 for a fully masked row):
+        with ``sinks`` (or a Trace of a call with sinks) rows summing to
+        anything from 0 to 1 are accepted; without, a visible row must sum
+        to 1.  Rows summing to more than 1 are refused either way.
     kind : {"weights", "scores"}
         "weights" (default) refuses anything that is not a probability
         (negative values, values above 1, -inf, or visible rows not summing
-        to 1) with a ValueError; "scores" draws any real values on a diverging
-        map centred on 0 under a bar labelled "score", -inf as masked.
+        to 1, or to at most 1 with ``sinks``) with a ValueError; "scores"
+        draws any real values on a diverging map centred on 0 under a bar
+        labelled "score", -inf as masked.
     vmax : float or "auto", optional
         Top of the colour scale.  Default: 1 for weights (the scale 0..1),
         the largest |score| for scores; "auto": the largest value drawn,
@@ -148,6 +158,7 @@ def plot_attention(weights: Any, tokens: Optional[Sequence[Any]] = None,
     w, B, b, hidden_from_trace, tokens, key_tokens = _read_weights(
         weights, batch, kind, tokens, key_tokens)
     H, Tq, Tk = w.shape
+    has_sinks = _has_sinks(sinks, weights, H)
     hidden = _hidden(H, Tq, Tk, B, b, mask=mask, causal=causal,
                      key_lengths=key_lengths, window=window, key_mask=key_mask)
     if hidden_from_trace is not None:
@@ -155,7 +166,7 @@ def plot_attention(weights: Any, tokens: Optional[Sequence[Any]] = None,
     if kind == "scores":
         hidden = hidden | np.isneginf(w)
     else:
-        _check_weights(w, hidden)
+        _check_weights(w, hidden, has_sinks)
     idx = _head_indices(heads, H)
 
     ylabels = _labels("tokens", tokens, Tq)
@@ -421,8 +432,24 @@ def _hidden(H, Tq, Tk, B, b, *, mask, causal, key_lengths, window, key_mask) -> 
     return ~np.stack([reference.allowed_keys(call, bb, h) for h in range(H)])
 
 
-def _check_weights(w: np.ndarray, hidden: np.ndarray) -> None:
-    """Refuse what is not a probability (kind="weights")."""
+def _has_sinks(sinks: Any, weights: Any, H: int) -> bool:
+    """Whether the weights come from a call with sinks: ``sinks`` given
+    (checked: one per head), or a Trace that holds them."""
+    from .trace import Trace
+
+    if sinks is None:
+        return isinstance(weights, Trace) and weights.sinks is not None
+    s = _to_array("sinks", sinks)
+    _check_numeric("sinks", s)
+    if s.shape != (H,):
+        raise ValueError(f"sinks: expected shape ({H},) (one per head of the weights), "
+                         f"got {s.shape}")
+    return True
+
+
+def _check_weights(w: np.ndarray, hidden: np.ndarray, sinks: bool) -> None:
+    """Refuse what is not a probability (kind="weights"): a visible row sums
+    to 1, or to at most 1 when the call had sinks (which take the rest)."""
     hint = (" These look like scores: pass kind=\"scores\" to draw them on a "
             "diverging scale, or plot the softmax weights "
             "(multi_head_attention(..., return_weights=True) or Trace.weights).")
@@ -437,13 +464,27 @@ def _check_weights(w: np.ndarray, hidden: np.ndarray) -> None:
                          "probabilities in 0..1." + hint)
     seen = np.where(hidden, 0.0, w)
     sums = seen.sum(axis=-1)
+    if sinks:
+        # The sink takes 1 - sum: any sum in 0..1, but nothing on hidden keys.
+        bad = (sums > 1 + tol) | (np.abs(w).sum(axis=-1) - sums > tol)
+        if bad.any():
+            h, i = (int(a[0]) for a in np.nonzero(bad))
+            raise ValueError(f"weights: row {i} of head {h + 1} sums to {sums[h, i]:.4g} "
+                             f"over its visible keys (and {w[h, i].sum():.4g} in all), "
+                             "not at most 1 with nothing on hidden keys, so these are "
+                             "not softmax weights (or the mask passed does not match "
+                             "them)." + hint)
+        return
     # A row may sum to 0 (fully masked), or to 1 over its visible keys.
     bad = ~((np.abs(sums - 1) <= tol) | (np.abs(w).sum(axis=-1) <= tol))
     if bad.any():
         h, i = (int(a[0]) for a in np.nonzero(bad))
+        below = (" (a call with sinks gives rows summing to less than 1: pass its "
+                 "sinks=)" if sums[h, i] < 1 else "")
         raise ValueError(f"weights: row {i} of head {h + 1} sums to {sums[h, i]:.4g} "
                          "over its visible keys, not 1, so these are not softmax "
-                         "weights (or the mask passed does not match them)." + hint)
+                         f"weights (or the mask passed does not match them){below}."
+                         + hint)
 
 
 def _labels(name: str, labels: Any, n: int):

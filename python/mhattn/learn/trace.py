@@ -46,7 +46,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from .._internal.args import Call, check_memory, normalize, plan
+from .._internal.args import PER_HEAD_BYTES, Call, check_memory, normalize, plan
 from .._internal.core import run_core
 from .._internal.variants import variant_kwargs
 from .. import reference
@@ -142,17 +142,52 @@ def trace(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=None,
 
 
 def _trace_items(call: Call) -> list:
-    """What a trace allocates beyond the core's call, for check_memory: the
-    (B, h, T_q, T_k) raw scores and scores, and per-head copies of every
-    stage (k and v once per query head)."""
+    """What a trace allocates beyond the core's call, for check_memory.
+
+    Every array the Trace keeps: the (B, h, T_q, T_k) raw scores and
+    scores (and the capped scores and ALiBi bias when the call has them),
+    the per-head stacks of every stage (k and v once per query head; the
+    projections and normed q/k when the call transforms them), the fused
+    copies the score stages are written into, and row_max; and the largest
+    transient: one head's score steps at a time (the reference's q k^T,
+    scaled, capped, biased and masked scores, its softmax and log-sum-exp
+    temporaries, the bool mask of allowed keys) and its q/k norm and RoPE,
+    computed in float64; and each head's views and lists. The sum bounds
+    the peak: the per-head steps are freed before the stacks are made."""
     B, H, Tq, Tk, n = call.B, call.H, call.Tq, call.Tk, call.dtype.itemsize
-    group = call.H // call.G
-    return [("the trace's raw_scores and scores", "2*B*h*T_q*T_k", (2, B, H, Tq, Tk), n),
-            ("the trace's per-head q and heads", "B*T_q*(sum(d_k) + sum(d_v))",
-             (B, Tq, call.Sq + call.Svq), n),
-            ("the trace's per-head k and v", "B*T_k*h/g*(sum(d_k) + sum(d_v))",
-             (B, Tk, group * (call.Sk + call.Sv)), n),
-            ("the trace's row_max", "B*h*T_q", (B, H, Tq), n)]
+    var, group = call.var, call.H // call.G
+    norms = var.q_norm is not None or var.k_norm is not None
+    items = [("the trace's raw_scores and scores", "2*B*h*T_q*T_k", (2, B, H, Tq, Tk), n),
+             ("the trace's per-head q and heads", "B*T_q*(sum(d_k) + sum(d_v))",
+              (B, Tq, call.Sq + call.Svq), n),
+             ("the trace's per-head k and v", "B*T_k*h/g*(sum(d_k) + sum(d_v))",
+              (B, Tk, group * (call.Sk + call.Sv)), n),
+             ("the trace's row_max", "B*h*T_q", (B, H, Tq), n)]
+    if var.softcap is not None:
+        items.append(("the trace's capped scores", "B*h*T_q*T_k", (B, H, Tq, Tk), n))
+    if var.alibi is not None:
+        items.append(("the trace's ALiBi bias", "B*h*T_q*T_k", (B, H, Tq, Tk), n))
+    if var.transforms:
+        # q, k after the norm / RoPE (fused and per head), the projections per
+        # head, and with a norm the normed q, k (fused and per head).
+        copies = 2 + 2 * norms
+        items.append(("the trace's transformed q and k",
+                      f"{copies}*B*(T_q*sum(d_k) + T_k*h/g*sum(d_k))",
+                      (copies, B, Tq * call.Sq + Tk * group * call.Sk), n))
+    # One head's score steps at their peak, in the softmax: raw, scaled,
+    # scores and three arrays of the softmax (exp, quotient, its rounding),
+    # one more each for the capped scores and the ALiBi bias, in the call's
+    # dtype; the allowed keys in bool.
+    steps = 6 + (var.softcap is not None) + (var.alibi is not None)
+    items.append((f"one head's score steps ({steps} arrays and a bool mask)", "T_q*T_k",
+                  (Tq, Tk), steps * n + 1))
+    # The views and lists of each head's stages, as elsewhere (PER_HEAD_BYTES).
+    items.append(("the trace's per-head bookkeeping", "h", (H,), PER_HEAD_BYTES))
+    if var.transforms:
+        # rms_norm and rope in float64: at most 8 (T, d_k) arrays per side.
+        items.append(("one head's q/k norm and RoPE, in float64", "8*(T_q + T_k)*max(d_k)",
+                      (8, Tq + Tk, max(call.dk, default=0)), 8))
+    return items
 
 
 def _score_stages(call: Call, q: np.ndarray, k: np.ndarray) -> dict:
@@ -162,7 +197,10 @@ def _score_stages(call: Call, q: np.ndarray, k: np.ndarray) -> dict:
     the fused layout); raw, capped, bias, scores (B, H, Tq, Tk), capped and
     bias None when the call has no softcap / ALiBi."""
     var, B, H, Tq, Tk = call.var, call.B, call.H, call.Tq, call.Tk
-    qn, kn, qr, kr = q.copy(), k.copy(), q.copy(), k.copy()
+    # Without a norm or RoPE the scores use the projections themselves.
+    norms = var.q_norm is not None or var.k_norm is not None
+    qn, kn = (q.copy(), k.copy()) if norms else (q, k)
+    qr, kr = (q.copy(), k.copy()) if var.transforms else (q, k)
     shape = (B, H, Tq, Tk)
     out = dict(raw=np.empty(shape, call.dtype), scores=np.empty(shape, call.dtype),
                capped=np.empty(shape, call.dtype) if var.softcap is not None else None,
@@ -172,12 +210,16 @@ def _score_stages(call: Call, q: np.ndarray, k: np.ndarray) -> dict:
         for h in range(H):
             qc, kc = call.q_cols(h), call.k_cols(call.kv_head(h))
             st = reference.head_scores(call, b, h, q[b, :, qc], k[b, :, kc])
-            qn[b, :, qc], qr[b, :, qc] = st["q_normed"], st["q"]
-            kn[b, :, kc], kr[b, :, kc] = st["k_normed"], st["k"]
+            if norms:
+                qn[b, :, qc], kn[b, :, kc] = st["q_normed"], st["k_normed"]
+            if var.transforms:
+                qr[b, :, qc], kr[b, :, kc] = st["q"], st["k"]
             out["raw"][b, h], out["scores"][b, h] = st["raw_scores"], st["scores"]
             for name in ("capped", "bias"):
                 if out[name] is not None:
                     out[name][b, h] = st[name]
+            # Freed before the next head's steps: one head's at a time.
+            del st
     return dict(out, q_normed=qn, k_normed=kn, q=qr, k=kr)
 
 
@@ -229,9 +271,25 @@ class Trace:
                  batched: bool, dtype, causal: bool = False, masked: bool = False,
                  tokens: Optional[Sequence[str]] = None,
                  key_tokens: Optional[Sequence[str]] = None):
+        # Made by mhattn.trace (Trace.from_call); built by hand, it is whole
+        # or refused: every stage an array (a per-head one may be a list).
+        if not isinstance(arrays, Mapping):
+            raise TypeError(f"arrays: expected a dict of the stages' arrays, got "
+                            f"{type(arrays).__name__}; mhattn.trace(...) makes a Trace")
         missing = [k for k in KEYS if k not in arrays]
         if missing:
             raise ValueError(f"Trace: missing arrays {missing}")
+        for k in KEYS:
+            a = arrays[k]
+            if not (isinstance(a, np.ndarray) or (k in _PER_HEAD and isinstance(a, list)
+                                                  and all(isinstance(p, np.ndarray)
+                                                          for p in a))):
+                raise TypeError(f"arrays[{k!r}]: expected an array"
+                                f"{' or a list of per-head arrays' if k in _PER_HEAD else ''}"
+                                f", got {type(a).__name__}")
+        if arrays["weights"].ndim not in (3, 4):
+            raise ValueError(f"arrays['weights']: expected (h, T_q, T_k) or "
+                             f"(B, h, T_q, T_k), got shape {arrays['weights'].shape}")
         self.q, self.k, self.v = arrays["q"], arrays["k"], arrays["v"]
         self.raw_scores, self.scores = arrays["raw_scores"], arrays["scores"]
         self.row_max, self.lse = arrays["row_max"], arrays["lse"]
@@ -446,6 +504,10 @@ class Trace:
         if isinstance(theirs, (list, tuple)) and not isinstance(mine, list):
             try:
                 parts = [np.asarray(p) for p in theirs]
+                # Every layout below holds mine.size numbers: others (a
+                # broadcast view of 10^12, say) are not stacked or copied.
+                if sum(p.size for p in parts) != mine.size:
+                    return None
                 if len(parts) == H and len({p.shape for p in parts}) == 1:
                     theirs = np.stack(parts, axis=1 if self.batched else 0)
                 else:
