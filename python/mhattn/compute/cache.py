@@ -23,7 +23,8 @@ from typing import Any, Optional
 import numpy as np
 
 from .._internal import core
-from .._internal.args import _to_array, bool_arg, normalize
+from .._internal.args import (_to_array, bool_arg, check_memory, memory_limit, normalize,
+                              plan)
 from .._internal.core import _fused_bias, head_arrays, variant_args
 
 __all__ = ["KVCache", "cached_step"]
@@ -34,6 +35,14 @@ def _size(name: str, value: Any) -> int:
             or int(value) <= 0:
         raise ValueError(f"{name}: expected a positive integer, got {value!r}")
     return int(value)
+
+
+def _storage_items(B: int, G: int, C: int, dk: int, dv: int, itemsize: int) -> list:
+    """What a KVCache allocates, as check_memory items (its nbytes)."""
+    return [("the key storage", "batch*num_kv_heads*capacity*d_k", (B, G, C, dk), itemsize),
+            ("the value storage", "batch*num_kv_heads*capacity*d_v", (B, G, C, dv),
+             itemsize),
+            ("the lengths", "batch", (B,), 8)]
 
 
 class KVCache:
@@ -63,7 +72,9 @@ class KVCache:
         How many keys each sequence holds.
     nbytes : int
         The memory held: B * G * capacity * (d_k + d_v) * itemsize, plus
-        8 * B for the lengths, allocated once, at construction.
+        8 * B for the lengths, allocated once, at construction (a
+        MemoryError naming the sizes, before anything is allocated, when
+        that is more than the machine's memory).
 
     Notes
     -----
@@ -104,6 +115,10 @@ class KVCache:
                 from None
         if dt not in (np.dtype(np.float32), np.dtype(np.float64)):
             raise ValueError(f"dtype: expected np.float32 or np.float64, got {dt}")
+        # Python's integers are exact: a size NumPy would call "too big"
+        # (or 2**62 rows that it would try to allocate) is a MemoryError
+        # naming the sizes, as for any call's plan.
+        check_memory(_storage_items(B, G, C, dk, dv, dt.itemsize))
         self.key_storage = np.zeros((B, G, C, dk), dt)
         self.value_storage = np.zeros((B, G, C, dv), dt)
         self._lengths = np.zeros(B, np.int64)
@@ -299,6 +314,36 @@ def _new_lengths(new_lengths: Any, B: int, T: int, causal: bool) -> Optional[np.
     return n
 
 
+def _step_items(call, capacity: int, want_weights: bool, rope: bool) -> list:
+    """Every allocation of a cached step, as check_memory items: the main
+    call's plan (the projections of the new rows, the heads' concatenation,
+    out, the weights' and inputs' copies), then what only a step makes."""
+    B, Tq, n = call.B, call.Tq, call.dtype.itemsize
+    items = plan(call)
+    if call.b_o is not None:
+        items.append(("out + b_o", "B*T_q*d_out", (B, Tq, call.d_out), n))
+    if want_weights:
+        items.append(("return_weights=True", "B*h*T_new*capacity", (B, call.H, Tq, capacity),
+                      n))
+    if rope:
+        items.append(("the RoPE positions", "B*T_new", (B, Tq), 8))
+    return items
+
+
+def _check_step_memory(call, capacity: int, want_weights: bool, rope: bool) -> None:
+    """check_memory(_step_items(...)), the items built only when a cheap
+    upper bound of their sum does not fit: building the plan costs about a
+    tenth of a decode step.  The bound counts every element at 8 bytes and
+    every copy the plan may count, as core.fast bounds a small call."""
+    rows, d_in = call.B * call.Tq, call.x.shape[-1]
+    Sq, Sk, Sv, Svq, d_out = call.Sq, call.Sk, call.Sv, call.Svq, call.d_out
+    bound = (rows * (2 * d_out + 2 * Sq + 2 * Sk + Sv + Svq + 3 * d_in + 1)
+             + d_in * (Sq + Sk + Sv) + Svq * d_out
+             + (rows * call.H * capacity if want_weights else 0))
+    if 8 * bound > memory_limit():
+        check_memory(_step_items(call, capacity, want_weights, rope))
+
+
 def _scores_only(variants: Optional[tuple]) -> Optional[tuple]:
     """The variants' tuple (csrc/python/variants.c, read_variants) without the
     q/k transforms, which the projections applied: None when no score rule
@@ -328,9 +373,10 @@ def cached_step(x, w_q, w_k, w_v, w_o, *, cache, num_heads=None, scale=None,
     its other rows are padding, their outputs 0.  Returns out (B, T_new, d_out) (and the weights
     (B, H, T_new, capacity) with ``return_weights``; keys past a sequence's
     length get 0).  No gradients through a cache: ``return_context=True``
-    raises.  On any error the cache is unchanged.  The caller's arguments
-    are converted first, then the cache's lock is held from the room check
-    through the attend (see :class:`KVCache`).
+    raises.  On any error the cache is unchanged; a step whose allocations
+    (those weights among them) do not fit raises MemoryError before any.
+    The caller's arguments are converted first, then the cache's lock is
+    held from the room check through the attend (see :class:`KVCache`).
     """
     for name in _NOT_WITH_CACHE:
         if options.get(name) is not None:
@@ -348,6 +394,7 @@ def cached_step(x, w_q, w_k, w_v, w_o, *, cache, num_heads=None, scale=None,
     _check_cache(cache, call)
     counts = _new_lengths(new_lengths, call.B, call.Tq, call.causal)
     rope = call.var.rotary_dim > 0
+    _check_step_memory(call, cache.capacity, want_w, rope)
     dk, dv, scales = head_arrays(call)
     variants = variant_args(call)
     scores_only = _scores_only(variants)
