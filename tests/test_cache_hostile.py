@@ -65,7 +65,7 @@ def test_integer_likes_are_sizes():
 
 
 @pytest.mark.parametrize("value", [np.int64, np.float16, np.complex64, np.bool_, int, bool,
-                                   "float16", "nonsense", object(), True, 4,
+                                   "float16", "nonsense", object(), True, 4, None,
                                    np.dtype(">f4"), np.dtype("<f8").newbyteorder(),
                                    [np.float32], np.dtype([("a", "f4")])],
                          ids=repr)

@@ -37,6 +37,22 @@ def _size(name: str, value: Any) -> int:
     return int(value)
 
 
+def _dtype(dtype: Any) -> np.dtype:
+    """float32 or float64, native; ValueError naming ``dtype`` otherwise."""
+    dt = None
+    # np.dtype(None) is float64: a None meant as "the default" would get the
+    # wrong one, so it is refused with the other non-dtypes.
+    if dtype is not None:
+        try:
+            dt = np.dtype(dtype)
+        except (TypeError, ValueError, SyntaxError):
+            pass
+    if dt is not None and dt in (np.dtype(np.float32), np.dtype(np.float64)):
+        return dt
+    got = repr(dtype) if dt is None else str(dt)
+    raise ValueError(f"dtype: expected np.float32 or np.float64, got {got}")
+
+
 def _storage_items(B: int, G: int, C: int, dk: int, dv: int, itemsize: int) -> list:
     """What a KVCache allocates, as check_memory items (its nbytes)."""
     return [("the key storage", "batch*num_kv_heads*capacity*d_k", (B, G, C, dk), itemsize),
@@ -108,13 +124,7 @@ class KVCache:
         B, G = _size("batch", batch), _size("num_kv_heads", num_kv_heads)
         C, dk = _size("capacity", capacity), _size("d_k", d_k)
         dv = dk if d_v is None else _size("d_v", d_v)
-        try:
-            dt = np.dtype(dtype)
-        except TypeError:
-            raise ValueError(f"dtype: expected np.float32 or np.float64, got {dtype!r}") \
-                from None
-        if dt not in (np.dtype(np.float32), np.dtype(np.float64)):
-            raise ValueError(f"dtype: expected np.float32 or np.float64, got {dt}")
+        dt = _dtype(dtype)
         # Python's integers are exact: a size NumPy would call "too big"
         # (or 2**62 rows that it would try to allocate) is a MemoryError
         # naming the sizes, as for any call's plan.
