@@ -8,16 +8,23 @@ RoPE at positions ``lengths[b] + i``), appends the new keys and values, and
 attends from the new queries over each sequence's cached keys
 (``_C.attention`` on the storage itself, aligned bottom-right per sequence),
 then applies W^O.  Letters follow ``csrc/mha.h``.
+
+One lock per cache makes each append, reset and cached step atomic: the
+lengths are read, the rows written, the lengths bumped and (in a step) the
+rows attended with the lock held, so that no two writes share an offset and
+no step reads a row being written.
 """
 from __future__ import annotations
 
 import numbers
+import threading
 from typing import Any, Optional
 
 import numpy as np
 
 from .._internal import core
-from .._internal.args import _to_array, bool_arg, normalize
+from .._internal.args import (_to_array, bool_arg, check_memory, memory_limit, normalize,
+                              plan)
 from .._internal.core import _fused_bias, head_arrays, variant_args
 
 __all__ = ["KVCache", "cached_step"]
@@ -28,6 +35,30 @@ def _size(name: str, value: Any) -> int:
             or int(value) <= 0:
         raise ValueError(f"{name}: expected a positive integer, got {value!r}")
     return int(value)
+
+
+def _dtype(dtype: Any) -> np.dtype:
+    """float32 or float64, native; ValueError naming ``dtype`` otherwise."""
+    dt = None
+    # np.dtype(None) is float64: a None meant as "the default" would get the
+    # wrong one, so it is refused with the other non-dtypes.
+    if dtype is not None:
+        try:
+            dt = np.dtype(dtype)
+        except (TypeError, ValueError, SyntaxError):
+            pass
+    if dt is not None and dt in (np.dtype(np.float32), np.dtype(np.float64)):
+        return dt
+    got = repr(dtype) if dt is None else str(dt)
+    raise ValueError(f"dtype: expected np.float32 or np.float64, got {got}")
+
+
+def _storage_items(B: int, G: int, C: int, dk: int, dv: int, itemsize: int) -> list:
+    """What a KVCache allocates, as check_memory items (its nbytes)."""
+    return [("the key storage", "batch*num_kv_heads*capacity*d_k", (B, G, C, dk), itemsize),
+            ("the value storage", "batch*num_kv_heads*capacity*d_v", (B, G, C, dv),
+             itemsize),
+            ("the lengths", "batch", (B,), 8)]
 
 
 class KVCache:
@@ -57,12 +88,26 @@ class KVCache:
         How many keys each sequence holds.
     nbytes : int
         The memory held: B * G * capacity * (d_k + d_v) * itemsize, plus
-        8 * B for the lengths, allocated once, at construction.
+        8 * B for the lengths, allocated once, at construction (a
+        MemoryError naming the sizes, before anything is allocated, when
+        that is more than the machine's memory).
 
+    Notes
+    -----
     The cache is filled by :meth:`append` or by
     ``multi_head_attention(x_new, ..., cache=cache)`` /
     ``layer(x_new, cache=cache)``.  No gradient flows through a cache.
-    It pickles (only the filled rows are saved) and :meth:`reset` empties it.
+    It pickles and copies (only the filled rows are saved; a copy has its
+    own storage and lock) and :meth:`reset` empties it.
+
+    Thread safety: one cache may be shared by threads.  Each
+    :meth:`append`, :meth:`reset` and cached step holds the cache's lock
+    from reading the lengths to bumping them, and a step until it has
+    attended over the rows, so that concurrent writes never share rows and
+    a step never reads a row being written; they run one after another,
+    in the order they took the lock.  The storage and its views
+    :attr:`keys`, :attr:`values` and :attr:`lengths` are read without the
+    lock: read them while no other thread writes.
 
     Examples
     --------
@@ -79,16 +124,18 @@ class KVCache:
         B, G = _size("batch", batch), _size("num_kv_heads", num_kv_heads)
         C, dk = _size("capacity", capacity), _size("d_k", d_k)
         dv = dk if d_v is None else _size("d_v", d_v)
-        try:
-            dt = np.dtype(dtype)
-        except TypeError:
-            raise ValueError(f"dtype: expected np.float32 or np.float64, got {dtype!r}") \
-                from None
-        if dt not in (np.dtype(np.float32), np.dtype(np.float64)):
-            raise ValueError(f"dtype: expected np.float32 or np.float64, got {dt}")
+        dt = _dtype(dtype)
+        # Python's integers are exact: a size NumPy would call "too big"
+        # (or 2**62 rows that it would try to allocate) is a MemoryError
+        # naming the sizes, as for any call's plan.
+        check_memory(_storage_items(B, G, C, dk, dv, dt.itemsize))
         self.key_storage = np.zeros((B, G, C, dk), dt)
         self.value_storage = np.zeros((B, G, C, dv), dt)
         self._lengths = np.zeros(B, np.int64)
+        # Held across read-lengths / write-rows / bump-lengths (and a step's
+        # attend). A plain Lock: nothing called with it held calls back
+        # into the cache (the step converts the caller's objects first).
+        self._lock = threading.Lock()
 
     # -- sizes ----------------------------------------------------------------
 
@@ -124,22 +171,24 @@ class KVCache:
 
     def reset(self) -> None:
         """Empty every sequence (lengths to 0; the storage is kept)."""
-        self._lengths[:] = 0
+        with self._lock:
+            self._lengths[:] = 0
 
     def __repr__(self) -> str:
         return (f"KVCache(batch={self.batch}, num_kv_heads={self.num_kv_heads}, "
                 f"capacity={self.capacity}, d_k={self.d_k}, d_v={self.d_v}, "
                 f"dtype={self.dtype.name}, lengths={self._lengths.tolist()})")
 
-    # -- pickling: only the filled rows -----------------------------------------
+    # -- pickling and copying: only the filled rows, a new lock -----------------
 
     def __getstate__(self) -> dict:
-        n = int(self._lengths.max(initial=0))
-        return {"shape": (self.batch, self.num_kv_heads, self.capacity, self.d_k,
-                          self.d_v), "dtype": self.dtype.str,
-                "keys": self.key_storage[:, :, :n].copy(),
-                "values": self.value_storage[:, :, :n].copy(),
-                "lengths": self._lengths.copy()}
+        with self._lock:       # rows and lengths of one moment
+            n = int(self._lengths.max(initial=0))
+            return {"shape": (self.batch, self.num_kv_heads, self.capacity, self.d_k,
+                              self.d_v), "dtype": self.dtype.str,
+                    "keys": self.key_storage[:, :, :n].copy(),
+                    "values": self.value_storage[:, :, :n].copy(),
+                    "lengths": self._lengths.copy()}
 
     def __setstate__(self, state: dict) -> None:
         B, G, C, dk, dv = state["shape"]
@@ -164,7 +213,8 @@ class KVCache:
 
     def check_room(self, counts: np.ndarray, name: str = "k_new") -> None:
         """Raise ValueError, changing nothing, unless every sequence b has room
-        for counts[b] more keys."""
+        for counts[b] more keys.  (Append and the cached step call it with
+        the lock held, just before they write.)"""
         after = self._lengths + counts
         if (after > self.capacity).any():
             b = int(np.argmax(after > self.capacity))
@@ -213,11 +263,14 @@ class KVCache:
                 raise ValueError(f"lengths: each must lie in [0, T_new={T}], got "
                                  f"{n.tolist()}")
             counts = n.astype(np.int64)
-        self.check_room(counts)
-        self._write(k, v, counts)
+        with self._lock:
+            self.check_room(counts)
+            self._write(k, v, counts)
 
     def _write(self, k: np.ndarray, v: np.ndarray, counts: np.ndarray) -> None:
-        """Write checked new rows: counts[b] rows of item b."""
+        """Write checked new rows: counts[b] rows of item b.  The caller
+        holds the lock (NumPy's copies release the GIL: without it two
+        writers would read the same lengths and write the same rows)."""
         if (counts == counts[0]).all() and (self._lengths == self._lengths[0]).all():
             start, n = int(self._lengths[0]), int(counts[0])
             self.key_storage[:, :, start:start + n] = k[:, :, :n]
@@ -235,8 +288,9 @@ _NOT_WITH_CACHE = ("key", "value", "mask", "key_lengths", "key_mask", "cu_seqlen
                    "key_cu_seqlens", "positions", "key_positions")
 
 
-def _check_cache(cache: Any, call, T: int) -> None:
-    """The cache must fit the call: ValueError naming ``cache`` otherwise."""
+def _check_cache(cache: Any, call) -> None:
+    """The cache must fit the call: ValueError naming ``cache`` otherwise.
+    (Whether it has room is only known under its lock: check_room.)"""
     if not isinstance(cache, KVCache):
         raise TypeError(f"cache: expected a mhattn.KVCache, got {type(cache).__name__}")
     problems = []
@@ -251,7 +305,6 @@ def _check_cache(cache: Any, call, T: int) -> None:
         problems.append(f"dtype {cache.dtype} but the call computes in {call.dtype}")
     if problems:
         raise ValueError(f"cache: {'; '.join(problems)} ({cache!r})")
-    cache.check_room(np.full(call.B, T, np.int64), "x")
 
 
 def _new_lengths(new_lengths: Any, B: int, T: int, causal: bool) -> Optional[np.ndarray]:
@@ -269,6 +322,36 @@ def _new_lengths(new_lengths: Any, B: int, T: int, causal: bool) -> Optional[np.
         raise ValueError("new_lengths: shorter than T_new needs causal=True (the padding "
                          "rows are keys that a real query would otherwise see)")
     return n
+
+
+def _step_items(call, capacity: int, want_weights: bool, rope: bool) -> list:
+    """Every allocation of a cached step, as check_memory items: the main
+    call's plan (the projections of the new rows, the heads' concatenation,
+    out, the weights' and inputs' copies), then what only a step makes."""
+    B, Tq, n = call.B, call.Tq, call.dtype.itemsize
+    items = plan(call)
+    if call.b_o is not None:
+        items.append(("out + b_o", "B*T_q*d_out", (B, Tq, call.d_out), n))
+    if want_weights:
+        items.append(("return_weights=True", "B*h*T_new*capacity", (B, call.H, Tq, capacity),
+                      n))
+    if rope:
+        items.append(("the RoPE positions", "B*T_new", (B, Tq), 8))
+    return items
+
+
+def _check_step_memory(call, capacity: int, want_weights: bool, rope: bool) -> None:
+    """check_memory(_step_items(...)), the items built only when a cheap
+    upper bound of their sum does not fit: building the plan costs about a
+    tenth of a decode step.  The bound counts every element at 8 bytes and
+    every copy the plan may count, as core.fast bounds a small call."""
+    rows, d_in = call.B * call.Tq, call.x.shape[-1]
+    Sq, Sk, Sv, Svq, d_out = call.Sq, call.Sk, call.Sv, call.Svq, call.d_out
+    bound = (rows * (2 * d_out + 2 * Sq + 2 * Sk + Sv + Svq + 3 * d_in + 1)
+             + d_in * (Sq + Sk + Sv) + Svq * d_out
+             + (rows * call.H * capacity if want_weights else 0))
+    if 8 * bound > memory_limit():
+        check_memory(_step_items(call, capacity, want_weights, rope))
 
 
 def _scores_only(variants: Optional[tuple]) -> Optional[tuple]:
@@ -300,7 +383,10 @@ def cached_step(x, w_q, w_k, w_v, w_o, *, cache, num_heads=None, scale=None,
     its other rows are padding, their outputs 0.  Returns out (B, T_new, d_out) (and the weights
     (B, H, T_new, capacity) with ``return_weights``; keys past a sequence's
     length get 0).  No gradients through a cache: ``return_context=True``
-    raises.  On any error the cache is unchanged.
+    raises.  On any error the cache is unchanged; a step whose allocations
+    (those weights among them) do not fit raises MemoryError before any.
+    The caller's arguments are converted first, then the cache's lock is
+    held from the room check through the attend (see :class:`KVCache`).
     """
     for name in _NOT_WITH_CACHE:
         if options.get(name) is not None:
@@ -309,44 +395,53 @@ def cached_step(x, w_q, w_k, w_v, w_o, *, cache, num_heads=None, scale=None,
     if bool_arg("return_context", return_context):
         raise ValueError("return_context: no gradients flow through a KV cache")
     want_w = bool_arg("return_weights", return_weights)
-    xa = _to_array("x", x)
-    T = xa.shape[-2] if xa.ndim in (2, 3) else 0
-    rope = options.get("rope")
-    if rope is not None and isinstance(cache, KVCache):
-        pos = cache._lengths[:, np.newaxis] + np.arange(T, dtype=np.int64)
-        pos = pos if xa.ndim == 3 else pos[0]
-        options = dict(options, positions=pos, key_positions=pos)
-    call = normalize(xa, w_q, w_k, w_v, w_o, num_heads=num_heads, scale=scale,
-                     causal=causal, num_kv_heads=num_kv_heads, b_q=b_q, b_k=b_k,
-                     b_v=b_v, b_o=b_o, core_checks_next=True, **options)
-    _check_cache(cache, call, call.Tq)
+    # Everything the caller passed is converted and checked before the
+    # cache's lock is taken: no caller's __array__ or __index__ runs, and no
+    # error is found, while other threads wait on the lock.
+    call = normalize(_to_array("x", x), w_q, w_k, w_v, w_o, num_heads=num_heads,
+                     scale=scale, causal=causal, num_kv_heads=num_kv_heads, b_q=b_q,
+                     b_k=b_k, b_v=b_v, b_o=b_o, core_checks_next=True, **options)
+    _check_cache(cache, call)
     counts = _new_lengths(new_lengths, call.B, call.Tq, call.causal)
+    rope = call.var.rotary_dim > 0
+    _check_step_memory(call, cache.capacity, want_w, rope)
     dk, dv, scales = head_arrays(call)
     variants = variant_args(call)
-    q, k, v = core.project(call.x, call.key, call.value, call.wq.fused(), call.wk.fused(),
-                         call.wv.fused(), _fused_bias(call.bq), _fused_bias(call.bk),
-                         _fused_bias(call.bv), dk, dv, scales, variants,
-                         None if packed is None else packed._core_packed(call.dtype))
-    B, Tq, H, G = call.B, call.Tq, call.H, call.G
-    q4 = q.reshape(B, Tq, H, cache.d_k).swapaxes(1, 2)
-    k4 = k.reshape(B, Tq, G, cache.d_k).swapaxes(1, 2)
-    v4 = v.reshape(B, Tq, G, cache.d_v).swapaxes(1, 2)
     scores_only = _scores_only(variants)
-    before = cache._lengths.copy()
-    cache._write(k4, v4, np.full(B, Tq, np.int64))
-    try:
-        # Every new row is written and attended at lengths[b] + i, so the
-        # real rows sit where they belong; with new_lengths the padding rows
-        # are then dropped from the lengths (causal: no real query saw them).
-        concat, weights, _ = core.attention_in_layer_words(
-            q4, cache.key_storage, cache.value_storage, scales, None, call.causal,
-            cache._lengths.copy(), scores_only, True,
-            True, want_w, False)
-    except BaseException:
-        cache._lengths[:] = before      # a failed (or interrupted) step appends nothing
-        raise
+    fused = (call.wq.fused(), call.wk.fused(), call.wv.fused(), _fused_bias(call.bq),
+             _fused_bias(call.bk), _fused_bias(call.bv))
+    capsules = None if packed is None else packed._core_packed(call.dtype)
+    B, Tq, H, G = call.B, call.Tq, call.H, call.G
+    every = np.full(B, Tq, np.int64)
+    with cache._lock:
+        cache.check_room(every, "x")
+        if rope:
+            # RoPE turns the new rows at their places in the cache, lengths[b]
+            # + i: the variants' positions and key_positions (the last two).
+            pos = cache._lengths[:, np.newaxis] + np.arange(Tq, dtype=np.int64)
+            variants = variants[:-2] + (pos, pos)
+        q, k, v = core.project(call.x, call.key, call.value, *fused, dk, dv, scales,
+                               variants, capsules)
+        q4 = q.reshape(B, Tq, H, cache.d_k).swapaxes(1, 2)
+        k4 = k.reshape(B, Tq, G, cache.d_k).swapaxes(1, 2)
+        v4 = v.reshape(B, Tq, G, cache.d_v).swapaxes(1, 2)
+        before = cache._lengths.copy()
+        try:
+            # Every new row is written and attended at lengths[b] + i, so the
+            # real rows sit where they belong; with new_lengths the padding
+            # rows are then dropped from the lengths (causal: no real query
+            # saw them).
+            cache._write(k4, v4, every)
+            concat, weights, _ = core.attention_in_layer_words(
+                q4, cache.key_storage, cache.value_storage, scales, None, call.causal,
+                cache._lengths.copy(), scores_only, True,
+                True, want_w, False)
+        except BaseException:
+            cache._lengths[:] = before    # a failed (or interrupted) step appends nothing
+            raise
+        if counts is not None:
+            cache._lengths[:] = before + counts
     if counts is not None:
-        cache._lengths[:] = before + counts
         concat[np.arange(Tq)[np.newaxis, :] >= counts[:, np.newaxis]] = 0
         if weights is not None:
             weights[np.arange(Tq)[np.newaxis, :] >= counts[:, np.newaxis]] = 0
