@@ -479,3 +479,22 @@ def test_plot_attention_with_sinks_still_refuses_non_probabilities():
         mhattn.plot_attention(weights, sinks=sinks[:1])
     with pytest.raises(TypeError, match=r"^sinks: "):
         mhattn.plot_attention(weights, sinks="ab")
+
+
+# --- the public classes made by hand: Context, RoPE's arguments ---------------
+
+@pytest.mark.parametrize("args", [(None, None, None), ("call", (1, 2, 3, 4, 5), {})])
+def test_context_cannot_be_half_made(args):
+    with pytest.raises(TypeError, match=r"^Context: made by multi_head_attention"):
+        mhattn.Context(*args)
+
+
+@pytest.mark.parametrize("kw,exc,start", [
+    (dict(theta=None), TypeError, "theta: "), (dict(theta="x"), TypeError, "theta: "),
+    (dict(theta=1.0), ValueError, "theta: "), (dict(theta=float("nan")), ValueError, "theta: "),
+    (dict(interleaved=1), TypeError, "interleaved: "),
+    (dict(rotary_dim=0), ValueError, "rotary_dim: "),
+    (dict(rotary_dim=2.0), TypeError, "rotary_dim: ")])
+def test_rope_names_its_arguments(kw, exc, start):
+    with pytest.raises(exc, match="^" + start):
+        mhattn.RoPE(**kw)

@@ -550,6 +550,13 @@ class Context:
     __slots__ = ("call", "q", "k", "v", "concat", "lse", "bias_forms")
 
     def __init__(self, call: Call, extras, bias_forms: Dict[str, Optional[str]]):
+        # Made by the forward alone (return_context=True): never half made.
+        if not isinstance(call, Call) or not (
+                isinstance(extras, tuple) and len(extras) == 5
+                and all(isinstance(a, np.ndarray) for a in extras)) \
+                or not isinstance(bias_forms, dict):
+            raise TypeError("Context: made by multi_head_attention(..., "
+                            "return_context=True), not by hand")
         self.call = call
         self.q, self.k, self.v, self.concat, self.lse = extras
         self.bias_forms = bias_forms

@@ -84,9 +84,9 @@ class RoPE:
     def __init__(self, theta: float = 10000.0, rotary_dim: Optional[int] = None,
                  interleaved: bool = False, inv_freq: Any = None):
         if isinstance(theta, bool) or not isinstance(theta, numbers.Real):
-            raise TypeError(f"RoPE: theta must be a real number, got {theta!r}")
+            raise TypeError(f"theta: expected a real number > 1, got {theta!r}")
         if not (math.isfinite(float(theta)) and float(theta) > 1.0):
-            raise ValueError(f"RoPE: theta must be a finite number > 1, got {theta!r}")
+            raise ValueError(f"theta: expected a finite number > 1, got {theta!r}")
         if rotary_dim is not None:
             if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, numbers.Integral):
                 raise TypeError(f"rotary_dim: expected an int or None, got {rotary_dim!r}")
@@ -94,7 +94,7 @@ class RoPE:
                 raise ValueError(f"rotary_dim: expected a positive int or None, got "
                                  f"{rotary_dim}")
         if not isinstance(interleaved, (bool, np.bool_)):
-            raise TypeError(f"RoPE: interleaved must be a bool, got {interleaved!r}")
+            raise TypeError(f"interleaved: expected True or False, got {interleaved!r}")
         self.theta = float(theta)
         self.rotary_dim = None if rotary_dim is None else int(rotary_dim)
         self.interleaved = bool(interleaved)
