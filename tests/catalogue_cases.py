@@ -11,6 +11,15 @@ Each case is a function of no argument and an expectation:
       with every word in its message (the argument's name first of all);
   OK: the function returns normally; it asserts its own result (usually
       bit-for-bit equality with the same call on plain contiguous arrays).
+
+Each case also names the public entry point(s) it exercises (``entry=``;
+multi_head_attention unless said): a name of ``mhattn.__all__``,
+"Class.method" ("KVCache" alone is the constructor), "reference.name",
+a mode of multi_head_attention (:data:`MODES`), or "_C.name" for the glue.
+The child records which of them each case really entered (a profiler
+hook), so a case cannot claim an entry point it never calls; and
+tests/test_catalogue_coverage.py fails on a public entry point no case
+names.
 """
 from __future__ import annotations
 
@@ -28,19 +37,39 @@ import mhattn
 from mhattn import _C, reference
 
 CASES: dict = {}
+ENTRY: dict = {}     # case name -> the entry points it exercises (a tuple)
 OK = "ok"
+MHA = "multi_head_attention"
+# Modes of multi_head_attention that are entry points of their own, each
+# the function that only that mode runs.
+MODES = {
+    "multi_head_attention(cache=)": "mhattn.compute.cache.cached_step",
+    "multi_head_attention(packed)": "mhattn.compute.packed.call_weights",
+}
 
 
 def raises(*types, words=()):
     return ("raises", tuple(t.__name__ for t in types), list(words))
 
 
-def case(name, expect):
+def case(name, expect, entry=MHA):
     def deco(fn):
         assert name not in CASES, name
         CASES[name] = (fn, expect)
+        ENTRY[name] = (entry,) if isinstance(entry, str) else tuple(entry)
         return fn
     return deco
+
+
+class Skip(Exception):
+    """Raised by a case whose optional dependency is missing."""
+
+
+def needs(module):
+    """The case needs ``module`` (an optional dependency): skip it without."""
+    import importlib.util
+    if importlib.util.find_spec(module) is None:
+        raise Skip(f"{module} is not installed")
 
 
 def mha(*args, **kw):
@@ -57,10 +86,10 @@ KEY = rng.standard_normal((5, 4))
 TE, VE = TypeError, ValueError
 
 
-def table(prefix, expect, calls):
+def table(prefix, expect, calls, entry=MHA):
     """Register one case per (suffix, thunk)."""
     for suffix, thunk in calls:
-        case(f"{prefix}_{suffix}", expect)(thunk)
+        case(f"{prefix}_{suffix}", expect, entry)(thunk)
 
 
 # --- wrong ndim --------------------------------------------------------------
@@ -225,8 +254,9 @@ table("num_heads", raises(MemoryError, words=["w_q", "heads"]), [
 # (mha_check_config: dk[g] / dv[g] = 0), named in the user's words, never a
 # ZeroDivisionError. d_k is the width of a q head and of its k head.
 Z0 = np.zeros((4, 0))
-ZERO_WIDTH_ENTRIES = (("forward", mha), ("trace", mhattn.trace),
-                      ("grad", lambda *a: mhattn.multi_head_attention_grad(np.ones((3, 4)), *a)))
+ZERO_WIDTH_ENTRIES = (("forward", MHA, mha), ("trace", "trace", mhattn.trace),
+                      ("grad", "multi_head_attention_grad",
+                       lambda *a: mhattn.multi_head_attention_grad(np.ones((3, 4)), *a)))
 for label, arg, ws in [
         ("w_q_stacked", "w_q / w_k: d_k[0]", (np.zeros((2, 4, 0)), np.zeros((2, 4, 0)), W)),
         ("w_q_list", "w_q / w_k: d_k[1]", ([WL[0], Z0], [WL[0], Z0], WL)),
@@ -234,9 +264,9 @@ for label, arg, ws in [
         ("w_v_list", "w_v: d_v[1]", (WL, WL, [WL[0], Z0])),
         ("w_v_stacked", "w_v: d_v[0]",
          (np.ones((2, 4, 2)), np.ones((2, 4, 2)), np.zeros((2, 4, 0))))]:
-    for entry, fn in ZERO_WIDTH_ENTRIES:
-        case(f"zero_width_{label}_{entry}",
-             raises(VE, words=[arg + " = 0: every head is at least one column wide"]))(
+    for suffix, entry, fn in ZERO_WIDTH_ENTRIES:
+        case(f"zero_width_{label}_{suffix}",
+             raises(VE, words=[arg + " = 0: every head is at least one column wide"]), entry)(
             lambda ws=ws, fn=fn: fn(X, *ws))
 
 # --- sizes that overflow size_t or exceed memory -----------------------------
@@ -283,7 +313,7 @@ table("reference_size", raises(MemoryError, words=["return_weights=True"]), [
     # The reference always keeps the weights: it checks them too.
     ("weights", lambda: reference.multi_head_attention(long_x(2 ** 21), ONE32, ONE32,
                                                        ONE32, num_heads=1)),
-])
+], "reference.multi_head_attention")
 
 # --- masks, key_lengths, scale, causal ---------------------------------------
 table("mask", raises(VE, words=["mask"]), [
@@ -434,7 +464,7 @@ for name, (exc, words, change) in GLUE_BAD.items():
         if change is None:
             return _C.forward(np.ones((1, 3, 4)))
         return _C.forward(**glue_args(**change))
-    case(f"glue_{name}", raises(exc, words=words))(thunk)
+    case(f"glue_{name}", raises(exc, words=words), "_C.forward")(thunk)
 
 
 def zero_width(B, T, Tk=1, H=1):
@@ -449,7 +479,7 @@ def zero_width(B, T, Tk=1, H=1):
 table("glue_size", raises(MemoryError, words=["overflow"]), [
     # B*H*T_q*T_k = 2**63 elements: past the core's limit (MHA_ERR_SIZE).
     ("weights_overflow", lambda: _C.forward(**zero_width(2 ** 21, 2 ** 21, Tk=2 ** 21))),
-])
+], "_C.forward")
 table("glue_size", raises(MemoryError), [
     # out (1, 2**40, 2) cannot be allocated: NumPy says so.
     ("out_too_big", lambda: _C.forward(**zero_width(1, 2 ** 40))),
@@ -457,7 +487,7 @@ table("glue_size", raises(MemoryError), [
     # malloc fails and the core returns MHA_ERR_NOMEM.
     ("scratch_too_big", lambda: _C.forward(**{**zero_width(1, 2 ** 40),
                                               "wo": np.zeros((2, 0))})),
-])
+], "_C.forward")
 
 
 # --- unusual but valid inputs: same bits as plain contiguous arrays ----------
@@ -600,7 +630,7 @@ def _():
         same_bits(run(a, key_lengths=kl), want)
 
 
-@case("valid_empty_sizes", OK)
+@case("valid_empty_sizes", OK, (MHA, "_C.forward"))
 def _():
     w = np.ones((4, 2))
     assert mha(np.zeros((0, 4)), w, w, w, num_heads=2).shape == (0, 2)
@@ -733,34 +763,38 @@ def att(q=Q4, k=K4, v=K4, **kw):
 table("attention", raises(VE, words=["q"]), [
     ("q_2d", lambda: att(q=np.ones((3, 2)))),
     ("q_5d", lambda: att(q=np.ones((1, 2, 4, 3, 2)))),
-])
+], "attention")
 table("attention", raises(VE, words=["k"]), [
     ("k_width", lambda: att(k=np.ones((2, 2, 5, 3)))),
     ("k_heads", lambda: att(k=np.ones((2, 3, 5, 2)), v=np.ones((2, 3, 5, 2)))),
     ("k_batch", lambda: att(k=np.ones((3, 2, 5, 2)), v=np.ones((3, 2, 5, 2)))),
-])
+], "attention")
 table("attention", raises(VE, words=["v"]), [
     ("v_rows", lambda: att(v=np.ones((2, 2, 4, 2)))),
-])
-table("attention", raises(VE, words=["layout"]), [("layout", lambda: att(layout="bdht"))])
+], "attention")
+table("attention", raises(VE, words=["layout"]), [("layout", lambda: att(layout="bdht"))],
+      "attention")
 table("attention", raises(TE, words=["q"]), [
     ("q_complex", lambda: att(q=Q4.astype(complex))),
     ("q_string", lambda: att(q="q")),
-])
-table("attention", raises(VE, words=["window"]), [("window", lambda: att(window=(-1, 0)))])
-table("attention", raises(VE, words=["sinks"]), [("sinks", lambda: att(sinks=np.ones(3)))])
+], "attention")
+table("attention", raises(VE, words=["window"]), [("window", lambda: att(window=(-1, 0)))],
+      "attention")
+table("attention", raises(VE, words=["sinks"]), [("sinks", lambda: att(sinks=np.ones(3)))],
+      "attention")
 table("attention", raises(VE, words=["key_mask"]), [
-    ("key_mask", lambda: att(key_mask=np.ones((2, 4), bool)))])
+    ("key_mask", lambda: att(key_mask=np.ones((2, 4), bool)))], "attention")
 table("glue_attention", raises(VE, words=["rotary_dim", "belong to the projections"]), [
     ("transforms", lambda: _C.attention(Q4, K4, K4, np.ones(4), None, False, None,
                                         variants(rotary_dim=2, inv_freq=np.ones(1)),
-                                        False, False, False, False))])
+                                        False, False, False, False))], "_C.attention")
 table("glue_attention", raises(VE, words=["k"]), [
     ("k_width", lambda: _C.attention(Q4, np.ones((2, 2, 5, 3)), K4, np.ones(4), None, False,
-                                     None, None, False, False, False, False))])
+                                     None, None, False, False, False, False))], "_C.attention")
 table("glue_attention_backward", raises(VE, words=["lse"]), [
     ("lse_shape", lambda: _C.attention_backward(Q4, Q4, K4, K4, Q4, np.ones((2, 4, 2)),
-                                                np.ones(4), None, False, None, None, False))])
+                                                np.ones(4), None, False, None, None, False))],
+      "_C.attention_backward")
 
 
 def cache(**kw):
@@ -785,29 +819,67 @@ table("cache", raises(VE, words=["k_new"]), [
         lambda c: c.append(np.ones((2, 3, 1, 2)), np.ones((2, 3, 1, 2))))),
     ("width", lambda: cache_unchanged_after(
         lambda c: c.append(np.ones((2, 2, 1, 3)), np.ones((2, 2, 1, 2))))),
-])
+], "KVCache.append")
 table("cache", raises(TE, VE, words=["k_new"]), [
     ("complex", lambda: cache_unchanged_after(
         lambda c: c.append(np.ones((2, 2, 1, 2), complex), np.ones((2, 2, 1, 2))))),
-])
+], "KVCache.append")
 table("cache", raises(VE, words=["cache"]), [
     ("wrong_heads", lambda: mha(XB, W, W, W, num_heads=2, num_kv_heads=2,
                                 cache=mhattn.KVCache(2, 1, 8, 2))),
     ("wrong_batch", lambda: mha(XB, W, W, W, num_heads=2, cache=mhattn.KVCache(3, 2, 8, 2))),
-])
+], "multi_head_attention(cache=)")
 
 
 # --- the child-process runner ------------------------------------------------
+def entry_function(entry):
+    """The function that runs when ``entry`` (a name of :data:`ENTRY`) is
+    called: a Python function, or a builtin for "_C.name"."""
+    if entry in MODES:
+        module, _, name = MODES[entry].rpartition(".")
+        return getattr(__import__(module, fromlist=[name]), name)
+    obj = _C if entry.startswith("_C.") else mhattn
+    for part in entry.split(".")[1 if entry.startswith("_C.") else 0:]:
+        obj = getattr(obj, part)
+    if isinstance(obj, type):
+        obj = obj.__init__                  # the constructor
+    return getattr(obj, "__func__", obj)     # a classmethod's function
+
+
+def entered_while(fn, entries, seen):
+    """Run fn, adding to ``seen`` each of ``entries`` whose function it
+    enters (sys.setprofile: Python calls and builtin calls)."""
+    watched = {}
+    for e in entries:
+        f = entry_function(e)
+        watched[getattr(f, "__code__", f)] = e
+
+    def profile(frame, event, arg):
+        e = watched.get(frame.f_code if event == "call" else
+                        (arg if event == "c_call" else None))
+        if e is not None:
+            seen.add(e)
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+
+
 def run_case(name):
     fn, expect = CASES[name]
     res = {"case": name}
+    seen = set()
     try:
-        fn()
+        entered_while(fn, ENTRY[name], seen)
         res.update(exc=None, msg="")
+    except Skip as e:
+        res.update(exc=None, msg="", skip=str(e))
     except Exception as e:  # noqa: BLE001 - every escape is reported
         res.update(exc=type(e).__name__, msg=str(e)[:2000],
                    mro=[c.__name__ for c in type(e).__mro__],
                    tb=traceback.format_exc()[-3000:])
+    res["entered"] = sorted(seen)
     return res
 
 
