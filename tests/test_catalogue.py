@@ -1,9 +1,10 @@
 """The bad-input catalogue (tests/catalogue_cases.py), run in child processes.
 
-Every case calls the C path. A child runs the cases in order and prints one
-JSON line per finished case; when it dies (a crash) or stalls (a hang), the
-first case without a line is the culprit, and the rest run in a new child.
-So one crash fails one case, never the suite, and is named.
+Every case calls a public entry point (or the glue, mhattn._C), and names
+it. A child runs the cases in order and prints one JSON line per finished
+case; when it dies (a crash) or stalls (a hang), the first case without a
+line is the culprit, and the rest run in a new child. So one crash fails
+one case, never the suite, and is named.
 """
 import json
 import os
@@ -64,6 +65,12 @@ def results():
 
 def check_result(name, expect, r):
     assert "died" not in r, f"{name}: the child process died: {r['died']}\n{r['stderr']}"
+    if r.get("skip"):
+        pytest.skip(r["skip"])
+    # The case called every entry point it names (tests/test_catalogue_coverage.py
+    # counts the cases of each by these names).
+    missed = set(catalogue_cases.ENTRY[name]) - set(r.get("entered", ()))
+    assert not missed, f"{name}: names {sorted(missed)} but never called it"
     if expect == catalogue_cases.OK:
         assert r["exc"] is None, f"{name}: {r['exc']}: {r['msg']}\n{r.get('tb', '')}"
         return

@@ -1,8 +1,9 @@
-"""What the fuzzer found, kept as tests; and the seed corpus, replayed.
+"""What the fuzzers found, kept as tests; and the seed corpora, replayed.
 
-fuzz/fuzz_mha.py's one-input function runs here without atheris. Each file
-in fuzz/regressions is an input that once failed; the named tests below
-state the same finding in plain code.
+fuzz/fuzz_mha.py's and fuzz/fuzz_entry_points.py's one-input functions run
+here without atheris. Each file in fuzz/regressions is an input of
+fuzz_mha.py that once failed; the named tests below state the same finding
+in plain code.
 """
 import os
 import sys
@@ -15,10 +16,12 @@ from mhattn import reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "fuzz"))
+import fuzz_entry_points  # noqa: E402
 import fuzz_mha  # noqa: E402
 
 REGRESSIONS = os.path.join(ROOT, "fuzz", "regressions")
 CORPUS = os.path.join(ROOT, "fuzz", "corpus")
+ENTRY_CORPUS = os.path.join(ROOT, "fuzz", "corpus_entry_points")
 
 
 def read(path):
@@ -38,6 +41,22 @@ def test_seed_corpus_replays():
     for name in files:
         try:
             fuzz_mha.test_one_input(read(os.path.join(CORPUS, name)))
+        except Exception as e:   # noqa: BLE001 - collected and reported below
+            failed.append(f"{name}: {type(e).__name__}: {e}")
+    assert not failed, "\n".join(failed)
+
+
+def test_entry_points_seed_corpus_replays():
+    """fuzz/corpus_entry_points: a few inputs for each of the harness's
+    entry points, each passing its properties."""
+    files = sorted(os.listdir(ENTRY_CORPUS))
+    firsts = {read(os.path.join(ENTRY_CORPUS, n))[0] % len(fuzz_entry_points.ENTRIES)
+              for n in files}
+    assert firsts == set(range(len(fuzz_entry_points.ENTRIES))), "an entry point has no seed"
+    failed = []
+    for name in files:
+        try:
+            fuzz_entry_points.test_one_input(read(os.path.join(ENTRY_CORPUS, name)))
         except Exception as e:   # noqa: BLE001 - collected and reported below
             failed.append(f"{name}: {type(e).__name__}: {e}")
     assert not failed, "\n".join(failed)
@@ -114,3 +133,57 @@ def test_harness_catches_bad_errors(monkeypatch, exc):
     monkeypatch.setattr(mhattn, "multi_head_attention", raiser)
     with pytest.raises((AssertionError, type(exc))):
         fuzz_mha.test_one_input(a_valid_input())
+
+
+# --- the entry points' harness can fail --------------------------------------
+# b"\x01" * 64 decodes, in fuzz_merge, to float32 q (1, 4, 2) and keys cut
+# into two non-empty parts: a merge that is compared with the whole.
+MERGE_INPUT = b"\x01" * 64
+
+
+def merge_once():
+    fuzz_entry_points.fuzz_merge(fuzz_mha.Data(MERGE_INPUT), np.random.default_rng(0))
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("boom"), KeyError("q"), AttributeError("x"),
+                                 IndexError("index 3 is out of bounds")])
+def test_entry_harness_refuses_other_exceptions(monkeypatch, exc):
+    def raiser(*a, **kw):
+        raise exc
+
+    monkeypatch.setattr(mhattn, "merge_attention", raiser)
+    with pytest.raises(type(exc)):
+        merge_once()
+
+
+@pytest.mark.parametrize("exc", [TypeError("outs: no"), ValueError("lses: no"), MemoryError(),
+                                 IndexError("heads: head 5 is out of range")])
+def test_entry_harness_accepts_its_errors(monkeypatch, exc):
+    def raiser(*a, **kw):
+        raise exc
+
+    monkeypatch.setattr(mhattn, "merge_attention", raiser)
+    merge_once()
+
+
+def test_entry_harness_catches_a_wrong_merge(monkeypatch):
+    merge_once()
+    real = mhattn.merge_attention
+
+    def off(outs, lses, **kw):
+        out, lse = real(outs, lses, **kw)
+        return out + 1e-3, lse
+
+    monkeypatch.setattr(mhattn, "merge_attention", off)
+    with pytest.raises(AssertionError, match="merge_attention out"):
+        merge_once()
+
+
+def test_entry_harness_catches_a_cache_changed_by_a_failed_append(monkeypatch):
+    def append_then_raise(self, k, v, **kw):
+        self._lengths += 1
+        raise ValueError("k_new: refused after writing")
+
+    monkeypatch.setattr(mhattn.KVCache, "append", append_then_raise)
+    with pytest.raises(AssertionError, match="changed the cache"):
+        fuzz_entry_points.fuzz_cache(fuzz_mha.Data(b"\x00" * 64), np.random.default_rng(0))
