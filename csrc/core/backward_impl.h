@@ -187,7 +187,7 @@ static mha_status PICK(bwd_plan_f32, bwd_plan_f64)(BWD_PLAN *p, BWD_ARGS *a,
                                                    const mha_config *cfg, mha_error *err)
 {
     *p = (BWD_PLAN){.cfg = cfg};
-    mha_status st = mha_check_config(&p->lay, cfg, err);
+    mha_status st = mha_check_config_typed(&p->lay, cfg, MHA_DTYPE, err);
     if (st != MHA_OK)
         return st;
     p->nq = cfg->B * cfg->Tq;
@@ -507,7 +507,7 @@ static mha_status PICK(bwd_attend_plan_f32, bwd_attend_plan_f64)(
     mha_error *err)
 {
     *p = (BWD_PLAN){.cfg = cfg};
-    mha_status st = mha_check_config(&p->lay, cfg, err);
+    mha_status st = mha_check_config_typed(&p->lay, cfg, MHA_DTYPE, err);
     if (st != MHA_OK)
         return st;
     // The q/k transforms belong to the projections (mha_project).
