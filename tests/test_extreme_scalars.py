@@ -138,3 +138,35 @@ def test_float64_refuses_an_overflowing_bias_too():
         _entry_points(np.float64)["attention"](dict(alibi_slopes=[1e308, -1e308]))
     with np.errstate(all="ignore"):
         _entry_points(np.float64, T=1)["attention"](dict(alibi_slopes=[1e308, -1e308]))
+
+
+# --- integers past the glue's C types (csrc/python/variants.c) ----------------
+
+@pytest.mark.parametrize("rd", [2 ** 64, 2 ** 63, -2 ** 64, -2])
+def test_glue_names_an_out_of_range_rotary_dim(rd):
+    """The variants' rotary_dim as the glue reads it (a Py_ssize_t): one
+    past its range is a ValueError naming rotary_dim, never a bare
+    OverflowError."""
+    from catalogue_cases import glue_args, variants
+    from mhattn import _C
+    with pytest.raises(ValueError, match=r"^rotary_dim: expected an int in \[0, "):
+        _C.forward(**glue_args(variants=variants(rotary_dim=rd, inv_freq=np.ones(1))))
+
+
+@pytest.mark.parametrize("window", [(2 ** 64, 0), (0, 2 ** 63), (-2 ** 70, 1)], ids=str)
+def test_glue_names_an_out_of_range_window(window):
+    from catalogue_cases import glue_args, variants
+    from mhattn import _C
+    with pytest.raises(ValueError, match=r"^window: expected each side in \[-1, "):
+        _C.forward(**glue_args(variants=variants(window=window)))
+
+
+def test_a_corrupted_rope_is_a_value_error():
+    """A RoPE whose rotary_dim was set to 2**64 after construction: a
+    ValueError naming what is wrong (the Python side may catch it before the
+    glue does), not an OverflowError."""
+    r = mhattn.RoPE()
+    r.rotary_dim = 2 ** 64
+    a = _data(np.float64)
+    with pytest.raises(ValueError, match=r"^(rotary_dim|inv_freq|rope): "):
+        mhattn.multi_head_attention(a["x"], *a["w"], num_heads=H, rope=r)
