@@ -127,7 +127,10 @@ typedef struct {
     size_t H, G;
     const size_t *dk;     /* (G,) */
     const size_t *dv;     /* (G,) */
-    const double *scale;  /* (H,) multiplier of q.k for each query head */
+    const double *scale;  /* (H,) multiplier of q.k for each query head;
+                             a finite one within the call's type: |scale|
+                             <= FLT_MAX for float32 (inf and NaN are
+                             taken, and propagate) */
     int causal;           /* query i sees keys j <= i + (Tk - Tq)       */
     mha_mask_kind mask_kind;
     const void *mask;     /* uint8 or real, see mask_stride              */
@@ -146,11 +149,16 @@ typedef struct {
     int windowed;
     int64_t window_left, window_right;
     /* softcap > 0: each scaled score s becomes softcap * tanh(s / softcap),
-       before ALiBi and the masks (Gemma 2). 0: off. */
+       before ALiBi and the masks (Gemma 2). 0: off. Finite, and, when > 0,
+       softcap and 1 / softcap representable in the call's type:
+       1/FLT_MAX <= softcap <= FLT_MAX for float32 (1/DBL_MAX .. DBL_MAX
+       for float64). */
     double softcap;
     /* ALiBi: adds -alibi[b * alibi_bstride + h] * |p_i - j| to the score
        (after softcap, with the additive mask). (B, H) slopes with
-       alibi_bstride = H, or (H,) with 0. No gradient. */
+       alibi_bstride = H, or (H,) with 0. No gradient. Each bias must be
+       representable in the call's type: |slope| * max(max(Tq, Tk) - 1, 1)
+       <= FLT_MAX for float32 (DBL_MAX for float64; NaN and inf never). */
     const double *alibi;
     size_t alibi_bstride;
     /* Attention sinks: (H,) of the call's element type (float / double), one
@@ -245,7 +253,9 @@ typedef struct {
 /* Fills *lay and checks that every size product the core allocates fits in
    size_t and that the config is self-consistent: MHA_OK, MHA_ERR_ARG or
    MHA_ERR_SIZE, with the reason in *err (may be NULL). Each rule on a
-   config is checked here and nowhere else. */
+   config is checked here and nowhere else, but for those that need the
+   call's element type (scale, softcap and alibi above), which the entry
+   points check with their mha_params.dtype, after these. */
 mha_status mha_check_config(mha_layout *lay, const mha_config *cfg, mha_error *err);
 
 /* The first of mha_check_config's rules alone: H query heads and G

@@ -82,6 +82,8 @@ static void PICK(bwd_plan_free_f32, bwd_plan_free_f64)(BWD_PLAN *p)
     mha_scratch_free(p->c.kh);
     mha_scratch_free(p->c.kT);
     mha_scratch_free(p->c.vT);
+    mha_scratch_free(p->c.qbad);
+    mha_scratch_free(p->c.kvbad);
 }
 
 /* The arguments a call must have: required buffers may only be NULL when
@@ -143,8 +145,9 @@ static mha_status PICK(bwd_plan_heads_f32, bwd_plan_heads_f64)(BWD_PLAN *p,
 
 /* Allocates the tiles' scratch: per-thread S and dP tiles, the packed
    operands (kh, kT: B nkb BK Sk reals, vT: B nkb BK Sv, with B nkb BK <
-   B Tk + B BK; qh: B Tq Sq, doh: B Tq Svq) and dq, dk, dv as needed,
-   unless c->dq, c->dk, c->dv already point at the caller's. */
+   B Tk + B BK; qh: B Tq Sq, doh: B Tq Svq), their flags (qbad: B H nqb
+   bytes, kvbad: B nkb G) and dq, dk, dv as needed, unless c->dq, c->dk,
+   c->dv already point at the caller's. */
 static mha_status PICK(bwd_plan_tiles_f32, bwd_plan_tiles_f64)(BWD_PLAN *p)
 {
     BWD_CTX *c = &p->c;
@@ -161,7 +164,9 @@ static mha_status PICK(bwd_plan_tiles_f32, bwd_plan_tiles_f64)(BWD_PLAN *p)
             (st = mha_scratch((void **)&c->kT, nkT, sizeof(REAL))) != MHA_OK ||
             (st = mha_scratch((void **)&c->vT, nvT, sizeof(REAL))) != MHA_OK ||
             (st = mha_scratch((void **)&c->qh, p->nq * p->lay.Sq, sizeof(REAL))) != MHA_OK ||
-            (st = mha_scratch((void **)&c->doh, p->nq * p->lay.Svq, sizeof(REAL))) != MHA_OK)
+            (st = mha_scratch((void **)&c->doh, p->nq * p->lay.Svq, sizeof(REAL))) != MHA_OK ||
+            (st = mha_scratch_small((void **)&c->qbad, B * p->cfg->H * c->nqb, 1)) != MHA_OK ||
+            (st = mha_scratch_small((void **)&c->kvbad, B * c->nkb * p->cfg->G, 1)) != MHA_OK)
             return st;
     }
     REAL **grad[3] = {&c->dq, &c->dk, &c->dv};
@@ -182,7 +187,7 @@ static mha_status PICK(bwd_plan_f32, bwd_plan_f64)(BWD_PLAN *p, BWD_ARGS *a,
                                                    const mha_config *cfg, mha_error *err)
 {
     *p = (BWD_PLAN){.cfg = cfg};
-    mha_status st = mha_check_config(&p->lay, cfg, err);
+    mha_status st = mha_check_config_typed(&p->lay, cfg, MHA_DTYPE, err);
     if (st != MHA_OK)
         return st;
     p->nq = cfg->B * cfg->Tq;
@@ -359,20 +364,65 @@ static mha_status PICK(bwd_pass_tiles_f32, bwd_pass_tiles_f64)(BWD_PLAN *p)
     return st;
 }
 
+/* What dw = input^T dproj reads of input (rows, d_in): input itself, or,
+   when a row whose gradient dproj (rows, S) is all zero holds an inf or
+   NaN (a key no query sees, a query that sees none: the forward never read
+   it), a copy (*copy, the caller's to free) with such rows zero, so that
+   they add 0 to dw, not 0 * NaN. Finite inputs are never copied. */
+static mha_status PICK(bwd_seen_input_f32, bwd_seen_input_f64)(
+    const REAL **seen, REAL **copy, const REAL *input, const REAL *dproj,
+    size_t rows, size_t d_in, size_t S)
+{
+    *seen = input;
+    *copy = NULL;
+    for (size_t r = 0; r < rows; r++) {
+        const REAL *dp_r = dproj + r * S, *in_r = input + r * d_in;
+        size_t c = 0;
+        while (c < S && dp_r[c] == 0)
+            c++;
+        if (c < S)
+            continue; /* the row has a gradient: most rows, at once */
+        int bad = 0;
+        for (size_t e = 0; e < d_in; e++)
+            bad |= !(in_r[e] - in_r[e] == 0);
+        if (!bad)
+            continue;
+        if (*copy == NULL) {
+            const mha_status st = mha_scratch((void **)copy, rows * d_in, sizeof(REAL));
+            if (st != MHA_OK)
+                return st;
+            memcpy(*copy, input, rows * d_in * sizeof(REAL));
+            *seen = *copy;
+        }
+        for (size_t e = 0; e < d_in; e++)
+            (*copy)[r * d_in + e] = 0;
+    }
+    return MHA_OK;
+}
+
 /* Pass 6 for one input projection, `proj = input @ w + bias` (rows of
    input, d_in wide; proj S wide): dw = input^T dproj, dbias =
    colsum(dproj), dinput = dproj w^T, added into dinput when `add` (a
    gradient buffer shared with an earlier role: key is x, value is key or
-   x). The interrupt flag is polled after each GEMM (a GEMM is not split). */
+   x). dw reads input as bwd_seen_input says. The interrupt flag is polled
+   after each GEMM (a GEMM is not split). */
 static mha_status PICK(bwd_projection_f32, bwd_projection_f64)(
     const mha_config *cfg, REAL *dw, REAL *dbias, REAL *dinput,
     const REAL *input, const REAL *w, const REAL *dproj, size_t rows,
     size_t d_in, size_t S, int add)
 {
-    mha_status st;
-    if (dw != NULL &&
-        (st = GEMM(dw, S, input, d_in, 1, dproj, S, 0, NULL, d_in, S, rows, 0)) != MHA_OK)
-        return st;
+    mha_status st = MHA_OK;
+    if (dw != NULL) {
+        const REAL *seen;
+        REAL *copy;
+        st = PICK(bwd_seen_input_f32, bwd_seen_input_f64)(&seen, &copy, input, dproj, rows,
+                                                           d_in, S);
+        if (st == MHA_OK)
+            st = GEMM(dw, S, seen, d_in, 1, dproj, S, 0, NULL, d_in, S, rows, 0);
+        mha_scratch_free(copy);
+        if (st != MHA_OK)
+            return st;
+    }
     if (mha_interrupted(cfg))
         return MHA_ERR_INTERRUPTED;
     if (dbias != NULL)
@@ -457,7 +507,7 @@ static mha_status PICK(bwd_attend_plan_f32, bwd_attend_plan_f64)(
     mha_error *err)
 {
     *p = (BWD_PLAN){.cfg = cfg};
-    mha_status st = mha_check_config(&p->lay, cfg, err);
+    mha_status st = mha_check_config_typed(&p->lay, cfg, MHA_DTYPE, err);
     if (st != MHA_OK)
         return st;
     // The q/k transforms belong to the projections (mha_project).

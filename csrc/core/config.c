@@ -12,6 +12,7 @@
  * of float and double buffers fit in size_t and pointer differences, and
  * Tq, Tk can be used in signed ptrdiff_t arithmetic without overflow.
  */
+#include <float.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -391,6 +392,58 @@ mha_status mha_check_config(mha_layout *lay, const mha_config *cfg, mha_error *e
     }
     *lay = l;
     return MHA_OK;
+}
+
+/*
+ * The rules that need the call's element type (mha_config is the same for
+ * float and double; mha_params.dtype says which): a value the kernels
+ * round to that type must be representable there, or float32 would turn
+ * it into inf (or 0) silently, where the reference, and the same call in
+ * float64, keep it. With M the type's largest finite value (FLT_MAX,
+ * DBL_MAX):
+ *   scale[h]   |scale| <= M when finite (inf and NaN propagate, as IEEE
+ *              says: they are what they are in either type)
+ *   softcap    0, or 1/M <= softcap <= M: the kernels use softcap and
+ *              1/softcap (rules.h), both finite then
+ *   alibi      |slope| max(Tq, Tk) <= M (|slope| <= M when Tq = Tk = 1):
+ *              the bias -slope |p_i - j| of the largest distance a call
+ *              can have, max(Tq, Tk) - 1, does not overflow
+ * Called after mha_check_config, so the sizes and arrays are sound.
+ */
+static mha_status precision_check(const mha_config *cfg, mha_dtype dtype, mha_error *err)
+{
+    const double M = dtype == MHA_DTYPE_F32 ? (double)FLT_MAX : DBL_MAX;
+    const char *type = dtype == MHA_DTYPE_F32 ? "float32" : "float64";
+    for (size_t h = 0; h < cfg->H; h++)
+        if (isfinite(cfg->scale[h]) && fabs(cfg->scale[h]) > M)
+            return REJECT(MHA_FIELD_SCALE,
+                          "scale[%zu] = %g is past %s's largest value %g: it would round "
+                          "to inf", h, cfg->scale[h], type, M);
+    if (cfg->softcap > 0 && !(cfg->softcap >= 1.0 / M && cfg->softcap <= M))
+        return REJECT(MHA_FIELD_SOFTCAP,
+                      "softcap = %g is not representable in %s: softcap and 1 / softcap "
+                      "must lie in [%g, %g]", cfg->softcap, type, 1.0 / M, M);
+    if (cfg->alibi != NULL) {
+        const size_t n = cfg->alibi_bstride != 0 ? cfg->B * cfg->H : cfg->H;
+        const size_t far = cfg->Tq > cfg->Tk ? cfg->Tq : cfg->Tk;
+        const double dist = far > 1 ? (double)(far - 1) : 1.0;
+        for (size_t i = 0; i < n; i++) {
+            const double slope = cfg->alibi[i];
+            if (!(fabs(slope) * dist <= M))
+                return REJECT(MHA_FIELD_ALIBI,
+                              "alibi[%zu] = %g: its bias -slope |p_i - j| at the largest "
+                              "distance, %.0f (max(Tq, Tk) - 1, or 1), is past %s's largest "
+                              "value %g", i, slope, dist, type, M);
+        }
+    }
+    return MHA_OK;
+}
+
+mha_status mha_check_config_typed(mha_layout *lay, const mha_config *cfg, mha_dtype dtype,
+                                  mha_error *err)
+{
+    const mha_status st = mha_check_config(lay, cfg, err);
+    return st == MHA_OK ? precision_check(cfg, dtype, err) : st;
 }
 
 #undef REJECT

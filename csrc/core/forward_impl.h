@@ -66,7 +66,7 @@ static mha_status PICK(fwd_plan_f32, fwd_plan_f64)(FWD_PLAN *p, const FWD_ARGS *
                                                    const mha_config *cfg, mha_error *err)
 {
     *p = (FWD_PLAN){.cfg = cfg};
-    mha_status st = mha_check_config(&p->lay, cfg, err);
+    mha_status st = mha_check_config_typed(&p->lay, cfg, MHA_DTYPE, err);
     if (st != MHA_OK)
         return st;
     const size_t nq = cfg->B * cfg->Tq, nk = cfg->B * cfg->Tk;
@@ -310,7 +310,7 @@ static mha_status PICK(attend_check_f32, attend_check_f64)(mha_config *lc,
     lc->Din = lc->Dkin = lc->Dvin = lc->Dout = 0;
     lc->has_wo = 1;
     mha_layout lay;
-    mha_status st = mha_check_config(&lay, lc, err);
+    mha_status st = mha_check_config_typed(&lay, lc, MHA_DTYPE, err);
     if (st != MHA_OK)
         return st;
     if ((st = mha_check_no_qk(cfg, err)) != MHA_OK)

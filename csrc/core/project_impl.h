@@ -31,7 +31,7 @@ static mha_status PICK(mha_project_f32, mha_project_f64)(const mha_config *cfg,
     const REAL *wq = prm->wq, *wk = prm->wk, *wv = prm->wv;
     const REAL *bq = prm->bq, *bk = prm->bk, *bv = prm->bv;
     mha_layout lay;
-    mha_status st = mha_check_config(&lay, cfg, err);
+    mha_status st = mha_check_config_typed(&lay, cfg, MHA_DTYPE, err);
     if (st != MHA_OK)
         return st;
     const REAL *input[3] = {x, key, value}, *w[3] = {wq, wk, wv}, *bias[3] = {bq, bk, bv};

@@ -26,6 +26,7 @@
 #define qk_fwd_task PICK(qk_fwd_task_f32, qk_fwd_task_f64)
 #define mha_qk_forward PICK(mha_qk_forward_f32, mha_qk_forward_f64)
 #define qk_head_norm_bwd PICK(qk_head_norm_bwd_f32, qk_head_norm_bwd_f64)
+#define qk_head_unseen PICK(qk_head_unseen_f32, qk_head_unseen_f64)
 #define qk_bwd_rows_task PICK(qk_bwd_rows_task_f32, qk_bwd_rows_task_f64)
 #define qk_bwd_norm_task PICK(qk_bwd_norm_task_f32, qk_bwd_norm_task_f64)
 #define qk_dw_task PICK(qk_dw_task_f32, qk_dw_task_f64)
@@ -179,6 +180,23 @@ static void qk_head_norm_bwd(REAL *g, const REAL *x, size_t d, const REAL *w, do
     }
 }
 
+/* 1 when one head of one row has g (d,) all zero and x (d,) holding an inf
+   or NaN: a key no query sees, or a query that sees no key, of an inf or
+   NaN projection. Its r and xhat are NaN, which would turn its g and the
+   weight's gradient NaN through 0 * NaN; so passes B and C pass it by
+   (its r is marked -1, which no other row's r, >= 0 or NaN, can be) and
+   its gradient stays 0, as the forward never read it. */
+static int qk_head_unseen(const REAL *g, const REAL *x, size_t d)
+{
+    for (size_t c = 0; c < d; c++)
+        if (g[c] != 0)
+            return 0;
+    for (size_t c = 0; c < d; c++)
+        if (!(x[c] - x[c] == 0))
+            return 1;
+    return 0;
+}
+
 /* Pass A (and C when fused) for one block of QK_ROWS row indices. Through
    `(a, b) -> (a cos - b sin, a sin + b cos)`: its transpose, the rotation
    by -angle, (ga, gb) -> (ga cos + gb sin, gb cos - ga sin). */
@@ -207,9 +225,9 @@ static void qk_bwd_rows_task(void *vctx, size_t t, int ith)
             }
             if (s->w == NULL)
                 continue;
-            const double rr = qk_rinv(x, d, cfg->norm_eps);
+            const double rr = qk_head_unseen(g, x, d) ? -1.0 : qk_rinv(x, d, cfg->norm_eps);
             c->rinv[r * s->nh + h] = rr;
-            if (c->fuse)
+            if (c->fuse && !(rr < 0))
                 qk_head_norm_bwd(g, x, d, qk_weight(s, h), rr);
         }
     }
@@ -226,8 +244,10 @@ static void qk_bwd_norm_task(void *vctx, size_t t, int ith)
     for (size_t i = t * QK_ROWS; i < i1; i++)
         for (size_t bh = 0; bh < s->nb * s->nh; bh++) {
             const size_t r = (bh / s->nh) * s->rstep + i, h = bh % s->nh;
-            qk_head_norm_bwd(c->dst + r * s->S + s->off[h], c->x + r * s->S + s->off[h],
-                             qk_width(s, h), qk_weight(s, h), c->rinv[r * s->nh + h]);
+            const double rr = c->rinv[r * s->nh + h];
+            if (!(rr < 0)) /* not an unseen head row (qk_head_unseen) */
+                qk_head_norm_bwd(c->dst + r * s->S + s->off[h], c->x + r * s->S + s->off[h],
+                                 qk_width(s, h), qk_weight(s, h), rr);
         }
 }
 
@@ -251,6 +271,8 @@ static void qk_dw_task(void *vctx, size_t t, int ith)
             const REAL *g = c->dst + r * s->S + s->off[h] + c0;
             const REAL *x = c->x + r * s->S + s->off[h] + c0;
             const double rr = c->rinv[r * s->nh + h];
+            if (rr < 0) /* an unseen head row (qk_head_unseen) */
+                continue;
             for (size_t j = 0; j < n; j++)
                 acc[j] += (double)g[j] * ((double)x[j] * rr);
         }
@@ -313,6 +335,7 @@ mha_status mha_qk_backward(REAL *dq, REAL *dk, REAL *dq_norm, REAL *dk_norm, con
 #undef qk_fwd_task
 #undef mha_qk_forward
 #undef qk_head_norm_bwd
+#undef qk_head_unseen
 #undef qk_bwd_rows_task
 #undef qk_bwd_norm_task
 #undef qk_dw_task

@@ -150,7 +150,15 @@ static inline int mha_interrupted(const mha_config *cfg)
  *   kT  (B, nkb, [g: dk_g, BK])    the same blocks transposed (keys
  *   vT  (B, nkb, [g: dv_g, BK])    contiguous), and v's
  * Rows of the last key block past Tk are left unset: no tile reads them.
+ * Pass 3 also flags what holds an inf or NaN, so that a tile can keep it
+ * from the keys and rows that never see it (bwd.inc, bwd_mm_guarded):
+ *   qbad  (B, H, nqb)  nonzero when a row of the query block has a
+ *                      non-finite q, d(concat) or D, or a NaN lse
+ *   kvbad (B, nkb, G)  MHA_BWD_BAD_K when the key block's k holds one,
+ *                      MHA_BWD_BAD_V when its v does
  */
+#define MHA_BWD_BAD_K 1
+#define MHA_BWD_BAD_V 2
 #define MHA_DEFINE_BWD_CTX(real, name)                                        \
     typedef struct {                                                          \
         const mha_config *cfg;                                                \
@@ -163,6 +171,7 @@ static inline int mha_interrupted(const mha_config *cfg)
         const real *lse;    /* (B, H, Tq)                       */            \
         const real *D;      /* (B, H, Tq)    rowsum(dO * O)     */            \
         real *qh, *doh, *kh, *kT, *vT; /* packed, see above     */            \
+        unsigned char *qbad, *kvbad;   /* flags, see above      */            \
         real *dq;           /* (B, Tq, Sq)   written by pass 5  */            \
         real *dk;           /* (B, Tk, Sk)   written by pass 4  */            \
         real *dv;           /* (B, Tk, Sv)   written by pass 4  */            \

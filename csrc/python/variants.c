@@ -4,6 +4,8 @@
  */
 #include "glue.h"
 
+#include <limits.h>
+
 /* ---- the variants (issue 13) ------------------------------------------- */
 /*
  * forward() and backward() take the variants of today's models as one
@@ -82,9 +84,15 @@ static int variant_window(mha_config *cfg, PyObject *w)
         return 0;
     long long left, right;
     if (!PyTuple_Check(w) || !PyArg_ParseTuple(w, "LL", &left, &right)) {
+        // An int past long long is a value error, not a type error.
+        const int range = PyErr_ExceptionMatches(PyExc_OverflowError);
         PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, "window: expected None or a tuple of two ints "
-                     "(-1 for an unbounded side), got %R", w);
+        if (range)
+            PyErr_Format(PyExc_ValueError, "window: expected each side in [-1, %lld] "
+                         "(-1 for an unbounded side), got %R", LLONG_MAX, w);
+        else
+            PyErr_Format(PyExc_TypeError, "window: expected None or a tuple of two ints "
+                         "(-1 for an unbounded side), got %R", w);
         return -1;
     }
     cfg->windowed = 1;
@@ -99,17 +107,25 @@ static int variant_scalars(mha_config *cfg, PyObject *t)
 {
     cfg->softcap = PyFloat_AsDouble(PyTuple_GET_ITEM(t, V_SOFTCAP));
     cfg->norm_eps = PyFloat_AsDouble(PyTuple_GET_ITEM(t, V_NORM_EPS));
-    const Py_ssize_t rd = PyLong_AsSsize_t(PyTuple_GET_ITEM(t, V_ROTARY_DIM));
     const int inter = PyObject_IsTrue(PyTuple_GET_ITEM(t, V_INTERLEAVED));
     if (PyErr_Occurred()) {
         prefix_error("variants");
         return -1;
     }
     // softcap and norm_eps are the core's to check (mha_check_config);
-    // rotary_dim must convert to a size_t.
+    // rotary_dim must convert to a size_t: an int past Py_ssize_t (a
+    // RoPE's rotary_dim set to 2**64 after construction) is out of range,
+    // a ValueError naming it, as a negative one is, not an OverflowError.
+    PyObject *rd_obj = PyTuple_GET_ITEM(t, V_ROTARY_DIM);
+    const Py_ssize_t rd = PyLong_AsSsize_t(rd_obj);
+    if (rd == -1 && PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_OverflowError)) {
+        prefix_error("rotary_dim");
+        return -1;
+    }
     if (rd < 0) {
-        PyErr_Format(PyExc_ValueError, "variants: expected rotary_dim >= 0, got %zd",
-                     (Py_ssize_t)rd);
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "rotary_dim: expected an int in [0, %zd], got %R",
+                     PY_SSIZE_T_MAX, rd_obj);
         return -1;
     }
     cfg->rotary_dim = (size_t)rd;

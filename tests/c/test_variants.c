@@ -679,10 +679,12 @@ static void test_window_as_mask(void)
  * product, dQ += dS k, multiplies a computed block's keys by dS = 0, and
  * 0 * NaN = NaN: dx is finite only if every such block is skipped by the
  * dQ pass and by the fused pass (1 thread runs the fused pass, 3 threads
- * the separate dK/dV and dQ passes). dx must also match the same call with
- * those keys finite. What cannot help it: dwk = key^T dk and dwv =
- * value^T dv multiply the NaN inputs by exact zeros, and are NaN by IEEE
- * rules whatever the core skips; they are not checked.
+ * the separate dK/dV and dQ passes), and, in a block some of whose keys
+ * are seen, only if the tile's products skip the unseen keys' columns
+ * (bwd.inc, bwd_mm_guarded). dx must also match the same call with those
+ * keys finite. So must dwk = key^T dk and dwv = value^T dv, whose NaN rows
+ * of key and value meet rows of dk, dv that are exactly 0: the backward
+ * reads them as zeros (backward_impl.h, bwd_seen_input).
  */
 static void check_nan_skip(const spec *sp, size_t j_lo, size_t j_hi, size_t b_nan)
 {
@@ -722,8 +724,12 @@ static void check_nan_skip(const spec *sp, size_t j_lo, size_t j_hi, size_t b_na
             CHECK(all_finite(g.dkey, nkey(&P)) && all_finite(g.dvalue, nkey(&P)) &&
                       all_finite(g.dwo, P.Svq * P.Dout),
                   "%s %s: NaN in dkey / dvalue / dwo", sp->name, isa);
+            CHECK(all_finite(g.dwk, Din * P.Sk) && all_finite(g.dwv, Din * P.Sv),
+                  "%s %s: the NaN rows of key / value reached dwk / dwv", sp->name, isa);
             CHECK(max_err(g.dx, g_ref.dx, nx(&P)) <= 1e-12 &&
-                      max_err(g.dkey, g_ref.dkey, nkey(&P)) <= 1e-12,
+                      max_err(g.dkey, g_ref.dkey, nkey(&P)) <= 1e-12 &&
+                      max_err(g.dwk, g_ref.dwk, Din * P.Sk) <= 1e-12 &&
+                      max_err(g.dwv, g_ref.dwv, Din * P.Sv) <= 1e-12,
                   "%s %s: gradients differ from the finite call", sp->name, isa);
             for (size_t j = j_lo; j < j_hi; j++)
                 for (size_t d = 0; d < Din; d++) {
@@ -748,10 +754,11 @@ static void test_skipping(void)
                       .causal = 1, .windowed = 1, .wl = 20, .wr = 0, .sinks = 1};
     check_nan_skip(&win, 0, 128, 0);
     // key_mask: item 1 has keys 64 .. 139 masked (KM_PATTERN), so block
-    // 64 .. 127 is masked wholly.
+    // 64 .. 127 is masked wholly, and keys 128 .. 139 of the next block,
+    // whose other keys are seen, are masked too.
     const spec km = {.name = "skip: key_mask", BASE, .B = 2, .Tq = 150, .Tk = 256,
                      .key_mask = KM_PATTERN, .softcap = 2.0};
-    check_nan_skip(&km, 64, 128, 1);
+    check_nan_skip(&km, 64, 140, 1);
     // Packed: sequence 1 has keys 64 .. 191 and no query; the query tiles
     // spanning sequences 0 and 2 must skip its blocks (off-diagonal).
     const spec pk = {.name = "skip: packed", BASE, .B = 1, .Tq = 150, .Tk = 300,
