@@ -1069,10 +1069,10 @@ table("merge", raises(VE, words=["outs, lses", "non-zero", "0 and 0"]), [
     ("empty", lambda: merge((), ()))], "merge_attention")
 table("merge", raises(VE, words=["outs, lses", "1 and 2"]), [
     ("counts_differ", lambda: merge((O4,), (L4, L4)))], "merge_attention")
-table("merge", raises(VE, words=["lses[1]", "outs[1]"]), [
-    ("part_shapes_differ", lambda: merge((O4, O4[0]))),
-    ("lse_shape", lambda: merge(lses=(L4, L4[0]))),
-], "merge_attention")
+table("merge", raises(VE, words=["outs[1]", "(2, 4, 3, 2)"]), [
+    ("part_shapes_differ", lambda: merge((O4, O4[0])))], "merge_attention")
+table("merge", raises(VE, words=["lses[1]"]), [
+    ("lse_shape", lambda: merge(lses=(L4, L4[0])))], "merge_attention")
 table("merge", raises(VE, words=["lses[0]", "layout='bthd'"]), [
     ("bhtd_parts_as_bthd", lambda: merge(layout="bthd"))], "merge_attention")
 table("merge", raises(VE, words=["outs[0]", "(..., H, T_q, d_v)"]), [
@@ -1447,11 +1447,14 @@ table("rope", raises(VE, words=["rotary_dim", "positive int"]), [
     ("rotary_dim_negative", lambda: mhattn.RoPE(rotary_dim=-2)),
     ("rotary_dim_zero", lambda: mhattn.RoPE(rotary_dim=0)),
 ], "RoPE")
+table("packed_weights", raises(TE, words=["PackedWeights:", "mhattn.pack_weights"]), [
+    ("made_directly", lambda: mhattn.PackedWeights()),
+    ("made_directly_with_weights", lambda: mhattn.PackedWeights(W, W, W))], "PackedWeights")
 table("rope", raises(TE, words=["rotary_dim", "int or None"]), [
     ("rotary_dim_float", lambda: mhattn.RoPE(rotary_dim=2.0)),
     ("rotary_dim_string", lambda: mhattn.RoPE(rotary_dim="a")),
 ], "RoPE")
-table("rope", raises(TE, words=["interleaved", "bool"]), [
+table("rope", raises(TE, words=["interleaved:", "True or False"]), [
     ("interleaved_int", lambda: mhattn.RoPE(interleaved=1)),
     ("interleaved_string", lambda: mhattn.RoPE(interleaved="yes")),
 ], "RoPE")
@@ -1499,8 +1502,7 @@ table("trace_object", raises(TE, words=["compare", "a Trace or a dict", "NoneTyp
 table("trace_object", raises(TE, words=["compare", "a Trace or a dict", "str"]), [
     ("compare_string", lambda: TRACE.compare("a"))], "Trace.compare")
 
-# plot_attention: the checks before matplotlib is imported (weights with
-# sinks are issue 35's other work).
+# plot_attention: the checks before matplotlib is imported.
 WEIGHTS = mhattn.multi_head_attention(X, W, W, W, num_heads=2, return_weights=True)[1]
 PLOT = "plot_attention"
 
@@ -1526,6 +1528,10 @@ table("plot", raises(VE, words=["weights", "not probabilities"]), [
     ("weights_negative", lambda: plot(-WEIGHTS))], PLOT)
 table("plot", raises(VE, words=["weights", "sums to"]), [
     ("weights_rows_not_summing_to_1", lambda: plot(WEIGHTS * 0.5))], PLOT)
+table("plot", raises(TE, words=["sinks", "array of numbers"]), [
+    ("sinks_string", lambda: plot(sinks="a"))], PLOT)
+table("plot", raises(VE, words=["sinks", "one per head", "(5,)"]), [
+    ("sinks_shape", lambda: plot(sinks=np.ones(5)))], PLOT)
 table("plot", raises(VE, words=["tokens", "3 labels, got 1"]), [
     ("tokens_count", lambda: plot(tokens=["a"]))], PLOT)
 table("plot", raises(VE, words=["key_tokens", "3 labels, got 1"]), [
@@ -1575,7 +1581,8 @@ for fn_name, entry, good in ((CHECK, CHECK, good_prototype),
     table(fn_name, raises(TE, words=["fn", "callable", "str"]), [
         ("fn_string", lambda check=check: check("abc"))], entry)
     table(fn_name, raises(VE, words=["trials", "non-negative integer"]), [
-        ("trials_negative", lambda check=check, good=good: check(good, trials=-1)),
+        ("trials_negative", lambda check=check, good=good: check(good, trials=-1))], entry)
+    table(fn_name, raises(TE, words=["trials:", "non-negative integer"]), [
         ("trials_string", lambda check=check, good=good: check(good, trials="a")),
         ("trials_float", lambda check=check, good=good: check(good, trials=1.5)),
     ], entry)
@@ -1599,9 +1606,10 @@ for fn_name, entry, good in ((CHECK, CHECK, good_prototype),
             assert not check(bad, trials=0).ok
     case(f"{fn_name}_misbehaving_prototypes", OK, entry)(misbehaving)
 table(CHECK, raises(VE, words=["convention", "'general' or 'standard'"]), [
-    ("convention_unknown", lambda: mhattn.check_prototype(good_prototype, convention="nope")),
-    ("convention_int", lambda: mhattn.check_prototype(good_prototype, convention=5)),
-], CHECK)
+    ("convention_unknown", lambda: mhattn.check_prototype(good_prototype, convention="nope"))],
+    CHECK)
+table(CHECK, raises(TE, words=["convention:", "'general' or 'standard'"]), [
+    ("convention_int", lambda: mhattn.check_prototype(good_prototype, convention=5))], CHECK)
 
 # The PyTorch mask converters, param_count and set_num_threads.
 FTM, TTA = "from_torch_masks", "to_torch_attn_mask"
@@ -1730,8 +1738,9 @@ def entry_function(entry):
     obj = _C if entry.startswith("_C.") else mhattn
     for part in entry.split(".")[1 if entry.startswith("_C.") else 0:]:
         obj = getattr(obj, part)
-    if isinstance(obj, type):
-        obj = obj.__init__                  # the constructor
+    if isinstance(obj, type):                # the constructor: its own __init__,
+        ctor = obj.__dict__.get("__init__") or obj.__dict__.get("__new__")   # or __new__
+        obj = ctor if ctor is not None else obj.__init__
     return getattr(obj, "__func__", obj)     # a classmethod's function
 
 

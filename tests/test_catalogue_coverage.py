@@ -37,7 +37,6 @@ NOT_CALLABLE = {
 # Callables that take nothing from their caller (no parameter but self).
 TAKES_NOTHING = {
     "worked_example", "get_isa", "get_num_threads",
-    "PackedWeights",             # made by pack_weights (issue 35 fixes its bare call)
     "PackedWeights.arguments", "KVCache.reset", "MultiHeadAttention.weights",
     "MultiHeadAttention.arguments", "MultiHeadAttention.state_dict",
     "MultiHeadAttention.to_torch", "Trace.to_dict", "Trace.keys",
