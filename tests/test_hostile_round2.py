@@ -498,3 +498,26 @@ def test_context_cannot_be_half_made(args):
 def test_rope_names_its_arguments(kw, exc, start):
     with pytest.raises(exc, match="^" + start):
         mhattn.RoPE(**kw)
+
+
+@pytest.mark.parametrize("G", [10 ** 8, 2 ** 40, 2 ** 63, 2 ** 70])
+def test_a_huge_kv_head_count_is_named_before_anything_is_allocated(G):
+    """The memory rule on head counts comes before the core's pairing rule,
+    whose vectors would be (G,): a MemoryError naming num_kv_heads, whatever
+    the entry point (the fuzzer saw NumPy's 8 TiB MemoryError and 800 MB
+    allocated at 10**8)."""
+    x, w = np.ones((3, 4)), np.ones((4, 4))
+    calls = (lambda: mhattn.multi_head_attention(x, w, w, w, num_heads=2, num_kv_heads=G),
+             lambda: mhattn.multi_head_attention_grad(x, x, w, w, w, num_heads=2,
+                                                      num_kv_heads=G),
+             lambda: mhattn.trace(x, w, w, w, num_heads=2, num_kv_heads=G),
+             lambda: mhattn.pack_weights(w, w, w, num_heads=2, num_kv_heads=G),
+             lambda: mhattn.MultiHeadAttention(4, 2, num_kv_heads=G))
+    tracemalloc.start()
+    try:
+        for call in calls:
+            with pytest.raises(MemoryError, match=f"^num_kv_heads: {G} heads"):
+                call()
+        assert tracemalloc.get_traced_memory()[1] < 2 ** 26
+    finally:
+        tracemalloc.stop()

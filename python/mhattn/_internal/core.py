@@ -121,7 +121,12 @@ def check_heads(H: int, G: int, dk=None, dv=None, names: Names = LAYER) -> None:
     kv heads' widths dk, dv), for what splits weights per head before any
     call of the core (normalize, pack_weights, the layer's constructor).
     A verdict depends on these numbers alone: the accepted ones are kept
-    (a decode step asks each token), a rejection is asked again."""
+    (a decode step asks each token), a rejection is asked again. Asking
+    builds (H,) and (G,) vectors: first the memory rule on head counts
+    (a head's bookkeeping, args.PER_HEAD_BYTES), so that a huge count is a
+    MemoryError naming it, never an allocation."""
+    for letter, count in (("H", H), ("G", G)):
+        _args._check_head_count(names.argument[letter], count)
     try:
         _heads_ok(H, G, None if dk is None else tuple(dk), None if dv is None else tuple(dv))
     except ValueError as e:
