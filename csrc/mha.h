@@ -258,6 +258,13 @@ typedef struct {
    points check with their mha_params.dtype, after these. */
 mha_status mha_check_config(mha_layout *lay, const mha_config *cfg, mha_error *err);
 
+/* mha_check_config, then the rules that need the call's element type
+   (scale, softcap and ALiBi slopes representable in it). Every operation
+   checks its config with it; a caller that checks a config before an
+   operation (the glue's check_config) does too. */
+mha_status mha_check_config_typed(mha_layout *lay, const mha_config *cfg, mha_dtype dtype,
+                                  mha_error *err);
+
 /* The first of mha_check_config's rules alone: H query heads and G
    key/value heads that a call can pair (H, G >= 1, G divides H). For a
    caller that lays out per-head data before its config is complete (the

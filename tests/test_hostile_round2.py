@@ -521,3 +521,32 @@ def test_a_huge_kv_head_count_is_named_before_anything_is_allocated(G):
         assert tracemalloc.get_traced_memory()[1] < 2 ** 26
     finally:
         tracemalloc.stop()
+
+
+@pytest.mark.parametrize("n,exc", [(2 ** 64, None), (-2 ** 64, ValueError), ("a", TypeError),
+                                   (2.0, TypeError)])
+def test_the_glues_thread_count_names_n(n, exc):
+    """_C.set_num_threads: past a C long is as many threads as the core
+    takes (was a bare OverflowError); other values name n."""
+    from mhattn import _C
+    before = _C.get_num_threads()
+    try:
+        if exc is None:
+            _C.set_num_threads(n)
+            assert _C.get_num_threads() == 256
+        else:
+            with pytest.raises(exc, match="^n: "):
+                _C.set_num_threads(n)
+    finally:
+        _C.set_num_threads(before)
+
+
+def test_the_reference_applies_the_precision_rules():
+    """The reference asks the core about its config with the call's dtype
+    (_C.check_config): a float32 softcap of 1e308 is refused there too."""
+    x, w = np.ones((3, 4), np.float32), np.ones((4, 4), np.float32)
+    for f in (mhattn.reference.multi_head_attention, mhattn.multi_head_attention):
+        with pytest.raises(ValueError, match="^softcap: .*not representable in float32"):
+            f(x, w, w, w, num_heads=2, softcap=1e308)
+    assert np.isfinite(mhattn.reference.multi_head_attention(
+        x.astype(np.float64), w, w, w, num_heads=2, softcap=1e308)).all()

@@ -35,12 +35,6 @@ typedef mha_status (*mha_typed_fn)(const mha_config *cfg, const mha_params *prm,
 mha_status mha_call_typed(const mha_config *cfg, const mha_params *prm, mha_error *err,
                           mha_typed_fn f32, mha_typed_fn f64);
 
-/* mha_check_config, then the rules that need the call's element type
-   (config.c, precision_check: scale, softcap and ALiBi slopes
-   representable in it). The drivers check their config with it. */
-mha_status mha_check_config_typed(mha_layout *lay, const mha_config *cfg, mha_dtype dtype,
-                                  mha_error *err);
-
 /* MHA_OK when the q/k transforms are off, as attention alone (mha_attend,
    mha_attend_backward) needs: they belong to the projections. */
 mha_status mha_check_no_qk(const mha_config *cfg, mha_error *err);

@@ -229,7 +229,7 @@ static int build_config(call *c, const call_spec *sp)
     fill_config(c, sp, mask_kind, mask_stride);
     if (read_variants(c, c->arg[sp->variants].obj) < 0 ||
         (sp->check != NULL && sp->check(c) < 0) ||
-        (sp->checked && core_check(&c->cfg) < 0) ||
+        (sp->checked && core_check(&c->cfg, c->typenum) < 0) ||
         (sp->finish != NULL && sp->finish(c) < 0))
         return -1;
     return 0;

@@ -14,11 +14,11 @@
 /* mha_check_config on the config the skeleton filled (call.c,
    fill_config): -1 with the core's verdict as a Python exception (its
    message, which names the rule and the values seen, for MHA_ERR_ARG). */
-int core_check(const mha_config *cfg)
+int core_check(const mha_config *cfg, int typenum)
 {
     mha_layout lay;
     mha_error err;
-    const mha_status st = mha_check_config(&lay, cfg, &err);
+    const mha_status st = mha_check_config_typed(&lay, cfg, DTYPE_OF(typenum), &err);
     if (st != MHA_OK) {
         raise_status(st, &err);
         return -1;

@@ -257,7 +257,7 @@ void raise_status(mha_status st, const mha_error *err);
 int sigint_setup(void);
 
 /* ---- core_calls.c: every call into the core ------------------------------ */
-int core_check(const mha_config *cfg);
+int core_check(const mha_config *cfg, int typenum);
 mha_status forward_core(call *c);
 mha_status backward_core(call *c);
 mha_status project_core(call *c);

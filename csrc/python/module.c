@@ -55,12 +55,23 @@ PyDoc_STRVAR(set_num_threads_doc, SET_NUM_THREADS_DOC);
 static PyObject *set_num_threads(PyObject *self, PyObject *arg)
 {
     (void)self;
-    const long n = PyLong_AsLong(arg);
+    PyObject *index = PyNumber_Index(arg);   // an int, or what has __index__
+    if (index == NULL) {
+        PyErr_Format(PyExc_TypeError, "n: expected an int, got %s", Py_TYPE(arg)->tp_name);
+        return NULL;
+    }
+    int overflow;
+    const long n = PyLong_AsLongAndOverflow(index, &overflow);
+    Py_DECREF(index);
     if (n == -1 && PyErr_Occurred())
         return NULL;
-    if (n < 0) {
+    if (overflow > 0) {   // past long: as many threads as the core takes
+        mha_set_num_threads(MHA_MAX_THREADS);
+        Py_RETURN_NONE;
+    }
+    if (n < 0 || overflow < 0) {
         PyErr_Format(PyExc_ValueError,
-                     "n: expected a thread count >= 0, got %ld", n);
+                     "n: expected a thread count >= 0, got %R", arg);
         return NULL;
     }
     mha_set_num_threads(n > MHA_MAX_THREADS ? MHA_MAX_THREADS : (int)n);
