@@ -155,7 +155,8 @@ Sources of keys and values for cross-attention: (T_k, d) or
     Arg("scale", _MHA, "float", "", "", "None",
         "Multiplier of Q K^T; default 1/sqrt(dk) of each head.",
         type="float, optional",
-        text="Multiplier of Q K^T; defaults to 1/sqrt(d_k) of each head."),
+        text="Multiplier of Q K^T; defaults to 1/sqrt(d_k) of each head. A finite\n"
+             "scale past the call's dtype's largest value is refused."),
     Arg("return_weights", ("multi_head_attention",), "bool", "", "", "False",
         "Also return the post-softmax weights.", type="bool",
         text="Also return the post-softmax weights, (h, T_q, T_k) or (B, h, T_q, T_k)."),
@@ -210,11 +211,13 @@ the window are skipped."""),
         text="""\
 Gemma 2's logit softcapping: each scaled score s becomes
 softcap * tanh(s / softcap), before ALiBi and the masks. None or 0
-(FlashAttention's convention) for none."""),
+(FlashAttention's convention) for none; otherwise softcap and 1 / softcap
+must be finite in the call's dtype."""),
     Arg("alibi_slopes", _MHA + _ATT, "array?", "float64", "(H,) or (B, H)", "None",
         "ALiBi: adds -slope_h * |p_i - j| to the scores.",
         type="(h,) or (B, h), optional",
-        text="ALiBi: adds -slope_h * |p_i - j| to the scores (no gradient)."),
+        text="ALiBi: adds -slope_h * |p_i - j| to the scores (no gradient). Finite,\n"
+             "and slope * (max(T_q, T_k) - 1) within the call's dtype."),
     Arg("sinks", _MHA + _ATT, "array?", "T", "(H,)", "None",
         "One learnable logit per query head, an extra key of value zero.",
         type="(h,), optional",
@@ -300,7 +303,8 @@ float32, anything else follows NumPy promotion with a float32 floor."""),
     Arg("layout", _ATT, "str", "", "", "'bhtd'", "The axis order of q, k, v and out.",
         type='"bhtd" (default) or "bthd"'),
     Arg("scale", _ATT, "float", "", "", "None", "Multiplier of q k^T; default 1/sqrt(dk).",
-        type="float, optional", text="Multiplier of q k^T; default 1/sqrt(d_k)."),
+        type="float, optional", text="Multiplier of q k^T; default 1/sqrt(d_k). A finite "
+        "scale past the call's dtype's largest value is refused."),
     Arg("mask", _ATT, "array?", "bool|T", "broadcasts to (B, H, Tq, Tk)", "None",
         "As multi_head_attention's.",
         text="""\

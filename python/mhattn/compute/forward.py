@@ -54,7 +54,8 @@ def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None
         Sources of keys and values for cross-attention: (T_k, d) or
         (B, T_k, d).  ``key`` defaults to ``x``, ``value`` to ``key``.
     scale : float, optional
-        Multiplier of Q K^T; defaults to 1/sqrt(d_k) of each head.
+        Multiplier of Q K^T; defaults to 1/sqrt(d_k) of each head. A finite
+        scale past the call's dtype's largest value is refused.
     return_weights : bool
         Also return the post-softmax weights, (h, T_q, T_k) or (B, h, T_q, T_k).
     mask : bool or float array, optional
@@ -84,9 +85,11 @@ def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None
     softcap : float >= 0, optional
         Gemma 2's logit softcapping: each scaled score s becomes
         softcap * tanh(s / softcap), before ALiBi and the masks. None or 0
-        (FlashAttention's convention) for none.
+        (FlashAttention's convention) for none; otherwise softcap and 1 / softcap
+        must be finite in the call's dtype.
     alibi_slopes : (h,) or (B, h), optional
-        ALiBi: adds -slope_h * |p_i - j| to the scores (no gradient).
+        ALiBi: adds -slope_h * |p_i - j| to the scores (no gradient). Finite,
+        and slope * (max(T_q, T_k) - 1) within the call's dtype.
     sinks : (h,), optional
         One learnable logit per query head, counted in the softmax's
         denominator as an extra key of value zero (gpt-oss); the returned
