@@ -99,7 +99,20 @@ class RoPE:
         self.rotary_dim = None if rotary_dim is None else int(rotary_dim)
         self.interleaved = bool(interleaved)
         if inv_freq is not None:
-            f = np.array(inv_freq, dtype=np.float64)
+            try:
+                raw = np.asarray(inv_freq)
+            except (TypeError, ValueError) as e:   # a ragged list, an odd object
+                raise TypeError(f"inv_freq: expected a 1-D array of real numbers, got "
+                                f"{type(inv_freq).__name__} that NumPy cannot read "
+                                f"({e})") from None
+            if raw.dtype.kind not in "iuf" and not (
+                    raw.dtype == object and all(
+                        isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
+                        for v in raw.reshape(-1))):
+                # complex would lose its imaginary part, strings and bools are no
+                # frequencies
+                raise TypeError(f"inv_freq: expected real numbers, got dtype {raw.dtype}")
+            f = np.array(raw, dtype=np.float64)
             if f.ndim != 1 or f.size == 0 or not np.isfinite(f).all():
                 raise ValueError(f"inv_freq: expected a 1-D array of finite numbers, "
                                  f"got shape {f.shape}")
@@ -116,9 +129,27 @@ class RoPE:
                 f"interleaved={self.interleaved!r}{extra})")
 
     def frequencies(self, rotary_dim: int) -> np.ndarray:
-        """(rotary_dim/2,) float64: inv_freq, or theta ** (-2c / rotary_dim)."""
+        """(rotary_dim/2,) float64: inv_freq, or theta ** (-2c / rotary_dim).
+
+        rotary_dim must be a positive int (TypeError / ValueError naming it).
+        Whether it is even and <= d_k is the core's rule, checked at the
+        call: an odd rotary_dim here gives rotary_dim // 2 frequencies.  A
+        rotary_dim whose frequencies cannot fit in memory raises MemoryError
+        (mhattn's one memory rule, check_memory) before anything is
+        allocated.
+        """
+        if isinstance(rotary_dim, (bool, np.bool_)) or not isinstance(rotary_dim,
+                                                                      numbers.Integral):
+            raise TypeError(f"rotary_dim: expected a positive int, got {rotary_dim!r:.80} "
+                            f"({type(rotary_dim).__name__})")
+        rotary_dim = int(rotary_dim)
+        if rotary_dim <= 0:
+            raise ValueError(f"rotary_dim: expected a positive int, got {rotary_dim}")
         if self.inv_freq is not None:
             return self.inv_freq
+        from .args import check_memory   # args imports this module
+        # the frequencies and their exponents: two float64 arrays of rotary_dim/2
+        check_memory([("rotary_dim", "2*(rotary_dim/2)", (2, rotary_dim // 2), 8)])
         c = np.arange(rotary_dim // 2, dtype=np.float64)
         return 1.0 / self.theta ** (2 * c / rotary_dim)
 
