@@ -46,6 +46,10 @@ def variant_kwargs(ns: dict) -> dict:
     return {name: ns[name] for name in VARIANT_DEFAULTS}
 
 
+# RoPE.frequencies refuses a rotary_dim above this before allocating.
+_MAX_ROTARY_DIM = 2 ** 20
+
+
 class RoPE:
     """Rotary position embedding of q and k (after the q/k norm, before the scale).
 
@@ -134,9 +138,11 @@ class RoPE:
         rotary_dim must be a positive int (TypeError / ValueError naming it).
         Whether it is even and <= d_k is the core's rule, checked at the
         call: an odd rotary_dim here gives rotary_dim // 2 frequencies.  A
-        rotary_dim whose frequencies cannot fit in memory raises MemoryError
-        (mhattn's one memory rule, check_memory) before anything is
-        allocated.
+        rotary_dim above 2**20 (no model's head is that wide; the core would
+        refuse it as wider than d_k anyway) raises ValueError before the
+        frequencies are allocated, so a huge one set after construction
+        never reaches np.arange.  (A cap, not check_memory: args imports this
+        module, and the import graph runs one way.)
         """
         if isinstance(rotary_dim, (bool, np.bool_)) or not isinstance(rotary_dim,
                                                                       numbers.Integral):
@@ -147,9 +153,9 @@ class RoPE:
             raise ValueError(f"rotary_dim: expected a positive int, got {rotary_dim}")
         if self.inv_freq is not None:
             return self.inv_freq
-        from .args import check_memory   # args imports this module
-        # the frequencies and their exponents: two float64 arrays of rotary_dim/2
-        check_memory([("rotary_dim", "2*(rotary_dim/2)", (2, rotary_dim // 2), 8)])
+        if rotary_dim > _MAX_ROTARY_DIM:
+            raise ValueError(f"rotary_dim: {rotary_dim} is wider than any head "
+                             f"(at most {_MAX_ROTARY_DIM} = 2**20 here)")
         c = np.arange(rotary_dim // 2, dtype=np.float64)
         return 1.0 / self.theta ** (2 * c / rotary_dim)
 
