@@ -37,9 +37,38 @@ def test_rope_frequencies_rotary_dim_non_positive(rd):
 def test_rope_huge_rotary_dim_set_after_construction(rd):
     rope = mhattn.RoPE()
     rope.rotary_dim = rd
-    with pytest.raises(MemoryError, match=r"^rotary_dim needs "):
+    with pytest.raises(ValueError, match=r"^rotary_dim: "):
         rope.frequencies(rd)
     x = np.ones((2, 4))
-    with pytest.raises(MemoryError, match=r"^rotary_dim needs "):
+    with pytest.raises(ValueError, match=r"^rotary_dim: "):
         mhattn.multi_head_attention(x, np.eye(4), np.eye(4), np.eye(4), num_heads=1,
                                     rope=rope)
+
+
+# -- the PyTorch mask converters ------------------------------------------------
+
+def test_to_torch_attn_mask_as_tensor_not_bool():
+    with pytest.raises(TypeError, match=r"^as_tensor: "):
+        mhattn.to_torch_attn_mask(np.ones((2, 2), bool), as_tensor="yes")
+
+
+def test_to_torch_attn_mask_huge_broadcast_named():
+    big = np.broadcast_to(True, (2 ** 20, 2 ** 20))
+    with pytest.raises(MemoryError, match=r"^mask needs "):
+        mhattn.to_torch_attn_mask(big)
+    with pytest.raises(MemoryError, match=r"^mask needs "):
+        mhattn.to_torch_attn_mask(np.ones((1, 1), bool), tgt_len=2 ** 20, src_len=2 ** 20)
+
+
+@pytest.mark.parametrize("fill", [True, np.float32(0)])
+def test_from_torch_masks_huge_attn_mask_named(fill):
+    with pytest.raises(MemoryError, match=r"^attn_mask needs "):
+        mhattn.from_torch_masks(np.broadcast_to(fill, (2 ** 20, 2 ** 20)))
+
+
+def test_from_torch_masks_huge_key_padding_mask_named():
+    with pytest.raises(MemoryError, match=r"^key_padding_mask needs "):
+        mhattn.from_torch_masks(key_padding_mask=np.broadcast_to(False, (2 ** 20, 2 ** 20)))
+    with pytest.raises(MemoryError, match=r"attn_mask with key_padding_mask"):
+        mhattn.from_torch_masks(np.ones((2 ** 15, 1), bool),
+                                key_padding_mask=np.broadcast_to(False, (2 ** 15, 2 ** 15)))
