@@ -72,3 +72,46 @@ def test_from_torch_masks_huge_key_padding_mask_named():
     with pytest.raises(MemoryError, match=r"attn_mask with key_padding_mask"):
         mhattn.from_torch_masks(np.ones((2 ** 15, 1), bool),
                                 key_padding_mask=np.broadcast_to(False, (2 ** 15, 2 ** 15)))
+
+
+# -- MultiHeadAttention ---------------------------------------------------------
+
+@pytest.mark.parametrize("seed, exc", [("abc", TypeError), (-1, ValueError),
+                                       (1.5, TypeError)])
+def test_layer_seed_named(seed, exc):
+    with pytest.raises(exc, match=r"^seed: "):
+        mhattn.MultiHeadAttention(8, 2, seed=seed)
+    layer = mhattn.MultiHeadAttention(8, 2, seed=0)
+    with pytest.raises(exc, match=r"^seed: "):
+        layer.reset_parameters(seed)
+
+
+def test_layer_norm_eps_string_named():
+    with pytest.raises(TypeError, match=r"^norm_eps: "):
+        mhattn.MultiHeadAttention(8, 2, qk_norm=True, norm_eps="a")
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(d_model=HUGE, num_heads=1), "d_model"),
+    (dict(d_model=8, num_heads=2, d_k=HUGE), "d_k"),
+    (dict(d_model=2 ** 70, num_heads=1), "d_model"),
+])
+def test_layer_huge_dimensions_named_memory_error(kw, words):
+    with pytest.raises(MemoryError, match=r"^w_. needs .*" + words):
+        mhattn.MultiHeadAttention(**kw)
+
+
+@pytest.mark.parametrize("state", [None, 5])
+def test_layer_load_state_dict_not_a_mapping(state):
+    layer = mhattn.MultiHeadAttention(8, 2, seed=0)
+    with pytest.raises(TypeError, match=r"^state_dict: expected a mapping"):
+        layer.load_state_dict(state)
+
+
+def test_layer_assigned_weight_error_knows_num_heads():
+    layer = mhattn.MultiHeadAttention(8, 2, seed=0)
+    layer.w_q = np.ones((8, 3))
+    with pytest.raises(ValueError, match=r"^w_q: ") as info:
+        layer(np.ones((3, 8), np.float32))
+    assert "need num_heads" not in str(info.value)
+    assert "num_heads=2" in str(info.value)
