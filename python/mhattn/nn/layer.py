@@ -159,7 +159,9 @@ class MultiHeadAttention:
         ``k_norm`` (d_k,) shared by every head (Qwen3), or with "per_head"
         ``q_norm`` (h, d_k) and ``k_norm`` (g, d_k).
     norm_eps : float
-        The q/k RMSNorm's epsilon.
+        The q/k RMSNorm's epsilon: a real number (TypeError otherwise, at
+        construction); finite and >= 0 is the core's rule, checked at the
+        first call.
     dtype : np.float32 or np.float64
     seed : int, np.random.Generator or None
         Passed to np.random.default_rng.
@@ -289,7 +291,8 @@ class MultiHeadAttention:
         if isinstance(norm_eps, (bool, np.bool_)) or not isinstance(norm_eps, numbers.Real):
             raise TypeError(f"norm_eps: expected a real number >= 0, got {norm_eps!r:.80} "
                             f"({type(norm_eps).__name__})")
-        # finite and >= 0 is the core's rule, checked at the call (one place)
+        # finite and >= 0 is the core's rule, checked at the call (one place;
+        # tests/catalogue_cases.py expects norm_eps=-1 refused by __call__)
         self.norm_eps = float(norm_eps)
 
     @property
