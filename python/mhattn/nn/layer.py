@@ -159,9 +159,7 @@ class MultiHeadAttention:
         ``k_norm`` (d_k,) shared by every head (Qwen3), or with "per_head"
         ``q_norm`` (h, d_k) and ``k_norm`` (g, d_k).
     norm_eps : float
-        The q/k RMSNorm's epsilon: a real number (TypeError otherwise, at
-        construction); finite and >= 0 is the core's rule, checked at the
-        first call.
+        The q/k RMSNorm's epsilon.
     dtype : np.float32 or np.float64
     seed : int, np.random.Generator or None
         Passed to np.random.default_rng.
