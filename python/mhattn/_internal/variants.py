@@ -46,6 +46,10 @@ def variant_kwargs(ns: dict) -> dict:
     return {name: ns[name] for name in VARIANT_DEFAULTS}
 
 
+# RoPE.frequencies refuses a rotary_dim above this before allocating.
+_MAX_ROTARY_DIM = 2 ** 20
+
+
 class RoPE:
     """Rotary position embedding of q and k (after the q/k norm, before the scale).
 
@@ -99,7 +103,20 @@ class RoPE:
         self.rotary_dim = None if rotary_dim is None else int(rotary_dim)
         self.interleaved = bool(interleaved)
         if inv_freq is not None:
-            f = np.array(inv_freq, dtype=np.float64)
+            try:
+                raw = np.asarray(inv_freq)
+            except (TypeError, ValueError) as e:   # a ragged list, an odd object
+                raise TypeError(f"inv_freq: expected a 1-D array of real numbers, got "
+                                f"{type(inv_freq).__name__} that NumPy cannot read "
+                                f"({e})") from None
+            if raw.dtype.kind not in "iuf" and not (
+                    raw.dtype == object and all(
+                        isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
+                        for v in raw.reshape(-1))):
+                # complex would lose its imaginary part, strings and bools are no
+                # frequencies
+                raise TypeError(f"inv_freq: expected real numbers, got dtype {raw.dtype}")
+            f = np.array(raw, dtype=np.float64)
             if f.ndim != 1 or f.size == 0 or not np.isfinite(f).all():
                 raise ValueError(f"inv_freq: expected a 1-D array of finite numbers, "
                                  f"got shape {f.shape}")
@@ -116,9 +133,29 @@ class RoPE:
                 f"interleaved={self.interleaved!r}{extra})")
 
     def frequencies(self, rotary_dim: int) -> np.ndarray:
-        """(rotary_dim/2,) float64: inv_freq, or theta ** (-2c / rotary_dim)."""
+        """(rotary_dim/2,) float64: inv_freq, or theta ** (-2c / rotary_dim).
+
+        rotary_dim must be a positive int (TypeError / ValueError naming it).
+        Whether it is even and <= d_k is the core's rule, checked at the
+        call: an odd rotary_dim here gives rotary_dim // 2 frequencies.  A
+        rotary_dim above 2**20 (no model's head is that wide; the core would
+        refuse it as wider than d_k anyway) raises ValueError before the
+        frequencies are allocated, so a huge one set after construction
+        never reaches np.arange.  (A cap, not check_memory: args imports this
+        module, and the import graph runs one way.)
+        """
+        if isinstance(rotary_dim, (bool, np.bool_)) or not isinstance(rotary_dim,
+                                                                      numbers.Integral):
+            raise TypeError(f"rotary_dim: expected a positive int, got {rotary_dim!r:.80} "
+                            f"({type(rotary_dim).__name__})")
+        rotary_dim = int(rotary_dim)
+        if rotary_dim <= 0:
+            raise ValueError(f"rotary_dim: expected a positive int, got {rotary_dim}")
         if self.inv_freq is not None:
             return self.inv_freq
+        if rotary_dim > _MAX_ROTARY_DIM:
+            raise ValueError(f"rotary_dim: {rotary_dim} is wider than any head "
+                             f"(at most {_MAX_ROTARY_DIM} = 2**20 here)")
         c = np.arange(rotary_dim // 2, dtype=np.float64)
         return 1.0 / self.theta ** (2 * c / rotary_dim)
 

@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .._internal.args import _int_arg
+from .._internal.args import _int_arg, bool_arg, check_memory
 
 __all__ = ["from_torch_masks", "torch_masks_to_mhattn", "to_torch_attn_mask"]
 
@@ -45,6 +45,13 @@ def _as_numpy(name: str, m: Any) -> np.ndarray:
 def _blocked_to_additive(a: np.ndarray, dtype) -> np.ndarray:
     """PyTorch boolean (True = blocked) -> float: -inf where blocked, else 0."""
     return np.where(a, -np.inf, 0.0).astype(dtype)
+
+
+def _formula(shape: tuple) -> str:
+    """The axes' names of a mask shape broadcasting to (B, h, T_q, T_k)."""
+    names = ("B", "h", "T_q", "T_k")[4 - len(shape):] if len(shape) <= 4 else \
+        tuple(f"n{i}" for i in range(len(shape)))
+    return "*".join(names) or "1"
 
 
 def _strip_leading_ones(a: np.ndarray) -> np.ndarray:
@@ -149,6 +156,21 @@ def from_torch_masks(attn_mask: Any = None, key_padding_mask: Any = None, *,
                              f"{a.shape} and key_padding_mask as {b.shape} do not "
                              "broadcast together (check T_k and the batch size)") from None
 
+    # What the merge materialises, checked before anything is allocated: a
+    # broadcast view (np.broadcast_to(True, (2**20, 2**20))) costs nothing
+    # until it is inverted or added.
+    out_shape = np.broadcast_shapes(*[m.shape for _, m in parts])
+    if all(m.dtype == bool for _, m in parts):
+        out_size = 1
+    else:
+        out_size = np.result_type(np.float32, *[m.dtype for _, m in parts
+                                                if m.dtype != bool]).itemsize
+    items = [(name, _formula(m.shape), m.shape, out_size) for name, m in parts]
+    if len(parts) == 2:
+        items.append(("the merged mask (attn_mask with key_padding_mask)",
+                      _formula(out_shape), out_shape, out_size))
+    check_memory(items)
+
     if all(m.dtype == bool for _, m in parts):
         allowed = ~parts[0][1]
         for _, m in parts[1:]:
@@ -202,6 +224,7 @@ def to_torch_attn_mask(mask: Any, *, num_heads: Optional[int] = None,
     batch_size = _int_arg("batch_size", batch_size)
     tgt_len = _int_arg("tgt_len", tgt_len)
     src_len = _int_arg("src_len", src_len)
+    as_tensor = bool_arg("as_tensor", as_tensor)
     if m.ndim > 4:
         raise ValueError(f"mask: expected at most 4 axes (B, h, T_q, T_k), got shape {m.shape}")
     full = (1,) * (4 - m.ndim) + m.shape
@@ -220,6 +243,10 @@ def to_torch_attn_mask(mask: Any, *, num_heads: Optional[int] = None,
         out = np.broadcast_to(m, target)
     except ValueError:
         raise ValueError(f"mask: shape {m.shape} does not broadcast to {target}") from None
+    # the broadcast, its (B*num_heads, T_q, T_k) layout and the inversion may
+    # each be a new array: checked before any is made
+    check_memory([("mask", "B*num_heads*T_q*T_k" if len(target) == 4 else "T_q*T_k",
+                   target, 2 * m.dtype.itemsize)])
     if len(target) == 4:
         out = out.reshape(target[0] * target[1], Tq, Tk)
     out = np.ascontiguousarray(~out if out.dtype == bool else out)

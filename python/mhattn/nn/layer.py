@@ -27,13 +27,15 @@ from __future__ import annotations
 
 import functools
 import inspect
+import numbers
 import warnings
+from collections.abc import Mapping
 from typing import Any, Dict, Optional
 
 import numpy as np
 
 from .._internal import core as _core
-from .._internal.args import _check_numeric, _int_arg, _to_array
+from .._internal.args import _check_numeric, _int_arg, _to_array, check_memory
 from ..compute.forward import multi_head_attention
 from ..compute.grad import backward as _backward
 from ..compute.packed import PackedWeights, pack_weights
@@ -63,6 +65,21 @@ def _layer_dtype(dtype: Any) -> np.dtype:
     if dt not in (np.dtype(np.float32), np.dtype(np.float64)):
         raise TypeError(f"dtype: mhattn layers hold float32 or float64 weights, got {dt}")
     return dt
+
+
+def _rng(seed: Any) -> np.random.Generator:
+    """np.random.default_rng(seed), its refusals named ``seed``."""
+    if isinstance(seed, (bool, np.bool_)):
+        raise TypeError(f"seed: expected None, a non-negative int or a "
+                        f"np.random.Generator, got {seed!r}")
+    try:
+        return np.random.default_rng(seed)
+    except TypeError as e:
+        raise TypeError(f"seed: expected None, a non-negative int or a np.random.Generator, "
+                        f"got {seed!r:.80} ({type(seed).__name__}): {e}") from None
+    except ValueError as e:
+        raise ValueError(f"seed: expected None, a non-negative int or a "
+                         f"np.random.Generator, got {seed!r:.80}: {e}") from None
 
 
 def _stack(fused: np.ndarray, heads: int) -> np.ndarray:
@@ -269,6 +286,11 @@ class MultiHeadAttention:
             raise ValueError(f"qk_norm: expected False, True or 'per_head', got {qk_norm!r}")
         self.has_sinks = bool(sinks)
         self.qk_norm = qk_norm if qk_norm == "per_head" else bool(qk_norm)
+        if isinstance(norm_eps, (bool, np.bool_)) or not isinstance(norm_eps, numbers.Real):
+            raise TypeError(f"norm_eps: expected a real number >= 0, got {norm_eps!r:.80} "
+                            f"({type(norm_eps).__name__})")
+        # finite and >= 0 is the core's rule, checked at the call (one place;
+        # tests/catalogue_cases.py expects norm_eps=-1 refused by __call__)
         self.norm_eps = float(norm_eps)
 
     @property
@@ -293,9 +315,19 @@ class MultiHeadAttention:
 
     def reset_parameters(self, seed: Any = None) -> None:
         """Draw fresh weights (see the class docstring for the distributions)."""
-        rng = np.random.default_rng(seed)
+        rng = _rng(seed)
         h, g = self.num_heads, self.num_kv_heads
         nq, nk, nv = h * self.d_k, g * self.d_k, g * self.d_v
+        # Each weight is drawn in float64, cast to the layer's dtype and packed:
+        # checked before anything is allocated (a d_model or d_k of 2**40 is
+        # a MemoryError naming them, not NumPy's).
+        per = 8 + 2 * self.dtype.itemsize
+        check_memory([
+            ("w_q", "num_heads*d_model*d_k", (h, self.d_model, self.d_k), per),
+            ("w_k", "num_kv_heads*kdim*d_k", (g, self.kdim, self.d_k), per),
+            ("w_v", "num_kv_heads*vdim*d_v", (g, self.vdim, self.d_v), per),
+            ("w_o", "num_heads*d_v*d_out", (h, self.d_v, self.d_out), per),
+        ])
         # PyTorch layout: (out_features, in_features); ours is its transpose.
         if self._packed:
             packed = _xavier_uniform(rng, nq + nk + nv, self.d_model)
@@ -372,7 +404,10 @@ class MultiHeadAttention:
             for name in ("w_q", "w_k", "w_v", "w_o", "num_kv_heads"):
                 del kw[name]
             return multi_head_attention(x, packed, key=key, value=value, **kw, **options)
-        return multi_head_attention(x, key=key, value=value, **kw, **options)
+        # an assigned weight packing refused: the call says why, knowing the
+        # layer's num_heads (so it does not ask for it)
+        return multi_head_attention(x, key=key, value=value, num_heads=self.num_heads,
+                                    **kw, **options)
 
     def backward(self, grad_out, ctx) -> Dict[str, Any]:
         """Gradients of a scalar loss given ``grad_out`` = dL/dout, for the
@@ -437,14 +472,19 @@ class MultiHeadAttention:
                 sd[key] = getattr(self, name).copy()
         return sd
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Set the weights from a :meth:`state_dict`-style mapping (NumPy arrays
         or torch tensors), checking every key and shape; the inverse of
         :meth:`state_dict`.  Values must be real numbers (TypeError otherwise, as
         in multi_head_attention); they are always copied and cast to the layer's
-        dtype, so the layer never shares memory with ``state``."""
+        dtype, so the layer never shares memory with ``state_dict``."""
+        state = state_dict
+        if not isinstance(state, Mapping) and not (hasattr(state, "keys")
+                                                   and hasattr(state, "__getitem__")):
+            raise TypeError(f"state_dict: expected a mapping of names to arrays (as "
+                            f"state_dict() returns), got {type(state).__name__}")
         want = self._state_shapes()
-        got = set(state)
+        got = set(state.keys())
         missing, unexpected = sorted(set(want) - got), sorted(got - set(want))
         if missing or unexpected:
             raise ValueError(f"load_state_dict: keys do not match {self!r}: "
