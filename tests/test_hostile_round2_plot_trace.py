@@ -83,3 +83,47 @@ def test_compare_bad_tolerance(t, arg, value):
     with pytest.raises((TypeError, ValueError)) as e:
         t.compare(t, **{arg: value})
     _named(e, arg)
+
+
+# --- 1. plot_attention ----------------------------------------------------------
+
+pytest.importorskip("matplotlib")
+
+W = np.full((2, 3, 3), 1 / 3)
+
+
+def test_plot_many_heads_no_hang():
+    """Shared axes made building the figure quadratic in the panels (10 s at
+    100 heads, minutes at 400); now linear, and more than 64 panels are
+    refused with a named error, at once."""
+    w = np.broadcast_to(np.full((3, 3), 1 / 3), (400, 3, 3))
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError) as e:
+        mhattn.plot_attention(w)
+    _named(e, "weights")
+    with pytest.raises(ValueError) as e:
+        mhattn.plot_attention(w, heads=range(100))
+    _named(e, "heads")
+    assert time.perf_counter() - t0 < 2
+    fig = mhattn.plot_attention(w, heads=range(64))
+    assert len(fig.axes) == 65
+
+
+def test_plot_huge_panel_named():
+    w = np.broadcast_to(np.zeros((), bool), (1, 2 ** 20, 2 ** 20))
+    with pytest.raises((ValueError, MemoryError)) as e:
+        mhattn.plot_attention(w)
+    assert "weights" in str(e.value)
+
+
+@pytest.mark.parametrize("name,value", [
+    ("tokens", 5), ("key_tokens", 5), ("heads", "a"), ("heads", 1.0),
+    ("heads", [0, 1.0]), ("batch", "a"), ("batch", 0.0), ("fmt", "{:q}"),
+    ("fmt", 5), ("cmap", "nope"), ("cmap", 5), ("ncols", "a"), ("ncols", 0),
+    ("figsize", "a"), ("figsize", (-1, 2)), ("figsize", (1, 2, 3)),
+    ("vmax", -1), ("vmax", float("nan")), ("annotate", "yes"), ("title", 5),
+])
+def test_plot_bad_argument_named(name, value):
+    with pytest.raises((TypeError, ValueError)) as e:
+        mhattn.plot_attention(W, **{name: value})
+    _named(e, name)
