@@ -127,3 +127,14 @@ def test_plot_bad_argument_named(name, value):
     with pytest.raises((TypeError, ValueError)) as e:
         mhattn.plot_attention(W, **{name: value})
     _named(e, name)
+
+
+def test_endless_tokens_refused_not_a_hang():
+    import itertools
+    _, args = _worked()
+    with pytest.raises(ValueError) as e:
+        mhattn.trace(*args, tokens=itertools.count())
+    _named(e, "tokens")
+    with pytest.raises(ValueError) as e:
+        mhattn.plot_attention(W, key_tokens=itertools.count())
+    _named(e, "key_tokens")

@@ -10,6 +10,7 @@ later ``plt.show()``.
 from __future__ import annotations
 
 import io
+import itertools
 import math
 import numbers
 from typing import Any, Optional, Sequence, Union
@@ -87,7 +88,8 @@ def plot_attention(weights: Any, tokens: Optional[Sequence[Any]] = None,
         label the keys (the x axis).
     heads : int or sequence of int, optional
         Which heads to draw, 0-based (``weights[0]`` is the document's
-        head_1, titled "head 1").  Default: all.
+        head_1, titled "head 1").  Default: all.  At most 64 panels are
+        drawn: more heads than that must be picked with ``heads=``.
     key_tokens : sequence, optional
         Labels of the key columns, when they differ from ``tokens``
         (cross-attention, or T_q != T_k).
@@ -587,7 +589,8 @@ def _check_weights(w: np.ndarray, hidden: np.ndarray, sinks: bool) -> None:
 def _labels(name: str, labels: Any, n: int):
     if labels is None:
         return None
-    out = [str(t) for t in labels]
+    # At most n + 1 labels are read: an endless iterator is refused, not a hang.
+    out = [str(t) for t in itertools.islice(labels, n + 1)]
     if len(out) != n:
         raise ValueError(f"{name}: expected {n} labels, got {len(out)}")
     return out

@@ -41,6 +41,7 @@ the same keys.  Scores, weights are always ``(h, T_q, T_k)`` (or
 """
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 from dataclasses import dataclass
@@ -244,7 +245,8 @@ def _labels(name: str, labels: Any, n: int) -> Optional[List[str]]:
     if isinstance(labels, (str, bytes)) or not hasattr(labels, "__iter__"):
         raise TypeError(f"{name}: expected a sequence of {n} labels, got "
                         f"{labels!r:.80} ({type(labels).__name__})")
-    out = [str(t) for t in labels]
+    # At most n + 1 labels are read: an endless iterator is refused, not a hang.
+    out = [str(t) for t in itertools.islice(labels, n + 1)]
     if len(out) != n:
         raise ValueError(f"{name}: expected {n} labels, got {len(out)}")
     return out
