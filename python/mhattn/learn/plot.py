@@ -201,11 +201,7 @@ def plot_attention(weights: Any, tokens: Optional[Sequence[Any]] = None,
     import matplotlib
     from matplotlib.patches import Patch
 
-    try:
-        matplotlib.colormaps[cmap]
-    except KeyError:
-        raise ValueError(f"cmap: {cmap_name!r:.80} is not a matplotlib colour map "
-                         "name (e.g. 'viridis', 'magma', 'RdBu_r')") from None
+    colours = _colours(matplotlib, cmap, cmap_name)
     fig = Figure(figsize=tuple(float(f) for f in figsize), layout="constrained")
     grid = fig.subplots(nrows, ncols, squeeze=False)
     axes = list(grid.ravel())
@@ -224,7 +220,6 @@ def plot_attention(weights: Any, tokens: Optional[Sequence[Any]] = None,
     most = (max(2, int((width_in - 1.4) / ncols / 0.24)),
             max(2, int((height_in - 0.8) / nrows / 0.2)))
 
-    colours = matplotlib.colormaps[cmap].with_extremes(bad=_MASK_COLOUR)
     image = None
     for p, (ax, h) in enumerate(zip(axes, idx)):
         image = ax.imshow(np.ma.masked_array(shown[p], mask=~seen[p]), vmin=vmin,
@@ -406,6 +401,15 @@ def _scale(kind, cmap, vmax, vals):
     else:
         top = 1.0 if vmax is None else float(vmax)
     return cmap or "viridis", 0.0, top
+
+
+def _colours(matplotlib, cmap, cmap_name):
+    """The colour map, masked cells in grey; an unknown name is cmap's error."""
+    try:
+        return matplotlib.colormaps[cmap].with_extremes(bad=_MASK_COLOUR)
+    except KeyError:
+        raise ValueError(f"cmap: {cmap_name!r:.80} is not a matplotlib colour map "
+                         "name (e.g. 'viridis', 'magma', 'RdBu_r')") from None
 
 
 def _annotate(ax, image, m, seen, fmt, fontsize):
