@@ -10,6 +10,9 @@ later ``plt.show()``.
 from __future__ import annotations
 
 import io
+import itertools
+import math
+import numbers
 from typing import Any, Optional, Sequence, Union
 
 import numpy as np
@@ -85,7 +88,8 @@ def plot_attention(weights: Any, tokens: Optional[Sequence[Any]] = None,
         label the keys (the x axis).
     heads : int or sequence of int, optional
         Which heads to draw, 0-based (``weights[0]`` is the document's
-        head_1, titled "head 1").  Default: all.
+        head_1, titled "head 1").  Default: all.  At most 64 panels are
+        drawn: more heads than that must be picked with ``heads=``.
     key_tokens : sequence, optional
         Labels of the key columns, when they differ from ``tokens``
         (cross-attention, or T_q != T_k).
@@ -153,11 +157,14 @@ def plot_attention(weights: Any, tokens: Optional[Sequence[Any]] = None,
     >>> fig = mhattn.plot_attention(t.weights, tokens)   # doctest: +SKIP
     >>> fig = mhattn.plot_attention(t, kind="scores")     # doctest: +SKIP
     """
-    if kind not in ("weights", "scores"):
-        raise ValueError(f"kind: expected 'weights' or 'scores', got {kind!r}")
+    if not isinstance(kind, str) or kind not in ("weights", "scores"):
+        raise ValueError(f"kind: expected 'weights' or 'scores', got {kind!r:.80}")
+    _check_options(tokens, key_tokens, batch, annotate, fmt, cmap, ncols, figsize,
+                   title, vmax)
     w, B, b, hidden_from_trace, tokens, key_tokens = _read_weights(
         weights, batch, kind, tokens, key_tokens)
     H, Tq, Tk = w.shape
+    idx = _head_indices(heads, H)
     has_sinks = _has_sinks(sinks, weights, H)
     hidden = _hidden(H, Tq, Tk, B, b, mask=mask, causal=causal,
                      key_lengths=key_lengths, window=window, key_mask=key_mask)
@@ -167,7 +174,6 @@ def plot_attention(weights: Any, tokens: Optional[Sequence[Any]] = None,
         hidden = hidden | np.isneginf(w)
     else:
         _check_weights(w, hidden, has_sinks)
-    idx = _head_indices(heads, H)
 
     ylabels = _labels("tokens", tokens, Tq)
     if key_tokens is None and tokens is not None:
@@ -182,6 +188,7 @@ def plot_attention(weights: Any, tokens: Optional[Sequence[Any]] = None,
     if annotate is None:
         annotate = n * Tq * Tk <= _ANNOTATE_MAX_CELLS
     ncols = max(1, min(n, 4 if ncols is None else int(ncols)))
+    cmap_name = cmap
     nrows = -(-n // ncols)
     if figsize is None:
         figsize = _figsize(ncols, nrows, Tq, Tk, xlabels, ylabels, title)
@@ -194,8 +201,9 @@ def plot_attention(weights: Any, tokens: Optional[Sequence[Any]] = None,
     import matplotlib
     from matplotlib.patches import Patch
 
-    fig = Figure(figsize=tuple(figsize), layout="constrained")
-    grid = fig.subplots(nrows, ncols, squeeze=False, sharex=True, sharey=True)
+    colours = _colours(matplotlib, cmap, cmap_name)
+    fig = Figure(figsize=tuple(float(f) for f in figsize), layout="constrained")
+    grid = fig.subplots(nrows, ncols, squeeze=False)
     axes = list(grid.ravel())
     for ax in axes[n:]:
         ax.remove()
@@ -212,7 +220,6 @@ def plot_attention(weights: Any, tokens: Optional[Sequence[Any]] = None,
     most = (max(2, int((width_in - 1.4) / ncols / 0.24)),
             max(2, int((height_in - 0.8) / nrows / 0.2)))
 
-    colours = matplotlib.colormaps[cmap].with_extremes(bad=_MASK_COLOUR)
     image = None
     for p, (ax, h) in enumerate(zip(axes, idx)):
         image = ax.imshow(np.ma.masked_array(shown[p], mask=~seen[p]), vmin=vmin,
@@ -273,22 +280,109 @@ def _read_weights(weights, batch, kind, tokens, key_tokens):
     elif w.ndim != 3:
         raise ValueError("weights: expected (T_q, T_k), (h, T_q, T_k) or "
                          f"(B, h, T_q, T_k), got shape {w.shape}")
+    H, Tq, Tk = w.shape
+    if Tq > _MAX_SIDE or Tk > _MAX_SIDE:
+        raise ValueError(f"weights: panels of T_q x T_k = {Tq} x {Tk} cells are more "
+                         f"than can be drawn (at most {_MAX_SIDE} a side); plot a "
+                         "slice, e.g. weights[..., :256, :256]")
+    from .._internal.args import check_memory
+    # float64 copy, the hidden cells and their complement, the masked copy drawn
+    check_memory([("plot_attention(weights)", "h*T_q*T_k", (H, Tq, Tk), 8 + 3)])
     return np.asarray(w, dtype=np.float64), B, b, hidden, tokens, key_tokens
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
 
 
 def _head_indices(heads, H):
     if heads is None:
+        if H > _MAX_PANELS:
+            raise ValueError(f"weights: {H} heads are more panels than can be drawn "
+                             f"(at most {_MAX_PANELS}); pick some with heads=")
         idx = list(range(H))
-    elif isinstance(heads, (int, np.integer)):
+    elif _is_int(heads):
         idx = [int(heads)]
+    elif isinstance(heads, (str, bytes)) or not hasattr(heads, "__iter__"):
+        raise TypeError(f"heads: expected a head index or a sequence of them, got "
+                        f"{heads!r:.80} ({type(heads).__name__})")
     else:
-        idx = [int(i) for i in heads]
+        idx = []
+        for i in heads:
+            if not _is_int(i):
+                raise TypeError(f"heads: expected integer head indices, got "
+                                f"{i!r:.80} ({type(i).__name__})")
+            idx.append(int(i))
+            if len(idx) > _MAX_PANELS:
+                raise ValueError(f"heads: more than {_MAX_PANELS} panels cannot be "
+                                 "drawn; pick fewer heads")
     if not idx:
         raise ValueError("heads: pick at least one head")
     for i in idx:
         if not -H <= i < H:
             raise IndexError(f"heads: head {i} is out of range for {H} heads")
     return [i % H for i in idx]
+
+
+# More panels than this are refused: unreadable, and each costs ~40 ms to build.
+_MAX_PANELS = 64
+# Nor panels with more rows or columns than this (no screen has the pixels).
+_MAX_SIDE = 8192
+
+
+def _check_options(tokens, key_tokens, batch, annotate, fmt, cmap, ncols, figsize,
+                   title, vmax) -> None:
+    """The plain arguments, each named when bad, before anything is allocated."""
+    from .._internal.args import bool_arg
+
+    for name, labels in (("tokens", tokens), ("key_tokens", key_tokens)):
+        if labels is not None and (isinstance(labels, (str, bytes))
+                                   or not hasattr(labels, "__iter__")):
+            raise TypeError(f"{name}: expected a sequence of labels, got "
+                            f"{labels!r:.80} ({type(labels).__name__})")
+    if not _is_int(batch):
+        raise TypeError(f"batch: expected an integer batch index, got {batch!r:.80} "
+                        f"({type(batch).__name__})")
+    if annotate is not None:
+        bool_arg("annotate", annotate)
+    if not isinstance(fmt, str):
+        raise TypeError(f"fmt: expected a format string such as '{{:.2f}}', got "
+                        f"{fmt!r:.80} ({type(fmt).__name__})")
+    try:
+        fmt.format(0.5)
+    except (ValueError, TypeError, IndexError, KeyError, AttributeError) as exc:
+        raise ValueError(f"fmt: {fmt!r:.80} cannot format a number such as 0.5: "
+                         f"{exc}") from None
+    if cmap is not None and not isinstance(cmap, str):
+        raise TypeError(f"cmap: expected a matplotlib colour map name, got "
+                        f"{cmap!r:.80} ({type(cmap).__name__})")
+    if ncols is not None:
+        if not _is_int(ncols):
+            raise TypeError(f"ncols: expected a positive integer, got {ncols!r:.80} "
+                            f"({type(ncols).__name__})")
+        if ncols < 1:
+            raise ValueError(f"ncols: expected a positive integer, got {ncols}")
+    if figsize is not None:
+        if isinstance(figsize, (str, bytes)) or not hasattr(figsize, "__len__") \
+                or len(figsize) != 2:
+            raise TypeError(f"figsize: expected (width, height) in inches, got "
+                            f"{figsize!r:.80}")
+        for f in figsize:
+            if isinstance(f, (bool, np.bool_)) or not isinstance(f, numbers.Real):
+                raise TypeError(f"figsize: expected two numbers (inches), got "
+                                f"{figsize!r:.80}")
+            if not (math.isfinite(f) and 0 < f <= 1000):
+                raise ValueError(f"figsize: expected two positive finite sizes in "
+                                 f"inches (at most 1000), got {tuple(figsize)!r:.80}")
+    if title is not None and not isinstance(title, str):
+        raise TypeError(f"title: expected a string, got {title!r:.80} "
+                        f"({type(title).__name__})")
+    if vmax is not None and not (isinstance(vmax, str) and vmax == "auto"):
+        if isinstance(vmax, (bool, np.bool_)) or not isinstance(vmax, numbers.Real):
+            raise ValueError(f"vmax: expected None, 'auto' or a number, got "
+                             f"{vmax!r:.80}")
+        if not (math.isfinite(vmax) and vmax > 0):
+            raise ValueError(f"vmax: expected None, 'auto' or a number > 0, got {vmax}")
 
 
 def _scale(kind, cmap, vmax, vals):
@@ -307,6 +401,15 @@ def _scale(kind, cmap, vmax, vals):
     else:
         top = 1.0 if vmax is None else float(vmax)
     return cmap or "viridis", 0.0, top
+
+
+def _colours(matplotlib, cmap, cmap_name):
+    """The colour map, masked cells in grey; an unknown name is cmap's error."""
+    try:
+        return matplotlib.colormaps[cmap].with_extremes(bad=_MASK_COLOUR)
+    except KeyError:
+        raise ValueError(f"cmap: {cmap_name!r:.80} is not a matplotlib colour map "
+                         "name (e.g. 'viridis', 'magma', 'RdBu_r')") from None
 
 
 def _annotate(ax, image, m, seen, fmt, fontsize):
@@ -490,7 +593,8 @@ def _check_weights(w: np.ndarray, hidden: np.ndarray, sinks: bool) -> None:
 def _labels(name: str, labels: Any, n: int):
     if labels is None:
         return None
-    out = [str(t) for t in labels]
+    # At most n + 1 labels are read: an endless iterator is refused, not a hang.
+    out = [str(t) for t in itertools.islice(labels, n + 1)]
     if len(out) != n:
         raise ValueError(f"{name}: expected {n} labels, got {len(out)}")
     return out

@@ -41,6 +41,9 @@ the same keys.  Scores, weights are always ``(h, T_q, T_k)`` (or
 """
 from __future__ import annotations
 
+import itertools
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -223,10 +226,27 @@ def _score_stages(call: Call, q: np.ndarray, k: np.ndarray) -> dict:
     return dict(out, q_normed=qn, k_normed=kn, q=qr, k=kr)
 
 
+def _tol(name: str, value: Any) -> Optional[float]:
+    """None, or a finite number >= 0."""
+    if value is None:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a number >= 0 or None, got {value!r:.80} "
+                        f"({type(value).__name__})")
+    value = float(value)
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name}: expected a finite number >= 0, got {value}")
+    return value
+
+
 def _labels(name: str, labels: Any, n: int) -> Optional[List[str]]:
     if labels is None:
         return None
-    out = [str(t) for t in labels]
+    if isinstance(labels, (str, bytes)) or not hasattr(labels, "__iter__"):
+        raise TypeError(f"{name}: expected a sequence of {n} labels, got "
+                        f"{labels!r:.80} ({type(labels).__name__})")
+    # At most n + 1 labels are read: an endless iterator is refused, not a hang.
+    out = [str(t) for t in itertools.islice(labels, n + 1)]
     if len(out) != n:
         raise ValueError(f"{name}: expected {n} labels, got {len(out)}")
     return out
@@ -399,13 +419,28 @@ class Trace:
         scores, weights, head) plus row_max and lse.  ``b`` picks a batch
         item of a batched trace (required there)."""
         H = self.num_heads
+        if isinstance(i, (bool, np.bool_)) or not isinstance(i, numbers.Integral):
+            raise TypeError(f"head: expected a head index (an integer), got "
+                            f"{i!r:.80} ({type(i).__name__})")
+        i = int(i)
         if not -H <= i < H:
-            raise IndexError(f"head {i} out of range for {H} heads")
+            raise IndexError(f"head: head {i} out of range for {H} heads")
         i %= H
+        if b is not None:
+            if isinstance(b, (bool, np.bool_)) or not isinstance(b, numbers.Integral):
+                raise TypeError(f"b: expected a batch index (an integer) or None, got "
+                                f"{b!r:.80} ({type(b).__name__})")
+            b = int(b)
         if self.batched and b is None:
-            raise ValueError("head(): this trace is batched; pass b=")
+            raise ValueError("b: head(): this trace is batched; pass b=")
         if not self.batched and b not in (None, 0):
-            raise ValueError("head(): this trace is unbatched; b must be None")
+            raise ValueError("b: head(): this trace is unbatched; b must be None")
+        if self.batched:
+            nb = self.weights[0].shape[0] if isinstance(self.weights, list) \
+                else self.weights.shape[0]
+            if not -nb <= b < nb:
+                raise IndexError(f"b: batch item {b} out of range for {nb} batch items")
+            b %= nb
 
         def pick(name: str) -> np.ndarray:
             a = getattr(self, name)
@@ -422,7 +457,14 @@ class Trace:
 
     def shape_of(self, name: str) -> str:
         """A stage's shape as text; ragged stages read '[h x (T, d_i)]'."""
-        a = getattr(self, name)
+        if not isinstance(name, str):
+            raise TypeError(f"name: expected a stage name (str), got {name!r:.80} "
+                            f"({type(name).__name__})")
+        key = canonical_key(name)
+        if key is None or key not in self.keys():
+            raise ValueError(f"name: {name!r:.80} is not a stage of this Trace, which "
+                             f"holds {', '.join(self.keys())}")
+        a = getattr(self, key)
         if isinstance(a, list):
             return "[" + ", ".join(str(p.shape) for p in a) + "]"
         return str(a.shape)
@@ -462,6 +504,8 @@ class Trace:
         precision of the two: rtol 1e-7, atol 1e-9 for float64; rtol 1e-4,
         atol 1e-5 for float32.
         """
+        rtol = _tol("rtol", rtol)
+        atol = _tol("atol", atol)
         unused: List[str] = []
         if isinstance(other, Trace):
             theirs = other.to_dict()
