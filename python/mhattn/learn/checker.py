@@ -597,6 +597,18 @@ def _diagnose(kind: str, results: List["TrialResult"], user_out: List[Any],
             break
     if not fails:
         return _ok_report(kind, results, convention, stage, stage_note)
+    # every output NaN, even where no score can overflow: no one mistake is
+    # told by that, so none is claimed
+    small = [i for i, r in enumerate(results) if r.name != "large_inputs"]
+    if small and all(isinstance(user_out[i], np.ndarray) and user_out[i].size
+                     and np.isnan(user_out[i]).all() for i in small):
+        return PrototypeReport(
+            False, None, "every output is NaN",
+            f"{len(fails)} of {n} trials differ from mhattn.\n\nYour function "
+            "returns only NaN, also on trials whose scores are too small to "
+            "overflow, so no overflow explains it and no known mistake is "
+            "named: look for the first intermediate that holds a NaN.",
+            results)
     f32 = _float32_bound(results, fails, steps, starts) if dtype == np.float64 else None
     if f32 is not None:
         return _float32_report(kind, results, fails, f32)
@@ -766,7 +778,7 @@ def _check_common(dtype, trials, seed) -> np.dtype:
     try:
         dtype = np.dtype(dtype)
     except (TypeError, ValueError):
-        raise TypeError(f"dtype: expected np.float64 or np.float32, got {dtype!r}") from None
+        raise TypeError(f"dtype: expected float32 or float64, got {dtype!r}") from None
     if dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
         raise TypeError(f"dtype: expected float32 or float64, got {dtype}")
     for name, value in (("trials", trials), ("seed", seed)):
