@@ -25,3 +25,33 @@ def test_checker_all_nan_not_called_overflow():
     assert report.mistake is None and report.mistakes == ()
     assert "NaN" in report.title
     assert "row maximum" not in str(report)
+
+
+# -- attention_grad: out and lse are checked, and go together ----------------
+
+def _qkv():
+    rng = np.random.default_rng(0)
+    return (rng.standard_normal((2, 3, 4)), rng.standard_normal((2, 5, 4)),
+            rng.standard_normal((2, 5, 4)))
+
+
+@pytest.mark.parametrize("name", ["lse", "out"])
+def test_attention_grad_lone_partner_checked(name):
+    q, k, v = _qkv()
+    out = mhattn.attention(q, k, v)
+    with pytest.raises(TypeError, match=rf"^{name}: "):
+        mhattn.attention_grad(out, q, k, v, **{name: "a"})
+
+
+@pytest.mark.parametrize("given, missing", [("lse", "out"), ("out", "lse")])
+def test_attention_grad_missing_partner_named(given, missing):
+    q, k, v = _qkv()
+    out, lse = mhattn.attention(q, k, v, return_lse=True)
+    with pytest.raises(ValueError, match=rf"^{missing}: required with {given}"):
+        mhattn.attention_grad(out, q, k, v, **{given: {"out": out, "lse": lse}[given]})
+
+
+def test_attention_packed_cross_message_says_q_and_k():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"^key_cu_seqlens: .*\(k has 5 rows, q has 3\)"):
+        mhattn.attention(q, k, v, cu_seqlens=[0, 3])
