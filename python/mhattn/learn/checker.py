@@ -600,7 +600,7 @@ def _diagnose(kind: str, results: List["TrialResult"], user_out: List[Any],
     # every output NaN, even where no score can overflow: no one mistake is
     # told by that, so none is claimed
     small = [i for i, r in enumerate(results) if r.name != "large_inputs"]
-    if small and all(isinstance(user_out[i], np.ndarray) and user_out[i].size
+    if small and all(results[i].status == "nonfinite" and user_out[i].size
                      and np.isnan(user_out[i]).all() for i in small):
         return PrototypeReport(
             False, None, "every output is NaN",
