@@ -55,3 +55,18 @@ def test_attention_packed_cross_message_says_q_and_k():
     q, k, v = _qkv()
     with pytest.raises(ValueError, match=r"^key_cu_seqlens: .*\(k has 5 rows, q has 3\)"):
         mhattn.attention(q, k, v, cu_seqlens=[0, 3])
+
+
+# -- packed weights: num_heads / num_kv_heads checked as the unpacked call's ---
+
+@pytest.mark.parametrize("name, value, heads", [
+    ("num_heads", 2.0, 2), ("num_heads", np.array(2), 2),
+    ("num_heads", np.array([[2.0]]), 2), ("num_heads", True, 1),
+    ("num_heads", np.ones(3), 2), ("num_kv_heads", 2.0, 2)])
+def test_packed_head_counts_checked(name, value, heads):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 4))
+    w = [rng.standard_normal((4, 4)) for _ in range(4)]
+    packed = mhattn.pack_weights(*w, num_heads=heads)
+    with pytest.raises(TypeError, match=rf"^{name}: expected a positive integer"):
+        mhattn.multi_head_attention(x, packed, **{name: value})
