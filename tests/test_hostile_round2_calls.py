@@ -70,3 +70,30 @@ def test_packed_head_counts_checked(name, value, heads):
     packed = mhattn.pack_weights(*w, num_heads=heads)
     with pytest.raises(TypeError, match=rf"^{name}: expected a positive integer"):
         mhattn.multi_head_attention(x, packed, **{name: value})
+
+
+# -- KVCache.check_room: counts checked and named ------------------------------
+
+@pytest.mark.parametrize("counts, exc", [
+    ("a", TypeError), ([1, 1, 1], ValueError), (None, TypeError),
+    (np.ones((2, 1), int), ValueError), (-1, ValueError), ([1, -2], ValueError),
+    (True, TypeError), ([1.5, 2.0], TypeError)])
+def test_check_room_counts_named(counts, exc):
+    cache = mhattn.KVCache(2, 1, 8, 4)
+    with pytest.raises(exc, match=r"^counts: "):
+        cache.check_room(counts)
+
+
+@pytest.mark.parametrize("counts", [9, 2 ** 70, [1, 2 ** 70], np.array([0, 9])])
+def test_check_room_past_capacity_named(counts):
+    cache = mhattn.KVCache(2, 1, 8, 4)
+    with pytest.raises(ValueError, match=r"^k_new: appending .* exceeds the cache's capacity 8"):
+        cache.check_room(counts)
+    assert list(cache.lengths) == [0, 0]
+
+
+def test_check_room_room_is_fine():
+    cache = mhattn.KVCache(2, 1, 8, 4)
+    cache.check_room(8)
+    cache.check_room([0, 8])
+    cache.check_room(np.array([3, 4], np.uint8))
