@@ -97,3 +97,30 @@ def test_check_room_room_is_fine():
     cache.check_room(8)
     cache.check_room([0, 8])
     cache.check_room(np.array([3, 4], np.uint8))
+
+
+# -- reference.projected_attention: checked and refused as mhattn.attention ----
+
+def test_reference_projected_bad_q_named():
+    from mhattn import reference
+    q = np.ones((2, 3, 4))
+    with pytest.raises(ValueError, match=r"^q: expected a 4-D"):
+        reference.projected_attention(np.ones((3, 4)), q, q)
+
+
+def test_reference_projected_bad_layout_named():
+    from mhattn import reference
+    q = np.ones((2, 3, 4))
+    with pytest.raises(ValueError, match=r"^layout: expected 'bhtd'"):
+        reference.projected_attention(q, q, q, layout="x")
+
+
+@pytest.mark.parametrize("name", ["rope", "q_norm"])
+def test_reference_projected_refuses_what_attention_refuses(name):
+    from mhattn import reference
+    q = np.ones((2, 3, 4))
+    value = mhattn.RoPE() if name == "rope" else np.ones(4)
+    with pytest.raises(TypeError, match=rf"unexpected keyword argument '{name}'"):
+        mhattn.attention(q, q, q, **{name: value})
+    with pytest.raises(TypeError, match=rf"unexpected keyword argument '{name}'"):
+        reference.projected_attention(q, q, q, **{name: value})
