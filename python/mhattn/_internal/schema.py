@@ -331,15 +331,16 @@ whatever the layout; :func:`merge_attention` takes it."""),
         "dL/dout of a scalar loss L.", type="the shape of attention's ``out``",
         text="dL/dout of a scalar loss L."),
     Arg("lse", ("attention_grad",), "array?", "T", "(B, H, Tq)", "None",
-        "The forward's log-sum-exp; None has it recomputed.",
+        "The forward's log-sum-exp, given with out; neither has them recomputed.",
         type="(B, H, T_q), optional",
-        text="The forward's ``return_lse=True`` result; None has it recomputed."),
+        text="The forward's ``return_lse=True`` result, given with ``out``."),
     Arg("out", ("attention_grad",), "array?", "T", "as attention's out", "None",
         "The forward's out; with lse, no forward pass is run.",
         type="the forward's ``out``, optional",
         text="""\
-Given with ``lse``, no forward pass is run; otherwise the forward
-is recomputed (the backward needs out), keeping its lse."""),
+Given with ``lse``, no forward pass is run; with neither, the
+forward is recomputed (the backward needs both).  One without the
+other raises ValueError naming the missing one."""),
     # merge_attention
     Arg("outs", ("merge_attention",), "sequence", "T", "each (..., H, Tq, dv)", REQUIRED,
         "The parts' outputs, as attention returns them.",

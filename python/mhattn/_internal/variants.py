@@ -355,7 +355,8 @@ def _offsets(name: str, obj: Any, total: int, what: str) -> np.ndarray:
 
 
 def _packing(cu_seqlens: Any, key_cu_seqlens: Any, batched: bool, Tq: int, Tk: int,
-             key_given: bool, key_lengths: Any) -> tuple:
+             key_given: bool, key_lengths: Any, names: tuple = ("x", "key")) -> tuple:
+    """names: what the call calls its query and key inputs, for the messages."""
     if cu_seqlens is None:
         if key_cu_seqlens is not None:
             raise ValueError("key_cu_seqlens: given without cu_seqlens")
@@ -370,7 +371,7 @@ def _packing(cu_seqlens: Any, key_cu_seqlens: Any, batched: bool, Tq: int, Tk: i
     if key_cu_seqlens is None:
         if key_given and Tk != Tq:
             raise ValueError(f"key_cu_seqlens: required for packed cross-attention "
-                             f"(key has {Tk} rows, x has {Tq})")
+                             f"({names[1]} has {Tk} rows, {names[0]} has {Tq})")
         return cu_q, cu_q
     cu_k = _offsets("key_cu_seqlens", key_cu_seqlens, Tk, "rows of key")
     if cu_k.size != cu_q.size:
@@ -381,12 +382,13 @@ def _packing(cu_seqlens: Any, key_cu_seqlens: Any, batched: bool, Tq: int, Tk: i
 
 def normalize_variants(v: dict, *, batched: bool, B: int, Tq: int, Tk: int, H: int,
                        G: int, dk: Sequence[int], dtype, key_given: bool,
-                       key_lengths: Any) -> Variants:
+                       key_lengths: Any, names: tuple = ("x", "key")) -> Variants:
     """The checked :class:`Variants` of the keywords in ``v`` (names as in
-    VARIANT_DEFAULTS; missing ones are off)."""
+    VARIANT_DEFAULTS; missing ones are off); ``names``: the call's words for
+    its query and key inputs."""
     get = lambda n: v.get(n, VARIANT_DEFAULTS[n])  # noqa: E731
     cu_q, cu_k = _packing(get("cu_seqlens"), get("key_cu_seqlens"), batched, Tq, Tk,
-                          key_given, key_lengths)
+                          key_given, key_lengths, names)
     rd, inter, freq = _rope(get("rope"), dk)
     pos = _positions("positions", get("positions"), B, Tq, batched, "query row")
     kpos = _positions("key_positions", get("key_positions"), B, Tk, batched, "key row")

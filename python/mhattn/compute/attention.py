@@ -101,7 +101,8 @@ def projected_variants(p: Projected, variants: Dict[str, Any],
     """The checked score variants of a call on projected tensors."""
     return normalize_variants(variants, batched=p.batched, B=p.B, Tq=p.Tq, Tk=p.Tk,
                               H=p.H, G=p.G, dk=[p.dk] * p.G, dtype=p.dtype,
-                              key_given=True, key_lengths=key_lengths)
+                              key_given=True, key_lengths=key_lengths,
+                              names=("q", "k"))
 
 
 def _glue_args(p: Projected, scale, mask, causal, key_lengths, variants) -> tuple:
@@ -245,10 +246,11 @@ def attention_grad(grad_out, q, k, v, *, layout="bhtd", scale=None, mask=None,
     alibi_slopes, sinks, key_mask, cu_seqlens, key_cu_seqlens
         As :func:`attention` (not ``return_weights`` / ``return_lse``).
     lse : (B, H, T_q), optional
-        The forward's ``return_lse=True`` result; None has it recomputed.
+        The forward's ``return_lse=True`` result, given with ``out``.
     out : the forward's ``out``, optional
-        Given with ``lse``, no forward pass is run; otherwise the forward
-        is recomputed (the backward needs out), keeping its lse.
+        Given with ``lse``, no forward pass is run; with neither, the
+        forward is recomputed (the backward needs both).  One without the
+        other raises ValueError naming the missing one.
 
     Returns
     -------
@@ -274,11 +276,16 @@ def attention_grad(grad_out, q, k, v, *, layout="bhtd", scale=None, mask=None,
     want = (p.B, p.Tq, p.H, p.dv) if p.layout == "bthd" else (p.B, p.H, p.Tq, p.dv)
     want = want if p.batched else want[1:]
     g = _as_like("grad_out", grad_out, want, p)
-    if out is not None and lse is not None:
-        o = _as_like("out", out, want, p)
-        ls = _as_like("lse", lse, (p.B, p.H, p.Tq) if p.batched else (p.H, p.Tq), p,
-                      swap=False)
-    else:
+    # each one given is checked, then they are used together: one alone
+    # names its missing partner
+    o = None if out is None else _as_like("out", out, want, p)
+    ls = None if lse is None else _as_like(
+        "lse", lse, (p.B, p.H, p.Tq) if p.batched else (p.H, p.Tq), p, swap=False)
+    if (o is None) != (ls is None):
+        have, missing = ("lse", "out") if o is None else ("out", "lse")
+        raise ValueError(f"{missing}: required with {have} (give the forward's out and "
+                         f"lse together, or neither to have them recomputed)")
+    if o is None:
         o, _, ls = core.attention(p.q, p.k, p.v, scales, m, c, kl, var, False, False,
                                 False, True)
     dq, dk, dv, dsinks = core.attention_backward(g, p.q, p.k, p.v, o, ls, scales, m, c, kl,

@@ -214,11 +214,37 @@ class KVCache:
     def check_room(self, counts: np.ndarray, name: str = "k_new") -> None:
         """Raise ValueError, changing nothing, unless every sequence b has room
         for counts[b] more keys.  (Append and the cached step call it with
-        the lock held, just before they write.)"""
-        after = self._lengths + counts
+        the lock held, just before they write; it takes no lock itself.)
+
+        counts: an int, or (B,) ints, each >= 0 (TypeError / ValueError
+        starting "counts: " otherwise)."""
+        B = self._lengths.shape[0]
+        if isinstance(counts, (bool, np.bool_)):
+            raise TypeError(f"counts: expected an int or ({B},) ints, got {counts!r}")
+        try:
+            c = np.asarray(counts)
+        except (TypeError, ValueError) as e:   # ragged lists, odd objects
+            raise TypeError(f"counts: expected an int or ({B},) ints, got "
+                            f"{type(counts).__name__} ({e})") from None
+        if c.dtype.kind not in "iu" and not (c.dtype == object and c.size and all(
+                isinstance(n, numbers.Integral) and not isinstance(n, (bool, np.bool_))
+                for n in c.reshape(-1))):
+            raise TypeError(f"counts: expected an int or ({B},) ints, got "
+                            f"{type(counts).__name__} of dtype {c.dtype}")
+        if c.shape not in ((), (B,)):
+            raise ValueError(f"counts: expected an int or shape ({B},) (one per "
+                             f"sequence), got shape {c.shape}")
+        c = np.broadcast_to(c, (B,))
+        ints = [int(n) for n in c]      # Python ints: none overflows
+        neg = [b for b, n in enumerate(ints) if n < 0]
+        if neg:
+            raise ValueError(f"counts: expected ints >= 0, got {ints[neg[0]]} for "
+                             f"sequence {neg[0]}")
+        after = self._lengths + np.array([min(n, self.capacity + 1) for n in ints],
+                                         dtype=np.int64)
         if (after > self.capacity).any():
             b = int(np.argmax(after > self.capacity))
-            raise ValueError(f"{name}: appending {int(counts[b])} keys to sequence {b}, "
+            raise ValueError(f"{name}: appending {ints[b]} keys to sequence {b}, "
                              f"which holds {int(self._lengths[b])}, exceeds the cache's "
                              f"capacity {self.capacity}; the cache is unchanged")
 

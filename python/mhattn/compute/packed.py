@@ -340,6 +340,9 @@ def call_weights(w_q, w_k, w_v, w_o, num_heads, num_kv_heads, b_q, b_k, b_v, b_o
                         "required unless w_q is a PackedWeights from "
                         "mhattn.pack_weights)")
     packed = w_q
+    # checked as the unpacked call checks them, before any comparison
+    num_heads = _int_arg("num_heads", num_heads)
+    num_kv_heads = _int_arg("num_kv_heads", num_kv_heads)
     if (w_k is None and w_v is None and w_o is None and num_kv_heads is None
             and b_q is None and b_k is None and b_v is None and b_o is None
             and (num_heads is None or num_heads == packed.num_heads)):

@@ -582,6 +582,33 @@ def _float32_bound(results, fails, steps, starts) -> Optional[float]:
     return None
 
 
+def _all_nan_report(results: List["TrialResult"], user_out: List[Any],
+                    n_fails: int) -> Optional["PrototypeReport"]:
+    """Every output NaN, even where no score can overflow: no one mistake is
+    told by that, so none is claimed (None when that is not the case)."""
+    small = [i for i, r in enumerate(results) if r.name != "large_inputs"]
+    if not small or not all(results[i].status == "nonfinite" and user_out[i].size
+                            and np.isnan(user_out[i]).all() for i in small):
+        return None
+    return PrototypeReport(
+        False, None, "every output is NaN",
+        f"{n_fails} of {len(results)} trials differ from mhattn.\n\nYour function "
+        "returns only NaN, also on trials whose scores are too small to "
+        "overflow, so no overflow explains it and no known mistake is "
+        "named: look for the first intermediate that holds a NaN.",
+        results)
+
+
+def _early_report(kind, results, user_out, fails, steps, starts, dtype):
+    """The verdicts that need no search: all outputs NaN, or (float64) every
+    difference within float32 rounding; None otherwise."""
+    all_nan = _all_nan_report(results, user_out, len(fails))
+    if all_nan is not None:
+        return all_nan
+    f32 = _float32_bound(results, fails, steps, starts) if dtype == np.float64 else None
+    return None if f32 is None else _float32_report(kind, results, fails, f32)
+
+
 def _diagnose(kind: str, results: List["TrialResult"], user_out: List[Any],
               steps: List[_steps.Step], starts: List[Dict[str, Any]], tol: List[float],
               dtype: np.dtype, standard_ok: Optional[bool], convention: str,
@@ -597,9 +624,9 @@ def _diagnose(kind: str, results: List["TrialResult"], user_out: List[Any],
             break
     if not fails:
         return _ok_report(kind, results, convention, stage, stage_note)
-    f32 = _float32_bound(results, fails, steps, starts) if dtype == np.float64 else None
-    if f32 is not None:
-        return _float32_report(kind, results, fails, f32)
+    early = _early_report(kind, results, user_out, fails, steps, starts, dtype)
+    if early is not None:
+        return early
 
     cands, ranked, exact = _search_and_rank(steps, starts, user_out, tol, stage, fails)
     if not exact and stage is not None:
@@ -766,7 +793,7 @@ def _check_common(dtype, trials, seed) -> np.dtype:
     try:
         dtype = np.dtype(dtype)
     except (TypeError, ValueError):
-        raise TypeError(f"dtype: expected np.float64 or np.float32, got {dtype!r}") from None
+        raise TypeError(f"dtype: expected float32 or float64, got {dtype!r}") from None
     if dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
         raise TypeError(f"dtype: expected float32 or float64, got {dtype}")
     for name, value in (("trials", trials), ("seed", seed)):

@@ -657,6 +657,10 @@ def lse(x, w_q, w_k, w_v, w_o=None, **keywords) -> np.ndarray:
     return call.unbatch(_run(call)[2])
 
 
+_ATTENTION_VARIANTS = ("window", "softcap", "alibi_slopes", "sinks", "key_mask",
+                       "cu_seqlens", "key_cu_seqlens")
+
+
 def projected_attention(q, k, v, *, layout="bhtd", scale=None, mask=None, causal=False,
                         key_lengths=None, **variants):
     """Reference :func:`mhattn.attention`: attention on projected tensors.
@@ -667,7 +671,9 @@ def projected_attention(q, k, v, *, layout="bhtd", scale=None, mask=None, causal
         Or (B, T, heads, d) with ``layout="bthd"``; or unbatched 3-D.
     layout, scale, mask, causal, key_lengths, **variants
         As :func:`mhattn.attention` (window, softcap, alibi_slopes, sinks,
-        key_mask, cu_seqlens, key_cu_seqlens).
+        key_mask, cu_seqlens, key_cu_seqlens); any other keyword (rope=,
+        q_norm=, ...) is refused with a TypeError, as attention refuses it,
+        and q, k, v and layout are checked as attention checks them.
 
     Returns
     -------
@@ -686,6 +692,14 @@ def projected_attention(q, k, v, *, layout="bhtd", scale=None, mask=None, causal
     >>> out.shape, w.shape, lse.shape
     ((2, 3, 4), (2, 3, 3), (2, 3))
     """
+    # the keywords and the q, k, v, layout mhattn.attention takes, refused as
+    # it refuses them (its rope= / q_norm= are multi_head_attention's only)
+    for name in variants:
+        if name not in _ATTENTION_VARIANTS:
+            raise TypeError(f"projected_attention() got an unexpected keyword argument "
+                            f"{name!r}")
+    from ..compute.attention import check_projected   # compute imports the core
+    check_projected(q, k, v, layout)
     arrays = [np.asarray(a) for a in (q, k, v)]
     batched = arrays[0].ndim == 4
     if not batched:
