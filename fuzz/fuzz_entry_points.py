@@ -46,24 +46,11 @@ NAMES = os.environ.get("MHATTN_FUZZ_NAMES") == "1"
 ALLOWED = (TypeError, ValueError, MemoryError)
 # Escapes known today that the properties would refuse; each line goes
 # when its entry point is fixed: (entry, exception type, message pattern).
-KNOWN = [
-    # Trace.head(1.0): NumPy's unnamed "only integers, slices ..." IndexError
-    # (or "head 1.0 out of range" past the last head), not a TypeError.
-    ("Trace.head", IndexError, r"^only integers"),
-    ("Trace.head", IndexError, r"^head \d+\.\d+ out of range"),
-    # plot_attention(batch=0.0): the same IndexError from NumPy.
-    ("plot_attention", IndexError, r"^only integers"),
-    # KVCache.check_room does not check counts: a scalar count, or counts of
-    # another shape, past the capacity escape as NumPy's IndexError ("invalid
-    # index to scalar variable", "index 3 is out of bounds") from its message;
-    # a count past int64 as OverflowError.
-    ("KVCache.check_room", IndexError, r"^invalid index to scalar|^index \d+ is out of"),
-    ("KVCache.check_room", OverflowError, r"too large to convert"),
-    # Trace.head(i, b) with b past the batch: NumPy's unnamed IndexError.
-    ("Trace.head", IndexError, r"^index -?\d+ is out of bounds for axis 0"),
-]
+KNOWN: list = []   # (entry, exception type, message regex) of a known escape;
+                   # issue 35 fixed the last ones (Trace.head, plot_attention's
+                   # batch, KVCache.check_room)
 # The documented IndexErrors: an index out of range, named.
-INDEX_OK = re.compile(r"^(heads|batch): |^head \d+ out of range")
+INDEX_OK = re.compile(r"^(heads|batch|head|b): |^head \d+ out of range")
 NAME_RE = re.compile(r"^[A-Za-z_][\w.\[\]()/, '*=-]*: ")
 
 

@@ -1327,6 +1327,12 @@ def make(**kw):
 
 table("layer", raises(VE, words=["d_model", "positive integer"]), [
     ("d_model_zero", lambda: make(d_model=0))], LAYER)
+table("layer", raises(TE, words=["seed", "non-negative int"]), [
+    ("reset_seed_string", lambda: make(seed=0).reset_parameters(seed="abc"))],
+    "MultiHeadAttention.reset_parameters")
+table("layer", raises(VE, words=["seed", "non-negative int"]), [
+    ("reset_seed_negative", lambda: make(seed=0).reset_parameters(seed=-1))],
+    "MultiHeadAttention.reset_parameters")
 table("layer", raises(TE, words=["d_model", "positive integer"]), [
     ("d_model_string", lambda: make(d_model="a")),
     ("d_model_float", lambda: make(d_model=4.0)),
@@ -1450,6 +1456,10 @@ table("rope", raises(VE, words=["rotary_dim", "positive int"]), [
 table("packed_weights", raises(TE, words=["PackedWeights:", "mhattn.pack_weights"]), [
     ("made_directly", lambda: mhattn.PackedWeights()),
     ("made_directly_with_weights", lambda: mhattn.PackedWeights(W, W, W))], "PackedWeights")
+table("rope", raises(TE, words=["rotary_dim", "positive int"]), [
+    ("frequencies_string", lambda: mhattn.RoPE().frequencies("a"))], "RoPE.frequencies")
+table("rope", raises(VE, words=["rotary_dim", "positive int"]), [
+    ("frequencies_negative", lambda: mhattn.RoPE().frequencies(-2))], "RoPE.frequencies")
 table("rope", raises(TE, words=["rotary_dim", "int or None"]), [
     ("rotary_dim_float", lambda: mhattn.RoPE(rotary_dim=2.0)),
     ("rotary_dim_string", lambda: mhattn.RoPE(rotary_dim="a")),
@@ -1495,6 +1505,10 @@ table("trace_object", raises(VE, words=["Trace", "missing arrays", "'q'"]), [
                                                dtype=np.float64))], "Trace")
 table("trace_object", raises(IndexError, words=["head 5", "2 heads"]), [
     ("head_out_of_range", lambda: TRACE.head(5))], "Trace.head")
+table("trace_object", raises(TE, words=["name", "stage name"]), [
+    ("shape_of_int", lambda: TRACE.shape_of(3))], "Trace.shape_of")
+table("trace_object", raises(VE, words=["name", "'nope' is not a stage"]), [
+    ("shape_of_unknown", lambda: TRACE.shape_of("nope"))], "Trace.shape_of")
 table("trace_object", raises(VE, words=["head()", "unbatched", "b must be None"]), [
     ("head_b_unbatched", lambda: TRACE.head(0, b=3))], "Trace.head")
 table("trace_object", raises(TE, words=["compare", "a Trace or a dict", "NoneType"]), [
