@@ -550,3 +550,27 @@ def test_the_reference_applies_the_precision_rules():
             f(x, w, w, w, num_heads=2, softcap=1e308)
     assert np.isfinite(mhattn.reference.multi_head_attention(
         x.astype(np.float64), w, w, w, num_heads=2, softcap=1e308)).all()
+
+
+def test_a_packed_weights_in_another_argument_says_where_it_goes():
+    x, w = np.ones((3, 4)), np.ones((4, 4))
+    packed = mhattn.pack_weights(w, w, w, w, num_heads=2)
+    for call, name in ((lambda: mhattn.multi_head_attention(x, w, packed, w, num_heads=2), "w_k"),
+                       (lambda: mhattn.multi_head_attention(x, w, w, w, packed, num_heads=2),
+                        "w_o"),
+                       (lambda: mhattn.trace(x, packed, None, None, num_heads=2), "w_q")):
+        with pytest.raises(TypeError, match=f"^{name}: a PackedWeights is not an array"):
+            call()
+
+
+@pytest.mark.parametrize("eps", [-1.0, float("nan"), float("inf")])
+def test_norm_eps_is_checked_without_a_norm(eps):
+    """A norm_eps given without q_norm / k_norm is the core's to check all
+    the same (it was accepted silently)."""
+    x, w = np.ones((3, 4)), np.ones((4, 4))
+    for call in (lambda: mhattn.multi_head_attention(x, w, w, w, num_heads=2, norm_eps=eps),
+                 lambda: mhattn.multi_head_attention_grad(x, x, w, w, w, num_heads=2,
+                                                          norm_eps=eps),
+                 lambda: mhattn.trace(x, w, w, w, num_heads=2, norm_eps=eps)):
+        with pytest.raises(ValueError, match="^norm_eps: norm_eps = .* is not a finite number"):
+            call()

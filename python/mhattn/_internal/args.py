@@ -777,8 +777,10 @@ def normalize(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=Non
     # offsets, softcap, norm_eps, rotary_dim) are the core's: it checks them
     # here, before the reference or the checker reads any of them.
     if not core_checks_next:
+        # The whole tuple, even with every variant off: a norm_eps given
+        # without q_norm / k_norm is checked all the same.
         config_verdict(B, Tq, Tk, dk, dv, scales, dtype, key_lengths=kl,
-                       variants=variants_tuple(call))
+                       variants=variants_tuple(call, always=True))
     return call
 
 

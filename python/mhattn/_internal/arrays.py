@@ -34,6 +34,10 @@ def _to_array(name: str, obj: Any) -> np.ndarray:
                             f"{name}.filled(...) and express the mask with mask= "
                             "or key_lengths=")
         return np.asarray(obj)
+    if getattr(type(obj), "_packs_weights", False):   # a PackedWeights
+        raise TypeError(f"{name}: a PackedWeights is not an array: "
+                        "multi_head_attention and its gradient take one in place of "
+                        "w_q, with w_k, w_v and w_o left out")
     if isinstance(obj, (str, bytes, dict, set)):
         raise TypeError(f"{name}: expected an array of numbers, got {type(obj).__name__}")
     if getattr(obj, "requires_grad", False) is True and hasattr(obj, "detach"):

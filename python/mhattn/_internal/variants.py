@@ -409,12 +409,12 @@ def normalize_variants(v: dict, *, batched: bool, B: int, Tq: int, Tk: int, H: i
         key_mask=_key_mask(get("key_mask"), B, Tk, batched), cu_q=cu_q, cu_k=cu_k)
 
 
-def variants_tuple(call: Any):
+def variants_tuple(call: Any, always: bool = False):
     """The glue's ``variants`` argument for ``call.var`` (a :class:`Variants`):
-    None when every variant is off, else the tuple whose layout
-    csrc/python/variants.c (read_variants) gives."""
+    None when every variant is off (unless ``always``), else the tuple whose
+    layout csrc/python/variants.c (read_variants) gives."""
     v = call.var
-    if not v.any:
+    if not (v.any or always):
         return None
     window = None
     if v.window is not None:

@@ -89,6 +89,8 @@ class PackedWeights:
                  "num_kv_heads", "d_k", "d_v", "dtype", "isa", "nbytes", "_fused",
                  "_caps", "_args")
 
+    _packs_weights = True   # what _to_array recognises one by, in another argument
+
     def __new__(cls, *args, **kwargs):
         # Only _pack makes one (object.__new__), whole: an empty one would
         # raise AttributeError on its first use.
