@@ -19,6 +19,7 @@
 #include "kernels.h"
 #include "mha.h"
 #include "qk.h"
+#include "rules.h"
 #include "sizes.h"
 #include "threads.h"
 
@@ -26,25 +27,36 @@
  * Split-K (mha_attend): a call with few query rows per (b, h) has too few
  * tiles to keep the threads busy, and a decode step (Tq = 1) reads K and V
  * once, so each (b, h)'s keys are cut into parts worked in parallel and
- * merged in a fixed order. The parts are chosen from Tk alone, never from
- * the thread count, so the bits do not depend on it: about one part per
- * MHA_SPLIT_KEYS keys, at most MHA_SPLIT_MAX, each a whole number of 64-key
- * blocks. Weights are exactly normalised by the tile's second sweep, which
- * needs the final m, l: a call that wants them is not split.
+ * merged in a fixed order. The parts are chosen from the keys the call
+ * holds alone: Tk, or with key lengths the longest item's (a KV cache's
+ * decode, whose Tk is the cache's capacity), never from the thread count
+ * or the capacity, so the bits depend on neither: about one part per
+ * MHA_SPLIT_KEYS keys, at most MHA_SPLIT_MAX, each a whole number of
+ * 64-key blocks. A decode thus gives the bits of the same call on its keys
+ * held contiguously (Tk = the longest length). Weights are exactly
+ * normalised by the tile's second sweep, which needs the final m, l: a call
+ * that wants them is not split.
  */
 static void attend_split_plan(mha_flash_ctx *ctx)
 {
     const mha_config *cfg = ctx->cfg;
+    size_t held = cfg->Tk;
+    if (cfg->key_lengths != NULL) {
+        held = 0;
+        for (size_t b = 0; b < cfg->B; b++) {
+            const size_t len = mha_rules_key_len(cfg, b);
+            held = len > held ? len : held;
+        }
+    }
     ctx->nparts = 1;
     ctx->part_len = cfg->Tk;
-    if (cfg->Tq > MHA_SPLIT_ROWS || ctx->weights != NULL ||
-        cfg->Tk < 2 * MHA_SPLIT_KEYS)
+    if (cfg->Tq > MHA_SPLIT_ROWS || ctx->weights != NULL || held < 2 * MHA_SPLIT_KEYS)
         return;
-    size_t P = (cfg->Tk + MHA_SPLIT_KEYS - 1) / MHA_SPLIT_KEYS;
+    size_t P = (held + MHA_SPLIT_KEYS - 1) / MHA_SPLIT_KEYS;
     P = P < MHA_SPLIT_MAX ? P : MHA_SPLIT_MAX;
-    const size_t len = mha_round_up((cfg->Tk + P - 1) / P, 64);
+    const size_t len = mha_round_up((held + P - 1) / P, 64);
     ctx->part_len = len;
-    ctx->nparts = (cfg->Tk + len - 1) / len;
+    ctx->nparts = (held + len - 1) / len;
 }
 
 /*

@@ -109,6 +109,14 @@ class KVCache:
     :attr:`keys`, :attr:`values` and :attr:`lengths` are read without the
     lock: read them while no other thread writes.
 
+    Bits: a step's result depends on the tokens held, its arguments and
+    the ISA, never on the capacity, the storage's strides or the thread
+    count: the core plans a decode's split of the keys from the keys held
+    (the longest sequence's length), so caches of any capacity holding the
+    same tokens give the same bits, and a step gives those of
+    :func:`mhattn.attention` on the keys held contiguously (T_k the longest
+    length, ``key_lengths`` the lengths) with the query at its length - 1.
+
     Examples
     --------
     >>> cache = mhattn.KVCache(2, 4, 128, 16)

@@ -1,0 +1,186 @@
+"""A decode's bits do not depend on the cache's capacity (issue 43).
+
+The same tokens held in caches of capacity T, T + 1, 1023, 1024, 4096 and
+65536 give the same bits, step by step, for T from 1 to 5000, on every ISA
+this machine runs, with each option a cached step takes (GQA, sinks,
+softcap, ALiBi, a window, RoPE, q/k norm), and through ``attention`` on a
+cache's storage with key lengths (key_mask among the options). The core
+plans a decode's split of the keys from the keys held, never from the
+capacity (csrc/core/forward.c, attend_split_plan), so a decode also gives
+the bits of ``attention`` on its keys held contiguously.
+
+The full ranges are ``slow``; the quick loop runs the boundaries.
+"""
+import numpy as np
+import pytest
+
+import mhattn
+
+H, G, D, DK = 4, 2, 16, 8
+T_MAX = 5000
+CAPACITIES = (1023, 1024, 4096, 65536)
+# T where the split changes: its thresholds (2 x 512 keys), 64-key blocks,
+# the part cap (64 parts), and the first few.
+BOUNDARIES = sorted({*range(1, 70), 127, 128, 129, 511, 512, 513, 1022, 1023, 1024, 1025,
+                     1087, 1088, 1089, 1536, 2047, 2048, 2049, 3071, 3072, 3073, 4095, 4096,
+                     4097, 4999, 5000})
+
+
+def _options(rng):
+    """The options of a cached step, each a dict of its keywords."""
+    return {
+        "plain": {},
+        "sinks": dict(sinks=rng.standard_normal(H)),
+        "softcap": dict(softcap=3.0),
+        "alibi": dict(alibi_slopes=np.array([0.5, 0.25, 0.125, 0.0625])),
+        "window": dict(window=(700, 0)),
+        "rope": dict(rope=mhattn.RoPE()),
+        "qk_norm": dict(q_norm=1 + 0.1 * rng.standard_normal(DK),
+                        k_norm=1 + 0.1 * rng.standard_normal(DK)),
+    }
+
+
+OPTION_NAMES = list(_options(np.random.default_rng(0)))
+
+
+def _problem(dtype, name):
+    rng = np.random.default_rng(43)
+    w = [rng.standard_normal((D, n)).astype(dtype) / 4 for n in (H * DK, G * DK, G * DK)]
+    w.append(rng.standard_normal((H * DK, D)).astype(dtype) / 4)
+    x = rng.standard_normal((1, T_MAX, D)).astype(dtype)
+    opts = {k: (v.astype(dtype) if isinstance(v, np.ndarray) and k != "alibi_slopes" else v)
+            for k, v in _options(rng)[name].items()}
+    return x, w, opts
+
+
+def _step(cache, x, w, opts, t):
+    """The cached step of token t (the cache then holds t + 1 tokens)."""
+    return mhattn.multi_head_attention(x[:, t:t + 1], *w, num_heads=H, num_kv_heads=G,
+                                       cache=cache, causal=True, **opts)
+
+
+def _run(capacity, x, w, opts, upto):
+    """Every step's output, token by token from the first, in a cache of
+    ``capacity``: outs[T - 1] is the step that leaves T tokens held."""
+    cache = mhattn.KVCache(1, G, capacity, DK, dtype=x.dtype)
+    return cache, np.stack([_step(cache, x, w, opts, t) for t in range(upto)])
+
+
+def _first_differing(a, b):
+    same = [a[i].tobytes() == b[i].tobytes() for i in range(len(a))]
+    return None if all(same) else same.index(False) + 1
+
+
+def _check_capacities(isa, dtype, name, upto, ts, capacities=CAPACITIES[:-1]):
+    x, w, opts = _problem(dtype, name)
+    ref_cache, ref = _run(65536, x, w, opts, upto)
+    for cap in capacities:
+        n = min(cap, upto)
+        _, outs = _run(cap, x, w, opts, n)
+        T = _first_differing(outs, ref[:n])
+        assert T is None, f"{isa} {dtype.__name__} {name}: capacity {cap} differs at T = {T}"
+    # Capacity T and T + 1: the T - 1 tokens before held (copied from the
+    # reference cache, so the same rows), then the step of token T.
+    keys, values = ref_cache.keys, ref_cache.values
+    for T in ts:
+        if T > upto:
+            continue
+        for cap in (T, T + 1):
+            cache = mhattn.KVCache(1, G, cap, DK, dtype=dtype)
+            if T > 1:
+                cache.append(keys[:, :, :T - 1], values[:, :, :T - 1])
+            out = _step(cache, x, w, opts, T - 1)
+            assert out.tobytes() == ref[T - 1].tobytes(), \
+                f"{isa} {dtype.__name__} {name}: capacity {cap} differs at T = {T}"
+
+
+QUICK_TS = (1, 2, 3, 63, 64, 65, 1023, 1024, 1025, 1088, 1089)
+
+
+@pytest.mark.parametrize("name,dtype", [(n, np.float32) for n in OPTION_NAMES] +
+                         [("plain", np.float64), ("sinks", np.float64)])
+def test_capacity_changes_no_bit_near_the_boundaries(isa, dtype, name):
+    """The quick loop's share: every option, every ISA, T up to 1100 in
+    caches of 1024 and 65536 (where a decode starts to be split), and
+    capacities T and T + 1 at the boundaries."""
+    _check_capacities(isa, dtype, name, 1100, QUICK_TS, capacities=(1024,))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,dtype", [(n, np.float32) for n in OPTION_NAMES] +
+                         [(n, np.float64) for n in OPTION_NAMES])
+def test_capacity_changes_no_bit_up_to_5000(isa, dtype, name):
+    """T from 1 to 5000 in each capacity; capacities T and T + 1 for every
+    T (plain float32) or at the boundaries (the rest)."""
+    ts = range(1, T_MAX + 1) if (name, dtype) == ("plain", np.float32) else BOUNDARIES
+    _check_capacities(isa, dtype, name, T_MAX, ts)
+
+
+# --- attention on a cache's storage equals attention on the keys held ---------
+
+def _attention_case(dtype, name, cap, T, rng):
+    q = rng.standard_normal((1, H, 1, DK)).astype(dtype)
+    k = rng.standard_normal((1, G, T, DK)).astype(dtype)
+    v = rng.standard_normal((1, G, T, DK)).astype(dtype)
+    ks = np.full((1, G, cap, DK), np.nan, dtype)   # never read: past the length
+    vs = np.full((1, G, cap, DK), np.nan, dtype)
+    ks[:, :, :T], vs[:, :, :T] = k, v
+    opts = {"plain": {}, "sinks": dict(sinks=rng.standard_normal(H).astype(dtype)),
+            "softcap": dict(softcap=3.0),
+            "key_mask": dict(key_mask=rng.random(T) < 0.8)}[name]
+    held = dict(opts)
+    stored = dict(opts)
+    if name == "key_mask":
+        stored["key_mask"] = np.concatenate([opts["key_mask"], np.ones(cap - T, bool)])
+    return (q, k, v, held), (q, ks, vs, stored)
+
+
+# Not ALiBi nor a window: attention() places its query at T_k - 1 (the
+# capacity - 1 on a cache's storage), a KV cache's step at its length - 1
+# (lengths_aligned), so their biases differ; the cached step's tests above
+# hold those options to the capacity.
+ATTENTION_OPTIONS = ("plain", "sinks", "softcap", "key_mask")
+
+
+def _check_attention(dtype, name, ts):
+    rng = np.random.default_rng(430)
+    for T in ts:
+        for cap in (T, T + 1, 1023, 1024, 4096, 65536):
+            if cap < T:
+                continue
+            (q, k, v, held), (_, ks, vs, stored) = _attention_case(dtype, name, cap, T, rng)
+            want = mhattn.attention(q, k, v, **held)
+            got = mhattn.attention(q, ks, vs, key_lengths=np.array([T]), **stored)
+            assert got.tobytes() == want.tobytes(), \
+                f"{dtype.__name__} {name}: T = {T}, capacity {cap}"
+
+
+@pytest.mark.parametrize("name", ATTENTION_OPTIONS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_attention_on_storage_is_attention_on_the_keys_held(isa, dtype, name):
+    _check_attention(dtype, name, BOUNDARIES)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ATTENTION_OPTIONS)
+def test_attention_on_storage_up_to_5000(isa, name):
+    _check_attention(np.float32, name, range(1, T_MAX + 1))
+
+
+def test_a_batch_is_planned_from_its_longest_item():
+    """Items of different lengths: each capacity gives the bits of attention
+    on the keys held contiguously, T_k the longest length (the plan is the
+    call's; the docstring of KVCache says so)."""
+    rng = np.random.default_rng(431)
+    lengths = np.array([1500, 37, 1025])
+    Tk = int(lengths.max())
+    q = rng.standard_normal((3, H, 1, DK))
+    k = rng.standard_normal((3, G, Tk, DK))
+    v = rng.standard_normal((3, G, Tk, DK))
+    want = mhattn.attention(q, k, v, key_lengths=lengths)
+    for cap in (Tk, 2048, 4096, 65536):
+        ks = np.full((3, G, cap, DK), np.nan)
+        vs = np.full((3, G, cap, DK), np.nan)
+        ks[:, :, :Tk], vs[:, :, :Tk] = k, v
+        got = mhattn.attention(q, ks, vs, key_lengths=lengths)
+        assert got.tobytes() == want.tobytes(), f"capacity {cap}"
