@@ -118,23 +118,6 @@ def test_capacity_changes_no_bit_up_to_5000(isa, dtype, name):
 
 # --- attention on a cache's storage equals attention on the keys held ---------
 
-def _attention_case(dtype, name, cap, T, rng):
-    q = rng.standard_normal((1, H, 1, DK)).astype(dtype)
-    k = rng.standard_normal((1, G, T, DK)).astype(dtype)
-    v = rng.standard_normal((1, G, T, DK)).astype(dtype)
-    ks = np.full((1, G, cap, DK), np.nan, dtype)   # never read: past the length
-    vs = np.full((1, G, cap, DK), np.nan, dtype)
-    ks[:, :, :T], vs[:, :, :T] = k, v
-    opts = {"plain": {}, "sinks": dict(sinks=rng.standard_normal(H).astype(dtype)),
-            "softcap": dict(softcap=3.0),
-            "key_mask": dict(key_mask=rng.random(T) < 0.8)}[name]
-    held = dict(opts)
-    stored = dict(opts)
-    if name == "key_mask":
-        stored["key_mask"] = np.concatenate([opts["key_mask"], np.ones(cap - T, bool)])
-    return (q, k, v, held), (q, ks, vs, stored)
-
-
 # Not ALiBi nor a window: attention() places its query at T_k - 1 (the
 # capacity - 1 on a cache's storage), a KV cache's step at its length - 1
 # (lengths_aligned), so their biases differ; the cached step's tests above
@@ -143,13 +126,38 @@ ATTENTION_OPTIONS = ("plain", "sinks", "softcap", "key_mask")
 
 
 def _check_attention(dtype, name, ts):
+    """For each T of ``ts`` (increasing): q against the first T keys held
+    contiguously, and against caches of capacity T, T + 1, 1023, 1024, 4096
+    and 65536 whose rows past T hold NaN (never read). The big caches are
+    filled as T grows, so each row is written once."""
     rng = np.random.default_rng(430)
+    t_max = max(ts)
+    q = rng.standard_normal((1, H, 1, DK)).astype(dtype)
+    k = rng.standard_normal((1, G, t_max, DK)).astype(dtype)
+    v = rng.standard_normal((1, G, t_max, DK)).astype(dtype)
+    opts = {"plain": {}, "sinks": dict(sinks=rng.standard_normal(H).astype(dtype)),
+            "softcap": dict(softcap=3.0), "key_mask": {}}[name]
+    seen = rng.random(t_max) < 0.8   # key_mask's keys
+    big = {cap: [np.full((1, G, cap, DK), np.nan, dtype) for _ in "kv"]
+           for cap in (1023, 1024, 4096, 65536)}
+    filled = 0
     for T in ts:
-        for cap in (T, T + 1, 1023, 1024, 4096, 65536):
-            if cap < T:
-                continue
-            (q, k, v, held), (_, ks, vs, stored) = _attention_case(dtype, name, cap, T, rng)
-            want = mhattn.attention(q, k, v, **held)
+        for cap, (ks, vs) in big.items():
+            n = min(T, cap)
+            ks[:, :, filled:n], vs[:, :, filled:n] = k[:, :, filled:n], v[:, :, filled:n]
+        filled = T
+        held = dict(opts, key_mask=seen[:T]) if name == "key_mask" else opts
+        want = mhattn.attention(q, k[:, :, :T], v[:, :, :T], **held)
+        small = {}
+        for cap in (T, T + 1):
+            ks = np.full((1, G, cap, DK), np.nan, dtype)
+            vs = np.full((1, G, cap, DK), np.nan, dtype)
+            ks[:, :, :T], vs[:, :, :T] = k[:, :, :T], v[:, :, :T]
+            small[cap] = (ks, vs)
+        for cap, (ks, vs) in {**small, **{c: b for c, b in big.items() if c >= T}}.items():
+            stored = dict(opts)
+            if name == "key_mask":
+                stored["key_mask"] = np.concatenate([seen[:T], np.ones(cap - T, bool)])
             got = mhattn.attention(q, ks, vs, key_lengths=np.array([T]), **stored)
             assert got.tobytes() == want.tobytes(), \
                 f"{dtype.__name__} {name}: T = {T}, capacity {cap}"
