@@ -41,6 +41,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fuzz_mha import GARBAGE, LAYOUTS, Data, build as build_mha_call, inputs_in  # noqa: E402
+from fuzz_mha import main as run_harness  # noqa: E402
 
 NAMES = os.environ.get("MHATTN_FUZZ_NAMES") == "1"
 ALLOWED = (TypeError, ValueError, MemoryError)
@@ -629,17 +630,7 @@ TestOneInput = test_one_input
 
 
 def main(argv):
-    if len(argv) > 1 and argv[1] == "--replay":
-        for f in inputs_in(argv[2:]):
-            with open(f, "rb") as fh:
-                test_one_input(fh.read())
-        return
-    import atheris
-    with atheris.instrument_imports(include=["mhattn"]):
-        import mhattn  # noqa: F401 - instrumented for coverage feedback
-        import mhattn.reference  # noqa: F401
-    atheris.Setup(argv, test_one_input)
-    atheris.Fuzz()
+    run_harness(argv, test_one_input)   # fuzz_mha's replay / atheris driver
 
 
 if __name__ == "__main__":

@@ -443,17 +443,20 @@ def inputs_in(paths):
             yield path
 
 
-def main(argv):
+def main(argv, one_input=None):
+    """Replay files (``--replay PATH...``) or fuzz with atheris; ``one_input``
+    is the harness's property (this file's, or fuzz_entry_points')."""
+    one_input = test_one_input if one_input is None else one_input
     if len(argv) > 1 and argv[1] == "--replay":
         for f in inputs_in(argv[2:]):
             with open(f, "rb") as fh:
-                test_one_input(fh.read())
+                one_input(fh.read())
         return
     import atheris
     with atheris.instrument_imports(include=["mhattn"]):
         import mhattn  # noqa: F401 - instrumented for coverage feedback
         import mhattn.reference  # noqa: F401
-    atheris.Setup(argv, test_one_input)
+    atheris.Setup(argv, one_input)
     atheris.Fuzz()
 
 
