@@ -82,6 +82,29 @@ def test_no_keys_reference_matches_core(dtype):
     assert gw.shape == ww.shape == (2, 2, 3, 0)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_empty_batch_reads_no_per_item_rows(dtype):
+    """CI's ASan run of fuzz/corpus_entry_points: with B = 0, alibi_slopes
+    of shape (0, H) was taken as one row shared by every item, so the core's
+    precision check read H slopes from an array that holds none. The glue
+    reads from its own empty copy, whose stray bytes an ordinary build reads
+    without a sign: this test fails on the old code under tools/sanitize.sh
+    (heap-buffer-overflow in precision_check), which .ci/run runs."""
+    from mhattn._internal import core
+    x = np.zeros((0, 3, 4), dtype)
+    w = np.eye(4, dtype=dtype)
+    slopes = np.full((1, 2), 1e308)[:0]
+    assert slopes.shape == (0, 2)
+    variants = (None, 0.0, slopes) + (None,) * 6 + (0.0, 0, False, None, None, None)
+    core.check_config(0, 3, 3, [2], [2], [1.0, 1.0], dtype, variants=variants)
+    # and through the public functions, forward and backward
+    got = mhattn.multi_head_attention(x, w, w, w, num_heads=2, alibi_slopes=slopes)
+    assert got.shape == (0, 3, 4) and got.dtype == dtype
+    g = mhattn.multi_head_attention_grad(np.zeros_like(x), x, w, w, w, w, num_heads=2,
+                                         alibi_slopes=slopes)
+    assert g["x"].shape == (0, 3, 4)
+
+
 @pytest.mark.parametrize("impl", [mhattn.multi_head_attention,
                                   reference.multi_head_attention])
 @pytest.mark.parametrize("bad", [np.ones(3), "yes", 1, None])

@@ -70,7 +70,9 @@ static int variant_rows(PyArrayObject *a, const char *name, npy_intp rows,
     const npy_intp r = nd == 2 ? PyArray_DIM(a, 0) : 1;
     const npy_intp cols = PyArray_DIM(a, nd - 1);
     if (cols == n && ((nd == 1 && flat) || (nd == 2 && (r == rows || (rows1 && r == 1))))) {
-        *bstride = nd == 2 && r > 1 ? (size_t)n : 0;
+        // Per row unless one row is shared; (0, n) for B = 0 is per row
+        // too, so the core reads B * n = 0 items, not n.
+        *bstride = nd == 2 && r != 1 ? (size_t)n : 0;
         return 0;
     }
     const npy_intp want[2] = {rows, n};
