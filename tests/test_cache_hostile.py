@@ -68,7 +68,7 @@ def test_integer_likes_are_sizes():
                                    "float16", "nonsense", object(), True, 4, None,
                                    np.dtype(">f4"), np.dtype("<f8").newbyteorder(),
                                    [np.float32], np.dtype([("a", "f4")])],
-                         ids=repr)
+                         ids=lambda v: "object()" if type(v) is object else repr(v))
 def test_bad_dtype_names_the_argument(value):
     with pytest.raises((TypeError, ValueError), match="^dtype: "):
         mhattn.KVCache(**dict(GOOD, dtype=value))

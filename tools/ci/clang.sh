@@ -5,7 +5,9 @@
 #   2. CC=clang python setup.py build_ext --inplace there; any "warning:" in
 #      the build log fails the step;
 #   3. the whole pytest suite once per ISA (MHATTN_ISA=scalar, then each
-#      SIMD path up to the best the CPU has);
+#      SIMD path up to the best the CPU has); in each run the tests that take
+#      the `isa` fixture run on that ISA alone (MHATTN_TEST_ISAS), so the
+#      runs together hold them to every path once, not once per run;
 #   4. make -C tests/c check CC=clang (the C tests, plain and ASan+UBSan).
 # Usage, from the repository root: bash tools/ci/clang.sh
 # Takes about 12 minutes per ISA (the suite) on 2 shared Zen 3 cores, plus
@@ -61,7 +63,8 @@ for isa in $isas; do
     fi
     echo "== clang: pytest, MHATTN_ISA=$isa"
     t0=$SECONDS
-    if ! MHATTN_ISA=$isa "$py" -m pytest -q -p no:cacheprovider tests >pytest.log 2>&1; then
+    if ! MHATTN_ISA=$isa MHATTN_TEST_ISAS=$isa "$py" -m pytest -q -p no:cacheprovider tests \
+            >pytest.log 2>&1; then
         tail -40 pytest.log
         echo "FAIL: pytest, MHATTN_ISA=$isa"
         exit 1
