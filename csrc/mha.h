@@ -127,10 +127,9 @@ typedef struct {
     size_t H, G;
     const size_t *dk;     /* (G,) */
     const size_t *dv;     /* (G,) */
-    const double *scale;  /* (H,) multiplier of q.k for each query head;
-                             a finite one within the call's type: |scale|
-                             <= FLT_MAX for float32 (inf and NaN are
-                             taken, and propagate) */
+    const double *scale;  /* (H,) multiplier of q.k for each query head:
+                             finite, and within the call's type (|scale|
+                             <= FLT_MAX for float32) */
     int causal;           /* query i sees keys j <= i + (Tk - Tq)       */
     mha_mask_kind mask_kind;
     const void *mask;     /* uint8 or real, see mask_stride              */

@@ -95,8 +95,10 @@ def test_the_alibi_bound_follows_the_sequence_length():
 @pytest.mark.parametrize("entry", ENTRY)
 @pytest.mark.parametrize("scale", [np.inf, -np.inf, np.nan])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_nonfinite_scales_still_propagate(entry, scale, dtype):
-    with np.errstate(all="ignore"):
+def test_nonfinite_scales_are_refused(entry, scale, dtype):
+    """Issue 42: scale=float("nan") returned all NaN; an inf or NaN scale
+    makes every score inf or NaN, so it is refused (in either dtype)."""
+    with pytest.raises(ValueError, match=r"^scale: .*expected a finite number"):
         _entry_points(dtype)[entry](dict(scale=scale))
 
 

@@ -401,8 +401,8 @@ mha_status mha_check_config(mha_layout *lay, const mha_config *cfg, mha_error *e
  * it into inf (or 0) silently, where the reference, and the same call in
  * float64, keep it. With M the type's largest finite value (FLT_MAX,
  * DBL_MAX):
- *   scale[h]   |scale| <= M when finite (inf and NaN propagate, as IEEE
- *              says: they are what they are in either type)
+ *   scale[h]   finite, and |scale| <= M: an inf or NaN scale makes every
+ *              score inf or NaN (no output of the call could mean anything)
  *   softcap    0, or 1/M <= softcap <= M: the kernels use softcap and
  *              1/softcap (rules.h), both finite then
  *   alibi      |slope| max(Tq, Tk) <= M (|slope| <= M when Tq = Tk = 1):
@@ -414,11 +414,16 @@ static mha_status precision_check(const mha_config *cfg, mha_dtype dtype, mha_er
 {
     const double M = dtype == MHA_DTYPE_F32 ? (double)FLT_MAX : DBL_MAX;
     const char *type = dtype == MHA_DTYPE_F32 ? "float32" : "float64";
-    for (size_t h = 0; h < cfg->H; h++)
-        if (isfinite(cfg->scale[h]) && fabs(cfg->scale[h]) > M)
+    for (size_t h = 0; h < cfg->H; h++) {
+        if (!isfinite(cfg->scale[h]))
+            return REJECT(MHA_FIELD_SCALE,
+                          "scale[%zu] = %g: expected a finite number (an inf or NaN "
+                          "scale makes the scores inf or NaN)", h, cfg->scale[h]);
+        if (fabs(cfg->scale[h]) > M)
             return REJECT(MHA_FIELD_SCALE,
                           "scale[%zu] = %g is past %s's largest value %g: it would round "
                           "to inf", h, cfg->scale[h], type, M);
+    }
     if (cfg->softcap > 0 && !(cfg->softcap >= 1.0 / M && cfg->softcap <= M))
         return REJECT(MHA_FIELD_SOFTCAP,
                       "softcap = %g is not representable in %s: softcap and 1 / softcap "

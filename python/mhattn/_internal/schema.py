@@ -155,8 +155,8 @@ Sources of keys and values for cross-attention: (T_k, d) or
     Arg("scale", _MHA, "float", "", "", "None",
         "Multiplier of Q K^T; default 1/sqrt(dk) of each head.",
         type="float, optional",
-        text="Multiplier of Q K^T; defaults to 1/sqrt(d_k) of each head. A finite\n"
-             "scale past the call's dtype's largest value is refused."),
+        text="Multiplier of Q K^T; defaults to 1/sqrt(d_k) of each head. It must be\n"
+             "finite and within the call's dtype's largest value."),
     Arg("return_weights", ("multi_head_attention",), "bool", "", "", "False",
         "Also return the post-softmax weights.", type="bool",
         text="Also return the post-softmax weights, (h, T_q, T_k) or (B, h, T_q, T_k)."),
@@ -303,8 +303,8 @@ float32, anything else follows NumPy promotion with a float32 floor."""),
     Arg("layout", _ATT, "str", "", "", "'bhtd'", "The axis order of q, k, v and out.",
         type='"bhtd" (default) or "bthd"'),
     Arg("scale", _ATT, "float", "", "", "None", "Multiplier of q k^T; default 1/sqrt(dk).",
-        type="float, optional", text="Multiplier of q k^T; default 1/sqrt(d_k). A finite "
-        "scale past the call's dtype's largest value is refused."),
+        type="float, optional", text="Multiplier of q k^T; default 1/sqrt(d_k). It must be "
+        "finite and within the call's dtype's largest value."),
     Arg("mask", _ATT, "array?", "bool|T", "broadcasts to (B, H, Tq, Tk)", "None",
         "As multi_head_attention's.",
         text="""\

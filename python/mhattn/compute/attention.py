@@ -171,7 +171,7 @@ def attention(q, k, v, *, layout="bhtd", scale=None, mask=None, causal=False,
         float32, anything else follows NumPy promotion with a float32 floor.
     layout : "bhtd" (default) or "bthd"
     scale : float, optional
-        Multiplier of q k^T; default 1/sqrt(d_k). A finite scale past the call's dtype's largest value is refused.
+        Multiplier of q k^T; default 1/sqrt(d_k). It must be finite and within the call's dtype's largest value.
     mask, causal, key_lengths
         As :func:`mhattn.multi_head_attention`: ``mask`` bool (True = may
         attend) or float (added), broadcastable to (B, H, T_q, T_k);

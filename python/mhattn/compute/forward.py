@@ -54,8 +54,8 @@ def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None
         Sources of keys and values for cross-attention: (T_k, d) or
         (B, T_k, d).  ``key`` defaults to ``x``, ``value`` to ``key``.
     scale : float, optional
-        Multiplier of Q K^T; defaults to 1/sqrt(d_k) of each head. A finite
-        scale past the call's dtype's largest value is refused.
+        Multiplier of Q K^T; defaults to 1/sqrt(d_k) of each head. It must be
+        finite and within the call's dtype's largest value.
     return_weights : bool
         Also return the post-softmax weights, (h, T_q, T_k) or (B, h, T_q, T_k).
     mask : bool or float array, optional
