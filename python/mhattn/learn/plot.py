@@ -216,9 +216,8 @@ def plot_attention(weights: Any, tokens: Optional[Sequence[Any]] = None,
     cell_h = 72 * (height_in - 0.8) / nrows / max(Tq, 1)
     widest = max((len(fmt.format(v)) for v in shown[seen][:256]), default=4)
     fontsize = float(np.clip(min(cell_h * 0.45, 0.75 * cell_w / (0.6 * widest)), 4.0, 10.0))
-    # Ticks: a label about every 0.24 in across, 0.2 in down.
-    most = (max(2, int((width_in - 1.4) / ncols / 0.24)),
-            max(2, int((height_in - 0.8) / nrows / 0.2)))
+    # A panel's extent in inches, for the ticks.
+    panel_in = ((width_in - 1.4) / ncols, (height_in - 0.8) / nrows)
 
     image = None
     for p, (ax, h) in enumerate(zip(axes, idx)):
@@ -229,7 +228,7 @@ def plot_attention(weights: Any, tokens: Optional[Sequence[Any]] = None,
         if (~seen[p]).any():
             ax.add_collection(_hatch(~seen[p]))
         ax.set_title(f"head {h + 1}")
-        _ticks(ax, Tq, Tk, xlabels, ylabels, *most)
+        _ticks(ax, Tq, Tk, xlabels, ylabels, *panel_in)
         if annotate:
             _annotate(ax, image, shown[p], seen[p], fmt, fontsize)
     _share_labels(axes, ncols, nrows)
@@ -476,19 +475,36 @@ def _figsize(ncols, nrows, Tq, Tk, xlabels, ylabels, title):
 _MAX_WIDTH = 10.0
 
 
-def _ticks(ax, Tq, Tk, xlabels, ylabels, max_x, max_y):
-    """Every tick while they fit (max_x, max_y ticks per panel), else every
-    1, 2, 5, 10, 20, ... th; labels rotated 45 degrees when any key label is
-    longer than 3 characters, in every panel alike."""
-    for axis, n, labels, most in ((ax.xaxis, Tk, xlabels, max_x),
-                                  (ax.yaxis, Tq, ylabels, max_y)):
-        step = next(s for s in (m * 10 ** e for e in range(12) for m in (1, 2, 5))
-                    if -(-n // s) <= most)
+#: Up to this many tokens an axis labels every one of them.
+EVERY_TICK = 24
+_TICK_POINTS = 10.0   # matplotlib's default tick label size
+
+
+def _ticks(ax, Tq, Tk, xlabels, ylabels, width_in, height_in):
+    """Every tick up to EVERY_TICK tokens, in a font shrunk (down to 4 pt)
+    so that neighbouring labels do not touch; past that, every 1, 2, 5, 10,
+    20, ... th, about one label per 0.24 in across and 0.2 in down. Key
+    labels are rotated 45 degrees when any is longer than 3 characters, in
+    every panel alike."""
+    rotate = xlabels is not None and max(map(len, xlabels), default=0) > 3
+    for axis, n, labels, span, gap, across in ((ax.xaxis, Tk, xlabels, width_in, 0.24, True),
+                                               (ax.yaxis, Tq, ylabels, height_in, 0.2, False)):
+        most = max(2, int(span / gap))
+        step = 1 if n <= EVERY_TICK else next(
+            s for s in (m * 10 ** e for e in range(12) for m in (1, 2, 5)) if -(-n // s) <= most)
         pos = list(range(0, n, step))
         axis.set_ticks(pos)
+        shown = [labels[i] for i in pos] if labels is not None else [str(i) for i in pos]
         if labels is not None:
-            axis.set_ticklabels([labels[i] for i in pos])
-    if xlabels is not None and max(map(len, xlabels), default=0) > 3:
+            axis.set_ticklabels(shown)
+        # A label's extent along its axis, in ems: its width (0.6 em a
+        # character) across unrotated, else about a line (1.1 em; 45 degrees
+        # is a line's height times sqrt 2 across, less the overlap allowed).
+        widest = max(map(len, shown), default=1)
+        ems = 0.6 * widest + 0.3 if across and not rotate else 1.3
+        pitch = 72.0 * span * step / max(n, 1)            # points between ticks
+        axis.set_tick_params(labelsize=float(np.clip(pitch / ems, 4.0, _TICK_POINTS)))
+    if rotate:
         for t in ax.get_xticklabels():
             t.set_rotation(45)
             t.set_ha("right")

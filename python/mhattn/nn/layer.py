@@ -262,8 +262,10 @@ class MultiHeadAttention:
         self.num_heads = _int_arg("num_heads", num_heads, allow_none=False)
         g = _int_arg("num_kv_heads", num_kv_heads)
         self.num_kv_heads = self.num_heads if g is None else g
-        if self.num_heads % self.num_kv_heads:   # cannot be paired: the core says why
-            _core.check_heads(self.num_heads, self.num_kv_heads)
+        # The core's verdict on the pairing, and first the memory rule on head
+        # counts: a huge num_heads is a MemoryError here, before any weight is
+        # drawn (it took 10 s of drawing to reach it at the first call).
+        _core.check_heads(self.num_heads, self.num_kv_heads)
         d_k = _int_arg("d_k", d_k)
         d_v = _int_arg("d_v", d_v)
         if d_k is None:
