@@ -123,7 +123,7 @@ class PackedWeights:
 
         >>> tokens, X, w_q, w_k, w_v, w_o = mhattn.worked_example()
         >>> packed = mhattn.pack_weights(w_q, w_k, w_v, w_o)
-        >>> packed.replace(w_o=2 * w_o).w_o[0, 0] == 2 * w_o[0, 0]
+        >>> np.array_equal(packed.replace(w_o=2 * w_o).w_o, 2 * w_o)
         True
         """
         unknown = sorted(set(changes) - set(_NAMES + _BIASES))
