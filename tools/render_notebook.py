@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Execute examples/walkthrough.ipynb and write every picture it shows to PNG.
+"""Execute python/mhattn/notebooks/walkthrough.ipynb and write every picture it shows to PNG.
 
     python tools/render_notebook.py [--notebook PATH] [--out DIR] [--width PX]
 
@@ -66,7 +66,7 @@ def screenshot(browser: str, page: pathlib.Path, png: pathlib.Path, width: int) 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--notebook", default=str(ROOT / "examples" / "walkthrough.ipynb"))
+    ap.add_argument("--notebook", default=str(ROOT / "python" / "mhattn" / "notebooks" / "walkthrough.ipynb"))
     ap.add_argument("--out", default=str(ROOT / "build" / "notebook_pictures"))
     ap.add_argument("--width", type=int, default=1000,
                     help="page width in px for the HTML outputs (a notebook's width)")
