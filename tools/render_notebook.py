@@ -3,7 +3,7 @@
 
     python tools/render_notebook.py [--notebook PATH] [--out DIR] [--width PX]
 
-The notebook is this checkout's python/mhattn/notebooks/walkthrough.ipynb
+The notebook is this checkout's python/mhattn/walkthrough.ipynb
 (else the installed mhattn's); the kernel runs in DIR (build/notebook_pictures).
 
 Each figure output (image/png) is written as ``cellNN_M.png``; each HTML
@@ -33,7 +33,7 @@ import sys
 import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-NOTEBOOK = "mhattn/notebooks/walkthrough.ipynb"     # under python/, or installed
+NOTEBOOK = "mhattn/walkthrough.ipynb"     # under python/, or installed
 PAGE = """<!DOCTYPE html>
 <html><head><meta charset="utf-8"><style>
 body {{ font-family: -apple-system, "Segoe UI", Roboto, "DejaVu Sans", sans-serif;
@@ -109,7 +109,7 @@ def kernel_env(root: pathlib.Path, cwd: pathlib.Path) -> tuple[dict, str]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--notebook", help="default: this checkout's "
-                    "python/mhattn/notebooks/walkthrough.ipynb, else the installed mhattn's")
+                    "python/mhattn/walkthrough.ipynb, else the installed mhattn's")
     ap.add_argument("--out", default=str(ROOT / "build" / "notebook_pictures"),
                     help="where the pictures go; the kernel runs there")
     ap.add_argument("--width", type=int, default=1000,
