@@ -88,7 +88,7 @@ def probe(env: dict, cwd: pathlib.Path) -> tuple[str | None, str]:
 def kernel_env(root: pathlib.Path, cwd: pathlib.Path) -> tuple[dict, str]:
     """The kernel's environment and the folder of the mhattn it will import:
     the one this Python imports (PYTHONPATH made absolute, since the kernel
-    runs in the notebook's folder), else a checkout built in place."""
+    runs in ``cwd``), else a checkout built in place; never an unbuilt one."""
     env = dict(os.environ)
     given = [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(given)
@@ -123,8 +123,11 @@ def main(argv=None) -> int:
     if args.notebook is None and not nb_path.is_file():
         nb_path = pathlib.Path(where) / NOTEBOOK.split("/", 1)[1]
 
-    import nbclient
-    import nbformat
+    try:
+        import nbclient
+        import nbformat
+    except ImportError as e:
+        sys.exit(f"render_notebook: {e}: pip install nbclient nbformat ipykernel")
 
     nb = nbformat.read(nb_path, as_version=4)
     os.environ.update(env)          # the kernel inherits it
