@@ -102,7 +102,10 @@ setup(
     package_dir={"": "python"},
     # mhattn and its subpackages (compute, learn, nn, reference, _internal).
     packages=find_packages("python"),
-    package_data={"mhattn": ["*.pyi", "py.typed"]},
+    # The walkthrough notebook ships with the package: `python -m mhattn
+    # --notebook` writes it out (importlib.resources finds it). At the top:
+    # a folder without __init__.py would be an undeclared namespace package.
+    package_data={"mhattn": ["*.pyi", "py.typed", "walkthrough.ipynb"]},
     ext_modules=[ext],
     cmdclass={"build_ext": build_ext_flags},
 )

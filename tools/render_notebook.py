@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
-"""Execute examples/walkthrough.ipynb and write every picture it shows to PNG.
+"""Execute the walkthrough notebook and write every picture it shows to PNG.
 
     python tools/render_notebook.py [--notebook PATH] [--out DIR] [--width PX]
+
+The notebook is this checkout's python/mhattn/walkthrough.ipynb
+(else the installed mhattn's); the kernel runs in DIR (build/notebook_pictures).
 
 Each figure output (image/png) is written as ``cellNN_M.png``; each HTML
 output (text/html: traces, comparisons, checker reports) is written as
@@ -11,8 +14,12 @@ output in nothing but a plain sans-serif body, so what it shows is what the
 output's own inline styles give, as in a notebook that has no mhattn CSS.
 
 Needs nbclient, nbformat and ipykernel (pip install nbclient nbformat
-ipykernel), matplotlib for the figures, and mhattn importable (run it with
-PYTHONPATH=python from a built checkout).
+ipykernel, or the test extra), matplotlib for the figures, and mhattn. The
+notebook runs with the mhattn that this Python imports (after `pip install .`,
+the installed one; PYTHONPATH is honoured). Only when none imports and this
+checkout is built in place (`make build`) does it use the checkout's
+python/; an unbuilt python/ is never put on the path (it cannot import its
+extension). The kernel's mhattn is printed, and checked against that choice.
 """
 from __future__ import annotations
 
@@ -26,6 +33,7 @@ import sys
 import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+NOTEBOOK = "mhattn/walkthrough.ipynb"     # under python/, or installed
 PAGE = """<!DOCTYPE html>
 <html><head><meta charset="utf-8"><style>
 body {{ font-family: -apple-system, "Segoe UI", Roboto, "DejaVu Sans", sans-serif;
@@ -64,27 +72,74 @@ def screenshot(browser: str, page: pathlib.Path, png: pathlib.Path, width: int) 
         img.crop((0, 0, min(img.width, box[2] + 12), min(img.height, box[3] + 12))).save(png)
 
 
+PROBE = "import os, mhattn; print(os.path.dirname(os.path.abspath(mhattn.__file__)))"
+
+
+def probe(env: dict, cwd: pathlib.Path) -> tuple[str | None, str]:
+    """(folder of the mhattn a kernel started with ``env`` in ``cwd`` imports,
+    or None; the last line of the error when none does)."""
+    done = subprocess.run([sys.executable, "-c", PROBE], env=env, cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+    if done.returncode == 0:
+        return done.stdout.strip().splitlines()[-1], ""
+    return None, (done.stderr.strip().splitlines() or ["?"])[-1]
+
+
+def kernel_env(root: pathlib.Path, cwd: pathlib.Path) -> tuple[dict, str]:
+    """The kernel's environment and the folder of the mhattn it will import:
+    the one this Python imports (PYTHONPATH made absolute, since the kernel
+    runs in ``cwd``), else a checkout built in place; never an unbuilt one."""
+    env = dict(os.environ)
+    given = [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(given)
+    where, error = probe(env, cwd)
+    if where is not None:
+        return env, where
+    tree = root / "python"
+    if list((tree / "mhattn").glob("_C*.so")) + list((tree / "mhattn").glob("_C*.pyd")):
+        env["PYTHONPATH"] = os.pathsep.join([str(tree)] + given)
+        where, error = probe(env, cwd)
+        if where is not None:
+            return env, where
+    sys.exit(f"render_notebook: mhattn does not import ({error}).\n"
+             f"Install it (pip install . in {root}), or build this checkout in place "
+             "(make build) to render with its python/.")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--notebook", default=str(ROOT / "examples" / "walkthrough.ipynb"))
-    ap.add_argument("--out", default=str(ROOT / "build" / "notebook_pictures"))
+    ap.add_argument("--notebook", help="default: this checkout's "
+                    "python/mhattn/walkthrough.ipynb, else the installed mhattn's")
+    ap.add_argument("--out", default=str(ROOT / "build" / "notebook_pictures"),
+                    help="where the pictures go; the kernel runs there")
     ap.add_argument("--width", type=int, default=1000,
                     help="page width in px for the HTML outputs (a notebook's width)")
     args = ap.parse_args(argv)
 
-    import nbclient
-    import nbformat
-
-    nb_path = pathlib.Path(args.notebook).resolve()
-    out = pathlib.Path(args.out)
+    out = pathlib.Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    env, where = kernel_env(ROOT, out)
+    nb_path = pathlib.Path(args.notebook or ROOT / "python" / NOTEBOOK)
+    if args.notebook is None and not nb_path.is_file():
+        nb_path = pathlib.Path(where) / NOTEBOOK.split("/", 1)[1]
+
+    try:
+        import nbclient
+        import nbformat
+    except ImportError as e:
+        sys.exit(f"render_notebook: {e}: pip install nbclient nbformat ipykernel")
+
     nb = nbformat.read(nb_path, as_version=4)
-    env_path = os.environ.get("PYTHONPATH", "")
-    if str(ROOT / "python") not in env_path.split(os.pathsep):
-        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "python"),
-                                                               env_path) if p)
+    os.environ.update(env)          # the kernel inherits it
+    # A last cell says which mhattn the kernel imported; it is no output.
+    nb.cells.append(nbformat.v4.new_code_cell(PROBE))
     nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
-                            resources={"metadata": {"path": str(nb_path.parent)}}).execute()
+                            resources={"metadata": {"path": str(out)}}).execute()
+    used = nb.cells.pop().outputs[0]["text"].strip()
+    print(f"render_notebook: {nb_path} with mhattn from {used}", file=sys.stderr)
+    if not os.path.samefile(used, where):
+        sys.exit(f"render_notebook: the kernel imported mhattn from {used}, not {where} "
+                 "(is the python3 kernelspec another Python's?)")
 
     browser = chromium()
     if browser is None:

@@ -1,13 +1,23 @@
-"""python -m mhattn: the document's worked example, computed by the C core."""
+"""python -m mhattn: the document's worked example, computed by the C core.
+
+    python -m mhattn                    print the worked example, step by step
+    python -m mhattn --notebook [PATH]  write the walkthrough notebook to PATH
+                                        (a folder, . by default, or a .ipynb file)
+"""
 from __future__ import annotations
 
+import argparse
+import os
 import sys
+from importlib import resources
 
 import numpy as np
 
 from ._internal.args import normalize
 from ._internal.core import run_core
 from .reference import param_count, worked_example
+
+NOTEBOOK = "walkthrough.ipynb"
 
 
 def _fmt(v) -> str:
@@ -17,7 +27,44 @@ def _fmt(v) -> str:
     return "[" + ", ".join(_fmt(row) for row in v) + "]"
 
 
-def main(out=sys.stdout) -> int:
+def notebook():
+    """The walkthrough notebook shipped in the package (package data), as an
+    importlib.resources Traversable: ``notebook().read_bytes()``."""
+    return resources.files("mhattn") / NOTEBOOK
+
+
+def write_notebook(path, out=sys.stdout) -> int:
+    """Write the walkthrough notebook to ``path``: into it when it is a
+    folder, else to that file. An existing file is left alone."""
+    target = os.path.normpath(os.path.join(path, NOTEBOOK) if os.path.isdir(path) else path)
+    try:
+        with open(target, "xb") as f:
+            f.write(notebook().read_bytes())
+    except FileExistsError:
+        print(f"{target} already exists: remove it or give another path", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"cannot write {target}: {e.strerror}", file=sys.stderr)
+        return 1
+    print(f"wrote {target}; open it with: jupyter lab {target}", file=out)
+    print("(it needs matplotlib and Jupyter: pip install jupyterlab matplotlib)", file=out)
+    return 0
+
+
+def main(out=sys.stdout, argv=None) -> int:
+    """``python -m mhattn [--notebook [PATH]]``; ``argv`` None means no arguments."""
+    ap = argparse.ArgumentParser(prog="python -m mhattn", description=__doc__.splitlines()[0])
+    ap.add_argument("--notebook", nargs="?", const=".", metavar="PATH",
+                    help="write the walkthrough notebook into the folder PATH "
+                         "(default: the current one) or to the file PATH, then stop")
+    args = ap.parse_args([] if argv is None else argv)
+    if args.notebook is not None:
+        return write_notebook(args.notebook, out)
+    return worked_example_steps(out)
+
+
+def worked_example_steps(out=sys.stdout) -> int:
+    """Print the document's worked example, step by step, as the core computes it."""
     tokens, X, w_q, w_k, w_v, w_o = worked_example()
     call = normalize(X, w_q, w_k, w_v, w_o)
     res, weights, (q, k, v, concat, lse) = run_core(call, want_weights=True, keep=True)
@@ -60,4 +107,4 @@ def main(out=sys.stdout) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(argv=sys.argv[1:]))
