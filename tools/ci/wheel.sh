@@ -113,7 +113,8 @@ if [ "$SDIST_TESTS" = quick ]; then
     run_suite "$work/venv-sdist" "$sd" sdist tests/test_golden.py tests/test_catalogue.py \
         tests/test_fuzz_regressions.py tests/test_notebook.py tests/test_benchmarks.py \
         tests/test_source_layout.py tests/test_structure.py tests/test_docstrings.py \
-        tests/test_worked_example.py tests/test_checker_corpus.py
+        tests/test_worked_example.py tests/test_checker_corpus.py \
+        tests/test_readme_blocks.py tests/test_render_notebook.py
 else
     run_suite "$work/venv-sdist" "$sd" sdist
 fi
