@@ -320,10 +320,15 @@ TABLE: Tuple[Mistake, ...] = (
     Mistake(
         "causal_top_left",
         "the causal mask is aligned top-left instead of bottom-right",
-        "Your causal mask lets query i see keys j <= i. With more keys than queries\n"
-        "(a cache, or a prefix) the queries are the last T_q positions, so query i\n"
-        "sees keys j <= i + T_k - T_q (bottom-right aligned, as in mhattn, PyTorch's\n"
-        "is_causal with a cache and FlashAttention). Fix:",
+        "Your causal mask lets query i see keys j <= i, counting from the first key\n"
+        "(top-left aligned). With more keys than queries (a KV cache, or a prefix)\n"
+        "the queries are the last T_q positions, so mhattn aligns the triangle\n"
+        "bottom-right: query i sees keys j <= i + T_k - T_q, and one new query sees\n"
+        "every key. FlashAttention's causal=True (version 2.1 and later) is\n"
+        "bottom-right too. PyTorch's scaled_dot_product_attention(is_causal=True)\n"
+        "aligns top-left (j <= i), so code copied from it differs whenever\n"
+        "T_q != T_k (in PyTorch, torch.nn.attention.bias.causal_lower_right gives\n"
+        "the bottom-right mask). The two alignments agree when T_q == T_k. Fix:",
         "allowed = np.tril(np.ones((T_q, T_k), bool), k=T_k - T_q)",
         produce=(
             Form("mask", "causal_top_left", "causal aligned top-left (j <= i)",
