@@ -224,17 +224,29 @@ def _trials(n_random: int, dtype, seed: int, convention: str = "general",
 # --------------------------------------------------------------------------
 
 class _BadReturn(Exception):
-    """The prototype returned something that is not an output array."""
+    """The prototype returned something that is not an output array.  The
+    message says so in the learner's words, "your function <short>; it must
+    return <what><tail>", ``short`` being what it did ("returned None")."""
+
+    def __init__(self, short: str, what: str, tail: str = ""):
+        super().__init__(f"your function {short}; it must return {what}{tail}")
+
+
+def _a(name: str) -> str:
+    return ("an " if name[:1].lower() in "aeiou" else "a ") + name
 
 
 def _run(fn: Callable, args, kwargs: Optional[Mapping] = None,
-         shape: Optional[Tuple[int, ...]] = None) -> Tuple[Any, Optional[Mapping]]:
+         shape: Optional[Tuple[int, ...]] = None,
+         what: str = "the output array") -> Tuple[Any, Optional[Mapping]]:
     """(output array or exception, dict of intermediates or None).
 
     An output of the expected ``shape`` (any, when None) comes back as
     float64; one of another shape as the prototype returned it (a wrong
     shape, reported as such): it is never copied or computed with, so a
-    huge one (a broadcast view of a scalar) costs nothing."""
+    huge one (a broadcast view of a scalar) costs nothing.  What is not an
+    output array comes back as an exception whose message says, in the
+    learner's words, what was returned and that ``what`` was expected."""
     copies = [np.array(a, copy=True) if isinstance(a, np.ndarray) else a for a in args]
     kw = {k: (np.array(v, copy=True) if isinstance(v, np.ndarray) else v)
           for k, v in (kwargs or {}).items()}
@@ -248,24 +260,30 @@ def _run(fn: Callable, args, kwargs: Optional[Mapping] = None,
         inter = res
         keys = [k for k in res if canonical_key(k) == "output"]
         if not keys:
-            return _BadReturn("the returned dict has no 'output' (or 'out') key; "
-                              f"keys: {sorted(map(str, res))}"), inter
+            return _BadReturn("returned a dict without an 'output' (or 'out') key",
+                              what, f" under 'output' (its keys: "
+                              f"{sorted(map(str, res))})"), inter
         res = res[keys[0]]
     elif isinstance(res, tuple):
         if not res:
-            return _BadReturn("returned an empty tuple"), None
+            return _BadReturn("returned an empty tuple", what,
+                              ", or a tuple (output, weights)"), None
         inter = {"output": res[0]}
         if len(res) == 2:
             inter["weights"] = res[1]
         res = res[0]
     if res is None:
-        return _BadReturn("returned None (missing return statement?)"), inter
+        return _BadReturn("returned None", what,
+                          " (is a return statement missing?)"), inter
     try:
         arr = np.asarray(res)
     except Exception as exc:
-        return _BadReturn(f"returned {type(res).__name__}, not an array ({exc})"), inter
+        return _BadReturn(f"returned {_a(type(res).__name__)} that NumPy cannot read "
+                          "as one array", what, f" (NumPy: {_short_exc(exc)})"), inter
     if arr.dtype.kind not in "biuf":
-        return _BadReturn(f"returned an array of dtype {arr.dtype}"), inter
+        kind = (type(res).__name__ if not isinstance(res, np.ndarray)
+                else f"array of dtype {arr.dtype}")
+        return _BadReturn(f"returned {_a(kind)}", what, ", an array of real numbers"), inter
     if shape is not None and arr.shape != tuple(shape):
         return arr, inter
     return arr.astype(np.float64), inter
@@ -299,10 +317,12 @@ class TrialResult:
     name: str
     about: str
     shapes: str
-    status: str                     # 'ok' | 'differs' | 'raised' | 'nonfinite' | 'shape'
+    #: 'ok' | 'differs' | 'raised' | 'returned' (no output array) | 'nonfinite' | 'shape'
+    status: str
     max_abs: Optional[float] = None
     max_rel: Optional[float] = None  # max |got - want| / max |want|
-    error: Optional[str] = None     # 'ValueError: ...' when fn raised
+    #: 'ValueError: ...' when fn raised; what it returned instead of an output
+    error: Optional[str] = None
     expected_shape: Optional[Tuple[int, ...]] = None
     got_shape: Optional[Tuple[int, ...]] = None
     stages: Optional[CompareReport] = None  # when fn returned intermediates
@@ -319,6 +339,9 @@ class TrialResult:
             return "ok"
         if self.status == "raised":
             return f"raised {self.error}"
+        if self.status == "returned":     # "your function returned None; ..."
+            what = str(self.error).split(";")[0].replace("your function ", "", 1)
+            return f"{what} instead of an output of shape {self.expected_shape}"
         if self.status == "shape":
             return f"output shape {self.got_shape}, expected {self.expected_shape}"
         if self.status == "nonfinite":
@@ -346,6 +369,7 @@ def _same(got: Any, model: Any, tol: float) -> bool:
             return False
         return model.key == _steps.exception_key(got)
     return _distance(got, model, tol)[0]
+
 
 
 @dataclass
@@ -495,6 +519,10 @@ def _accepts(fn: Callable, name: str) -> bool:
 
 def _compare_result(r: "TrialResult", got: Any, want: np.ndarray, tol: float) -> None:
     """Fill r's status and errors from the prototype's outcome ``got``."""
+    if isinstance(got, _BadReturn):
+        r.status = "returned"
+        r.error = str(got)
+        return
     if isinstance(got, BaseException):
         r.status = "raised"
         r.error = _short_exc(got)
@@ -609,19 +637,104 @@ def _early_report(kind, results, user_out, fails, steps, starts, dtype):
     return None if f32 is None else _float32_report(kind, results, fails, f32)
 
 
+def _first_stage(results: List["TrialResult"]) -> Tuple[Optional[str], str]:
+    """(first divergent intermediate, the sentence that says so), from the
+    first trial whose returned intermediates differ."""
+    for r in results:
+        if r.stages is not None and r.stages.first_divergence is not None:
+            stage = r.stages.first_divergence
+            return stage, (f"The first of your intermediates that differs from "
+                           f"mhattn's is '{stage}' (trial {r.name}): {r.stages.summary()}")
+    return None, ""
+
+
+def _label(c: _Candidate) -> str:
+    return " + ".join(c.names)
+
+
+def _mark_matching(results, fails, ranked, exact) -> List[str]:
+    """Each trial's ``matching`` (the candidates that match it, on failing
+    trials only); returns the candidates consistent with every trial."""
+    best = ranked[0] if ranked else None
+    shown = ranked if exact or best is None else [c for c in ranked
+                                                  if c.explained == best.explained]
+    candidates: List[str] = []
+    for c in (ranked if exact else []):
+        if _label(c) not in candidates:
+            candidates.append(_label(c))
+    for i, r in enumerate(results):
+        r.matching = []
+        if i in fails:
+            for c in shown:
+                if c.matches[i] and _label(c) not in r.matching:
+                    r.matching.append(_label(c))
+        r.matches = r.matching
+    return candidates
+
+
+def _named(best: _Candidate, exact: bool, n: int, candidates: List[str]):
+    """(title, paragraphs) naming the mistake (or pair) of ``best``."""
+    mistakes = best.names
+    form = "; ".join(best.forms)
+    if len(mistakes) == 1:
+        title = MISTAKES[mistakes[0]][0]
+        what = f"Most likely mistake: {mistakes[0]} ({title})."
+    else:
+        title = "two mistakes: " + "; and ".join(MISTAKES[m][0] for m in mistakes)
+        what = ("Most likely two mistakes: " + " and ".join(
+            f"{m} ({MISTAKES[m][0]})" for m in mistakes) + ".")
+    if exact:
+        how = (f"{what} Re-enacted as '{form}', "
+               f"{'it reproduces' if len(mistakes) == 1 else 'together they reproduce'}"
+               f" your outputs on all {n} trials.")
+    else:
+        how = (f"Closest known {'mistake' if len(mistakes) == 1 else 'pair'}: "
+               f"{_label(best)}. Re-enacted as '{form}', it reproduces your outputs "
+               f"on {sum(best.matches)} of {n} trials only ({best.explained} of the "
+               "failing trials that tell the candidates apart), so there may be another "
+               "mistake.")
+    expl = [how] + [MISTAKES[m][1] for m in mistakes]
+    others = [c for c in candidates if c != _label(best)]
+    if others:
+        expl.append("These fit the trials equally well: " + ", ".join(others) + ".")
+    return title, expl
+
+
+def _unknown(results: List["TrialResult"], fails: List[int]):
+    """(title, paragraphs) when no known mistake explains the outputs; the
+    title says so in the learner's words when no failing trial gave an output."""
+    n = len(results)
+    bad = [results[i] for i in fails]
+    no_output = all(r.status in ("raised", "returned") for r in bad)
+    title = "the outputs differ, and not like any known mistake"
+    first = "No known mistake, nor any pair of them, reproduces your outputs."
+    where = "on every trial" if len(bad) == n else f"on {len(bad)} of {n} trials"
+    returned = [r for r in bad if r.status == "returned"]
+    raised = {r.error.split(":")[0] for r in bad if r.status == "raised"}
+    if no_output and not raised:          # "your function returned None; it must ..."
+        shorts = {r.error.split(";")[0] for r in returned}
+        title = (shorts.pop() if len(shorts) == 1 else
+                 "your function returned no output array") + f" {where}"
+        first = f"On trial {bad[0].name}, {bad[0].error}."
+    elif no_output:
+        title = (f"your function raised {raised.pop()} {where}"
+                 if len(raised) == 1 and not returned
+                 else f"your function raised or returned no output array {where}")
+        first = "No known mistake, nor any pair of them, fails this way."
+    return title, [first + " The document's computation, per head i, is\n"
+                   "    head_i = softmax(Q_i K_i^T / sqrt(d_k)) V_i,  "
+                   "Q_i = X W_i^Q, K_i = X W_i^K, V_i = X W_i^V\n"
+                   "    MultiHead(X) = Concat(head_1, ..., head_h) W^O\n"
+                   "In NumPy, with fused weights:\n" + _CODE_FIX]
+
+
 def _diagnose(kind: str, results: List["TrialResult"], user_out: List[Any],
               steps: List[_steps.Step], starts: List[Dict[str, Any]], tol: List[float],
               dtype: np.dtype, standard_ok: Optional[bool], convention: str,
               features: List[Dict[str, bool]]) -> "PrototypeReport":
     n = len(results)
     fails = [i for i, r in enumerate(results) if not r.ok]
-    stage, stage_note = None, ""
-    for r in results:
-        if r.stages is not None and r.stages.first_divergence is not None:
-            stage = r.stages.first_divergence
-            stage_note = (f"The first of your intermediates that differs from "
-                          f"mhattn's is '{stage}' (trial {r.name}): {r.stages.summary()}")
-            break
+    stage, stage_note = _first_stage(results)
     if not fails:
         return _ok_report(kind, results, convention, stage, stage_note)
     early = _early_report(kind, results, user_out, fails, steps, starts, dtype)
@@ -639,59 +752,16 @@ def _diagnose(kind: str, results: List["TrialResult"], user_out: List[Any],
                            "your outputs, but one that starts later does: that "
                            "intermediate may be another quantity under mhattn's name.")
     best = ranked[0] if ranked else None
-
-    def label(c: _Candidate) -> str:
-        return " + ".join(c.names)
-
-    candidates: List[str] = []
-    shown = ranked if exact else [c for c in ranked if c.explained == best.explained]
-    for c in (ranked if exact else []):
-        if label(c) not in candidates:
-            candidates.append(label(c))
-    for i, r in enumerate(results):
-        r.matching = []
-        if i in fails:
-            for c in (ranked if exact else shown):
-                if c.matches[i] and label(c) not in r.matching:
-                    r.matching.append(label(c))
-        r.matches = r.matching
-
+    candidates = _mark_matching(results, fails, ranked if best else [], exact)
     summary = f"{len(fails)} of {n} trials differ from mhattn."
-    if best is None:
-        title = "the outputs differ, and not like any known mistake"
-        expl = [summary, "No known mistake, nor any pair of them, reproduces your "
-                "outputs. The document's computation, per head i, is\n"
-                "    head_i = softmax(Q_i K_i^T / sqrt(d_k)) V_i,  "
-                "Q_i = X W_i^Q, K_i = X W_i^K, V_i = X W_i^V\n"
-                "    MultiHead(X) = Concat(head_1, ..., head_h) W^O\n"
-                "In NumPy, with fused weights:\n" + _CODE_FIX]
-        mistakes: Tuple[str, ...] = ()
-        form = None
+    if best is not None:
+        title, expl = _named(best, exact, n, candidates)
+        mistakes: Tuple[str, ...] = best.names
+        form: Optional[str] = "; ".join(best.forms)
     else:
-        mistakes = best.names
-        form = "; ".join(best.forms)
-        n_ok = sum(best.matches)
-        if len(mistakes) == 1:
-            title = MISTAKES[mistakes[0]][0]
-            what = f"Most likely mistake: {mistakes[0]} ({title})."
-        else:
-            title = "two mistakes: " + "; and ".join(MISTAKES[m][0] for m in mistakes)
-            what = ("Most likely two mistakes: " + " and ".join(
-                f"{m} ({MISTAKES[m][0]})" for m in mistakes) + ".")
-        if exact:
-            how = (f"{what} Re-enacted as '{form}', "
-                   f"{'it reproduces' if len(mistakes) == 1 else 'together they reproduce'}"
-                   f" your outputs on all {n} trials.")
-        else:
-            how = (f"Closest known {'mistake' if len(mistakes) == 1 else 'pair'}: "
-                   f"{label(best)}. Re-enacted as '{form}', it reproduces your outputs "
-                   f"on {n_ok} of {n} trials only ({best.explained} of the failing "
-                   "trials that tell the candidates apart), so there may be another "
-                   "mistake.")
-        expl = [summary, how] + [MISTAKES[m][1] for m in mistakes]
-        others = [c for c in candidates if c != label(best)]
-        if others:
-            expl.append("These fit the trials equally well: " + ", ".join(others) + ".")
+        title, expl = _unknown(results, fails)
+        mistakes, form = (), None
+    expl = [summary] + expl
     if stage_note:
         expl.append(stage_note)
     hints = _hints(results, fails, features, mistakes if exact else (), cands,
@@ -727,6 +797,11 @@ def _hints(results, fails, features, mistakes, cands, standard_ok) -> List[str]:
             having = {i for i, f in enumerate(features) if f[feat]}
             if having and having == failing and len(having) < n:
                 hints.append(f"it fails exactly on the trials with {feat}.")
+    returned = [results[i] for i in fails if results[i].status == "returned"]
+    if returned:
+        hints.append(f"on {len(returned)} of {n} trials your function raised nothing but "
+                     f"returned no output array, first on {returned[0].name} "
+                     f"({returned[0].shapes}): {returned[0].error}.")
     raised = [results[i] for i in fails if results[i].status == "raised"]
     if raised:
         hints.append(f"your function raised on {len(raised)} of {n} trials, first on "
@@ -825,7 +900,8 @@ def _run_layer_trials(fn, cases, dtype, keywords):
     tols = _tolerances(_layer_model(keywords), [_layer_start(t) for t in cases], dtype)
     for t, tol in zip(cases, tols):
         want = multi_head_attention(*t.args[:5], num_heads=t.num_heads, **t.kwargs)
-        got, inter = _run(fn, t.args, t.kwargs, want.shape)
+        got, inter = _run(fn, t.args, t.kwargs, want.shape,
+                          f"the output array of shape (T, d_out) = {want.shape}")
         user_out.append(got)
         r = TrialResult(t.name, t.about, t.shapes(), "ok", expected_shape=want.shape)
         _compare_result(r, got, want, tol)
@@ -1103,7 +1179,8 @@ def check_attention_prototype(fn: Callable, *, trials: int = 4, dtype=np.float64
     user_out: List[Any] = []
     for t, t_tol in zip(cases, tol):
         want = _attention_reference(t)
-        got, _ = _run(fn, (t.q, t.k, t.v), t.kwargs, want.shape)
+        got, _ = _run(fn, (t.q, t.k, t.v), t.kwargs, want.shape,
+                      f"the output array of shape (h, T_q, d_v) = {want.shape}")
         user_out.append(got)
         r = TrialResult(t.name, t.about, t.shapes(), "ok", expected_shape=want.shape)
         _compare_result(r, got, want, t_tol)

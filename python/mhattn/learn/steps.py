@@ -555,10 +555,12 @@ class Raised:
 def exception_key(exc: BaseException) -> tuple:
     """What must agree for two exceptions to be 'the same': the type and, for
     shape errors, the sizes the message names (the sizes identify the
-    operation that failed, and so the step, whichever way it was written)."""
+    operation that failed, and so the step, whichever way it was written);
+    for an error whose message names no size, the message."""
     msg = str(exc)
-    if isinstance(exc, (ValueError, IndexError)):
-        return (type(exc).__name__, tuple(sorted(set(int(n) for n in re.findall(r"\d+", msg)))))
+    sizes = tuple(sorted(set(int(n) for n in re.findall(r"\d+", msg))))
+    if isinstance(exc, (ValueError, IndexError)) and sizes:
+        return (type(exc).__name__, sizes)
     return (type(exc).__name__, msg)
 
 
