@@ -1,5 +1,8 @@
 """The checker's reports speak the learner's language.
 
+- A textbook prototype (d_k = d_model // h, hard-coded) that is right for the
+  standard convention opens with exactly that, and with what the general
+  convention adds, never with "not like any known mistake".
 - A prototype that returns None, a wrong shape, a tuple, a list, a string,
   or raises, gets a report with no internal name in it (no name starting
   with "_": str, repr, the HTML, the hints and every trial's line).
@@ -10,6 +13,92 @@ import numpy as np
 import pytest
 
 import mhattn
+
+STANDARD = "correct for the standard convention (d_k = d_v = d_model / h)"
+
+
+# ------------------------------------------------------------ the standard convention
+
+def textbook(x, w_q, w_k, w_v, w_o, num_heads):
+    """The usual tutorial code: every head d_model // h wide."""
+    T, d_model = x.shape
+    d_k = d_model // num_heads
+    Q = (x @ w_q).reshape(T, num_heads, d_k).transpose(1, 0, 2)
+    K = (x @ w_k).reshape(T, num_heads, d_k).transpose(1, 0, 2)
+    V = (x @ w_v).reshape(T, num_heads, d_k).transpose(1, 0, 2)
+    scores = Q @ K.transpose(0, 2, 1) / np.sqrt(d_k)
+    w = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    w = w / w.sum(axis=-1, keepdims=True)
+    return (w @ V).transpose(1, 0, 2).reshape(T, d_model) @ w_o
+
+
+def textbook_loop(x, w_q, w_k, w_v, w_o, num_heads):
+    d_k = x.shape[1] // num_heads
+    heads = []
+    for i in range(num_heads):
+        q = x @ w_q[:, i * d_k:(i + 1) * d_k]
+        k = x @ w_k[:, i * d_k:(i + 1) * d_k]
+        v = x @ w_v[:, i * d_k:(i + 1) * d_k]
+        s = q @ k.T / np.sqrt(d_k)
+        e = np.exp(s - s.max(axis=1, keepdims=True))
+        heads.append(e / e.sum(axis=1, keepdims=True) @ v)
+    return np.concatenate(heads, axis=1) @ w_o
+
+
+def no_scaling(x, w_q, w_k, w_v, w_o, num_heads):
+    T = x.shape[0]
+    Q = (x @ w_q).reshape(T, num_heads, -1).transpose(1, 0, 2)
+    K = (x @ w_k).reshape(T, num_heads, -1).transpose(1, 0, 2)
+    V = (x @ w_v).reshape(T, num_heads, -1).transpose(1, 0, 2)
+    s = Q @ K.transpose(0, 2, 1)
+    w = np.exp(s - s.max(axis=-1, keepdims=True))
+    w = w / w.sum(axis=-1, keepdims=True)
+    return (w @ V).transpose(1, 0, 2).reshape(T, -1) @ w_o
+
+
+def test_textbook_prototype_opens_with_the_standard_convention():
+    rep = mhattn.check_prototype(textbook)
+    text = str(rep)
+    assert not rep.ok and rep.standard_ok is True
+    assert text.splitlines()[0].startswith("check_prototype: " + STANDARD), text
+    assert "general" in rep.title
+    assert "not like any known mistake" not in text
+    assert "not like any known mistake" not in rep._repr_html_()
+    first = rep.paragraphs[0][1]
+    assert first.startswith("Your prototype is correct for the standard convention")
+    for words in ("d_model != h*d_k", "d_k != d_v", "W_i^V of shape d_model x d_v",
+                  "dk_ne_dv"):
+        assert words in first, words
+    code = "\n".join(t for k, t in rep.paragraphs if k == "code")
+    assert "d_k = w_q.shape[1] // num_heads" in code
+    assert "d_v = w_v.shape[1] // num_heads" in code
+    assert 'convention="standard"' in code
+    # the trials that raised still say how
+    assert any(t.status == "raised" and "cannot reshape" in t.error for t in rep.trials)
+    # every failing trial is outside the standard convention
+    from mhattn.learn.checker import _trials
+    cases = {t.name: t for t in _trials(4, np.dtype(np.float64), 0)}
+    for t in rep.trials:
+        d = cases[t.name].dims
+        outside = d["d_model"] != d["h"] * d["d_k"] or d["d_k"] != d["d_v"]
+        assert t.ok != outside, t.name
+    assert mhattn.check_prototype(textbook, convention="standard").ok
+
+
+def test_a_named_standard_only_mistake_keeps_the_headline():
+    """The loop version slices V with d_model // h: the headline says it is
+    right for the standard convention, then names what is wrong."""
+    rep = mhattn.check_prototype(textbook_loop)
+    assert rep.standard_ok is True
+    assert rep.title.startswith(STANDARD + " only: "), rep.title
+    assert rep.mistakes and rep.exact, str(rep)
+    assert "not like any known mistake" not in str(rep)
+
+
+def test_a_real_mistake_is_not_called_a_convention():
+    rep = mhattn.check_prototype(no_scaling)
+    assert not rep.standard_ok and rep.mistakes == ("no_scaling",)
+    assert STANDARD not in str(rep)
 
 
 # ------------------------------------------------------------ no internal names

@@ -728,6 +728,33 @@ def _unknown(results: List["TrialResult"], fails: List[int]):
                    "In NumPy, with fused weights:\n" + _CODE_FIX]
 
 
+_STANDARD_TITLE = "correct for the standard convention (d_k = d_v = d_model / h)"
+
+
+def _convention_only(results, fails, features, standard_ok) -> Optional[str]:
+    """When the prototype passes the standard convention's trials and fails
+    only trials outside it (d_model != h*d_k, or d_k != d_v): the paragraph
+    that says so, and what the general convention adds; else None."""
+    if not standard_ok or not features or not all(
+            features[i].get("d_k != d_v") or features[i].get("d_model != h*d_k")
+            for i in fails):
+        return None
+    names = ", ".join(results[i].name for i in fails)
+    return ("Your prototype is correct for the standard convention, d_k = d_v = "
+            "d_model / h: it passes every trial of the standard convention. It fails "
+            f"only the trials where d_model != h*d_k or d_k != d_v ({names}). The "
+            "document's formal definition is more general: head i has its own W_i^Q, "
+            "W_i^K of shape d_model x d_k and W_i^V of shape d_model x d_v, so d_k and "
+            "d_v need not be d_model / h, nor equal to each other; mhattn reads them "
+            "from the weights. Take each head's width from its weights, not from "
+            "d_model, and use d_v for V and for the concatenation:\n"
+            "    d_k = w_q.shape[1] // num_heads      # q and k heads: (T, d_k)\n"
+            "    d_v = w_v.shape[1] // num_heads      # v heads: (T, d_v); Concat: "
+            "(T, h*d_v)\n"
+            "If you wrote it for the standard convention only, check it with that one:\n"
+            "    mhattn.check_prototype(fn, convention=\"standard\")")
+
+
 def _diagnose(kind: str, results: List["TrialResult"], user_out: List[Any],
               steps: List[_steps.Step], starts: List[Dict[str, Any]], tol: List[float],
               dtype: np.dtype, standard_ok: Optional[bool], convention: str,
@@ -751,22 +778,32 @@ def _diagnose(kind: str, results: List["TrialResult"], user_out: List[Any],
             stage_note += (" No mistake that starts at or before that stage explains "
                            "your outputs, but one that starts later does: that "
                            "intermediate may be another quantity under mhattn's name.")
-    best = ranked[0] if ranked else None
+    convention_only = _convention_only(results, fails, features, standard_ok)
+    best = ranked[0] if ranked and (exact or convention_only is None) else None
     candidates = _mark_matching(results, fails, ranked if best else [], exact)
     summary = f"{len(fails)} of {n} trials differ from mhattn."
     if best is not None:
         title, expl = _named(best, exact, n, candidates)
         mistakes: Tuple[str, ...] = best.names
         form: Optional[str] = "; ".join(best.forms)
+    elif convention_only is not None:
+        title, expl = _STANDARD_TITLE + ", not for the general one (d_k, d_v from the " \
+                                        "weights)", []
+        mistakes, form = (), None
     else:
         title, expl = _unknown(results, fails)
         mistakes, form = (), None
-    expl = [summary] + expl
+    if convention_only is not None:
+        if best is not None:
+            title = _STANDARD_TITLE + " only: " + title
+        expl = [convention_only, summary] + expl
+    else:
+        expl = [summary] + expl
     if stage_note:
         expl.append(stage_note)
     hints = _hints(results, fails, features, mistakes if exact else (), cands,
                    standard_ok)
-    if standard_ok:
+    if standard_ok and convention_only is None:
         expl.append("Your prototype passes every trial of the standard convention "
                     "(d_k = d_v = d_model / h) but fails the general ones. If you wrote "
                     "it for that convention, check it with\n"
@@ -956,8 +993,9 @@ def check_prototype(fn: Callable, *, trials: int = 4, dtype=np.float64,
     convention : "general" (default) or "standard"
         "general" tests any widths, d_k != d_v and d_model != h*d_k
         included; "standard" only d_k = d_v = d_model / h, for prototypes
-        written to that convention.  When a prototype fails the general
-        trials but passes the standard ones, the report says so.
+        written to that convention.  When a prototype fails only general
+        trials (d_model != h*d_k or d_k != d_v) and passes the standard
+        ones, the report's title says so.
 
     It runs on the designed configurations — the document's worked example
     (w_q = concat(W_Q1, W_Q2), W^O = I), d_k != d_v with three heads and a
