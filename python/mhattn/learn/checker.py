@@ -107,6 +107,8 @@ class _Trial:
             "d_model != h*d_k": d["d_model"] != d["h"] * d["d_k"],
             "large inputs": self.large,
             "T not a multiple of h": d["T"] % d["h"] != 0,
+            "a mask": "mask" in self.kwargs,
+            "causal": bool(self.kwargs.get("causal")),
         }
 
 
@@ -216,7 +218,26 @@ def _trials(n_random: int, dtype, seed: int, convention: str = "general",
         t.kwargs = {"q_norm": (0.5 + rng.random(4) * 1.5).astype(dtype),
                     "k_norm": (0.5 + rng.random(4) * 1.5).astype(dtype)}
         trials.append(t)
+    if "mask" in keywords:
+        # last, so that the other trials are drawn as before
+        t = _random_trial(rng, "mask_empty_row", _EMPTY_ROW_ABOUT, 5, 6, 2, 3,
+                          3 if std else 2, 5, dtype)
+        t.kwargs = {"mask": _empty_row_mask(rng, 5, 5)}
+        trials.append(t)
     return trials
+
+
+_EMPTY_ROW_ABOUT = ("a boolean mask whose row 2 allows no key: mhattn's answer there is 0 "
+                    "(NaN, from exp(-inf - (-inf)), is accepted too)")
+
+
+def _empty_row_mask(rng, tq: int, tk: int) -> np.ndarray:
+    """A random (tq, tk) mask, True = may attend: row 2 allows no key, every
+    other row at least one."""
+    m = rng.random((tq, tk)) < 0.6
+    m[np.arange(tq), rng.integers(0, tk, tq)] = True
+    m[2] = False
+    return m
 
 
 # --------------------------------------------------------------------------
@@ -289,6 +310,29 @@ def _run(fn: Callable, args, kwargs: Optional[Mapping] = None,
     return arr.astype(np.float64), inter
 
 
+def _settle_empty_rows(got: Any, want: np.ndarray, mask: Any) -> Tuple[Any, Optional[str]]:
+    """(got, note): a prototype's NaN in the query rows that ``mask`` leaves
+    without any key, where mhattn gives 0, read as mhattn's answer.
+
+    Both are what a softmax can give there: exp(-inf - (-inf)) is NaN, and
+    mhattn defines such a row's output as 0.  An output that is NaN
+    everywhere is left as it is.  The query rows are the outputs' axis -2
+    (a layer's (T, d_out), attention's (h, T_q, d_v))."""
+    if mask is None or not isinstance(got, np.ndarray) or got.shape != want.shape \
+            or got.ndim < 2:
+        return got, None
+    empty = ~np.asarray(mask, dtype=bool).any(axis=-1)
+    if empty.shape != got.shape[-2:-1] or not empty.any():
+        return got, None
+    if not np.isnan(got[..., empty, :]).all() or np.isnan(got).all():
+        return got, None        # NaN elsewhere too: not the row with no key's
+    got = got.copy()
+    got[..., empty, :] = want[..., empty, :]
+    rows = ", ".join(str(int(i)) for i in np.flatnonzero(empty))
+    return got, (f"row {rows} has no key to attend to: your NaN there is accepted "
+                 "as mhattn's 0")
+
+
 def _distance(got: Any, want: Any, tol: float) -> Tuple[bool, float]:
     """Whether two outcomes agree, and how far apart they are.
 
@@ -329,6 +373,8 @@ class TrialResult:
     matches: List[str] = field(default_factory=list)  # = matching (older name)
     #: the mistakes (a pair as 'a + b') matching this trial; empty when it passes
     matching: List[str] = field(default_factory=list)
+    #: what was accepted although it is not mhattn's answer (a NaN row with no key)
+    note: Optional[str] = None
 
     @property
     def ok(self) -> bool:
@@ -336,7 +382,7 @@ class TrialResult:
 
     def describe(self) -> str:
         if self.status == "ok":
-            return "ok"
+            return f"ok ({self.note})" if self.note else "ok"
         if self.status == "raised":
             return f"raised {self.error}"
         if self.status == "returned":     # "your function returned None; ..."
@@ -368,8 +414,22 @@ def _same(got: Any, model: Any, tol: float) -> bool:
         if not (isinstance(model, _steps.Raised) and isinstance(got, BaseException)):
             return False
         return model.key == _steps.exception_key(got)
-    return _distance(got, model, tol)[0]
+    return _distance(_zeros_as_nan(got, model), model, tol)[0]
 
+
+def _zeros_as_nan(got: np.ndarray, model: np.ndarray) -> np.ndarray:
+    """``got`` with NaN in the rows (last axis) where ``model`` is all NaN
+    and ``got`` all 0.  A re-enacted mistake that leaves a query row without
+    any key gives NaN there, as exp(s - s.max()) does; a prototype that
+    guards its softmax gives 0 there, with the same mistake."""
+    if got.shape != model.shape or got.ndim < 2:
+        return got
+    rows = np.isnan(model).all(axis=-1) & (got == 0).all(axis=-1)
+    if not rows.any():
+        return got
+    got = got.copy()
+    got[rows] = np.nan
+    return got
 
 
 @dataclass
@@ -578,6 +638,9 @@ def _ok_report(kind, results, convention, stage, stage_note) -> "PrototypeReport
     if stage_note:
         verdict += ("\nThe output is right, but some intermediates you returned "
                     "are not what mhattn calls them. " + stage_note)
+    note = _empty_row_note(results)
+    if note:
+        verdict += "\n\n" + note
     return PrototypeReport(True, None, "matches mhattn", verdict, results,
                            first_divergent_stage=stage)
 
@@ -755,6 +818,17 @@ def _convention_only(results, fails, features, standard_ok) -> Optional[str]:
             "    mhattn.check_prototype(fn, convention=\"standard\")")
 
 
+def _empty_row_note(results: List["TrialResult"]) -> Optional[str]:
+    """A paragraph on the trials whose NaN in a row with no key was accepted."""
+    noted = [r for r in results if r.note]
+    if not noted:
+        return None
+    return (f"On {', '.join(r.name for r in noted)}, a query row may attend to no key "
+            "(its mask row is all False). Your output there is NaN, from "
+            "exp(-inf - (-inf)); mhattn defines such a row's output as 0. The checker "
+            "accepts either; to give 0, set the weights of a row with no key to 0.")
+
+
 def _diagnose(kind: str, results: List["TrialResult"], user_out: List[Any],
               steps: List[_steps.Step], starts: List[Dict[str, Any]], tol: List[float],
               dtype: np.dtype, standard_ok: Optional[bool], convention: str,
@@ -799,8 +873,9 @@ def _diagnose(kind: str, results: List["TrialResult"], user_out: List[Any],
         expl = [convention_only, summary] + expl
     else:
         expl = [summary] + expl
-    if stage_note:
-        expl.append(stage_note)
+    for extra in (stage_note, _empty_row_note(results)):
+        if extra:
+            expl.append(extra)
     hints = _hints(results, fails, features, mistakes if exact else (), cands,
                    standard_ok)
     if standard_ok and convention_only is None:
@@ -815,6 +890,30 @@ def _diagnose(kind: str, results: List["TrialResult"], user_out: List[Any],
                            candidates=candidates,
                            form=form, first_divergent_stage=stage, hints=hints,
                            mistakes=mistakes, standard_ok=standard_ok)
+
+
+def _nonfinite_hints(results, fails, features, mistakes) -> List[str]:
+    """Why outputs hold inf or nan where mhattn's are finite: on a trial with
+    a mask or causal=True, a query row left with no key; elsewhere, an
+    overflow.  Nothing when the mistakes named explain it."""
+    if mistakes and "no_max_subtraction" not in mistakes:
+        return []
+    bad = [i for i in fails if results[i].status == "nonfinite"]
+    masked = [i for i in bad if features and (features[i].get("a mask")
+                                              or features[i].get("causal"))]
+    hints = []
+    if masked and not mistakes:
+        hints.append(f"the outputs hold nan on trial "
+                     f"{', '.join(results[i].name for i in masked)} (a mask or "
+                     "causal=True): a query row whose keys are all blocked has only -inf "
+                     "scores, and exp(-inf - (-inf)) is nan. "
+                     "Check which keys each row may see (causal: key j <= i + T_k - T_q; "
+                     "a boolean mask: True = may attend).")
+    if len(masked) < len(bad):
+        hints.append("some outputs hold inf or nan where the answer is finite: "
+                     "an overflow, typically exp() of large scores without "
+                     "subtracting the row max.")
+    return hints
 
 
 def _dims(shapes: str) -> Dict[str, str]:
@@ -884,11 +983,7 @@ def _hints(results, fails, features, mistakes, cands, standard_ok) -> List[str]:
                 hints.append(f"your concatenation on {results[i].name} is h*d_k = {hk} "
                              "wide: V was sliced with d_k.")
                 break
-    if (not mistakes or "no_max_subtraction" in mistakes) and any(
-            results[i].status == "nonfinite" for i in fails):
-        hints.append("some outputs hold inf or nan where the answer is finite: "
-                     "an overflow, typically exp() of large scores without "
-                     "subtracting the row max.")
+    hints += _nonfinite_hints(results, fails, features, mistakes)
     if standard_ok:
         hints.append("it passes the standard convention's trials (d_k = d_v = d_model/h): "
                      "try convention=\"standard\".")
@@ -939,8 +1034,10 @@ def _run_layer_trials(fn, cases, dtype, keywords):
         want = multi_head_attention(*t.args[:5], num_heads=t.num_heads, **t.kwargs)
         got, inter = _run(fn, t.args, t.kwargs, want.shape,
                           f"the output array of shape (T, d_out) = {want.shape}")
+        got, note = _settle_empty_rows(got, want, t.kwargs.get("mask"))
         user_out.append(got)
-        r = TrialResult(t.name, t.about, t.shapes(), "ok", expected_shape=want.shape)
+        r = TrialResult(t.name, t.about, t.shapes(), "ok", expected_shape=want.shape,
+                        note=note)
         _compare_result(r, got, want, tol)
         if inter is not None:
             given = {k: v for k, v in inter.items() if canonical_key(k) is not None}
@@ -980,9 +1077,12 @@ def check_prototype(fn: Callable, *, trials: int = 4, dtype=np.float64,
         with a boolean mask (True = may attend), ``causal=True`` or
         ``rope=mhattn.RoPE(theta=10.0)`` is added, and the mask or RoPE
         mistakes are searched for too; otherwise it is never passed one.
-        Taking both ``q_norm`` and ``k_norm`` adds a trial with (d_k,)
-        RMSNorm weights for each (mhattn's q/k norm, eps 1e-6, applied per
-        head after the split and before RoPE), and the norm's mistakes.
+        Taking ``mask`` also adds a trial whose mask leaves one query row
+        with no key: mhattn's answer there is 0, and a NaN there (what
+        exp(-inf - (-inf)) gives) is accepted too.  Taking both ``q_norm``
+        and ``k_norm`` adds a trial with (d_k,) RMSNorm weights for each
+        (mhattn's q/k norm, eps 1e-6, applied per head after the split and
+        before RoPE), and the norm's mistakes.
     trials : int, default 4
         How many random configurations to add to the designed ones.
     dtype : np.float64 (default) or np.float32
@@ -1128,6 +1228,11 @@ def _attention_trials(n_random: int, dtype, seed: int, keywords) -> List[_AttnTr
                  2, 3, 4, 3, 2)
         t.kwargs = {"sinks": np.array([0.5, -1.0])}
         out.append(t)
+    if "mask" in keywords:
+        # last, so that the other trials are drawn as before
+        t = make("mask_empty_row", _EMPTY_ROW_ABOUT, 2, 4, 6, 3, 2)
+        t.kwargs = {"mask": _empty_row_mask(rng, 4, 6)}
+        out.append(t)
     return out
 
 
@@ -1162,15 +1267,17 @@ def check_attention_prototype(fn: Callable, *, trials: int = 4, dtype=np.float64
     ``softcap=2.0``, with a mask when ``mask`` is taken too; ``sinks`` of
     shape (h,); ``rope=mhattn.RoPE(theta=10.0)`` with 2 queries after 5
     keys, q and k not yet turned: the queries sit at positions
-    i + T_k - T_q).  The answer is :func:`mhattn.attention`'s; a fully masked
-    row's answer is 0.
+    i + T_k - T_q).  Taking ``mask`` also adds a trial whose mask leaves one
+    query row with no key.  The answer is :func:`mhattn.attention`'s; a
+    fully masked row's answer is 0 (a NaN there is accepted too).
 
     The diagnosis is :func:`check_prototype`'s, with the attention steps
     only (scores, scale, mask, row max, softmax, weights @ V): every single mistake
     and every pair, among 'rope_not_offset', 'rope_on_v', 'rope_pairing_wrong',
     'no_scaling', 'scale_by_dk', 'scale_by_sqrt_dv',
     'scale_after_softmax', 'softcap_after_mask', 'mask_inverted',
-    'mask_after_softmax', 'causal_top_left', 'softmax_wrong_axis',
+    'mask_after_softmax', 'mask_large_negative', 'causal_top_left',
+    'causal_blocks_self', 'causal_sees_next', 'softmax_wrong_axis',
     'no_max_subtraction', 'softmax_over_heads', 'softmax_whole_matrix',
     'sink_in_numerator', 'weights_transposed'.
 
@@ -1219,8 +1326,10 @@ def check_attention_prototype(fn: Callable, *, trials: int = 4, dtype=np.float64
         want = _attention_reference(t)
         got, _ = _run(fn, (t.q, t.k, t.v), t.kwargs, want.shape,
                       f"the output array of shape (h, T_q, d_v) = {want.shape}")
+        got, note = _settle_empty_rows(got, want, t.kwargs.get("mask"))
         user_out.append(got)
-        r = TrialResult(t.name, t.about, t.shapes(), "ok", expected_shape=want.shape)
+        r = TrialResult(t.name, t.about, t.shapes(), "ok", expected_shape=want.shape,
+                        note=note)
         _compare_result(r, got, want, t_tol)
         results.append(r)
     return _diagnose("attention", results, user_out, steps, starts, tol, dtype, None,
