@@ -233,7 +233,8 @@ def test_every_mistake_has_a_buggy_prototype():
     keyword_only = {"mask_inverted", "mask_after_softmax", "causal_top_left", "rope_on_v",
                     "rope_pairing_wrong", "softcap_after_mask", "sink_in_numerator",
                     "rope_not_offset", "qk_norm_whole_row", "qk_norm_no_weight",
-                    "qk_norm_layernorm"}
+                    "qk_norm_layernorm", "mask_large_negative", "causal_blocks_self",
+                    "causal_sees_next"}
     assert {m for m, _, _ in VARIANTS} == set(MISTAKES) - keyword_only
 
 

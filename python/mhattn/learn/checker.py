@@ -107,6 +107,8 @@ class _Trial:
             "d_model != h*d_k": d["d_model"] != d["h"] * d["d_k"],
             "large inputs": self.large,
             "T not a multiple of h": d["T"] % d["h"] != 0,
+            "a mask": "mask" in self.kwargs,
+            "causal": bool(self.kwargs.get("causal")),
         }
 
 
@@ -216,7 +218,26 @@ def _trials(n_random: int, dtype, seed: int, convention: str = "general",
         t.kwargs = {"q_norm": (0.5 + rng.random(4) * 1.5).astype(dtype),
                     "k_norm": (0.5 + rng.random(4) * 1.5).astype(dtype)}
         trials.append(t)
+    if "mask" in keywords:
+        # last, so that the other trials are drawn as before
+        t = _random_trial(rng, "mask_empty_row", _EMPTY_ROW_ABOUT, 5, 6, 2, 3,
+                          3 if std else 2, 5, dtype)
+        t.kwargs = {"mask": _empty_row_mask(rng, 5, 5)}
+        trials.append(t)
     return trials
+
+
+_EMPTY_ROW_ABOUT = ("a boolean mask whose row 2 allows no key: mhattn's answer there is 0 "
+                    "(NaN, from exp(-inf - (-inf)), is accepted too)")
+
+
+def _empty_row_mask(rng, tq: int, tk: int) -> np.ndarray:
+    """A random (tq, tk) mask, True = may attend: row 2 allows no key, every
+    other row at least one."""
+    m = rng.random((tq, tk)) < 0.6
+    m[np.arange(tq), rng.integers(0, tk, tq)] = True
+    m[2] = False
+    return m
 
 
 # --------------------------------------------------------------------------
@@ -224,17 +245,29 @@ def _trials(n_random: int, dtype, seed: int, convention: str = "general",
 # --------------------------------------------------------------------------
 
 class _BadReturn(Exception):
-    """The prototype returned something that is not an output array."""
+    """The prototype returned something that is not an output array.  The
+    message says so in the learner's words, "your function <short>; it must
+    return <what><tail>", ``short`` being what it did ("returned None")."""
+
+    def __init__(self, short: str, what: str, tail: str = ""):
+        super().__init__(f"your function {short}; it must return {what}{tail}")
+
+
+def _a(name: str) -> str:
+    return ("an " if name[:1].lower() in "aeiou" else "a ") + name
 
 
 def _run(fn: Callable, args, kwargs: Optional[Mapping] = None,
-         shape: Optional[Tuple[int, ...]] = None) -> Tuple[Any, Optional[Mapping]]:
+         shape: Optional[Tuple[int, ...]] = None,
+         what: str = "the output array") -> Tuple[Any, Optional[Mapping]]:
     """(output array or exception, dict of intermediates or None).
 
     An output of the expected ``shape`` (any, when None) comes back as
     float64; one of another shape as the prototype returned it (a wrong
     shape, reported as such): it is never copied or computed with, so a
-    huge one (a broadcast view of a scalar) costs nothing."""
+    huge one (a broadcast view of a scalar) costs nothing.  What is not an
+    output array comes back as an exception whose message says, in the
+    learner's words, what was returned and that ``what`` was expected."""
     copies = [np.array(a, copy=True) if isinstance(a, np.ndarray) else a for a in args]
     kw = {k: (np.array(v, copy=True) if isinstance(v, np.ndarray) else v)
           for k, v in (kwargs or {}).items()}
@@ -248,27 +281,56 @@ def _run(fn: Callable, args, kwargs: Optional[Mapping] = None,
         inter = res
         keys = [k for k in res if canonical_key(k) == "output"]
         if not keys:
-            return _BadReturn("the returned dict has no 'output' (or 'out') key; "
-                              f"keys: {sorted(map(str, res))}"), inter
+            return _BadReturn("returned a dict without an 'output' (or 'out') key",
+                              what, f" under 'output' (its keys: "
+                              f"{sorted(map(str, res))})"), inter
         res = res[keys[0]]
     elif isinstance(res, tuple):
         if not res:
-            return _BadReturn("returned an empty tuple"), None
+            return _BadReturn("returned an empty tuple", what,
+                              ", or a tuple (output, weights)"), None
         inter = {"output": res[0]}
         if len(res) == 2:
             inter["weights"] = res[1]
         res = res[0]
     if res is None:
-        return _BadReturn("returned None (missing return statement?)"), inter
+        return _BadReturn("returned None", what,
+                          " (is a return statement missing?)"), inter
     try:
         arr = np.asarray(res)
     except Exception as exc:
-        return _BadReturn(f"returned {type(res).__name__}, not an array ({exc})"), inter
+        return _BadReturn(f"returned {_a(type(res).__name__)} that NumPy cannot read "
+                          "as one array", what, f" (NumPy: {_short_exc(exc)})"), inter
     if arr.dtype.kind not in "biuf":
-        return _BadReturn(f"returned an array of dtype {arr.dtype}"), inter
+        kind = (type(res).__name__ if not isinstance(res, np.ndarray)
+                else f"array of dtype {arr.dtype}")
+        return _BadReturn(f"returned {_a(kind)}", what, ", an array of real numbers"), inter
     if shape is not None and arr.shape != tuple(shape):
         return arr, inter
     return arr.astype(np.float64), inter
+
+
+def _settle_empty_rows(got: Any, want: np.ndarray, mask: Any) -> Tuple[Any, Optional[str]]:
+    """(got, note): a prototype's NaN in the query rows that ``mask`` leaves
+    without any key, where mhattn gives 0, read as mhattn's answer.
+
+    Both are what a softmax can give there: exp(-inf - (-inf)) is NaN, and
+    mhattn defines such a row's output as 0.  An output that is NaN
+    everywhere is left as it is.  The query rows are the outputs' axis -2
+    (a layer's (T, d_out), attention's (h, T_q, d_v))."""
+    if mask is None or not isinstance(got, np.ndarray) or got.shape != want.shape \
+            or got.ndim < 2:
+        return got, None
+    empty = ~np.asarray(mask, dtype=bool).any(axis=-1)
+    if empty.shape != got.shape[-2:-1] or not empty.any():
+        return got, None
+    if not np.isnan(got[..., empty, :]).all() or np.isnan(got).all():
+        return got, None        # NaN elsewhere too: not the row with no key's
+    got = got.copy()
+    got[..., empty, :] = want[..., empty, :]
+    rows = ", ".join(str(int(i)) for i in np.flatnonzero(empty))
+    return got, (f"row {rows} has no key to attend to: your NaN there is accepted "
+                 "as mhattn's 0")
 
 
 def _distance(got: Any, want: Any, tol: float) -> Tuple[bool, float]:
@@ -299,16 +361,20 @@ class TrialResult:
     name: str
     about: str
     shapes: str
-    status: str                     # 'ok' | 'differs' | 'raised' | 'nonfinite' | 'shape'
+    #: 'ok' | 'differs' | 'raised' | 'returned' (no output array) | 'nonfinite' | 'shape'
+    status: str
     max_abs: Optional[float] = None
     max_rel: Optional[float] = None  # max |got - want| / max |want|
-    error: Optional[str] = None     # 'ValueError: ...' when fn raised
+    #: 'ValueError: ...' when fn raised; what it returned instead of an output
+    error: Optional[str] = None
     expected_shape: Optional[Tuple[int, ...]] = None
     got_shape: Optional[Tuple[int, ...]] = None
     stages: Optional[CompareReport] = None  # when fn returned intermediates
     matches: List[str] = field(default_factory=list)  # = matching (older name)
     #: the mistakes (a pair as 'a + b') matching this trial; empty when it passes
     matching: List[str] = field(default_factory=list)
+    #: what was accepted although it is not mhattn's answer (a NaN row with no key)
+    note: Optional[str] = None
 
     @property
     def ok(self) -> bool:
@@ -316,9 +382,12 @@ class TrialResult:
 
     def describe(self) -> str:
         if self.status == "ok":
-            return "ok"
+            return f"ok ({self.note})" if self.note else "ok"
         if self.status == "raised":
             return f"raised {self.error}"
+        if self.status == "returned":     # "your function returned None; ..."
+            what = str(self.error).split(";")[0].replace("your function ", "", 1)
+            return f"{what} instead of an output of shape {self.expected_shape}"
         if self.status == "shape":
             return f"output shape {self.got_shape}, expected {self.expected_shape}"
         if self.status == "nonfinite":
@@ -345,7 +414,22 @@ def _same(got: Any, model: Any, tol: float) -> bool:
         if not (isinstance(model, _steps.Raised) and isinstance(got, BaseException)):
             return False
         return model.key == _steps.exception_key(got)
-    return _distance(got, model, tol)[0]
+    return _distance(_zeros_as_nan(got, model), model, tol)[0]
+
+
+def _zeros_as_nan(got: np.ndarray, model: np.ndarray) -> np.ndarray:
+    """``got`` with NaN in the rows (last axis) where ``model`` is all NaN
+    and ``got`` all 0.  A re-enacted mistake that leaves a query row without
+    any key gives NaN there, as exp(s - s.max()) does; a prototype that
+    guards its softmax gives 0 there, with the same mistake."""
+    if got.shape != model.shape or got.ndim < 2:
+        return got
+    rows = np.isnan(model).all(axis=-1) & (got == 0).all(axis=-1)
+    if not rows.any():
+        return got
+    got = got.copy()
+    got[rows] = np.nan
+    return got
 
 
 @dataclass
@@ -495,6 +579,10 @@ def _accepts(fn: Callable, name: str) -> bool:
 
 def _compare_result(r: "TrialResult", got: Any, want: np.ndarray, tol: float) -> None:
     """Fill r's status and errors from the prototype's outcome ``got``."""
+    if isinstance(got, _BadReturn):
+        r.status = "returned"
+        r.error = str(got)
+        return
     if isinstance(got, BaseException):
         r.status = "raised"
         r.error = _short_exc(got)
@@ -550,6 +638,9 @@ def _ok_report(kind, results, convention, stage, stage_note) -> "PrototypeReport
     if stage_note:
         verdict += ("\nThe output is right, but some intermediates you returned "
                     "are not what mhattn calls them. " + stage_note)
+    note = _empty_row_note(results)
+    if note:
+        verdict += "\n\n" + note
     return PrototypeReport(True, None, "matches mhattn", verdict, results,
                            first_divergent_stage=stage)
 
@@ -609,19 +700,142 @@ def _early_report(kind, results, user_out, fails, steps, starts, dtype):
     return None if f32 is None else _float32_report(kind, results, fails, f32)
 
 
+def _first_stage(results: List["TrialResult"]) -> Tuple[Optional[str], str]:
+    """(first divergent intermediate, the sentence that says so), from the
+    first trial whose returned intermediates differ."""
+    for r in results:
+        if r.stages is not None and r.stages.first_divergence is not None:
+            stage = r.stages.first_divergence
+            return stage, (f"The first of your intermediates that differs from "
+                           f"mhattn's is '{stage}' (trial {r.name}): {r.stages.summary()}")
+    return None, ""
+
+
+def _label(c: _Candidate) -> str:
+    return " + ".join(c.names)
+
+
+def _mark_matching(results, fails, ranked, exact) -> List[str]:
+    """Each trial's ``matching`` (the candidates that match it, on failing
+    trials only); returns the candidates consistent with every trial."""
+    best = ranked[0] if ranked else None
+    shown = ranked if exact or best is None else [c for c in ranked
+                                                  if c.explained == best.explained]
+    candidates: List[str] = []
+    for c in (ranked if exact else []):
+        if _label(c) not in candidates:
+            candidates.append(_label(c))
+    for i, r in enumerate(results):
+        r.matching = []
+        if i in fails:
+            for c in shown:
+                if c.matches[i] and _label(c) not in r.matching:
+                    r.matching.append(_label(c))
+        r.matches = r.matching
+    return candidates
+
+
+def _named(best: _Candidate, exact: bool, n: int, candidates: List[str]):
+    """(title, paragraphs) naming the mistake (or pair) of ``best``."""
+    mistakes = best.names
+    form = "; ".join(best.forms)
+    if len(mistakes) == 1:
+        title = MISTAKES[mistakes[0]][0]
+        what = f"Most likely mistake: {mistakes[0]} ({title})."
+    else:
+        title = "two mistakes: " + "; and ".join(MISTAKES[m][0] for m in mistakes)
+        what = ("Most likely two mistakes: " + " and ".join(
+            f"{m} ({MISTAKES[m][0]})" for m in mistakes) + ".")
+    if exact:
+        how = (f"{what} Re-enacted as '{form}', "
+               f"{'it reproduces' if len(mistakes) == 1 else 'together they reproduce'}"
+               f" your outputs on all {n} trials.")
+    else:
+        how = (f"Closest known {'mistake' if len(mistakes) == 1 else 'pair'}: "
+               f"{_label(best)}. Re-enacted as '{form}', it reproduces your outputs "
+               f"on {sum(best.matches)} of {n} trials only ({best.explained} of the "
+               "failing trials that tell the candidates apart), so there may be another "
+               "mistake.")
+    expl = [how] + [MISTAKES[m][1] for m in mistakes]
+    others = [c for c in candidates if c != _label(best)]
+    if others:
+        expl.append("These fit the trials equally well: " + ", ".join(others) + ".")
+    return title, expl
+
+
+def _unknown(results: List["TrialResult"], fails: List[int]):
+    """(title, paragraphs) when no known mistake explains the outputs; the
+    title says so in the learner's words when no failing trial gave an output."""
+    n = len(results)
+    bad = [results[i] for i in fails]
+    no_output = all(r.status in ("raised", "returned") for r in bad)
+    title = "the outputs differ, and not like any known mistake"
+    first = "No known mistake, nor any pair of them, reproduces your outputs."
+    where = "on every trial" if len(bad) == n else f"on {len(bad)} of {n} trials"
+    returned = [r for r in bad if r.status == "returned"]
+    raised = {r.error.split(":")[0] for r in bad if r.status == "raised"}
+    if no_output and not raised:          # "your function returned None; it must ..."
+        shorts = {r.error.split(";")[0] for r in returned}
+        title = (shorts.pop() if len(shorts) == 1 else
+                 "your function returned no output array") + f" {where}"
+        first = f"On trial {bad[0].name}, {bad[0].error}."
+    elif no_output:
+        title = (f"your function raised {raised.pop()} {where}"
+                 if len(raised) == 1 and not returned
+                 else f"your function raised or returned no output array {where}")
+        first = "No known mistake, nor any pair of them, fails this way."
+    return title, [first + " The document's computation, per head i, is\n"
+                   "    head_i = softmax(Q_i K_i^T / sqrt(d_k)) V_i,  "
+                   "Q_i = X W_i^Q, K_i = X W_i^K, V_i = X W_i^V\n"
+                   "    MultiHead(X) = Concat(head_1, ..., head_h) W^O\n"
+                   "In NumPy, with fused weights:\n" + _CODE_FIX]
+
+
+_STANDARD_TITLE = "correct for the standard convention (d_k = d_v = d_model / h)"
+
+
+def _convention_only(results, fails, features, standard_ok) -> Optional[str]:
+    """When the prototype passes the standard convention's trials and fails
+    only trials outside it (d_model != h*d_k, or d_k != d_v): the paragraph
+    that says so, and what the general convention adds; else None."""
+    if not standard_ok or not features or not all(
+            features[i].get("d_k != d_v") or features[i].get("d_model != h*d_k")
+            for i in fails):
+        return None
+    names = ", ".join(results[i].name for i in fails)
+    return ("Your prototype is correct for the standard convention, d_k = d_v = "
+            "d_model / h: it passes every trial of the standard convention. It fails "
+            f"only the trials where d_model != h*d_k or d_k != d_v ({names}). The "
+            "document's formal definition is more general: head i has its own W_i^Q, "
+            "W_i^K of shape d_model x d_k and W_i^V of shape d_model x d_v, so d_k and "
+            "d_v need not be d_model / h, nor equal to each other; mhattn reads them "
+            "from the weights. Take each head's width from its weights, not from "
+            "d_model, and use d_v for V and for the concatenation:\n"
+            "    d_k = w_q.shape[1] // num_heads      # q and k heads: (T, d_k)\n"
+            "    d_v = w_v.shape[1] // num_heads      # v heads: (T, d_v); Concat: "
+            "(T, h*d_v)\n"
+            "If you wrote it for the standard convention only, check it with that one:\n"
+            "    mhattn.check_prototype(fn, convention=\"standard\")")
+
+
+def _empty_row_note(results: List["TrialResult"]) -> Optional[str]:
+    """A paragraph on the trials whose NaN in a row with no key was accepted."""
+    noted = [r for r in results if r.note]
+    if not noted:
+        return None
+    return (f"On {', '.join(r.name for r in noted)}, a query row may attend to no key "
+            "(its mask row is all False). Your output there is NaN, from "
+            "exp(-inf - (-inf)); mhattn defines such a row's output as 0. The checker "
+            "accepts either; to give 0, set the weights of a row with no key to 0.")
+
+
 def _diagnose(kind: str, results: List["TrialResult"], user_out: List[Any],
               steps: List[_steps.Step], starts: List[Dict[str, Any]], tol: List[float],
               dtype: np.dtype, standard_ok: Optional[bool], convention: str,
               features: List[Dict[str, bool]]) -> "PrototypeReport":
     n = len(results)
     fails = [i for i, r in enumerate(results) if not r.ok]
-    stage, stage_note = None, ""
-    for r in results:
-        if r.stages is not None and r.stages.first_divergence is not None:
-            stage = r.stages.first_divergence
-            stage_note = (f"The first of your intermediates that differs from "
-                          f"mhattn's is '{stage}' (trial {r.name}): {r.stages.summary()}")
-            break
+    stage, stage_note = _first_stage(results)
     if not fails:
         return _ok_report(kind, results, convention, stage, stage_note)
     early = _early_report(kind, results, user_out, fails, steps, starts, dtype)
@@ -638,65 +852,33 @@ def _diagnose(kind: str, results: List["TrialResult"], user_out: List[Any],
             stage_note += (" No mistake that starts at or before that stage explains "
                            "your outputs, but one that starts later does: that "
                            "intermediate may be another quantity under mhattn's name.")
-    best = ranked[0] if ranked else None
-
-    def label(c: _Candidate) -> str:
-        return " + ".join(c.names)
-
-    candidates: List[str] = []
-    shown = ranked if exact else [c for c in ranked if c.explained == best.explained]
-    for c in (ranked if exact else []):
-        if label(c) not in candidates:
-            candidates.append(label(c))
-    for i, r in enumerate(results):
-        r.matching = []
-        if i in fails:
-            for c in (ranked if exact else shown):
-                if c.matches[i] and label(c) not in r.matching:
-                    r.matching.append(label(c))
-        r.matches = r.matching
-
+    convention_only = _convention_only(results, fails, features, standard_ok)
+    best = ranked[0] if ranked and (exact or convention_only is None) else None
+    candidates = _mark_matching(results, fails, ranked if best else [], exact)
     summary = f"{len(fails)} of {n} trials differ from mhattn."
-    if best is None:
-        title = "the outputs differ, and not like any known mistake"
-        expl = [summary, "No known mistake, nor any pair of them, reproduces your "
-                "outputs. The document's computation, per head i, is\n"
-                "    head_i = softmax(Q_i K_i^T / sqrt(d_k)) V_i,  "
-                "Q_i = X W_i^Q, K_i = X W_i^K, V_i = X W_i^V\n"
-                "    MultiHead(X) = Concat(head_1, ..., head_h) W^O\n"
-                "In NumPy, with fused weights:\n" + _CODE_FIX]
-        mistakes: Tuple[str, ...] = ()
-        form = None
+    if best is not None:
+        title, expl = _named(best, exact, n, candidates)
+        mistakes: Tuple[str, ...] = best.names
+        form: Optional[str] = "; ".join(best.forms)
+    elif convention_only is not None:
+        title, expl = _STANDARD_TITLE + ", not for the general one (d_k, d_v from the " \
+                                        "weights)", []
+        mistakes, form = (), None
     else:
-        mistakes = best.names
-        form = "; ".join(best.forms)
-        n_ok = sum(best.matches)
-        if len(mistakes) == 1:
-            title = MISTAKES[mistakes[0]][0]
-            what = f"Most likely mistake: {mistakes[0]} ({title})."
-        else:
-            title = "two mistakes: " + "; and ".join(MISTAKES[m][0] for m in mistakes)
-            what = ("Most likely two mistakes: " + " and ".join(
-                f"{m} ({MISTAKES[m][0]})" for m in mistakes) + ".")
-        if exact:
-            how = (f"{what} Re-enacted as '{form}', "
-                   f"{'it reproduces' if len(mistakes) == 1 else 'together they reproduce'}"
-                   f" your outputs on all {n} trials.")
-        else:
-            how = (f"Closest known {'mistake' if len(mistakes) == 1 else 'pair'}: "
-                   f"{label(best)}. Re-enacted as '{form}', it reproduces your outputs "
-                   f"on {n_ok} of {n} trials only ({best.explained} of the failing "
-                   "trials that tell the candidates apart), so there may be another "
-                   "mistake.")
-        expl = [summary, how] + [MISTAKES[m][1] for m in mistakes]
-        others = [c for c in candidates if c != label(best)]
-        if others:
-            expl.append("These fit the trials equally well: " + ", ".join(others) + ".")
-    if stage_note:
-        expl.append(stage_note)
+        title, expl = _unknown(results, fails)
+        mistakes, form = (), None
+    if convention_only is not None:
+        if best is not None:
+            title = _STANDARD_TITLE + " only: " + title
+        expl = [convention_only, summary] + expl
+    else:
+        expl = [summary] + expl
+    for extra in (stage_note, _empty_row_note(results)):
+        if extra:
+            expl.append(extra)
     hints = _hints(results, fails, features, mistakes if exact else (), cands,
                    standard_ok)
-    if standard_ok:
+    if standard_ok and convention_only is None:
         expl.append("Your prototype passes every trial of the standard convention "
                     "(d_k = d_v = d_model / h) but fails the general ones. If you wrote "
                     "it for that convention, check it with\n"
@@ -708,6 +890,30 @@ def _diagnose(kind: str, results: List["TrialResult"], user_out: List[Any],
                            candidates=candidates,
                            form=form, first_divergent_stage=stage, hints=hints,
                            mistakes=mistakes, standard_ok=standard_ok)
+
+
+def _nonfinite_hints(results, fails, features, mistakes) -> List[str]:
+    """Why outputs hold inf or nan where mhattn's are finite: on a trial with
+    a mask or causal=True, a query row left with no key; elsewhere, an
+    overflow.  Nothing when the mistakes named explain it."""
+    if mistakes and "no_max_subtraction" not in mistakes:
+        return []
+    bad = [i for i in fails if results[i].status == "nonfinite"]
+    masked = [i for i in bad if features and (features[i].get("a mask")
+                                              or features[i].get("causal"))]
+    hints = []
+    if masked and not mistakes:
+        hints.append(f"the outputs hold nan on trial "
+                     f"{', '.join(results[i].name for i in masked)} (a mask or "
+                     "causal=True): a query row whose keys are all blocked has only -inf "
+                     "scores, and exp(-inf - (-inf)) is nan. "
+                     "Check which keys each row may see (causal: key j <= i + T_k - T_q; "
+                     "a boolean mask: True = may attend).")
+    if len(masked) < len(bad):
+        hints.append("some outputs hold inf or nan where the answer is finite: "
+                     "an overflow, typically exp() of large scores without "
+                     "subtracting the row max.")
+    return hints
 
 
 def _dims(shapes: str) -> Dict[str, str]:
@@ -727,6 +933,11 @@ def _hints(results, fails, features, mistakes, cands, standard_ok) -> List[str]:
             having = {i for i, f in enumerate(features) if f[feat]}
             if having and having == failing and len(having) < n:
                 hints.append(f"it fails exactly on the trials with {feat}.")
+    returned = [results[i] for i in fails if results[i].status == "returned"]
+    if returned:
+        hints.append(f"on {len(returned)} of {n} trials your function raised nothing but "
+                     f"returned no output array, first on {returned[0].name} "
+                     f"({returned[0].shapes}): {returned[0].error}.")
     raised = [results[i] for i in fails if results[i].status == "raised"]
     if raised:
         hints.append(f"your function raised on {len(raised)} of {n} trials, first on "
@@ -772,11 +983,7 @@ def _hints(results, fails, features, mistakes, cands, standard_ok) -> List[str]:
                 hints.append(f"your concatenation on {results[i].name} is h*d_k = {hk} "
                              "wide: V was sliced with d_k.")
                 break
-    if (not mistakes or "no_max_subtraction" in mistakes) and any(
-            results[i].status == "nonfinite" for i in fails):
-        hints.append("some outputs hold inf or nan where the answer is finite: "
-                     "an overflow, typically exp() of large scores without "
-                     "subtracting the row max.")
+    hints += _nonfinite_hints(results, fails, features, mistakes)
     if standard_ok:
         hints.append("it passes the standard convention's trials (d_k = d_v = d_model/h): "
                      "try convention=\"standard\".")
@@ -825,9 +1032,12 @@ def _run_layer_trials(fn, cases, dtype, keywords):
     tols = _tolerances(_layer_model(keywords), [_layer_start(t) for t in cases], dtype)
     for t, tol in zip(cases, tols):
         want = multi_head_attention(*t.args[:5], num_heads=t.num_heads, **t.kwargs)
-        got, inter = _run(fn, t.args, t.kwargs, want.shape)
+        got, inter = _run(fn, t.args, t.kwargs, want.shape,
+                          f"the output array of shape (T, d_out) = {want.shape}")
+        got, note = _settle_empty_rows(got, want, t.kwargs.get("mask"))
         user_out.append(got)
-        r = TrialResult(t.name, t.about, t.shapes(), "ok", expected_shape=want.shape)
+        r = TrialResult(t.name, t.about, t.shapes(), "ok", expected_shape=want.shape,
+                        note=note)
         _compare_result(r, got, want, tol)
         if inter is not None:
             given = {k: v for k, v in inter.items() if canonical_key(k) is not None}
@@ -867,9 +1077,12 @@ def check_prototype(fn: Callable, *, trials: int = 4, dtype=np.float64,
         with a boolean mask (True = may attend), ``causal=True`` or
         ``rope=mhattn.RoPE(theta=10.0)`` is added, and the mask or RoPE
         mistakes are searched for too; otherwise it is never passed one.
-        Taking both ``q_norm`` and ``k_norm`` adds a trial with (d_k,)
-        RMSNorm weights for each (mhattn's q/k norm, eps 1e-6, applied per
-        head after the split and before RoPE), and the norm's mistakes.
+        Taking ``mask`` also adds a trial whose mask leaves one query row
+        with no key: mhattn's answer there is 0, and a NaN there (what
+        exp(-inf - (-inf)) gives) is accepted too.  Taking both ``q_norm``
+        and ``k_norm`` adds a trial with (d_k,) RMSNorm weights for each
+        (mhattn's q/k norm, eps 1e-6, applied per head after the split and
+        before RoPE), and the norm's mistakes.
     trials : int, default 4
         How many random configurations to add to the designed ones.
     dtype : np.float64 (default) or np.float32
@@ -880,8 +1093,9 @@ def check_prototype(fn: Callable, *, trials: int = 4, dtype=np.float64,
     convention : "general" (default) or "standard"
         "general" tests any widths, d_k != d_v and d_model != h*d_k
         included; "standard" only d_k = d_v = d_model / h, for prototypes
-        written to that convention.  When a prototype fails the general
-        trials but passes the standard ones, the report says so.
+        written to that convention.  When a prototype fails only general
+        trials (d_model != h*d_k or d_k != d_v) and passes the standard
+        ones, the report's title says so.
 
     It runs on the designed configurations — the document's worked example
     (w_q = concat(W_Q1, W_Q2), W^O = I), d_k != d_v with three heads and a
@@ -1014,6 +1228,11 @@ def _attention_trials(n_random: int, dtype, seed: int, keywords) -> List[_AttnTr
                  2, 3, 4, 3, 2)
         t.kwargs = {"sinks": np.array([0.5, -1.0])}
         out.append(t)
+    if "mask" in keywords:
+        # last, so that the other trials are drawn as before
+        t = make("mask_empty_row", _EMPTY_ROW_ABOUT, 2, 4, 6, 3, 2)
+        t.kwargs = {"mask": _empty_row_mask(rng, 4, 6)}
+        out.append(t)
     return out
 
 
@@ -1048,15 +1267,17 @@ def check_attention_prototype(fn: Callable, *, trials: int = 4, dtype=np.float64
     ``softcap=2.0``, with a mask when ``mask`` is taken too; ``sinks`` of
     shape (h,); ``rope=mhattn.RoPE(theta=10.0)`` with 2 queries after 5
     keys, q and k not yet turned: the queries sit at positions
-    i + T_k - T_q).  The answer is :func:`mhattn.attention`'s; a fully masked
-    row's answer is 0.
+    i + T_k - T_q).  Taking ``mask`` also adds a trial whose mask leaves one
+    query row with no key.  The answer is :func:`mhattn.attention`'s; a
+    fully masked row's answer is 0 (a NaN there is accepted too).
 
     The diagnosis is :func:`check_prototype`'s, with the attention steps
     only (scores, scale, mask, row max, softmax, weights @ V): every single mistake
     and every pair, among 'rope_not_offset', 'rope_on_v', 'rope_pairing_wrong',
     'no_scaling', 'scale_by_dk', 'scale_by_sqrt_dv',
     'scale_after_softmax', 'softcap_after_mask', 'mask_inverted',
-    'mask_after_softmax', 'causal_top_left', 'softmax_wrong_axis',
+    'mask_after_softmax', 'mask_large_negative', 'causal_top_left',
+    'causal_blocks_self', 'causal_sees_next', 'softmax_wrong_axis',
     'no_max_subtraction', 'softmax_over_heads', 'softmax_whole_matrix',
     'sink_in_numerator', 'weights_transposed'.
 
@@ -1103,9 +1324,12 @@ def check_attention_prototype(fn: Callable, *, trials: int = 4, dtype=np.float64
     user_out: List[Any] = []
     for t, t_tol in zip(cases, tol):
         want = _attention_reference(t)
-        got, _ = _run(fn, (t.q, t.k, t.v), t.kwargs, want.shape)
+        got, _ = _run(fn, (t.q, t.k, t.v), t.kwargs, want.shape,
+                      f"the output array of shape (h, T_q, d_v) = {want.shape}")
+        got, note = _settle_empty_rows(got, want, t.kwargs.get("mask"))
         user_out.append(got)
-        r = TrialResult(t.name, t.about, t.shapes(), "ok", expected_shape=want.shape)
+        r = TrialResult(t.name, t.about, t.shapes(), "ok", expected_shape=want.shape,
+                        note=note)
         _compare_result(r, got, want, t_tol)
         results.append(r)
     return _diagnose("attention", results, user_out, steps, starts, tol, dtype, None,

@@ -10,15 +10,15 @@ function that does the wrong thing instead, and when it applies.
 table, and :mod:`mhattn.learn.checker` derives ``MISTAKES`` (identifier ->
 (title, explanation with its fix)) from it.  Adding a mistake is one record
 here (and, for a new way of computing, its step function in steps.py), plus
-its test, for example::
+its test; the causal mask that also sees the next key is::
 
     Mistake(
-        "causal_off_by_one",
-        "the causal mask lets each query see the next key too",
-        "Your causal mask allows j <= i + 1. ... Fix:",
+        "causal_sees_next",
+        "the causal mask is off by one: query i also sees key i + 1, ...",
+        "Your causal mask allows j <= i + 1, ... Fix:",
         "allowed = np.tril(np.ones((T_q, T_k), bool), k=T_k - T_q)",
-        produce=(Form("mask", "causal_off_by_one", "j <= i + 1",
-                      needs=("causal",)),)),
+        produce=(Form("mask", "causal_next", "j <= i + 1 + T_k - T_q",
+                      needs=("causal",)), ...)),
 
 The step model then tries it, alone and paired with every mistake at
 another step, on every prototype whose trials have the features it needs.
@@ -297,10 +297,15 @@ TABLE: Tuple[Mistake, ...] = (
     Mistake(
         "mask_inverted",
         "the mask (or the causal triangle) is inverted",
-        "Your prototype blocks the keys that may be seen and keeps the others.\n"
-        "mhattn's boolean masks say True = may attend; causal lets query i see\n"
-        "keys j <= i (+ T_k - T_q). Fix:",
-        "scores = np.where(mask, scores, -np.inf)",
+        "Your prototype blocks the keys that may be seen and keeps the others: it\n"
+        "reads True as 'blocked' (the convention of nn.MultiheadAttention's\n"
+        "attn_mask and key_padding_mask). mhattn's boolean masks say True = may\n"
+        "attend, as PyTorch's scaled_dot_product_attention does; causal lets query i\n"
+        "see keys j <= i + T_k - T_q, the lower triangle (np.tril), not the upper\n"
+        "one. A row whose keys were all allowed is then left with none, and gives\n"
+        "NaN. Fix:",
+        "scores = np.where(mask, scores, -np.inf)      # True = may attend\n"
+        "allowed = np.tril(np.ones((T_q, T_k), bool), k=T_k - T_q)   # causal",
         produce=(
             Form("mask", "mask_inverted", "the mask (or causal triangle) inverted",
                  needs=("masked",)),
@@ -308,9 +313,11 @@ TABLE: Tuple[Mistake, ...] = (
     Mistake(
         "mask_after_softmax",
         "the mask is applied after the softmax",
-        "Your prototype zeroes the blocked weights after the softmax, so the rest no\n"
-        "longer sum to 1. Mask the scores with -inf before it, and the softmax\n"
-        "renormalises over the keys that are left:",
+        "Your prototype zeroes the blocked weights after the softmax (or multiplies\n"
+        "the weights by the mask, or by the causal triangle), so each row's weights\n"
+        "no longer sum to 1: the blocked keys' share is lost instead of going to the\n"
+        "keys that are left. Mask the scores with -inf before the softmax, and the\n"
+        "softmax renormalises over the keys that are left:",
         "scores = np.where(mask, scores, -np.inf)\n"
         "w = softmax(scores)",
         produce=(
@@ -318,15 +325,80 @@ TABLE: Tuple[Mistake, ...] = (
                  needs=("masked",)),
         )),
     Mistake(
+        "mask_large_negative",
+        "the mask puts a large negative number (such as -1e9) where -inf belongs",
+        "Your prototype blocks keys with a finite number such as -1e9 instead of\n"
+        "-inf. That works only while the row has some key left: exp(-1e9 - max)\n"
+        "is 0. In a row whose keys are all blocked every score is about -1e9, and\n"
+        "the softmax hands the whole weight to keys the row must not see: the\n"
+        "padding leaks into the output. How much leaks depends on the dtype: in\n"
+        "float32, s - 1e9 rounds to a multiple of 64, so the row attends almost\n"
+        "uniformly; in float64 an added -1e9 cancels in the softmax, so the row\n"
+        "attends as if it were not masked at all. mhattn's answer for a row with\n"
+        "no key is 0 (never NaN). Block with -inf, and give a row with no key zero\n"
+        "weights:",
+        "scores = np.where(mask, scores, -np.inf)\n"
+        "m = scores.max(axis=-1, keepdims=True)\n"
+        "e = np.exp(scores - np.where(np.isfinite(m), m, 0))\n"
+        "total = e.sum(axis=-1, keepdims=True)\n"
+        "w = np.where(total > 0, e / np.where(total > 0, total, 1), 0)   # no key: 0",
+        produce=(
+            Form("mask", "mask_fill_finite", "np.where(mask, scores, -1e9)",
+                 needs=("masked",)),
+            Form("mask", "mask_add_finite", "scores + np.where(mask, 0, -1e9)",
+                 needs=("masked",)),
+        )),
+    Mistake(
         "causal_top_left",
         "the causal mask is aligned top-left instead of bottom-right",
-        "Your causal mask lets query i see keys j <= i. With more keys than queries\n"
-        "(a cache, or a prefix) the queries are the last T_q positions, so query i\n"
-        "sees keys j <= i + T_k - T_q (bottom-right aligned, as in mhattn, PyTorch's\n"
-        "is_causal with a cache and FlashAttention). Fix:",
+        "Your causal mask lets query i see keys j <= i, counting from the first key\n"
+        "(top-left aligned). With more keys than queries (a KV cache, or a prefix)\n"
+        "the queries are the last T_q positions, so mhattn aligns the triangle\n"
+        "bottom-right: query i sees keys j <= i + T_k - T_q, and one new query sees\n"
+        "every key. FlashAttention's causal=True (version 2.1 and later) is\n"
+        "bottom-right too. PyTorch's scaled_dot_product_attention(is_causal=True)\n"
+        "aligns top-left (j <= i), so code copied from it differs whenever\n"
+        "T_q != T_k (in PyTorch, torch.nn.attention.bias.causal_lower_right gives\n"
+        "the bottom-right mask). The two alignments agree when T_q == T_k. Fix:",
         "allowed = np.tril(np.ones((T_q, T_k), bool), k=T_k - T_q)",
         produce=(
             Form("mask", "causal_top_left", "causal aligned top-left (j <= i)",
+                 models=("attention",), needs=("causal",)),
+        )),
+    Mistake(
+        "causal_blocks_self",
+        "the causal mask is off by one: query i cannot see its own key (j < i)",
+        "Your causal mask allows j < i, so it blocks the diagonal: no token sees\n"
+        "itself, and when T_q == T_k the first query (row 0) has no key at all. Its\n"
+        "scores are all -inf, and the softmax's exp(-inf - (-inf)) = exp(nan) makes\n"
+        "that row NaN: the NaN comes from the mask, not from an overflow (the row\n"
+        "max is subtracted). Causal attention lets a query see every key up to and\n"
+        "including its own position: j <= i when T_q == T_k, and j <= i + T_k - T_q\n"
+        "with more keys than queries (mhattn aligns the triangle bottom-right).\n"
+        "Fix:",
+        "allowed = np.tril(np.ones((T_q, T_k), bool), k=T_k - T_q)   # j <= i + T_k - T_q\n"
+        "scores = np.where(allowed, scores, -np.inf)",
+        produce=(
+            Form("mask", "causal_strict", "j < i + T_k - T_q (the diagonal blocked)",
+                 needs=("causal",)),
+            Form("mask", "causal_strict_top_left", "j < i (the diagonal blocked, top-left)",
+                 models=("attention",), needs=("causal",)),
+        )),
+    Mistake(
+        "causal_sees_next",
+        "the causal mask is off by one: query i also sees key i + 1 (j <= i + 1), "
+        "a future token",
+        "Your causal mask allows j <= i + 1, so every token also sees the next one:\n"
+        "the future leaks into the past, and a language model trained this way\n"
+        "learns to copy the next token instead of predicting it. Causal attention\n"
+        "lets query i see keys j <= i when T_q == T_k, and j <= i + T_k - T_q with\n"
+        "more keys than queries (mhattn aligns the triangle bottom-right). Fix:",
+        "allowed = np.tril(np.ones((T_q, T_k), bool), k=T_k - T_q)   # j <= i + T_k - T_q\n"
+        "scores = np.where(allowed, scores, -np.inf)",
+        produce=(
+            Form("mask", "causal_next", "j <= i + 1 + T_k - T_q (one future key)",
+                 needs=("causal",)),
+            Form("mask", "causal_next_top_left", "j <= i + 1 (one future key, top-left)",
                  models=("attention",), needs=("causal",)),
         )),
     Mistake(

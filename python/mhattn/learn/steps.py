@@ -268,44 +268,102 @@ def scale_after_softmax(st: State) -> State:
 
 
 # ------------------------------------------------------------------ mask / causal
-def _allowed(st: State, top_left: bool = False) -> Optional[np.ndarray]:
+# A wrong mask can leave a query row with no key.  The learner's softmax,
+# exp(s - s.max()), then gives NaN in that row (exp(-inf - (-inf))): the
+# wrong masks mark the state "empty_nan", and the softmax steps do the same.
+# (The checker also reads a prototype's 0 in such a row as that NaN.)
+def _allowed(st: State, top_left: bool = False, shift: int = 0) -> Optional[np.ndarray]:
+    """Which keys each query may see: the mask, and causal's j <= i + T_k - T_q
+    (top-left: j <= i), moved by ``shift`` (-1: j < i; +1: j <= i + 1)."""
     Tq, Tk = st["s"][0].shape
     allowed = np.ones((Tq, Tk), dtype=bool)
     if st.get("mask") is not None:
         allowed &= np.broadcast_to(np.asarray(st["mask"], dtype=bool), (Tq, Tk))
     if st.get("causal"):
-        off = 0 if top_left else Tk - Tq
+        off = (0 if top_left else Tk - Tq) + shift
         allowed &= np.arange(Tk)[None, :] <= np.arange(Tq)[:, None] + off
     return allowed
 
 
-def _apply(st: State, allowed: np.ndarray) -> State:
+def _apply(st: State, allowed: np.ndarray, learner: bool = False) -> State:
+    """The scores with -inf where a key is blocked; ``learner``: a row left
+    with no key gives NaN in the softmax, as a learner's exp(s - s.max()) does."""
     ninf = _f(st, -np.inf)
-    return _new(st, s=[np.where(allowed, s, ninf) for s in st["s"]])
+    out = _new(st, s=[np.where(allowed, s, ninf) for s in st["s"]])
+    return _new(out, empty_nan=True) if learner else out
+
+
+def _masked(st: State) -> bool:
+    return st.get("mask") is not None or bool(st.get("causal"))
 
 
 def mask(st: State) -> State:
-    if st.get("mask") is None and not st.get("causal"):
+    if not _masked(st):
         return st
     return _apply(st, _allowed(st))
 
 
 def mask_inverted(st: State) -> State:
-    if st.get("mask") is None and not st.get("causal"):
+    if not _masked(st):
         return st
-    return _apply(st, ~_allowed(st))
+    return _apply(st, ~_allowed(st), learner=True)
 
 
 def mask_after_softmax(st: State) -> State:
-    if st.get("mask") is None and not st.get("causal"):
+    if not _masked(st):
         return st
     return _new(st, post_mask=_allowed(st))
 
 
-def causal_top_left(st: State) -> State:
+def _mask_finite(st: State, fill: float, added: bool) -> State:
+    """A finite stand-in for -inf: put in place of the blocked scores
+    (np.where(allowed, s, fill)) or added to them (s + np.where(allowed, 0, fill))."""
+    if not _masked(st):
+        return st
+    allowed = _allowed(st)
+    f = _f(st, fill)
+    if added:
+        bias = np.where(allowed, _f(st, 0.0), f)
+        return _new(st, s=[s + bias for s in st["s"]])
+    return _new(st, s=[np.where(allowed, s, f) for s in st["s"]])
+
+
+def mask_fill_finite(st: State) -> State:
+    return _mask_finite(st, -1e9, added=False)
+
+
+def mask_add_finite(st: State) -> State:
+    return _mask_finite(st, -1e9, added=True)
+
+
+def _causal(st: State, top_left: bool = False, shift: int = 0) -> State:
     if not st.get("causal"):
         return mask(st)
-    return _apply(st, _allowed(st, top_left=True))
+    return _apply(st, _allowed(st, top_left, shift), learner=True)
+
+
+def causal_top_left(st: State) -> State:
+    return _causal(st, top_left=True)
+
+
+def causal_strict(st: State) -> State:
+    """j < i + T_k - T_q: the diagonal blocked."""
+    return _causal(st, shift=-1)
+
+
+def causal_strict_top_left(st: State) -> State:
+    """j < i: the diagonal blocked, and the triangle aligned top-left."""
+    return _causal(st, top_left=True, shift=-1)
+
+
+def causal_next(st: State) -> State:
+    """j <= i + 1 + T_k - T_q: one future key seen."""
+    return _causal(st, shift=1)
+
+
+def causal_next_top_left(st: State) -> State:
+    """j <= i + 1: one future key seen, aligned top-left."""
+    return _causal(st, top_left=True, shift=1)
 
 
 # ------------------------------------------------------------------ softmax
@@ -320,11 +378,17 @@ def row_max_skipped(st: State) -> State:
     return _new(st, no_max=True)
 
 
-def _softmax(s: np.ndarray, axis=-1, no_max: bool = False) -> np.ndarray:
+def _softmax(s: np.ndarray, axis=-1, no_max: bool = False,
+             empty_nan: bool = False) -> np.ndarray:
+    """Softmax along ``axis``; a row with no key (all -inf) gives 0, as in
+    mhattn, or NaN with ``empty_nan``, as exp(s - s.max()) does."""
     if no_max:              # exp of the raw scores: overflows to inf/inf = nan
         e = np.exp(s)
         return e / e.sum(axis=axis, keepdims=True)
     m = np.max(s, axis=axis, keepdims=True)
+    if empty_nan:
+        e = np.exp(s - m)
+        return (e / e.sum(axis=axis, keepdims=True)).astype(s.dtype)
     m = np.where(np.isfinite(m), m, 0)
     e = np.exp(s - m)
     tot = e.sum(axis=axis, keepdims=True)
@@ -352,12 +416,18 @@ def _sink_softmax(s: np.ndarray, sink: float, in_numerator: bool = False,
     return (((e + es) if in_numerator else e) / tot).astype(s.dtype)
 
 
+def _how(st: State) -> Dict[str, bool]:
+    """The softmax's manner, set by earlier steps: no max subtracted, and a
+    row with no key giving NaN."""
+    return dict(no_max=bool(st.get("no_max")), empty_nan=bool(st.get("empty_nan")))
+
+
 def softmax(st: State) -> State:
     sinks, nm = st.get("sinks"), bool(st.get("no_max"))
     if sinks is not None:
         return _finish(st, [_sink_softmax(s, sinks[i], no_max=nm)
                             for i, s in enumerate(_final_scores(st))])
-    return _finish(st, [_softmax(s, no_max=nm) for s in _final_scores(st)])
+    return _finish(st, [_softmax(s, **_how(st)) for s in _final_scores(st)])
 
 
 def softmax_sink_in_numerator(st: State) -> State:
@@ -369,18 +439,15 @@ def softmax_sink_in_numerator(st: State) -> State:
 
 
 def softmax_axis0(st: State) -> State:
-    nm = bool(st.get("no_max"))
-    return _finish(st, [_softmax(s, axis=0, no_max=nm) for s in _final_scores(st)])
+    return _finish(st, [_softmax(s, axis=0, **_how(st)) for s in _final_scores(st)])
 
 
 def softmax_heads_axis(st: State) -> State:
-    nm = bool(st.get("no_max"))
-    return _finish(st, list(_softmax(np.stack(_final_scores(st)), axis=0, no_max=nm)))
+    return _finish(st, list(_softmax(np.stack(_final_scores(st)), axis=0, **_how(st))))
 
 
 def softmax_whole_matrix(st: State) -> State:
-    nm = bool(st.get("no_max"))
-    return _finish(st, [_softmax(s, axis=None, no_max=nm) for s in _final_scores(st)])
+    return _finish(st, [_softmax(s, axis=None, **_how(st)) for s in _final_scores(st)])
 
 
 # ------------------------------------------------------------------ weights @ V
@@ -555,10 +622,12 @@ class Raised:
 def exception_key(exc: BaseException) -> tuple:
     """What must agree for two exceptions to be 'the same': the type and, for
     shape errors, the sizes the message names (the sizes identify the
-    operation that failed, and so the step, whichever way it was written)."""
+    operation that failed, and so the step, whichever way it was written);
+    for an error whose message names no size, the message."""
     msg = str(exc)
-    if isinstance(exc, (ValueError, IndexError)):
-        return (type(exc).__name__, tuple(sorted(set(int(n) for n in re.findall(r"\d+", msg)))))
+    sizes = tuple(sorted(set(int(n) for n in re.findall(r"\d+", msg))))
+    if isinstance(exc, (ValueError, IndexError)) and sizes:
+        return (type(exc).__name__, sizes)
     return (type(exc).__name__, msg)
 
 
