@@ -191,9 +191,14 @@ def test_fast_path_is_bitwise_the_full_path(case):
         except UserWarning:
             assert fast_path(*args, **kw) is None
             return
-        except ValueError as e:   # an ambiguous mask shape: refused, never taken
-            assert "is ambiguous" in str(e), e
-            assert fast_path(*args, **kw) is None
+        except ValueError as e:
+            if "is ambiguous" in str(e):   # an ambiguous mask shape: never taken
+                assert fast_path(*args, **kw) is None
+            else:   # the core's refusal (a NaN scale): in the same words either way
+                assert str(e).startswith("scale: "), e
+                with pytest.raises(ValueError) as fast_error:
+                    mhattn.multi_head_attention(*args, **kw)
+                assert str(fast_error.value) == str(e)
             return
     fast = fast_path(*args, **kw)
     assert fast is not None, "the fast path declined a call it should take"
