@@ -61,6 +61,13 @@
  * child handler (mha_atfork_child) forgets the pool (leaking it,
  * deliberately) and clears g_busy; the next call builds a fresh one.
  * Nothing is locked around fork, so the parent can never deadlock on it.
+ * pool_get returns only once each new worker has started (freed its
+ * start-up blocks and reached its loop): a worker is then in the allocator
+ * only inside a task, so when a call of ours returns, none is, and a fork
+ * right after it cannot inherit an allocator lock held by one. (glibc's
+ * malloc takes its locks around fork; ASan's quarantine, in clang 14's
+ * runtime, does not: the child of a fork taken while a new worker freed its
+ * start-up block spun forever in tests/c/test_gemm's ASan build.)
  *
  * Threads, locks, the CPU count and the clock come from platform.h: this
  * file is ISO C11.
@@ -92,6 +99,8 @@ typedef struct {
     mha_cond wake; /* workers: a new generation was published */
     mha_cond done; /* caller: no worker left in a closed gen  */
     int nworkers;        /* spawned workers, ith 1..nworkers; owner only */
+    int nstarted;        /* workers past their start-up, under lock; `done`
+                            is signalled as each one starts */
     /* The job; written under lock before gen moves, read under lock. */
     mha_task_fn fn;
     void *ctx;
@@ -168,6 +177,10 @@ static void worker_main(void *argp)
     /* this thread's preemptions at its last sleep or contention check */
     long preempted = mha_thread_preemptions();
     tls_in_task = 1; /* anything a task calls runs inline */
+    mha_mutex_lock(&p->lock); /* started: pool_get may return */
+    p->nstarted++;
+    mha_cond_broadcast(&p->done);
+    mha_mutex_unlock(&p->lock);
     for (;;) {
         /* 1. wait for a new generation: spin a little (unless the pool is
               calm), then sleep */
@@ -279,6 +292,10 @@ static pool_t *pool_get(int nwant)
         }
         p->nworkers++;
     }
+    mha_mutex_lock(&p->lock);
+    while (p->nstarted < p->nworkers)
+        mha_cond_wait(&p->done, &p->lock);
+    mha_mutex_unlock(&p->lock);
     return p;
 }
 
