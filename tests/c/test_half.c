@@ -1,11 +1,15 @@
 /*
  * test_half.c - the half precision conversions (issue 36): the scalar ones
  * of csrc/core/half.h against definitions written from the formats'
- * fields.
+ * fields, and every ISA's row converters (the kernel tables' widen_f16,
+ * narrow_f16, widen_bf16, narrow_bf16; csrc/kernels/kernels.inc) against
+ * the scalar ones.
  *
  * Build and run (see the Makefile beside this file):
  *   make -C tests/c check      # optimised build + ASan/UBSan build, both run
  *   ./test_half [quick]        quick: a smaller random sample
+ *   ./test_half all            also every one of the 2^32 float32 patterns
+ *                              narrowed (minutes)
  *
  * What is checked:
  *   - widening, float16 and bfloat16, for all 65536 patterns of each: the
@@ -18,7 +22,15 @@
  *     the 65536 values, each midpoint between neighbours and the float32
  *     one ulp either side of it) and on a pseudo-random sample of float32
  *     patterns weighted towards NaNs, infinities, subnormals, ties and
- *     values past the float16 range.
+ *     values past the float16 range;
+ *   - on every ISA this machine runs (the portable path included), each
+ *     row converter gives the scalar conversion's bits for all of the
+ *     above in one long row, and for every length 0 .. 67 (main body and
+ *     leftovers) at element offsets 0 .. 3 of source and destination
+ *     (unaligned vectors), reading nothing past the row (the ASan build
+ *     has the source end where the row does) and writing nothing outside
+ *     it (guards on both sides);
+ *   - the float and double tables of an ISA hold the same converters.
  */
 #include <math.h>
 #include <stdint.h>
@@ -27,6 +39,7 @@
 #include <string.h>
 
 #include "half.h"
+#include "kernels.h"
 
 #include "harness.h"
 
@@ -260,13 +273,175 @@ static void test_known(void)
     CHECK(bits_of(mha_bf16_to_f32(0x7f81)) == 0x7f810000u, "bf16 sNaN widens as it is");
 }
 
+/* ------------------------------------------------------------------ */
+/* Every ISA's rows against the scalar conversions.                     */
+
+typedef void (*widen_row)(float *dst, const uint16_t *src, size_t n);
+typedef void (*narrow_row)(uint16_t *dst, const float *src, size_t n);
+
+static widen_row row_widen(const mha_kernels *K, const format *F)
+{
+    return F == &k_f16 ? K->widen_f16 : K->widen_bf16;
+}
+
+static narrow_row row_narrow(const mha_kernels *K, const format *F)
+{
+    return F == &k_f16 ? K->narrow_f16 : K->narrow_bf16;
+}
+
+/* The tables of every ISA this machine runs, the portable one first (as
+   mha_set_isa grants them; on aarch64 the x86 names are skipped). */
+static size_t isa_tables(const mha_kernels *tables[4])
+{
+    size_t n = 0;
+    const mha_isa best = harness_best_isa();
+    for (int isa = 0; isa <= (int)best; isa++)
+        if (mha_set_isa((mha_isa)isa) == isa) {
+            tables[n++] = mha_kernels_for(mha_get_isa(), 0);
+            const mha_kernels *K64 = mha_kernels_for(mha_get_isa(), 1);
+            const mha_kernels *K = tables[n - 1];
+            CHECK(K->widen_f16 != NULL && K64->widen_f16 == K->widen_f16 &&
+                      K64->narrow_f16 == K->narrow_f16 && K64->widen_bf16 == K->widen_bf16 &&
+                      K64->narrow_bf16 == K->narrow_bf16,
+                  "%s: the double table's half rows are not the float table's", K->name);
+        }
+    mha_set_isa(best);
+    return n;
+}
+
+/* All 65536 patterns widened, and the n floats x narrowed, each in one
+   row, against the scalar conversions. */
+static void test_rows_long(const mha_kernels *K, const format *F, const float *x, size_t n)
+{
+    uint16_t *h = xcalloc(0x10000, sizeof *h);
+    float *w = xcalloc(0x10000, sizeof *w);
+    for (uint32_t i = 0; i < 0x10000; i++)
+        h[i] = (uint16_t)i;
+    row_widen(K, F)(w, h, 0x10000);
+    int bad = 0;
+    for (uint32_t i = 0; i < 0x10000; i++) {
+        const uint32_t got = bits_of(w[i]), want = bits_of(F->widen((uint16_t)i));
+        bad += got != want;
+        CHECK(got == want, "%s %s widen %04x: %08x, not %08x", K->name, F->name,
+              (unsigned)i, (unsigned)got, (unsigned)want);
+    }
+    uint16_t *r = xcalloc(n, sizeof *r);
+    row_narrow(K, F)(r, x, n);
+    for (size_t i = 0; i < n; i++) {
+        const uint16_t want = F->narrow(x[i]);
+        bad += r[i] != want;
+        CHECK(r[i] == want, "%s %s narrow %08x: %04x, not %04x", K->name, F->name,
+              (unsigned)bits_of(x[i]), (unsigned)r[i], (unsigned)want);
+    }
+    printf("  %s %s rows: 65536 widened, %zu narrowed, %d wrong\n", K->name, F->name, n, bad);
+    free(h);
+    free(w);
+    free(r);
+}
+
+#define GUARD 4
+#define GUARD_BYTE 0xa5
+
+/* dst's GUARD elements before off and after off + n still hold
+   GUARD_BYTE: the row wrote only its own elements. */
+static int guards_intact(const void *dst, size_t elem, size_t off, size_t n)
+{
+    const unsigned char *b = dst;
+    for (size_t i = 0; i < off * elem; i++)
+        if (b[i] != GUARD_BYTE)
+            return 0;
+    for (size_t i = (off + n) * elem; i < (off + n + GUARD) * elem; i++)
+        if (b[i] != GUARD_BYTE)
+            return 0;
+    return 1;
+}
+
+/* Every length 0 .. 67 at source and destination offsets 0 .. 3: the
+   source (a window of pats or x) copied into a block that ends where the
+   row does, the destination between guards. */
+static void test_rows_tails(const mha_kernels *K, const format *F, const uint16_t *pats,
+                            size_t npats, const float *x, size_t nx)
+{
+    int bad = 0;
+    for (size_t n = 0; n <= 67; n++)
+        for (size_t so = 0; so < 4; so++)
+            for (size_t d = 0; d < 4; d++) {
+                const size_t at = (n * 977 + so * 131 + d * 17) % (nx - 80);
+                uint16_t *hs = xcalloc(so + n, sizeof *hs);
+                float *xs = xcalloc(so + n, sizeof *xs);
+                memcpy(hs + so, pats + at % (npats - 80), n * sizeof *hs);
+                memcpy(xs + so, x + at, n * sizeof *xs);
+                float *wd = xcalloc(d + n + GUARD, sizeof *wd);
+                uint16_t *nd = xcalloc(d + n + GUARD, sizeof *nd);
+                memset(wd, GUARD_BYTE, (d + n + GUARD) * sizeof *wd);
+                memset(nd, GUARD_BYTE, (d + n + GUARD) * sizeof *nd);
+                row_widen(K, F)(wd + d, hs + so, n);
+                row_narrow(K, F)(nd + d, xs + so, n);
+                int wrong = !guards_intact(wd, sizeof *wd, d, n) ||
+                            !guards_intact(nd, sizeof *nd, d, n);
+                for (size_t i = 0; i < n; i++)
+                    wrong |= bits_of(wd[d + i]) != bits_of(F->widen(hs[so + i])) ||
+                             nd[d + i] != F->narrow(xs[so + i]);
+                bad += wrong;
+                CHECK(!wrong, "%s %s rows, n = %zu, offsets %zu, %zu: wrong bits or guards",
+                      K->name, F->name, n, so, d);
+                free(hs);
+                free(xs);
+                free(wd);
+                free(nd);
+            }
+    printf("  %s %s rows: lengths 0 .. 67 at 16 offsets, %d wrong\n", K->name, F->name, bad);
+}
+
+/* `all`: every float32 pattern, 2^16 at a time, narrowed by each table's
+   rows and by the scalar conversion, which is held to the definition. */
+static void test_all_floats(const mha_kernels *const *tables, size_t ntables,
+                            const format *F, const double *grid)
+{
+    float *x = xcalloc(0x10000, sizeof *x);
+    uint16_t *want = xcalloc(0x10000, sizeof *want), *got = xcalloc(0x10000, sizeof *got);
+    long bad = 0;
+    for (uint32_t hi = 0; hi < 0x10000; hi++) {
+        for (uint32_t lo = 0; lo < 0x10000; lo++) {
+            const uint32_t u = hi << 16 | lo;
+            memcpy(&x[lo], &u, sizeof u);
+            want[lo] = F->narrow(x[lo]);
+            const uint16_t def = def_narrow(F, grid, x[lo]);
+            bad += want[lo] != def;
+            CHECK(want[lo] == def, "%s narrow %08x: %04x, not %04x", F->name, (unsigned)u,
+                  (unsigned)want[lo], (unsigned)def);
+        }
+        for (size_t t = 0; t < ntables; t++) {
+            row_narrow(tables[t], F)(got, x, 0x10000);
+            for (uint32_t lo = 0; lo < 0x10000; lo++) {
+                bad += got[lo] != want[lo];
+                CHECK(got[lo] == want[lo], "%s %s narrow %08x: %04x, not %04x",
+                      tables[t]->name, F->name, (unsigned)(hi << 16 | lo),
+                      (unsigned)got[lo], (unsigned)want[lo]);
+            }
+        }
+    }
+    printf("%s narrow, all 2^32 float32 patterns, scalar and %zu tables: %ld wrong\n",
+           F->name, ntables, bad);
+    free(x);
+    free(want);
+    free(got);
+}
+
 int main(int argc, char **argv)
 {
     const int quick = argc > 1 && strcmp(argv[1], "quick") == 0;
+    const int all = argc > 1 && strcmp(argv[1], "all") == 0;
     const double t0 = now_s();
     test_known();
+    const mha_kernels *tables[4];
+    const size_t ntables = isa_tables(tables);
     const size_t nrand = quick ? (size_t)1 << 18 : (size_t)1 << 22;
     float *rnd = random_inputs(nrand);
+    /* float16 patterns in an order that puts specials in every window */
+    uint16_t *pats = xcalloc(0x10000, sizeof *pats);
+    for (uint32_t i = 0; i < 0x10000; i++)
+        pats[i] = (uint16_t)(i * 40503u);
     const format *fmts[2] = {&k_f16, &k_bf16};
     for (int f = 0; f < 2; f++) {
         const format *F = fmts[f];
@@ -276,11 +451,22 @@ int main(int argc, char **argv)
         test_scalar_widen(F);
         test_scalar_narrow(F, grid, edge, nedge, "boundaries");
         test_scalar_narrow(F, grid, rnd, nrand, "random");
+        for (size_t t = 0; t < ntables; t++) {
+            test_rows_long(tables[t], F, edge, nedge);
+            test_rows_long(tables[t], F, rnd, nrand);
+            test_rows_tails(tables[t], F, pats, 0x10000, rnd, nrand);
+        }
+        if (all)
+            test_all_floats(tables, ntables, F, grid);
         free(edge);
         free(grid);
     }
     free(rnd);
-    printf("test_half: %ld checks, %d failures (%.1f s)\n", g_checks, g_failures,
+    free(pats);
+    printf("test_half: %ld checks, %d failures (%.1f s); rows on", g_checks, g_failures,
            now_s() - t0);
+    for (size_t t = 0; t < ntables; t++)
+        printf(" %s", tables[t]->name);
+    printf(" (detected: %s)\n", mha_isa_name(mha_isa_detect()));
     return g_failures != 0;
 }
