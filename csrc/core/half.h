@@ -23,10 +23,13 @@
  *     and overflows to infinity as IEEE says: float16 from |x| >= 65520
  *     (65504 plus half its ulp, the tie going to the even pattern, inf);
  *     a NaN stays a NaN with its sign, its quiet bit set and the top
- *     fraction bits kept (vcvtps2ph and fcvtn; vcvtneps2bf16's rule too).
- * The row converters assume the floating-point environment a thread starts
- * with (round to nearest; on aarch64 no flush-to-zero and IEEE half, not
- * FPCR.AHP's alternative format); the scalar ones here use integers only.
+ *     fraction bits kept (what vcvtps2ph and fcvtn do; bfloat16 follows
+ *     the same rule).
+ * The scalar conversions use integers only. The rows' float16
+ * instructions on x86 (F16C, AVX-512F) ignore MXCSR: the rounding is the
+ * immediate's, and nothing is flushed (checked on a Xeon with FTZ, DAZ and
+ * round toward zero set). NEON's follow FPCR, so the NEON rows assume the
+ * one a thread starts with: round to nearest, no flush to zero, AHP clear.
  */
 #ifndef MHA_HALF_H
 #define MHA_HALF_H
