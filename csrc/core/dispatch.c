@@ -91,7 +91,11 @@ mha_isa mha_isa_detect(void)
         return MHA_ISA_SCALAR;
     const unsigned c = r[2];
     const int osxsave = (c >> 27) & 1, avx = (c >> 28) & 1, fma = (c >> 12) & 1;
-    if (!osxsave || !avx || !fma)
+    /* F16C (half <-> float, the half precision rows of kernels.inc): every
+       AVX2 CPU made has it, but it is a feature bit of its own, so the
+       AVX2 path asks for it rather than assume it */
+    const int f16c = (c >> 29) & 1;
+    if (!osxsave || !avx || !fma || !f16c)
         return MHA_ISA_SCALAR;
     const unsigned long long xcr0 = read_xcr0();
     /* bit 1 SSE (xmm), bit 2 AVX (upper ymm) */

@@ -21,8 +21,8 @@ extern "C" {
 
 typedef enum {
     MHA_ISA_SCALAR = 0, /* portable C, always compiled and always tested */
-    MHA_ISA_AVX2 = 1,   /* AVX2 + FMA, with OS support for ymm state     */
-    MHA_ISA_AVX512 = 2, /* AVX-512F (+ AVX2, FMA), OS support for zmm    */
+    MHA_ISA_AVX2 = 1,   /* AVX2 + FMA + F16C, OS support for ymm state   */
+    MHA_ISA_AVX512 = 2, /* AVX-512F (+ the above), OS support for zmm    */
     MHA_ISA_NEON = 3,   /* AArch64 Advanced SIMD: every aarch64 CPU      */
 } mha_isa;
 

@@ -1,6 +1,6 @@
 /*
  * isa_avx2.c - the kernels on AVX2 + FMA (simd_avx2.h), float32 and
- * float64.
+ * float64, and the half precision rows on F16C.
  *
  * ISA flags: this file only, through MHA_TARGET_BEGIN (isa_target.h), which
  * gcc, clang and MSVC all take: no build needs per-file flags. Nothing here
@@ -31,7 +31,7 @@
 
 #include "isa_target.h"
 
-MHA_TARGET_BEGIN("avx2,fma")
+MHA_TARGET_BEGIN("avx2,fma,f16c")
 #include "simd_avx2.h"
 
 /* Parameters of both types, beyond isa_x86.h's. */

@@ -256,6 +256,16 @@ typedef struct {
     mha_task_fn bwd_dq;       /* task (b, h, query block)              */
     mha_task_fn bwd_fused;    /* task (b, g): dkv and dq together      */
     mha_gemm_blocking gemm;
+    /* Half precision rows (issue 36; core/half.h): dst[i] = src[i]
+       widened to float32, or rounded from it to nearest even, for
+       i < n; half values are uint16_t bit patterns, any alignment. The
+       bits of half.h's scalar conversions on every ISA. The same
+       functions in the float and the double table: half values are
+       widened to float32 whatever a driver computes in. */
+    void (*widen_f16)(float *dst, const uint16_t *src, size_t n);
+    void (*narrow_f16)(uint16_t *dst, const float *src, size_t n);
+    void (*widen_bf16)(float *dst, const uint16_t *src, size_t n);
+    void (*narrow_bf16)(uint16_t *dst, const float *src, size_t n);
 } mha_kernels;
 
 extern const mha_kernels mha_kernels_ref_f32, mha_kernels_ref_f64;

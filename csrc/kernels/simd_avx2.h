@@ -1,8 +1,9 @@
 /*
  * simd_avx2.h - the vector vocabulary on AVX2 + FMA (256-bit ymm): the
- * names of simd_ref.h, with 8 float or 4 double lanes. Included by
- * isa_avx2.c only, inside its target region: nothing here runs unless
- * mha_get_isa() >= MHA_ISA_AVX2 (dispatch.c checks cpuid and xgetbv).
+ * names of simd_ref.h, with 8 float or 4 double lanes, and F16C for
+ * float16. Included by isa_avx2.c only, inside its target region: nothing
+ * here runs unless mha_get_isa() >= MHA_ISA_AVX2 (dispatch.c checks cpuid
+ * and xgetbv).
  * v_madd and v_fma are both the fused multiply-add.
  */
 #ifndef MHA_SIMD_AVX2_H
@@ -107,6 +108,42 @@ static inline v_f32 v_pow2_f32(v_f32 t)
 static inline v_f64 v_pow2_f64(v_f64 t)
 {
     return _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_castpd_si256(t), 52));
+}
+
+/* Half precision (simd_ref.h), 8 lanes. float16: F16C's vcvtph2ps and
+   vcvtps2ph, whose rounding the immediate sets (MXCSR's is not consulted)
+   and whose NaNs are half.h's. bfloat16: half.h's integer rule, lane by
+   lane. */
+static inline v_f32 v_widen_f16(const uint16_t *p)
+{
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+
+static inline void v_narrow_f16(uint16_t *p, v_f32 v)
+{
+    _mm_storeu_si128((__m128i *)p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+
+static inline v_f32 v_widen_bf16(const uint16_t *p)
+{
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
+static inline void v_narrow_bf16(uint16_t *p, v_f32 v)
+{
+    const __m256i x = _mm256_castps_si256(v), hi = _mm256_srli_epi32(x, 16);
+    const __m256i lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_srli_epi32(
+        _mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7fff)), lsb), 16);
+    /* |x| > inf as integers (both non-negative): a NaN, made quiet */
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7fffffff)),
+                                           _mm256_set1_epi32(0x7f800000));
+    const __m256i quiet = _mm256_or_si256(hi, _mm256_set1_epi32(0x40));
+    const __m256i r = _mm256_blendv_epi8(rounded, quiet, nan);
+    /* every lane is 0 .. 0xffff, which packus's saturation keeps */
+    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(r),
+                                                    _mm256_extracti128_si256(r, 1)));
 }
 
 #endif /* MHA_SIMD_AVX2_H */

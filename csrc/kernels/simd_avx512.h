@@ -131,4 +131,44 @@ static inline v_f64 v_pow2_f64(v_f64 t)
     return _mm512_castsi512_pd(_mm512_slli_epi64(_mm512_castpd_si512(t), 52));
 }
 
+/*
+ * Half precision (simd_ref.h), 16 lanes. float16: the 512-bit vcvtph2ps
+ * and vcvtps2ph (AVX-512F), rounding set by the immediate, NaNs as
+ * half.h's. bfloat16: half.h's integer rule, lane by lane. Not
+ * vcvtneps2bf16 (AVX512_BF16), though it rounds to nearest even: it
+ * treats a float32 subnormal as zero (measured on a Xeon with avx512_bf16:
+ * 0x007fffff gives 0x0000, where rounding gives 0x0080): its bits would
+ * not be every other path's.
+ */
+static inline v_f32 v_widen_f16(const uint16_t *p)
+{
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+
+static inline void v_narrow_f16(uint16_t *p, v_f32 v)
+{
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+
+static inline v_f32 v_widen_bf16(const uint16_t *p)
+{
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+
+static inline void v_narrow_bf16(uint16_t *p, v_f32 v)
+{
+    const __m512i x = _mm512_castps_si512(v), hi = _mm512_srli_epi32(x, 16);
+    const __m512i lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(x, _mm512_set1_epi32(0x7fff)), lsb), 16);
+    /* |x| > inf as integers: a NaN, made quiet */
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(
+        _mm512_and_si512(x, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    const __m512i r =
+        _mm512_mask_blend_epi32(nan, rounded, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
+    /* vpmovdw keeps each lane's low 16 bits: all of it */
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(r));
+}
+
 #endif /* MHA_SIMD_AVX512_H */

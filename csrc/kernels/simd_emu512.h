@@ -164,8 +164,10 @@ static inline v_f64 v_selbool_f64(v_f64 v, const uint8_t *p)
     EMU_MAP1(v_f64, V_LEN_F64, p[i] ? v.l[i] : -INFINITY);
 }
 
-/* v_pow2 (vpslld / vpsllq by the mantissa width, per lane), v_tpack and
-   the prefetch hints: simd_plain.h. */
+/* v_pow2 (vpslld / vpsllq by the mantissa width, per lane), v_tpack, the
+   prefetch hints and the half precision lanes (half.h per lane, which
+   gives vcvtph2ps's and vcvtps2ph's bits, and simd_avx512.h's bfloat16
+   rule): simd_plain.h. */
 #include "simd_plain.h"
 
 #undef EMU_MAP1

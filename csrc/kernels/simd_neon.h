@@ -192,6 +192,39 @@ static inline v_f64 v_pow2_f64(v_f64 t)
     return vreinterpretq_f64_u64(vshlq_n_u64(vreinterpretq_u64_f64(t), 52));
 }
 
+/* Half precision (simd_ref.h), 4 lanes. float16: fcvtl and fcvtn, which
+   every aarch64 CPU has; with the FPCR a thread starts with (round to
+   nearest, no flush to zero, FPCR.DN and AHP clear) they give half.h's
+   bits, NaNs included. bfloat16: half.h's integer rule, lane by lane
+   (the BF16 extension's bfcvtn is optional, and not used). */
+static inline v_f32 v_widen_f16(const uint16_t *p)
+{
+    return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)));
+}
+
+static inline void v_narrow_f16(uint16_t *p, v_f32 v)
+{
+    vst1_u16(p, vreinterpret_u16_f16(vcvt_f16_f32(v)));
+}
+
+static inline v_f32 v_widen_bf16(const uint16_t *p)
+{
+    return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16));
+}
+
+static inline void v_narrow_bf16(uint16_t *p, v_f32 v)
+{
+    const uint32x4_t x = vreinterpretq_u32_f32(v), hi = vshrq_n_u32(x, 16);
+    const uint32x4_t lsb = vandq_u32(hi, vdupq_n_u32(1));
+    const uint32x4_t rounded =
+        vshrq_n_u32(vaddq_u32(vaddq_u32(x, vdupq_n_u32(0x7fff)), lsb), 16);
+    /* |x| > inf as integers: a NaN, made quiet */
+    const uint32x4_t nan =
+        vcgtq_u32(vandq_u32(x, vdupq_n_u32(0x7fffffff)), vdupq_n_u32(0x7f800000));
+    const uint32x4_t r = vbslq_u32(nan, vorrq_u32(hi, vdupq_n_u32(0x40)), rounded);
+    vst1_u16(p, vmovn_u32(r));
+}
+
 /* Prefetch hints: into every cache level (t0), or into L2 and up (t1):
    prfm pldl1keep, pldl2keep. */
 static inline void v_prefetch_t0(const void *p) { __builtin_prefetch(p, 0, 3); }

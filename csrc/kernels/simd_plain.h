@@ -1,8 +1,9 @@
 /*
  * simd_plain.h - the names of the vector vocabulary that plain C writes the
  * same whatever the lane count: the prefetch hints (none), the transposing
- * copy (value moves only), v_pow2 (a shift of each lane's bits) and v_hsum4
- * (four v_hsum). Shared by the portable vocabulary (simd_ref.h) and the
+ * copy (value moves only), v_pow2 (a shift of each lane's bits), v_hsum4
+ * (four v_hsum) and the half precision lanes (half.h's conversions, lane
+ * by lane). Shared by the portable vocabulary (simd_ref.h) and the
  * emulated AVX-512 one (simd_emu512.h), included after their v_f32, v_f64
  * and v_hsum; each defines its own V_TPACK_ROWS.
  *
@@ -16,6 +17,8 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "half.h"
 
 /* Prefetch hints (t0: every cache level, t1: L2 and up); the portable
    path gives none, and stays ISO C. */
@@ -66,8 +69,35 @@ PLAIN_POW2(v_pow2_f64, v_f64, uint64_t, 52)
 PLAIN_HSUM4(v_hsum4_f32, v_f32, float, v_hsum_f32)
 PLAIN_HSUM4(v_hsum4_f64, v_f64, double, v_hsum_f64)
 
+/* Half precision lanes (simd_ref.h): the float lanes of a v_f32 from, or
+   to, as many uint16_t bit patterns at p, each through core/half.h. */
+#define PLAIN_WIDEN(name, widen)                                              \
+    static inline v_f32 name(const uint16_t *p)                               \
+    {                                                                         \
+        float f[sizeof(v_f32) / sizeof(float)];                               \
+        v_f32 v;                                                              \
+        for (size_t i = 0; i < sizeof f / sizeof f[0]; i++)                   \
+            f[i] = widen(p[i]);                                               \
+        memcpy(&v, f, sizeof v);                                              \
+        return v;                                                             \
+    }
+#define PLAIN_NARROW(name, narrow)                                            \
+    static inline void name(uint16_t *p, v_f32 v)                             \
+    {                                                                         \
+        float f[sizeof(v_f32) / sizeof(float)];                               \
+        memcpy(f, &v, sizeof f);                                              \
+        for (size_t i = 0; i < sizeof f / sizeof f[0]; i++)                   \
+            p[i] = narrow(f[i]);                                              \
+    }
+PLAIN_WIDEN(v_widen_f16, mha_f16_to_f32)
+PLAIN_NARROW(v_narrow_f16, mha_f32_to_f16)
+PLAIN_WIDEN(v_widen_bf16, mha_bf16_to_f32)
+PLAIN_NARROW(v_narrow_bf16, mha_f32_to_bf16)
+
 #undef PLAIN_TPACK
 #undef PLAIN_POW2
 #undef PLAIN_HSUM4
+#undef PLAIN_WIDEN
+#undef PLAIN_NARROW
 
 #endif /* MHA_SIMD_PLAIN_H */

@@ -91,7 +91,19 @@ static inline v_f64 v_iota_f64(void) { return 0.0; }
 static inline v_f32 v_selbool_f32(v_f32 v, const uint8_t *p) { return *p ? v : -INFINITY; }
 static inline v_f64 v_selbool_f64(v_f64 v, const uint8_t *p) { return *p ? v : -INFINITY; }
 
-/* v_pow2, v_tpack, and the prefetch hints: simd_plain.h. */
+/*
+ * Half precision, float lanes only (core/half.h: half values are a storage
+ * format, widened when packed and rounded once when stored), each lane
+ * with half.h's bits on every ISA; p is a row of uint16_t bit patterns,
+ * any alignment of that type:
+ *   v_widen_f16(p)      the V_LEN_F32 float16 values at p, exactly
+ *   v_narrow_f16(p, v)  v rounded to nearest even, stored at p
+ *   v_widen_bf16(p), v_narrow_bf16(p, v)  the same for bfloat16
+ * Here, as in simd_emu512.h: half.h's conversions, lane by lane.
+ */
+
+/* v_pow2, v_tpack, the prefetch hints and the half precision lanes:
+   simd_plain.h. */
 #include "simd_plain.h"
 
 #endif /* MHA_SIMD_REF_H */

@@ -1,0 +1,472 @@
+/*
+ * test_half.c - the half precision conversions (issue 36): the scalar ones
+ * of csrc/core/half.h against definitions written from the formats'
+ * fields, and every ISA's row converters (the kernel tables' widen_f16,
+ * narrow_f16, widen_bf16, narrow_bf16; csrc/kernels/kernels.inc) against
+ * the scalar ones.
+ *
+ * Build and run (see the Makefile beside this file):
+ *   make -C tests/c check      # optimised build + ASan/UBSan build, both run
+ *   ./test_half [quick]        quick: a smaller random sample
+ *   ./test_half all            also every one of the 2^32 float32 patterns
+ *                              narrowed (minutes)
+ *
+ * What is checked:
+ *   - widening, float16 and bfloat16, for all 65536 patterns of each: the
+ *     value (with the sign of a zero) from ldexp of the fields, infinities,
+ *     and a NaN's sign, quiet bit and payload;
+ *   - narrowing, float16 and bfloat16, against IEEE round to nearest, ties
+ *     to even, written as a search of the format's values (the nearest one;
+ *     on a tie the even pattern; past the largest finite value's half ulp,
+ *     infinity), on every float32 near a boundary of either format (each of
+ *     the 65536 values, each midpoint between neighbours and the float32
+ *     one ulp either side of it) and on a pseudo-random sample of float32
+ *     patterns weighted towards NaNs, infinities, subnormals, ties and
+ *     values past the float16 range;
+ *   - on every ISA this machine runs (the portable path included), each
+ *     row converter gives the scalar conversion's bits for all of the
+ *     above in one long row, and for every length 0 .. 67 (main body and
+ *     leftovers) at element offsets 0 .. 3 of source and destination
+ *     (unaligned vectors), reading nothing past the row (the ASan build
+ *     has the source end where the row does) and writing nothing outside
+ *     it (guards on both sides);
+ *   - the float and double tables of an ISA hold the same converters.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "half.h"
+#include "kernels.h"
+
+#include "harness.h"
+
+/* ------------------------------------------------------------------ */
+/* The definitions, from the fields.                                   */
+
+/* Everything one format's test needs to know about it. */
+typedef struct {
+    const char *name;
+    int frac_bits;       /* 10 (float16), 7 (bfloat16)               */
+    int bias;            /* 15, 127                                  */
+    uint16_t inf_bits;   /* 0x7c00, 0x7f80: the exponent field full  */
+    float (*widen)(uint16_t);
+    uint16_t (*narrow)(float);
+} format;
+
+static const format k_f16 = {"float16", 10, 15, 0x7c00, mha_f16_to_f32, mha_f32_to_f16};
+static const format k_bf16 = {"bfloat16", 7, 127, 0x7f80, mha_bf16_to_f32, mha_f32_to_bf16};
+
+/* The value of a pattern that is not a NaN, in double (exact): with e the
+   exponent field and m the fraction field, 2^(1 - bias) m 2^-frac for
+   e = 0, 2^(e - bias) (1 + m 2^-frac) otherwise, infinity for a full e. */
+static double def_value(const format *F, uint16_t h)
+{
+    const int e = (h & 0x7fff) >> F->frac_bits, m = h & ((1 << F->frac_bits) - 1);
+    double mag;
+    if ((h & 0x7fff) >= F->inf_bits)
+        mag = INFINITY;
+    else if (e == 0)
+        mag = ldexp(m, 1 - F->bias - F->frac_bits);
+    else
+        mag = ldexp((1 << F->frac_bits) + m, e - F->bias - F->frac_bits);
+    return h & 0x8000 ? -mag : mag;
+}
+
+static int def_is_nan(const format *F, uint16_t h)
+{
+    return (h & 0x7fff) > F->inf_bits;
+}
+
+/* The float32 a NaN pattern widens to: its sign, the exponent field full,
+   the quiet bit (bit 22) and the fraction in the top fraction bits; a
+   float16 NaN is made quiet, a bfloat16 one is kept as it is (half.h). */
+static uint32_t def_widen_nan(const format *F, uint16_t h)
+{
+    const uint32_t frac = (uint32_t)(h & ((1u << F->frac_bits) - 1)) << (23 - F->frac_bits);
+    const uint32_t quiet = F == &k_f16 ? 1u << 22 : 0;
+    return ((uint32_t)(h & 0x8000) << 16) | 0x7f800000u | quiet | frac;
+}
+
+/* The magnitudes of a format, grid[k] the value of pattern k for
+   k < inf_bits, in increasing order, and grid[inf_bits] = 2^(emax + 1),
+   where the next binade would start: half-way between it and the largest
+   finite value is where round to nearest overflows (IEEE 754, 4.3.1). */
+static double *def_grid(const format *F)
+{
+    double *grid = xcalloc((size_t)F->inf_bits + 1, sizeof *grid);
+    for (uint32_t k = 0; k < F->inf_bits; k++)
+        grid[k] = def_value(F, (uint16_t)k);
+    grid[F->inf_bits] = ldexp(1.0, (1 << (15 - F->frac_bits)) - 1 - F->bias);
+    return grid;
+}
+
+/* The pattern x rounds to: a NaN keeps its sign and top fraction bits and
+   gets the quiet bit; otherwise the nearest of the grid's values to |x|,
+   the even pattern on a tie, infinity from grid[inf_bits] on. */
+static uint16_t def_narrow(const format *F, const double *grid, float x)
+{
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    const uint16_t sign = (uint16_t)((u >> 16) & 0x8000);
+    if (isnan(x)) {
+        const uint16_t top = (uint16_t)((u & 0x7fffff) >> (23 - F->frac_bits));
+        return (uint16_t)(sign | F->inf_bits | (1u << (F->frac_bits - 1)) | top);
+    }
+    const double a = fabs((double)x);
+    if (a >= grid[F->inf_bits])
+        return (uint16_t)(sign | F->inf_bits);
+    uint32_t lo = 0, hi = F->inf_bits; /* grid[lo] <= a < grid[hi] */
+    while (hi - lo > 1) {
+        const uint32_t mid = lo + (hi - lo) / 2;
+        if (grid[mid] <= a)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    const double below = a - grid[lo], above = grid[hi] - a; /* exact in double */
+    const uint32_t k = below < above ? lo : above < below ? hi : (lo & 1) ? hi : lo;
+    return (uint16_t)(sign | k);
+}
+
+static uint32_t bits_of(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+/* ------------------------------------------------------------------ */
+/* Inputs.                                                              */
+
+/* Every float32 near a boundary of F, both signs: each value of F (inf
+   included), and for each pair of neighbours k, k + 1 (k + 1 = inf_bits
+   standing for the overflow threshold's far side) their midpoint, exact in
+   float32 since it needs one bit more than F has, and the float32 values
+   one ulp below and above it. Returns the count; *out is malloc'd. */
+static size_t boundary_inputs(const format *F, const double *grid, float **out)
+{
+    const size_t nk = F->inf_bits;
+    float *x = xcalloc(2 * (4 * nk + 1), sizeof *x);
+    size_t n = 0;
+    for (int neg = 0; neg < 2; neg++) {
+        const float s = neg ? -1.0f : 1.0f;
+        x[n++] = s * (float)def_value(F, F->inf_bits);
+        for (size_t k = 0; k < nk; k++) {
+            const double mid = 0.5 * (grid[k] + grid[k + 1]);
+            const float m = (float)mid;
+            CHECK((double)m == mid, "%s: midpoint %.17g is not a float32", F->name, mid);
+            x[n++] = s * (float)grid[k];
+            x[n++] = s * m;
+            x[n++] = s * nextafterf(m, 0.0f);
+            x[n++] = s * nextafterf(m, INFINITY);
+        }
+    }
+    *out = x;
+    return n;
+}
+
+/* n pseudo-random float32 patterns, one kind after another: any bits;
+   exponents around float16's range; NaNs (quiet and signalling, payloads
+   anywhere); zeros and subnormals; float16 ties and their neighbours
+   (low 13 bits 0x1000 - 1 .. + 1) and bfloat16's (low 16 bits 0x8000 - 1
+   .. + 1); and values around the largest finite float16 and float32. */
+static float *random_inputs(size_t n)
+{
+    float *x = xcalloc(n, sizeof *x);
+    for (size_t i = 0; i < n; i++) {
+        const uint32_t r = (uint32_t)(rng_u64() >> 32), sign = r & 0x80000000u;
+        const uint32_t frac = r & 0x7fffffu;
+        const int near = (int)rng_below(3) - 1;
+        uint32_t u;
+        switch (i % 8) {
+        case 0: u = r; break;
+        case 1: u = sign | ((uint32_t)(100 + rng_below(46)) << 23) | frac; break;
+        case 2: u = sign | 0x7f800000u | (frac ? frac : 1u); break;
+        case 3: u = sign | (frac >> rng_below(24)); break;
+        case 4:
+            u = sign | ((uint32_t)(100 + rng_below(46)) << 23) | (frac & ~0x1fffu) |
+                (uint32_t)(0x1000 + near);
+            break;
+        case 5: u = (r & ~0xffffu) | (uint32_t)(0x8000 + near); break;
+        case 6: u = sign | (uint32_t)((int)0x477fe000 + (int)rng_below(0x4000)); break;
+        default: /* up to the largest float32 and one past it, inf */
+            u = sign | (uint32_t)((int)0x7f7f0000 + (int)rng_below(0x10000) + near);
+            break;
+        }
+        memcpy(&x[i], &u, sizeof u);
+    }
+    return x;
+}
+
+/* ------------------------------------------------------------------ */
+/* The scalar conversions against the definitions.                      */
+
+static void test_scalar_widen(const format *F)
+{
+    int bad = 0;
+    for (uint32_t h = 0; h < 0x10000; h++) {
+        const uint32_t got = bits_of(F->widen((uint16_t)h));
+        uint32_t want;
+        if (def_is_nan(F, (uint16_t)h))
+            want = def_widen_nan(F, (uint16_t)h);
+        else
+            want = bits_of((float)def_value(F, (uint16_t)h));
+        bad += got != want;
+        CHECK(got == want, "%s widen %04x: %08x, not %08x", F->name, (unsigned)h,
+              (unsigned)got, (unsigned)want);
+    }
+    printf("%s widen: 65536 patterns, %d wrong\n", F->name, bad);
+}
+
+static void test_scalar_narrow(const format *F, const double *grid, const float *x,
+                               size_t n, const char *what)
+{
+    int bad = 0;
+    for (size_t i = 0; i < n; i++) {
+        const uint16_t got = F->narrow(x[i]), want = def_narrow(F, grid, x[i]);
+        bad += got != want;
+        CHECK(got == want, "%s narrow %08x (%.9g): %04x, not %04x", F->name,
+              (unsigned)bits_of(x[i]), (double)x[i], (unsigned)got, (unsigned)want);
+    }
+    printf("%s narrow, %s: %zu values, %d wrong\n", F->name, what, n, bad);
+}
+
+/* The cases the definitions turn on, by hand, so that a wrong definition
+   cannot hide a wrong conversion. */
+static void test_known(void)
+{
+    static const struct { uint32_t f; uint16_t h, b; } k[] = {
+        {0x3f800000u, 0x3c00, 0x3f80}, /* 1                                    */
+        {0x477fe000u, 0x7bff, 0x4780}, /* 65504, the largest finite float16   */
+        {0x477fefffu, 0x7bff, 0x4780}, /* just under 65520                    */
+        {0x477ff000u, 0x7c00, 0x4780}, /* 65520: the tie goes to even, inf    */
+        {0xc77ff000u, 0xfc00, 0xc780}, /* -65520                              */
+        {0x38800000u, 0x0400, 0x3880}, /* 2^-14, the smallest normal float16  */
+        {0x387fc000u, 0x03ff, 0x3880}, /* the largest subnormal float16       */
+        {0x387fe000u, 0x0400, 0x3880}, /* its tie with 2^-14: even, up        */
+        {0x33800000u, 0x0001, 0x3380}, /* 2^-24, the smallest subnormal       */
+        {0x33000000u, 0x0000, 0x3300}, /* 2^-25, the tie with 0: even, 0      */
+        {0x33000001u, 0x0001, 0x3300}, /* just over it                        */
+        {0x80000001u, 0x8000, 0x8000}, /* a float32 subnormal: -0             */
+        {0x3f808000u, 0x3c04, 0x3f80}, /* bfloat16 tie, even below            */
+        {0x3f818000u, 0x3c0c, 0x3f82}, /* bfloat16 tie, odd below: up         */
+        {0x7f7fffffu, 0x7c00, 0x7f80}, /* the largest float32: inf in both    */
+        {0x7f800000u, 0x7c00, 0x7f80}, /* inf                                 */
+        {0x7f800001u, 0x7e00, 0x7fc0}, /* a signalling NaN: made quiet       */
+        {0xffc00000u, 0xfe00, 0xffc0}, /* -NaN keeps its sign                 */
+        {0x7fa02000u, 0x7f01, 0x7fe0}, /* the payload's top bits are kept    */
+    };
+    for (size_t i = 0; i < sizeof k / sizeof k[0]; i++) {
+        float f;
+        memcpy(&f, &k[i].f, sizeof f);
+        CHECK(mha_f32_to_f16(f) == k[i].h, "f16(%08x) = %04x, not %04x", (unsigned)k[i].f,
+              (unsigned)mha_f32_to_f16(f), (unsigned)k[i].h);
+        CHECK(mha_f32_to_bf16(f) == k[i].b, "bf16(%08x) = %04x, not %04x",
+              (unsigned)k[i].f, (unsigned)mha_f32_to_bf16(f), (unsigned)k[i].b);
+    }
+    CHECK(bits_of(mha_f16_to_f32(0x7c01)) == 0x7fc02000u, "f16 sNaN widens quiet");
+    CHECK(bits_of(mha_f16_to_f32(0x0001)) == 0x33800000u, "f16 2^-24");
+    CHECK(bits_of(mha_f16_to_f32(0x8000)) == 0x80000000u, "f16 -0");
+    CHECK(bits_of(mha_bf16_to_f32(0x7f81)) == 0x7f810000u, "bf16 sNaN widens as it is");
+}
+
+/* ------------------------------------------------------------------ */
+/* Every ISA's rows against the scalar conversions.                     */
+
+typedef void (*widen_row)(float *dst, const uint16_t *src, size_t n);
+typedef void (*narrow_row)(uint16_t *dst, const float *src, size_t n);
+
+static widen_row row_widen(const mha_kernels *K, const format *F)
+{
+    return F == &k_f16 ? K->widen_f16 : K->widen_bf16;
+}
+
+static narrow_row row_narrow(const mha_kernels *K, const format *F)
+{
+    return F == &k_f16 ? K->narrow_f16 : K->narrow_bf16;
+}
+
+/* The tables of every ISA this machine runs, the portable one first (as
+   mha_set_isa grants them; on aarch64 the x86 names are skipped). */
+static size_t isa_tables(const mha_kernels *tables[4])
+{
+    size_t n = 0;
+    const mha_isa best = harness_best_isa();
+    for (int isa = 0; isa <= (int)best; isa++)
+        if (mha_set_isa((mha_isa)isa) == isa) {
+            tables[n++] = mha_kernels_for(mha_get_isa(), 0);
+            const mha_kernels *K64 = mha_kernels_for(mha_get_isa(), 1);
+            const mha_kernels *K = tables[n - 1];
+            CHECK(K->widen_f16 != NULL && K64->widen_f16 == K->widen_f16 &&
+                      K64->narrow_f16 == K->narrow_f16 && K64->widen_bf16 == K->widen_bf16 &&
+                      K64->narrow_bf16 == K->narrow_bf16,
+                  "%s: the double table's half rows are not the float table's", K->name);
+        }
+    mha_set_isa(best);
+    return n;
+}
+
+/* All 65536 patterns widened, and the n floats x narrowed, each in one
+   row, against the scalar conversions. */
+static void test_rows_long(const mha_kernels *K, const format *F, const float *x, size_t n)
+{
+    uint16_t *h = xcalloc(0x10000, sizeof *h);
+    float *w = xcalloc(0x10000, sizeof *w);
+    for (uint32_t i = 0; i < 0x10000; i++)
+        h[i] = (uint16_t)i;
+    row_widen(K, F)(w, h, 0x10000);
+    int bad = 0;
+    for (uint32_t i = 0; i < 0x10000; i++) {
+        const uint32_t got = bits_of(w[i]), want = bits_of(F->widen((uint16_t)i));
+        bad += got != want;
+        CHECK(got == want, "%s %s widen %04x: %08x, not %08x", K->name, F->name,
+              (unsigned)i, (unsigned)got, (unsigned)want);
+    }
+    uint16_t *r = xcalloc(n, sizeof *r);
+    row_narrow(K, F)(r, x, n);
+    for (size_t i = 0; i < n; i++) {
+        const uint16_t want = F->narrow(x[i]);
+        bad += r[i] != want;
+        CHECK(r[i] == want, "%s %s narrow %08x: %04x, not %04x", K->name, F->name,
+              (unsigned)bits_of(x[i]), (unsigned)r[i], (unsigned)want);
+    }
+    printf("  %s %s rows: 65536 widened, %zu narrowed, %d wrong\n", K->name, F->name, n, bad);
+    free(h);
+    free(w);
+    free(r);
+}
+
+#define GUARD 4
+#define GUARD_BYTE 0xa5
+
+/* dst's GUARD elements before off and after off + n still hold
+   GUARD_BYTE: the row wrote only its own elements. */
+static int guards_intact(const void *dst, size_t elem, size_t off, size_t n)
+{
+    const unsigned char *b = dst;
+    for (size_t i = 0; i < off * elem; i++)
+        if (b[i] != GUARD_BYTE)
+            return 0;
+    for (size_t i = (off + n) * elem; i < (off + n + GUARD) * elem; i++)
+        if (b[i] != GUARD_BYTE)
+            return 0;
+    return 1;
+}
+
+/* Every length 0 .. 67 at source and destination offsets 0 .. 3: the
+   source (a window of pats or x) copied into a block that ends where the
+   row does, the destination between guards. */
+static void test_rows_tails(const mha_kernels *K, const format *F, const uint16_t *pats,
+                            size_t npats, const float *x, size_t nx)
+{
+    int bad = 0;
+    for (size_t n = 0; n <= 67; n++)
+        for (size_t so = 0; so < 4; so++)
+            for (size_t d = 0; d < 4; d++) {
+                const size_t at = (n * 977 + so * 131 + d * 17) % (nx - 80);
+                uint16_t *hs = xcalloc(so + n, sizeof *hs);
+                float *xs = xcalloc(so + n, sizeof *xs);
+                memcpy(hs + so, pats + at % (npats - 80), n * sizeof *hs);
+                memcpy(xs + so, x + at, n * sizeof *xs);
+                float *wd = xcalloc(d + n + GUARD, sizeof *wd);
+                uint16_t *nd = xcalloc(d + n + GUARD, sizeof *nd);
+                memset(wd, GUARD_BYTE, (d + n + GUARD) * sizeof *wd);
+                memset(nd, GUARD_BYTE, (d + n + GUARD) * sizeof *nd);
+                row_widen(K, F)(wd + d, hs + so, n);
+                row_narrow(K, F)(nd + d, xs + so, n);
+                int wrong = !guards_intact(wd, sizeof *wd, d, n) ||
+                            !guards_intact(nd, sizeof *nd, d, n);
+                for (size_t i = 0; i < n; i++)
+                    wrong |= bits_of(wd[d + i]) != bits_of(F->widen(hs[so + i])) ||
+                             nd[d + i] != F->narrow(xs[so + i]);
+                bad += wrong;
+                CHECK(!wrong, "%s %s rows, n = %zu, offsets %zu, %zu: wrong bits or guards",
+                      K->name, F->name, n, so, d);
+                free(hs);
+                free(xs);
+                free(wd);
+                free(nd);
+            }
+    printf("  %s %s rows: lengths 0 .. 67 at 16 offsets, %d wrong\n", K->name, F->name, bad);
+}
+
+/* `all`: every float32 pattern, 2^16 at a time, narrowed by each table's
+   rows and by the scalar conversion, which is held to the definition. */
+static void test_all_floats(const mha_kernels *const *tables, size_t ntables,
+                            const format *F, const double *grid)
+{
+    float *x = xcalloc(0x10000, sizeof *x);
+    uint16_t *want = xcalloc(0x10000, sizeof *want), *got = xcalloc(0x10000, sizeof *got);
+    long bad = 0;
+    for (uint32_t hi = 0; hi < 0x10000; hi++) {
+        for (uint32_t lo = 0; lo < 0x10000; lo++) {
+            const uint32_t u = hi << 16 | lo;
+            memcpy(&x[lo], &u, sizeof u);
+            want[lo] = F->narrow(x[lo]);
+            const uint16_t def = def_narrow(F, grid, x[lo]);
+            bad += want[lo] != def;
+            CHECK(want[lo] == def, "%s narrow %08x: %04x, not %04x", F->name, (unsigned)u,
+                  (unsigned)want[lo], (unsigned)def);
+        }
+        for (size_t t = 0; t < ntables; t++) {
+            row_narrow(tables[t], F)(got, x, 0x10000);
+            for (uint32_t lo = 0; lo < 0x10000; lo++) {
+                bad += got[lo] != want[lo];
+                CHECK(got[lo] == want[lo], "%s %s narrow %08x: %04x, not %04x",
+                      tables[t]->name, F->name, (unsigned)(hi << 16 | lo),
+                      (unsigned)got[lo], (unsigned)want[lo]);
+            }
+        }
+    }
+    printf("%s narrow, all 2^32 float32 patterns, scalar and %zu tables: %ld wrong\n",
+           F->name, ntables, bad);
+    free(x);
+    free(want);
+    free(got);
+}
+
+int main(int argc, char **argv)
+{
+    const int quick = argc > 1 && strcmp(argv[1], "quick") == 0;
+    const int all = argc > 1 && strcmp(argv[1], "all") == 0;
+    const double t0 = now_s();
+    test_known();
+    const mha_kernels *tables[4];
+    const size_t ntables = isa_tables(tables);
+    const size_t nrand = quick ? (size_t)1 << 18 : (size_t)1 << 22;
+    float *rnd = random_inputs(nrand);
+    /* float16 patterns in an order that puts specials in every window */
+    uint16_t *pats = xcalloc(0x10000, sizeof *pats);
+    for (uint32_t i = 0; i < 0x10000; i++)
+        pats[i] = (uint16_t)(i * 40503u);
+    const format *fmts[2] = {&k_f16, &k_bf16};
+    for (int f = 0; f < 2; f++) {
+        const format *F = fmts[f];
+        double *grid = def_grid(F);
+        float *edge;
+        const size_t nedge = boundary_inputs(F, grid, &edge);
+        test_scalar_widen(F);
+        test_scalar_narrow(F, grid, edge, nedge, "boundaries");
+        test_scalar_narrow(F, grid, rnd, nrand, "random");
+        for (size_t t = 0; t < ntables; t++) {
+            test_rows_long(tables[t], F, edge, nedge);
+            test_rows_long(tables[t], F, rnd, nrand);
+            test_rows_tails(tables[t], F, pats, 0x10000, rnd, nrand);
+        }
+        if (all)
+            test_all_floats(tables, ntables, F, grid);
+        free(edge);
+        free(grid);
+    }
+    free(rnd);
+    free(pats);
+    printf("test_half: %ld checks, %d failures (%.1f s); rows on", g_checks, g_failures,
+           now_s() - t0);
+    for (size_t t = 0; t < ntables; t++)
+        printf(" %s", tables[t]->name);
+    printf(" (detected: %s)\n", mha_isa_name(mha_isa_detect()));
+    return g_failures != 0;
+}
