@@ -64,7 +64,7 @@ nm "$out/obj/isa_neon.o" 2>/dev/null | grep -q mha_kernels_neon_f32 ||
     { echo "isa_neon.o has no NEON table"; exit 1; }
 
 echo "== aarch64: building tests/c (the Makefile's flags, plus -Werror) and the ISA driver"
-tests=(test_gemm test_variants test_qk test_attend test_attend_bwd test_isa_driver)
+tests=(test_gemm test_variants test_qk test_attend test_attend_bwd test_isa_driver test_half)
 for t in "${tests[@]}"; do
     "$cc" -std=c11 -O3 -Wall -Wextra -Werror -fvisibility=hidden -pthread "${inc[@]}" \
         -o "$out/$t" "tests/c/$t.c" "${objs[@]}" -lm
@@ -91,7 +91,7 @@ else
     cat "$out/driver.log"
     fail=1
 fi
-for t in ${MHATTN_ARM_TESTS:-test_qk test_attend test_attend_bwd test_variants}; do
+for t in ${MHATTN_ARM_TESTS:-test_qk test_attend test_attend_bwd test_variants test_half}; do
     t0=$(date +%s)
     ran=$((ran + 1))
     if run "$out/$t" $mode >>"$log" 2>&1; then
