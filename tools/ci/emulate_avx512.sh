@@ -98,7 +98,7 @@ if [ "$got" != avx512 ]; then
     exit 1
 fi
 for t in "test_gemm quick" test_qk test_variants test_attend test_attend_bwd \
-         "test_isa_driver quick" "test_threads quick"; do
+         "test_isa_driver quick" "test_threads quick" "test_half quick"; do
     # shellcheck disable=SC2086
     if ! MHATTN_ISA=avx512 "$dir/ctest/"$t >ctest.log 2>&1; then
         tail -40 ctest.log
