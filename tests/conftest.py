@@ -67,3 +67,13 @@ def isa(request):
     assert mhattn.get_isa() == request.param
     yield request.param
     mhattn._set_isa(before)
+
+
+def child_env():
+    """The environment of a child process that imports this mhattn (the
+    tree's or the installed one, whichever the tests import)."""
+    env = dict(os.environ)
+    here = os.path.dirname(os.path.dirname(os.path.abspath(mhattn.__file__)))
+    rest = [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([here] + rest)
+    return env

@@ -15,6 +15,7 @@ from importlib import resources
 import pytest
 
 import mhattn
+from conftest import child_env
 from mhattn.__main__ import main, notebook
 
 
@@ -23,15 +24,6 @@ def _text(output):
         return output["text"]
     data = output.get("data", {})
     return data.get("text/html", "") + data.get("text/plain", "")
-
-
-def _child_env():
-    """The environment of a child process that imports this mhattn."""
-    env = dict(os.environ)
-    here = os.path.dirname(os.path.dirname(os.path.abspath(mhattn.__file__)))
-    rest = [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env["PYTHONPATH"] = os.pathsep.join([here] + rest)
-    return env
 
 
 def _check_notebook(raw: bytes):
@@ -68,7 +60,7 @@ def test_python_m_mhattn_notebook_writes_it(tmp_path):
     """`python -m mhattn --notebook DIR` (the README's command) writes the
     notebook into DIR and says how to open it; a second run leaves it alone."""
     cmd = [sys.executable, "-m", "mhattn", "--notebook", str(tmp_path)]
-    done = subprocess.run(cmd, cwd=tmp_path, env=_child_env(), capture_output=True,
+    done = subprocess.run(cmd, cwd=tmp_path, env=child_env(), capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     written = tmp_path / "walkthrough.ipynb"
@@ -76,7 +68,7 @@ def test_python_m_mhattn_notebook_writes_it(tmp_path):
     _check_notebook(written.read_bytes())
     assert f"jupyter lab {written}" in done.stdout
     written.write_text("my edits")
-    again = subprocess.run(cmd, cwd=tmp_path, env=_child_env(), capture_output=True,
+    again = subprocess.run(cmd, cwd=tmp_path, env=child_env(), capture_output=True,
                            text=True, timeout=120)
     assert again.returncode == 1 and "already exists" in again.stderr
     assert written.read_text() == "my edits"
@@ -109,7 +101,7 @@ def test_walkthrough_notebook_runs(tmp_path, monkeypatch):
     # The kernel imports this mhattn (an absolute PYTHONPATH: it runs
     # elsewhere), in a folder of its own, as a user's copy would run;
     # a last cell says which mhattn it was.
-    monkeypatch.setenv("PYTHONPATH", _child_env()["PYTHONPATH"])
+    monkeypatch.setenv("PYTHONPATH", child_env()["PYTHONPATH"])
     nb.cells.append(nbformat.v4.new_code_cell("import mhattn; print(mhattn.__file__)"))
     client = nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
                                      resources={"metadata": {"path": str(tmp_path)}})

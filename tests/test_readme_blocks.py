@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import mhattn
+from conftest import child_env
 
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 FENCE = re.compile(r"^```([\w-]*)[ \t]*\n(.*?)^```[ \t]*$", re.M | re.S)
@@ -94,15 +95,6 @@ def run_block(code, first_line, namespace):
             f"gives {value!r}, the comment says {claim[0]!r}")
 
 
-def _child_env():
-    """The environment of a child process that imports this mhattn."""
-    env = dict(os.environ)
-    here = os.path.dirname(os.path.dirname(os.path.abspath(mhattn.__file__)))
-    rest = [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env["PYTHONPATH"] = os.pathsep.join([here] + rest)
-    return env
-
-
 def test_every_fence_names_its_language_and_python_is_fenced():
     """So that no Python hides where the runner does not look."""
     text = README.read_text(encoding="utf-8")
@@ -146,6 +138,6 @@ def test_the_python_m_mhattn_commands_run(tmp_path):
     assert "python -m mhattn" in commands and "python -m mhattn --notebook" in commands
     for command in commands:
         done = subprocess.run([sys.executable] + command.split()[1:], cwd=tmp_path,
-                              env=_child_env(), capture_output=True, text=True, timeout=300)
+                              env=child_env(), capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, (command, done.stderr)
     assert (tmp_path / "walkthrough.ipynb").is_file()
