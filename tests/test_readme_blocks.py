@@ -9,7 +9,6 @@ commands: of those, the ``python -m mhattn ...`` ones run.
 """
 import ast
 import io
-import os
 import pathlib
 import re
 import subprocess
