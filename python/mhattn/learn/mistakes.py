@@ -68,6 +68,11 @@ class Mistake:
         return "\n".join(p for p in (self.explanation, code, self.after) if p)
 
 
+#: The fix of every off-by-one causal mask: bottom-right, as mhattn aligns it.
+_CAUSAL_FIX = ("allowed = np.tril(np.ones((T_q, T_k), bool), k=T_k - T_q)   # j <= i + T_k - T_q\n"
+               "scores = np.where(allowed, scores, -np.inf)")
+
+
 #: Every known mistake, grouped by the step that first produces it, in the
 #: model's order: the order in which a step's alternatives are tried.
 TABLE: Tuple[Mistake, ...] = (
@@ -376,8 +381,7 @@ TABLE: Tuple[Mistake, ...] = (
         "including its own position: j <= i when T_q == T_k, and j <= i + T_k - T_q\n"
         "with more keys than queries (mhattn aligns the triangle bottom-right).\n"
         "Fix:",
-        "allowed = np.tril(np.ones((T_q, T_k), bool), k=T_k - T_q)   # j <= i + T_k - T_q\n"
-        "scores = np.where(allowed, scores, -np.inf)",
+        _CAUSAL_FIX,
         produce=(
             Form("mask", "causal_strict", "j < i + T_k - T_q (the diagonal blocked)",
                  needs=("causal",)),
@@ -393,8 +397,7 @@ TABLE: Tuple[Mistake, ...] = (
         "learns to copy the next token instead of predicting it. Causal attention\n"
         "lets query i see keys j <= i when T_q == T_k, and j <= i + T_k - T_q with\n"
         "more keys than queries (mhattn aligns the triangle bottom-right). Fix:",
-        "allowed = np.tril(np.ones((T_q, T_k), bool), k=T_k - T_q)   # j <= i + T_k - T_q\n"
-        "scores = np.where(allowed, scores, -np.inf)",
+        _CAUSAL_FIX,
         produce=(
             Form("mask", "causal_next", "j <= i + 1 + T_k - T_q (one future key)",
                  needs=("causal",)),
