@@ -70,12 +70,25 @@ typedef enum {
 /* A static, human-readable name for a status ("MHA_OK", ...). */
 const char *mha_status_name(mha_status s);
 
-/* The element type of a call's buffers (mha_params.dtype). Room is left for
-   half types, which would be storage formats only (widened when packed). */
+/* The element type of a call's buffers (mha_params.dtype: float or
+   double). The half types are storage formats only (core/half.h), as
+   uint16_t bit patterns: mha_convert widens them to float32 and rounds
+   float32 results back; the drivers compute in float or double. */
 typedef enum {
-    MHA_DTYPE_F32 = 0, /* float  */
-    MHA_DTYPE_F64 = 1, /* double */
+    MHA_DTYPE_F32 = 0,  /* float                                  */
+    MHA_DTYPE_F64 = 1,  /* double                                 */
+    MHA_DTYPE_F16 = 2,  /* IEEE binary16, storage only            */
+    MHA_DTYPE_BF16 = 3, /* bfloat16 (float32's top half), storage */
 } mha_dtype;
+
+/* dst[i] = src[i] for i < n, between float32 and a half type: widened
+   exactly from MHA_DTYPE_F16 / MHA_DTYPE_BF16 to MHA_DTYPE_F32, or rounded
+   from MHA_DTYPE_F32 to nearest even (overflow to infinity, subnormals
+   kept, NaN stays NaN). The bits are core/half.h's scalar conversions on
+   every ISA, and the same for any thread count (large n is split between
+   the threads). Buffers need no alignment and must not overlap.
+   MHA_ERR_ARG for a NULL buffer with n > 0 or any other pair of types. */
+mha_status mha_convert(void *dst, mha_dtype to, const void *src, mha_dtype from, size_t n);
 
 typedef enum {
     MHA_MASK_NONE = 0,

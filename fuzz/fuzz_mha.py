@@ -328,20 +328,34 @@ def check_error(exc: BaseException):
 
 
 def tolerance(dtype):
+    """Relative to the largest magnitude. A half result is the float32 one
+    rounded once: within half an ulp (float16 2^-11, bfloat16 2^-8) plus
+    float32's own error, held to one ulp here."""
+    if dtype == np.float16:
+        return 2.0 ** -10
+    if dtype.kind == "V":   # bfloat16 (ml_dtypes)
+        return 2.0 ** -7
     return 1e-4 if dtype == np.float32 else 1e-10
+
+
+def _is_half(dt):
+    return dt == np.float16 or (dt.kind == "V" and dt.itemsize == 2 and dt.fields is None)
 
 
 def compare(got, ref, what, values=True):
     assert type(got) is np.ndarray and got.flags.c_contiguous, what
-    assert got.dtype == ref.dtype and got.shape == ref.shape, (what, got.dtype, ref.dtype,
-                                                               got.shape, ref.shape)
+    # half results are held to the reference's float64 (its half oracle)
+    assert (got.dtype == ref.dtype or _is_half(got.dtype) and ref.dtype == np.float64) \
+        and got.shape == ref.shape, (what, got.dtype, ref.dtype, got.shape, ref.shape)
+    tol = tolerance(got.dtype)
+    if _is_half(got.dtype):
+        got = got.astype(np.float64)
     if not values:
         assert not np.isnan(got).any() or np.isnan(ref).any(), f"{what}: NaN from C only"
         return
     if not np.isfinite(ref).all():
         return
     assert np.isfinite(got).all(), f"{what}: reference finite, C not"
-    tol = tolerance(got.dtype)
     scale = max(1.0, float(np.abs(ref).max())) if ref.size else 1.0
     np.testing.assert_allclose(got, ref, rtol=tol, atol=tol * scale, err_msg=what)
 
@@ -424,6 +438,9 @@ def check_attention(kw):
             **{k: v for k, v in kw.items() if k != "return_lse"})
     if kw.get("return_lse"):
         compare(got[0], ref_out, "attention out")
+        if _is_half(got[0].dtype):   # a half call's lse is float32
+            assert got[1].dtype == np.float32, ("attention lse", got[1].dtype)
+            ref_lse = ref_lse.astype(np.float32)
         compare(got[1], ref_lse, "attention lse")
     else:
         compare(got, ref_out, "attention out")

@@ -215,6 +215,53 @@ for kind, conv in BAD_DTYPES.items():
                        num_heads=2, **kw)
         words = [arg] + ([kind] if kind in ("complex", "object", "bool") else [])
         case(f"dtype_{arg}_{kind}", raises(TE, words=words))(thunk)
+# Half precision (issue 36): every 2-byte type but float16 and bfloat16 is
+# refused by name, and a half call's numbers share one dtype.
+for arg in ("x", "w_q", "w_v", "w_o", "key", "b_o"):
+    def thunk(arg=arg):
+        kw = dict(x=X, w_q=W, w_k=W, w_v=W, w_o=WO, key=KEY, b_o=np.ones(3))
+        kw = {n: a.astype(np.float16) for n, a in kw.items()}
+        kw[arg] = np.zeros(kw[arg].shape, "V2")
+        x = kw.pop("x")
+        return mha(x, kw.pop("w_q"), kw.pop("w_k"), kw.pop("w_v"), kw.pop("w_o"),
+                   num_heads=2, **kw)
+    case(f"dtype_{arg}_void2", raises(TE, words=[arg, "2-byte", "float16, bfloat16"]))(thunk)
+
+    def mixed(arg=arg):
+        kw = dict(x=X, w_q=W, w_k=W, w_v=W, w_o=WO, key=KEY, b_o=np.ones(3))
+        kw = {n: a.astype(np.float16) for n, a in kw.items()}
+        kw[arg] = kw[arg].astype(np.float32)
+        x = kw.pop("x")
+        return mha(x, kw.pop("w_q"), kw.pop("w_k"), kw.pop("w_v"), kw.pop("w_o"),
+                   num_heads=2, **kw)
+    case(f"dtype_{arg}_float32_in_float16_call",
+         raises(TE, words=[arg, "float32", "float16"]))(mixed)
+
+
+def _bf16_out_for_f16_call():
+    needs("ml_dtypes")
+    import ml_dtypes
+    q = np.ones((1, 2, 3, 4), np.float16)
+    out, lse = mhattn.attention(q, q, q, return_lse=True)
+    return mhattn.attention_grad(out, q, q, q, out=out.astype(ml_dtypes.bfloat16), lse=lse)
+
+
+case("dtype_attention_grad_bf16_out_for_f16_call",
+     raises(TE, words=["out", "bfloat16", "float16"]), entry="attention_grad")(
+    _bf16_out_for_f16_call)
+case("dtype_attention_q_float16_k_float32", raises(TE, words=["k", "float32", "float16"]),
+     entry="attention")(lambda: mhattn.attention(np.ones((2, 3, 4), np.float16),
+                                                 np.ones((2, 3, 4), np.float32),
+                                                 np.ones((2, 3, 4), np.float16)))
+case("dtype_merge_attention_two_halves", raises(TE, words=["outs[1]", "float16"]),
+     entry="merge_attention")(lambda: mhattn.merge_attention(
+         [np.ones((2, 3, 4), np.float16), np.ones((2, 3, 4), "V2")],
+         [np.zeros((2, 3))] * 2))
+case("dtype_backward_grad_out_void2", raises(TE, words=["grad_out", "2-byte"]),
+     entry="backward")(lambda: (lambda o, c: mhattn.backward(
+         np.ones(o.shape, "V2"), c))(*mha(X.astype(np.float16), W.astype(np.float16),
+                                          W.astype(np.float16), W.astype(np.float16),
+                                          num_heads=2, return_context=True)))
 case("dtype_string_scalar_x", raises(TE, words=["x"]))(lambda: mha("hello", W, W, W, num_heads=2))
 case("dtype_object_x_not_array", raises(TE, words=["w_q"]))(
     lambda: mha(X, object(), W, W, num_heads=2))

@@ -139,8 +139,7 @@ def test_empty_sequences(rng):
     ((np.float32, np.float64), np.float64),
     ((np.int64, np.int64), np.float64),
     ((np.int32, np.float32), np.float64),
-    ((np.float16, np.float16), np.float32),
-])
+])   # half precision: tests/test_half_dtypes.py
 def test_dtype_rules(rng, dtypes, expect):
     xd, wd = dtypes
     x = (rng.standard_normal((3, 4)) * 3).astype(xd)

@@ -445,7 +445,7 @@ STUB_TYPES = {
     "ARG_LENGTHS": "Optional[npt.NDArray[np.int64]]", "ARG_BOOL": "bool",
     "ARG_VARIANTS": "Optional[tuple]", "ARG_PACKED": "Optional[tuple]",
 }
-KIND_TYPES = {"capsule": "object", "str": "str", "int": "int"}
+KIND_TYPES = {"capsule": "object", "str": "str", "int": "int", "array": "np.ndarray"}
 
 PYI_HEAD = '''\
 """Type stubs for mhattn._C, the NumPy extension around the C core.

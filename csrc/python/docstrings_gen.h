@@ -243,4 +243,18 @@
     "\n" \
     "n: A thread count; 0 restores the default."
 
+#define CAST_HALF_DOC \
+    "cast_half(src, dst, /)\n" \
+    "--\n" \
+    "\n" \
+    "dst = src between float32 and a half storage type (mha_convert): widened\n" \
+    "exactly, or rounded once to nearest even (overflow to inf, subnormals kept,\n" \
+    "NaN stays NaN); the same bits on every ISA and for any thread count. The GIL\n" \
+    "is released." \
+    "\n" \
+    "\n" \
+    "src (...): float32, float16 or bfloat16; C-contiguous, aligned, native.\n" \
+    "dst (...): As many elements; float16 or bfloat16 for a float32 src, else\n" \
+    "    float32."
+
 #endif

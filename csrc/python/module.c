@@ -1,7 +1,8 @@
 /*
  * module.c - the module mhattn._C: its method table, multi-phase init and
- * slots, and the settings (get_isa, set_isa, get_num_threads,
- * set_num_threads).
+ * slots, the settings (get_isa, set_isa, get_num_threads,
+ * set_num_threads) and cast_half, the whole-array conversions between
+ * float32 and the half storage types (issue 36).
  */
 #define GLUE_IMPORTS_ARRAY   /* import_array fills the API table here */
 #include "glue.h"
@@ -78,6 +79,79 @@ static PyObject *set_num_threads(PyObject *self, PyObject *arg)
     Py_RETURN_NONE;
 }
 
+/* The half storage type of a (2-byte) array's dtype: float16 is NumPy's
+   own; bfloat16 is a user dtype (ml_dtypes registers it) known by its
+   scalar type's name, so the glue needs no import of ml_dtypes. -1 for
+   anything else. */
+static int half_type(PyArrayObject *a)
+{
+    PyArray_Descr *d = PyArray_DESCR(a);
+    if (PyArray_TYPE(a) == NPY_HALF)
+        return MHA_DTYPE_F16;
+    if (PyArray_TYPE(a) >= NPY_USERDEF && PyDataType_ELSIZE(d) == 2) {
+        /* tp_name is "ml_dtypes.bfloat16" (or a bare "bfloat16") */
+        const char *name = d->typeobj->tp_name, *dot = strrchr(name, '.');
+        if (strcmp(dot != NULL ? dot + 1 : name, "bfloat16") == 0)
+            return MHA_DTYPE_BF16;
+    }
+    return -1;
+}
+
+PyDoc_STRVAR(cast_half_doc, CAST_HALF_DOC);
+
+static PyObject *cast_half(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *src_o, *dst_o;
+    if (!PyArg_ParseTuple(args, "OO:cast_half", &src_o, &dst_o))
+        return NULL;
+    if (!PyArray_Check(src_o) || !PyArray_Check(dst_o)) {
+        PyErr_SetString(PyExc_TypeError, "cast_half: src and dst must be ndarrays");
+        return NULL;
+    }
+    PyArrayObject *src = (PyArrayObject *)src_o, *dst = (PyArrayObject *)dst_o;
+    const int want = NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED;
+    if (!PyArray_CHKFLAGS(src, want) || !PyArray_CHKFLAGS(dst, want) ||
+        !PyArray_ISWRITEABLE(dst) || !PyArray_ISNOTSWAPPED(src) ||
+        !PyArray_ISNOTSWAPPED(dst)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "cast_half: src and dst must be C-contiguous, aligned and native; "
+                        "dst writeable");
+        return NULL;
+    }
+    if (PyArray_SIZE(src) != PyArray_SIZE(dst)) {
+        PyErr_Format(PyExc_ValueError, "cast_half: src has %zd elements, dst %zd",
+                     (Py_ssize_t)PyArray_SIZE(src), (Py_ssize_t)PyArray_SIZE(dst));
+        return NULL;
+    }
+    int from, to;
+    if (PyArray_TYPE(src) == NPY_FLOAT && (to = half_type(dst)) >= 0)
+        from = MHA_DTYPE_F32;
+    else if (PyArray_TYPE(dst) == NPY_FLOAT && (from = half_type(src)) >= 0)
+        to = MHA_DTYPE_F32;
+    else {
+        PyErr_SetString(PyExc_TypeError,
+                        "cast_half: one of src and dst must be float32, the other "
+                        "float16 or bfloat16");
+        return NULL;
+    }
+    if (PyArray_BYTES(src) < PyArray_BYTES(dst) + PyArray_NBYTES(dst) &&
+        PyArray_BYTES(dst) < PyArray_BYTES(src) + PyArray_NBYTES(src)) {
+        PyErr_SetString(PyExc_ValueError, "cast_half: src and dst overlap");
+        return NULL;
+    }
+    mha_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = mha_convert(PyArray_DATA(dst), (mha_dtype)to, PyArray_DATA(src), (mha_dtype)from,
+                     (size_t)PyArray_SIZE(src));
+    Py_END_ALLOW_THREADS
+    if (st != MHA_OK) {
+        PyErr_Format(PyExc_RuntimeError, "cast_half: %s", mha_status_name(st));
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef mhattn_methods[] = {
     {"forward", (PyCFunction)(void (*)(void))forward,
      METH_FASTCALL | METH_KEYWORDS, forward_doc},
@@ -87,6 +161,7 @@ static PyMethodDef mhattn_methods[] = {
     {"set_isa", set_isa, METH_O, set_isa_doc},
     {"get_num_threads", get_num_threads, METH_NOARGS, get_num_threads_doc},
     {"set_num_threads", set_num_threads, METH_O, set_num_threads_doc},
+    {"cast_half", cast_half, METH_VARARGS, cast_half_doc},
     {"backward", (PyCFunction)(void (*)(void))backward,
      METH_VARARGS | METH_KEYWORDS, backward_doc},
     {"attention", (PyCFunction)(void (*)(void))attention,

@@ -285,3 +285,16 @@ def set_num_threads(
     use).
     """
     ...
+
+def cast_half(
+    src: np.ndarray,  # (...): float32, float16 or bfloat16; C-contiguous, aligned, native.
+    # (...): As many elements; float16 or bfloat16 for a float32 src, else float32.
+    dst: np.ndarray,
+    /,
+) -> None:
+    """dst = src between float32 and a half storage type (mha_convert):
+    widened exactly, or rounded once to nearest even (overflow to inf,
+    subnormals kept, NaN stays NaN); the same bits on every ISA and for
+    any thread count. The GIL is released.
+    """
+    ...

@@ -30,7 +30,13 @@
  *     (unaligned vectors), reading nothing past the row (the ASan build
  *     has the source end where the row does) and writing nothing outside
  *     it (guards on both sides);
- *   - the float and double tables of an ISA hold the same converters.
+ *   - the float and double tables of an ISA hold the same converters;
+ *   - mha_convert (mha.h), the whole-buffer entry point: on every ISA and
+ *     with 1 and 3 threads, each of the four directions gives the scalar
+ *     conversion's bits over lengths that cross its chunks (0, 1, one
+ *     chunk and one either side, several chunks and a tail) and writes
+ *     nothing past n; any other pair of types and a NULL buffer with
+ *     n > 0 are MHA_ERR_ARG, with n == 0 and NULL buffers MHA_OK.
  */
 #include <math.h>
 #include <stdint.h>
@@ -40,6 +46,8 @@
 
 #include "half.h"
 #include "kernels.h"
+#include "mha.h"
+#include "threads.h"
 
 #include "harness.h"
 
@@ -428,6 +436,82 @@ static void test_all_floats(const mha_kernels *const *tables, size_t ntables,
     free(got);
 }
 
+/* mha_convert, through the public entry point: every direction on the ISA
+   in force, each length in `lens`, against the scalar conversions. */
+static void test_convert_lengths(const float *x, size_t nx)
+{
+    static const size_t lens[] = {0, 1, 7, 65535, 65536, 65537, 3 * 65536 + 123};
+    const size_t nmax = 3 * 65536 + 123 + 8;   /* room for the guard */
+    CHECK(nx >= nmax, "random inputs too short: %zu", nx);
+    if (nx < nmax)
+        return;
+    uint16_t *h = xcalloc(nmax, sizeof *h);
+    float *f = xcalloc(nmax, sizeof *f);
+    const format *fmts[2] = {&k_f16, &k_bf16};
+    const mha_dtype types[2] = {MHA_DTYPE_F16, MHA_DTYPE_BF16};
+    for (int t = 0; t < 2; t++) {
+        const format *F = fmts[t];
+        for (size_t li = 0; li < sizeof lens / sizeof lens[0]; li++) {
+            const size_t n = lens[li];
+            for (size_t i = 0; i < nmax; i++)
+                h[i] = 0xABCD;
+            CHECK(mha_convert(h, types[t], x, MHA_DTYPE_F32, n) == MHA_OK,
+                  "%s narrow n=%zu: status", F->name, n);
+            size_t bad = 0;
+            for (size_t i = 0; i < n; i++)
+                bad += h[i] != F->narrow(x[i]);
+            for (size_t i = n; i < nmax; i++)
+                bad += h[i] != 0xABCD;
+            CHECK(bad == 0, "%s narrow n=%zu: %zu elements wrong", F->name, n, bad);
+            for (size_t i = 0; i < nmax; i++)
+                f[i] = -7.0f;
+            CHECK(mha_convert(f, MHA_DTYPE_F32, h, types[t], n) == MHA_OK,
+                  "%s widen n=%zu: status", F->name, n);
+            bad = 0;
+            for (size_t i = 0; i < n; i++)
+                bad += bits_of(f[i]) != bits_of(F->widen(h[i]));
+            for (size_t i = n; i < nmax; i++)
+                bad += f[i] != -7.0f;
+            CHECK(bad == 0, "%s widen n=%zu: %zu elements wrong", F->name, n, bad);
+        }
+    }
+    free(h);
+    free(f);
+}
+
+static void test_convert(const float *x, size_t nx)
+{
+    const mha_isa before = mha_get_isa();
+    const mha_isa best = harness_best_isa();
+    for (int isa = 0; isa <= (int)best; isa++) {
+        if (mha_set_isa((mha_isa)isa) != isa)
+            continue;
+        for (int nth = 1; nth <= 3; nth += 2) {
+            mha_set_num_threads(nth);
+            test_convert_lengths(x, nx);
+        }
+    }
+    mha_set_num_threads(0);
+    mha_set_isa(before);
+    float f = 1.0f;
+    uint16_t h = 0;
+    double d = 0.0;
+    CHECK(mha_convert(&d, MHA_DTYPE_F64, &h, MHA_DTYPE_F16, 1) == MHA_ERR_ARG,
+          "f16 -> f64 must be refused");
+    CHECK(mha_convert(&h, MHA_DTYPE_BF16, &h, MHA_DTYPE_F16, 1) == MHA_ERR_ARG,
+          "f16 -> bf16 must be refused");
+    CHECK(mha_convert(&f, MHA_DTYPE_F32, &f, MHA_DTYPE_F32, 1) == MHA_ERR_ARG,
+          "f32 -> f32 must be refused");
+    CHECK(mha_convert(&h, (mha_dtype)7, &f, MHA_DTYPE_F32, 1) == MHA_ERR_ARG,
+          "an unknown type must be refused");
+    CHECK(mha_convert(NULL, MHA_DTYPE_F16, &f, MHA_DTYPE_F32, 1) == MHA_ERR_ARG,
+          "a NULL dst with n = 1 must be refused");
+    CHECK(mha_convert(&f, MHA_DTYPE_F32, NULL, MHA_DTYPE_BF16, 1) == MHA_ERR_ARG,
+          "a NULL src with n = 1 must be refused");
+    CHECK(mha_convert(NULL, MHA_DTYPE_F16, NULL, MHA_DTYPE_F32, 0) == MHA_OK,
+          "n = 0 with NULL buffers is a no-op");
+}
+
 int main(int argc, char **argv)
 {
     const int quick = argc > 1 && strcmp(argv[1], "quick") == 0;
@@ -461,6 +545,7 @@ int main(int argc, char **argv)
         free(edge);
         free(grid);
     }
+    test_convert(rnd, nrand);
     free(rnd);
     free(pats);
     printf("test_half: %ld checks, %d failures (%.1f s); rows on", g_checks, g_failures,

@@ -25,6 +25,7 @@ from typing import Any, List, Optional, Sequence
 import numpy as np
 
 from .arrays import _check_numeric, _shape, _to_array
+from .half import F32, is_half, shared_half, widen
 from .variants import (VARIANT_DEFAULTS, Variants, normalize_variants, variant_floats,
                        variants_tuple)
 
@@ -316,8 +317,9 @@ class Call:
     Arrays are already in the compute dtype and always batched: x (B, Tq, Din),
     key (B, Tk, Dkin), value (B, Tk, Dvin).  Per-head weights are views.
     """
-    dtype: np.dtype
+    dtype: np.dtype                 # the compute dtype: float32 or float64
     batched: bool
+    out_dtype: np.dtype             # the results': dtype, or the inputs' half dtype
     x: np.ndarray
     key: np.ndarray
     value: np.ndarray
@@ -347,6 +349,9 @@ class Call:
     Svq: int
     # The variants of today's models (mhattn._internal.variants): all off by default.
     var: Variants = field(default_factory=Variants)
+    # In a half call: the learnable variants given in the half dtype (their
+    # gradients are rounded to it; see compute.grad.backward).
+    half_variants: tuple = ()
 
     @property
     def B(self) -> int:
@@ -461,7 +466,13 @@ def backward_items(call: "Call", threads: int) -> list:
 
 
 def _cast(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    return a if a.dtype == dtype else a.astype(dtype)
+    if a.dtype == dtype:
+        return a
+    # half to float32 by the core's exact cast (NumPy's is many times slower);
+    # to float64 (the reference) through it too, exactly
+    if is_half(a.dtype):
+        return widen(a) if dtype == F32 else widen(a).astype(dtype)
+    return a.astype(dtype)
 
 
 def _seq(name: str, obj: Any, batched: bool, like: str) -> np.ndarray:
@@ -509,7 +520,7 @@ def _normalize_mask(mask: Any, batched: bool, B: int, H: int, Tq: int, Tk: int,
     if mask is None:
         return None
     m = _to_array("mask", mask)
-    kind = m.dtype.kind
+    kind = "f" if is_half(m.dtype) else m.dtype.kind
     if kind not in "bf" or (kind == "f" and m.dtype.itemsize > 8):
         raise TypeError(f"mask: dtype {m.dtype} is not supported; pass a bool mask "
                         "(True = may attend) or a float mask added to the scores")
@@ -536,7 +547,7 @@ def _normalize_mask(mask: Any, batched: bool, B: int, H: int, Tq: int, Tk: int,
         # The glue needs an aligned, native mask; copying the small array
         # before broadcasting keeps it from copying the broadcast view.
         with np.errstate(over="ignore"):  # -1e300 in float32 is -inf, as meant
-            view = np.broadcast_to(m.astype(dtype), target)
+            view = np.broadcast_to(_cast(m, dtype), target)
     if not batched:
         view = view[np.newaxis]
     return view
@@ -701,10 +712,24 @@ def _cast_list(bl: Optional[List[np.ndarray]], dtype: np.dtype) -> Optional[List
     return None if bl is None else [_cast(a, dtype) for a in bl]
 
 
+def _numbers(xa, ka, va, wq, wk, wv, wo, bq, bk, bv, bo) -> list:
+    """(name, array) of a call's inputs that carry numbers, for shared_half."""
+    named = [("x", xa), ("key", ka), ("value", va)]
+    for name, hs in (("w_q", wq), ("w_k", wk), ("w_v", wv)):
+        named += ([(name, hs.array)] if hs.array is not None else
+                  [(f"{name}[{i}]", a) for i, a in enumerate(hs.heads)])
+    named += [("w_o", wo), ("b_o", bo)]
+    for name, bl in (("b_q", bq), ("b_k", bk), ("b_v", bv)):
+        if bl is not None:
+            named += [(f"{name}[{i}]", a) for i, a in enumerate(bl)]
+    return named
+
+
 def normalize(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=None,
               scale=None, mask=None, causal=False, key_lengths=None,
               num_kv_heads=None, b_q=None, b_k=None, b_v=None, b_o=None,
-              core_checks_next: bool = False, **variants) -> Call:
+              core_checks_next: bool = False, half_as: np.dtype = F32,
+              **variants) -> Call:
     """Check every argument and return the canonical :class:`Call`.
 
     ``variants``: the keywords of :data:`mhattn._internal.variants.VARIANT_DEFAULTS`
@@ -712,7 +737,8 @@ def normalize(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=Non
     The values the core checks are checked by the core (config_verdict),
     unless ``core_checks_next``: the caller hands the call to a core entry
     point, which checks its config, before any of those values is read (the
-    cached decode step's project())."""
+    cached decode step's project()). ``half_as``: the compute dtype of a half
+    precision call (float32; the reference's float64)."""
     unknown = sorted(set(variants) - set(VARIANT_DEFAULTS))
     if unknown:
         raise TypeError(f"unexpected keyword argument {unknown[0]!r}")
@@ -744,7 +770,10 @@ def normalize(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=Non
         if bl is not None:
             floats.extend(bl)
     floats += variant_floats(variants)
-    dtype = compute_dtype(floats)
+    half = shared_half(_numbers(xa, ka, va, wq, wk, wv, wo, bq, bk, bv, bo))
+    # A half call computes in float32 (its learnable variants and float
+    # masks are cast to it too) and rounds its results to ``half``.
+    dtype = np.dtype(half_as) if half is not None else compute_dtype(floats)
     B = xa.shape[0] if batched else 1
     Tq, Tk = xa.shape[-2], ka.shape[-2]
     # Before anything is cast or allocated: the casts below, and what any call
@@ -763,7 +792,7 @@ def normalize(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=Non
     kb = ka if batched else ka[np.newaxis]
     vb = va if batched else va[np.newaxis]
     call = Call(
-        dtype=dtype, batched=batched,
+        dtype=dtype, batched=batched, out_dtype=dtype if half is None else half,
         x=_cast(xb, dtype), key=_cast(kb, dtype), value=_cast(vb, dtype),
         key_given=key is not None, value_given=value is not None,
         wq=_cast_heads(wq, dtype), wk=_cast_heads(wk, dtype), wv=_cast_heads(wv, dtype),
@@ -772,7 +801,10 @@ def normalize(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=Non
         b_o=None if bo is None else _cast(bo, dtype),
         H=H, G=G, dk=dk, dv=dv, scales=scales, causal=bool(causal),
         mask=mask_v, key_lengths=kl,
-        Sq=Sq, Sk=Sk, Sv=Sv, Svq=Svq, var=var)
+        Sq=Sq, Sk=Sk, Sv=Sv, Svq=Svq, var=var,
+        half_variants=() if half is None else tuple(
+            n for n in ("sinks", "q_norm", "k_norm") if variants.get(n) is not None
+            and is_half(getattr(variants[n], "dtype", np.dtype(np.float64)))))
     # The rules on the config's values (the key lengths, the variants'
     # offsets, softcap, norm_eps, rotary_dim) are the core's: it checks them
     # here, before the reference or the checker reads any of them.

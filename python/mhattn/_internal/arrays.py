@@ -9,6 +9,8 @@ from typing import Any
 
 import numpy as np
 
+from .half import ACCEPTED, is_bfloat16
+
 
 def _shape(a: Any) -> str:
     s = getattr(a, "shape", None)
@@ -62,8 +64,15 @@ def _check_numeric(name: str, arr: np.ndarray) -> None:
                 f"{name}: dtype {arr.dtype} is not supported; mhattn computes in "
                 "float32 or float64 (cast with .astype(np.float64))")
         return
-    what = {"b": "bool", "c": "complex", "O": "object", "U": "string", "S": "bytes",
-            "V": "structured", "M": "datetime", "m": "timedelta"}.get(kind, str(arr.dtype))
-    raise TypeError(
-        f"{name}: dtype {arr.dtype} ({what}) is not supported; pass real numbers "
-        "(float32 or float64; integers are promoted to float64)")
+    if is_bfloat16(arr.dtype):
+        return
+    if kind == "V" and arr.dtype.fields is None:
+        # ml_dtypes' float8 / int4 types and the like: not structured
+        what = f"dtype {arr.dtype} ({arr.dtype.itemsize}-byte, not a float mhattn knows)"
+    else:
+        what = f"dtype {arr.dtype} ({_KIND_NAMES.get(kind, str(arr.dtype))})"
+    raise TypeError(f"{name}: {what} is not supported; pass {ACCEPTED}")
+
+
+_KIND_NAMES = {"b": "bool", "c": "complex", "O": "object", "U": "string", "S": "bytes",
+               "V": "structured", "M": "datetime", "m": "timedelta"}

@@ -35,6 +35,7 @@ import numpy as np
 
 from .. import _C  # the one module of the package that imports the extension
 from . import args as _args
+from . import half as _half
 from .fields import ATTENTION, LAYER, Names, user_error
 from .variants import variants_tuple
 from .args import (PER_HEAD_BYTES, Call, bool_arg, check_memory, fused_widths,
@@ -45,7 +46,7 @@ __all__ = ["fast", "slow", "core_args", "variant_args", "head_arrays", "run_core
            # the C entry points
            "forward", "backward", "attention", "attention_backward", "project", "check_heads", "check_config", "attention_in_layer_words",
            "pack_weight", "packed_info", "get_isa", "set_isa", "get_num_threads",
-           "set_num_threads", "library_path"]
+           "set_num_threads", "library_path", "cast_half"]
 
 
 # --- the C entry points --------------------------------------------------------
@@ -91,6 +92,15 @@ project = _door("project", LAYER, "``_C.project``: the q, k, v projections of ne
                 "(a KV cache's step).")
 
 
+
+
+def cast_half(src: np.ndarray, dst: np.ndarray) -> None:
+    """``_C.cast_half``: dst = src between float32 and a half type."""
+    _C.cast_half(src, dst)
+
+
+# mhattn._internal.half sits below this module: it is handed the cast here.
+_half.cast_half = _C.cast_half
 
 
 def check_config(B: int, Tq: int, Tk: int, dk, dv, scales, dtype=np.float64, *,

@@ -645,6 +645,10 @@ C_ARGS = (
         "'scalar', 'avx2', 'avx512' or 'neon'."),
     Arg("n", ("_C.set_num_threads",), "int", "", "", REQUIRED,
         "A thread count; 0 restores the default."),
+    Arg("src", ("_C.cast_half",), "array", "", "(...)", REQUIRED,
+        "float32, float16 or bfloat16; C-contiguous, aligned, native."),
+    Arg("dst", ("_C.cast_half",), "array", "", "(...)", REQUIRED,
+        "As many elements; float16 or bfloat16 for a float32 src, else float32."),
 )
 
 # The roles a call_spec names by position (csrc/python/glue.h, struct
@@ -777,6 +781,12 @@ C_FUNCTIONS: Dict[str, CFunction] = {
         "METH_O", "None",
         "Uses n threads from the next call on (at most 256); 0 restores the default "
         "(MHATTN_NUM_THREADS, else the CPUs this process may use)."),
+    "cast_half": CFunction(
+        "METH_VARARGS", "None",
+        "dst = src between float32 and a half storage type (mha_convert): "
+        "widened exactly, or rounded once to nearest even (overflow to inf, "
+        "subnormals kept, NaN stays NaN); the same bits on every ISA and for "
+        "any thread count. The GIL is released."),
 }
 
 # The functions' parameters in the glue's positional order.
@@ -798,6 +808,7 @@ _C_PARAMS = {
     "set_isa": "name, /",
     "get_num_threads": "",
     "set_num_threads": "n, /",
+    "cast_half": "src, dst, /",
 }
 for _name, _params in _C_PARAMS.items():
     ENTRIES["_C." + _name] = Entry("csrc/python", _name, _params)

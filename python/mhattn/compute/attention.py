@@ -19,10 +19,11 @@ from typing import Any, Dict, Optional
 import numpy as np
 
 from .._internal import core
-from .._internal.args import (_normalize_lengths, _normalize_mask, _scale_arg, bool_arg,
-                              check_memory, compute_dtype, head_scales)
+from .._internal.args import (_cast, _normalize_lengths, _normalize_mask, _scale_arg,
+                              bool_arg, check_memory, compute_dtype, head_scales)
 from .._internal.arrays import _check_numeric, _to_array
 from .._internal.core import variant_args
+from .._internal.half import F32, half_of, is_half, narrow, narrow_like, shared_half
 from .._internal.variants import Variants, normalize_variants
 
 __all__ = ["attention", "attention_grad", "merge_attention", "Projected",
@@ -40,7 +41,8 @@ _SCALES: Dict[tuple, np.ndarray] = {}
 
 class Projected(SimpleNamespace):
     """The checked q, k, v of one call, as batched bhtd views of one dtype,
-    with B, H, G, Tq, Tk, dk, dv, dtype, batched and layout."""
+    with B, H, G, Tq, Tk, dk, dv, dtype (the compute dtype), out_dtype (the
+    results': dtype, or the inputs' half dtype), batched and layout."""
 
 
 def _layout(layout: Any) -> str:
@@ -71,12 +73,13 @@ def check_projected(q, k, v, layout: str = "bhtd") -> Projected:
     for name, a in zip("kv", arrays[1:]):
         if a.ndim != nd:
             raise ValueError(f"{name}: has {a.ndim} dimensions but q has {nd} {seen}")
+    half = shared_half(list(zip("qkv", arrays)))
     dts = {a.dtype for a in arrays}
-    dtype = dts.pop() if len(dts) == 1 and arrays[0].dtype in _FLOATS else \
-        compute_dtype(arrays)
+    dtype = F32 if half is not None else dts.pop() if (
+        len(dts) == 1 and arrays[0].dtype in _FLOATS) else compute_dtype(arrays)
     views = []
     for a in arrays:
-        a = a if a.dtype == dtype else a.astype(dtype)
+        a = _cast(a, dtype)
         if nd == 3:
             a = a[np.newaxis]
         views.append(np.swapaxes(a, 1, 2) if layout == "bthd" else a)
@@ -93,7 +96,8 @@ def check_projected(q, k, v, layout: str = "bhtd") -> Projected:
     # H a positive multiple of G, and heads at least one column wide: the
     # core's rules, checked once there (core.attention).
     return Projected(q=qb, k=kb, v=vb, B=B, H=H, G=G, Tq=Tq, Tk=Tk, dk=dk, dv=dv,
-                     dtype=dtype, batched=nd == 4, layout=layout)
+                     dtype=dtype, out_dtype=dtype if half is None else half,
+                     batched=nd == 4, layout=layout)
 
 
 def projected_variants(p: Projected, variants: Dict[str, Any],
@@ -221,9 +225,9 @@ def attention(q, k, v, *, layout="bhtd", scale=None, mask=None, causal=False,
                     if want_w else []))
     out, weights, lse = core.attention(p.q, p.k, p.v, scales, m, c, kl, var, False,
                                      p.layout == "bthd", want_w, want_lse)
-    result = (_unbatch(p, out),)
+    result = (_unbatch(p, narrow_like(out, p.out_dtype)),)
     if want_w:
-        result += (_unbatch(p, weights),)
+        result += (_unbatch(p, narrow_like(weights, p.out_dtype)),)
     if want_lse:
         result += (_unbatch(p, lse),)
     return result if len(result) > 1 else result[0]
@@ -291,8 +295,11 @@ def attention_grad(grad_out, q, k, v, *, layout="bhtd", scale=None, mask=None,
     dq, dk, dv, dsinks = core.attention_backward(g, p.q, p.k, p.v, o, ls, scales, m, c, kl,
                                                var, False)
     grads = {"q": _bhtd(p, dq), "k": _bhtd(p, dk), "v": _bhtd(p, dv)}
+    if p.out_dtype != p.dtype:   # half: each gradient rounded once to q's dtype
+        grads = {n: narrow(a, p.out_dtype) for n, a in grads.items()}
     if sinks is not None:
-        grads["sinks"] = dsinks
+        grads["sinks"] = dsinks if p.out_dtype == p.dtype or not is_half(
+            getattr(sinks, "dtype", np.dtype(np.float64))) else narrow(dsinks, p.out_dtype)
     return grads
 
 
@@ -303,7 +310,9 @@ def _as_like(name: str, obj: Any, shape: tuple, p: Projected, swap: bool = True)
     _check_numeric(name, a)
     if a.shape != shape:
         raise ValueError(f"{name}: expected shape {shape} (the forward's), got {a.shape}")
-    a = a if a.dtype == p.dtype else a.astype(p.dtype)
+    if is_half(a.dtype) and half_of(a.dtype) != p.out_dtype:
+        raise TypeError(f"{name}: dtype {a.dtype} does not match q's {p.out_dtype}")
+    a = _cast(a, p.dtype)
     if not p.batched:
         a = a[np.newaxis]
     return np.swapaxes(a, 1, 2) if swap and p.layout == "bthd" else a
@@ -369,8 +378,12 @@ def merge_attention(outs, lses, *, layout="bhtd"):
         if s.shape != lead:
             raise ValueError(f"lses[{i}]: expected shape {lead} to match outs[{i}] "
                              f"{o.shape} (layout={layout!r}), got {s.shape}")
-    dtype = compute_dtype(outs + lses)
-    lse_all = np.stack([s.astype(dtype, copy=False) for s in lses])
+    # Half outs: merged in float32, the out rounded once to their dtype (the
+    # lse stays float32, as attention returns it).
+    half = shared_half([(f"outs[{i}]", o) for i, o in enumerate(outs)])
+    dtype = F32 if half is not None else compute_dtype(outs + lses)
+    outs = [_cast(o, dtype) for o in outs]
+    lse_all = np.stack([_cast(s, dtype) for s in lses])
     # A part with lse -inf saw no key: it is selected out, never multiplied
     # (its out may hold anything). NaN != -inf: a NaN part contributes.
     seen = lse_all != -np.inf
@@ -392,7 +405,7 @@ def merge_attention(outs, lses, *, layout="bhtd"):
             if not s.all():
                 term = np.where(s[..., np.newaxis], term, 0)
             out += term
-    return out, lse.astype(dtype)
+    return (out if half is None else narrow(out, half)), lse.astype(dtype)
 
 
 def _parts(name: str, parts: Any) -> list:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from .._internal import core
 from .._internal.core import make_context, run_core
+from .._internal.half import narrow, narrow_like
 from .._internal.variants import VARIANT_DEFAULTS, variant_kwargs
 from .cache import cached_step
 from .packed import PackedWeights, call_weights
@@ -133,8 +134,15 @@ def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None
     Returns
     -------
     out : (T_q, d_out) or (B, T_q, d_out), a new C-contiguous array
-        float32 for float32 inputs, else float64.
-    weights : returned too when ``return_weights``.
+        float32 for float32 inputs, else float64; for float16 or bfloat16
+        inputs (``ml_dtypes.bfloat16``), that dtype: computed in float32
+        and rounded once to nearest even, so each element is within half
+        an ulp of the exact value (2^-11 relative for float16, 2^-8 for
+        bfloat16) plus 2^-16 of the largest magnitude of ``out``. In such a
+        call x, key, value, the weights and their biases share one dtype
+        (else TypeError naming both); masks, sinks and norms may be any
+        float dtype.
+    weights : returned too when ``return_weights``, in the dtype of ``out``.
     ctx : returned last when ``return_context``.
 
     A query row that may attend to no key at all is *fully masked*: its
@@ -194,6 +202,8 @@ def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None
     if packed is not None:
         args = (*args, packed._core_packed(args[0].dtype))
     out, weights, extras = core.forward(*args)
+    if call is not None and call.out_dtype != call.dtype:   # half: round once
+        out, weights = narrow(out, call.out_dtype), narrow_like(weights, call.out_dtype)
     if (x.ndim == 2) if call is None else not call.batched:
         out = out[0]
         if weights is not None:

@@ -21,7 +21,9 @@ import numpy as np
 from .._internal import core
 from .._internal.args import (_check_numeric, _Heads, _to_array, backward_items, check_memory,
                               normalize, offsets, plan)
+from .._internal.args import _cast
 from .._internal.core import Context, head_arrays, make_context, run_core, variant_args
+from .._internal.half import half_of, is_half, narrow
 from .._internal.variants import variant_kwargs
 from .packed import PackedWeights, call_weights
 
@@ -62,7 +64,10 @@ def backward(grad_out, ctx: Context) -> Dict[str, Any]:
     and 'k_norm' when they were given (ALiBi slopes, positions and the
     key mask get none).  Each gradient has the
     form its argument came in (fused, stacked or a per-head list; batched or
-    not), as new arrays of the compute dtype.  A per-head list gets one
+    not), as new arrays of the compute dtype; in a half precision call
+    (float16 or bfloat16 inputs), of that dtype, except for the gradient
+    of a float32 or float64 ``sinks``, ``q_norm`` or ``k_norm``, which is
+    float32.  A per-head list gets one
     gradient per position, even where one array fills several positions
     (add them up for the shared array's gradient).
 
@@ -86,12 +91,16 @@ def backward(grad_out, ctx: Context) -> Dict[str, Any]:
     if g.shape != ctx.out_shape:
         raise ValueError(f"grad_out: expected the shape of the forward's output "
                          f"{ctx.out_shape}, got {g.shape}")
+    half = call.out_dtype if call.out_dtype != call.dtype else None
+    if is_half(g.dtype) and half_of(g.dtype) != half:
+        raise TypeError(f"grad_out: dtype {g.dtype} does not match the forward's output "
+                        f"dtype {call.out_dtype}")
     # Before anything is allocated: grad_out's cast, the gradients and the
     # core's scratch.
     cast = [] if g.dtype == call.dtype else [
         (f"casting grad_out to {call.dtype}", "size", (g.size,), call.dtype.itemsize)]
     check_memory(cast + backward_items(call, core.get_num_threads()))
-    g = g if g.dtype == call.dtype else g.astype(call.dtype)
+    g = _cast(g, call.dtype)
     if not call.batched:
         g = g[np.newaxis]
 
@@ -125,7 +134,22 @@ def backward(grad_out, ctx: Context) -> Dict[str, Any]:
     for name, gv in (("sinks", dsinks), ("q_norm", dq_norm), ("k_norm", dk_norm)):
         if gv is not None:
             grads[name] = gv
+    if half is not None:
+        # Each gradient in its argument's dtype: the numbers' are half, a
+        # variant array's (sinks, q_norm, k_norm) half if it was given so.
+        grads = {name: _narrow_tree(gv, half) if name not in _VARIANT_GRADS
+                 or name in call.half_variants else gv for name, gv in grads.items()}
     return grads
+
+
+_VARIANT_GRADS = ("sinks", "q_norm", "k_norm")
+
+
+def _narrow_tree(g: Any, dt: np.dtype) -> Any:
+    """A gradient (an array or a per-head list of them) rounded to ``dt``."""
+    if isinstance(g, list):
+        return [narrow(a, dt) for a in g]
+    return narrow(g, dt)
 
 
 def multi_head_attention_grad(grad_out, x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None,

@@ -26,7 +26,9 @@ order of a score's life (``mhattn._internal.variants``):
                                            :func:`multi_head_attention`
 
 It takes exactly the arguments of :func:`mhattn.multi_head_attention` and
-returns the same thing, computed in the same dtype (float32 stays float32).
+returns the same thing, computed in the same dtype (float32 stays float32),
+except that float16 and bfloat16 inputs are computed and returned in
+float64: the reference is the oracle that mhattn's half results are held to.
 Speed is not a goal here: every head is a Python loop iteration and every
 step a named intermediate.
 """
@@ -37,6 +39,7 @@ from typing import Optional
 import numpy as np
 
 from .._internal.args import Call, bool_arg, check_memory, normalize, plan
+from .._internal.half import shared_half
 from .._internal.variants import key_positions_of, query_positions, sequence_ids, variant_kwargs
 
 __all__ = ["multi_head_attention", "lse", "softmax", "log_sum_exp", "attention",
@@ -621,7 +624,7 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None
     call = normalize(x, w_q, w_k, w_v, w_o, num_heads=num_heads, key=key, value=value,
                      scale=scale, mask=mask, causal=causal, key_lengths=key_lengths,
                      num_kv_heads=num_kv_heads, b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o,
-                     **variant_kwargs(locals()))
+                     half_as=np.float64, **variant_kwargs(locals()))
     return_weights = bool_arg("return_weights", return_weights)
     # The reference keeps every head's weights: check they fit first.
     check_memory(plan(call, want_weights=True))
@@ -652,7 +655,7 @@ def lse(x, w_q, w_k, w_v, w_o=None, **keywords) -> np.ndarray:
     >>> lse(x, w, w, w, num_heads=1)          # two equal scores: log 2
     array([[0.69314718, 0.69314718]])
     """
-    call = normalize(x, w_q, w_k, w_v, w_o, **keywords)
+    call = normalize(x, w_q, w_k, w_v, w_o, half_as=np.float64, **keywords)
     check_memory(plan(call, want_weights=True))
     return call.unbatch(_run(call)[2])
 
@@ -710,16 +713,21 @@ def projected_attention(q, k, v, *, layout="bhtd", scale=None, mask=None, causal
     fused = [a.reshape(a.shape[0], a.shape[1], a.shape[2] * a.shape[3]) for a in arrays]
     if not batched:
         fused = [f[0] for f in fused]
-    call = normalize(fused[0], np.eye(H * dk), np.eye(G * dk), np.eye(G * dv),
+    # identities in the inputs' dtype (a half call's numbers share one dtype)
+    half = shared_half([("q", arrays[0]), ("k", arrays[1]), ("v", arrays[2])])
+    et = half if half is not None else np.float64
+    call = normalize(fused[0], np.eye(H * dk, dtype=et), np.eye(G * dk, dtype=et),
+                     np.eye(G * dv, dtype=et),
                      num_heads=H, num_kv_heads=G, key=fused[1], value=fused[2],
                      scale=scale if scale is not None else 1.0 / np.sqrt(dk), mask=mask,
-                     causal=causal, key_lengths=key_lengths, **variants)
+                     causal=causal, key_lengths=key_lengths, half_as=np.float64,
+                     **variants)
     check_memory(plan(call, want_weights=True))
     concat, weights, lse_ = _run(call)
     out = concat.reshape(B, Tq, H, dv)
     if layout == "bhtd":
         out = np.ascontiguousarray(np.swapaxes(out, 1, 2))
-    dt = np.result_type(np.float32, *arrays)
+    dt = np.float64 if half is not None else np.result_type(np.float32, *arrays)
     out, weights, lse_ = (a.astype(dt) for a in (out, weights, lse_))
     if not batched:
         return out[0], weights[0], lse_[0]
