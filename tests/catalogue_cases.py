@@ -1274,9 +1274,13 @@ table("pack", raises(VE, words=["b_q", "(4,)"]), [("b_q_shape", lambda: pack(b_q
 table("pack", raises(VE, words=["b_o", "(3,)"]), [
     ("b_o_shape", lambda: pack(W, W, W, WO, b_o=np.ones(4)))], PACK)
 table("pack", raises(TE, words=["b_k"]), [("b_k_string", lambda: pack(b_k="a"))], PACK)
-table("pack", raises(TE, words=["dtype", "float32 or float64"]), [
+table("pack", raises(TE, words=["dtype", "float32, float64, float16 or bfloat16"]), [
     ("dtype_int", lambda: pack(dtype=np.int32)),
-    ("dtype_float16", lambda: pack(dtype=np.float16)),
+    ("dtype_void2", lambda: pack(dtype="V2")),
+], PACK)
+table("pack", raises(TE, words=["w_v", "float32", "float16"]), [
+    ("half_weights_mixed", lambda: mhattn.pack_weights(
+        W.astype(np.float16), W.astype(np.float16), W.astype(np.float32), num_heads=2)),
 ], PACK)
 table("pack", raises(TE, words=["dtype"]), [("dtype_string", lambda: pack(dtype="abc"))], PACK)
 table("pack", raises(VE, words=["w_q", "empty"]), [
@@ -1410,10 +1414,18 @@ table("layer", raises(TE, words=["sinks", "True or False"]), [
       LAYER)
 table("layer", raises(VE, words=["qk_norm", "'per_head'"]), [
     ("qk_norm_string", lambda: make(qk_norm="x"))], LAYER)
-table("layer", raises(TE, words=["dtype", "float32 or float64"]), [
-    ("dtype_int", lambda: make(dtype=np.int32))], LAYER)
-table("layer", raises(TE, words=["dtype", "float32 or np.float64", "'abc'"]), [
+table("layer", raises(TE, words=["dtype", "float32, float64, float16 or bfloat16"]), [
+    ("dtype_int", lambda: make(dtype=np.int32)),
+    ("dtype_void2", lambda: make(dtype="V2"))], LAYER)
+table("layer", raises(TE, words=["dtype", "expected a dtype", "'abc'"]), [
     ("dtype_string", lambda: make(dtype="abc"))], LAYER)
+table("layer_astype", raises(TE, words=["dtype", "float16 or bfloat16", "int8"]), [
+    ("int8", lambda: layer().astype(np.int8))], "MultiHeadAttention.astype")
+table("layer_astype", raises(TE, words=["dtype", "expected a dtype"]), [
+    ("not_a_dtype", lambda: layer().astype(object()))], "MultiHeadAttention.astype")
+table("layer_half", raises(TE, words=["x", "float32", "float16"]), [
+    ("x_float32_for_float16_layer", lambda: layer().astype(np.float16)(X.astype(np.float32)))],
+      "MultiHeadAttention.__call__")
 # norm_eps is checked when the q/k norm first runs: the call raises.
 table("layer", raises(VE, words=["norm_eps", "finite number >= 0"]), [
     ("norm_eps_negative", lambda: make(qk_norm=True, norm_eps=-1.0)(X.astype(np.float32)))],
@@ -1477,7 +1489,7 @@ table("from_torch", raises(TE, words=["from_torch", "torch.nn.MultiheadAttention
     ("string", lambda: mhattn.MultiHeadAttention.from_torch("a"))], FROM_TORCH)
 
 
-@case("from_torch_dtype_int", raises(TE, words=["dtype", "float32 or float64"]), FROM_TORCH)
+@case("from_torch_dtype_int", raises(TE, words=["dtype", "float16 or bfloat16", "int32"]), FROM_TORCH)
 def _():
     needs("torch")
     import torch

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from .half import ACCEPTED, is_bfloat16
+from .half import ACCEPTED, bfloat16_dtype, is_bfloat16
 
 
 def _shape(a: Any) -> str:
@@ -49,6 +49,8 @@ def _to_array(name: str, obj: Any) -> np.ndarray:
         raise TypeError(f"{name}: a torch tensor that requires grad cannot be read as "
                         f"a NumPy array; pass {name}.detach() (mhattn's gradients come "
                         "from mhattn.backward, not from autograd)")
+    if str(getattr(obj, "dtype", "")) == "torch.bfloat16" and hasattr(obj, "detach"):
+        return _torch_bfloat16(name, obj)
     try:
         arr = np.asarray(obj)
     except (ValueError, TypeError) as exc:
@@ -76,3 +78,17 @@ def _check_numeric(name: str, arr: np.ndarray) -> None:
 
 _KIND_NAMES = {"b": "bool", "c": "complex", "O": "object", "U": "string", "S": "bytes",
                "V": "structured", "M": "datetime", "m": "timedelta"}
+
+
+def _torch_bfloat16(name: str, t: Any) -> np.ndarray:
+    """A torch.bfloat16 tensor as a NumPy ``ml_dtypes.bfloat16`` array of the
+    same bits (NumPy has no bfloat16 of its own, so torch cannot share it)."""
+    import sys
+    torch = sys.modules["torch"]   # the tensor's own module: already imported
+    try:
+        dt = bfloat16_dtype()
+    except ImportError as e:
+        raise TypeError(f"{name}: a torch.bfloat16 tensor is read as an "
+                        f"ml_dtypes.bfloat16 array; {e}") from None
+    bits = t.detach().cpu().contiguous().view(torch.int16).numpy()
+    return bits.view(dt)

@@ -407,12 +407,16 @@ not packed), so a call then may not pass them again."""),
         "The value bias, kept (not packed)."),
     Arg("b_o", _PACK, "array?", "T", "(Dout,)", "None", "The output bias, kept (not packed)."),
     Arg("dtype", _PACK, "dtype", "", "", "None",
-        "float32 or float64 to pack for; default the weights'.",
-        type="np.float32 or np.float64, optional",
+        "float32, float64, float16 or bfloat16 to pack for; default the weights'.",
+        type="np.float32, np.float64, np.float16 or bfloat16, optional",
         text="""\
 The dtype to pack for; default: the weights' (float64 if any is
-float64, as multi_head_attention promotes). A call computing in the
-other dtype casts the weights as an unpacked call would."""),
+float64, as multi_head_attention promotes; float16 or bfloat16 if
+they are, which must then all share it). A call computing in
+another dtype casts the weights as an unpacked call would. Half
+weights are kept in their dtype (``w_q`` ... are half) and cut
+into float32 panels (widened exactly): half calls compute in
+float32, and the micro-kernels read float32 panels at full speed."""),
     # MultiHeadAttention
     Arg("d_model", _LAYER, "int", "", "", REQUIRED, "Din, the width of x.", type="int",
         text="Width of the queries' source x (and of key/value unless kdim/vdim)."),
@@ -452,8 +456,14 @@ Own RMSNorm weights for q and k, initialised to 1: ``q_norm`` and
 ``q_norm`` (h, d_k) and ``k_norm`` (g, d_k)."""),
     Arg("norm_eps", _LAYER, "float", "", "", "1e-06", "The q/k RMSNorm's epsilon.",
         type="float", text="The q/k RMSNorm's epsilon."),
-    Arg("dtype", _LAYER, "dtype", "", "", "np.float32", "float32 or float64.",
-        type="np.float32 or np.float64"),
+    Arg("dtype", _LAYER, "dtype", "", "", "np.float32",
+        "float32, float64, float16 or bfloat16.",
+        type="np.float32 (default), np.float64, np.float16 or bfloat16",
+        text="""\
+The dtype of every weight (``ml_dtypes.bfloat16``, or the string
+"bfloat16"). A half layer computes in float32 and returns its
+inputs' half dtype (see :func:`mhattn.multi_head_attention`); its
+inputs must have the layer's dtype. :meth:`astype` converts."""),
     Arg("seed", _LAYER, "object", "", "", "None", "Passed to np.random.default_rng.",
         type="int, np.random.Generator or None", text="Passed to np.random.default_rng."),
     Arg("options", ("MultiHeadAttention.__call__",), "options", "", "", REQUIRED,

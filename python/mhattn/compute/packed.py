@@ -18,6 +18,7 @@ import numpy as np
 from .._internal import core
 from .._internal.args import (_int_arg, _split_bias, _vector, check_memory, compute_dtype,
                               fused_widths, split_heads)
+from .._internal.half import F32, as_dtype, half_of, is_half, shared_half, widen
 
 __all__ = ["pack_weights", "PackedWeights"]
 
@@ -29,6 +30,12 @@ def _immutable(a: np.ndarray) -> np.ndarray:
     """A copy of a whose memory is a bytes object: read-only for good."""
     a = np.ascontiguousarray(a)
     return np.frombuffer(a.tobytes(), dtype=a.dtype).reshape(a.shape)
+
+
+def _as_dtype(a: Any, dtype: np.dtype) -> np.ndarray:
+    """``a`` as an array of ``dtype`` (a half dtype: rounded once)."""
+    a = np.asarray(a)
+    return a if a.dtype == dtype else a.astype(dtype)
 
 
 def _as_given(fused: np.ndarray, form: str, widths) -> Any:
@@ -66,7 +73,9 @@ class PackedWeights:
     d_k, d_v : tuple of int
         Each kv head's widths.
     dtype : numpy.dtype
-        float32 or float64: the dtype the panels are for.
+        float32, float64, float16 or bfloat16: the weights' dtype, and the
+        dtype of the calls the panels are for (the panels of half weights
+        are float32: half calls compute in float32).
     isa : str
         The instruction set the panels were cut for (``mhattn.get_isa()`` at
         packing time). Calls made under another ISA (``MHATTN_ISA``) ignore
@@ -87,7 +96,7 @@ class PackedWeights:
 
     __slots__ = ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o", "num_heads",
                  "num_kv_heads", "d_k", "d_v", "dtype", "isa", "nbytes", "_fused",
-                 "_caps", "_args")
+                 "_caps", "_args", "_compute")
 
     _packs_weights = True   # what _to_array recognises one by, in another argument
 
@@ -152,8 +161,9 @@ class PackedWeights:
 
     def _core_packed(self, dtype) -> Optional[Tuple]:
         """The capsules for ``_C.forward``'s packed argument, when the call
-        computes in this object's dtype; else None (the weights are cast)."""
-        return self._caps if dtype == self.dtype else None
+        computes in the panels' dtype (float32 for half weights); else None
+        (the weights are cast)."""
+        return self._caps if dtype == self._compute else None
 
 
 # (ISA, dtype) -> NR, the width of the micro-kernel's column panels.
@@ -189,7 +199,7 @@ def _pack_items(shapes: Dict[str, Tuple[int, int]], dtype: np.dtype, biases: int
 
 
 def _unpickle(kw, num_heads, num_kv_heads, dtype):
-    return _pack(kw, num_heads, num_kv_heads, np.dtype(dtype), {})
+    return _pack(kw, num_heads, num_kv_heads, as_dtype("dtype", dtype), {})
 
 
 def _pack(kw: Dict[str, Any], num_heads, num_kv_heads, dtype, reuse) -> PackedWeights:
@@ -209,14 +219,18 @@ def _pack(kw: Dict[str, Any], num_heads, num_kv_heads, dtype, reuse) -> PackedWe
                   f"b_o: expected shape ({d_out},) (d_out), got {{shape}}")
     if dtype is None:
         floats = wq.heads + wk.heads + wv.heads + [a for a in (w_o,) if a is not None]
-        dtype = compute_dtype(floats)
+        # half weights are kept half (a call's numbers share one half dtype)
+        dtype = shared_half([(n, hs.fused()) for n, hs in zip(_NAMES, (wq, wk, wv))]
+                            + [("w_o", w_o)]) or compute_dtype(floats)
     else:
-        try:
-            dtype = np.dtype(dtype)
-        except TypeError:
-            raise TypeError(f"dtype: expected np.float32 or np.float64, got {dtype!r}") from None
-        if dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
-            raise TypeError(f"dtype: mhattn computes in float32 or float64, got {dtype}")
+        dtype = as_dtype("dtype", dtype)
+        if dtype not in (np.dtype(np.float32), np.dtype(np.float64)) and not is_half(dtype):
+            raise TypeError(f"dtype: expected float32, float64, float16 or bfloat16, "
+                            f"got {dtype}")
+        dtype = half_of(dtype) or dtype
+    # The panels are in the dtype the calls compute in: float32 for half
+    # weights, which are widened (exactly) before they are cut.
+    compute = F32 if is_half(dtype) else dtype
 
     def reused(name):
         return name in reuse and reuse[name][0] is not None and reuse[name][0].dtype == dtype
@@ -227,7 +241,7 @@ def _pack(kw: Dict[str, Any], num_heads, num_kv_heads, dtype, reuse) -> PackedWe
         shapes["w_o"] = w_o.shape
     bias_size = sum(sum(hs.widths) for name, hs in zip(_BIASES, (wq, wk, wv))
                     if biases[name] is not None) + (0 if b_o is None else b_o.size)
-    check_memory(_pack_items(shapes, dtype, bias_size))
+    check_memory(_pack_items(shapes, compute, bias_size))
 
     pw = object.__new__(PackedWeights)
     fused, caps = [], []
@@ -236,8 +250,9 @@ def _pack(kw: Dict[str, Any], num_heads, num_kv_heads, dtype, reuse) -> PackedWe
             f, cap = reuse[name]
         else:
             raw = w_o if hs is None else hs.fused()
-            f = None if raw is None else _immutable(np.asarray(raw, dtype=dtype))
-            cap = None if f is None or f.size == 0 else core.pack_weight(f)
+            f = None if raw is None else _immutable(_as_dtype(raw, dtype))
+            cap = None if f is None or f.size == 0 else core.pack_weight(
+                widen(f) if compute != dtype else f)
         fused.append(f)
         caps.append(cap)
     pw._set(w_q=_as_given(fused[0], wq.form, wq.widths),
@@ -248,16 +263,16 @@ def _pack(kw: Dict[str, Any], num_heads, num_kv_heads, dtype, reuse) -> PackedWe
         if biases[name] is None:
             b = None
         elif isinstance(given, (list, tuple)) and np.ndim(given[0]) == 1:   # per head
-            b = [_immutable(np.asarray(a, dtype=dtype)) for a in biases[name]]
+            b = [_immutable(_as_dtype(a, dtype)) for a in biases[name]]
         else:
-            b = _immutable(np.asarray(given, dtype=dtype))
+            b = _immutable(_as_dtype(np.asarray(given), dtype))
         pw._set(**{name: b})
-    pw._set(b_o=None if b_o is None else _immutable(np.asarray(b_o, dtype=dtype)))
+    pw._set(b_o=None if b_o is None else _immutable(_as_dtype(b_o, dtype)))
     isa = core.get_isa()
     nbytes = sum(core.packed_info(c)[4] for c in caps if c is not None)
     pw._set(num_heads=H, num_kv_heads=G, d_k=tuple(wk.widths), d_v=tuple(wv.widths),
             dtype=dtype, isa=isa, nbytes=int(nbytes), _fused=tuple(fused),
-            _caps=tuple(caps))
+            _caps=tuple(caps), _compute=compute)
     # What a call that passes nothing else takes (multi_head_attention's
     # weights, head counts and biases, in its argument order).
     pw._set(_args=(pw.w_q, pw.w_k, pw.w_v, pw.w_o, H, G, pw.b_q, pw.b_k, pw.b_v, pw.b_o))
@@ -292,10 +307,14 @@ def pack_weights(w_q, w_k, w_v, w_o=None, *, num_heads=None, num_kv_heads=None,
     b_q, b_k, b_v, b_o : optional
         Biases, in multi_head_attention's forms; kept in the object (they are
         not packed), so a call then may not pass them again.
-    dtype : np.float32 or np.float64, optional
+    dtype : np.float32, np.float64, np.float16 or bfloat16, optional
         The dtype to pack for; default: the weights' (float64 if any is
-        float64, as multi_head_attention promotes). A call computing in the
-        other dtype casts the weights as an unpacked call would.
+        float64, as multi_head_attention promotes; float16 or bfloat16 if
+        they are, which must then all share it). A call computing in
+        another dtype casts the weights as an unpacked call would. Half
+        weights are kept in their dtype (``w_q`` ... are half) and cut
+        into float32 panels (widened exactly): half calls compute in
+        float32, and the micro-kernels read float32 panels at full speed.
 
     Returns
     -------

@@ -129,6 +129,10 @@ def trace(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=None,
     ``output``.  A batched call (x of shape (B, T_q, d_in)) keeps the batch
     axis first.  Per-head stages are stacked (h, T, d) / (B, h, T, d) when
     all heads have one width, and a list of h arrays when widths differ.
+    Half precision inputs (float16, bfloat16) are traced in float32, the
+    dtype the core computes them in: every stage is the float32 value, and
+    :func:`mhattn.multi_head_attention`'s half result is ``output``
+    rounded once (``output.astype(x.dtype)``).
 
     Examples
     --------

@@ -36,6 +36,7 @@ import numpy as np
 
 from .._internal import core as _core
 from .._internal.args import _check_numeric, _int_arg, _to_array, check_memory
+from .._internal.half import as_dtype, half_of, is_bfloat16, is_half
 from ..compute.forward import multi_head_attention
 from ..compute.grad import backward as _backward
 from ..compute.packed import PackedWeights, pack_weights
@@ -58,13 +59,26 @@ def _call_options() -> frozenset:
 
 
 def _layer_dtype(dtype: Any) -> np.dtype:
-    try:
-        dt = np.dtype(dtype)
-    except TypeError:
-        raise TypeError(f"dtype: expected np.float32 or np.float64, got {dtype!r}") from None
-    if dt not in (np.dtype(np.float32), np.dtype(np.float64)):
-        raise TypeError(f"dtype: mhattn layers hold float32 or float64 weights, got {dt}")
-    return dt
+    dt = as_dtype("dtype", dtype)
+    if dt not in (np.dtype(np.float32), np.dtype(np.float64)) and not is_half(dt):
+        raise TypeError(f"dtype: mhattn layers hold float32, float64, float16 or bfloat16 "
+                        f"weights, got {dt}")
+    return half_of(dt) or dt
+
+
+def _torch_dtype(torch, dt: np.dtype):
+    """The torch dtype of a layer dtype."""
+    return {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
+            "bfloat16": torch.bfloat16}[dt.name]
+
+
+def _to_tensor(torch, a: np.ndarray):
+    """A NumPy array as a torch tensor of the same dtype (bfloat16, which
+    torch.from_numpy does not take, through its bits)."""
+    a = np.ascontiguousarray(a)
+    if is_bfloat16(a.dtype):
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
 
 
 def _rng(seed: Any) -> np.random.Generator:
@@ -160,7 +174,11 @@ class MultiHeadAttention:
         ``q_norm`` (h, d_k) and ``k_norm`` (g, d_k).
     norm_eps : float
         The q/k RMSNorm's epsilon.
-    dtype : np.float32 or np.float64
+    dtype : np.float32 (default), np.float64, np.float16 or bfloat16
+        The dtype of every weight (``ml_dtypes.bfloat16``, or the string
+        "bfloat16"). A half layer computes in float32 and returns its
+        inputs' half dtype (see :func:`mhattn.multi_head_attention`); its
+        inputs must have the layer's dtype. :meth:`astype` converts.
     seed : int, np.random.Generator or None
         Passed to np.random.default_rng.
 
@@ -423,6 +441,31 @@ class MultiHeadAttention:
         """
         return _backward(grad_out, ctx)
 
+    def astype(self, dtype) -> "MultiHeadAttention":
+        """A new layer of the same shape whose weights (biases, sinks and
+        norms too) are this layer's cast to ``dtype`` (float32, float64,
+        float16 or bfloat16; to a half dtype each value is rounded once to
+        nearest even), as ``module.to(dtype)`` does in PyTorch.
+
+        Examples
+        --------
+        >>> layer = mhattn.MultiHeadAttention(16, 2, seed=0)
+        >>> half = layer.astype(np.float16)
+        >>> x = np.ones((3, 16), np.float16)
+        >>> half(x, causal=True).dtype
+        dtype('float16')
+        """
+        dt = _layer_dtype(dtype)
+        new = type(self).__new__(type(self))
+        new._configure(self.d_model, self.num_heads, num_kv_heads=self.num_kv_heads,
+                       d_k=self.d_k, d_v=self.d_v, d_out=self.d_out, kdim=self.kdim,
+                       vdim=self.vdim, bias=self.bias, dtype=dt, sinks=self.has_sinks,
+                       qk_norm=self.qk_norm, norm_eps=self.norm_eps)
+        for name in self._shapes():
+            a = getattr(self, name)
+            setattr(new, name, np.asarray(a).astype(dt))
+        return new
+
     @property
     def param_count(self) -> int:
         """Number of scalars in all weights and biases."""
@@ -554,8 +597,8 @@ class MultiHeadAttention:
         batch-first, (B, T, d).  ``add_bias_kv`` and ``add_zero_attn`` have no
         mhattn equivalent and raise ValueError.  Dropout is not applied by
         mhattn: a module with dropout > 0 warns, and matches in eval mode only.
-        ``dtype`` defaults to the module's (float64 stays float64, anything
-        else becomes float32).
+        ``dtype`` defaults to the module's (float64, float16 and bfloat16
+        stay so, anything else becomes float32; bfloat16 needs ml_dtypes).
         """
         for attr in ("embed_dim", "num_heads", "in_proj_weight", "out_proj"):
             if not hasattr(module, attr):
@@ -574,8 +617,8 @@ class MultiHeadAttention:
                           "applies no dropout, so the layer matches the module in eval "
                           "mode only", UserWarning, stacklevel=2)
         if dtype is None:
-            pdt = str(module.out_proj.weight.dtype)
-            dtype = np.float64 if pdt == "torch.float64" else np.float32
+            pdt = str(module.out_proj.weight.dtype).replace("torch.", "")
+            dtype = pdt if pdt in ("float64", "float16", "bfloat16") else np.float32
         E = int(module.embed_dim)
         has_bias = module.in_proj_bias is not None
         out_bias = getattr(module.out_proj, "bias", None) is not None
@@ -628,12 +671,10 @@ class MultiHeadAttention:
         if reasons:
             raise ValueError("to_torch: " + "; ".join(reasons))
         import torch
-        tdt = torch.float64 if self.dtype == np.float64 else torch.float32
         module = torch.nn.MultiheadAttention(
             self.d_model, self.num_heads, bias=self.bias, kdim=self.kdim, vdim=self.vdim,
-            batch_first=True, dtype=tdt)
-        state = {k: torch.from_numpy(np.ascontiguousarray(v))
-                 for k, v in self.state_dict().items()}
+            batch_first=True, dtype=_torch_dtype(torch, self.dtype))
+        state = {k: _to_tensor(torch, v) for k, v in self.state_dict().items()}
         module.load_state_dict(state)
         return module.eval()
 
