@@ -141,3 +141,32 @@ def test_trace_of_half_inputs_is_float32():
     assert t.dtype == np.float32 and t.output.dtype == np.float32
     out = mhattn.multi_head_attention(x, *w, num_heads=2, causal=True)
     np.testing.assert_array_equal(bits(t.output.astype(BF16)), bits(out))
+
+
+@pytest.mark.parametrize("dtname", list(HALVES))
+def test_fast_branch_of_half_calls_gives_the_slow_branch_bits(monkeypatch, dtname):
+    """A half call in the common form takes the float32 fast branch on its
+    widened numbers (a packed half object's float32 twins, no widening of
+    the weights per call); return_context=True forces the slow branch."""
+    from mhattn._internal import core
+    dt = HALVES[dtname]
+    w = weights(dt)
+    packed = mhattn.pack_weights(*w, num_heads=4, num_kv_heads=2)
+    x = np.random.default_rng(5).standard_normal((2, 11, 32)).astype(dt)
+    key = np.random.default_rng(6).standard_normal((2, 7, 32)).astype(dt)
+    seen = []
+    fast = core.fast
+    monkeypatch.setattr(core, "fast", lambda *a: seen.append(fast(*a)) or seen[-1])
+    for args, kw in (((x, packed), {}), ((x, *w), dict(num_heads=4, num_kv_heads=2)),
+                     ((x, packed), dict(key=key))):
+        seen.clear()
+        got = mhattn.multi_head_attention(*args, causal=True, **kw)
+        assert seen and seen[-1] is not None, "the fast branch declined"
+        assert seen[-1][0].dtype == np.float32
+        slow, _ = mhattn.multi_head_attention(*args, causal=True, return_context=True, **kw)
+        assert got.dtype == dt
+        np.testing.assert_array_equal(bits(got), bits(slow))
+    # the packed object's float32 twins are used as they are
+    seen.clear()
+    mhattn.multi_head_attention(x, packed)
+    assert seen[-1][3] is packed._wide[0]

@@ -1,9 +1,11 @@
 """mhattn.multi_head_attention: checks arguments in Python, computes in C."""
 from __future__ import annotations
 
+import numpy as np
+
 from .._internal import core
 from .._internal.core import make_context, run_core
-from .._internal.half import narrow, narrow_like
+from .._internal.half import is_bfloat16, narrow, narrow_like, widen
 from .._internal.variants import VARIANT_DEFAULTS, variant_kwargs
 from .cache import cached_step
 from .packed import PackedWeights, call_weights
@@ -11,6 +13,48 @@ from .packed import PackedWeights, call_weights
 __all__ = ["multi_head_attention", "run_core"]
 
 _EPS = VARIANT_DEFAULTS["norm_eps"]
+
+
+_ndarray = np.ndarray
+_HALVES = (np.dtype(np.float16),)
+
+
+def _widened(x, key, value, numbers: tuple, packed):
+    """(x, key, value, (w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o)) widened to
+    float32, for the fast branch of a half call whose numbers are plain
+    ndarrays of x's (native) half dtype; None for anything else, which the
+    slow branch checks and names. The weights of a half PackedWeights are
+    its float32 twins."""
+    dt = x.dtype
+    if not (dt in _HALVES or is_bfloat16(dt)) or not dt.isnative:
+        return None
+    if packed is not None and packed._wide is not None and packed.dtype == dt and all(
+            a is b for a, b in zip(numbers, packed._args[:4] + packed._args[6:])):
+        wide = packed._wide
+    else:
+        wide = []
+        for a in numbers:
+            if a is None:
+                wide.append(None)
+            elif type(a) is _ndarray and a.dtype == dt:
+                wide.append(widen(a))
+            else:
+                return None
+        if wide[0] is None or wide[1] is None or wide[2] is None:
+            return None
+    srcs = [widen(x)]
+    for a in (key, value):
+        if a is None:
+            srcs.append(None)
+        elif type(a) is _ndarray and a.dtype == dt:
+            srcs.append(a if a is x else widen(a))
+        else:
+            return None
+    if key is x:
+        srcs[1] = srcs[0]
+    if value is x or value is key:
+        srcs[2] = srcs[0] if value is x else srcs[1]
+    return (*srcs, tuple(wide))
 
 
 def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None, key=None,
@@ -189,11 +233,20 @@ def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None
                            **variant_kwargs(locals()))
     if new_lengths is not None:
         raise ValueError("new_lengths: only with cache= (a ragged cached step)")
-    args = call = None
+    args = call = half = None
     if return_context is False and off:
-        args = core.fast(x, w_q, w_k, w_v, w_o, num_heads, key, value, scale,
-                          return_weights, mask, causal, key_lengths, num_kv_heads,
-                          b_q, b_k, b_v, b_o)
+        fx, fk, fv, fw = x, key, value, (w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o)
+        if type(x) is _ndarray and x.dtype.itemsize == 2:
+            # A half call of the common form takes the float32 branch on
+            # its widened numbers (packed half weights keep theirs).
+            wide = _widened(x, key, value, fw, packed)
+            if wide is not None:
+                half, (fx, fk, fv, fw) = x.dtype, wide
+        args = core.fast(fx, fw[0], fw[1], fw[2], fw[3], num_heads, fk, fv, scale,
+                         return_weights, mask, causal, key_lengths, num_kv_heads,
+                         *fw[4:])
+        if args is None:
+            half = None
     if args is None:
         args, call = core.slow(x, w_q, w_k, w_v, w_o, num_heads, key, value, scale,
                                 mask, causal, key_lengths, num_kv_heads, b_q, b_k, b_v,
@@ -203,7 +256,9 @@ def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None
         args = (*args, packed._core_packed(args[0].dtype))
     out, weights, extras = core.forward(*args)
     if call is not None and call.out_dtype != call.dtype:   # half: round once
-        out, weights = narrow(out, call.out_dtype), narrow_like(weights, call.out_dtype)
+        half = call.out_dtype
+    if half is not None:
+        out, weights = narrow(out, half), narrow_like(weights, half)
     if (x.ndim == 2) if call is None else not call.batched:
         out = out[0]
         if weights is not None:

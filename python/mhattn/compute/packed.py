@@ -96,7 +96,7 @@ class PackedWeights:
 
     __slots__ = ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o", "num_heads",
                  "num_kv_heads", "d_k", "d_v", "dtype", "isa", "nbytes", "_fused",
-                 "_caps", "_args", "_compute")
+                 "_caps", "_args", "_compute", "_wide")
 
     _packs_weights = True   # what _to_array recognises one by, in another argument
 
@@ -276,7 +276,30 @@ def _pack(kw: Dict[str, Any], num_heads, num_kv_heads, dtype, reuse) -> PackedWe
     # What a call that passes nothing else takes (multi_head_attention's
     # weights, head counts and biases, in its argument order).
     pw._set(_args=(pw.w_q, pw.w_k, pw.w_v, pw.w_o, H, G, pw.b_q, pw.b_k, pw.b_v, pw.b_o))
+    # Half weights: their float32 twins (widened exactly, read-only), which
+    # a half call's fast branch computes with (compute.forward), so that no
+    # call widens the weights again.
+    wide = None
+    if compute != dtype:
+        fw = [None if f is None else _frozen(widen(f)) for f in fused]
+        wide = (_as_given(fw[0], wq.form, wq.widths), _as_given(fw[1], wk.form, wk.widths),
+                _as_given(fw[2], wv.form, wv.widths), fw[3],
+                *(_widen_bias(getattr(pw, n)) for n in _BIASES))
+    pw._set(_wide=wide)
     return pw
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+def _widen_bias(b: Any) -> Any:
+    if b is None:
+        return None
+    if isinstance(b, list):
+        return [_frozen(widen(a)) for a in b]
+    return _frozen(widen(b))
 
 
 def pack_weights(w_q, w_k, w_v, w_o=None, *, num_heads=None, num_kv_heads=None,
