@@ -121,12 +121,21 @@ GARBAGE = [
 ]
 
 
+try:   # ml_dtypes is a test dependency; without it bfloat16 is not fuzzed
+    import ml_dtypes
+    _BF16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:
+    _BF16 = None
+
+
 def build(d: Data):
     """Decode one call: (kwargs, corrupted) where corrupted names the
     argument replaced by garbage (None when the call is meant to be valid)."""
     rng = np.random.default_rng(d.int(0, 2 ** 16 - 1))
     dtype = d.pick([np.float32, np.float64, np.float64, np.float32, np.float16,
                     np.int32, np.int64])
+    if dtype is np.float16 and _BF16 is not None and d.chance(2):
+        dtype = _BF16   # half precision's other format (issue 36)
     wdtype = dtype if not d.chance(4) else d.pick([np.float32, np.float64, np.int16])
 
     def vals(shape, dt=dtype):
