@@ -172,7 +172,9 @@ def attention(q, k, v, *, layout="bhtd", scale=None, mask=None, causal=False,
         G < H is grouped-query attention (G must divide H).  Each may drop
         the batch axis (unbatched 3-D inputs, all three alike).  Any strides
         are read in place when the last axis is contiguous; float32 stays
-        float32, anything else follows NumPy promotion with a float32 floor.
+        float32, anything else follows NumPy promotion with a float32 floor;
+        float16 or bfloat16 (all three alike) are computed in float32 and
+        the results rounded once into that dtype.
     layout : "bhtd" (default) or "bthd"
     scale : float, optional
         Multiplier of q k^T; default 1/sqrt(d_k). It must be finite and within the call's dtype's largest value.
@@ -198,9 +200,10 @@ def attention(q, k, v, *, layout="bhtd", scale=None, mask=None, causal=False,
     Returns
     -------
     out : in the layout of q: (B, H, T_q, d_v) or (B, T_q, H, d_v), new and
-        C-contiguous.  A fully masked query row gets 0, never NaN.
-    weights : (B, H, T_q, T_k), when ``return_weights``.
-    lse : (B, H, T_q), when ``return_lse``.
+        C-contiguous, of the compute dtype, or of q's half dtype (float16,
+        bfloat16).  A fully masked query row gets 0, never NaN.
+    weights : (B, H, T_q, T_k), when ``return_weights``; the dtype of out.
+    lse : (B, H, T_q), when ``return_lse``; float32 in a half call.
 
     Examples
     --------
@@ -260,9 +263,13 @@ def attention_grad(grad_out, q, k, v, *, layout="bhtd", scale=None, mask=None,
     -------
     dict
         'q', 'k', 'v': gradients in their arguments' layouts and shapes
-        (new arrays of the compute dtype); 'sinks' (H,) when ``sinks`` is
-        given.  ALiBi slopes and masks get none.  Fully masked rows
-        contribute zero.
+        (new arrays of the compute dtype, or of q's half dtype, each
+        rounded once); 'sinks' (H,) when ``sinks`` is given (half if it
+        was).  ALiBi slopes and masks get none.  Fully masked rows
+        contribute zero.  In a half call ``out`` and ``grad_out`` of
+        another half dtype raise TypeError; a half ``out`` enters the
+        backward rounded, as FlashAttention's does (without it, the
+        forward is recomputed in float32).
 
     Examples
     --------
@@ -340,6 +347,8 @@ def merge_attention(outs, lses, *, layout="bhtd"):
     Returns
     -------
     (out, lse) : the merged output, shaped as each part, and lse (..., H, T_q).
+        Half parts (float16, bfloat16; one dtype) merge in float32 and the
+        out is rounded once to their dtype; the lse is then float32.
 
     Parts computed with ``sinks`` each count the sink once: merge parts
     without sinks (the sinks belong to the whole softmax, not to a part).
