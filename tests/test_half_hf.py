@@ -16,7 +16,9 @@ which mhattn.reference must equal to float64 accuracy.  Against it:
   half a bf16 ulp plus 2^-16 of the largest magnitude);
 - mhattn's largest error is at most HF's own bf16 layer's, run as shipped
   (bf16 projections, rotary tables rounded to bf16, float32 softmax
-  rounded back to bf16), with eager attention and with SDPA.
+  rounded back to bf16), with eager attention and with SDPA;
+
+on each ISA path this machine has.
 """
 import numpy as np
 import pytest
@@ -67,7 +69,7 @@ def _run(config, attn, rotary, xt, shipped):
 @pytest.mark.parametrize("T", [9, 64])
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
-def test_llama_bf16_within_bound_and_no_worse_than_hf(impl, seed, T):
+def test_llama_bf16_within_bound_and_no_worse_than_hf(isa, impl, seed, T):
     config, attn, rotary = _llama(impl, seed)
     x = np.random.default_rng(seed).standard_normal((2, T, HIDDEN)).astype(BF16)
     x_bf16 = torch.from_numpy(x.astype(np.float32)).to(torch.bfloat16)

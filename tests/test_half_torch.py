@@ -19,6 +19,7 @@ largest error of both is then the same rounding of the same element.  Every
 case also holds mhattn to the documented bound (``half_bound``), and checks
 that PyTorch's error is not zero, so that "<=" compares something.
 
+Every case runs on each ISA path this machine has (the ``isa`` fixture).
 A dtype or op that PyTorch cannot run on CPU is skipped with its error.
 """
 import warnings
@@ -111,7 +112,7 @@ def sdpa_inputs(case, dt, seed):
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("case", list(SDPA_CASES))
 @pytest.mark.parametrize("dtname", list(HALVES))
-def test_attention_no_worse_than_sdpa(dtname, case, seed):
+def test_attention_no_worse_than_sdpa(isa, dtname, case, seed):
     dt, tdt = HALVES[dtname]
     c = SDPA_CASES[case]
     (q, k, v), mask = sdpa_inputs(case, dt, seed)
@@ -213,7 +214,7 @@ def make_mha(case, dt, tdt, seed):
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("case", list(MHA_CASES))
 @pytest.mark.parametrize("dtname", list(HALVES))
-def test_layer_no_worse_than_multihead_attention(dtname, case, seed, need_weights):
+def test_layer_no_worse_than_multihead_attention(isa, dtname, case, seed, need_weights):
     dt, tdt = HALVES[dtname]
     module, (tx, tkey, tvalue), am, args, kw = make_mha(case, dt, tdt, seed)
     ref = R.multi_head_attention(*args, **kw)
@@ -240,7 +241,7 @@ LAYER_CASES = {
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("case", list(LAYER_CASES))
 @pytest.mark.parametrize("dtname", list(HALVES))
-def test_layer_no_worse_than_projections_and_sdpa(dtname, case, seed):
+def test_layer_no_worse_than_projections_and_sdpa(isa, dtname, case, seed):
     dt, tdt = HALVES[dtname]
     c = LAYER_CASES[case]
     din, H, G, dk, dv, dout, T = c["shape"]
