@@ -26,9 +26,10 @@ A script that prints figures, not a timed test.  It prints:
    cache=cache)``, T_q = 1) over 32768 cached tokens of 8 kv heads of 64,
    with 8 query heads and with 32 (GQA), for a float32, a bfloat16 and an
    int8 cache.  d_model is 64, so that the projections' weights (~1.3 MB in
-   float32) are a small part of what a step reads.  "per token" is the
-   step's median time (of 3 x --repeats steps); "vs f32" its ratio to the float32 cache's (targets:
-   bfloat16 <= 0.6x, int8 <= 0.4x); "GB/s" the bytes a step reads (the
+   float32) are a small part of what a step reads.  "ms/token" is the
+   step's median time (of 3 x --repeats steps); "vs f32" its ratio to the
+   float32 cache's (targets: bfloat16 <= 0.6x, int8 <= 0.4x); "GB/s" the
+   bytes a step reads (the
    held rows of the cache's storage, whatever it keeps per row, plus the
    weights) over that time; "% stream" that rate over the read bandwidth of
    benchmarks/stream.c on the same threads (compiled at start, as
