@@ -6,6 +6,7 @@ import argparse
 import io
 import json
 import os
+import re
 import sys
 
 import numpy as np
@@ -405,3 +406,65 @@ def test_bench_ab_runs_a_build(capsys):
         bench_ab.main(["--case", "step:32x8x2", "--backward", build])
     with pytest.raises(SystemExit, match=r"no mhattn in|No module named 'mhattn'"):
         bench_ab.main(["--rounds", "1", "--budget", "0.02", BENCH])
+
+
+def _cells(line):
+    """A table line's cells: print_table puts two spaces or more between them."""
+    return re.split(r"\s{2,}", line.strip())
+
+
+def test_half_precision_quick_table(capsys):
+    """benchmarks/half_precision.py --quick: the machine lines, the prefill
+    table (2 sizes x causal or not, every column filled or n/a) and the decode
+    section (its table, or the line saying this build has no half/int8
+    caches).  Nothing is timed here: only the shape of what is printed."""
+    import half_precision as hp
+    rows, decode = hp.main(["--quick", "--repeats", "1", "--rounds", "1", "--budget", "0"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("mhattn ") and f"ISA {__import__('mhattn').get_isa()}" in out[0]
+    flags = out[2].split()
+    assert flags[0] == "flags:" and [f.split("=")[0] for f in flags[1:]] == list(hp.FLAGS)
+    start = next(i for i, line in enumerate(out) if line.startswith("prefill: "))
+    header = _cells(out[start + 1])
+    assert header == [c.header for c in hp.PREFILL_COLUMNS] and len(header) == 14
+    assert set(out[start + 2]) == {"-"}
+    body = out[start + 3:start + 3 + 4]
+    assert [tuple(_cells(b)[:2]) for b in body] == [("16", "no"), ("16", "yes"),
+                                                   ("64", "no"), ("64", "yes")]
+    for b in body:
+        cells = _cells(b)
+        assert len(cells) == 14, b
+        assert all(float(cells[i]) > 0 for i in (2, 3, 5))        # mhattn's three ms
+        assert cells[-1] in ("PASS", "n/a") or cells[-1].startswith("MISS ")
+    for r in rows:
+        ms = r["ms"]
+        assert r["bfloat16/f32"] == pytest.approx(ms["mhattn bfloat16"] / ms["mhattn float32"])
+    if decode is None:
+        assert any(line.startswith("decode: half/int8 KV caches not available in this build")
+                   for line in out)
+    else:
+        start = next(i for i, line in enumerate(out) if line.startswith("decode: one cached"))
+        assert len(out[start + 3:start + 5]) == 2 and len(decode) == 2
+
+
+def test_half_precision_targets_and_decode_rows(capsys):
+    """The targets of a prefill row, and the decode table's code on the one
+    cache dtype every build has (float32), at a tiny size."""
+    import half_precision as hp
+    row = dict(ms={"mhattn float32": 10.0, "mhattn bfloat16": 10.5, "mhattn float16": 12.0,
+                   "torch float32 MHA": 90.0, "torch float32 SDPA": 80.0,
+                   "torch bfloat16 SDPA": 60.0, "torch float16 MHA": 50.0})
+    hp.derive(row)
+    assert row["torch float32"] == (80.0, "SDPA") and row["vs torch float32"] == 8.0
+    assert row["bfloat16/f32"] == pytest.approx(1.05) and row["float16/f32"] == 1.2
+    assert row["misses"] == ["f16/f32", "vs torch f16"]   # 60/10.5 >= 5 passes, 50/12 < 5 misses
+    assert hp._verdict(row) == "MISS f16/f32,vs torch f16"
+    args = hp.parse(["--quick", "--repeats", "1", "--rounds", "1", "--budget", "0"])
+    args.decode_tk = 32
+    rows = hp.run_decode(["float32"], args)
+    out = capsys.readouterr().out.splitlines()
+    assert len(rows) == 2 and [(r["H"], r["G"]) for r in rows] == [(8, 8), (32, 8)]
+    # bytes read: the held rows (G * (d_k + d_v) * 4 each) plus the weights
+    w = 4 * (64 * 8 * 64 * 2 + 64 * 8 * 64 * 2)
+    assert rows[0]["bytes"]["float32"] == 32 * 8 * 128 * 4 + w
+    assert any(line.startswith("decode: one cached layer step") for line in out)
