@@ -367,12 +367,19 @@ is -inf in every part stays lse -inf, out 0."""),
     Arg("d_k", ("KVCache",), "int", "", "", REQUIRED, "dk, the keys' head width.",
         type="int", text="Head widths of the keys and values; d_v defaults to d_k."),
     Arg("d_v", ("KVCache",), "int", "", "", "None", "dv, the values' head width; default dk."),
-    Arg("dtype", ("KVCache",), "dtype", "", "", "np.float32", "float32 or float64.",
-        type="np.float32 (default) or np.float64"),
+    Arg("dtype", ("KVCache",), "dtype", "", "", "np.float32",
+        "float32, float64, float16, bfloat16 or 'int8': the storage.",
+        type="np.float32 (default), np.float64, np.float16, ml_dtypes.bfloat16 or \"int8\"",
+        text="""\
+The storage's dtype ("float16" and "bfloat16" are also taken).  A
+float16, bfloat16 or int8 cache computes in float32 and stores each
+appended row rounded once to nearest even (half), or quantised
+(int8: one float32 scale per token and kv head, see Notes)."""),
     Arg("k_new", ("KVCache.append",), "array", "T", "(B, G, Tnew, dk)", REQUIRED,
-        "The new keys.", type="(B, G, T_new, d_k), of the cache's dtype"),
+        "The new keys.",
+        type="(B, G, T_new, d_k), of the cache's dtype (or float32 for a half or int8 cache)"),
     Arg("v_new", ("KVCache.append",), "array", "T", "(B, G, Tnew, dv)", REQUIRED,
-        "The new values.", type="(B, G, T_new, d_v), of the cache's dtype"),
+        "The new values.", type="(B, G, T_new, d_v), as k_new"),
     Arg("lengths", ("KVCache.append",), "array?", "int64", "(B,)", "None",
         "A ragged append: the new rows each sequence takes.",
         type="(B,) ints in [0, T_new], optional",
