@@ -339,3 +339,48 @@ def test_a_step_of_another_dtype_is_refused():
     with pytest.raises(ValueError, match="cache: dtype float16 but x is bfloat16"):
         mhattn.multi_head_attention(x.astype(BF16), *w16, None, cache=c, **kw)
     assert c.lengths[0] == 0
+
+
+# --- the glue: _C.attention on a cache's storage ---------------------------------
+
+def test_c_attention_takes_the_storage_and_refuses_mixtures():
+    from mhattn import _C
+    rng = np.random.default_rng(13)
+    q = rng.standard_normal((1, 2, 1, 4)).astype(np.float32)
+    k = rng.standard_normal((1, 1, 6, 4)).astype(np.float32)
+    sc, L = np.ones(2), np.array([5])
+
+    def att(q, k, v, *scales):
+        return _C.attention(q, k, v, sc, None, False, L, None, True, False, False, False,
+                            *scales)
+    want = att(q, k.astype(F16).astype(np.float32), k.astype(F16).astype(np.float32))[0]
+    np.testing.assert_array_equal(att(q, k.astype(F16), k.astype(F16))[0], want)
+    with pytest.raises(TypeError, match="v: dtype float32, but k has dtype float16"):
+        att(q, k.astype(F16), k)
+    with pytest.raises(TypeError, match="k: expected dtype float64 .*KV cache"):
+        att(q.astype(np.float64), k.astype(F16), k.astype(F16))
+    k8, s = np.ones((1, 1, 6, 4), np.int8), np.ones((1, 1, 6), np.float32)
+    with pytest.raises(ValueError, match="k_scale is NULL, but kv_storage = MHA_KV_I8") as e:
+        att(q, k8, k8)
+    assert e.value.field == "params"
+    with pytest.raises(ValueError, match="k_scale is given, but kv_storage = MHA_KV_F16"):
+        att(q, k.astype(F16), k.astype(F16), s, s)
+    with pytest.raises(ValueError, match="k_scales: expected shape"):
+        att(q, k8, k8, s[:, :, :5], s)
+    np.testing.assert_array_equal(att(q, k8, k8, 2 * s, s)[0],
+                                  att(q, 2 * k8.astype(np.float32), k8.astype(np.float32))[0])
+
+
+@pytest.mark.parametrize("dtname", list(STORED))
+def test_the_layer_steps_through_a_stored_cache(dtname):
+    layer = mhattn.MultiHeadAttention(16, 4, num_kv_heads=2, seed=0)
+    prompt = np.random.default_rng(14).standard_normal((2, 6, 16)).astype(np.float32)
+    outs = {}
+    for name, dt in (("stored", STORED[dtname]), ("float32", np.float32)):
+        cache = mhattn.KVCache(2, 2, 16, 4, dtype=dt)
+        out = layer(prompt, causal=True, rope=mhattn.RoPE(), cache=cache)
+        tok = layer(out[:, -1:], causal=True, rope=mhattn.RoPE(), cache=cache)
+        assert list(cache.lengths) == [7, 7] and tok.dtype == np.float32
+        outs[name] = np.concatenate([out, tok], axis=1)
+    err = np.abs(outs["stored"] - outs["float32"]).max()
+    assert 0 < err <= 0.03 * np.abs(outs["float32"]).max()

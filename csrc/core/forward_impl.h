@@ -316,7 +316,7 @@ static mha_status PICK(attend_check_kv_f32, attend_check_kv_f64)(const mha_param
     if (kind != MHA_KV_PLAIN && MHA_DTYPE != MHA_DTYPE_F32)
         return mha_reject(err, MHA_ERR_ARG, MHA_FIELD_PARAMS,
                           "kv_storage = %s needs dtype MHA_DTYPE_F32 (the kernels widen "
-                          "it to float32), got dtype %d", names[kind], (int)MHA_DTYPE);
+                          "it to float32), not MHA_DTYPE_F64", names[kind]);
     const int int8 = kind == MHA_KV_I8;
     if (!int8 && (prm->k_scale != NULL || prm->v_scale != NULL))
         return mha_reject(err, MHA_ERR_ARG, MHA_FIELD_PARAMS,

@@ -195,7 +195,7 @@ static int convert_array(call *c, const call_spec *sp, int pos)
         if (pos == sp->key) {
             c->kv = (mha_kv_storage)got;
         } else if (got != (int)c->kv) {
-            PyErr_Format(PyExc_TypeError, "%s: dtype %R, but %s has dtype %R: k and v "
+            PyErr_Format(PyExc_TypeError, "%s: dtype %S, but %s has dtype %S: k and v "
                          "must be stored alike", a->name, (PyObject *)PyArray_DESCR(arr),
                          sp->args[sp->key].name,
                          (PyObject *)PyArray_DESCR((PyArrayObject *)c->arg[sp->key].obj));
