@@ -369,6 +369,12 @@ def test_c_attention_takes_the_storage_and_refuses_mixtures():
         att(q, k8, k8, s[:, :, :5], s)
     np.testing.assert_array_equal(att(q, k8, k8, 2 * s, s)[0],
                                   att(q, 2 * k8.astype(np.float32), k8.astype(np.float32))[0])
+    # copies (byte-swapped, Fortran-ordered) are made in native byte order
+    h = k.astype(F16)
+    np.testing.assert_array_equal(att(q, h.astype(">f2"), np.asfortranarray(h))[0],
+                                  att(q, h, h)[0])
+    np.testing.assert_array_equal(att(q.astype(">f4"), k.astype(">f4"), k)[0],
+                                  att(q, k, k)[0])
 
 
 @pytest.mark.parametrize("dtname", list(STORED))

@@ -106,7 +106,7 @@ static int as_c_array(PyArrayObject **res, PyObject *obj, const char *name,
    of a 4-D array, (B, G, Tk) but the last of a cache's 3-D scales) are
    non-negative multiples of its item size and its last axis is
    contiguous, and it is aligned and native (the core reads it in place),
-   else a C-contiguous copy. */
+   else a C-contiguous copy in native byte order. */
 static int as_strided(PyArrayObject **res, PyArrayObject *a)
 {
     const npy_intp item = PyArray_ITEMSIZE(a);
@@ -120,7 +120,13 @@ static int as_strided(PyArrayObject **res, PyArrayObject *a)
         *res = a;
         return 0;
     }
-    *res = (PyArrayObject *)PyArray_NewCopy(a, NPY_CORDER);
+    // The copy in native byte order: a byte-swapped array's elements
+    // would otherwise reach the core swapped.
+    PyArray_Descr *native = PyArray_DescrNewByteorder(PyArray_DESCR(a), NPY_NATIVE);
+    if (native == NULL)
+        return -1;
+    *res = (PyArrayObject *)PyArray_FromArray(
+        a, native, NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED | NPY_ARRAY_ENSURECOPY);
     return *res == NULL ? -1 : 0;
 }
 
