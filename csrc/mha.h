@@ -290,6 +290,19 @@ void mha_head_offsets(size_t *qoff, size_t *cvoff, size_t *koff, size_t *voff,
                       const mha_config *cfg);
 
 /*
+ * What a KV cache's storage holds (mha_params.kv_storage, mha_attend only,
+ * issue 36): k and v may be kept in a half type or in int8 while the call
+ * computes in float32 (dtype MHA_DTYPE_F32). The kernels widen each key
+ * block as they read it (kernels/flash.inc: the kernel table's widen_f16 /
+ * widen_bf16 rows; int8 x scale in plain C), never the whole cache, and
+ * accumulate in float32: a half storage gives the bits of a float32 k, v
+ * holding the same (widened) values. int8 (symmetric, per row, as
+ * llama.cpp's q8_0 rows): key j of kv head (b, g) is k_scale[b sks.sb +
+ * g sks.sh + j sks.st] * k[j][c] in float32, and v likewise; a NaN or inf
+ * scale makes that key's scores (or its values) NaN, as a NaN in a float32
+ * cache would, and keys no rule lets a query see are never read.
+ */
+/*
  * mha_strides: element strides of a (B, heads, T, d) tensor whose d axis is
  * contiguous: element (b, h, t, c) lies at b * sb + h * sh + t * st + c.
  * So mha_attend reads (B, H, T, d) ("bhtd"), (B, T, H, d) ("bthd") and a
@@ -314,6 +327,13 @@ typedef struct {
  * operation (F mha_forward, B mha_backward, A mha_attend, AB
  * mha_attend_backward, P mha_project) reads or writes there.
  */
+typedef enum {
+    MHA_KV_PLAIN = 0, /* elements of mha_params.dtype                    */
+    MHA_KV_F16 = 1,   /* IEEE binary16 bits (uint16_t)                   */
+    MHA_KV_BF16 = 2,  /* bfloat16 bits (uint16_t)                        */
+    MHA_KV_I8 = 3,    /* int8_t, times a float scale per (b, g, key)     */
+} mha_kv_storage;
+
 #include "mha_params_gen.h"   /* mha_params: tools/gen_schema.py */
 
 /*
@@ -371,9 +391,11 @@ mha_status mha_backward(const mha_config *cfg, const mha_params *prm, mha_error 
  * (window, softcap, ALiBi, sinks, key_mask, packed sequences); Din, Dkin,
  * Dvin, Dout and has_wo are ignored; the q/k transforms (q_norm, k_norm,
  * rotary_dim) must be off (MHA_ERR_ARG): they belong to the projections
- * (mha_project). Bitwise the same for any thread count: a call with few
- * query rows splits its keys into a number of parts that depends on Tk
- * alone, merged in a fixed order (split-K, as flash-decoding).
+ * (mha_project). prm->kv_storage: k and v may be a KV cache's half or
+ * int8 storage (above), with dtype MHA_DTYPE_F32. Bitwise the same for
+ * any thread count: a call with few query rows splits its keys into a
+ * number of parts that depends on Tk alone, merged in a fixed order
+ * (split-K, as flash-decoding).
  */
 mha_status mha_attend(const mha_config *cfg, const mha_params *prm, mha_error *err);
 

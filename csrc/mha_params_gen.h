@@ -77,6 +77,20 @@ typedef struct {
     mha_strides sk;         /* A: reads those of k */
     mha_strides sv;         /* A: reads those of v */
     mha_strides so;         /* A: reads those of out */
+
+    /* ---- A KV cache's storage (A only; mha.h, mha_kv_storage) ---- */
+    mha_kv_storage kv_storage;/* A: reads what k and v hold: MHA_KV_PLAIN (0),
+                                   elements of dtype; or, with dtype MHA_DTYPE_F32,
+                                   MHA_KV_F16, _BF16 (uint16_t bits) or _I8 (int8_t,
+                                   with k_scale and v_scale), widened to float32 as
+                                   the kernels read them */
+    const void *k_scale;    /* A: reads (B, G, Tk) float at strides sks, with
+                                   MHA_KV_I8: key (b, g, j) is k_scale[..] * its
+                                   int8 values */
+    const void *v_scale;    /* A: reads (B, G, Tk) float at strides svs, likewise
+                                   for v */
+    mha_strides sks;        /* A: reads the strides of k_scale (st: between keys) */
+    mha_strides svs;        /* A: reads those of v_scale */
 } mha_params;
 
 #endif

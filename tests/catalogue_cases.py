@@ -1148,9 +1148,58 @@ table("kvcache", raises(VE, words=["d_k", "positive integer"]), [
     ("d_k_zero", lambda: mhattn.KVCache(1, 2, 4, 0))], "KVCache")
 table("kvcache", raises(VE, words=["d_v", "positive integer"]), [
     ("d_v_negative", lambda: mhattn.KVCache(1, 2, 4, 2, d_v=-1))], "KVCache")
-table("kvcache", raises(TE, VE, words=["dtype", "float32 or np.float64"]), [
+table("kvcache", raises(TE, VE, words=["dtype", "np.float32, np.float64, np.float16",
+                                      "'int8'"]), [
     ("dtype_complex", lambda: mhattn.KVCache(1, 2, 4, 2, dtype=complex)),
-    ("dtype_int", lambda: mhattn.KVCache(1, 2, 4, 2, dtype=np.int32))], "KVCache")
+    ("dtype_int", lambda: mhattn.KVCache(1, 2, 4, 2, dtype=np.int32)),
+    ("dtype_int4_string", lambda: mhattn.KVCache(1, 2, 4, 2, dtype="int4")),
+    ("dtype_uint8", lambda: mhattn.KVCache(1, 2, 4, 2, dtype=np.uint8)),
+    ("dtype_float16_swapped", lambda: mhattn.KVCache(1, 2, 4, 2, dtype=">f2"))], "KVCache")
+
+
+def stored_cache_step(dtype):
+    """A KV cache stored in float16, bfloat16 or int8 (issue 36): the
+    constructor's dtype, and a prefill and a decode step through it, which
+    compute in float32 and stay within the storage's rounding of the
+    float32 cache's steps."""
+    if dtype in ("bfloat16",):
+        needs("ml_dtypes")
+    c = mhattn.KVCache(1, 2, 8, 2, dtype=dtype)
+    ref = mhattn.KVCache(1, 2, 8, 2)
+    x, w = X.astype(np.float32), W.astype(np.float32)
+    for rows in (x[:2], x[2:]):
+        got = mha(rows, w, w, w, num_heads=2, causal=True, cache=c)
+        want = mha(rows, w, w, w, num_heads=2, causal=True, cache=ref)
+        assert got.dtype == np.float32 and np.abs(got - want).max() <= 0.05 * np.abs(
+            want).max(), (dtype, got, want)
+    assert c.key_storage.dtype == c.dtype and c.dtype.name == np.dtype(c.dtype).name
+    assert list(c.lengths) == [3] and c.nbytes < ref.nbytes
+    assert (c.key_scales is not None) == (c.dtype == np.int8)
+
+
+table("kvcache_stored", OK, [
+    ("float16", lambda: stored_cache_step(np.float16)),
+    ("float16_string", lambda: stored_cache_step("float16")),
+    ("bfloat16_string", lambda: stored_cache_step("bfloat16")),
+    ("int8_string", lambda: stored_cache_step("int8")),
+    ("int8_numpy", lambda: stored_cache_step(np.int8))], "KVCache")
+
+
+def stored_append(dtype, rows):
+    if "bfloat16" in (dtype, rows):
+        needs("ml_dtypes")
+        import ml_dtypes
+        rows = ml_dtypes.bfloat16 if rows == "bfloat16" else rows
+    c = mhattn.KVCache(2, 2, 4, 2, dtype=dtype)
+    c.append(np.ones((2, 2, 1, 2), rows), np.ones((2, 2, 1, 2), np.float32))
+
+
+table("kvcache_stored_append", raises(VE, words=["k_new", "int8", "float32"]), [
+    ("int8_rows", lambda: stored_append("int8", np.int8))], "KVCache.append")
+table("kvcache_stored_append", raises(VE, words=["k_new", "float16", "bfloat16"]), [
+    ("bfloat16_rows", lambda: stored_append(np.float16, "bfloat16"))], "KVCache.append")
+table("kvcache_stored_append", raises(VE, words=["k_new", "float64", "float16"]), [
+    ("float64_rows", lambda: stored_append(np.float16, np.float64))], "KVCache.append")
 ONE_ROW = np.ones((2, 2, 1, 2))
 
 

@@ -84,9 +84,12 @@ def test_copies_what_it_cannot_read():
     v = rng.standard_normal((2, 3, 9, 5))
     sc = np.full(3, 0.3)
     ref = _C.attention(q, k, v, sc, None, False, None, None, False, False, False, True)
+    # A byte-swapped v holding v's values (not v's bytes: the glue reads
+    # values, its copy made in native byte order).
+    swapped = v.astype(v.dtype.newbyteorder())
+    assert not swapped.dtype.isnative and np.array_equal(swapped, v)
     for qq, kk, vv in [(np.asfortranarray(q), k, v), (q, k[:, :, ::-1][:, :, ::-1], v),
-                       (q, k, v.astype(v.dtype.newbyteorder()).byteswap()
-                        .view(v.dtype.newbyteorder()))]:
+                       (q, k, swapped), (q.astype(q.dtype.newbyteorder()), k, v)]:
         got = _C.attention(qq, kk, vv, sc, None, False, None, None, False, False,
                            False, True)
         assert np.array_equal(got[0], ref[0]) and np.array_equal(got[2], ref[2])

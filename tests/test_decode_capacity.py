@@ -9,6 +9,10 @@ plans a decode's split of the keys from the keys held, never from the
 capacity (csrc/core/forward.c, attend_split_plan), so a decode also gives
 the bits of ``attention`` on its keys held contiguously.
 
+Caches stored in float16, bfloat16 and int8 (issue 36) keep the guarantee:
+their kernels widen the storage block by block as they read it, never
+depending on the capacity either.
+
 The full ranges are ``slow``; the quick loop runs the boundaries.
 """
 import numpy as np
@@ -69,10 +73,12 @@ def _step(cache, x, w, opts, t):
                                        cache=cache, causal=True, **opts)
 
 
-def _run(capacity, x, w, opts, upto):
+def _run(capacity, x, w, opts, upto, cache_dtype=None):
     """Every step's output, token by token from the first, in a cache of
-    ``capacity``: outs[T - 1] is the step that leaves T tokens held."""
-    cache = mhattn.KVCache(1, G, capacity, DK, dtype=x.dtype)
+    ``capacity`` (of x's dtype, or ``cache_dtype``): outs[T - 1] is the
+    step that leaves T tokens held."""
+    cache = mhattn.KVCache(1, G, capacity, DK,
+                           dtype=x.dtype if cache_dtype is None else cache_dtype)
     return cache, np.stack([_step(cache, x, w, opts, t) for t in range(upto)])
 
 
@@ -125,6 +131,36 @@ def test_capacity_changes_no_bit_up_to_5000(isa, dtype, name):
     boundaries."""
     ts = range(1, T_MAX + 1) if (name, dtype) == ("plain", np.float32) else BOUNDARIES
     _check_capacities(isa, dtype, name, T_MAX, ts)
+
+
+STORED = ("float16", "bfloat16", "int8")
+
+
+def _check_stored(cache_dtype, upto, caps, ts):
+    """A cache stored in cache_dtype (float32 steps, every option): caches
+    of capacity ``caps`` and of T and T + 1 for each T of ``ts`` give the
+    steps of a cache of 65536, bit for bit."""
+    if cache_dtype == "bfloat16":
+        pytest.importorskip("ml_dtypes")
+    x, w, opts = _problem(np.float32, "all")
+    _, ref = _run(65536, x, w, opts, upto, cache_dtype)
+    runs = [(cap, min(cap, upto)) for cap in caps]
+    runs += [(cap, T) for T in ts for cap in (T, T + 1)]
+    for cap, n in runs:
+        _, outs = _run(cap, x, w, opts, n, cache_dtype)
+        T = _first_differing(outs, ref[:n])
+        assert T is None, f"{cache_dtype}: capacity {cap} differs at T = {T}"
+
+
+@pytest.mark.parametrize("cache_dtype", STORED)
+def test_stored_caches_change_no_bit_with_the_capacity(isa, cache_dtype):
+    _check_stored(cache_dtype, 1100, (1024,), (1, 2, 64, 65, 1025))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cache_dtype", STORED)
+def test_stored_caches_change_no_bit_up_to_5000(isa, cache_dtype):
+    _check_stored(cache_dtype, T_MAX, CAPACITIES[:-1], (1023, 1024, 4095, 4096))
 
 
 # --- attention on a cache's storage equals attention on the keys held ---------

@@ -187,15 +187,16 @@ def test_a_schema_edit_makes_the_glue_tables_stale(tmp_path, capsys):
     _edit(root / gen_schema.SCHEMA, '"(B, Tq, Sq)", REQUIRED,\n        "forward()\'s kept q',
           '"(B, Tq, Sk)", REQUIRED,\n        "forward()\'s kept q')
     _edit(root / gen_schema.SCHEMA, '("k", " from q\'s B and dk")', '("k", " from q")')
-    _edit(root / gen_schema.SCHEMA, 'checks_x=("k", "v", "scales")',
-          'checks_x=("v", "k", "scales")')
+    _edit(root / gen_schema.SCHEMA, 'checks_x=("k", "v", "k_scales", "v_scales", "scales")',
+          'checks_x=("v", "k", "k_scales", "v_scales", "scales")')
     assert gen_schema.main(["--check", "--root", str(root)]) == 1
     out = capsys.readouterr().out
     assert f"stale: {gen_schema.ARGS_C}" in out and gen_schema.ARGS_H not in out
     gen_schema.main(["--root", str(root)])
     text = (root / gen_schema.ARGS_C).read_text()
     assert '{"q", ARG_ARRAY, SHAPE3(L_B, L_TQ, L_SK), 0, NULL}' in text
-    assert '" from q"}' in text and "{ATT_V, ATT_K, ATT_SCALES, -1}" in text
+    assert '" from q"}' in text
+    assert "{ATT_V, ATT_K, ATT_K_SCALES, ATT_V_SCALES, ATT_SCALES, -1}" in text
     _edit(root / gen_schema.SCHEMA, 'variants, lengths_aligned, "\n                 "out_bthd,',
           'variants, out_bthd, "\n                 "lengths_aligned,')
     gen_schema.main(["--root", str(root)])

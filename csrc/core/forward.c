@@ -67,7 +67,8 @@ static void attend_split_plan(mha_flash_ctx *ctx)
  * block once, in one more pool phase, pays when at least SHARE_READERS
  * tiles read it and the blocks fit in SHARE_MAX_BYTES; not with split-K
  * (tiles of few rows), a decode step's one-row tiles (they read K and V in
- * place), or a window (its tiles' blocks start anywhere, not at multiples
+ * place), a KV cache in half or int8 storage (its tiles widen their
+ * blocks), or a window (its tiles' blocks start anywhere, not at multiples
  * of BK). Only the time depends on this: a tile uses a shared block only
  * where it would have packed the same one.
  */
@@ -88,7 +89,8 @@ static int attend_share(mha_flash_ctx *ctx, const mha_kernels *kern, size_t real
     *raw = NULL;
     const size_t readers = cfg->H / cfg->G * ctx->nqb;
     const int mode = atomic_load(&g_share);
-    if (mode == 0 || ctx->nparts > 1 || cfg->windowed || cfg->Tk == 0 ||
+    // A half or int8 cache's blocks are widened by the tiles (flash.inc).
+    if (mode == 0 || ctx->nparts > 1 || cfg->windowed || cfg->Tk == 0 || ctx->kv_storage ||
         (ctx->decode && cfg->Tq == 1) || (mode == 1 && readers < SHARE_READERS))
         return 0;
     const size_t nkb = (cfg->Tk + kern->flash_bk - 1) / kern->flash_bk;

@@ -298,6 +298,49 @@ static int PICK(attend_extent_ok_f32, attend_extent_ok_f64)(const mha_strides *s
     return a <= MHA_MAX_ELEMS;
 }
 
+/* The KV cache storage of mha_attend (mha.h, mha_kv_storage): a known
+   kind; half or int8 only on a float32 call (the kernels widen to float32);
+   int8 with both scales (when there are keys) and within bounds at their
+   strides; the scales with int8 alone. */
+static mha_status PICK(attend_check_kv_f32, attend_check_kv_f64)(const mha_params *prm,
+                                                                 const mha_config *cfg,
+                                                                 mha_error *err)
+{
+    static const char *const names[] = {"MHA_KV_PLAIN", "MHA_KV_F16", "MHA_KV_BF16",
+                                        "MHA_KV_I8"};
+    const unsigned kind = (unsigned)prm->kv_storage;
+    if (kind > MHA_KV_I8)
+        return mha_reject(err, MHA_ERR_ARG, MHA_FIELD_PARAMS,
+                          "kv_storage = %u is none of MHA_KV_PLAIN, MHA_KV_F16, "
+                          "MHA_KV_BF16, MHA_KV_I8", kind);
+    if (kind != MHA_KV_PLAIN && MHA_DTYPE != MHA_DTYPE_F32)
+        return mha_reject(err, MHA_ERR_ARG, MHA_FIELD_PARAMS,
+                          "kv_storage = %s needs dtype MHA_DTYPE_F32 (the kernels widen "
+                          "it to float32), not MHA_DTYPE_F64", names[kind]);
+    const int int8 = kind == MHA_KV_I8;
+    if (!int8 && (prm->k_scale != NULL || prm->v_scale != NULL))
+        return mha_reject(err, MHA_ERR_ARG, MHA_FIELD_PARAMS,
+                          "%s is given, but kv_storage = %s holds no int8 (scales are "
+                          "MHA_KV_I8's alone)", prm->k_scale != NULL ? "k_scale" : "v_scale",
+                          names[kind]);
+    if (!int8)
+        return MHA_OK;
+    const int keys = cfg->B * cfg->Tk != 0;
+    if ((prm->k_scale == NULL || prm->v_scale == NULL) && keys)
+        return mha_reject(err, MHA_ERR_ARG, MHA_FIELD_PARAMS,
+                          "%s is NULL, but kv_storage = MHA_KV_I8 needs it (one scale per "
+                          "key and kv head)", prm->k_scale == NULL ? "k_scale" : "v_scale");
+    const mha_strides *st[2] = {&prm->sks, &prm->svs};
+    for (int i = 0; i < 2; i++)
+        if (!PICK(attend_extent_ok_f32, attend_extent_ok_f64)(st[i], cfg->B, cfg->G,
+                                                               cfg->Tk, 1))
+            return mha_reject(err, MHA_ERR_SIZE, MHA_FIELD_PARAMS,
+                              "%s at strides (sb, sh, st) = (%zu, %zu, %zu) reaches past "
+                              "MHA_MAX_ELEMS", i ? "v_scale" : "k_scale", st[i]->sb,
+                              st[i]->sh, st[i]->st);
+    return MHA_OK;
+}
+
 /* mha_attend's checks: *lc = cfg with the projections' sizes ignored, as
    mha_check_config then checks it; q/k transforms off; every kv head the
    same widths; the buffers there and their extents within bounds. */
@@ -314,6 +357,8 @@ static mha_status PICK(attend_check_f32, attend_check_f64)(mha_config *lc,
     if (st != MHA_OK)
         return st;
     if ((st = mha_check_no_qk(cfg, err)) != MHA_OK)
+        return st;
+    if ((st = PICK(attend_check_kv_f32, attend_check_kv_f64)(prm, cfg, err)) != MHA_OK)
         return st;
     const size_t dk = cfg->dk[0], dv = cfg->dv[0];
     for (size_t g = 1; g < cfg->G; g++)
@@ -353,7 +398,9 @@ static mha_status PICK(mha_attend_f32, mha_attend_f64)(const mha_config *cfg,
     // out (B, H, Tq, dv) at so; weights (B, H, Tq, Tk), lse (B, H, Tq)
     // contiguous; q (B, H, Tq, dk) at sq; k, v (B, G, Tk, dk | dv) at sk, sv.
     REAL *out = prm->out, *weights = prm->weights, *lse = prm->lse;
-    const REAL *q = prm->q, *k = prm->k, *v = prm->v;
+    // k, v: elements of prm->kv_storage (REAL, or a cache's half or int8).
+    const REAL *q = prm->q;
+    const void *k = prm->k, *v = prm->v;
     const mha_strides *sq = &prm->sq, *sk = &prm->sk, *sv = &prm->sv, *so = &prm->so;
     mha_config lc;
     mha_status st = PICK(attend_check_f32, attend_check_f64)(&lc, prm, cfg, err);
@@ -377,6 +424,8 @@ static mha_status PICK(mha_attend_f32, mha_attend_f64)(const mha_config *cfg,
         .qoff = off, .cvoff = off + H, .koff = off + 2 * H, .voff = off + 2 * H + G,
         .q = q, .k = k, .v = v, .cat = out, .weights = weights, .lse = lse,
         .decode = weights == NULL,
+        .kv_storage = prm->kv_storage, .k_scale = prm->k_scale, .v_scale = prm->v_scale,
+        .sks = prm->sks, .svs = prm->svs,
     };
     st = attend(&fctx, mha_kernels_for(mha_get_isa(), MHA_F64), sizeof(REAL),
                 PICK(attend_merge_task_f32, attend_merge_task_f64));

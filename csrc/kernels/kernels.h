@@ -108,6 +108,18 @@ typedef struct {
     void *kv;
     unsigned char *kv_bad;
     size_t nkb, kv_stride, kv_vp_off;
+    /* A KV cache's storage (mha_params.kv_storage, mha_attend, float
+       tables only): k and v hold float16 or bfloat16 bits, or int8 with
+       one float scale per (b, g, key) at k_scale + b sks.sb + g sks.sh +
+       j sks.st (v_scale, svs likewise); the offsets and strides above
+       count their elements. Each tile widens the key rows it reads, a
+       block at a time, into its scratch (flash.inc, flash_widen_rows)
+       and computes on them as on float32 rows: the same bits as float32
+       k, v holding the widened values. MHA_KV_PLAIN: k, v of the table's
+       type, read in place. */
+    mha_kv_storage kv_storage;
+    const float *k_scale, *v_scale;
+    mha_strides sks, svs;
     atomic_int stop;              /* set once cfg->interrupt was seen  */
 } mha_flash_ctx;
 

@@ -47,6 +47,8 @@
 #define SPEC_LENGTHS_ALIGNED {.name = "lengths_aligned", .kind = ARG_BOOL}
 #define SPEC_OUT_BTHD {.name = "out_bthd", .kind = ARG_BOOL}
 #define SPEC_WANT_LSE {.name = "want_lse", .kind = ARG_BOOL}
+#define SPEC_K_SCALES {"k_scales", ARG_ARRAY_OPT, SHAPE3(L_B, L_G, L_TK), 0, NULL}
+#define SPEC_V_SCALES {"v_scales", ARG_ARRAY_OPT, SHAPE3(L_B, L_G, L_TK), 0, NULL}
 #define SPEC_DOUT_ABW {"dout", ARG_ARRAY, SHAPE4(L_B, L_H, L_TQ, L_DV), 0, NULL}
 #define SPEC_K_ABW {"k", ARG_ARRAY, SHAPE4(L_B, L_G, L_TK, L_DK), 0, NULL}
 #define SPEC_V_ABW {"v", ARG_ARRAY, SHAPE4(L_B, L_G, L_TK, L_DV), 0, NULL}
@@ -113,10 +115,12 @@ const shape backward_outs[BWD_NOUTS] = {SHAPE3(L_B, L_TQ, L_DIN), SHAPE3(L_B, L_
 
 const arg_spec attention_args[ATT_NARGS] = {SPEC_Q_ATT, SPEC_K_ATT, SPEC_V_ATT,
     SPEC_SCALES_ATT, SPEC_MASK, SPEC_CAUSAL, SPEC_KEY_LENGTHS, SPEC_VARIANTS,
-    SPEC_LENGTHS_ALIGNED, SPEC_OUT_BTHD, SPEC_WANT_WEIGHTS, SPEC_WANT_LSE};
-const int attention_checks_x[] = {ATT_K, ATT_V, ATT_SCALES, -1};
+    SPEC_LENGTHS_ALIGNED, SPEC_OUT_BTHD, SPEC_WANT_WEIGHTS, SPEC_WANT_LSE, SPEC_K_SCALES,
+    SPEC_V_SCALES};
+const int attention_checks_x[] = {ATT_K, ATT_V, ATT_K_SCALES, ATT_V_SCALES, ATT_SCALES, -1};
 const param_slot attention_params[] = {OUT(ATT_OUT, out), OUT(ATT_WEIGHTS, weights),
-    OUT(ATT_LSE, lse), IN(ATT_Q, q), IN(ATT_K, k), IN(ATT_V, v), {-1, 0, 0}};
+    OUT(ATT_LSE, lse), IN(ATT_Q, q), IN(ATT_K, k), IN(ATT_V, v), IN(ATT_K_SCALES, k_scale),
+    IN(ATT_V_SCALES, v_scale), {-1, 0, 0}};
 const shape attention_outs[2][ATT_NOUTS] = {
     {SHAPE4(L_B, L_H, L_TQ, L_DV), SHAPE4(L_B, L_H, L_TQ, L_TK), SHAPE3(L_B, L_H, L_TQ)},
     {SHAPE4(L_B, L_TQ, L_H, L_DV), SHAPE4(L_B, L_H, L_TQ, L_TK), SHAPE3(L_B, L_H, L_TQ)},

@@ -36,10 +36,11 @@ enum { BWD_DX, BWD_DKEY, BWD_DVALUE, BWD_DWQ, BWD_DWK, BWD_DWV, BWD_DWO, BWD_DBQ
 
 /* attention() */
 enum { ATT_Q, ATT_K, ATT_V, ATT_SCALES, ATT_MASK, ATT_CAUSAL, ATT_KEY_LENGTHS, ATT_VARIANTS,
-    ATT_LENGTHS_ALIGNED, ATT_OUT_BTHD, ATT_WANT_WEIGHTS, ATT_WANT_LSE, ATT_NARGS };
+    ATT_LENGTHS_ALIGNED, ATT_OUT_BTHD, ATT_WANT_WEIGHTS, ATT_WANT_LSE, ATT_K_SCALES,
+    ATT_V_SCALES, ATT_NARGS };
 enum { ATT_OUT, ATT_WEIGHTS, ATT_LSE, ATT_NOUTS };
 #define ATTENTION_SPEC_ARGS .name = "attention", .nargs = ATT_NARGS, \
-    .args = attention_args, .nopt = 0, .checks_x = attention_checks_x, \
+    .args = attention_args, .nopt = 2, .checks_x = attention_checks_x, \
     .checks_widths = NULL, .x = ATT_Q, .key = ATT_K, .value = ATT_V, .wo = ARG_NONE, \
     .dk = ARG_NONE, .dv = ARG_NONE, .scales = ATT_SCALES, .mask = ATT_MASK, \
     .causal = ATT_CAUSAL, .key_lengths = ATT_KEY_LENGTHS, .variants = ATT_VARIANTS, \

@@ -46,6 +46,18 @@ static int attention_sizes(call *c, const call_spec *sp)
                                  (size_t)(PyArray_STRIDE(a, 1) / item),
                                  (size_t)(PyArray_STRIDE(a, 2) / item)};
     }
+    // An int8 cache's scales (B, G, Tk): strides over (B, G) and between
+    // keys; whether they go with k's storage is the core's rule.
+    for (int i = 0; i < 2; i++) {
+        PyArrayObject *a = c->in[ATT_K_SCALES + i];
+        c->st[4 + i] = (mha_strides){0, 0, 0};
+        if (a == NULL)
+            continue;
+        const npy_intp item = PyArray_ITEMSIZE(a);
+        c->st[4 + i] = (mha_strides){(size_t)(PyArray_STRIDE(a, 0) / item),
+                                     (size_t)(PyArray_STRIDE(a, 1) / item),
+                                     (size_t)(PyArray_STRIDE(a, 2) / item)};
+    }
     return uniform_widths(c, G, n[L_DK], n[L_DV]);
 }
 
@@ -85,6 +97,7 @@ static PyObject *attention_result(call *c)
 /* mha_attend checks its own config (.checked 0): no projections. */
 static const call_spec attention_spec = {
     ATTENTION_SPEC_ARGS, .layout = LAYOUT_STRIDED, .broadcast_mask = 1, .has_wo = 1, .checked = 0,
+    .kv_storage = 1,
     .sizes = attention_sizes, .check = NULL, .finish = NULL,
     .outputs = attention_outputs, .work = attention_work, .core = attention_core,
     .result = attention_result,

@@ -102,24 +102,52 @@ static int as_c_array(PyArrayObject **res, PyObject *obj, const char *name,
     return 0;
 }
 
-/* *res = a itself when its strides over (B, heads, T) are non-negative
-   multiples of its item size and its last axis is contiguous, and it is
-   aligned and native (the core reads it in place), else a C-contiguous
-   copy. */
+/* *res = a itself when its strides over its leading axes ((B, heads, T)
+   of a 4-D array, (B, G, Tk) but the last of a cache's 3-D scales) are
+   non-negative multiples of its item size and its last axis is
+   contiguous, and it is aligned and native (the core reads it in place),
+   else a C-contiguous copy in native byte order. */
 static int as_strided(PyArrayObject **res, PyArrayObject *a)
 {
     const npy_intp item = PyArray_ITEMSIZE(a);
+    const int last = PyArray_NDIM(a) - 1;
     int in_place = PyArray_ISALIGNED(a) && PyArray_ISNOTSWAPPED(a) &&
-                   (PyArray_DIM(a, 3) <= 1 || PyArray_STRIDE(a, 3) == item);
-    for (int d = 0; d < 3; d++)
+                   (PyArray_DIM(a, last) <= 1 || PyArray_STRIDE(a, last) == item);
+    for (int d = 0; d < last; d++)
         in_place &= PyArray_STRIDE(a, d) >= 0 && PyArray_STRIDE(a, d) % item == 0;
     if (in_place) {
         Py_INCREF(a);
         *res = a;
         return 0;
     }
-    *res = (PyArrayObject *)PyArray_NewCopy(a, NPY_CORDER);
+    // The copy in native byte order: a byte-swapped array's elements
+    // would otherwise reach the core swapped.
+    PyArray_Descr *native = PyArray_DescrNewByteorder(PyArray_DESCR(a), NPY_NATIVE);
+    if (native == NULL)
+        return -1;
+    *res = (PyArrayObject *)PyArray_FromArray(
+        a, native, NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED | NPY_ARRAY_ENSURECOPY);
     return *res == NULL ? -1 : 0;
+}
+
+/* What a KV cache's storage array holds (mha_kv_storage): float16 is
+   NumPy's own; bfloat16 a user dtype (ml_dtypes registers it) known by
+   its scalar type's name, so the glue imports no ml_dtypes; int8. -1 for
+   anything else. */
+int kv_storage_of(PyArrayObject *a)
+{
+    PyArray_Descr *d = PyArray_DESCR(a);
+    if (PyArray_TYPE(a) == NPY_HALF)
+        return MHA_KV_F16;
+    if (PyArray_TYPE(a) == NPY_INT8)
+        return MHA_KV_I8;
+    if (PyArray_TYPE(a) >= NPY_USERDEF && PyDataType_ELSIZE(d) == 2) {
+        /* tp_name is "ml_dtypes.bfloat16" (or a bare "bfloat16") */
+        const char *name = d->typeobj->tp_name, *dot = strrchr(name, '.');
+        if (strcmp(dot != NULL ? dot + 1 : name, "bfloat16") == 0)
+            return MHA_KV_BF16;
+    }
+    return -1;
 }
 
 static int is_vector(arg_kind kind)
@@ -158,11 +186,27 @@ static int convert_array(call *c, const call_spec *sp, int pos)
         return -1;
     }
     PyArrayObject *arr = (PyArrayObject *)obj;
-    if (PyArray_TYPE(arr) != c->typenum) {
-        PyErr_Format(PyExc_TypeError, "%s: expected dtype %s (the dtype of %s), got %R",
+    const int kv_role = sp->kv_storage && (pos == sp->key || pos == sp->value);
+    const int kind = kv_role && c->typenum == NPY_FLOAT ? kv_storage_of(arr) : -1;
+    if (PyArray_TYPE(arr) != c->typenum && kind < 0) {
+        PyErr_Format(PyExc_TypeError, "%s: expected dtype %s (the dtype of %s)%s, got %R",
                      a->name, dtype_name(c->typenum), sp->args[sp->x].name,
+                     kv_role ? ", or a KV cache's float16, bfloat16 or int8 with float32 q"
+                             : "",
                      (PyObject *)PyArray_DESCR(arr));
         return -1;
+    }
+    if (kv_role) {   // k and v hold one storage (k is converted first)
+        const int got = kind < 0 ? MHA_KV_PLAIN : kind;
+        if (pos == sp->key) {
+            c->kv = (mha_kv_storage)got;
+        } else if (got != (int)c->kv) {
+            PyErr_Format(PyExc_TypeError, "%s: dtype %S, but %s has dtype %S: k and v "
+                         "must be stored alike", a->name, (PyObject *)PyArray_DESCR(arr),
+                         sp->args[sp->key].name,
+                         (PyObject *)PyArray_DESCR((PyArrayObject *)c->arg[sp->key].obj));
+            return -1;
+        }
     }
     if (PyArray_NDIM(arr) != nd) {
         PyObject *g = dims_tuple(PyArray_NDIM(arr), PyArray_DIMS(arr));

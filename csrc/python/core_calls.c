@@ -68,11 +68,13 @@ mha_status project_core(call *c)
 }
 
 /* q, k, v read in place with the strides the converter recorded (c->st),
-   out written with those of its layout. */
+   out written with those of its layout; k and v as the call's storage
+   (c->kv: a KV cache's half or int8, with the scales' strides). */
 mha_status attention_core(call *c)
 {
     mha_params prm = params_of(c, attention_params);
     prm.sq = c->st[0], prm.sk = c->st[1], prm.sv = c->st[2], prm.so = c->st[3];
+    prm.kv_storage = c->kv, prm.sks = c->st[4], prm.svs = c->st[5];
     return mha_attend(&c->cfg, &prm, &c->err);
 }
 

@@ -114,12 +114,15 @@
 
 #define ATTENTION_DOC \
     "attention(q, k, v, scales, mask, causal, key_lengths, variants,\n" \
-    "          lengths_aligned, out_bthd, want_weights, want_lse)\n" \
+    "          lengths_aligned, out_bthd, want_weights, want_lse, k_scales=None,\n" \
+    "          v_scales=None)\n" \
     "--\n" \
     "\n" \
     "Attention on tensors already projected (low level; see mhattn.attention; the\n" \
-    "core's mha_attend). q, k, v are 4-D of one dtype; any non-negative strides\n" \
-    "with a contiguous last axis are read in place, anything else is copied. The\n" \
+    "core's mha_attend). q, k, v are 4-D of one dtype, or, with float32 q, k and\n" \
+    "v a KV cache's float16, bfloat16 or int8 storage (int8 with k_scales and\n" \
+    "v_scales), widened in the kernels; any non-negative strides with a\n" \
+    "contiguous last axis are read in place, anything else is copied. The\n" \
     "variants' q/k transforms must be off." \
     "\n" \
     "\n" \
@@ -128,6 +131,9 @@
     "out_bthd: out (B, Tq, H, dv) instead of (B, H, Tq, dv).\n" \
     ARG_DOC_WANT_WEIGHTS \
     "want_lse: Also return lse (B, H, Tq).\n" \
+    "k_scales (B, G, Tk): None, or with int8 k and v (a KV cache's) the keys'\n" \
+    "    float32 scales.\n" \
+    "v_scales (B, G, Tk): None, or with int8 k and v the values' float32 scales.\n" \
     "\n" \
     "Returns (out, weights or None, lse or None): out (B, H, Tq, dv), or with\n" \
     "out_bthd (B, Tq, H, dv), C-contiguous; weights (B, H, Tq, Tk); lse (B, H,\n" \

@@ -147,7 +147,10 @@ typedef struct {
                                          function's table says; NULL if
                                          unwanted */
     npy_intp size[N_LETTERS];         /* the call's sizes, by letter */
-    mha_strides st[4];                /* LAYOUT_STRIDED: q, k, v, out */
+    mha_strides st[6];                /* LAYOUT_STRIDED: q, k, v, out, and
+                                         attention's k_scales, v_scales */
+    mha_kv_storage kv;                /* what k and v hold (call_spec
+                                         kv_storage; else MHA_KV_PLAIN) */
     /* Glue-owned snapshots of the index-bearing vectors, taken while the
        GIL is held: the core never reads a caller's dk, dv, scales or
        key_lengths, which another thread may change during the call. */
@@ -186,6 +189,9 @@ struct call_spec {
     int variants, lengths_aligned;
     int broadcast_mask;     /* the mask may broadcast to (B, H, Tq, Tk) */
     int has_wo;             /* cfg.has_wo when there is no wo argument */
+    int kv_storage;         /* key and value may be a KV cache's float16,
+                               bfloat16 or int8 storage with a float32
+                               call (call.kv, convert.c) */
     int checked;            /* mha_check_config checks the config first */
     /* the family's steps, in the order the skeleton runs them: each
        returns -1 with an exception set on failure; check and finish may be
@@ -224,6 +230,7 @@ _Static_assert(sizeof(mha_params) <= 65535, "a param_slot's offset fits");
 #include "args_gen.h"
 
 /* ---- convert.c: the one array converter, shapes, masks, lengths --------- */
+int kv_storage_of(PyArrayObject *a);
 int check_shape(PyArrayObject *a, const char *name, int nd, const npy_intp *want,
                 const char *letters);
 void prefix_error(const char *name);

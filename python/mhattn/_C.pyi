@@ -140,12 +140,18 @@ def attention(
     out_bthd: bool,  # out (B, Tq, H, dv) instead of (B, H, Tq, dv).
     want_weights: bool,  # Also return the weights (B, H, Tq, Tk).
     want_lse: bool,  # Also return lse (B, H, Tq).
+    # (B, G, Tk): None, or with int8 k and v (a KV cache's) the keys' float32 scales.
+    k_scales: Optional[_Float] = None,
+    # (B, G, Tk): None, or with int8 k and v the values' float32 scales.
+    v_scales: Optional[_Float] = None,
 ) -> Tuple[_Float, Optional[_Float], Optional[_Float]]:
     """Attention on tensors already projected (low level; see
     mhattn.attention; the core's mha_attend). q, k, v are 4-D of one
-    dtype; any non-negative strides with a contiguous last axis are read
-    in place, anything else is copied. The variants' q/k transforms must
-    be off.
+    dtype, or, with float32 q, k and v a KV cache's float16, bfloat16 or
+    int8 storage (int8 with k_scales and v_scales), widened in the
+    kernels; any non-negative strides with a contiguous last axis are
+    read in place, anything else is copied. The variants' q/k transforms
+    must be off.
 
     Returns (out, weights or None, lse or None): out (B, H, Tq, dv), or
     with out_bthd (B, Tq, H, dv), C-contiguous; weights (B, H, Tq, Tk);

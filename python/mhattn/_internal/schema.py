@@ -369,12 +369,19 @@ is -inf in every part stays lse -inf, out 0."""),
     Arg("d_k", ("KVCache",), "int", "", "", REQUIRED, "dk, the keys' head width.",
         type="int", text="Head widths of the keys and values; d_v defaults to d_k."),
     Arg("d_v", ("KVCache",), "int", "", "", "None", "dv, the values' head width; default dk."),
-    Arg("dtype", ("KVCache",), "dtype", "", "", "np.float32", "float32 or float64.",
-        type="np.float32 (default) or np.float64"),
+    Arg("dtype", ("KVCache",), "dtype", "", "", "np.float32",
+        "float32, float64, float16, bfloat16 or 'int8': the storage.",
+        type="np.float32 (default), np.float64, np.float16, ml_dtypes.bfloat16 or \"int8\"",
+        text="""\
+The storage's dtype ("float16" and "bfloat16" are also taken).  A
+float16, bfloat16 or int8 cache computes in float32 and stores each
+appended row rounded once to nearest even (half), or quantised
+(int8: one float32 scale per token and kv head, see Notes)."""),
     Arg("k_new", ("KVCache.append",), "array", "T", "(B, G, Tnew, dk)", REQUIRED,
-        "The new keys.", type="(B, G, T_new, d_k), of the cache's dtype"),
+        "The new keys.",
+        type="(B, G, T_new, d_k), of the cache's dtype (or float32 for a half or int8 cache)"),
     Arg("v_new", ("KVCache.append",), "array", "T", "(B, G, Tnew, dv)", REQUIRED,
-        "The new values.", type="(B, G, T_new, d_v), of the cache's dtype"),
+        "The new values.", type="(B, G, T_new, d_v), as k_new"),
     Arg("lengths", ("KVCache.append",), "array?", "int64", "(B,)", "None",
         "A ragged append: the new rows each sequence takes.",
         type="(B,) ints in [0, T_new], optional",
@@ -607,6 +614,12 @@ C_ARGS = (
         "The keys, any strides.", c_kind="ARG_ARRAY", c_field="k, sk"),
     Arg("v", (_AT, _ABW), "array", "T", "(B, G, Tk, dv)", REQUIRED,
         "The values, any strides.", c_kind="ARG_ARRAY", c_field="v, sv"),
+    Arg("k_scales", (_AT,), "array?", "float32", "(B, G, Tk)", "None",
+        "None, or with int8 k and v (a KV cache's) the keys' float32 scales.",
+        c_kind="ARG_ARRAY_OPT", c_field="k_scale, sks"),
+    Arg("v_scales", (_AT,), "array?", "float32", "(B, G, Tk)", "None",
+        "None, or with int8 k and v the values' float32 scales.",
+        c_kind="ARG_ARRAY_OPT", c_field="v_scale, svs"),
     Arg("dout", (_ABW,), "array", "T", "(B, H, Tq, dv)", REQUIRED, "dL/dout, any strides.",
         c_kind="ARG_ARRAY", c_field="dout"),
     Arg("out", (_ABW,), "array", "T", "(B, H, Tq, dv)", REQUIRED, "attention()'s out.",
@@ -732,7 +745,9 @@ C_FUNCTIONS: Dict[str, CFunction] = {
         "METH_FASTCALL | METH_KEYWORDS",
         "Tuple[_Float, Optional[_Float], Optional[_Float]]",
         "Attention on tensors already projected (low level; see mhattn.attention; "
-        "the core's mha_attend). q, k, v are 4-D of one dtype; any non-negative "
+        "the core's mha_attend). q, k, v are 4-D of one dtype, or, with float32 q, "
+        "k and v a KV cache's float16, bfloat16 or int8 storage (int8 with "
+        "k_scales and v_scales), widened in the kernels; any non-negative "
         "strides with a contiguous last axis are read in place, anything else is "
         "copied. The variants' q/k transforms must be off.",
         "Returns (out, weights or None, lse or None): out (B, H, Tq, dv), or with "
@@ -740,7 +755,7 @@ C_FUNCTIONS: Dict[str, CFunction] = {
         "(B, H, Tq), natural log, -inf for a fully masked row.",
         prefix="ATT", table_shapes=_ARRAYS + ("ARG_FLOAT64",),
         notes=(("k", " from q's B and dk"), ("v", " from k"), ("scales", " from q")),
-        checks_x=("k", "v", "scales")),
+        checks_x=("k", "v", "k_scales", "v_scales", "scales")),
     "attention_backward": CFunction(
         "METH_FASTCALL | METH_KEYWORDS",
         "Tuple[_Float, _Float, _Float, Optional[_Float]]",
@@ -809,7 +824,7 @@ _C_PARAMS = {
                 "scales, mask, causal, key_lengths, variants, want_bq, want_bk, want_bv, "
                 "want_bo",
     "attention": "q, k, v, scales, mask, causal, key_lengths, variants, lengths_aligned, "
-                 "out_bthd, want_weights, want_lse",
+                 "out_bthd, want_weights, want_lse, k_scales, v_scales",
     "attention_backward": "dout, q, k, v, out, lse, scales, mask, causal, key_lengths, "
                           "variants, lengths_aligned",
     "project": "x, key, value, wq, wk, wv, bq, bk, bv, dk, dv, scales, variants, packed",
@@ -915,6 +930,7 @@ _OUTS = "Outputs of the forward, and what the backward reads back"
 _PROJ = "Inputs of the projections (F, B, P)"
 _GRADS = "The backward's (B, AB) upstream gradient and gradients"
 _STR = "mha_attend's strides (A only)"
+_KV = "A KV cache's storage (A only; mha.h, mha_kv_storage)"
 
 
 def _io(ops, io, *shapes_and_names):
@@ -968,7 +984,18 @@ PARAMS: Tuple[Field, ...] = tuple(
         ("dq_norm", "shaped as cfg->q_norm"), ("dk_norm", "shaped as cfg->k_norm"))]
     + [Field(n, "mha_strides", _STR, u) for n, u in _io("A", "reads",
         ("sq", "the strides of q"), ("sk", "those of k"), ("sv", "those of v"),
-        ("so", "those of out"))])
+        ("so", "those of out"))]
+    + [Field("kv_storage", "mha_kv_storage", _KV, (Use("A", "reads",
+             "what k and v hold: MHA_KV_PLAIN (0), elements of dtype; or, with dtype "
+             "MHA_DTYPE_F32, MHA_KV_F16, _BF16 (uint16_t bits) or _I8 (int8_t, with "
+             "k_scale and v_scale), widened to float32 as the kernels read them"),))]
+    + [Field(n, "const void *", _KV, u) for n, u in _io("A", "reads",
+        ("k_scale", "(B, G, Tk) float at strides sks, with MHA_KV_I8: key (b, g, j) "
+                    "is k_scale[..] * its int8 values"),
+        ("v_scale", "(B, G, Tk) float at strides svs, likewise for v"))]
+    + [Field(n, "mha_strides", _KV, u) for n, u in _io("A", "reads",
+        ("sks", "the strides of k_scale (st: between keys)"),
+        ("svs", "those of v_scale"))])
 
 
 # mha_field (csrc/mha.h), the ids by which mha_error names what a rejected

@@ -9,6 +9,11 @@ attends from the new queries over each sequence's cached keys
 (``_C.attention`` on the storage itself, aligned bottom-right per sequence),
 then applies W^O.  Letters follow ``csrc/mha.h``.
 
+A cache may store its keys and values in float16, bfloat16 or int8 (issue
+36) and compute in float32: rows are rounded (or quantised) once, as they
+are appended, and ``_C.attention`` reads the storage itself, each key block
+widened by the kernel that reads it (csrc/mha.h, ``mha_kv_storage``).
+
 One lock per cache makes each append, reset and cached step atomic: the
 lengths are read, the rows written, the lengths bumped and (in a step) the
 rows attended with the lock held, so that no two writes share an offset and
@@ -26,6 +31,7 @@ from .._internal import core
 from .._internal.args import (_to_array, bool_arg, check_memory, memory_limit, normalize,
                               plan)
 from .._internal.core import _fused_bias, head_arrays, variant_args
+from .._internal.half import bfloat16_dtype, is_bfloat16, is_half, narrow, narrow_like
 
 __all__ = ["KVCache", "cached_step"]
 
@@ -37,9 +43,18 @@ def _size(name: str, value: Any) -> int:
     return int(value)
 
 
+_F32, _F64, _F16, _I8 = (np.dtype(t) for t in (np.float32, np.float64, np.float16, np.int8))
+_DTYPES = ("np.float32, np.float64, np.float16, ml_dtypes.bfloat16 or 'int8' (or the "
+           "strings 'float16', 'bfloat16')")
+
+
 def _dtype(dtype: Any) -> np.dtype:
-    """float32 or float64, native; ValueError naming ``dtype`` otherwise."""
+    """The storage's dtype: float32, float64, float16, bfloat16 or int8,
+    native; ValueError naming ``dtype`` otherwise (ImportError for
+    "bfloat16" without ml_dtypes)."""
     dt = None
+    if isinstance(dtype, str) and dtype == "bfloat16":
+        return bfloat16_dtype()
     # np.dtype(None) is float64: a None meant as "the default" would get the
     # wrong one, so it is refused with the other non-dtypes.
     if dtype is not None:
@@ -47,18 +62,44 @@ def _dtype(dtype: Any) -> np.dtype:
             dt = np.dtype(dtype)
         except (TypeError, ValueError, SyntaxError):
             pass
-    if dt is not None and dt in (np.dtype(np.float32), np.dtype(np.float64)):
+    if dt is not None and (dt in (_F32, _F64, _F16, _I8) or
+                           (is_bfloat16(dt) and dt.isnative)):
         return dt
     got = repr(dtype) if dt is None else str(dt)
-    raise ValueError(f"dtype: expected np.float32 or np.float64, got {got}")
+    raise ValueError(f"dtype: expected {_DTYPES}, got {got}")
 
 
-def _storage_items(B: int, G: int, C: int, dk: int, dv: int, itemsize: int) -> list:
+def _storage_items(B: int, G: int, C: int, dk: int, dv: int, itemsize: int,
+                   scales: bool = False) -> list:
     """What a KVCache allocates, as check_memory items (its nbytes)."""
-    return [("the key storage", "batch*num_kv_heads*capacity*d_k", (B, G, C, dk), itemsize),
-            ("the value storage", "batch*num_kv_heads*capacity*d_v", (B, G, C, dv),
-             itemsize),
-            ("the lengths", "batch", (B,), 8)]
+    items = [("the key storage", "batch*num_kv_heads*capacity*d_k", (B, G, C, dk), itemsize),
+             ("the value storage", "batch*num_kv_heads*capacity*d_v", (B, G, C, dv),
+              itemsize)]
+    if scales:
+        items += [("the key scales", "batch*num_kv_heads*capacity", (B, G, C), 4),
+                  ("the value scales", "batch*num_kv_heads*capacity", (B, G, C), 4)]
+    return items + [("the lengths", "batch", (B,), 8)]
+
+
+def _quantise(x: np.ndarray):
+    """int8 rows of float32 ``x`` (..., d) and their float32 scales (...):
+    symmetric, one scale per row, scale = max|row| / 127 and q = x / scale
+    rounded to nearest even, clamped to [-127, 127] (as llama.cpp's q8_0
+    rows).  An all-zero row has scale 0 (q 0); a row holding a NaN or an
+    infinity has scale NaN and q 0, so that it reads back as NaN (as a
+    float32 cache would give NaN scores for it).  A row whose scale
+    underflows to 0 takes the smallest subnormal instead."""
+    x = np.asarray(x, _F32)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        amax = np.max(np.abs(x), axis=-1)
+        scale = amax / np.float32(127)
+        finite = np.isfinite(scale)
+        scale = np.where((scale == 0) & (amax > 0),
+                         np.finfo(np.float32).smallest_subnormal, scale)
+        safe = np.where(finite & (scale > 0), scale, np.float32(1)).astype(_F32)
+        q = np.clip(np.rint(x / safe[..., np.newaxis]), -127, 127)
+        q = np.where(finite[..., np.newaxis], q, 0).astype(np.int8)
+    return q, np.where(finite, scale, np.float32(np.nan)).astype(_F32)
 
 
 class KVCache:
@@ -76,24 +117,58 @@ class KVCache:
         The most keys any one sequence may hold.
     d_k, d_v : int
         Head widths of the keys and values; d_v defaults to d_k.
-    dtype : np.float32 (default) or np.float64
+    dtype : np.float32 (default), np.float64, np.float16, ml_dtypes.bfloat16 or "int8"
+        The storage's dtype ("float16" and "bfloat16" are also taken).  A
+        float16, bfloat16 or int8 cache computes in float32 and stores each
+        appended row rounded once to nearest even (half), or quantised
+        (int8: one float32 scale per token and kv head, see Notes).
 
     Attributes
     ----------
-    key_storage : (B, G, capacity, d_k) array
+    key_storage : (B, G, capacity, d_k) array of the cache's dtype
         Item b's keys are ``key_storage[b, :, :lengths[b]]``; rows past a
         length are stale and never read.
     value_storage : (B, G, capacity, d_v) array
+    key_scales, value_scales : (B, G, capacity) float32, or None
+        An int8 cache's scales: key j of item b, kv head g is
+        ``key_scales[b, g, j] * key_storage[b, g, j]`` in float32.  None
+        for the other dtypes.
     lengths : (B,) int64, read-only view
         How many keys each sequence holds.
     nbytes : int
-        The memory held: B * G * capacity * (d_k + d_v) * itemsize, plus
-        8 * B for the lengths, allocated once, at construction (a
-        MemoryError naming the sizes, before anything is allocated, when
-        that is more than the machine's memory).
+        The memory held: B * G * capacity * (d_k + d_v) * itemsize (plus
+        B * G * capacity * 8 for an int8 cache's scales), plus 8 * B for
+        the lengths, allocated once, at construction (a MemoryError naming
+        the sizes, before anything is allocated, when that is more than
+        the machine's memory).
 
     Notes
     -----
+    Half and int8 caches (issue 36): a float16 or bfloat16 cache stores
+    each appended value rounded once to nearest even; an int8 cache
+    quantises each appended row of d features (one token, one kv head):
+    scale = max|row| / 127, q = round-half-even(row / scale) in
+    [-127, 127] (an all-zero row: scale 0; a row holding a NaN or an
+    infinity: scale NaN, so that it reads back as NaN, and a query that
+    sees that key gets NaN, as with a NaN key in a float32 cache, while
+    queries that do not see it are unaffected).  Each dequantised value
+    is within max|row| / 254 of the appended one.  A step computes in
+    float32 (x float32, or x of the cache's half dtype, whose result is
+    rounded once to it); the kernels read the storage itself and widen
+    each block of keys as they read it, never the whole cache.  A half
+    cache's step gives the bits of a float32 cache holding the same
+    (rounded) keys and values.  An int8 cache's step differs from a
+    float32 cache's holding the unquantised rows by at most, in each
+    element of a head's output,
+
+        e_v + (exp(2 delta) - 1) * max_j max|v_j|,
+
+    with e_v = max_j max|v_j| / 254 and delta = |scale| * sum|q| *
+    max_j max|k_j| / 254 (q the head's query after its norm and RoPE,
+    scale the call's multiplier of q.k, j over the keys the query sees),
+    plus float32 rounding: the bound does not grow with the cache's
+    length (tests/test_kvcache_half.py holds it from 1 to 32768 keys).
+
     The cache is filled by :meth:`append` or by
     ``multi_head_attention(x_new, ..., cache=cache)`` /
     ``layer(x_new, cache=cache)``.  No gradient flows through a cache.
@@ -126,6 +201,16 @@ class KVCache:
     (array([3, 3]), (2, 4, 3, 16))
     >>> cache.nbytes
     131088
+    >>> mhattn.KVCache(2, 4, 128, 16, dtype=np.float16).nbytes   # half the bytes
+    65552
+    >>> q8 = mhattn.KVCache(1, 2, 64, 8, dtype="int8")
+    >>> k = np.linspace(-1, 1, 2 * 5 * 8, dtype=np.float32).reshape(1, 2, 5, 8)
+    >>> q8.append(k, k)
+    >>> q8.key_storage.dtype, q8.key_scales.shape
+    (dtype('int8'), (1, 2, 64))
+    >>> back = q8.keys * q8.key_scales[:, :, :5, np.newaxis]      # dequantised
+    >>> bool((np.abs(back - k) <= np.abs(k).max(axis=-1, keepdims=True) / 254).all())
+    True
     """
 
     def __init__(self, batch, num_kv_heads, capacity, d_k, d_v=None, dtype=np.float32):
@@ -133,12 +218,18 @@ class KVCache:
         C, dk = _size("capacity", capacity), _size("d_k", d_k)
         dv = dk if d_v is None else _size("d_v", d_v)
         dt = _dtype(dtype)
+        int8 = dt == _I8
         # Python's integers are exact: a size NumPy would call "too big"
         # (or 2**62 rows that it would try to allocate) is a MemoryError
         # naming the sizes, as for any call's plan.
-        check_memory(_storage_items(B, G, C, dk, dv, dt.itemsize))
+        check_memory(_storage_items(B, G, C, dk, dv, dt.itemsize, int8))
         self.key_storage = np.zeros((B, G, C, dk), dt)
         self.value_storage = np.zeros((B, G, C, dv), dt)
+        # int8: one float32 scale per (item, kv head, token); else None.
+        self.key_scales = np.zeros((B, G, C), _F32) if int8 else None
+        self.value_scales = np.zeros((B, G, C), _F32) if int8 else None
+        # What a step computes in: float64 for a float64 cache, else float32.
+        self._compute = _F64 if dt == _F64 else _F32
         self._lengths = np.zeros(B, np.int64)
         # Held across read-lengths / write-rows / bump-lengths (and a step's
         # attend). A plain Lock: nothing called with it held calls back
@@ -152,7 +243,8 @@ class KVCache:
     capacity = property(lambda self: self.key_storage.shape[2], doc="keys per sequence")
     d_k = property(lambda self: self.key_storage.shape[3], doc="key width")
     d_v = property(lambda self: self.value_storage.shape[3], doc="value width")
-    dtype = property(lambda self: self.key_storage.dtype, doc="float32 or float64")
+    dtype = property(lambda self: self.key_storage.dtype,
+                     doc="the storage's: float32, float64, float16, bfloat16 or int8")
 
     @property
     def lengths(self) -> np.ndarray:
@@ -163,13 +255,17 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the storage and the lengths."""
-        return self.key_storage.nbytes + self.value_storage.nbytes + self._lengths.nbytes
+        """Bytes held by the storage (and an int8 cache's scales) and the lengths."""
+        n = self.key_storage.nbytes + self.value_storage.nbytes + self._lengths.nbytes
+        if self.key_scales is not None:
+            n += self.key_scales.nbytes + self.value_scales.nbytes
+        return n
 
     @property
     def keys(self) -> np.ndarray:
         """(B, G, max(lengths), d_k) view of the storage; item b's keys are its
-        first lengths[b] rows (the rest, in a ragged batch, are stale)."""
+        first lengths[b] rows (the rest, in a ragged batch, are stale).  Of
+        the cache's dtype: an int8 cache's values times :attr:`key_scales`."""
         return self.key_storage[:, :, :int(self._lengths.max(initial=0))]
 
     @property
@@ -192,18 +288,27 @@ class KVCache:
     def __getstate__(self) -> dict:
         with self._lock:       # rows and lengths of one moment
             n = int(self._lengths.max(initial=0))
-            return {"shape": (self.batch, self.num_kv_heads, self.capacity, self.d_k,
-                              self.d_v), "dtype": self.dtype.str,
-                    "keys": self.key_storage[:, :, :n].copy(),
-                    "values": self.value_storage[:, :, :n].copy(),
-                    "lengths": self._lengths.copy()}
+            state = {"shape": (self.batch, self.num_kv_heads, self.capacity, self.d_k,
+                               self.d_v),
+                     # a name _dtype reads back ("bfloat16" has no dtype.str of its own)
+                     "dtype": self.dtype.name if is_bfloat16(self.dtype) else self.dtype.str,
+                     "keys": self.key_storage[:, :, :n].copy(),
+                     "values": self.value_storage[:, :, :n].copy(),
+                     "lengths": self._lengths.copy()}
+            if self.key_scales is not None:
+                state["key_scales"] = self.key_scales[:, :, :n].copy()
+                state["value_scales"] = self.value_scales[:, :, :n].copy()
+            return state
 
     def __setstate__(self, state: dict) -> None:
         B, G, C, dk, dv = state["shape"]
-        self.__init__(B, G, C, dk, dv, np.dtype(state["dtype"]))
+        self.__init__(B, G, C, dk, dv, _dtype(state["dtype"]))
         n = state["keys"].shape[2]
         self.key_storage[:, :, :n] = state["keys"]
         self.value_storage[:, :, :n] = state["values"]
+        if self.key_scales is not None:
+            self.key_scales[:, :, :n] = state["key_scales"]
+            self.value_scales[:, :, :n] = state["value_scales"]
         self._lengths[:] = state["lengths"]
 
     # -- writing ----------------------------------------------------------------
@@ -214,10 +319,31 @@ class KVCache:
         if a.ndim != 4 or a.shape[0] != self.batch or a.shape[1] != self.num_kv_heads \
                 or a.shape[3] != width:
             raise ValueError(f"{name}: expected shape {want} for {self!r}, got {a.shape}")
-        if a.dtype != self.dtype:
+        if a.dtype == self.dtype and self.dtype != _I8:
+            return a
+        if a.dtype == _F32 and self._compute == _F32 and self.dtype != _F32:
+            return a      # rounded or quantised as it is stored (_encode)
+        if self.dtype == _I8:
+            raise ValueError(f"{name}: dtype {a.dtype}, but an int8 cache takes float32 rows "
+                             f"and quantises them as they are appended; pass "
+                             f"{name}.astype(np.float32)")
+        if is_half(self.dtype):
             raise ValueError(f"{name}: dtype {a.dtype}, but the cache holds {self.dtype}; "
-                             f"pass {name}.astype(np.{self.dtype.name})")
-        return a
+                             f"pass {self.dtype} or float32 rows (rounded once to "
+                             f"{self.dtype} as they are stored)")
+        raise ValueError(f"{name}: dtype {a.dtype}, but the cache holds {self.dtype}; "
+                         f"pass {name}.astype(np.{self.dtype.name})")
+
+    def _encode(self, a: np.ndarray):
+        """Checked new rows (B, G, T, d) as the storage holds them, and their
+        scales (B, G, T) for an int8 cache (else None): float32 rows of a
+        half cache rounded once to nearest even, of an int8 cache
+        quantised (_quantise)."""
+        if self.dtype == _I8:
+            return _quantise(a)
+        if a.dtype != self.dtype:
+            return narrow(a, self.dtype), None
+        return a, None
 
     def check_room(self, counts: np.ndarray, name: str = "k_new") -> None:
         """Raise ValueError, changing nothing, unless every sequence b has room
@@ -261,8 +387,8 @@ class KVCache:
 
         Parameters
         ----------
-        k_new : (B, G, T_new, d_k), of the cache's dtype
-        v_new : (B, G, T_new, d_v), of the cache's dtype
+        k_new : (B, G, T_new, d_k), of the cache's dtype (or float32 for a half or int8 cache)
+        v_new : (B, G, T_new, d_v), as k_new
         lengths : (B,) ints in [0, T_new], optional
             A ragged append: sequence b takes only its first lengths[b] new
             rows.  Default: all T_new rows for every sequence.
@@ -305,15 +431,22 @@ class KVCache:
         """Write checked new rows: counts[b] rows of item b.  The caller
         holds the lock (NumPy's copies release the GIL: without it two
         writers would read the same lengths and write the same rows)."""
+        (k, k_sc), (v, v_sc) = self._encode(k), self._encode(v)
         if (counts == counts[0]).all() and (self._lengths == self._lengths[0]).all():
             start, n = int(self._lengths[0]), int(counts[0])
             self.key_storage[:, :, start:start + n] = k[:, :, :n]
             self.value_storage[:, :, start:start + n] = v[:, :, :n]
+            if k_sc is not None:
+                self.key_scales[:, :, start:start + n] = k_sc[:, :, :n]
+                self.value_scales[:, :, start:start + n] = v_sc[:, :, :n]
         else:
             for b in range(self.batch):
                 start, n = int(self._lengths[b]), int(counts[b])
                 self.key_storage[b, :, start:start + n] = k[b, :, :n]
                 self.value_storage[b, :, start:start + n] = v[b, :, :n]
+                if k_sc is not None:
+                    self.key_scales[b, :, start:start + n] = k_sc[b, :, :n]
+                    self.value_scales[b, :, start:start + n] = v_sc[b, :, :n]
         self._lengths += counts
 
 
@@ -335,8 +468,12 @@ def _check_cache(cache: Any, call) -> None:
     if set(call.dk) != {cache.d_k} or set(call.dv) != {cache.d_v}:
         problems.append(f"widths d_k={cache.d_k}, d_v={cache.d_v} but the heads have "
                         f"d_k={sorted(set(call.dk))}, d_v={sorted(set(call.dv))}")
-    if cache.dtype != call.dtype:
-        problems.append(f"dtype {cache.dtype} but the call computes in {call.dtype}")
+    if cache._compute != call.dtype:
+        problems.append(f"dtype {cache.dtype} (computing in {cache._compute}) but the call "
+                        f"computes in {call.dtype}")
+    elif is_half(cache.dtype) and is_half(call.out_dtype) and cache.dtype != call.out_dtype:
+        problems.append(f"dtype {cache.dtype} but x is {call.out_dtype} (pass x as "
+                        f"{cache.dtype} or float32)")
     if problems:
         raise ValueError(f"cache: {'; '.join(problems)} ({cache!r})")
 
@@ -466,10 +603,11 @@ def cached_step(x, w_q, w_k, w_v, w_o, *, cache, num_heads=None, scale=None,
             # rows are then dropped from the lengths (causal: no real query
             # saw them).
             cache._write(k4, v4, every)
+            # A half or int8 storage is read as it is (the kernels widen it).
             concat, weights, _ = core.attention_in_layer_words(
                 q4, cache.key_storage, cache.value_storage, scales, None, call.causal,
                 cache._lengths.copy(), scores_only, True,
-                True, want_w, False)
+                True, want_w, False, cache.key_scales, cache.value_scales)
         except BaseException:
             cache._lengths[:] = before    # a failed (or interrupted) step appends nothing
             raise
@@ -487,4 +625,6 @@ def cached_step(x, w_q, w_k, w_v, w_o, *, cache, num_heads=None, scale=None,
     if counts is not None:
         out[np.arange(Tq)[np.newaxis, :] >= counts[:, np.newaxis]] = 0
     out = call.unbatch(np.ascontiguousarray(out))
+    if call.out_dtype != call.dtype:      # half x: rounded once
+        out, weights = narrow(out, call.out_dtype), narrow_like(weights, call.out_dtype)
     return (out, call.unbatch(weights)) if want_w else out
