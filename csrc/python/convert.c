@@ -136,18 +136,23 @@ static int as_strided(PyArrayObject **res, PyArrayObject *a)
    anything else. */
 int kv_storage_of(PyArrayObject *a)
 {
-    PyArray_Descr *d = PyArray_DESCR(a);
     if (PyArray_TYPE(a) == NPY_HALF)
         return MHA_KV_F16;
     if (PyArray_TYPE(a) == NPY_INT8)
         return MHA_KV_I8;
-    if (PyArray_TYPE(a) >= NPY_USERDEF && PyDataType_ELSIZE(d) == 2) {
-        /* tp_name is "ml_dtypes.bfloat16" (or a bare "bfloat16") */
-        const char *name = d->typeobj->tp_name, *dot = strrchr(name, '.');
-        if (strcmp(dot != NULL ? dot + 1 : name, "bfloat16") == 0)
-            return MHA_KV_BF16;
-    }
-    return -1;
+    return glue_is_bfloat16(a) ? MHA_KV_BF16 : -1;
+}
+
+/* glue.h: a user dtype of 2 bytes whose scalar type is named bfloat16
+   (tp_name "ml_dtypes.bfloat16", or a bare "bfloat16"): no import of
+   ml_dtypes is needed. */
+int glue_is_bfloat16(PyArrayObject *a)
+{
+    PyArray_Descr *d = PyArray_DESCR(a);
+    if (PyArray_TYPE(a) < NPY_USERDEF || PyDataType_ELSIZE(d) != 2)
+        return 0;
+    const char *name = d->typeobj->tp_name, *dot = strrchr(name, '.');
+    return strcmp(dot != NULL ? dot + 1 : name, "bfloat16") == 0;
 }
 
 static int is_vector(arg_kind kind)

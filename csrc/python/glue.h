@@ -307,6 +307,8 @@ PyObject *attention(PyObject *self, PyObject *const *argv, Py_ssize_t nargs, PyO
 PyObject *attention_backward(PyObject *self, PyObject *const *argv, Py_ssize_t nargs,
                              PyObject *kwnames);
 PyObject *pack_weight(PyObject *self, PyObject *arg);
+/* Whether a's dtype is bfloat16 (ml_dtypes'), known by name (convert.c). */
+int glue_is_bfloat16(PyArrayObject *a);
 PyObject *packed_info(PyObject *self, PyObject *cap);
 extern const char forward_doc[], backward_doc[], project_doc[], attention_doc[],
     attention_backward_doc[], check_config_doc[], pack_weight_doc[], packed_info_doc[];

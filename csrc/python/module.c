@@ -85,15 +85,10 @@ static PyObject *set_num_threads(PyObject *self, PyObject *arg)
    anything else. */
 static int half_type(PyArrayObject *a)
 {
-    PyArray_Descr *d = PyArray_DESCR(a);
     if (PyArray_TYPE(a) == NPY_HALF)
         return MHA_DTYPE_F16;
-    if (PyArray_TYPE(a) >= NPY_USERDEF && PyDataType_ELSIZE(d) == 2) {
-        /* tp_name is "ml_dtypes.bfloat16" (or a bare "bfloat16") */
-        const char *name = d->typeobj->tp_name, *dot = strrchr(name, '.');
-        if (strcmp(dot != NULL ? dot + 1 : name, "bfloat16") == 0)
-            return MHA_DTYPE_BF16;
-    }
+    if (glue_is_bfloat16(a))
+        return MHA_DTYPE_BF16;
     return -1;
 }
 
