@@ -53,6 +53,9 @@ MHA_TARGET_BEGIN("avx512f,avx2,fma")
 #define KERNELS_LABEL PICK("avx512_f32", "avx512_f64")
 #define FLASH_BK PICK(128, 64)
 #define FLASH_PREFETCH PICK(0, 1)
+/* The decode kernels' GQA groups: 4 heads x 4 keys (or 4 column vectors)
+   of sums in 16 of the 32 registers (AVX2's 16 take flash.inc's 2). */
+#define FLASH_HG 4
 #define BWD_MR 8
 
 #include "kernels.inc"

@@ -35,6 +35,8 @@
 #define FLASH_BQ 192
 #define FLASH_BK 64
 #define FLASH_PREFETCH 1
+/* The decode kernels' GQA groups: 4 heads x 4 sums of the 32 registers. */
+#define FLASH_HG 4
 #define GEMM_MR 6
 #define GEMM_NV 4
 #define GEMM_KC 256

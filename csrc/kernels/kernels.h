@@ -112,9 +112,10 @@ typedef struct {
        tables only): k and v hold float16 or bfloat16 bits, or int8 with
        one float scale per (b, g, key) at k_scale + b sks.sb + g sks.sh +
        j sks.st (v_scale, svs likewise); the offsets and strides above
-       count their elements. Each tile widens the key rows it reads, a
-       block at a time, into its scratch (flash.inc, flash_widen_rows)
-       and computes on them as on float32 rows: the same bits as float32
+       count their elements. The packed tiles widen a key block's rows
+       into their scratch (flash.inc, flash_widen_rows); the decode
+       kernels widen each row in the loads that read it (flash_rows).
+       Both compute on them as on float32 rows: the same bits as float32
        k, v holding the widened values. MHA_KV_PLAIN: k, v of the table's
        type, read in place. */
     mha_kv_storage kv_storage;

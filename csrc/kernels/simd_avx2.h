@@ -130,6 +130,12 @@ static inline v_f32 v_widen_bf16(const uint16_t *p)
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
 
+/* The 8 int8 values at p as floats, exactly (an int8 KV cache's rows). */
+static inline v_f32 v_widen_i8(const int8_t *p)
+{
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
 static inline void v_narrow_bf16(uint16_t *p, v_f32 v)
 {
     const __m256i x = _mm256_castps_si256(v), hi = _mm256_srli_epi32(x, 16);

@@ -156,6 +156,12 @@ static inline v_f32 v_widen_bf16(const uint16_t *p)
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
 
+/* The 16 int8 values at p as floats, exactly (an int8 KV cache's rows). */
+static inline v_f32 v_widen_i8(const int8_t *p)
+{
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+
 static inline void v_narrow_bf16(uint16_t *p, v_f32 v)
 {
     const __m512i x = _mm512_castps_si512(v), hi = _mm512_srli_epi32(x, 16);

@@ -212,6 +212,16 @@ static inline v_f32 v_widen_bf16(const uint16_t *p)
     return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16));
 }
 
+/* The 4 int8 values at p as floats, exactly (an int8 KV cache's rows):
+   4 bytes read, not the 8 of vld1_s8, which could pass a row's end. */
+static inline v_f32 v_widen_i8(const int8_t *p)
+{
+    int32_t w;
+    memcpy(&w, p, sizeof w);
+    const int16x8_t h = vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(w)));
+    return vcvtq_f32_s32(vmovl_s16(vget_low_s16(h)));
+}
+
 static inline void v_narrow_bf16(uint16_t *p, v_f32 v)
 {
     const uint32x4_t x = vreinterpretq_u32_f32(v), hi = vshrq_n_u32(x, 16);

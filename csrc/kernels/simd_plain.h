@@ -94,6 +94,17 @@ PLAIN_NARROW(v_narrow_f16, mha_f32_to_f16)
 PLAIN_WIDEN(v_widen_bf16, mha_bf16_to_f32)
 PLAIN_NARROW(v_narrow_bf16, mha_f32_to_bf16)
 
+/* The float lanes of a v_f32 from as many int8 values at p, exactly. */
+static inline v_f32 v_widen_i8(const int8_t *p)
+{
+    float f[sizeof(v_f32) / sizeof(float)];
+    v_f32 v;
+    for (size_t i = 0; i < sizeof f / sizeof f[0]; i++)
+        f[i] = (float)p[i];
+    memcpy(&v, f, sizeof v);
+    return v;
+}
+
 #undef PLAIN_TPACK
 #undef PLAIN_POW2
 #undef PLAIN_HSUM4

@@ -99,6 +99,7 @@ static inline v_f64 v_selbool_f64(v_f64 v, const uint8_t *p) { return *p ? v : -
  *   v_widen_f16(p)      the V_LEN_F32 float16 values at p, exactly
  *   v_narrow_f16(p, v)  v rounded to nearest even, stored at p
  *   v_widen_bf16(p), v_narrow_bf16(p, v)  the same for bfloat16
+ *   v_widen_i8(p)       the V_LEN_F32 int8 values at p (int8_t *), exactly
  * Here, as in simd_emu512.h: half.h's conversions, lane by lane.
  */
 

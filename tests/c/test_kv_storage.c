@@ -18,6 +18,9 @@
  *   - int8 with NaN and inf scales: the rows of items whose keys include
  *     that key are NaN, as they are with NaN keys in float32, and rows
  *     that never see it are not;
+ *   - the decode kernels' GQA groups: a split-K decode step gives the bits
+ *     of the same step with each kv head repeated for its query heads
+ *     (check_group_bits);
  *   - the refusals, each MHA_ERR_ARG naming the field in its message: an
  *     unknown kv_storage, a half or int8 storage on a float64 call, int8
  *     without a scale, a scale without int8.
@@ -148,6 +151,90 @@ static void check_kind(const kcase *K, mha_kv_storage kind, int bad)
         free(o[i]), free(w[i]), free(l[i]);
 }
 
+/* The decode kernels' GQA groups (flash.inc, flash_rows_hg: FLASH_HG query
+   heads of a kv head read each key row once): a split-K decode step with
+   H / G = hg query heads per kv head gives the bits of the same step with
+   every kv head repeated for its query heads (G = H, one head at a time),
+   for float32 rows and each storage kind, hg 4 and 6 (a whole group and
+   the rest one by one), widths 64 and 19 (the leftover columns), per-head
+   ALiBi slopes (the masks run per head between the two halves). */
+static void check_group_bits(mha_kv_storage kind, size_t hg, size_t d)
+{
+    const size_t B = 2, G = 2, H = G * hg, Tk = 1500, C = 1600;
+    const size_t es = kind == MHA_KV_PLAIN ? 4 : kind == MHA_KV_I8 ? 1 : 2;
+    const size_t nq = B * H * d, nkv = B * G * C * d, nkr = B * H * C * d;
+    float *q = xcalloc(nq, 4), *ksc = xcalloc(B * G * C, 4), *vsc = xcalloc(B * G * C, 4);
+    float *ksr = xcalloc(B * H * C, 4), *vsr = xcalloc(B * H * C, 4);
+    unsigned char *k = xcalloc(nkv, es), *v = xcalloc(nkv, es);
+    unsigned char *kr = xcalloc(nkr, es), *vr = xcalloc(nkr, es);
+    for (size_t i = 0; i < nq; i++)
+        q[i] = (float)rng_unit();
+    for (size_t i = 0; i < B * G * C; i++) {
+        ksc[i] = (float)(0.02 * (1.5 + rng_unit()));
+        vsc[i] = (float)(0.02 * (1.5 + rng_unit()));
+    }
+    for (size_t i = 0; i < nkv; i++) {
+        const float x = (float)(2 * rng_unit()), y = (float)(2 * rng_unit());
+        if (kind == MHA_KV_PLAIN) {
+            memcpy(k + 4 * i, &x, 4), memcpy(v + 4 * i, &y, 4);
+        } else if (kind == MHA_KV_I8) {
+            k[i] = (unsigned char)(int8_t)(rng_below(255) - 127);
+            v[i] = (unsigned char)(int8_t)(rng_below(255) - 127);
+        } else {
+            const uint16_t a = kind == MHA_KV_F16 ? mha_f32_to_f16(x) : mha_f32_to_bf16(x);
+            const uint16_t c = kind == MHA_KV_F16 ? mha_f32_to_f16(y) : mha_f32_to_bf16(y);
+            memcpy(k + 2 * i, &a, 2), memcpy(v + 2 * i, &c, 2);
+        }
+    }
+    // (B, G, C, d) repeated to (B, H, C, d): query head h reads kv head h / hg
+    for (size_t b = 0; b < B; b++)
+        for (size_t h = 0; h < H; h++) {
+            const size_t src = (b * G + h / hg) * C, dst = (b * H + h) * C;
+            memcpy(kr + dst * d * es, k + src * d * es, C * d * es);
+            memcpy(vr + dst * d * es, v + src * d * es, C * d * es);
+            memcpy(ksr + dst, ksc + src, C * 4), memcpy(vsr + dst, vsc + src, C * 4);
+        }
+    int64_t len[2] = {(int64_t)Tk, (int64_t)Tk - 300};
+    size_t dk[24];
+    double scale[24], slopes[24];
+    for (size_t h = 0; h < H; h++)
+        dk[h] = d, scale[h] = 1 / sqrt((double)d) * (1 + 0.1 * (double)h),
+        slopes[h] = 0.01 * (double)(h + 1);
+    mha_config cfg = {.B = B, .Tq = 1, .Tk = Tk, .H = H, .G = G, .dk = dk, .dv = dk,
+                      .scale = scale, .alibi = slopes, .key_lengths = len,
+                      .lengths_aligned = 1};
+    float *o[2] = {xcalloc(nq, 4), xcalloc(nq, 4)}, *l[2] = {xcalloc(B * H, 4),
+                                                             xcalloc(B * H, 4)};
+    const mha_strides sq = {H * d, d, d};
+    for (size_t ii = 0; ii < sizeof k_isas / sizeof k_isas[0]; ii++) {
+        if (mha_set_isa(k_isas[ii]) != k_isas[ii])
+            continue;
+        for (int rep = 0; rep < 2; rep++) {
+            const size_t Gr = rep ? H : G;
+            const mha_strides skv = {Gr * C * d, C * d, d}, ssc = {Gr * C, C, 1};
+            cfg.G = Gr;
+            const int i8 = kind == MHA_KV_I8;
+            const mha_params p = {.dtype = MHA_DTYPE_F32, .out = o[rep], .lse = l[rep],
+                                  .q = q, .k = rep ? kr : k, .v = rep ? vr : v, .sq = sq,
+                                  .sk = skv, .sv = skv, .so = sq, .kv_storage = kind,
+                                  .k_scale = i8 ? (rep ? ksr : ksc) : NULL,
+                                  .v_scale = i8 ? (rep ? vsr : vsc) : NULL,
+                                  .sks = ssc, .svs = ssc};
+            mha_error err;
+            const mha_status st = mha_attend(&cfg, &p, &err);
+            CHECK(st == MHA_OK, "group kind %d hg %zu: status %d (%s)", (int)kind, hg,
+                  (int)st, err.msg);
+        }
+        CHECK(memcmp(o[0], o[1], nq * 4) == 0 && memcmp(l[0], l[1], B * H * 4) == 0,
+              "group kind %d hg %zu d %zu %s: GQA decode is not the repeated heads' bits",
+              (int)kind, hg, d, mha_isa_name((mha_isa)k_isas[ii]));
+    }
+    mha_set_isa(MHA_ISA_AVX512);
+    free(q), free(ksc), free(vsc), free(ksr), free(vsr), free(k), free(v), free(kr), free(vr);
+    for (int i = 0; i < 2; i++)
+        free(o[i]), free(l[i]);
+}
+
 static void test_refusals(void)
 {
     float q[8] = {0}, k[8] = {0}, out[8], sc[2] = {1, 1};
@@ -202,6 +289,11 @@ int main(int argc, char **argv)
     }
     check_kind(&cases[0], MHA_KV_I8, 1);
     check_kind(&cases[4], MHA_KV_I8, 1);
+    const mha_kv_storage all[] = {MHA_KV_PLAIN, MHA_KV_F16, MHA_KV_BF16, MHA_KV_I8};
+    for (size_t k = 0; k < 4; k++)
+        for (size_t hg = 4; hg <= 6; hg += 2)
+            for (size_t d = 19; d <= 64; d += 45)
+                check_group_bits(all[k], hg, d);
     test_refusals();
     printf("test_kv_storage: %ld checks, %d failures\n", g_checks, g_failures);
     return g_failures != 0;
