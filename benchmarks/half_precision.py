@@ -5,6 +5,7 @@ in float32 and against torch in the same dtype.
     python benchmarks/half_precision.py             # T = 128, 1024, 4096
     python benchmarks/half_precision.py --quick     # tiny sizes, seconds
     python benchmarks/half_precision.py --threads 1 --repeats 11
+    python benchmarks/half_precision.py --only decode   # one of the two tables
 
 A script that prints figures, not a timed test.  It prints:
 
@@ -390,6 +391,8 @@ def parse(argv):
     ap.add_argument("--settle", type=float, default=None,
                     help="pause between variants, s (default 0.1, --quick 0)")
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--only", choices=("prefill", "decode"), default=None,
+                    help="one of the two tables")
     ap.add_argument("--cc", default=os.environ.get("CC", "cc"), help="compiler for stream.c")
     a = ap.parse_args(argv)
     a.repeats = a.repeats or (3 if a.quick else 7)
@@ -410,15 +413,17 @@ def main(argv=None):
     meter = machine.CpuMeter()
     for line in machine_lines(args.threads, args.repeats, torch):
         print(line)
-    rows = [prefill_row(T, args.d_model, args.heads, causal, torch, args)
-            for T in args.sizes for causal in (False, True)]
-    print_table(f"prefill: multi_head_attention, one sequence (T, {args.d_model}), "
-                f"{args.heads} heads; median ms; targets: half/f32 <= {HALF_TARGET}x, "
-                f"vs torch (same half dtype) >= {TORCH_TARGET:g}x", PREFILL_COLUMNS, rows)
+    rows = [] if args.only == "decode" else [
+        prefill_row(T, args.d_model, args.heads, causal, torch, args)
+        for T in args.sizes for causal in (False, True)]
+    if rows:
+        print_table(f"prefill: multi_head_attention, one sequence (T, {args.d_model}), "
+                    f"{args.heads} heads; median ms; targets: half/f32 <= {HALF_TARGET}x, "
+                    f"vs torch (same half dtype) >= {TORCH_TARGET:g}x", PREFILL_COLUMNS, rows)
     for r in rows:
         for n in r["notes"]:
             print(f"  T={r['T']} causal={r['causal']}: {n}")
-    decode = decode_section(args)
+    decode = None if args.only == "prefill" else decode_section(args)
     others = meter.others()
     if others is not None:
         print(f"\nother processes kept {others:.2f} CPUs busy during the run"

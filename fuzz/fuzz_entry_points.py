@@ -91,9 +91,10 @@ def layout(d: Data, a):
     return d.pick(LAYOUTS[:9])(a) if numeric and d.chance(4) else a
 
 
-def close(got, want, what, dtype=None):
+def close(got, want, what, dtype=None, tol=None):
     """got ~ want where want is finite (float32, or ``dtype``: 1e-4; float64:
-    1e-10; relative to the largest magnitude)."""
+    1e-10; a half result: one of its ulps; ``tol`` when given; relative to
+    the largest magnitude)."""
     got, want = np.asarray(got), np.asarray(want)
     if got.shape != want.shape:
         raise Finding(f"{what}: shape {got.shape}, expected {want.shape}")
@@ -106,9 +107,10 @@ def close(got, want, what, dtype=None):
     if half:
         # a half result on either side (a half call's out, against a trace's
         # float32 stages): float32's, rounded once (held to one ulp)
-        tol = 2.0 ** -10 if all(h == np.float16 for h in half) else 2.0 ** -7
         got, want = got.astype(np.float64), want.astype(np.float64)
-    else:
+    if tol is None and half:
+        tol = 2.0 ** -10 if all(h == np.float16 for h in half) else 2.0 ** -7
+    elif tol is None:
         tol = 1e-4 if dt == np.float32 else 1e-10
     scale = max(1.0, float(np.abs(want[fin]).max()))
     err = float(np.abs(np.where(fin, got, 0) - np.where(fin, want, 0)).max())
@@ -248,10 +250,26 @@ def layer_weights(d: Data, rng, dtype):
     return d_in, w, H, G, dk, dv
 
 
+def cache_dtype(d: Data):
+    """(the cache's dtype, the rows' dtype): float32 or float64, or a half or
+    int8 cache (issue 36) taking float32 rows (a half cache: also its own
+    dtype's; bfloat16 only where ml_dtypes imports)."""
+    kinds = [np.float32, np.float64, np.float16, "int8"]
+    try:
+        import ml_dtypes
+        kinds.append(ml_dtypes.bfloat16)
+    except ImportError:
+        pass
+    kind = d.pick(kinds)
+    if kind in (np.float32, np.float64):
+        return kind, kind
+    return kind, np.float32 if kind == "int8" or d.chance(2) else kind
+
+
 def fuzz_cache(d: Data, rng):
     """KVCache's constructor, append and check_room against a model of it."""
     import mhattn
-    dtype = d.pick([np.float32, np.float64])
+    dtype, rows = cache_dtype(d)
     B, G, C, dk = d.int(1, 3), d.int(1, 2), d.int(1, 6), d.int(1, 3)
     dv = d.pick([None, dk, d.int(1, 3)])
     args = [hostile(d, a, 10) for a in (B, G, C, dk)]
@@ -263,8 +281,8 @@ def fuzz_cache(d: Data, rng):
     keys = [[] for _ in range(B)]
     for _ in range(d.int(1, 4)):
         T = d.int(0, 3)
-        k = hostile(d, vals(rng, (B, G, T, dk), dtype), 6)
-        v = hostile(d, vals(rng, (B, G, T, dv), dtype), 6)
+        k = hostile(d, vals(rng, (B, G, T, dk), rows), 6)
+        v = hostile(d, vals(rng, (B, G, T, dv), rows), 6)
         lengths = rng.integers(0, T + 1, B) if d.chance(3) else None
         lengths = hostile(d, lengths, 6)
         before = (cache.lengths.copy(), cache.key_storage.copy())
@@ -281,10 +299,21 @@ def fuzz_cache(d: Data, rng):
             for b in range(B):
                 keys[b] += list(np.asarray(k)[b, :, :n[b]].swapaxes(0, 1))
         for b in range(B):
-            if cache.lengths[b] != len(keys[b]) or not np.array_equal(
-                    cache.key_storage[b, :, :len(keys[b])],
-                    np.array(keys[b], dtype).reshape(-1, G, dk).swapaxes(0, 1),
-                    equal_nan=True):
+            n = len(keys[b])
+            want = np.array(keys[b], np.float64).reshape(-1, G, dk).swapaxes(0, 1)
+            held = cache.key_storage[b, :, :n]
+            if cache.key_scales is not None:
+                # int8: each row dequantised within max|row| / 254 of it
+                got = held.astype(np.float64) * cache.key_scales[b, :, :n, None]
+                bound = np.abs(want).max(axis=-1, keepdims=True, initial=0) / 254 * 1.0001
+                ok = bool(np.all((np.abs(got - want) <= bound) | (np.isnan(got) & ~np.isfinite(
+                    want).all(axis=-1, keepdims=True))))
+            else:
+                # a half cache holds each value rounded once (numpy's astype
+                # rounds to nearest even, as the cache does)
+                ok = np.array_equal(held, want.astype(np.dtype(rows)).astype(cache.dtype),
+                                    equal_nan=True)
+            if cache.lengths[b] != n or not ok:
                 raise Finding(f"KVCache: sequence {b} does not hold what was appended")
 
 
@@ -307,8 +336,11 @@ def fuzz_cached_step(d: Data, rng):
     weights = w
     if d.chance(4):
         weights = dict(w_q=mhattn.pack_weights(**w))
+    cdtype = dtype
+    if dtype == np.float32 and d.chance(3):          # a half or int8 cache
+        cdtype = cache_dtype(d)[0]
     cache = attempt("KVCache", lambda: mhattn.KVCache(B, G, T + d.int(0, 2), dk, dv,
-                                                      dtype=hostile(d, dtype, 12)))
+                                                      dtype=hostile(d, cdtype, 12)))
     if cache is RAISED:
         return
     outs, t = [], 0
@@ -322,7 +354,11 @@ def fuzz_cached_step(d: Data, rng):
         outs.append(out)
         t += n
     full = mhattn.multi_head_attention(x, **w, causal=True, **kw)
-    close(np.concatenate(outs, axis=1), full, "cached step vs the full causal call", dtype)
+    # a half or int8 cache holds k and v rounded: bfloat16's 2^-8 relative
+    # per value; int8's max|row| / 254 (the docstring's bound, loosely)
+    tol = {2: 2.0 ** -6, 1: 2.0 ** -5}.get(cache.dtype.itemsize)
+    close(np.concatenate(outs, axis=1), full, "cached step vs the full causal call", dtype,
+          tol=tol)
 
 
 def fuzz_packed(d: Data, rng):
