@@ -92,6 +92,25 @@ def test_half_layer(dtname):
     np.testing.assert_array_equal(bits(again(x, causal=True)), bits(layer(x, causal=True)))
 
 
+@pytest.mark.parametrize("layer_dt, x_dt", [(F16, np.float32), (np.float32, F16),
+                                             (F16, BF16), (BF16, np.float32)])
+def test_layer_names_itself_when_a_half_dtype_differs(layer_dt, x_dt):
+    """A layer called with x of another dtype, one of them half, says that
+    the layer holds its dtype and how to match them: not "w_q", an
+    attribute the caller never passed."""
+    layer = mhattn.MultiHeadAttention(16, 2, dtype=layer_dt, seed=0)
+    x = np.ones((3, 16), x_dt)
+    with pytest.raises(TypeError) as e:
+        layer(x)
+    msg = str(e.value)
+    assert msg.startswith(f"x: dtype {np.dtype(x_dt)}, but this layer holds "
+                          f"{np.dtype(layer_dt)}")
+    assert "w_q" not in msg and "layer.astype(" in msg
+    with pytest.raises(TypeError, match="^key: dtype"):
+        layer(np.ones((3, 16), layer_dt), key=x, value=np.ones((3, 16), layer_dt))
+    assert layer(x.astype(layer_dt)).dtype == np.dtype(layer_dt)
+
+
 def test_astype_rounds_once_and_round_trips():
     layer = mhattn.MultiHeadAttention(16, 2, bias=True, seed=3)
     for dt in (F16, BF16):

@@ -415,6 +415,7 @@ class MultiHeadAttention:
             if name not in allowed:
                 raise TypeError(f"MultiHeadAttention.__call__ got an unexpected keyword "
                                 f"argument {name!r}; accepted: {', '.join(sorted(allowed))}")
+        self._check_half_inputs(x=x, key=key, value=value)
         kw = self.arguments()
         try:
             packed = self._packed_weights()
@@ -428,6 +429,22 @@ class MultiHeadAttention:
         # layer's num_heads (so it does not ask for it)
         return multi_head_attention(x, key=key, value=value, num_heads=self.num_heads,
                                     **kw, **options)
+
+    def _check_half_inputs(self, **inputs) -> None:
+        """A TypeError naming the layer when an input array's dtype and the
+        layer's differ and one of them is half: the call would name w_q, an
+        attribute the caller did not pass."""
+        for name, a in inputs.items():
+            dt = getattr(a, "dtype", None)
+            if not isinstance(dt, np.dtype) or dt == self.dtype or not (
+                    is_half(dt) or is_half(self.dtype)):
+                continue
+            raise TypeError(
+                f"{name}: dtype {dt}, but this layer holds {self.dtype} (its weights, "
+                f"MultiHeadAttention(..., dtype={self.dtype.name})); a half precision call "
+                f"takes inputs of the weights' dtype: pass {name}.astype(layer.dtype), or "
+                f"call layer.astype({'ml_dtypes.bfloat16' if is_bfloat16(dt) else 'np.' + dt.name})"
+                f" first")
 
     def backward(self, grad_out, ctx) -> Dict[str, Any]:
         """Gradients of a scalar loss given ``grad_out`` = dL/dout, for the
