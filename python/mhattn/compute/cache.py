@@ -155,7 +155,7 @@ class KVCache:
     is within max|row| / 254 of the appended one.  A step computes in
     float32 (x float32, or x of the cache's half dtype, whose result is
     rounded once to it); the kernels read the storage itself and widen
-    each block of keys as they read it, never the whole cache.  A half
+    each row in the registers that read it, never the whole cache.  A half
     cache's step gives the bits of a float32 cache holding the same
     (rounded) keys and values.  An int8 cache's step differs from a
     float32 cache's holding the unquantised rows by at most, in each
