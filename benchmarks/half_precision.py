@@ -12,6 +12,10 @@ A script that prints figures, not a timed test.  It prints:
 1. the machine: mhattn's ISA, the CPU flags that decide a half path
    (avx2, f16c, avx512f, avx512_bf16, avx512_fp16; amx_bf16, amx_fp16 for
    torch's oneDNN), the thread count and how many repeats a median takes;
+   and one thread's multiply-add rate with float32 FMAs against AVX512-BF16's
+   vdpbf16ps where the CPU has it (benchmarks/peak.c): mhattn widens half
+   values and uses FMAs, and this line says whether vdpbf16ps would do more
+   multiply-adds per second on this machine;
 2. prefill: the layer ``multi_head_attention(x, w_q, w_k, w_v, w_o,
    num_heads=8, causal=...)`` on one unbatched sequence x (T, 512), T in
    128, 1024, 4096, causal and not, with x and the weights in float32,
@@ -66,6 +70,7 @@ import numpy as np  # noqa: E402
 import mhattn  # noqa: E402
 from mhbench import machine  # noqa: E402
 from mhbench.optional import import_torch  # noqa: E402
+from mhbench.peak import dot_rates  # noqa: E402
 from mhbench.tables import Column, fmt_ms, fmt_ratio, print_table  # noqa: E402
 from mhbench.timing import Timed, time_interleaved  # noqa: E402
 
@@ -113,6 +118,22 @@ def machine_lines(threads: int, repeats: int, torch) -> List[str]:
             f"flags: {flags}",
             f"each figure: the median of >= {repeats} calls (a decode step: {3 * repeats}), "
             "interleaved (see the docstring)"]
+
+
+def dot_line(cc: str) -> str:
+    """The multiply-add rates of one thread that decide the bfloat16 kernels'
+    instruction: vfmadd231ps on widened values (what mhattn does) against
+    AVX512-BF16's vdpbf16ps, where the CPU has it."""
+    r = dot_rates(cc)
+    if r["error"]:
+        return f"multiply-adds: benchmarks/peak.c not built ({r['error']})"
+    line = f"multiply-adds, 1 thread (benchmarks/peak.c): float32 FMA {r['fma']:.1f} GMAC/s"
+    if r["vdpbf16ps"] is None:
+        return line + "; no AVX512-BF16 here (vdpbf16ps not measured)"
+    return line + (f", vdpbf16ps {r['vdpbf16ps']:.1f} GMAC/s ({r['vdpbf16ps'] / r['fma']:.2f}x): "
+                   + ("a vdpbf16ps kernel would do fewer multiply-adds per second here"
+                      if r["vdpbf16ps"] < r["fma"] else
+                      "a vdpbf16ps kernel could do more multiply-adds per second here"))
 
 
 # ---- 2. prefill -------------------------------------------------------------------
@@ -413,6 +434,7 @@ def main(argv=None):
     meter = machine.CpuMeter()
     for line in machine_lines(args.threads, args.repeats, torch):
         print(line)
+    print(dot_line(args.cc))
     rows = [] if args.only == "decode" else [
         prefill_row(T, args.d_model, args.heads, causal, torch, args)
         for T in args.sizes for causal in (False, True)]

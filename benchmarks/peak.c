@@ -159,6 +159,45 @@ static double peak_f64_avx512(long iters, double mf, double af)
     return _mm512_reduce_add_pd(s);
 }
 
+/* ---- AVX512-BF16: vdpbf16ps, 32 bfloat16 products summed in pairs into
+ * 16 float lanes, on 12 zmm chains. Not an FMA peak: half_precision.py
+ * sets its multiply-add rate beside vfmadd231ps's, the figure that decides
+ * whether a bfloat16 kernel would gain by it (on some cores it issues at a
+ * quarter of vfmadd231ps's rate, and so does half the multiply-adds). x is
+ * bfloat16 1.0, y 2^-20: the sums grow slowly and stay normal. Built only
+ * by compilers that know the instruction (gcc 10, clang 9 and later). -- */
+
+#if defined(__clang__) ? __clang_major__ >= 9 : (defined(__GNUC__) && __GNUC__ >= 10)
+#define PEAK_DPBF16 1
+#define DP12(x, y)                                                           \
+    a0 = _mm512_dpbf16_ps(a0, x, y); a1 = _mm512_dpbf16_ps(a1, x, y);        \
+    a2 = _mm512_dpbf16_ps(a2, x, y); a3 = _mm512_dpbf16_ps(a3, x, y);        \
+    a4 = _mm512_dpbf16_ps(a4, x, y); a5 = _mm512_dpbf16_ps(a5, x, y);        \
+    a6 = _mm512_dpbf16_ps(a6, x, y); a7 = _mm512_dpbf16_ps(a7, x, y);        \
+    a8 = _mm512_dpbf16_ps(a8, x, y); a9 = _mm512_dpbf16_ps(a9, x, y);        \
+    a10 = _mm512_dpbf16_ps(a10, x, y); a11 = _mm512_dpbf16_ps(a11, x, y)
+
+__attribute__((target("avx512f,avx512bf16")))
+static float peak_dpbf16_avx512(long iters)
+{
+    const __m512bh x = (__m512bh)_mm512_set1_epi16(0x3f80);   /* 1.0   */
+    const __m512bh y = (__m512bh)_mm512_set1_epi16(0x3580);   /* 2^-20 */
+    __m512 a0 = _mm512_set1_ps(1.0f), a1 = _mm512_set1_ps(2.0f),
+           a2 = _mm512_set1_ps(3.0f), a3 = _mm512_set1_ps(4.0f),
+           a4 = _mm512_set1_ps(5.0f), a5 = _mm512_set1_ps(6.0f),
+           a6 = _mm512_set1_ps(7.0f), a7 = _mm512_set1_ps(8.0f),
+           a8 = _mm512_set1_ps(9.0f), a9 = _mm512_set1_ps(10.0f),
+           a10 = _mm512_set1_ps(11.0f), a11 = _mm512_set1_ps(12.0f);
+    for (long it = 0; it < iters; it++) {
+        DP12(x, y);
+    }
+    __m512 s = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)),
+                             _mm512_add_ps(_mm512_add_ps(a4, a5), _mm512_add_ps(a6, a7)));
+    s = _mm512_add_ps(s, _mm512_add_ps(_mm512_add_ps(a8, a9), _mm512_add_ps(a10, a11)));
+    return _mm512_reduce_add_ps(s);
+}
+#endif
+
 static int have_avx2_fma(void)
 {
     static int cached = -1;
@@ -227,4 +266,33 @@ double peak_fma_f64(long iters, int force_scalar)
         return peak_f64_avx2(iters, m, a);
 #endif
     return peak_f64_scalar(iters, m, a);
+}
+
+/* 1 when peak_dpbf16 runs vdpbf16ps (the CPU has AVX512-BF16 and this
+ * compiler knows it), else 0. */
+int peak_dpbf16_ok(void)
+{
+#if defined(PEAK_X86) && defined(PEAK_DPBF16)
+    __builtin_cpu_init();
+    return have_avx512() && __builtin_cpu_supports("avx512bf16");
+#else
+    return 0;
+#endif
+}
+
+/* Floating-point operations of one peak_dpbf16 iteration: 12 vdpbf16ps of
+ * 32 multiply-adds each. */
+long peak_dpbf16_flops_per_iter(void) { return 2L * NACC * 32; }
+
+/* The vdpbf16ps chains (0 where peak_dpbf16_ok() is 0); force_scalar is
+ * taken as peak_fma_f32's is, and ignored. */
+double peak_dpbf16(long iters, int force_scalar)
+{
+    (void)force_scalar;
+#if defined(PEAK_X86) && defined(PEAK_DPBF16)
+    if (peak_dpbf16_ok())
+        return (double)peak_dpbf16_avx512(iters);
+#endif
+    (void)iters;
+    return 0.0;
 }

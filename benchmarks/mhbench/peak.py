@@ -29,6 +29,7 @@ class Peak:
     multi: Dict[str, float] = field(default_factory=dict)    # GFLOP/s, n threads
     error: Optional[str] = None
     _fns: Dict[str, Any] = field(default_factory=dict, repr=False)
+    _lib: Any = field(default=None, repr=False)
 
     def total(self, dtype: str) -> Optional[float]:
         """The peak that '% peak' is taken against: the larger of the measured
@@ -53,6 +54,7 @@ class Peak:
                 self.error = f"{' '.join(cmd)} failed: {res.stderr.strip()[:300]}"
                 return False
             lib = ctypes.CDLL(lib_path)     # mapped: the file may go
+        self._lib = lib
         lib.peak_isa.argtypes = [ctypes.c_int]
         lib.peak_isa.restype = ctypes.c_int
         lib.peak_flops_per_iter.argtypes = [ctypes.c_int, ctypes.c_int]
@@ -78,26 +80,59 @@ class Peak:
         """
         fs = int(self.force_scalar)
         for dtype, (fn, per_iter) in self._fns.items():
-            iters = 1 << 12
-            while True:                      # calibrate: about `seconds` per call
-                t0 = time.perf_counter()
-                fn(iters, fs)
-                dt = time.perf_counter() - t0
-                if dt > seconds / 4:
-                    break
-                iters *= 4
-            iters = max(1, int(iters * seconds / dt))
-            best = self.single.get(dtype, 0.0)
-            for _ in range(rounds):
-                t0 = time.perf_counter()
-                fn(iters, fs)
-                best = max(best, iters * per_iter / (time.perf_counter() - t0) / 1e9)
+            best, iters = _peak_one(fn, fs, per_iter, seconds, rounds)
+            best = max(best, self.single.get(dtype, 0.0))
             self.single[dtype] = best
             if self.threads > 1:
                 multi = _peak_threads(fn, fs, iters, per_iter, self.threads, rounds)
             else:
                 multi = best
             self.multi[dtype] = max(self.multi.get(dtype, 0.0), multi)
+
+
+def _peak_one(fn, fs: int, per_iter: int, seconds: float, rounds: int):
+    """(best GFLOP/s of `rounds` calls of about `seconds` on this thread, the
+    iterations per call)."""
+    iters = 1 << 12
+    while True:                      # calibrate: about `seconds` per call
+        t0 = time.perf_counter()
+        fn(iters, fs)
+        dt = time.perf_counter() - t0
+        if dt > seconds / 4:
+            break
+        iters *= 4
+    iters = max(1, int(iters * seconds / dt))
+    best = 0.0
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn(iters, fs)
+        best = max(best, iters * per_iter / (time.perf_counter() - t0) / 1e9)
+    return best, iters
+
+
+def dot_rates(cc: str, seconds: float = 0.03, rounds: int = 20) -> Dict[str, Any]:
+    """One thread's multiply-add rates (GMAC/s, best of `rounds`) from peak.c:
+    'fma' for float32 FMA chains on the widest ISA, and 'vdpbf16ps' for
+    AVX512-BF16's bfloat16 pair products where the CPU has it (else None);
+    'error' when peak.c does not build.  The ratio says whether a bfloat16
+    kernel built on vdpbf16ps would do more multiply-adds per second than
+    one that widens bfloat16 and uses FMAs."""
+    peak = Peak(1)
+    if not peak.load(cc):
+        return {"fma": None, "vdpbf16ps": None, "isa": None, "error": peak.error}
+    fn, per_iter = peak._fns["float32"]
+    out = {"fma": _peak_one(fn, 0, per_iter, seconds, rounds)[0] / 2, "vdpbf16ps": None,
+           "isa": peak.isa, "error": None}
+    lib = peak._lib
+    lib.peak_dpbf16_ok.restype = ctypes.c_int
+    if lib.peak_dpbf16_ok():
+        dp = lib.peak_dpbf16
+        dp.argtypes = [ctypes.c_long, ctypes.c_int]
+        dp.restype = ctypes.c_double
+        lib.peak_dpbf16_flops_per_iter.restype = ctypes.c_long
+        out["vdpbf16ps"] = _peak_one(dp, 0, lib.peak_dpbf16_flops_per_iter(), seconds,
+                                     rounds)[0] / 2
+    return out
 
 
 def _peak_threads(fn, fs: int, iters: int, per_iter: int, threads: int, rounds: int) -> float:
