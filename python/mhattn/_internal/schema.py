@@ -970,6 +970,11 @@ PARAMS: Tuple[Field, ...] = tuple(
         ("bq", "(Sq,) or NULL (zero)"), ("bk", "(Sk,) or NULL (zero)"),
         ("bv", "(Sv,) or NULL (zero)"))]
     + [Field("bo", "const void *", _PROJ, (Use("F", "reads", "(Dout,) or NULL (zero)"),)),
+       Field("w_storage", "mha_kv_storage", _PROJ, (Use("F", "reads",
+             "what wq, wk, wv, wo hold: MHA_KV_PLAIN (0), elements of dtype; or, with "
+             "dtype MHA_DTYPE_F32, MHA_KV_F16 or _BF16 (uint16_t bits), widened to "
+             "float32 as the forward packs them (mha.h); every other operation needs "
+             "MHA_KV_PLAIN"),)),
        Field("dout", "const void *", _GRADS, (Use("B", "reads", "(B, Tq, Dout)"),
                                               Use("AB", "reads", "(B, Tq, Svq)")))]
     + [Field(n, "void *", _GRADS, u) for n, u in _io("B", "writes",
