@@ -170,3 +170,27 @@ def test_fast_branch_of_half_calls_gives_the_slow_branch_bits(monkeypatch, dtnam
     seen.clear()
     mhattn.multi_head_attention(x, packed)
     assert seen[-1][3] is packed._wide[0]
+
+
+def test_glue_takes_half_weights_of_one_dtype_with_float32_x_only():
+    """_C.forward's weights may all be one half dtype with float32 x (the
+    core widens them); a mix, int8, or half weights with float64 x are a
+    TypeError naming the argument."""
+    from mhattn._internal import core
+    w = weights(BF16)
+    x = np.random.default_rng(3).standard_normal((1, 5, 32)).astype(np.float32)
+    wide = [a.astype(np.float32) for a in w]
+    args = list(core.fast(x, *wide, 4, None, None, None, False, None, False, None, 2,
+                          None, None, None, None))
+    want = core.forward(*args)[0]
+    got = core.forward(*args[:3], *w, *args[7:])[0]
+    np.testing.assert_array_equal(got, want)
+    for i, bad in ((4, w[1].astype(F16)), (5, w[2].astype(np.float32)),
+                   (3, w[0].view(np.int16).astype(np.int8))):
+        call = args[:3] + w
+        call[i] = bad
+        with pytest.raises(TypeError, match=("wq" if i == 3 else "") + ".*dtype"):
+            core.forward(*call, *args[7:])
+    x64 = x.astype(np.float64)
+    with pytest.raises(TypeError, match="wq: expected dtype float64"):
+        core.forward(x64, x64, x64, *w, *args[7:])
