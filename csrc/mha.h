@@ -73,7 +73,9 @@ const char *mha_status_name(mha_status s);
 /* The element type of a call's buffers (mha_params.dtype: float or
    double). The half types are storage formats only (core/half.h), as
    uint16_t bit patterns: mha_convert widens them to float32 and rounds
-   float32 results back; the drivers compute in float or double. */
+   float32 results back, mha_pack_weight packs a half weight into float32
+   panels, and a float32 forward reads half weights (mha_params.w_storage);
+   the drivers compute in float or double. */
 typedef enum {
     MHA_DTYPE_F32 = 0,  /* float                                  */
     MHA_DTYPE_F64 = 1,  /* double                                 */
@@ -114,8 +116,10 @@ typedef struct {
 
 /* Packs w (K, N) of element type dtype, row stride ldw >= N, for the ISA
    in force into *p (an aligned block of the core's allocator; K or N == 0
-   gives data NULL). MHA_ERR_ARG for a NULL w, ldw < N or an unknown dtype,
-   MHA_ERR_SIZE, MHA_ERR_NOMEM. */
+   gives data NULL). A half w (MHA_DTYPE_F16, _BF16: uint16_t bits) gives
+   float32 panels (f64 0), each value widened exactly as it is packed: the
+   panels of its widened float32 copy, which is never made. MHA_ERR_ARG
+   for a NULL w, ldw < N or an unknown dtype, MHA_ERR_SIZE, MHA_ERR_NOMEM. */
 mha_status mha_pack_weight(mha_packed *p, const void *w, size_t ldw, size_t K, size_t N,
                            mha_dtype dtype);
 /* Frees what mha_pack_weight allocated (NULL data is fine); *p is zeroed. */
@@ -225,7 +229,9 @@ typedef struct {
        wq (Din, Sq), wk (Dkin, Sk), wv (Dvin, Sv), wo (Svq, Dout): the
        forward's and mha_project's projections multiply them instead of
        packing their weights; the plain weights are still passed and read
-       (small problems, the backward). Borrowed, like the arrays above. */
+       (small problems, the backward). Borrowed, like the arrays above.
+       Ignored by a forward whose weights are half (mha_params.w_storage),
+       which packs them itself. */
     const mha_packed *packed[4];
 
     /* Optional flag polled between work items; when it becomes nonzero the
@@ -301,6 +307,19 @@ void mha_head_offsets(size_t *qoff, size_t *cvoff, size_t *koff, size_t *voff,
  * g sks.sh + j sks.st] * k[j][c] in float32, and v likewise; a NaN or inf
  * scale makes that key's scores (or its values) NaN, as a NaN in a float32
  * cache would, and keys no rule lets a query see are never read.
+ */
+/*
+ * Half weights (mha_params.w_storage, mha_forward only, issue 36): with
+ * dtype MHA_DTYPE_F32, wq, wk, wv and wo may hold float16 or bfloat16 bits
+ * (MHA_KV_F16, MHA_KV_BF16; the biases stay float32). The forward packs
+ * them into float32 panels, widening each value as it packs it (as
+ * mha_pack_weight does), in one pool phase, and its projections multiply
+ * those panels; a projection small enough for the GEMM's plain loop reads
+ * a widened copy of its (small) weight instead. No float32 copy of a large
+ * weight is made, and the result has the bits of the float32 forward on
+ * the widened weights, for any thread count. MHA_KV_I8 is a cache's alone;
+ * every other operation refuses anything but MHA_KV_PLAIN (MHA_ERR_ARG,
+ * field MHA_FIELD_PARAMS).
  */
 /*
  * mha_strides: element strides of a (B, heads, T, d) tensor whose d axis is

@@ -50,6 +50,11 @@ typedef struct {
     const void *bk;         /* F, P: reads (Sk,) or NULL (zero) */
     const void *bv;         /* F, P: reads (Sv,) or NULL (zero) */
     const void *bo;         /* F: reads (Dout,) or NULL (zero) */
+    mha_kv_storage w_storage;/* F: reads what wq, wk, wv, wo hold: MHA_KV_PLAIN (0),
+                                   elements of dtype; or, with dtype MHA_DTYPE_F32,
+                                   MHA_KV_F16 or _BF16 (uint16_t bits), widened to
+                                   float32 as the forward packs them (mha.h); every
+                                   other operation needs MHA_KV_PLAIN */
 
     /* ---- The backward's (B, AB) upstream gradient and gradients ---- */
     const void *dout;       /* B: reads (B, Tq, Dout)

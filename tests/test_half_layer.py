@@ -165,8 +165,9 @@ def test_trace_of_half_inputs_is_float32():
 @pytest.mark.parametrize("dtname", list(HALVES))
 def test_fast_branch_of_half_calls_gives_the_slow_branch_bits(monkeypatch, dtname):
     """A half call in the common form takes the float32 fast branch on its
-    widened numbers (a packed half object's float32 twins, no widening of
-    the weights per call); return_context=True forces the slow branch."""
+    widened x and biases, with its fused weights as they are (the core
+    widens them as it packs them), or a packed half object's float32
+    twins; return_context=True forces the slow branch."""
     from mhattn._internal import core
     dt = HALVES[dtname]
     w = weights(dt)
@@ -175,7 +176,7 @@ def test_fast_branch_of_half_calls_gives_the_slow_branch_bits(monkeypatch, dtnam
     key = np.random.default_rng(6).standard_normal((2, 7, 32)).astype(dt)
     seen = []
     fast = core.fast
-    monkeypatch.setattr(core, "fast", lambda *a: seen.append(fast(*a)) or seen[-1])
+    monkeypatch.setattr(core, "fast", lambda *a, **k: seen.append(fast(*a, **k)) or seen[-1])
     for args, kw in (((x, packed), {}), ((x, *w), dict(num_heads=4, num_kv_heads=2)),
                      ((x, packed), dict(key=key))):
         seen.clear()
@@ -189,3 +190,79 @@ def test_fast_branch_of_half_calls_gives_the_slow_branch_bits(monkeypatch, dtnam
     seen.clear()
     mhattn.multi_head_attention(x, packed)
     assert seen[-1][3] is packed._wide[0]
+    # plain half weights reach the core as they are: no float32 copy
+    seen.clear()
+    mhattn.multi_head_attention(x, *w, num_heads=4, num_kv_heads=2)
+    assert all(seen[-1][3 + i] is w[i] for i in range(4))
+
+
+# Sizes of the half-weights path's GEMMs (mha.h, w_storage): widths that
+# are not multiples of any ISA's panel width NR (8, 16 or 32 floats) and
+# d_in 300 > the GEMM's KC (256), so several K blocks; T = 1 and 3 make
+# some projections small enough for the GEMM's plain loop.
+HALF_WEIGHT_SIZES = {"odd_many_k_blocks": dict(T=37, din=300, h=3, dk=13, dv=11, dout=45),
+                     "small_gemms": dict(T=3, din=20, h=2, dk=5, dv=3, dout=7),
+                     "one_row": dict(T=1, din=300, h=2, dk=40, dv=24, dout=33)}
+
+
+@pytest.mark.parametrize("dtname", list(HALVES))
+@pytest.mark.parametrize("size", list(HALF_WEIGHT_SIZES))
+def test_half_weights_give_the_bits_of_float32_on_the_widened_weights(isa, monkeypatch,
+                                                                      size, dtname):
+    """Half fused weights, widened by the core as it packs its panels (or,
+    for small GEMMs, widened whole), give the bits of the float32 call on
+    the widened inputs, rounded once, at 1 and 3 threads, self- and
+    cross-attention, with and without W^O and biases."""
+    from mhattn._internal import core
+    dt, c = HALVES[dtname], HALF_WEIGHT_SIZES[size]
+    r = np.random.default_rng(7)
+    din, h, dk, dv = c["din"], c["h"], c["dk"], c["dv"]
+    x = r.standard_normal((2, c["T"], din)).astype(dt)
+    key = r.standard_normal((2, c["T"] + 4, din)).astype(dt)
+    s = 1 / np.sqrt(din)
+    w = [(r.standard_normal(shape) * s).astype(dt) for shape in
+         ((din, h * dk), (din, h * dk), (din, h * dv), (h * dv, c["dout"]))]
+    b_q = (r.standard_normal(h * dk) * 0.1).astype(dt)
+    seen = []
+    fast = core.fast
+    monkeypatch.setattr(core, "fast", lambda *a, **k: seen.append(fast(*a, **k)) or seen[-1])
+    before = mhattn.get_num_threads()
+    try:
+        for kw in (dict(), dict(key=key, causal=True), dict(b_q=b_q)):
+            for w_o in (w[3], None):
+                wide = [None if a is None else a.astype(np.float32) for a in (x, *w[:3], w_o)]
+                kw32 = {k: v.astype(np.float32) if isinstance(v, np.ndarray) else v
+                        for k, v in kw.items()}
+                want = mhattn.multi_head_attention(*wide, num_heads=h, **kw32).astype(dt)
+                for n in (1, 3):
+                    mhattn.set_num_threads(n)
+                    seen.clear()
+                    got = mhattn.multi_head_attention(x, *w[:3], w_o, num_heads=h, **kw)
+                    assert seen[-1] is not None and seen[-1][3] is w[0]
+                    np.testing.assert_array_equal(bits(got), bits(want))
+    finally:
+        mhattn.set_num_threads(before)
+
+
+def test_glue_takes_half_weights_of_one_dtype_with_float32_x_only():
+    """_C.forward's weights may all be one half dtype with float32 x (the
+    core widens them); a mix, int8, or half weights with float64 x are a
+    TypeError naming the argument."""
+    from mhattn._internal import core
+    w = weights(BF16)
+    x = np.random.default_rng(3).standard_normal((1, 5, 32)).astype(np.float32)
+    wide = [a.astype(np.float32) for a in w]
+    args = list(core.fast(x, *wide, 4, None, None, None, False, None, False, None, 2,
+                          None, None, None, None))
+    want = core.forward(*args)[0]
+    got = core.forward(*args[:3], *w, *args[7:])[0]
+    np.testing.assert_array_equal(got, want)
+    for i, bad in ((4, w[1].astype(F16)), (5, w[2].astype(np.float32)),
+                   (3, w[0].view(np.int16).astype(np.int8))):
+        call = args[:3] + w
+        call[i] = bad
+        with pytest.raises(TypeError, match=("wq" if i == 3 else "") + ".*dtype"):
+            core.forward(*call, *args[7:])
+    x64 = x.astype(np.float64)
+    with pytest.raises(TypeError, match="wq: expected dtype float64"):
+        core.forward(x64, x64, x64, *w, *args[7:])

@@ -31,9 +31,11 @@ typedef mha_status (*mha_typed_fn)(const mha_config *cfg, const mha_params *prm,
                                    mha_error *err);
 
 /* An entry point of mha.h: clears *err, checks that there are a config and
-   params of a known dtype, then runs f32 or f64 as prm->dtype says. */
+   params of a known dtype, and plain weights (mha_params.w_storage) unless
+   half_weights (an operation that reads half weights: the forward), then
+   runs f32 or f64 as prm->dtype says. */
 mha_status mha_call_typed(const mha_config *cfg, const mha_params *prm, mha_error *err,
-                          mha_typed_fn f32, mha_typed_fn f64);
+                          mha_typed_fn f32, mha_typed_fn f64, int half_weights);
 
 /* MHA_OK when the q/k transforms are off, as attention alone (mha_attend,
    mha_attend_backward) needs: they belong to the projections. */

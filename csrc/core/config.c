@@ -73,9 +73,36 @@ mha_status mha_reject(mha_error *err, mha_status st, mha_field field, const char
 /* A rejection of what the caller passed (MHA_ERR_ARG). */
 #define REJECT(field, ...) mha_reject(err, MHA_ERR_ARG, field, __VA_ARGS__)
 
+/* The storage of the weights (mha_params.w_storage, mha.h): plain, or,
+   for an operation that reads half weights (`half_weights`: the forward),
+   float16 or bfloat16 bits on a float32 call. */
+static mha_status check_w_storage(const mha_params *prm, int half_weights, mha_error *err)
+{
+    static const char *const names[] = {"MHA_KV_PLAIN", "MHA_KV_F16", "MHA_KV_BF16",
+                                        "MHA_KV_I8"};
+    const unsigned kind = (unsigned)prm->w_storage;
+    if (kind == MHA_KV_PLAIN)
+        return MHA_OK;
+    if (kind > MHA_KV_I8)
+        return REJECT(MHA_FIELD_PARAMS, "w_storage = %u is none of MHA_KV_PLAIN, "
+                      "MHA_KV_F16, MHA_KV_BF16", kind);
+    if (kind == MHA_KV_I8)
+        return REJECT(MHA_FIELD_PARAMS, "w_storage = MHA_KV_I8: weights are plain, float16 "
+                      "or bfloat16 (int8 is a KV cache's storage alone)");
+    if (!half_weights)
+        return REJECT(MHA_FIELD_PARAMS, "w_storage = %s: only mha_forward reads half "
+                      "weights; this operation needs MHA_KV_PLAIN", names[kind]);
+    if (prm->dtype != MHA_DTYPE_F32)
+        return REJECT(MHA_FIELD_PARAMS, "w_storage = %s needs dtype MHA_DTYPE_F32 (the "
+                      "forward widens the weights to float32), not MHA_DTYPE_F64",
+                      names[kind]);
+    return MHA_OK;
+}
+
 /* The checks every entry point starts with: a config, params of a known
-   dtype. Clears *err first. */
-static mha_status check_call(const mha_config *cfg, const mha_params *prm, mha_error *err)
+   dtype and weights' storage. Clears *err first. */
+static mha_status check_call(const mha_config *cfg, const mha_params *prm, int half_weights,
+                             mha_error *err)
 {
     mha_error_clear(err);
     if (cfg == NULL || prm == NULL)
@@ -84,13 +111,13 @@ static mha_status check_call(const mha_config *cfg, const mha_params *prm, mha_e
         return mha_reject(err, MHA_ERR_ARG, MHA_FIELD_DTYPE,
                           "dtype = %d is not MHA_DTYPE_F32 (0) or MHA_DTYPE_F64 (1)",
                           (int)prm->dtype);
-    return MHA_OK;
+    return check_w_storage(prm, half_weights, err);
 }
 
 mha_status mha_call_typed(const mha_config *cfg, const mha_params *prm, mha_error *err,
-                           mha_typed_fn f32, mha_typed_fn f64)
+                           mha_typed_fn f32, mha_typed_fn f64, int half_weights)
 {
-    mha_status st = check_call(cfg, prm, err);
+    mha_status st = check_call(cfg, prm, half_weights, err);
     if (st != MHA_OK)
         return st;
     return prm->dtype == MHA_DTYPE_F64 ? f64(cfg, prm, err) : f32(cfg, prm, err);

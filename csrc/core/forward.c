@@ -221,6 +221,76 @@ static mha_status attend(mha_flash_ctx *ctx, const mha_kernels *kern,
     return attend_run(ctx, kern, ntasks, nth, real_size, merge);
 }
 
+/*
+ * Half weights (mha.h, mha_params.w_storage): the float32 forms of a
+ * forward's wq, wk, wv and wo that its GEMMs read. A weight whose GEMM
+ * multiplies panels (mha_gemm_reads_panels) is packed into float32 panels,
+ * widened as it is packed, all of them in one pool phase (mha_pack_half),
+ * and handed to the GEMM as the call's prepacked weight: the GEMM then
+ * never reads the weight itself, whose half bits stay in w[]. A weight of
+ * a problem small enough for the GEMM's plain loop is widened whole
+ * instead (at most MHA_GEMM_SMALL elements), and that loop reads the copy.
+ * The panels and the copy hold the widened values exactly, and a GEMM's
+ * bits are the same from prepacked panels as from its own (gemm.h): so the
+ * bits of the float32 forward on the widened weights. (The ISA is read
+ * when packing and again by each GEMM; only a test hook changes it, and
+ * never during a call.)
+ */
+typedef struct {
+    mha_config cfg;      /* the call's, packed[] replaced by ours      */
+    const void *w[4];    /* wq, wk, wv, wo as the GEMMs are handed them */
+    mha_packed pk[4];    /* panels, or data NULL                       */
+    float *wide[4];      /* widened copies, or NULL                    */
+} fwd_half_weights;
+
+static void fwd_half_free(fwd_half_weights *h)
+{
+    for (int i = 0; i < 4; i++) {
+        mha_packed_free(&h->pk[i]);
+        mha_scratch_free(h->wide[i]);
+    }
+}
+
+/* Fills *h for a checked call (lay its layout); freed by fwd_half_free
+   whatever happens. */
+static mha_status fwd_half_prepare(fwd_half_weights *h, const mha_config *cfg,
+                                   const mha_layout *lay, const mha_params *prm)
+{
+    *h = (fwd_half_weights){.cfg = *cfg, .w = {prm->wq, prm->wk, prm->wv, prm->wo}};
+    const mha_dtype dt = prm->w_storage == MHA_KV_F16 ? MHA_DTYPE_F16 : MHA_DTYPE_BF16;
+    // Weight i: (K, N), multiplied by M rows (the projections, the output).
+    const size_t nq = cfg->B * cfg->Tq, nk = cfg->B * cfg->Tk;
+    const size_t K[4] = {cfg->Din, cfg->Dkin, cfg->Dvin, lay->Svq};
+    const size_t N[4] = {lay->Sq, lay->Sk, lay->Sv, cfg->Dout};
+    const size_t M[4] = {nq, nk, nk, nq};
+    const int nw = cfg->has_wo ? 4 : 3;
+    const uint16_t *pw[4];
+    size_t pK[4], pN[4];
+    int which[4], n = 0;
+    mha_status st = MHA_OK;
+    for (int i = 0; i < nw; i++) {
+        h->cfg.packed[i] = NULL;
+        if (M[i] == 0 || N[i] == 0 || K[i] == 0)
+            continue; /* its GEMM reads no weight */
+        if (mha_gemm_reads_panels(M[i], N[i], K[i])) {
+            pw[n] = h->w[i], pK[n] = K[i], pN[n] = N[i], which[n++] = i;
+            continue;
+        }
+        if ((st = mha_scratch((void **)&h->wide[i], K[i] * N[i], sizeof(float))) != MHA_OK ||
+            (st = mha_convert(h->wide[i], MHA_DTYPE_F32, h->w[i], dt, K[i] * N[i])) != MHA_OK)
+            return st;
+        h->w[i] = h->wide[i];
+    }
+    mha_packed pk[4];
+    if ((st = mha_pack_half(pk, pw, pN, pK, pN, n, dt)) != MHA_OK)
+        return st;
+    for (int j = 0; j < n; j++) {
+        h->pk[which[j]] = pk[j];
+        h->cfg.packed[which[j]] = &h->pk[which[j]];
+    }
+    return MHA_OK;
+}
+
 #define MHA_TEMPLATE "forward_impl.h"
 #include "each_type.h"
 
@@ -228,10 +298,10 @@ static mha_status attend(mha_flash_ctx *ctx, const mha_kernels *kern,
    then the driver of its element type. */
 mha_status mha_forward(const mha_config *cfg, const mha_params *prm, mha_error *err)
 {
-    return mha_call_typed(cfg, prm, err, mha_forward_f32, mha_forward_f64);
+    return mha_call_typed(cfg, prm, err, mha_forward_f32, mha_forward_f64, 1);
 }
 
 mha_status mha_attend(const mha_config *cfg, const mha_params *prm, mha_error *err)
 {
-    return mha_call_typed(cfg, prm, err, mha_attend_f32, mha_attend_f64);
+    return mha_call_typed(cfg, prm, err, mha_attend_f32, mha_attend_f64, 0);
 }

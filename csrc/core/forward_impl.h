@@ -202,11 +202,19 @@ static mha_status PICK(mha_forward_f32, mha_forward_f64)(const mha_config *cfg,
                                                          mha_error *err)
 {
     // Shapes: see FWD_ARGS above and mha.h.
-    const FWD_ARGS a = {prm->out, prm->weights, prm->q, prm->k, prm->v, prm->concat,
-                        prm->lse, prm->x, prm->key, prm->value, prm->wq, prm->wk,
-                        prm->wv, prm->wo, prm->bq, prm->bk, prm->bv, prm->bo};
+    FWD_ARGS a = {prm->out, prm->weights, prm->q, prm->k, prm->v, prm->concat,
+                  prm->lse, prm->x, prm->key, prm->value, prm->wq, prm->wk,
+                  prm->wv, prm->wo, prm->bq, prm->bk, prm->bv, prm->bo};
     FWD_PLAN p;
+    fwd_half_weights half = {.w = {NULL}};
     mha_status st = PICK(fwd_plan_f32, fwd_plan_f64)(&p, &a, cfg, err);
+    // Half weights (float32 calls alone: mha_call_typed): the GEMMs read
+    // their panels, through a copy of the config that carries them.
+    if (st == MHA_OK && MHA_DTYPE == MHA_DTYPE_F32 && prm->w_storage != MHA_KV_PLAIN) {
+        st = fwd_half_prepare(&half, cfg, &p.lay, prm);
+        p.cfg = &half.cfg;
+        a.wq = half.w[0], a.wk = half.w[1], a.wv = half.w[2], a.wo = half.w[3];
+    }
     if (st == MHA_OK)
         st = PICK(fwd_pass_project_f32, fwd_pass_project_f64)(&p, &a);
     if (st == MHA_OK)
@@ -216,6 +224,7 @@ static mha_status PICK(mha_forward_f32, mha_forward_f64)(const mha_config *cfg,
     if (st == MHA_OK)
         st = PICK(fwd_pass_output_f32, fwd_pass_output_f64)(&p, &a);
     PICK(fwd_plan_free_f32, fwd_plan_free_f64)(&p);
+    fwd_half_free(&half);
     return st;
 }
 

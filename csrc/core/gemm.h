@@ -33,8 +33,10 @@
 #define MHA_GEMM_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #include "mha.h"
+#include "sizes.h"
 
 #define MHA_GEMM_SMALL 32768u
 /* Multiply-adds per thread below which fewer threads are used (this only
@@ -68,6 +70,27 @@ mha_status mha_gemm_packed_f64(double *C, size_t ldc, const double *A, size_t ld
                                int transA, const double *B, size_t ldb, int transB,
                                const mha_packed *pb, const double *bias, size_t M,
                                size_t N, size_t K, int accumulate);
+
+/* Whether mha_gemm_packed multiplies panels of B (its own or a prepacked
+   pb's) for an (M, N, K) problem: every problem but the small ones, which
+   the plain loop computes from B itself (and the empty ones, which read
+   no B). What a caller that hands the GEMM only panels must know. */
+static inline int mha_gemm_reads_panels(size_t M, size_t N, size_t K)
+{
+    size_t mn, mnk;
+    if (!mha_mul_ok(&mn, M, N) || !mha_mul_ok(&mnk, mn, K))
+        return 1;
+    return mnk >= MHA_GEMM_SMALL;
+}
+
+/* mha_pack_weight (mha.h) of n <= MHA_PACK_MAX weights of one half type
+   (MHA_DTYPE_F16 or _BF16) at once, in one pool phase: p[i] from w[i]
+   (K[i], N[i]), row stride ldw[i], the float32 panels that packing the
+   widened weight gives, widened as they are packed (no float32 copy of a
+   weight is made). On failure every p[i] is freed. */
+#define MHA_PACK_MAX 4
+mha_status mha_pack_half(mha_packed *p, const uint16_t *const *w, const size_t *ldw,
+                         const size_t *K, const size_t *N, int n, mha_dtype dtype);
 
 /* nseg <= MHA_GEMM_MAX_SEG GEMMs sharing A (M, K), row stride lda: C[s]
    (M, N[s]), contiguous, = A @ B[s] (K, N[s]) + bias[s] (or NULL), each

@@ -725,7 +725,7 @@ mha_status mha_gemm_packed(REAL *C, size_t ldc, const REAL *A, size_t lda, int t
     size_t mn, mnk;
     if (!mha_mul_ok(&mn, M, N) || !mha_mul_ok(&mnk, mn, K))
         mnk = SIZE_MAX;
-    if (mnk < MHA_GEMM_SMALL) {
+    if (!mha_gemm_reads_panels(M, N, K)) {
         gemm_small(C, ldc, A, lda, transA, B, ldb, transB, bias, M, N, K, accumulate);
         return MHA_OK;
     }

@@ -169,6 +169,7 @@ static void call_init(call *c)
     c->scales = NULL;
     c->lengths = NULL;
     c->kv = MHA_KV_PLAIN;
+    c->w = MHA_KV_PLAIN;
     c->err.msg[0] = '\0';   /* read only after a status of MHA_ERR_ARG */
 }
 

@@ -160,6 +160,25 @@ static int is_vector(arg_kind kind)
     return kind == ARG_INT64 || kind == ARG_FLOAT64;
 }
 
+/* One of a group of arrays that hold one storage (k and v; the weights),
+   converted in positional order from `first`: the first sets *group, and
+   each other must hold the same (kind < 0: plain). -1 with a TypeError
+   naming both otherwise. */
+static int stored_alike(const call *c, const call_spec *sp, int pos, int first, int kind,
+                        mha_kv_storage *group, const char *what)
+{
+    const int got = kind < 0 ? MHA_KV_PLAIN : kind;
+    if (pos == first)
+        *group = (mha_kv_storage)got;
+    if (got == (int)*group)
+        return 0;
+    PyErr_Format(PyExc_TypeError, "%s: dtype %S, but %s has dtype %S: %s must be stored alike",
+                 sp->args[pos].name, (PyObject *)PyArray_DESCR((PyArrayObject *)c->arg[pos].obj),
+                 sp->args[first].name,
+                 (PyObject *)PyArray_DESCR((PyArrayObject *)c->arg[first].obj), what);
+    return -1;
+}
+
 /*
  * The one array converter: c->in[pos] = the argument at pos as its
  * arg_spec says. A vector (ARG_INT64, ARG_FLOAT64) is any object NumPy
@@ -192,27 +211,24 @@ static int convert_array(call *c, const call_spec *sp, int pos)
     }
     PyArrayObject *arr = (PyArrayObject *)obj;
     const int kv_role = sp->kv_storage && (pos == sp->key || pos == sp->value);
-    const int kind = kv_role && c->typenum == NPY_FLOAT ? kv_storage_of(arr) : -1;
+    const int w_role = sp->w_storage && (pos == sp->wq || pos == sp->wk || pos == sp->wv ||
+                                         pos == sp->wo);
+    // k and v may hold a KV cache's half or int8, the weights half values:
+    // the core widens them as it reads (packs) them
+    int kind = (kv_role || w_role) && c->typenum == NPY_FLOAT ? kv_storage_of(arr) : -1;
+    kind = w_role && kind == MHA_KV_I8 ? -1 : kind;
     if (PyArray_TYPE(arr) != c->typenum && kind < 0) {
         PyErr_Format(PyExc_TypeError, "%s: expected dtype %s (the dtype of %s)%s, got %R",
                      a->name, dtype_name(c->typenum), sp->args[sp->x].name,
-                     kv_role ? ", or a KV cache's float16, bfloat16 or int8 with float32 q"
-                             : "",
+                     kv_role  ? ", or a KV cache's float16, bfloat16 or int8 with float32 q"
+                     : w_role ? ", or float16 or bfloat16 with float32 x"
+                              : "",
                      (PyObject *)PyArray_DESCR(arr));
         return -1;
     }
-    if (kv_role) {   // k and v hold one storage (k is converted first)
-        const int got = kind < 0 ? MHA_KV_PLAIN : kind;
-        if (pos == sp->key) {
-            c->kv = (mha_kv_storage)got;
-        } else if (got != (int)c->kv) {
-            PyErr_Format(PyExc_TypeError, "%s: dtype %S, but %s has dtype %S: k and v "
-                         "must be stored alike", a->name, (PyObject *)PyArray_DESCR(arr),
-                         sp->args[sp->key].name,
-                         (PyObject *)PyArray_DESCR((PyArrayObject *)c->arg[sp->key].obj));
-            return -1;
-        }
-    }
+    if ((kv_role && stored_alike(c, sp, pos, sp->key, kind, &c->kv, "k and v") < 0) ||
+        (w_role && stored_alike(c, sp, pos, sp->wq, kind, &c->w, "the weights") < 0))
+        return -1;
     if (PyArray_NDIM(arr) != nd) {
         PyObject *g = dims_tuple(PyArray_NDIM(arr), PyArray_DIMS(arr));
         if (g != NULL)
@@ -229,7 +245,7 @@ static int convert_array(call *c, const call_spec *sp, int pos)
         *res = arr;
         return 0;
     default:
-        return as_c_array(res, obj, a->name, c->typenum, nd);
+        return as_c_array(res, obj, a->name, kind < 0 ? c->typenum : PyArray_TYPE(arr), nd);
     }
 }
 

@@ -43,9 +43,12 @@ static mha_params params_of(const call *c, const param_slot *slot)
 /* Each core step runs one operation on the params of its call; a rejection
    of the params (a NULL required buffer, say) is kept in c->err for
    run_core to raise. */
+/* The weights as the call's storage (c->w: float32, or half bits that the
+   core widens as it packs them). */
 mha_status forward_core(call *c)
 {
-    const mha_params prm = params_of(c, forward_params);
+    mha_params prm = params_of(c, forward_params);
+    prm.w_storage = c->w;
     return mha_forward(&c->cfg, &prm, &c->err);
 }
 

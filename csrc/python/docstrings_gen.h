@@ -62,7 +62,9 @@
     "--\n" \
     "\n" \
     "Multi-head attention forward pass (low level; see mhattn for the public\n" \
-    "API). All float arrays share one dtype, float32 or float64." \
+    "API). All float arrays share one dtype, float32 or float64; or, with float32\n" \
+    "x, wq, wk, wv and wo are all float16 or all bfloat16, widened by the core as\n" \
+    "it packs them (no float32 copy)." \
     "\n" \
     "\n" \
     ARG_DOC_X ARG_DOC_KEY ARG_DOC_VALUE ARG_DOC_WQ ARG_DOC_WK ARG_DOC_WV \

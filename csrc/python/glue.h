@@ -151,6 +151,8 @@ typedef struct {
                                          attention's k_scales, v_scales */
     mha_kv_storage kv;                /* what k and v hold (call_spec
                                          kv_storage; else MHA_KV_PLAIN) */
+    mha_kv_storage w;                 /* what the weights hold (call_spec
+                                         w_storage; else MHA_KV_PLAIN) */
     /* Glue-owned snapshots of the index-bearing vectors, taken while the
        GIL is held: the core never reads a caller's dk, dv, scales or
        key_lengths, which another thread may change during the call. */
@@ -185,13 +187,15 @@ struct call_spec {
     const int *checks_x;       /* against x, key and value's sizes (q's) */
     const int *checks_widths;  /* against the head widths too */
     int x;                  /* the array whose dtype is the call's */
-    int key, value, wo, dk, dv, scales, mask, causal, key_lengths;
+    int key, value, wq, wk, wv, wo, dk, dv, scales, mask, causal, key_lengths;
     int variants, lengths_aligned;
     int broadcast_mask;     /* the mask may broadcast to (B, H, Tq, Tk) */
     int has_wo;             /* cfg.has_wo when there is no wo argument */
     int kv_storage;         /* key and value may be a KV cache's float16,
                                bfloat16 or int8 storage with a float32
                                call (call.kv, convert.c) */
+    int w_storage;          /* wq, wk, wv, wo may be float16 or bfloat16
+                               with a float32 call (call.w, convert.c) */
     int checked;            /* mha_check_config checks the config first */
     /* the family's steps, in the order the skeleton runs them: each
        returns -1 with an exception set on failure; check and finish may be

@@ -97,6 +97,7 @@ static PyObject *forward_result(call *c)
 
 static const call_spec forward_spec = {
     FORWARD_SPEC_ARGS, .layout = LAYOUT_C, .broadcast_mask = 1, .has_wo = 0, .checked = 1,
+    .w_storage = 1,
     .sizes = mha_sizes, .check = NULL, .finish = forward_packed, .outputs = forward_outputs,
     .work = forward_work, .core = forward_core, .result = forward_result,
 };

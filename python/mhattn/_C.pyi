@@ -70,7 +70,9 @@ def forward(
     packed: Optional[tuple] = None,
 ) -> Tuple[_Float, Optional[_Float], Optional[Tuple[_Float, _Float, _Float, _Float, _Float]]]:
     """Multi-head attention forward pass (low level; see mhattn for the
-    public API). All float arrays share one dtype, float32 or float64.
+    public API). All float arrays share one dtype, float32 or float64;
+    or, with float32 x, wq, wk, wv and wo are all float16 or all
+    bfloat16, widened by the core as it packs them (no float32 copy).
 
     Returns (out (B, Tq, Dout), weights (B, H, Tq, Tk) or None, (q, k,
     v, concat, lse) or None), new C-contiguous arrays of the call's

@@ -36,7 +36,17 @@
  *     conversion's bits over lengths that cross its chunks (0, 1, one
  *     chunk and one either side, several chunks and a tail) and writes
  *     nothing past n; any other pair of types and a NULL buffer with
- *     n > 0 are MHA_ERR_ARG, with n == 0 and NULL buffers MHA_OK.
+ *     n > 0 are MHA_ERR_ARG, with n == 0 and NULL buffers MHA_OK;
+ *   - half weights (mha_params.w_storage, mha_pack_weight of a half type),
+ *     on every ISA and with 1 and 3 threads, both formats: the panels of a
+ *     half weight are those of its widened float32 copy, bit for bit (K >
+ *     the GEMM's KC, so several K blocks; K and N not multiples of any
+ *     panel width; a row stride past N), and mha_forward with half wq, wk,
+ *     wv, wo gives the out of the float32 forward on the widened weights
+ *     bit for bit: self- and cross-attention, with and without W^O, a
+ *     bias, GEMMs that multiply panels and GEMMs small enough for the
+ *     plain loop; a half w_storage is MHA_ERR_ARG naming it in a float64
+ *     call, with int8 or an unknown kind, and in every other operation.
  */
 #include <math.h>
 #include <stdint.h>
@@ -44,6 +54,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "gemm.h"
 #include "half.h"
 #include "kernels.h"
 #include "mha.h"
@@ -512,6 +523,181 @@ static void test_convert(const float *x, size_t nx)
           "n = 0 with NULL buffers is a no-op");
 }
 
+/* ------------------------------------------------------------------ */
+/* Half weights: packed, and read by the forward.                      */
+
+/* n random half values of format F, of magnitude about amp, and their
+   widened float32 values. */
+static uint16_t *half_weight(const format *F, size_t n, float amp, float **wide)
+{
+    uint16_t *h = xcalloc(n, sizeof *h);
+    *wide = xcalloc(n, sizeof **wide);
+    for (size_t i = 0; i < n; i++) {
+        h[i] = F->narrow((float)((2.0 * rng_unit() - 1.0) * amp));
+        (*wide)[i] = F->widen(h[i]);
+    }
+    return h;
+}
+
+static mha_dtype half_dtype(const format *F)
+{
+    return F == &k_f16 ? MHA_DTYPE_F16 : MHA_DTYPE_BF16;
+}
+
+/* mha_pack_weight of a half (K, N) weight, row stride ldw, against the
+   packing of its widened copy. */
+static void test_pack_half(const format *F, size_t K, size_t N, size_t ldw)
+{
+    float *wide;
+    uint16_t *h = half_weight(F, K * ldw, 1.0f, &wide);
+    mha_packed ph, pf;
+    const mha_status sh = mha_pack_weight(&ph, h, ldw, K, N, half_dtype(F));
+    const mha_status sf = mha_pack_weight(&pf, wide, ldw, K, N, MHA_DTYPE_F32);
+    CHECK(sh == MHA_OK && sf == MHA_OK, "%s pack (%zu, %zu): %s, %s", F->name, K, N,
+          mha_status_name(sh), mha_status_name(sf));
+    CHECK(ph.elems == pf.elems && ph.f64 == 0 && ph.isa == pf.isa && ph.K == K && ph.N == N,
+          "%s pack (%zu, %zu): elems %zu vs %zu", F->name, K, N, ph.elems, pf.elems);
+    if (ph.elems == pf.elems && ph.elems > 0)
+        CHECK(memcmp(ph.data, pf.data, ph.elems * sizeof(float)) == 0,
+              "%s pack (%zu, %zu, ldw %zu): panels differ from the widened weight's",
+              F->name, K, N, ldw);
+    mha_packed_free(&ph);
+    mha_packed_free(&pf);
+    free(h);
+    free(wide);
+}
+
+/* One forward: B, Tq, Tk, Din, H, dk, dv, Dout (0: no W^O), cross (key
+   and value a source of their own), bias (bq given). */
+typedef struct {
+    size_t B, Tq, Tk, Din, H, dk, dv, Dout;
+    int cross, bias;
+} half_fwd_case;
+
+/* mha_forward with half weights against the float32 forward on their
+   widened copies: out bitwise. */
+static void test_forward_half(const format *F, const half_fwd_case *c)
+{
+    const size_t H = c->H, Sq = H * c->dk, Sv = H * c->dv;
+    const size_t Dout = c->Dout ? c->Dout : Sv, Tk = c->cross ? c->Tk : c->Tq;
+    size_t dk[8], dv[8];
+    double scale[8];
+    for (size_t h = 0; h < H; h++)
+        dk[h] = c->dk, dv[h] = c->dv, scale[h] = 1.0 / sqrt((double)c->dk);
+    const mha_config cfg = {.B = c->B, .Tq = c->Tq, .Tk = Tk, .Din = c->Din, .Dkin = c->Din,
+                            .Dvin = c->Din, .Dout = Dout, .H = H, .G = H, .dk = dk, .dv = dv,
+                            .scale = scale, .has_wo = c->Dout != 0};
+    const size_t nx = c->B * c->Tq * c->Din, nkey = c->B * Tk * c->Din;
+    float *x = xcalloc(nx, sizeof *x), *key = xcalloc(nkey, sizeof *key);
+    float *bq = xcalloc(Sq, sizeof *bq);
+    for (size_t i = 0; i < nx; i++)
+        x[i] = (float)(2.0 * rng_unit() - 1.0);
+    for (size_t i = 0; i < nkey; i++)
+        key[i] = (float)(2.0 * rng_unit() - 1.0);
+    for (size_t i = 0; i < Sq; i++)
+        bq[i] = (float)(0.2 * rng_unit() - 0.1);
+    const size_t K[4] = {c->Din, c->Din, c->Din, Sv}, N[4] = {Sq, Sq, Sv, Dout};
+    uint16_t *wh[4];
+    float *wf[4];
+    for (int i = 0; i < 4; i++)
+        wh[i] = half_weight(F, K[i] * N[i], (float)(1.0 / sqrt((double)K[i])), &wf[i]);
+    const size_t nout = c->B * c->Tq * Dout;
+    float *out_h = xcalloc(nout, sizeof *out_h), *out_f = xcalloc(nout, sizeof *out_f);
+    const void *src = c->cross ? (const void *)key : (const void *)x;
+    mha_params prm = {.dtype = MHA_DTYPE_F32, .out = out_f, .x = x, .key = src,
+                      .value = src, .wq = wf[0], .wk = wf[1], .wv = wf[2],
+                      .wo = c->Dout ? wf[3] : NULL, .bq = c->bias ? bq : NULL};
+    const mha_status sf = mha_forward(&cfg, &prm, NULL);
+    prm.out = out_h, prm.wq = wh[0], prm.wk = wh[1], prm.wv = wh[2];
+    prm.wo = c->Dout ? wh[3] : NULL;
+    prm.w_storage = F == &k_f16 ? MHA_KV_F16 : MHA_KV_BF16;
+    mha_error err;
+    const mha_status sh = mha_forward(&cfg, &prm, &err);
+    CHECK(sf == MHA_OK && sh == MHA_OK, "%s forward: %s, %s (%s)", F->name,
+          mha_status_name(sf), mha_status_name(sh), err.msg);
+    size_t bad = 0;
+    for (size_t i = 0; i < nout; i++)
+        bad += bits_of(out_h[i]) != bits_of(out_f[i]);
+    CHECK(bad == 0, "%s forward (B %zu, Tq %zu, Tk %zu, Din %zu, H %zu, dk %zu, dv %zu, "
+          "Dout %zu, bias %d): %zu of %zu outputs differ from the widened weights' call",
+          F->name, c->B, c->Tq, Tk, c->Din, H, c->dk, c->dv, Dout, c->bias, bad, nout);
+    for (int i = 0; i < 4; i++)
+        free(wh[i]), free(wf[i]);
+    free(x), free(key), free(bq), free(out_h), free(out_f);
+}
+
+/* A half w_storage where it is not read: MHA_ERR_ARG naming w_storage. */
+static void test_w_storage_refused(void)
+{
+    size_t dk = 2;
+    double scale = 1.0, d1[4] = {0};
+    uint16_t h[4] = {0};
+    const mha_config cfg = {.B = 1, .Tq = 1, .Tk = 1, .Din = 2, .Dkin = 2, .Dvin = 2,
+                            .Dout = 2, .H = 1, .G = 1, .dk = &dk, .dv = &dk, .scale = &scale};
+    const struct {
+        mha_dtype dtype;
+        mha_kv_storage kind;
+        int op; /* 0 forward, 1 backward, 2 project, 3 attend */
+        const char *what;
+    } bad[] = {{MHA_DTYPE_F64, MHA_KV_F16, 0, "a float64 forward"},
+               {MHA_DTYPE_F32, MHA_KV_I8, 0, "int8 weights"},
+               {MHA_DTYPE_F32, (mha_kv_storage)9, 0, "an unknown kind"},
+               {MHA_DTYPE_F32, MHA_KV_BF16, 1, "the backward"},
+               {MHA_DTYPE_F32, MHA_KV_BF16, 2, "mha_project"},
+               {MHA_DTYPE_F32, MHA_KV_F16, 3, "mha_attend"}};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        const mha_params prm = {.dtype = bad[i].dtype, .out = d1, .x = d1, .key = d1,
+                                .value = d1, .wq = h, .wk = h, .wv = h, .q = d1, .k = d1,
+                                .v = d1, .w_storage = bad[i].kind};
+        mha_error err = {MHA_FIELD_NONE, ""};
+        const mha_status st = bad[i].op == 0   ? mha_forward(&cfg, &prm, &err)
+                              : bad[i].op == 1 ? mha_backward(&cfg, &prm, &err)
+                              : bad[i].op == 2 ? mha_project(&cfg, &prm, &err)
+                                               : mha_attend(&cfg, &prm, &err);
+        CHECK(st == MHA_ERR_ARG && err.field == MHA_FIELD_PARAMS &&
+                  strstr(err.msg, "w_storage") != NULL,
+              "w_storage with %s: %s, field %d, \"%s\"", bad[i].what, mha_status_name(st),
+              (int)err.field, err.msg);
+    }
+}
+
+static void test_half_weights(void)
+{
+    /* K 300 > KC 256; no width a multiple of 8; small GEMMs (Tq 1 and 2
+       rows of small weights) take the GEMM's plain loop */
+    const half_fwd_case cases[] = {
+        {2, 37, 0, 300, 3, 13, 11, 45, 0, 1}, {2, 37, 0, 300, 3, 13, 11, 0, 0, 0},
+        {2, 19, 29, 300, 3, 13, 11, 45, 1, 1}, {1, 2, 0, 20, 2, 5, 3, 7, 0, 1},
+        {1, 1, 5, 300, 2, 40, 24, 33, 1, 0}};
+    const mha_isa before = mha_get_isa();
+    const mha_isa best = harness_best_isa();
+    const format *fmts[2] = {&k_f16, &k_bf16};
+    const long checks = g_checks;
+    const int failures = g_failures;
+    /* threads split even these small GEMMs (only speed depends on it) */
+    const size_t grain = mha_gemm_set_grain(1);
+    for (int isa = 0; isa <= (int)best; isa++) {
+        if (mha_set_isa((mha_isa)isa) != isa)
+            continue;
+        for (int nth = 1; nth <= 3; nth += 2) {
+            mha_set_num_threads(nth);
+            for (int f = 0; f < 2; f++) {
+                test_pack_half(fmts[f], 300, 45, 45);
+                test_pack_half(fmts[f], 517, 3109, 3111); /* two column blocks */
+                test_pack_half(fmts[f], 7, 5, 9);
+                test_pack_half(fmts[f], 0, 5, 5);
+                for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+                    test_forward_half(fmts[f], &cases[i]);
+            }
+        }
+    }
+    mha_set_num_threads(0);
+    mha_set_isa(before);
+    mha_gemm_set_grain(grain);
+    test_w_storage_refused();
+    printf("half weights: %ld checks, %d wrong\n", g_checks - checks, g_failures - failures);
+}
+
 int main(int argc, char **argv)
 {
     const int quick = argc > 1 && strcmp(argv[1], "quick") == 0;
@@ -546,6 +732,7 @@ int main(int argc, char **argv)
         free(grid);
     }
     test_convert(rnd, nrand);
+    test_half_weights();
     free(rnd);
     free(pats);
     printf("test_half: %ld checks, %d failures (%.1f s); rows on", g_checks, g_failures,

@@ -438,12 +438,14 @@ def _fast_lengths(key_lengths, nd, B, Tk):
 
 
 def fast(x, w_q, w_k, w_v, w_o, num_heads, key, value, scale, want_weights, mask,
-         causal, key_lengths, num_kv_heads, b_q, b_k, b_v, b_o):
+         causal, key_lengths, num_kv_heads, b_q, b_k, b_v, b_o, w_dtype=None):
     """The O(1) branch: the glue's 19 arguments for a call already in
     canonical form, or None for :func:`slow` to take it. Each shape the glue
     checks against another is checked here first. Dtypes are compared by
     identity: NumPy's native float32 and float64 are singletons, and
-    anything else (byte-swapped...) is declined."""
+    anything else (byte-swapped...) is declined. ``w_dtype``: the native
+    half dtype of fused 2-D weights (and w_o) of a float32 call, which the
+    core widens as it packs them (mha.h, ``w_storage``); None: x's."""
     if not (type(x) is _ndarray
             and (num_heads is None or (type(num_heads) is int and num_heads > 0))
             and (num_kv_heads is None or (type(num_kv_heads) is int and num_kv_heads > 0))
@@ -467,8 +469,9 @@ def fast(x, w_q, w_k, w_v, w_o, num_heads, key, value, scale, want_weights, mask
     if Bk != B or Bv != B or Tv != Tk:
         return None
 
+    wdt = dt if w_dtype is None else w_dtype if dt is _F32 else None
     if (type(w_q) is _ndarray and type(w_k) is _ndarray and type(w_v) is _ndarray
-            and w_q.dtype is dt and w_k.dtype is dt and w_v.dtype is dt
+            and w_q.dtype is wdt and w_k.dtype is wdt and w_v.dtype is wdt
             and w_q.ndim == 2 and w_k.ndim == 2 and w_v.ndim == 2):
         # Fused weights, the common form: every head has the same widths.
         if num_heads is None:
@@ -480,6 +483,8 @@ def fast(x, w_q, w_k, w_v, w_o, num_heads, key, value, scale, want_weights, mask
         if H > _FAST_HEADS or H % G or not (dk and dv) or dk * G != Sk or dv * G != Sv:
             return None
         dk_one, dv_one = dk, dv
+    elif w_dtype is not None:
+        return None
     else:
         fused = _fuse_heads(w_q, w_k, w_v, num_heads, num_kv_heads, dt)
         if fused is None:
@@ -505,7 +510,7 @@ def fast(x, w_q, w_k, w_v, w_o, num_heads, key, value, scale, want_weights, mask
         return None
     if w_o is None:
         d_out = Svq
-    elif (type(w_o) is _ndarray and w_o.dtype is dt and w_o.ndim == 2
+    elif (type(w_o) is _ndarray and w_o.dtype is wdt and w_o.ndim == 2
           and w_o.shape[0] == Svq):
         d_out = w_o.shape[1]
     else:

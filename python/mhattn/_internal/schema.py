@@ -680,7 +680,8 @@ C_ARGS = (
 # call_spec): role -> the arguments that may play it, the first a function
 # takes; ARG_NONE where it takes none.
 C_ROLES = {
-    "x": ("x", "q"), "key": ("key", "k"), "value": ("value", "v"), "wo": ("wo",),
+    "x": ("x", "q"), "key": ("key", "k"), "value": ("value", "v"), "wq": ("wq",),
+    "wk": ("wk",), "wv": ("wv",), "wo": ("wo",),
     "dk": ("dk",), "dv": ("dv",), "scales": ("scales",), "mask": ("mask",),
     "causal": ("causal",), "key_lengths": ("key_lengths",), "variants": ("variants",),
     "lengths_aligned": ("lengths_aligned",),
@@ -722,7 +723,9 @@ C_FUNCTIONS: Dict[str, CFunction] = {
         "Tuple[_Float, Optional[_Float], Optional[Tuple[_Float, _Float, _Float, _Float, "
         "_Float]]]",
         "Multi-head attention forward pass (low level; see mhattn for the public "
-        "API). All float arrays share one dtype, float32 or float64.",
+        "API). All float arrays share one dtype, float32 or float64; or, with "
+        "float32 x, wq, wk, wv and wo are all float16 or all bfloat16, widened by "
+        "the core as it packs them (no float32 copy).",
         "Returns (out (B, Tq, Dout), weights (B, H, Tq, Tk) or None, (q, k, v, "
         "concat, lse) or None), new C-contiguous arrays of the call's dtype. A fully "
         "masked query row gets zero weights, a zero head output and lse -inf.",
@@ -970,6 +973,11 @@ PARAMS: Tuple[Field, ...] = tuple(
         ("bq", "(Sq,) or NULL (zero)"), ("bk", "(Sk,) or NULL (zero)"),
         ("bv", "(Sv,) or NULL (zero)"))]
     + [Field("bo", "const void *", _PROJ, (Use("F", "reads", "(Dout,) or NULL (zero)"),)),
+       Field("w_storage", "mha_kv_storage", _PROJ, (Use("F", "reads",
+             "what wq, wk, wv, wo hold: MHA_KV_PLAIN (0), elements of dtype; or, with "
+             "dtype MHA_DTYPE_F32, MHA_KV_F16 or _BF16 (uint16_t bits), widened to "
+             "float32 as the forward packs them (mha.h); every other operation needs "
+             "MHA_KV_PLAIN"),)),
        Field("dout", "const void *", _GRADS, (Use("B", "reads", "(B, Tq, Dout)"),
                                               Use("AB", "reads", "(B, Tq, Svq)")))]
     + [Field(n, "void *", _GRADS, u) for n, u in _io("B", "writes",

@@ -24,7 +24,9 @@ def _widened(x, key, value, numbers: tuple, packed):
     float32, for the fast branch of a half call whose numbers are plain
     ndarrays of x's (native) half dtype; None for anything else, which the
     slow branch checks and names. The weights of a half PackedWeights are
-    its float32 twins."""
+    its float32 twins. Fused 2-D weights stay half: the core widens them as
+    it packs them into its GEMM's panels (mha.h, ``w_storage``), and no
+    float32 copy of them is made; only their biases are widened."""
     dt = x.dtype
     if not (dt in _HALVES or is_bfloat16(dt)) or not dt.isnative:
         return None
@@ -32,12 +34,14 @@ def _widened(x, key, value, numbers: tuple, packed):
             a is b for a, b in zip(numbers, packed._args[:4] + packed._args[6:])):
         wide = packed._wide
     else:
+        # the weights (numbers[:4]) stay half when fused: 2-D, as is w_o
+        fused = all(a.ndim == 2 for a in numbers[:4] if type(a) is _ndarray)
         wide = []
-        for a in numbers:
+        for i, a in enumerate(numbers):
             if a is None:
                 wide.append(None)
             elif type(a) is _ndarray and a.dtype == dt:
-                wide.append(widen(a))
+                wide.append(a if fused and i < 4 else widen(a))
             else:
                 return None
         if wide[0] is None or wide[1] is None or wide[2] is None:
@@ -244,7 +248,7 @@ def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None
                 half, (fx, fk, fv, fw) = x.dtype, wide
         args = core.fast(fx, fw[0], fw[1], fw[2], fw[3], num_heads, fk, fv, scale,
                          return_weights, mask, causal, key_lengths, num_kv_heads,
-                         *fw[4:])
+                         *fw[4:], half if half is not None and fw[0] is w_q else None)
         if args is None:
             half = None
     if args is None:
