@@ -20,6 +20,7 @@
 #include <stdio.h>
 
 #include "check.h"
+#include "dispatch.h"
 #include "mha.h"
 
 /* *r = a * b; returns 0 when the product exceeds MHA_MAX_ELEMS. */
@@ -120,7 +121,12 @@ mha_status mha_call_typed(const mha_config *cfg, const mha_params *prm, mha_erro
     mha_status st = check_call(cfg, prm, half_weights, err);
     if (st != MHA_OK)
         return st;
-    return prm->dtype == MHA_DTYPE_F64 ? f64(cfg, prm, err) : f32(cfg, prm, err);
+    // One ISA for the whole call (dispatch.h): a forward's half weights are
+    // packed for it, and its GEMMs must not see another one.
+    const int previous = mha_isa_pin();
+    st = prm->dtype == MHA_DTYPE_F64 ? f64(cfg, prm, err) : f32(cfg, prm, err);
+    mha_isa_unpin(previous);
+    return st;
 }
 
 mha_status mha_check_no_qk(const mha_config *cfg, mha_error *err)

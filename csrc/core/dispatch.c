@@ -160,8 +160,22 @@ static mha_isa isa_from_env(mha_isa detected)
     return isa_cap(want, detected);
 }
 
+/* The ISA the call running on this thread pinned, or -1 (mha_isa_pin). */
+static _Thread_local int tls_isa_pin = -1;
+
+int mha_isa_pin(void)
+{
+    const int previous = tls_isa_pin;
+    tls_isa_pin = (int)mha_get_isa();
+    return previous;
+}
+
+void mha_isa_unpin(int previous) { tls_isa_pin = previous; }
+
 mha_isa mha_get_isa(void)
 {
+    if (tls_isa_pin >= 0)
+        return (mha_isa)tls_isa_pin;
     int isa = atomic_load_explicit(&g_isa, memory_order_relaxed);
     if (isa < 0) {
         int expected = -1;

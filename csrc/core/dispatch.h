@@ -30,8 +30,20 @@ typedef enum {
 mha_isa mha_isa_detect(void);
 
 /* The ISA in force: detected, capped by MHATTN_ISA (read once, at the
-   first call), or by the last mha_set_isa. Cheap: one atomic load. */
+   first call), or by the last mha_set_isa; on a thread inside a call, the
+   ISA that call pinned (mha_isa_pin). Cheap: a thread-local and an atomic
+   load. */
 mha_isa mha_get_isa(void);
+
+/* A call runs on one ISA: mha_isa_pin reads the ISA in force and makes
+   this thread's mha_get_isa return it, whatever mha_set_isa does from
+   other threads, until mha_isa_unpin(the value mha_isa_pin returned)
+   restores the pin before it (-1: none; calls may nest). The entry points
+   pin for the whole call (mha_call_typed), so that every step of it (the
+   forward's half-weight panels, packed for one ISA and then multiplied by
+   GEMMs that each read the ISA again) agrees on it. */
+int mha_isa_pin(void);
+void mha_isa_unpin(int previous);
 
 /* Caps the ISA at run time (for tests): the ISA in force becomes
    min(isa, mha_isa_detect()); the environment cap is replaced, so a test

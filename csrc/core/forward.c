@@ -233,8 +233,9 @@ static mha_status attend(mha_flash_ctx *ctx, const mha_kernels *kern,
  * The panels and the copy hold the widened values exactly, and a GEMM's
  * bits are the same from prepacked panels as from its own (gemm.h): so the
  * bits of the float32 forward on the widened weights. (The ISA is read
- * when packing and again by each GEMM; only a test hook changes it, and
- * never during a call.)
+ * when packing and again by each GEMM: the call's pin (dispatch.h,
+ * mha_isa_pin) keeps it one, so that no GEMM rejects the panels and reads
+ * the half bits as float32.)
  */
 typedef struct {
     mha_config cfg;      /* the call's, packed[] replaced by ours      */

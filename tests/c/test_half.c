@@ -46,14 +46,18 @@
  *     bit for bit: self- and cross-attention, with and without W^O, a
  *     bias, GEMMs that multiply panels and GEMMs small enough for the
  *     plain loop; a half w_storage is MHA_ERR_ARG naming it in a float64
- *     call, with int8 or an unknown kind, and in every other operation.
+ *     call, with int8 or an unknown kind, and in every other operation;
+ *   - a call's ISA pin: half-weight forwards while another thread flips
+ *     the ISA each give the bits of one ISA's call (test_isa_pin).
  */
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "dispatch.h"
 #include "gemm.h"
 #include "half.h"
 #include "kernels.h"
@@ -661,6 +665,87 @@ static void test_w_storage_refused(void)
     }
 }
 
+/* The call's ISA pin (dispatch.h, mha_isa_pin): mha_forward packs half
+   weights for the ISA in force and then runs GEMMs that read the ISA
+   again; a GEMM seeing another ISA would reject the panels and read the
+   half bits as float32, past their end. A thread flips the ISA between
+   the portable path and the best one while this one runs half-weight
+   forwards: each out must be the bits of one of the two ISAs' calls (and
+   the ASan build sees every read). Also: a pinned thread's mha_get_isa
+   ignores mha_set_isa until it unpins. */
+typedef struct {
+    atomic_int stop, done;
+    mha_isa lo, hi;
+} isa_flipper;
+
+static void isa_flip(void *p)
+{
+    isa_flipper *f = p;
+    for (unsigned i = 0; !atomic_load(&f->stop); i++)
+        mha_set_isa(i & 1 ? f->hi : f->lo);
+    atomic_store(&f->done, 1);
+}
+
+static void test_isa_pin(void)
+{
+    const mha_isa before = mha_get_isa(), best = harness_best_isa();
+    const int outer = mha_isa_pin();
+    mha_set_isa(MHA_ISA_SCALAR);
+    CHECK(mha_get_isa() == before, "pinned: mha_get_isa %d after mha_set_isa, want %d",
+          (int)mha_get_isa(), (int)before);
+    mha_isa_unpin(outer);
+    CHECK(mha_get_isa() == MHA_ISA_SCALAR, "unpinned: mha_get_isa %d, want scalar",
+          (int)mha_get_isa());
+    if (best == MHA_ISA_SCALAR) {
+        mha_set_isa(before);
+        return;
+    }
+    const size_t B = 2, Tq = 37, Din = 300, H = 3, d = 13, Dout = 45, S = H * d;
+    size_t dk[3] = {d, d, d};
+    double scale[3] = {0.25, 0.25, 0.25};
+    const mha_config cfg = {.B = B, .Tq = Tq, .Tk = Tq, .Din = Din, .Dkin = Din, .Dvin = Din,
+                            .Dout = Dout, .H = H, .G = H, .dk = dk, .dv = dk,
+                            .scale = scale, .has_wo = 1};
+    float *x = xcalloc(B * Tq * Din, sizeof *x), *wide[4];
+    for (size_t i = 0; i < B * Tq * Din; i++)
+        x[i] = (float)(2.0 * rng_unit() - 1.0);
+    const size_t K[4] = {Din, Din, Din, S}, N[4] = {S, S, S, Dout};
+    uint16_t *w[4];
+    for (int i = 0; i < 4; i++)
+        w[i] = half_weight(&k_bf16, K[i] * N[i], 0.06f, &wide[i]);
+    const size_t n = B * Tq * Dout;
+    float *want[2] = {xcalloc(n, sizeof(float)), xcalloc(n, sizeof(float))};
+    float *got = xcalloc(n, sizeof *got);
+    mha_params prm = {.dtype = MHA_DTYPE_F32, .x = x, .key = x, .value = x, .wq = w[0],
+                      .wk = w[1], .wv = w[2], .wo = w[3], .w_storage = MHA_KV_BF16};
+    for (int k = 0; k < 2; k++) {
+        mha_set_isa(k ? best : MHA_ISA_SCALAR);
+        prm.out = want[k];
+        CHECK(mha_forward(&cfg, &prm, NULL) == MHA_OK, "pin: forward on ISA %d", k);
+    }
+    isa_flipper f = {.lo = MHA_ISA_SCALAR, .hi = best};
+    atomic_init(&f.stop, 0);
+    atomic_init(&f.done, 0);
+    prm.out = got;
+    size_t mixed = 0, calls = 0;
+    if (mha_thread_spawn(isa_flip, &f) == 0) {
+        for (; calls < 100; calls++) {
+            CHECK(mha_forward(&cfg, &prm, NULL) == MHA_OK, "pin: forward %zu", calls);
+            mixed += memcmp(got, want[0], n * sizeof *got) != 0 &&
+                     memcmp(got, want[1], n * sizeof *got) != 0;
+        }
+        atomic_store(&f.stop, 1);
+        while (!atomic_load(&f.done))
+            ;
+    }
+    CHECK(calls > 0 && mixed == 0, "pin: %zu of %zu forwards under a flipping ISA gave the "
+          "bits of neither ISA's call", mixed, calls);
+    mha_set_isa(before);
+    for (int i = 0; i < 4; i++)
+        free(w[i]), free(wide[i]);
+    free(x), free(want[0]), free(want[1]), free(got);
+}
+
 static void test_half_weights(void)
 {
     /* K 300 > KC 256; no width a multiple of 8; small GEMMs (Tq 1 and 2
@@ -695,6 +780,7 @@ static void test_half_weights(void)
     mha_set_isa(before);
     mha_gemm_set_grain(grain);
     test_w_storage_refused();
+    test_isa_pin();
     printf("half weights: %ld checks, %d wrong\n", g_checks - checks, g_failures - failures);
 }
 
