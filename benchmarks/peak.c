@@ -121,23 +121,30 @@ static double peak_f64_avx2(long iters, double mf, double af)
 
 /* ---- AVX-512F: the same 12 chains on zmm registers (32 exist). -------- */
 
+/* The 12 float accumulators a0 .. a11 (1, 2, ..., 12) of the zmm chains,
+   and their sum (for peak_f32_avx512 and peak_dpbf16_avx512). */
+#define ZMM12_F32                                                            \
+    __m512 a0 = _mm512_set1_ps(1.0f), a1 = _mm512_set1_ps(2.0f),             \
+           a2 = _mm512_set1_ps(3.0f), a3 = _mm512_set1_ps(4.0f),             \
+           a4 = _mm512_set1_ps(5.0f), a5 = _mm512_set1_ps(6.0f),             \
+           a6 = _mm512_set1_ps(7.0f), a7 = _mm512_set1_ps(8.0f),             \
+           a8 = _mm512_set1_ps(9.0f), a9 = _mm512_set1_ps(10.0f),            \
+           a10 = _mm512_set1_ps(11.0f), a11 = _mm512_set1_ps(12.0f)
+#define ZMM12_SUM_F32()                                                      \
+    _mm512_reduce_add_ps(_mm512_add_ps(                                      \
+        _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)), \
+                      _mm512_add_ps(_mm512_add_ps(a4, a5), _mm512_add_ps(a6, a7))), \
+        _mm512_add_ps(_mm512_add_ps(a8, a9), _mm512_add_ps(a10, a11))))
+
 __attribute__((target("avx512f")))
 static float peak_f32_avx512(long iters, float mf, float af)
 {
     const __m512 m = _mm512_set1_ps(mf), a = _mm512_set1_ps(af);
-    __m512 a0 = _mm512_set1_ps(1.0f), a1 = _mm512_set1_ps(2.0f),
-           a2 = _mm512_set1_ps(3.0f), a3 = _mm512_set1_ps(4.0f),
-           a4 = _mm512_set1_ps(5.0f), a5 = _mm512_set1_ps(6.0f),
-           a6 = _mm512_set1_ps(7.0f), a7 = _mm512_set1_ps(8.0f),
-           a8 = _mm512_set1_ps(9.0f), a9 = _mm512_set1_ps(10.0f),
-           a10 = _mm512_set1_ps(11.0f), a11 = _mm512_set1_ps(12.0f);
+    ZMM12_F32;
     for (long it = 0; it < iters; it++) {
         FMA12(_mm512_fmadd_ps, m, a);
     }
-    __m512 s = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)),
-                             _mm512_add_ps(_mm512_add_ps(a4, a5), _mm512_add_ps(a6, a7)));
-    s = _mm512_add_ps(s, _mm512_add_ps(_mm512_add_ps(a8, a9), _mm512_add_ps(a10, a11)));
-    return _mm512_reduce_add_ps(s);
+    return ZMM12_SUM_F32();
 }
 
 __attribute__((target("avx512f")))
@@ -182,19 +189,11 @@ static float peak_dpbf16_avx512(long iters)
 {
     const __m512bh x = (__m512bh)_mm512_set1_epi16(0x3f80);   /* 1.0   */
     const __m512bh y = (__m512bh)_mm512_set1_epi16(0x3580);   /* 2^-20 */
-    __m512 a0 = _mm512_set1_ps(1.0f), a1 = _mm512_set1_ps(2.0f),
-           a2 = _mm512_set1_ps(3.0f), a3 = _mm512_set1_ps(4.0f),
-           a4 = _mm512_set1_ps(5.0f), a5 = _mm512_set1_ps(6.0f),
-           a6 = _mm512_set1_ps(7.0f), a7 = _mm512_set1_ps(8.0f),
-           a8 = _mm512_set1_ps(9.0f), a9 = _mm512_set1_ps(10.0f),
-           a10 = _mm512_set1_ps(11.0f), a11 = _mm512_set1_ps(12.0f);
+    ZMM12_F32;
     for (long it = 0; it < iters; it++) {
         DP12(x, y);
     }
-    __m512 s = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)),
-                             _mm512_add_ps(_mm512_add_ps(a4, a5), _mm512_add_ps(a6, a7)));
-    s = _mm512_add_ps(s, _mm512_add_ps(_mm512_add_ps(a8, a9), _mm512_add_ps(a10, a11)));
-    return _mm512_reduce_add_ps(s);
+    return ZMM12_SUM_F32();
 }
 #endif
 
