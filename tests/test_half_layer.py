@@ -244,6 +244,44 @@ def test_half_weights_give_the_bits_of_float32_on_the_widened_weights(isa, monke
         mhattn.set_num_threads(before)
 
 
+@pytest.mark.parametrize("dtname", list(HALVES))
+def test_slow_branch_hands_the_core_half_weights_and_widens_x_once(monkeypatch, dtname):
+    """A half call too large for the fast branch (made so by shrinking
+    core._FAST_ELEMENTS) hands its fused half weights and w_o to the core
+    as they are, widens a self-attention x once (not once each as x, key
+    and value), and gives the bits of the float32 call on the widened
+    inputs rounded once. With return_context=True (a context keeps float32
+    weights for the backward) or with stacked weights, the weights are
+    widened as before, with the same bits."""
+    from mhattn._internal import args as args_mod
+    from mhattn._internal import core
+    dt = HALVES[dtname]
+    r = np.random.default_rng(11)
+    x = r.standard_normal((2, 9, 24)).astype(dt)
+    w = [(r.standard_normal(shape) / 5).astype(dt) for shape in
+         ((24, 16), (24, 8), (24, 8), (16, 20))]
+    monkeypatch.setattr(core, "_FAST_ELEMENTS", 0)
+    widened, handed = [], []
+    widen, forward = args_mod.widen, core.forward
+    monkeypatch.setattr(args_mod, "widen", lambda a: widened.append(a.shape) or widen(a))
+    monkeypatch.setattr(core, "forward", lambda *a: handed.append(a) or forward(*a))
+    want = mhattn.multi_head_attention(x.astype(np.float32), *(a.astype(np.float32) for a in w),
+                                       num_heads=4, num_kv_heads=2, causal=True).astype(dt)
+    got = mhattn.multi_head_attention(x, *w, num_heads=4, num_kv_heads=2, causal=True)
+    assert widened == [x.shape], widened
+    assert all(handed[-1][3 + i] is w[i] for i in range(4))
+    np.testing.assert_array_equal(bits(got), bits(want))
+    widened.clear()
+    got, _ = mhattn.multi_head_attention(x, *w, num_heads=4, num_kv_heads=2, causal=True,
+                                         return_context=True)
+    assert sorted(widened) == sorted([x.shape] + [a.shape for a in w])
+    np.testing.assert_array_equal(bits(got), bits(want))
+    stacked = [a.reshape(24, -1, 4).transpose(1, 0, 2) for a in w[:3]]
+    got = mhattn.multi_head_attention(x, *stacked, w[3], num_kv_heads=2, causal=True)
+    assert handed[-1][3].dtype == np.float32
+    np.testing.assert_array_equal(bits(got), bits(want))
+
+
 def test_glue_takes_half_weights_of_one_dtype_with_float32_x_only():
     """_C.forward's weights may all be one half dtype with float32 x (the
     core widens them); a mix, int8, or half weights with float64 x are a

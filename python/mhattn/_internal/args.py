@@ -729,7 +729,7 @@ def normalize(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=Non
               scale=None, mask=None, causal=False, key_lengths=None,
               num_kv_heads=None, b_q=None, b_k=None, b_v=None, b_o=None,
               core_checks_next: bool = False, half_as: np.dtype = F32,
-              **variants) -> Call:
+              half_weights: bool = False, **variants) -> Call:
     """Check every argument and return the canonical :class:`Call`.
 
     ``variants``: the keywords of :data:`mhattn._internal.variants.VARIANT_DEFAULTS`
@@ -738,7 +738,12 @@ def normalize(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=Non
     unless ``core_checks_next``: the caller hands the call to a core entry
     point, which checks its config, before any of those values is read (the
     cached decode step's project()). ``half_as``: the compute dtype of a half
-    precision call (float32; the reference's float64)."""
+    precision call (float32; the reference's float64). ``half_weights``: a
+    half call's fused 2-D weights (and w_o) stay in its half dtype, for a
+    caller that hands the Call straight to ``_C.forward``, whose core widens
+    them as it packs its GEMM's panels (mha.h, ``w_storage``): no float32
+    copy of them is made. The Call then holds half weights, which the
+    reference, a context and a backward must not be given."""
     unknown = sorted(set(variants) - set(VARIANT_DEFAULTS))
     if unknown:
         raise TypeError(f"unexpected keyword argument {unknown[0]!r}")
@@ -788,15 +793,24 @@ def normalize(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=Non
     var = normalize_variants(variants, batched=batched, B=B, Tq=Tq, Tk=Tk, H=H, G=G,
                              dk=dk, dtype=dtype, key_given=key is not None,
                              key_lengths=key_lengths)
+    # Half weights the core takes as they are: all four fused, of the half dtype.
+    keep = (half_weights and half is not None
+            and all(h.form == "fused" and h.array.dtype == half for h in (wq, wk, wv))
+            and (wo is None or wo.dtype == half))
     xb = xa if batched else xa[np.newaxis]
     kb = ka if batched else ka[np.newaxis]
     vb = va if batched else va[np.newaxis]
+    # Self-attention's sources are one array: cast once (a half x is widened).
+    xc = _cast(xb, dtype)
+    kc = xc if ka is xa else _cast(kb, dtype)
+    vc = xc if va is xa else kc if va is ka else _cast(vb, dtype)
     call = Call(
         dtype=dtype, batched=batched, out_dtype=dtype if half is None else half,
-        x=_cast(xb, dtype), key=_cast(kb, dtype), value=_cast(vb, dtype),
+        x=xc, key=kc, value=vc,
         key_given=key is not None, value_given=value is not None,
-        wq=_cast_heads(wq, dtype), wk=_cast_heads(wk, dtype), wv=_cast_heads(wv, dtype),
-        w_o=None if wo is None else _cast(wo, dtype),
+        wq=wq if keep else _cast_heads(wq, dtype), wk=wk if keep else _cast_heads(wk, dtype),
+        wv=wv if keep else _cast_heads(wv, dtype),
+        w_o=wo if wo is None or keep else _cast(wo, dtype),
         bq=_cast_list(bq, dtype), bk=_cast_list(bk, dtype), bv=_cast_list(bv, dtype),
         b_o=None if bo is None else _cast(bo, dtype),
         H=H, G=G, dk=dk, dv=dv, scales=scales, causal=bool(causal),

@@ -227,13 +227,15 @@ _FAST_HEADS = 1024
 
 
 def slow(x, w_q, w_k, w_v, w_o, num_heads, key, value, scale, mask, causal,
-         key_lengths, num_kv_heads, b_q, b_k, b_v, b_o, want_weights, keep, **variants):
+         key_lengths, num_kv_heads, b_q, b_k, b_v, b_o, want_weights, keep,
+         half_weights=False, **variants):
     """The glue's arguments for any call, and its checked :class:`Call`:
-    (args, call). Every check, every friendly error."""
+    (args, call). Every check, every friendly error. ``half_weights``: as
+    :func:`normalize`'s (a call without a context)."""
     call = normalize(x, w_q, w_k, w_v, w_o, num_heads=num_heads, key=key, value=value,
                      scale=scale, mask=mask, causal=causal, key_lengths=key_lengths,
                      num_kv_heads=num_kv_heads, b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o,
-                     **variants)
+                     half_weights=half_weights and not keep, **variants)
     want_weights = bool_arg("return_weights", want_weights)
     keep = bool_arg("return_context", keep)
     return core_args(call, want_weights=want_weights, keep=keep), call

@@ -255,7 +255,7 @@ def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None
         args, call = core.slow(x, w_q, w_k, w_v, w_o, num_heads, key, value, scale,
                                 mask, causal, key_lengths, num_kv_heads, b_q, b_k, b_v,
                                 b_o, return_weights, return_context,
-                                **variant_kwargs(locals()))
+                                half_weights=packed is None, **variant_kwargs(locals()))
     if packed is not None:
         args = (*args, packed._core_packed(args[0].dtype))
     out, weights, extras = core.forward(*args)
