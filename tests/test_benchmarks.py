@@ -447,6 +447,22 @@ def test_half_precision_quick_table(capsys):
         assert len(out[start + 3:start + 5]) == 2 and len(decode) == 2
 
 
+def test_panels_quick_table(capsys):
+    """benchmarks/panels.py --quick: bfloat16 and float32 weight panels
+    through the library's micro-kernel give the same bits (panels.c exits 1
+    otherwise, which fails the run) on every x86 path this CPU has, and
+    the table has a row per (isa, size)."""
+    if not __import__("shutil").which(os.environ.get("CC", "cc")):
+        pytest.skip("no C compiler")
+    import panels
+    rows = panels.main(["--quick", "--repeats", "1"])
+    if rows is None:
+        pytest.skip("needs AVX2 + FMA")
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2 + len(rows) and len(rows) in (2, 4)
+    assert all(r[5] > 0 and r[6] > 0 for r in rows)
+
+
 def test_half_precision_targets_and_decode_rows(capsys):
     """The targets of a prefill row, and the decode table's code on the one
     cache dtype every build has (float32), at a tiny size."""
