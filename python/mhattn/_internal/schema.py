@@ -214,9 +214,9 @@ softcap * tanh(s / softcap), before ALiBi and the masks. None or 0
 (FlashAttention's convention) for none; otherwise softcap and 1 / softcap
 must be finite in the call's dtype."""),
     Arg("alibi_slopes", _MHA + _ATT, "array?", "float64", "(H,) or (B, H)", "None",
-        "ALiBi: adds -slope_h * |p_i - j| to the scores.",
+        "ALiBi: adds -slope_h * abs(p_i - j) to the scores.",
         type="(h,) or (B, h), optional",
-        text="ALiBi: adds -slope_h * |p_i - j| to the scores (no gradient). Finite,\n"
+        text="ALiBi: adds -slope_h * abs(p_i - j) to the scores (no gradient). Finite,\n"
              "and slope * (max(T_q, T_k) - 1) within the call's dtype."),
     Arg("sinks", _MHA + _ATT, "array?", "T", "(H,)", "None",
         "One learnable logit per query head, an extra key of value zero.",

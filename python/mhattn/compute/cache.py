@@ -159,12 +159,12 @@ class KVCache:
     cache's step gives the bits of a float32 cache holding the same
     (rounded) keys and values.  An int8 cache's step differs from a
     float32 cache's holding the unquantised rows by at most, in each
-    element of a head's output,
+    element of a head's output, ::
 
-        e_v + (exp(2 delta) - 1) * max_j max|v_j|,
+        e_v + (exp(2 delta) - 1) * max_j max abs(v_j)
 
-    with e_v = max_j max|v_j| / 254 and delta = |scale| * sum|q| *
-    max_j max|k_j| / 254 (q the head's query after its norm and RoPE,
+    with ``e_v = max_j max abs(v_j) / 254`` and ``delta = abs(scale) *
+    sum abs(q) * max_j max abs(k_j) / 254`` (q the head's query after its norm and RoPE,
     scale the call's multiplier of q.k, j over the keys the query sees),
     plus float32 rounding: the bound does not grow with the cache's
     length (tests/test_kvcache_half.py holds it from 1 to 32768 keys).
@@ -265,7 +265,7 @@ class KVCache:
     def keys(self) -> np.ndarray:
         """(B, G, max(lengths), d_k) view of the storage; item b's keys are its
         first lengths[b] rows (the rest, in a ragged batch, are stale).  Of
-        the cache's dtype: an int8 cache's values times :attr:`key_scales`."""
+        the cache's dtype: an int8 cache's values times ``key_scales``."""
         return self.key_storage[:, :, :int(self._lengths.max(initial=0))]
 
     @property

@@ -137,7 +137,7 @@ def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None
         (FlashAttention's convention) for none; otherwise softcap and 1 / softcap
         must be finite in the call's dtype.
     alibi_slopes : (h,) or (B, h), optional
-        ALiBi: adds -slope_h * |p_i - j| to the scores (no gradient). Finite,
+        ALiBi: adds -slope_h * abs(p_i - j) to the scores (no gradient). Finite,
         and slope * (max(T_q, T_k) - 1) within the call's dtype.
     sinks : (h,), optional
         One learnable logit per query head, counted in the softmax's

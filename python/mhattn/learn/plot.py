@@ -131,7 +131,7 @@ def plot_attention(weights: Any, tokens: Optional[Sequence[Any]] = None,
         labelled "score", -inf as masked.
     vmax : float or "auto", optional
         Top of the colour scale.  Default: 1 for weights (the scale 0..1),
-        the largest |score| for scores; "auto": the largest value drawn,
+        the largest abs(score) for scores; "auto": the largest value drawn,
         one scale for the whole figure.
 
     Returns

@@ -9,24 +9,24 @@ product of n terms, summed in any order, is within gamma(n) = n u / (1 - n u)
 of the exact one, relative to the sum of the terms' magnitudes, where
 u = 2^-24 is float32's unit roundoff.  The bound follows the reference
 computation step by step (the exact values come from the step model run in
-float64 on the trial's inputs):
+float64 on the trial's inputs)::
 
-* projections Q = X W: |dQ| <= gamma(d_model + 2) |X| |W| (the +2: inputs
-  that were themselves rounded to float32);
-* q/k norm y = w q / rms(q): its Jacobian has norm <= max|w| / rms(q), so
-  |dy_i| <= max|w| ||dq||_2 / rms(q) + gamma(d_k + 5) |y_i|;
-* RoPE: a rotation mixes each feature with its partner, so the partner's
-  error and magnitude add, plus a few u for the product and cos, sin;
-* scores S = q k^T / sqrt(d_k): |dS| <= (|dq| |k|^T + |q| |dk|^T
-  + gamma(d_k + 2) |q| |k|^T) / sqrt(d_k); a softcap c tanh(S / c) passes
-  dS on (its slope is at most 1) and rounds by a few u (|S| + c);
-* softmax: dw_i = w_i (dS_i - sum_j w_j dS_j), so |dw_i| <= w_i (dS_i (1 - w_i)
-  + sum_{j != i} w_j dS_j), which stays small where a row is nearly one-hot
-  (the large-input trial), plus w_i (u |S_i - max S| + gamma(T_k + 5)) for
-  exp of the shifted score, the sum and the division; masked keys are -inf
-  in both computations and add nothing;
-* heads o = w V: |do| <= |dw| |V| + w |dV| + gamma(T_k) w |V|; the output
-  Concat(o) W^O: |dout| <= |dz| |W^O| + gamma(h d_v + 1) |z| |W^O|.
+    * projections Q = X W: |dQ| <= gamma(d_model + 2) |X| |W| (the +2: inputs
+      that were themselves rounded to float32);
+    * q/k norm y = w q / rms(q): its Jacobian has norm <= max|w| / rms(q), so
+      |dy_i| <= max|w| ||dq||_2 / rms(q) + gamma(d_k + 5) |y_i|;
+    * RoPE: a rotation mixes each feature with its partner, so the partner's
+      error and magnitude add, plus a few u for the product and cos, sin;
+    * scores S = q k^T / sqrt(d_k): |dS| <= (|dq| |k|^T + |q| |dk|^T
+      + gamma(d_k + 2) |q| |k|^T) / sqrt(d_k); a softcap c tanh(S / c) passes
+      dS on (its slope is at most 1) and rounds by a few u (|S| + c);
+    * softmax: dw_i = w_i (dS_i - sum_j w_j dS_j), so |dw_i| <= w_i (dS_i (1 - w_i)
+      + sum_{j != i} w_j dS_j), which stays small where a row is nearly one-hot
+      (the large-input trial), plus w_i (u |S_i - max S| + gamma(T_k + 5)) for
+      exp of the shifted score, the sum and the division; masked keys are -inf
+      in both computations and add nothing;
+    * heads o = w V: |do| <= |dw| |V| + w |dV| + gamma(T_k) w |V|; the output
+      Concat(o) W^O: |dout| <= |dz| |W^O| + gamma(h d_v + 1) |z| |W^O|.
 
 Each computation (the prototype's and mhattn's) is within that bound B of
 the exact output, so they differ by at most 2 B; a further factor 2 covers

@@ -20,7 +20,7 @@ the order of a score's life (only those the call uses):
     q_normed, k_normed RMSNorm(q_proj), RMSNorm(k_proj)     (q_norm, k_norm)
     q, k               what the scores use: after the norm and RoPE
     capped             softcap * tanh(raw_scores * scale / softcap)   (softcap)
-    bias               ALiBi's -slope * |p_i - j|                    (alibi_slopes)
+    bias               ALiBi's -slope * abs(p_i - j)                    (alibi_slopes)
     scores             ... + bias + additive mask, -inf where a rule blocks
     lse                the sinks included; ``sinks`` holds them     (sinks)
 
@@ -503,7 +503,7 @@ class Trace:
         fused, (T, h*d) — the layout of ``X @ w_q`` — or as a list of
         per-head arrays.
 
-        A stage diverges when some element fails |a - b| <= atol + rtol*|b|
+        A stage diverges when some element fails abs(a - b) <= atol + rtol*abs(b)
         (b = this trace; -inf matches -inf).  The defaults follow the lower
         precision of the two: rtol 1e-7, atol 1e-9 for float64; rtol 1e-4,
         atol 1e-5 for float32.
@@ -692,12 +692,12 @@ class StageDiff:
 
 
 class CompareReport:
-    """The result of :meth:`Trace.compare`.
+    """The result of :meth:`mhattn.Trace.compare`.
 
     ``stages`` lists a :class:`StageDiff` per stage; ``first_divergence`` is
     the name of the first stage that differs (None if none does); ``ok`` is
     True when every stage given agrees; ``unused`` lists the keys of a
-    compared dict that were not used (also named in :meth:`summary`).
+    compared dict that were not used (also named by ``summary()``).
     ``str()`` is a plain-text table and ``_repr_html_`` an HTML one.
     """
 
@@ -721,6 +721,9 @@ class CompareReport:
         raise KeyError(stage)
 
     def summary(self) -> str:
+        """The report in a sentence or two: the first stage that diverges and
+        by how much (and the later ones that differ too), or that every
+        compared stage agrees; then a compared dict's unused keys."""
         text = self._summary()
         if self.unused:
             text += (" Not used (unknown, repeated or not compared): "

@@ -206,7 +206,7 @@ def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, rotary_dim:
 
 
 def softcap(scores: np.ndarray, cap: float) -> np.ndarray:
-    """Step 6, Gemma 2's logit soft-capping: c tanh(s / c), so |s| < c.
+    """Step 6, Gemma 2's logit soft-capping: c tanh(s / c), so abs(s) < c.
 
     Parameters
     ----------
@@ -230,7 +230,7 @@ def softcap(scores: np.ndarray, cap: float) -> np.ndarray:
 
 def alibi_bias(slope: float, query_pos: np.ndarray, key_pos: np.ndarray,
                dtype=np.float64) -> np.ndarray:
-    """Step 7, ALiBi's linear bias: -slope |p_i - j|.
+    """Step 7, ALiBi's linear bias: -slope abs(p_i - j).
 
     Parameters
     ----------
@@ -455,7 +455,7 @@ def head_intermediates(call: Call, b: int, h: int) -> dict:
     - q, k: as the scores use them, after RoPE (= q_normed, k_normed without);
     - raw_scores = q k^T, scaled = raw * scale, capped = softcap(scaled)
       (= scaled without one), each (Tq, Tk);
-    - bias (Tq, Tk) or None: ALiBi's -slope |p_i - j|;
+    - bias (Tq, Tk) or None: ALiBi's -slope abs(p_i - j);
     - additive (Tq, Tk) or None: the float mask;
     - allowed (Tq, Tk) bool: :func:`allowed_keys`;
     - scores (Tq, Tk): capped + bias + additive, -inf where not allowed;
@@ -592,7 +592,7 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None
     softcap : float, optional
         Scores become c tanh(s / c) after the scale.
     alibi_slopes : (h,) or (B, h), optional
-        Adds -slope |p_i - j| after the softcap.
+        Adds -slope abs(p_i - j) after the softcap.
     sinks : (h,), optional
         One extra softmax logit of zero value per query head.
     q_norm, k_norm : (d_k,) or (h, d_k) / (h_kv, d_k), optional
