@@ -59,6 +59,14 @@ autodoc_docstring_signature = False
 numpydoc_show_class_members = False
 numpydoc_class_members_toctree = False
 numpydoc_xref_param_type = False
+# Checked on every documented object at build time (-W fails the build):
+# a docstring (GL08) with a summary (SS01), every parameter documented
+# (PR01) and none that does not exist (PR02), a Returns section (RT01)
+# and an Examples section (EX01).
+numpydoc_validation_checks = {"GL08", "SS01", "PR01", "PR02", "RT01", "EX01"}
+# The exceptions, each with its reason:
+numpydoc_validation_exclude = {
+}
 
 exclude_patterns = ["_build", "gen_modules", "examples", "auto_examples/*.ipynb",
                     "auto_examples/*.py", "auto_examples/*.zip", "auto_examples/*.md5",
