@@ -103,6 +103,9 @@ def worked_example_steps(out=sys.stdout) -> int:
         p(f"  d_model = {d_model}, h = {h:>2}, d_k = {d_model // h:>3}: "
           f"{param_count(d_model, h):>9,d} = 4 * {d_model}^2 = {4 * d_model ** 2:,d}")
     p("The count does not depend on h: more heads split the same budget.")
+    p("")
+    p("Next: the tutorials, in docs/tutorials/ of the source tree; the whole site")
+    p("builds with: pip install '.[docs]' && sphinx-build -b html docs docs/_build/html")
     return 0
 
 
