@@ -13,7 +13,8 @@
 #      <scratch>/shots.
 # Usage, from the repository root: bash tools/ci/docs.sh
 # Sphinx writes generated pages into docs/ (reference/generated,
-# auto_examples), so the build runs on a copy of the tracked files.
+# auto_examples), so the build runs on a copy of the tracked files it reads
+# (docs, tests, and benchmarks/results for the gallery's benchmark plot).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 py=${PYTHON:-python3}
@@ -26,7 +27,7 @@ fi
 "$py" -m pip install -q pytest
 
 dir=$(mktemp -d /tmp/mhattn-docs.XXXXXX)
-(cd "$root" && git ls-files -z docs tests | tar --null -T - -cf -) | tar -xf - -C "$dir"
+(cd "$root" && git ls-files -z docs tests benchmarks/results | tar --null -T - -cf -) | tar -xf - -C "$dir"
 cd "$dir"
 # the installed mhattn, not the tree's python/ (which this copy leaves out)
 "$py" -c "import mhattn, sys; assert not mhattn.__file__.startswith('$root/python'), mhattn.__file__"
