@@ -84,6 +84,8 @@ sphinx_gallery_conf = {
     "examples_dirs": "examples",
     "gallery_dirs": "auto_examples",
     "filename_pattern": r"/plot_",
+    # a reading order, from the document's example to the benchmarks
+    "within_subsection_order": "sg_scraper.Order",
     "download_all_examples": False,
     "remove_config_comments": True,
     "abort_on_example_error": True,

@@ -1,4 +1,5 @@
-"""A sphinx-gallery image scraper for figures made without pyplot.
+"""sphinx-gallery hooks: an image scraper for figures made without pyplot,
+and the gallery's order.
 
 mhattn draws with matplotlib's object API (``Figure()``), never pyplot, so
 that importing it never picks a backend. sphinx-gallery's own matplotlib
@@ -26,3 +27,24 @@ def figures(block, block_vars, gallery_conf):
             value.savefig(path, bbox_inches="tight")
             paths.append(path)
     return figure_rst(paths, gallery_conf["src_dir"])
+
+
+# The gallery's reading order: the document's example, then what one call
+# shows, the patterns of masks, the learner's tools, decoding, benchmarks.
+ORDER = ["plot_worked_example_heads.py", "plot_several_heads.py", "plot_masks.py",
+         "plot_window_chunk.py", "plot_rope_alibi.py", "plot_sinks.py", "plot_trace.py",
+         "plot_checker.py", "plot_kv_cache.py", "plot_benchmarks.py"]
+
+
+class Order:
+    """sphinx-gallery's within_subsection_order: ORDER first, then any other
+    example by file name."""
+
+    def __init__(self, src_dir):
+        self.src_dir = src_dir
+
+    def __call__(self, filename):
+        return (ORDER.index(filename), filename) if filename in ORDER else (len(ORDER), filename)
+
+    def __repr__(self):
+        return "<sg_scraper.Order>"
