@@ -66,6 +66,11 @@ numpydoc_xref_param_type = False
 numpydoc_validation_checks = {"GL08", "SS01", "PR01", "PR02", "RT01", "EX01"}
 # The exceptions, each with its reason:
 numpydoc_validation_exclude = {
+    # property(lambda ...): numpydoc 1.11's validate finds no def line, raises StopIteration
+    r"^mhattn\.KVCache\.(batch|num_kv_heads|capacity|d_k|d_v|dtype)$",
+    r"^mhattn\.MultiHeadAttention\.w_[qkvo]$",
+    # an attribute's one-line #: comment has no room for Examples; CompareReport documents it
+    r"^mhattn\.learn\.trace\.CompareReport\.unused$",
 }
 
 exclude_patterns = ["_build", "gen_modules", "examples", "auto_examples/*.ipynb",

@@ -546,7 +546,9 @@ def fast(x, w_q, w_k, w_v, w_o, num_heads, key, value, scale, want_weights, mask
 
 # --- what the forward keeps for the backward ---------------------------------
 
-class Context:
+# No Parameters section: only multi_head_attention(..., return_context=True)
+# makes a Context, and its constructor's arguments are the forward's internals.
+class Context:  # numpydoc ignore=PR01
     """What :func:`backward` needs from one forward call.
 
     O(T d) state only, never a T x T buffer: references to the checked
@@ -585,7 +587,16 @@ class Context:
 
     @property
     def out_shape(self) -> tuple:
-        """The shape of the forward's output, which grad_out must have."""
+        """The shape of the forward's output, which grad_out must have.
+
+        Examples
+        --------
+        >>> tokens, X, w_q, w_k, w_v, w_o = mhattn.worked_example()
+        >>> out, ctx = mhattn.multi_head_attention(X, w_q, w_k, w_v, w_o,
+        ...                                        return_context=True)
+        >>> ctx.out_shape, out.shape
+        ((3, 4), (3, 4))
+        """
         c = self.call
         shape = (c.B, c.Tq, c.d_out)
         return shape if c.batched else shape[1:]

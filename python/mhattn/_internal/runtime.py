@@ -25,6 +25,11 @@ def get_isa() -> str:
     variable ``MHATTN_ISA=scalar|avx2|avx512|neon`` (read at the first call)
     caps it; ``MHATTN_ISA=scalar`` forces the portable path everywhere.
 
+    Returns
+    -------
+    str
+        "avx512", "avx2", "neon" or "scalar".
+
     Examples
     --------
     >>> mhattn.get_isa() in ("scalar", "avx2", "avx512", "neon")
@@ -57,6 +62,12 @@ def set_num_threads(n: Optional[int] = None) -> None:
     else the number of CPUs this process may run on. Counts above 256 are
     capped. Results do not depend on the thread count.
 
+    Parameters
+    ----------
+    n : int or None, default None
+        The thread count, >= 0 (ValueError otherwise; TypeError for a
+        bool or a non-integer); None or 0 for the default.
+
     Examples
     --------
     >>> mhattn.set_num_threads(1)
@@ -79,6 +90,11 @@ def set_num_threads(n: Optional[int] = None) -> None:
 
 def get_num_threads() -> int:
     """The number of threads the core uses for the next call.
+
+    Returns
+    -------
+    int
+        The count :func:`set_num_threads` set (at most 256), or the default.
 
     Examples
     --------

@@ -75,9 +75,12 @@ class Entry(NamedTuple):
     ``params`` is a signature without defaults: "/" ends the positional-only
     ones, "*" starts the keyword-only ones, "**name" collects keywords.
     ``doc_groups`` is the numpydoc Parameters section, one header per item:
-    its names (as printed, line breaks kept), or (names, text) for an item
-    that refers to another entry point's parameters instead of describing
-    them. Empty: the docstring has no Parameters section.
+    its names (as printed, on one line: numpydoc reads each line of a
+    header as a new entry), or (names, text) for an item that refers to
+    another entry point's parameters instead of describing them. Empty: the
+    generator leaves the docstring's Parameters section, if any, as written
+    (``MultiHeadAttention.__call__``'s ``**options`` is not a name the
+    generator knows).
     """
     file: str                     # relative to the repository
     qualname: str
@@ -116,9 +119,14 @@ _LAYER = ("MultiHeadAttention",)
 PUBLIC_ARGS = (
     Arg("grad_out", ("multi_head_attention_grad", "backward"), "array", "T",
         "(B, Tq, Dout) or (Tq, Dout)", REQUIRED,
-        "dL/dout: the gradient of a scalar loss with respect to the output."),
+        "dL/dout: the gradient of a scalar loss with respect to the output.",
+        type="(T_q, d_out) or (B, T_q, d_out)",
+        text="dL/dout: the gradient of a scalar loss L with respect to the output,\n"
+             "of the shape of the forward's ``out``."),
     Arg("ctx", ("backward",), "object", "", "", REQUIRED,
-        "The Context of multi_head_attention(..., return_context=True)."),
+        "The Context of multi_head_attention(..., return_context=True).",
+        type="mhattn.Context",
+        text="The context of ``multi_head_attention(..., return_context=True)``."),
     Arg("x", _MHA + ("MultiHeadAttention.__call__",), "array", "T",
         "(B, Tq, Din) or (Tq, Din)", REQUIRED, "The queries' source.",
         type="(T_q, d_in) or (B, T_q, d_in)", text="The queries' source."),
@@ -184,12 +192,15 @@ Grouped-query attention: w_k and w_v hold this many heads, and query
 head i uses kv head i // (num_heads // num_kv_heads)."""),
     Arg("b_q", _MHA, "array?", "T", "(Sq,), (H, dk) or H x (dk,)", "None",
         "The query bias, in the form of w_q.",
-        type="biases in the form of their weights; b_o : (d_out,)"),
+        type="arrays, optional",
+        text="Biases in the form of their weights, added to the projections Q, K\n"
+             "and V: 1-D (fused), 2-D (stacked) or a list of 1-D arrays (per head)."),
     Arg("b_k", _MHA, "array?", "T", "(Sk,), (G, dk) or G x (dk,)", "None",
         "The key bias, in the form of w_k."),
     Arg("b_v", _MHA, "array?", "T", "(Sv,), (G, dv) or G x (dv,)", "None",
         "The value bias, in the form of w_v."),
-    Arg("b_o", _MHA, "array?", "T", "(Dout,)", "None", "The output bias."),
+    Arg("b_o", _MHA, "array?", "T", "(Dout,)", "None", "The output bias.",
+        type="(d_out,), optional", text="The output bias."),
     Arg("return_context", ("multi_head_attention",), "bool", "", "", "False",
         "Also return a Context for mhattn.backward.", type="bool",
         text="""\
@@ -489,16 +500,25 @@ ENTRIES: Dict[str, Entry] = {
         "key_positions, key_mask, cu_seqlens, key_cu_seqlens, cache, new_lengths",
         ("x", "w_q, w_k, w_v", "w_o", "num_heads", "key, value", "scale",
          "return_weights", "mask", "causal", "key_lengths", "num_kv_heads",
-         "b_q, b_k, b_v", "return_context", "window", "softcap", "alibi_slopes",
+         "b_q, b_k, b_v", "b_o", "return_context", "window", "softcap", "alibi_slopes",
          "sinks", "q_norm, k_norm", "norm_eps", "rope", "positions, key_positions",
-         "key_mask", "cu_seqlens", "cache", "new_lengths")),
+         "key_mask", "cu_seqlens, key_cu_seqlens", "cache", "new_lengths")),
     "multi_head_attention_grad": Entry(
         _F + "grad.py", "multi_head_attention_grad",
         "grad_out, x, w_q, w_k, w_v, w_o, *, num_heads, key, value, scale, mask, causal, "
         "key_lengths, num_kv_heads, b_q, b_k, b_v, b_o, window, softcap, alibi_slopes, "
         "sinks, q_norm, k_norm, norm_eps, rope, positions, key_positions, key_mask, "
-        "cu_seqlens, key_cu_seqlens"),
-    "backward": Entry(_F + "grad.py", "backward", "grad_out, ctx"),
+        "cu_seqlens, key_cu_seqlens",
+        ("grad_out",
+         ("x, w_q, w_k, w_v, w_o, num_heads, key, value, scale, mask, causal",
+          "As :func:`mhattn.multi_head_attention` (not ``return_weights``)."),
+         ("key_lengths, num_kv_heads, b_q, b_k, b_v, b_o, window, softcap",
+          "As :func:`mhattn.multi_head_attention`."),
+         ("alibi_slopes, sinks, q_norm, k_norm, norm_eps, rope, positions",
+          "As :func:`mhattn.multi_head_attention`."),
+         ("key_positions, key_mask, cu_seqlens, key_cu_seqlens",
+          "As :func:`mhattn.multi_head_attention`."))),
+    "backward": Entry(_F + "grad.py", "backward", "grad_out, ctx", ("grad_out", "ctx")),
     "attention": Entry(
         _F + "attention.py", "attention",
         "q, k, v, *, layout, scale, mask, causal, key_lengths, return_weights, return_lse, "
@@ -516,9 +536,10 @@ RoPE) are not attention keywords: apply them before."""))),
         "grad_out, q, k, v, *, layout, scale, mask, causal, key_lengths, window, softcap, "
         "alibi_slopes, sinks, key_mask, cu_seqlens, key_cu_seqlens, lse, out",
         ("grad_out",
-         ("q, k, v, layout, scale, mask, causal, key_lengths, window, softcap,\n"
-          "alibi_slopes, sinks, key_mask, cu_seqlens, key_cu_seqlens",
+         ("q, k, v, layout, scale, mask, causal, key_lengths",
           "As :func:`attention` (not ``return_weights`` / ``return_lse``)."),
+         ("window, softcap, alibi_slopes, sinks, key_mask, cu_seqlens, key_cu_seqlens",
+          "As :func:`attention`."),
          "lse", "out")),
     "merge_attention": Entry(_F + "attention.py", "merge_attention",
                              "outs, lses, *, layout", ("outs", "lses", "layout")),

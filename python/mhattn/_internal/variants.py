@@ -70,6 +70,8 @@ class RoPE:
         The frequencies themselves, overriding theta: Llama 3's or YaRN's
         scaled frequencies, or a model's ``rotary_emb.inv_freq``.
 
+    Notes
+    -----
     Pair c of a row at position p turns by the angle ``p * inv_freq[c]``:
     ``(a, b) -> (a cos - b sin, a sin + b cos)``.  Positions are p_i for
     queries and j for keys unless ``positions=`` / ``key_positions=`` say
@@ -135,14 +137,31 @@ class RoPE:
     def frequencies(self, rotary_dim: int) -> np.ndarray:
         """(rotary_dim/2,) float64: inv_freq, or theta ** (-2c / rotary_dim).
 
-        rotary_dim must be a positive int (TypeError / ValueError naming it).
-        Whether it is even and <= d_k is the core's rule, checked at the
-        call: an odd rotary_dim here gives rotary_dim // 2 frequencies.  A
-        rotary_dim above 2**20 (no model's head is that wide; the core would
-        refuse it as wider than d_k anyway) raises ValueError before the
-        frequencies are allocated, so a huge one set after construction
-        never reaches np.arange.  (A cap, not check_memory: args imports this
-        module, and the import graph runs one way.)
+        Parameters
+        ----------
+        rotary_dim : int
+            How many features of a head turn.  It must be a positive int
+            (TypeError / ValueError naming it).  Whether it is even and
+            <= d_k is the core's rule, checked at the call: an odd
+            rotary_dim here gives rotary_dim // 2 frequencies.  A rotary_dim
+            above 2**20 (no model's head is that wide; the core would refuse
+            it as wider than d_k anyway) raises ValueError before the
+            frequencies are allocated, so a huge one set after construction
+            never reaches np.arange.  (A cap, not check_memory: args imports
+            this module, and the import graph runs one way.)
+
+        Returns
+        -------
+        (rotary_dim/2,) float64 array
+            ``inv_freq`` when it was given, else
+            ``theta ** (-2c / rotary_dim)`` for c = 0 .. rotary_dim/2 - 1.
+
+        Examples
+        --------
+        >>> mhattn.RoPE(theta=10000.0).frequencies(4)
+        array([1.  , 0.01])
+        >>> mhattn.RoPE(inv_freq=[1.0, 0.5]).frequencies(4)
+        array([1. , 0.5])
         """
         if isinstance(rotary_dim, (bool, np.bool_)) or not isinstance(rotary_dim,
                                                                       numbers.Integral):

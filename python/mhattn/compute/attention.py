@@ -249,9 +249,10 @@ def attention_grad(grad_out, q, k, v, *, layout="bhtd", scale=None, mask=None,
     ----------
     grad_out : the shape of attention's ``out``
         dL/dout of a scalar loss L.
-    q, k, v, layout, scale, mask, causal, key_lengths, window, softcap,
-    alibi_slopes, sinks, key_mask, cu_seqlens, key_cu_seqlens
+    q, k, v, layout, scale, mask, causal, key_lengths
         As :func:`attention` (not ``return_weights`` / ``return_lse``).
+    window, softcap, alibi_slopes, sinks, key_mask, cu_seqlens, key_cu_seqlens
+        As :func:`attention`.
     lse : (B, H, T_q), optional
         The forward's ``return_lse=True`` result, given with ``out``.
     out : the forward's ``out``, optional

@@ -248,14 +248,29 @@ class KVCache:
 
     @property
     def lengths(self) -> np.ndarray:
-        """(B,) int64, read-only: how many keys each sequence holds."""
+        """(B,) int64, read-only: how many keys each sequence holds.
+
+        Examples
+        --------
+        >>> cache = mhattn.KVCache(2, 1, 8, 4)
+        >>> kv = np.zeros((2, 1, 3, 4), np.float32)
+        >>> cache.append(kv, kv, lengths=[3, 1])
+        >>> cache.lengths
+        array([3, 1])
+        """
         view = self._lengths.view()
         view.flags.writeable = False
         return view
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the storage (and an int8 cache's scales) and the lengths."""
+        """Bytes held by the storage (and an int8 cache's scales) and the lengths.
+
+        Examples
+        --------
+        >>> mhattn.KVCache(2, 4, 128, 16).nbytes      # 2*4*128*(16 + 16)*4 + 8*2
+        131088
+        """
         n = self.key_storage.nbytes + self.value_storage.nbytes + self._lengths.nbytes
         if self.key_scales is not None:
             n += self.key_scales.nbytes + self.value_scales.nbytes
@@ -265,16 +280,44 @@ class KVCache:
     def keys(self) -> np.ndarray:
         """(B, G, max(lengths), d_k) view of the storage; item b's keys are its
         first lengths[b] rows (the rest, in a ragged batch, are stale).  Of
-        the cache's dtype: an int8 cache's values times ``key_scales``."""
+        the cache's dtype: an int8 cache's values times ``key_scales``.
+
+        Examples
+        --------
+        >>> cache = mhattn.KVCache(2, 1, 8, 4)
+        >>> kv = np.zeros((2, 1, 3, 4), np.float32)
+        >>> cache.append(kv, kv, lengths=[3, 1])
+        >>> cache.keys.shape                 # max(lengths) = 3 rows
+        (2, 1, 3, 4)
+        """
         return self.key_storage[:, :, :int(self._lengths.max(initial=0))]
 
     @property
     def values(self) -> np.ndarray:
-        """(B, G, max(lengths), d_v) view, as :attr:`keys`."""
+        """(B, G, max(lengths), d_v) view, as :attr:`keys`.
+
+        Examples
+        --------
+        >>> cache = mhattn.KVCache(2, 1, 8, 4, d_v=6)
+        >>> cache.append(np.zeros((2, 1, 3, 4), np.float32),
+        ...              np.zeros((2, 1, 3, 6), np.float32))
+        >>> cache.values.shape
+        (2, 1, 3, 6)
+        """
         return self.value_storage[:, :, :int(self._lengths.max(initial=0))]
 
     def reset(self) -> None:
-        """Empty every sequence (lengths to 0; the storage is kept)."""
+        """Empty every sequence (lengths to 0; the storage is kept).
+
+        Examples
+        --------
+        >>> cache = mhattn.KVCache(1, 1, 8, 4)
+        >>> kv = np.zeros((1, 1, 3, 4), np.float32)
+        >>> cache.append(kv, kv)
+        >>> cache.reset()
+        >>> cache.lengths
+        array([0])
+        """
         with self._lock:
             self._lengths[:] = 0
 
@@ -350,8 +393,28 @@ class KVCache:
         for counts[b] more keys.  (Append and the cached step call it with
         the lock held, just before they write; it takes no lock itself.)
 
-        counts: an int, or (B,) ints, each >= 0 (TypeError / ValueError
-        starting "counts: " otherwise)."""
+        Parameters
+        ----------
+        counts : int or (B,) ints
+            Each >= 0 (TypeError / ValueError starting "counts: " otherwise).
+        name : str, default "k_new"
+            The argument that the error for a lack of room names.
+
+        Raises
+        ------
+        ValueError
+            When some sequence b holds more than ``capacity - counts[b]``
+            keys; the cache is unchanged.
+
+        Examples
+        --------
+        >>> cache = mhattn.KVCache(2, 1, 4, 8)
+        >>> cache.check_room([4, 1])          # room for both: nothing happens
+        >>> cache.check_room([1, 5])
+        Traceback (most recent call last):
+            ...
+        ValueError: k_new: appending 5 keys to sequence 1, which holds 0, exceeds ...
+        """
         B = self._lengths.shape[0]
         if isinstance(counts, (bool, np.bool_)):
             raise TypeError(f"counts: expected an int or ({B},) ints, got {counts!r}")

@@ -120,7 +120,11 @@ def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None
     num_kv_heads : int, optional
         Grouped-query attention: w_k and w_v hold this many heads, and query
         head i uses kv head i // (num_heads // num_kv_heads).
-    b_q, b_k, b_v : biases in the form of their weights; b_o : (d_out,)
+    b_q, b_k, b_v : arrays, optional
+        Biases in the form of their weights, added to the projections Q, K
+        and V: 1-D (fused), 2-D (stacked) or a list of 1-D arrays (per head).
+    b_o : (d_out,), optional
+        The output bias.
     return_context : bool
         Also return a :class:`mhattn.Context` for :func:`mhattn.backward`
         (O(T d) state: the projections, the concatenation and each row's
@@ -156,7 +160,7 @@ def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None
     key_mask : bool (T_k,) or (B, T_k), optional
         True = a real key; any padding pattern.  ANDed with every other rule;
         key blocks with no real key are skipped.
-    cu_seqlens : int (n+1,), optional
+    cu_seqlens, key_cu_seqlens : int (n+1,), optional
         Packed sequences: x is (total, d_in) and holds n sequences at the
         offsets [0, ..., total]; each attends only within itself (causal and
         window too).  ``key_cu_seqlens`` gives the keys' offsets for packed

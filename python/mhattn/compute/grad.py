@@ -57,23 +57,34 @@ def backward(grad_out, ctx: Context) -> Dict[str, Any]:
 
     backward(grad_out, ctx) -> dict
 
-    ``grad_out`` has the shape of the forward's ``out``.  The dict maps
-    each argument's name to its gradient: 'x', then 'key' and 'value' when
-    they were given, 'w_q', 'w_k', 'w_v', then 'w_o', 'b_q', 'b_k', 'b_v',
-    'b_o' when they were given (the mask gets none), then 'sinks', 'q_norm'
-    and 'k_norm' when they were given (ALiBi slopes, positions and the
-    key mask get none).  Each gradient has the
-    form its argument came in (fused, stacked or a per-head list; batched or
-    not), as new arrays of the compute dtype; in a half precision call
-    (float16 or bfloat16 inputs), of that dtype, except for the gradient
-    of a float32 or float64 ``sinks``, ``q_norm`` or ``k_norm``, which is
-    float32.  A per-head list gets one
-    gradient per position, even where one array fills several positions
-    (add them up for the shared array's gradient).
+    Parameters
+    ----------
+    grad_out : (T_q, d_out) or (B, T_q, d_out)
+        dL/dout: the gradient of a scalar loss L with respect to the output,
+        of the shape of the forward's ``out``.
+    ctx : mhattn.Context
+        The context of ``multi_head_attention(..., return_context=True)``.
 
-    When ``key`` was not given, x also fed the keys and values, and 'x'
-    includes those contributions; likewise 'key' includes the values' when
-    ``value`` was not given.  Fully masked query rows contribute zero.
+    Returns
+    -------
+    dict
+        Maps each argument's name to its gradient: 'x', then 'key' and
+        'value' when they were given, 'w_q', 'w_k', 'w_v', then 'w_o',
+        'b_q', 'b_k', 'b_v', 'b_o' when they were given (the mask gets
+        none), then 'sinks', 'q_norm' and 'k_norm' when they were given
+        (ALiBi slopes, positions and the key mask get none).  Each gradient
+        has the form its argument came in (fused, stacked or a per-head
+        list; batched or not), as new arrays of the compute dtype; in a
+        half precision call (float16 or bfloat16 inputs), of that dtype,
+        except for the gradient of a float32 or float64 ``sinks``,
+        ``q_norm`` or ``k_norm``, which is float32.  A per-head list gets
+        one gradient per position, even where one array fills several
+        positions (add them up for the shared array's gradient).
+
+        When ``key`` was not given, x also fed the keys and values, and 'x'
+        includes those contributions; likewise 'key' includes the values'
+        when ``value`` was not given.  Fully masked query rows contribute
+        zero.
 
     Examples
     --------
@@ -167,12 +178,31 @@ def multi_head_attention_grad(grad_out, x, w_q, w_k=None, w_v=None, w_o=None, *,
 
     Takes multi_head_attention's arguments (not ``return_weights``) after
     ``grad_out`` = dL/dout, the gradient of a scalar loss L with respect to
-    the output, and returns what :func:`mhattn.backward` returns: a dict
-    from argument name ('x', 'key', 'value', 'w_q', ..., 'b_o') to its
-    gradient, in the argument's form.  Runs the forward pass (keeping
-    O(T d) state) and then the backward pass; to reuse a forward pass, call
+    the output, and returns what :func:`mhattn.backward` returns.  Runs the
+    forward pass (keeping O(T d) state) and then the backward pass; to
+    reuse a forward pass, call
     ``multi_head_attention(..., return_context=True)`` and
     :func:`mhattn.backward`.
+
+    Parameters
+    ----------
+    grad_out : (T_q, d_out) or (B, T_q, d_out)
+        dL/dout: the gradient of a scalar loss L with respect to the output,
+        of the shape of the forward's ``out``.
+    x, w_q, w_k, w_v, w_o, num_heads, key, value, scale, mask, causal
+        As :func:`mhattn.multi_head_attention` (not ``return_weights``).
+    key_lengths, num_kv_heads, b_q, b_k, b_v, b_o, window, softcap
+        As :func:`mhattn.multi_head_attention`.
+    alibi_slopes, sinks, q_norm, k_norm, norm_eps, rope, positions
+        As :func:`mhattn.multi_head_attention`.
+    key_positions, key_mask, cu_seqlens, key_cu_seqlens
+        As :func:`mhattn.multi_head_attention`.
+
+    Returns
+    -------
+    dict
+        From argument name ('x', 'key', 'value', 'w_q', ..., 'b_o') to its
+        gradient, in the argument's form (see :func:`mhattn.backward`).
 
     Examples
     --------

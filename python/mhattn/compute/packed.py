@@ -52,7 +52,9 @@ def _as_given(fused: np.ndarray, form: str, widths) -> Any:
     return [fused[:, starts[i]:starts[i + 1]] for i in range(len(widths))]
 
 
-class PackedWeights:
+# No Parameters section: PackedWeights(...) raises TypeError; its
+# ``*args, **kwargs`` only catch a direct call. pack_weights makes one.
+class PackedWeights:  # numpydoc ignore=PR01
     """Weights packed once for this machine's kernels: see :func:`pack_weights`.
 
     Immutable: the attributes are read-only arrays, and assigning one
@@ -120,7 +122,24 @@ class PackedWeights:
     def arguments(self) -> Dict[str, Any]:
         """The keyword arguments of the unpacked call:
         ``multi_head_attention(x, **packed.arguments())`` (or the reference's)
-        computes what ``multi_head_attention(x, packed)`` does, bit for bit."""
+        computes what ``multi_head_attention(x, packed)`` does, bit for bit.
+
+        Returns
+        -------
+        dict
+            ``w_q``, ``w_k``, ``w_v``, ``w_o``, ``num_heads``,
+            ``num_kv_heads`` and the biases that were given, by name.
+
+        Examples
+        --------
+        >>> tokens, X, w_q, w_k, w_v, w_o = mhattn.worked_example()
+        >>> packed = mhattn.pack_weights(w_q, w_k, w_v, w_o)
+        >>> sorted(packed.arguments())
+        ['num_heads', 'num_kv_heads', 'w_k', 'w_o', 'w_q', 'w_v']
+        >>> np.array_equal(mhattn.multi_head_attention(X, **packed.arguments()),
+        ...                mhattn.multi_head_attention(X, packed))
+        True
+        """
         kw: Dict[str, Any] = {n: getattr(self, n) for n in _NAMES}
         kw.update(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads)
         kw.update({n: getattr(self, n) for n in _BIASES if getattr(self, n) is not None})
@@ -130,6 +149,22 @@ class PackedWeights:
         """A new PackedWeights with some weights or biases replaced; the
         panels of the others are shared, not cut again.
 
+        Parameters
+        ----------
+        **changes : arrays or None
+            New values of ``w_q``, ``w_k``, ``w_v``, ``w_o``, ``b_q``,
+            ``b_k``, ``b_v`` or ``b_o``, by name, in the forms
+            :func:`mhattn.pack_weights` takes (another name raises
+            TypeError).
+
+        Returns
+        -------
+        PackedWeights
+            The weights and biases of this one, with ``changes`` in place
+            of theirs, packed for the same heads and dtype.
+
+        Examples
+        --------
         >>> tokens, X, w_q, w_k, w_v, w_o = mhattn.worked_example()
         >>> packed = mhattn.pack_weights(w_q, w_k, w_v, w_o)
         >>> np.array_equal(packed.replace(w_o=2 * w_o).w_o, 2 * w_o)

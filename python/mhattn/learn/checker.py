@@ -1090,6 +1090,7 @@ def check_prototype(fn: Callable, *, trials: int = 4, dtype=np.float64,
         relative; float32: a bound of float32's rounding error derived from
         each trial's inputs, see :mod:`mhattn.learn.rounding`).
     seed : int, default 0
+        The seed the inputs of every trial are drawn from.
     convention : "general" (default) or "standard"
         "general" tests any widths, d_k != d_v and d_model != h*d_k
         included; "standard" only d_k = d_v = d_model / h, for prototypes
@@ -1097,6 +1098,16 @@ def check_prototype(fn: Callable, *, trials: int = 4, dtype=np.float64,
         trials (d_model != h*d_k or d_k != d_v) and passes the standard
         ones, the report's title says so.
 
+    Returns
+    -------
+    PrototypeReport
+        ``.ok``, ``.mistake`` (the first named), ``.mistakes`` (all named),
+        ``.title``, ``.explanation``, ``.paragraphs``, ``.hints``,
+        ``.float32_rounding``, ``.trials`` (each with ``.matching``);
+        ``print(report)`` gives plain text, and Jupyter renders it as HTML.
+
+    Notes
+    -----
     It runs on the designed configurations — the document's worked example
     (w_q = concat(W_Q1, W_Q2), W^O = I), d_k != d_v with three heads and a
     non-square W^O, four heads with square weights, d_k != d_v with a square
@@ -1106,21 +1117,13 @@ def check_prototype(fn: Callable, *, trials: int = 4, dtype=np.float64,
     When the outputs differ from :func:`mhattn.multi_head_attention`, the
     reference is re-enacted as its steps (project, split heads, scores,
     [RoPE], scale, [mask], row max, softmax, weights @ V, merge heads, W^O) with every single
-    known mistake (see :data:`MISTAKES`) and every pair of them at two
+    known mistake (see ``mhattn.checker.MISTAKES``) and every pair of them at two
     different steps substituted, and the substitution matching the
     prototype on every trial is named (a single before a pair); failing
     that, the one explaining the most failing trials that tell the
     candidates apart.  An exception matches only the same exception type
     raised by the same operation (the sizes in its message).  When every
     differing trial agrees to float32 rounding, the report says so instead.
-
-    Returns
-    -------
-    PrototypeReport
-        ``.ok``, ``.mistake`` (the first named), ``.mistakes`` (all named),
-        ``.title``, ``.explanation``, ``.paragraphs``, ``.hints``,
-        ``.float32_rounding``, ``.trials`` (each with ``.matching``);
-        ``print(report)`` gives plain text, and Jupyter renders it as HTML.
 
     Examples
     --------

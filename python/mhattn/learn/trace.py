@@ -123,16 +123,35 @@ def trace(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=None,
     defaults to ``tokens`` for self-attention), used by the HTML display and
     by :func:`mhattn.plot_attention`.
 
-    The result holds, per head, ``q``, ``k``, ``v``, ``raw_scores`` (Q K^T),
-    ``scores`` (scaled and masked: -inf where blocked), ``row_max``, ``lse``,
-    ``weights`` and ``heads`` (each head's output), then ``concat`` and
-    ``output``.  A batched call (x of shape (B, T_q, d_in)) keeps the batch
-    axis first.  Per-head stages are stacked (h, T, d) / (B, h, T, d) when
-    all heads have one width, and a list of h arrays when widths differ.
-    Half precision inputs (float16, bfloat16) are traced in float32, the
-    dtype the core computes them in: every stage is the float32 value, and
-    :func:`mhattn.multi_head_attention`'s half result is ``output``
-    rounded once (``output.astype(x.dtype)``).
+    Parameters
+    ----------
+    x, w_q, w_k, w_v, w_o, num_heads, key, value, scale, mask, causal
+        As :func:`mhattn.multi_head_attention`.
+    key_lengths, num_kv_heads, b_q, b_k, b_v, b_o
+        As :func:`mhattn.multi_head_attention`.
+    tokens : sequence of str, optional
+        One label per query row.
+    key_tokens : sequence of str, optional
+        One label per key row; defaults to ``tokens`` for self-attention.
+    window, softcap, alibi_slopes, sinks, q_norm, k_norm, norm_eps, rope
+        The variants, as :func:`mhattn.multi_head_attention` takes them.
+    positions, key_positions, key_mask, cu_seqlens, key_cu_seqlens
+        As :func:`mhattn.multi_head_attention`.
+
+    Returns
+    -------
+    Trace
+        Holds, per head, ``q``, ``k``, ``v``, ``raw_scores`` (Q K^T),
+        ``scores`` (scaled and masked: -inf where blocked), ``row_max``,
+        ``lse``, ``weights`` and ``heads`` (each head's output), then
+        ``concat`` and ``output``.  A batched call (x of shape
+        (B, T_q, d_in)) keeps the batch axis first.  Per-head stages are
+        stacked (h, T, d) / (B, h, T, d) when all heads have one width, and
+        a list of h arrays when widths differ.  Half precision inputs
+        (float16, bfloat16) are traced in float32, the dtype the core
+        computes them in: every stage is the float32 value, and
+        :func:`mhattn.multi_head_attention`'s half result is ``output``
+        rounded once (``output.astype(x.dtype)``).
 
     Examples
     --------
@@ -270,6 +289,33 @@ class Trace:
     HTML display (``_repr_html_``) shows every step with its shape, and the
     values when the matrices are small.
 
+    :func:`mhattn.trace` makes one (through :meth:`from_call`); built by
+    hand, it is whole or refused.
+
+    Parameters
+    ----------
+    arrays : mapping of str to arrays
+        The stages, keyed as :meth:`to_dict` keys them: each of ``q``,
+        ``k``, ``v``, ``raw_scores``, ``scores``, ``row_max``, ``lse``,
+        ``weights``, ``heads``, ``concat`` and ``output`` an array (a
+        per-head stage may be a list of per-head arrays); the variants'
+        stages and ``sinks`` when the call used them.
+    num_heads, num_kv_heads : int
+        The query heads and the key/value heads.
+    d_k, d_v : sequence of int
+        The head widths, per query head.
+    scales : sequence of float
+        The multiplier of the scores, per query head.
+    batched : bool
+        Whether the stages hold the batch axis first.
+    dtype : dtype
+        The dtype the stages were computed in.
+    causal, masked : bool, default False
+        Whether the call was causal, and whether it had a mask or key
+        lengths.
+    tokens, key_tokens : sequence of str, optional
+        The labels of the query rows and of the key rows.
+
     Examples
     --------
     >>> tokens, X, w_q, w_k, w_v, w_o = mhattn.worked_example()
@@ -339,7 +385,28 @@ class Trace:
     # ------------------------------------------------------------------ build
     @classmethod
     def from_call(cls, call: Call, *, tokens=None, key_tokens=None) -> "Trace":
-        """Run the C core on a checked :class:`mhattn._internal.args.Call` and trace it."""
+        """Run the C core on a checked :class:`mhattn._internal.args.Call` and trace it.
+
+        Parameters
+        ----------
+        call : mhattn._internal.args.Call
+            The checked arguments of one call
+            (:func:`mhattn._internal.args.normalize`).
+        tokens, key_tokens : sequence of str, optional
+            As :func:`mhattn.trace` takes them.
+
+        Returns
+        -------
+        Trace
+            What :func:`mhattn.trace` returns for those arguments.
+
+        Examples
+        --------
+        >>> tokens, X, w_q, w_k, w_v, w_o = mhattn.worked_example()
+        >>> call = normalize(X, w_q, w_k, w_v, w_o)
+        >>> Trace.from_call(call, tokens=tokens).weights.shape
+        (2, 3, 3)
+        """
         check_memory(plan(call, want_weights=True, keep=True) + _trace_items(call))
         out, weights, (q, k, v, concat, lse) = run_core(call, want_weights=True, keep=True)
         B, H, Tq, Tk = call.B, call.H, call.Tq, call.Tk
@@ -399,7 +466,22 @@ class Trace:
         'heads', 'concat', 'output'} and the variants' stages the call used
         (see the module doc) -> plain NumPy arrays (a list of per-head arrays
         for a ragged stage), in computing order.  The arrays are the trace's
-        own."""
+        own.
+
+        Returns
+        -------
+        dict
+            Stage name -> its array (or list of per-head arrays), keyed as
+            :meth:`keys` lists them.
+
+        Examples
+        --------
+        >>> tokens, X, w_q, w_k, w_v, w_o = mhattn.worked_example()
+        >>> t = mhattn.trace(X, w_q, w_k, w_v, w_o)
+        >>> d = t.to_dict()
+        >>> list(d)[:4], d["weights"] is t.weights
+        (['q', 'k', 'v', 'raw_scores'], True)
+        """
         return {k: getattr(self, k) for k in self.keys()}
 
     def __getitem__(self, name: str) -> PerHead:
@@ -409,19 +491,66 @@ class Trace:
         return getattr(self, key)
 
     def keys(self):
-        """The stages this trace holds, in computing order."""
+        """The stages this trace holds, in computing order.
+
+        Returns
+        -------
+        tuple of str
+            The names of :meth:`to_dict`, the variants' stages included.
+
+        Examples
+        --------
+        >>> tokens, X, w_q, w_k, w_v, w_o = mhattn.worked_example()
+        >>> mhattn.trace(X, w_q, w_k, w_v, w_o).keys()
+        ('q', 'k', 'v', 'raw_scores', 'scores', 'row_max', 'lse', 'weights', 'heads', 'concat', 'output')
+        >>> mhattn.trace(X, w_q, w_k, w_v, w_o, softcap=5.0).keys()[3:6]
+        ('raw_scores', 'capped', 'scores')
+        """
         return tuple(k for k in _ORDER if k in KEYS or k in self.variant_stages)
 
     @property
     def ragged(self) -> bool:
-        """True when some per-head stage is a list (head widths differ)."""
+        """True when some per-head stage is a list (head widths differ).
+
+        Examples
+        --------
+        >>> tokens, X, w_q, w_k, w_v, w_o = mhattn.worked_example()
+        >>> mhattn.trace(X, w_q, w_k, w_v, w_o).ragged
+        False
+        >>> w = [np.ones((4, 2)), np.ones((4, 3))]          # heads of widths 2 and 3
+        >>> mhattn.trace(X, w, w, w).ragged
+        True
+        """
         return any(isinstance(getattr(self, k), list) for k in _PER_HEAD)
 
     def head(self, i: int, b: Optional[int] = None) -> Dict[str, np.ndarray]:
         """head(i, b=None) -> dict: head i's steps, keyed like
         :func:`mhattn.reference.head_intermediates` (q, k, v, raw_scores,
         scores, weights, head) plus row_max and lse.  ``b`` picks a batch
-        item of a batched trace (required there)."""
+        item of a batched trace (required there).
+
+        Parameters
+        ----------
+        i : int
+            The query head; negative counts from the last.
+        b : int, optional
+            The batch item of a batched trace (required there; None or 0
+            for an unbatched one).
+
+        Returns
+        -------
+        dict
+            Step name -> head i's array of that step.
+
+        Examples
+        --------
+        >>> tokens, X, w_q, w_k, w_v, w_o = mhattn.worked_example()
+        >>> t = mhattn.trace(X, w_q, w_k, w_v, w_o)
+        >>> sorted(t.head(0))
+        ['head', 'k', 'lse', 'q', 'raw_scores', 'row_max', 'scores', 'v', 'weights']
+        >>> t.head(0)["weights"][2].round(4)          # query "it"
+        array([0.7337, 0.0879, 0.1784])
+        """
         H = self.num_heads
         if isinstance(i, (bool, np.bool_)) or not isinstance(i, numbers.Integral):
             raise TypeError(f"head: expected a head index (an integer), got "
@@ -460,7 +589,28 @@ class Trace:
         return out
 
     def shape_of(self, name: str) -> str:
-        """A stage's shape as text; ragged stages read '[h x (T, d_i)]'."""
+        """A stage's shape as text; ragged stages read '[h x (T, d_i)]'.
+
+        Parameters
+        ----------
+        name : str
+            A stage this trace holds, or an alias :meth:`compare` takes.
+
+        Returns
+        -------
+        str
+            The shape, as ``str(array.shape)``, or the list of the per-head
+            shapes.
+
+        Examples
+        --------
+        >>> tokens, X, w_q, w_k, w_v, w_o = mhattn.worked_example()
+        >>> mhattn.trace(X, w_q, w_k, w_v, w_o).shape_of("attention_probs")
+        '(2, 3, 3)'
+        >>> w = [np.ones((4, 2)), np.ones((4, 3))]
+        >>> mhattn.trace(X, w, w, w).shape_of("q")
+        '[(3, 2), (3, 3)]'
+        """
         if not isinstance(name, str):
             raise TypeError(f"name: expected a stage name (str), got {name!r:.80} "
                             f"({type(name).__name__})")
@@ -481,32 +631,55 @@ class Trace:
 
         Stage by stage (q, k, v, raw_scores, scores, weights, heads, concat,
         output), the maximum absolute and relative error of ``other`` against
-        this trace, and the first stage where they diverge.  ``other`` is a
-        Trace or a dict of arrays (keys as in :meth:`to_dict`, case-insensitive,
-        or these common aliases:
+        this trace, and the first stage where they diverge.
 
-        - output: out, y, result, attn_output, attn_out, attention_output
-        - q, k, v: query, queries, key, keys, value, values
-        - raw_scores: raw, qk, qkt, dots, raw_attention_scores, unscaled_scores
-        - scores: logits, scaled_scores, scores_scaled, scaled,
-          attention_scores, attn_scores
-        - weights: attn, attention, attn_weights, attention_weights, probs,
-          attention_probs, attn_probs, softmax, probabilities
-        - heads: head, head_outputs, head_outs
-        - concat: z, concatenated, concat_heads, heads_concat, merged,
-          context, context_layer
+        Parameters
+        ----------
+        other : Trace or dict of arrays
+            A Trace or a dict of arrays (keys as in :meth:`to_dict`,
+            case-insensitive, or these common aliases:
 
-        ); stages missing from a dict are skipped.  Every key it did not use
-        (unknown, a second name for a stage already given, or a stage that is
-        not compared such as 'row_max') is listed in the report's ``unused``
-        and in its summary.  A per-head stage of a dict may also be given
-        fused, (T, h*d) — the layout of ``X @ w_q`` — or as a list of
-        per-head arrays.
+            - output: out, y, result, attn_output, attn_out, attention_output
+            - q, k, v: query, queries, key, keys, value, values
+            - raw_scores: raw, qk, qkt, dots, raw_attention_scores, unscaled_scores
+            - scores: logits, scaled_scores, scores_scaled, scaled,
+              attention_scores, attn_scores
+            - weights: attn, attention, attn_weights, attention_weights, probs,
+              attention_probs, attn_probs, softmax, probabilities
+            - heads: head, head_outputs, head_outs
+            - concat: z, concatenated, concat_heads, heads_concat, merged,
+              context, context_layer
 
-        A stage diverges when some element fails abs(a - b) <= atol + rtol*abs(b)
-        (b = this trace; -inf matches -inf).  The defaults follow the lower
-        precision of the two: rtol 1e-7, atol 1e-9 for float64; rtol 1e-4,
-        atol 1e-5 for float32.
+            ); stages missing from a dict are skipped.  Every key it did not
+            use (unknown, a second name for a stage already given, or a stage
+            that is not compared such as 'row_max') is listed in the report's
+            ``unused`` and in its summary.  A per-head stage of a dict may
+            also be given fused, (T, h*d) — the layout of ``X @ w_q`` — or as
+            a list of per-head arrays.
+        rtol, atol : float >= 0, optional
+            A stage diverges when some element fails
+            abs(a - b) <= atol + rtol*abs(b) (b = this trace; -inf matches
+            -inf).  The defaults follow the lower precision of the two:
+            rtol 1e-7, atol 1e-9 for float64; rtol 1e-4, atol 1e-5 for
+            float32.
+
+        Returns
+        -------
+        CompareReport
+            A :class:`~mhattn.learn.trace.StageDiff` per stage, the first
+            divergence, the tolerances used and the unused keys.
+
+        Examples
+        --------
+        >>> tokens, X, w_q, w_k, w_v, w_o = mhattn.worked_example()
+        >>> t = mhattn.trace(X, w_q, w_k, w_v, w_o)
+        >>> report = t.compare({"out": t.output, "attn": t.weights + 1e-3,
+        ...                     "row_max": t.row_max})
+        >>> report.first_divergence, report.unused
+        ('weights', ['row_max'])
+        >>> print(report.summary())
+        First divergence at 'weights' (max abs error 0.001, max rel error 0.59). Not used
+        (unknown, repeated or not compared): 'row_max'.
         """
         rtol = _tol("rtol", rtol)
         atol = _tol("atol", atol)
@@ -681,7 +854,33 @@ def _errors(got: np.ndarray, ref: np.ndarray, rtol: float, atol: float):
 @dataclass
 class StageDiff:
     """One stage of a comparison: shapes, max abs / rel error, and whether
-    it agrees (None when the other side did not give this stage)."""
+    it agrees (None when the other side did not give this stage).
+
+    Parameters
+    ----------
+    stage : str
+        The stage's name, one of those :meth:`mhattn.Trace.compare` checks.
+    shape : str
+        Its shape in the trace, as :meth:`mhattn.Trace.shape_of` gives it.
+    other_shape : str or None
+        The other side's shape; None when it did not give this stage.
+    max_abs, max_rel : float or None
+        The largest absolute and relative errors (inf when the shapes
+        differ); None when the other side did not give this stage.
+    ok : bool or None
+        Whether the stage agrees within the tolerances; None when the other
+        side did not give it.
+    note : str, default ""
+        "not given", "shapes differ", "differs", or "" when it agrees.
+
+    Examples
+    --------
+    >>> tokens, X, w_q, w_k, w_v, w_o = mhattn.worked_example()
+    >>> t = mhattn.trace(X, w_q, w_k, w_v, w_o)
+    >>> t.compare({"output": t.output})["output"]
+    StageDiff(stage='output', shape='(3, 4)', other_shape='(3, 4)', max_abs=0.0,
+              max_rel=0.0, ok=True, note='')
+    """
     stage: str
     shape: str
     other_shape: Optional[str]
@@ -699,6 +898,37 @@ class CompareReport:
     True when every stage given agrees; ``unused`` lists the keys of a
     compared dict that were not used (also named by ``summary()``).
     ``str()`` is a plain-text table and ``_repr_html_`` an HTML one.
+
+    Parameters
+    ----------
+    stages : list of StageDiff
+        One per stage, in the order they are computed.
+    rtol, atol : float
+        The tolerances the stages were compared with.
+    unused : sequence of str, default ()
+        The keys of the other side that :meth:`~mhattn.Trace.compare` did
+        not use.
+
+    Examples
+    --------
+    >>> tokens, X, w_q, w_k, w_v, w_o = mhattn.worked_example()
+    >>> t = mhattn.trace(X, w_q, w_k, w_v, w_o)
+    >>> report = t.compare({"weights": t.weights, "output": t.output})
+    >>> report.ok, report.first_divergence, report["output"].max_abs
+    (True, None, 0.0)
+    >>> print(report)
+    All 2 stages compared agree (rtol=1e-07, atol=1e-09).
+    <BLANKLINE>
+      stage       shape             max abs err  max rel err  status
+      q           (2, 3, 2)                                   not given
+      k           (2, 3, 2)                                   not given
+      v           (2, 3, 2)                                   not given
+      raw_scores  (2, 3, 3)                                   not given
+      scores      (2, 3, 3)                                   not given
+      weights     (2, 3, 3)                   0            0  ok
+      heads       (2, 3, 2)                                   not given
+      concat      (3, 4)                                      not given
+      output      (3, 4)                      0            0  ok
     """
 
     def __init__(self, stages: List[StageDiff], *, rtol: float, atol: float,
@@ -723,7 +953,20 @@ class CompareReport:
     def summary(self) -> str:
         """The report in a sentence or two: the first stage that diverges and
         by how much (and the later ones that differ too), or that every
-        compared stage agrees; then a compared dict's unused keys."""
+        compared stage agrees; then a compared dict's unused keys.
+
+        Returns
+        -------
+        str
+            The first line of ``str(report)``.
+
+        Examples
+        --------
+        >>> tokens, X, w_q, w_k, w_v, w_o = mhattn.worked_example()
+        >>> t = mhattn.trace(X, w_q, w_k, w_v, w_o)
+        >>> t.compare(t).summary()
+        'All 9 stages compared agree (rtol=1e-07, atol=1e-09).'
+        """
         text = self._summary()
         if self.unused:
             text += (" Not used (unknown, repeated or not compared): "

@@ -209,15 +209,35 @@ def to_torch_attn_mask(mask: Any, *, num_heads: Optional[int] = None,
       src_len default to the mask's own axes (a 3-D mask (h, T_q, T_k) is
       taken with batch_size 1 unless batch_size is given).
 
-    Returns a new C-contiguous NumPy array, or a torch.Tensor with
-    ``as_tensor=True`` (which imports PyTorch).  (F.scaled_dot_product_attention
-    needs no conversion: its boolean masks already use mhattn's sense.)
+    (F.scaled_dot_product_attention needs no conversion: its boolean masks
+    already use mhattn's sense.)
+
+    Parameters
+    ----------
+    mask : bool or float array (or torch tensor), at most 4-D
+        An mhattn mask, broadcastable to (B, h, T_q, T_k): True = may attend,
+        or float added to the scores.
+    num_heads : int, optional
+        Required for a mask of 3 or 4 axes.
+    batch_size, tgt_len, src_len : int, optional
+        B, T_q and T_k of the result; default the mask's own axes, as above.
+    as_tensor : bool, default False
+        Return a torch.Tensor (which imports PyTorch).
+
+    Returns
+    -------
+    array or torch.Tensor
+        A new C-contiguous NumPy array, (tgt_len, src_len) or
+        (batch_size*num_heads, tgt_len, src_len), or a torch.Tensor with
+        ``as_tensor=True``.
 
     Examples
     --------
     >>> mhattn.to_torch_attn_mask(np.tril(np.ones((2, 2), bool)))   # True = blocked
     array([[False,  True],
            [False, False]])
+    >>> mhattn.to_torch_attn_mask(np.ones((2, 1, 3, 3), bool), num_heads=4).shape
+    (8, 3, 3)
     """
     m = _as_numpy("mask", mask)
     num_heads = _int_arg("num_heads", num_heads)

@@ -258,7 +258,17 @@ class MultiHeadAttention:
     def packed(self) -> PackedWeights:
         """The layer's weights as a :class:`mhattn.PackedWeights`
         (``multi_head_attention(x, layer.packed, ...)`` computes the layer
-        without its biases and variants)."""
+        without its biases and variants).
+
+        Examples
+        --------
+        >>> layer = mhattn.MultiHeadAttention(16, 2, seed=0)
+        >>> layer.packed
+        PackedWeights(num_heads=2, num_kv_heads=2, d_model=16, d_out=16, dtype=float32, isa=...)
+        >>> x = np.ones((3, 16), np.float32)
+        >>> np.array_equal(mhattn.multi_head_attention(x, layer.packed), layer(x))
+        True
+        """
         return self._packed_weights()
 
     def __init__(self, d_model: int, num_heads: int, *, num_kv_heads: Optional[int] = None,
@@ -334,7 +344,21 @@ class MultiHeadAttention:
         return shapes
 
     def reset_parameters(self, seed: Any = None) -> None:
-        """Draw fresh weights (see the class docstring for the distributions)."""
+        """Draw fresh weights (see the class docstring for the distributions).
+
+        Parameters
+        ----------
+        seed : int, np.random.Generator or None
+            Passed to np.random.default_rng, as the constructor's ``seed``.
+
+        Examples
+        --------
+        >>> layer = mhattn.MultiHeadAttention(16, 2, seed=0)
+        >>> layer.reset_parameters(seed=1)
+        >>> x = np.ones((3, 16), np.float32)
+        >>> np.array_equal(layer(x), mhattn.MultiHeadAttention(16, 2, seed=1)(x))
+        True
+        """
         rng = _rng(seed)
         h, g = self.num_heads, self.num_kv_heads
         nq, nk, nv = h * self.d_k, g * self.d_k, g * self.d_v
@@ -379,12 +403,43 @@ class MultiHeadAttention:
     # -- the forward pass -----------------------------------------------------
 
     def weights(self) -> Dict[str, np.ndarray]:
-        """The layer's arrays by name (w_q, w_k, w_v, w_o, then biases if any)."""
+        """The layer's arrays by name (w_q, w_k, w_v, w_o, then biases if any).
+
+        Returns
+        -------
+        dict
+            Name -> the layer's array itself (not a copy): w_q, w_k, w_v, w_o,
+            then b_q, b_k, b_v, b_o with ``bias``, sinks with ``sinks`` and
+            q_norm, k_norm with ``qk_norm``.
+
+        Examples
+        --------
+        >>> layer = mhattn.MultiHeadAttention(16, 2, bias=True, seed=0)
+        >>> {name: a.shape for name, a in layer.weights().items()}
+        {'w_q': (2, 16, 8), 'w_k': (2, 16, 8), 'w_v': (2, 16, 8), 'w_o': (16, 16),
+         'b_q': (2, 8), 'b_k': (2, 8), 'b_v': (2, 8), 'b_o': (16,)}
+        """
         return {name: getattr(self, name) for name in self._shapes()}
 
     def arguments(self) -> Dict[str, Any]:
         """Keyword arguments that make multi_head_attention compute this layer:
-        ``mhattn.reference.multi_head_attention(x, **layer.arguments())``."""
+        ``mhattn.reference.multi_head_attention(x, **layer.arguments())``.
+
+        Returns
+        -------
+        dict
+            :meth:`weights`, plus ``num_kv_heads`` (and ``norm_eps`` with a
+            q/k norm).
+
+        Examples
+        --------
+        >>> layer = mhattn.MultiHeadAttention(16, 2, seed=0)
+        >>> sorted(layer.arguments())
+        ['num_kv_heads', 'w_k', 'w_o', 'w_q', 'w_v']
+        >>> x = np.ones((3, 16), np.float32)
+        >>> np.array_equal(mhattn.multi_head_attention(x, **layer.arguments()), layer(x))
+        True
+        """
         kw: Dict[str, Any] = dict(self.weights())
         kw["num_kv_heads"] = self.num_kv_heads
         if self.qk_norm:
@@ -396,16 +451,42 @@ class MultiHeadAttention:
         (out, weights) with ``return_weights=True``, with a context for
         :meth:`backward` appended when ``return_context=True``.
 
-        ``options`` are multi_head_attention's: mask, causal, key_lengths,
-        scale, return_weights, return_context, window, softcap,
-        alibi_slopes, rope, positions, key_positions, key_mask, cu_seqlens,
-        key_cu_seqlens, and ``cache=mhattn.KVCache(...)`` (with
-        ``new_lengths``) for one decoding step through a key/value cache:
-        ``layer(x_new, causal=True, cache=cache)`` projects only the new
-        rows, appends their keys and values, and attends over the cache
-        (see :func:`mhattn.multi_head_attention`; no gradients through a
-        cache).  The layer's own arrays (sinks and the q/k norm
-        included) cannot be passed; anything else raises TypeError.
+        Parameters
+        ----------
+        x : (T_q, d_model) or (B, T_q, d_model)
+            The queries' source, of the layer's dtype when either is half.
+        key, value : arrays, optional
+            Sources of keys and values for cross-attention: (T_k, kdim) and
+            (T_k, vdim), or batched.  ``key`` defaults to ``x``, ``value``
+            to ``key``.
+        **options
+            multi_head_attention's: mask, causal, key_lengths,
+            scale, return_weights, return_context, window, softcap,
+            alibi_slopes, rope, positions, key_positions, key_mask, cu_seqlens,
+            key_cu_seqlens, and ``cache=mhattn.KVCache(...)`` (with
+            ``new_lengths``) for one decoding step through a key/value cache:
+            ``layer(x_new, causal=True, cache=cache)`` projects only the new
+            rows, appends their keys and values, and attends over the cache
+            (see :func:`mhattn.multi_head_attention`; no gradients through a
+            cache).  The layer's own arrays (sinks and the q/k norm
+            included) cannot be passed; anything else raises TypeError.
+
+        Returns
+        -------
+        out : (T_q, d_out) or (B, T_q, d_out)
+            As :func:`mhattn.multi_head_attention` returns it.
+        weights : (h, T_q, T_k) or (B, h, T_q, T_k)
+            Returned too when ``return_weights=True``.
+        ctx : mhattn.Context
+            Returned last when ``return_context=True``, for :meth:`backward`.
+
+        Examples
+        --------
+        >>> layer = mhattn.MultiHeadAttention(16, 2, seed=0)
+        >>> x = np.ones((3, 16), np.float32)
+        >>> out, weights = layer(x, causal=True, return_weights=True)
+        >>> out.shape, weights.shape
+        ((3, 16), (2, 3, 3))
         """
         allowed = _call_options()
         for name in options:
@@ -450,11 +531,30 @@ class MultiHeadAttention:
         """Gradients of a scalar loss given ``grad_out`` = dL/dout, for the
         call ``out, ctx = layer(x, ..., return_context=True)`` that made ctx.
 
-        Returns a dict keyed by the layer's attribute names (w_q, w_k, w_v,
-        w_o, then b_q, b_k, b_v, b_o with ``bias``), each gradient shaped as
-        its attribute, plus 'x' (and 'key' / 'value' when they were passed;
-        without them 'x' includes the keys' and values' contributions).
-        See :func:`mhattn.backward`.
+        Parameters
+        ----------
+        grad_out : (T_q, d_out) or (B, T_q, d_out)
+            dL/dout, of the shape of the call's ``out``.
+        ctx : mhattn.Context
+            The context of that call.
+
+        Returns
+        -------
+        dict
+            Keyed by the layer's attribute names (w_q, w_k, w_v, w_o, then
+            b_q, b_k, b_v, b_o with ``bias``), each gradient shaped as its
+            attribute, plus 'x' (and 'key' / 'value' when they were passed;
+            without them 'x' includes the keys' and values' contributions).
+            See :func:`mhattn.backward`.
+
+        Examples
+        --------
+        >>> layer = mhattn.MultiHeadAttention(16, 2, seed=0)
+        >>> x = np.ones((3, 16), np.float32)
+        >>> out, ctx = layer(x, causal=True, return_context=True)
+        >>> grads = layer.backward(np.ones_like(out), ctx)
+        >>> sorted(grads), grads["w_q"].shape
+        (['w_k', 'w_o', 'w_q', 'w_v', 'x'], (2, 16, 8))
         """
         return _backward(grad_out, ctx)
 
@@ -463,6 +563,17 @@ class MultiHeadAttention:
         norms too) are this layer's cast to ``dtype`` (float32, float64,
         float16 or bfloat16; to a half dtype each value is rounded once to
         nearest even), as ``module.to(dtype)`` does in PyTorch.
+
+        Parameters
+        ----------
+        dtype : np.float32, np.float64, np.float16 or bfloat16
+            The new layer's dtype (``ml_dtypes.bfloat16``, or the string
+            "bfloat16").
+
+        Returns
+        -------
+        MultiHeadAttention
+            The new layer; this one is unchanged.
 
         Examples
         --------
@@ -485,7 +596,13 @@ class MultiHeadAttention:
 
     @property
     def param_count(self) -> int:
-        """Number of scalars in all weights and biases."""
+        """Number of scalars in all weights and biases.
+
+        Examples
+        --------
+        >>> mhattn.MultiHeadAttention(16, 2, bias=True).param_count   # 4*16*16 + 4*16
+        1088
+        """
         return int(sum(a.size for a in self.weights().values()))
 
     def __repr__(self) -> str:
@@ -516,6 +633,17 @@ class MultiHeadAttention:
         round-trip through :meth:`load_state_dict` only.  A layer with sinks
         or a q/k norm adds ``sinks`` (h,), ``q_norm.weight`` and
         ``k_norm.weight`` (the names of gpt-oss's and Qwen3's modules).
+
+        Returns
+        -------
+        dict
+            Key -> a new array, in the layer's dtype.
+
+        Examples
+        --------
+        >>> layer = mhattn.MultiHeadAttention(16, 2, seed=0)
+        >>> {key: a.shape for key, a in layer.state_dict().items()}
+        {'in_proj_weight': (48, 16), 'out_proj.weight': (16, 16)}
         """
         wq, wk, wv = (np.ascontiguousarray(_fuse(w).T) for w in (self.w_q, self.w_k, self.w_v))
         sd: Dict[str, np.ndarray] = {}
@@ -539,7 +667,23 @@ class MultiHeadAttention:
         or torch tensors), checking every key and shape; the inverse of
         :meth:`state_dict`.  Values must be real numbers (TypeError otherwise, as
         in multi_head_attention); they are always copied and cast to the layer's
-        dtype, so the layer never shares memory with ``state_dict``."""
+        dtype, so the layer never shares memory with ``state_dict``.
+
+        Parameters
+        ----------
+        state_dict : mapping of str to arrays or torch tensors
+            Exactly the keys of :meth:`state_dict`, with its shapes
+            (ValueError naming the missing, unexpected or misshapen ones).
+
+        Examples
+        --------
+        >>> a = mhattn.MultiHeadAttention(16, 2, seed=0)
+        >>> b = mhattn.MultiHeadAttention(16, 2, seed=1)
+        >>> b.load_state_dict(a.state_dict())
+        >>> x = np.ones((3, 16), np.float32)
+        >>> np.array_equal(a(x), b(x))
+        True
+        """
         state = state_dict
         if not isinstance(state, Mapping) and not (hasattr(state, "keys")
                                                    and hasattr(state, "__getitem__")):
@@ -616,6 +760,25 @@ class MultiHeadAttention:
         mhattn: a module with dropout > 0 warns, and matches in eval mode only.
         ``dtype`` defaults to the module's (float64, float16 and bfloat16
         stay so, anything else becomes float32; bfloat16 needs ml_dtypes).
+
+        Parameters
+        ----------
+        module : torch.nn.MultiheadAttention
+            The module to copy (TypeError for anything else).
+        dtype : dtype, optional
+            The layer's dtype; default the module's, as above.
+
+        Returns
+        -------
+        MultiHeadAttention
+            A new layer holding copies of the module's weights.
+
+        Examples
+        --------
+        >>> import torch                                  # doctest: +SKIP
+        >>> module = torch.nn.MultiheadAttention(16, 2, batch_first=True)  # doctest: +SKIP
+        >>> mhattn.MultiHeadAttention.from_torch(module)  # doctest: +SKIP
+        MultiHeadAttention(d_model=16, num_heads=2, num_kv_heads=2, d_k=8, d_v=8, d_out=16, bias=True, dtype=float32)
         """
         for attr in ("embed_dim", "num_heads", "in_proj_weight", "out_proj"):
             if not hasattr(module, attr):
@@ -670,6 +833,18 @@ class MultiHeadAttention:
         Only possible when the layer has nn.MultiheadAttention's shape:
         num_kv_heads == num_heads, d_k == d_v == d_model / num_heads and
         d_out == d_model; otherwise ValueError says which condition fails.
+
+        Returns
+        -------
+        torch.nn.MultiheadAttention
+            A new module, of the layer's dtype (imports PyTorch).
+
+        Examples
+        --------
+        >>> layer = mhattn.MultiHeadAttention(16, 2, seed=0)
+        >>> module = layer.to_torch()                     # doctest: +SKIP
+        >>> module.batch_first, module.training           # doctest: +SKIP
+        (True, False)
         """
         reasons = []
         if self.num_kv_heads != self.num_heads:

@@ -323,7 +323,7 @@ def score_steps(q: np.ndarray, k: np.ndarray, scale: float, *, cap: Optional[flo
 
     Parameters
     ----------
-    q : (Tq, dk), k : (Tk, dk)
+    q, k : (Tq, dk) and (Tk, dk) arrays
         The queries and keys as the scores use them (after norm and RoPE).
     scale : float
     cap : float, optional
@@ -369,7 +369,8 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
 
     Parameters
     ----------
-    q : (Tq, dk), k : (Tk, dk), v : (Tk, dv)
+    q, k, v : (Tq, dk), (Tk, dk) and (Tk, dv) arrays
+        One head's queries, keys and values.
     scale : float
     allowed : (Tq, Tk) bool, optional
     additive : (Tq, Tk), optional
@@ -403,7 +404,8 @@ def weighted_values(weights: np.ndarray, v: np.ndarray) -> np.ndarray:
 
     Parameters
     ----------
-    weights : (Tq, Tk), v : (Tk, dv)
+    weights : (Tq, Tk) array
+    v : (Tk, dv) array
 
     Returns
     -------
@@ -584,7 +586,9 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None
 
     Parameters
     ----------
-    x, w_q, w_k, w_v, w_o, num_heads, ..., b_o
+    x, w_q, w_k, w_v, w_o, num_heads, key, value, scale, return_weights, mask
+        As :func:`mhattn.multi_head_attention`.
+    causal, key_lengths, num_kv_heads, b_q, b_k, b_v, b_o
         As :func:`mhattn.multi_head_attention`.
     window : (left, right), optional
         Key j is visible from query i iff p_i - left <= j <= p_i + right
@@ -597,9 +601,13 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None
         One extra softmax logit of zero value per query head.
     q_norm, k_norm : (d_k,) or (h, d_k) / (h_kv, d_k), optional
         RMSNorm weights applied to the projected q / k, eps ``norm_eps``.
+    norm_eps : float, default 1e-6
+        The RMSNorm's epsilon.
     rope : mhattn.RoPE, optional
         Rotary embedding after the norm, at ``positions`` (queries, default
         p_i) and ``key_positions`` (keys, default j).
+    positions, key_positions : int (T_q,) / (B, T_q), (T_k,) / (B, T_k), optional
+        The positions RoPE uses, as :func:`mhattn.multi_head_attention`.
     key_mask : (T_k,) or (B, T_k) bool, optional
         False = a padding key.
     cu_seqlens, key_cu_seqlens : (n+1,) int, optional
@@ -670,7 +678,7 @@ def projected_attention(q, k, v, *, layout="bhtd", scale=None, mask=None, causal
 
     Parameters
     ----------
-    q : (B, H, T_q, d_k), k : (B, G, T_k, d_k), v : (B, G, T_k, d_v)
+    q, k, v : (B, H, T_q, d_k), (B, G, T_k, d_k) and (B, G, T_k, d_v) arrays
         Or (B, T, heads, d) with ``layout="bthd"``; or unbatched 3-D.
     layout, scale, mask, causal, key_lengths, **variants
         As :func:`mhattn.attention` (window, softcap, alibi_slopes, sinks,
@@ -742,6 +750,21 @@ def param_count(d_model: int, num_heads: int, d_k: Optional[int] = None,
     (h d_v) x d_model for W^O.  Under the convention d_k = d_v = d_model / h
     this is 4 d_model^2, whatever h is.
 
+    Parameters
+    ----------
+    d_model : int
+        The model width.
+    num_heads : int
+        h, the number of heads.
+    d_k, d_v : int, optional
+        The head widths; default d_k = d_model / h (h must then divide
+        d_model) and d_v = d_k.
+
+    Returns
+    -------
+    int
+        2 h d_model d_k + 2 h d_model d_v.
+
     Examples
     --------
     >>> mhattn.param_count(512, 8), mhattn.param_count(512, 1)   # 4 * 512**2 both
@@ -767,6 +790,17 @@ def worked_example():
     Three tokens ball, full, it with 4-d embeddings; two heads of width 2.
     Head 1 reads the entity and bias columns, head 2 the adjective and bias
     columns, and both heads share one value projection.  W^O is the identity.
+
+    Returns
+    -------
+    tokens : list of str
+        ``['ball', 'full', 'it']``.
+    X : (3, 4) float64 array
+        The embeddings, one row per token.
+    w_q, w_k, w_v : lists of two (4, 2) float64 arrays
+        Per-head weights (w_v holds one array twice, the shared W_V).
+    w_o : (4, 4) float64 array
+        The identity.
 
     Examples
     --------
