@@ -71,6 +71,9 @@ static int parse_args(call *c, const call_spec *sp, PyObject *args,
         }
     }
     kwlist[sp->nargs] = NULL;
+    // PyArg leaves an optional argument that is not given alone: None.
+    for (int i = sp->nargs - sp->nopt; i < sp->nargs; i++)
+        c->arg[i] = (arg_value){Py_None, 0};
     *f++ = ':';   // then the name, which fits: sp->name is a short literal
     memcpy(f, sp->name, strlen(sp->name) + 1);
 #define PAIR(i) cv[i], slot[i]
@@ -94,8 +97,6 @@ static int parse_fastcall(call *c, const call_spec *sp, PyObject *const *argv,
     int res = -1;
     if (args == NULL)
         return -1;
-    for (int i = sp->nargs - sp->nopt; i < sp->nargs; i++)
-        c->arg[i] = (arg_value){Py_None, 0};   // unless given
     for (Py_ssize_t i = 0; i < nargs; i++) {
         Py_INCREF(argv[i]);
         PyTuple_SET_ITEM(args, i, argv[i]);
