@@ -13,10 +13,12 @@
  *   dz        = d(gated) concat g (1 - g)
  * (dwgate = x^T dz, dbgate = colsum(dz), dx += dz wgate^T are the
  * backward's projection pass, backward_impl.h). The elementwise steps are
- * computed in double for both element types and rounded once when stored
- * (as the q/k transforms, qk.h): plain C compiled once, the same bits on
- * every ISA path, and elementwise, so for any thread count. exp is the C
- * library's: the same on one machine.
+ * plain C compiled once, so the same bits on every ISA path, and
+ * elementwise, so for any thread count: the sigmoid in the element type
+ * (float's is the C library's expf, several times faster than exp on as
+ * many elements as the concatenation has), the backward's products in
+ * double, rounded once when stored. exp and expf are the C library's: the
+ * same on one machine.
  */
 #ifndef MHA_GATE_H
 #define MHA_GATE_H
