@@ -8,7 +8,9 @@
  *             g = 1 / (1 + exp(-z)) and gated = g cat (gate_fwd_task)
  *   backward  per element dz = d(gated) cat g (1 - g), d(concat) =
  *             d(gated) g (gate_bwd_task)
- * g in the element type (GATE_EXP); the backward's products in double,
+ * g in the element type (the C library's expf or exp: float's expf is
+ * several times faster than exp, over as many elements as the
+ * concatenation has); the backward's products in double,
  * rounded once when stored.
  */
 #if !defined(MHA_F64)
@@ -23,9 +25,6 @@
 #define gate_bwd_task PICK(gate_bwd_task_f32, gate_bwd_task_f64)
 #define mha_gate_forward PICK(mha_gate_forward_f32, mha_gate_forward_f64)
 #define mha_gate_backward PICK(mha_gate_backward_f32, mha_gate_backward_f64)
-/* The C library's exp of this type: float's expf is several times faster
-   than exp, and the gate's elements are as many as the concatenation's. */
-#define GATE_EXP PICK(expf, exp)
 
 /* What the forward's tasks read and write, n elements each. */
 typedef struct {
@@ -53,7 +52,7 @@ static void gate_fwd_task(void *ctxp, size_t t, int ith)
     for (size_t i = i0; i < i1; i++) {
         // exp(-z) overflows to inf for z below about -709 (-88 in float):
         // g is then 0, as it should be; NaN stays NaN.
-        const REAL g = (REAL)1 / ((REAL)1 + GATE_EXP(-c->g[i]));
+        const REAL g = (REAL)1 / ((REAL)1 + PICK(expf, exp)(-c->g[i]));
         c->g[i] = g;
         if (c->gated != NULL)
             c->gated[i] = g * c->cat[i];
@@ -108,4 +107,3 @@ mha_status mha_gate_backward(REAL *dcat, REAL *dz, const REAL *dgated, const REA
 #undef gate_bwd_task
 #undef mha_gate_forward
 #undef mha_gate_backward
-#undef GATE_EXP
