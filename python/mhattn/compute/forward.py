@@ -64,9 +64,9 @@ def _widened(x, key, value, numbers: tuple, packed):
 def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None, key=None,
                          value=None, scale=None, return_weights=False, mask=None,
                          causal=False, key_lengths=None, num_kv_heads=None,
-                         b_q=None, b_k=None, b_v=None, b_o=None, return_context=False,
-                         window=None, softcap=None, alibi_slopes=None, sinks=None,
-                         q_norm=None, k_norm=None, norm_eps=1e-6, rope=None,
+                         b_q=None, b_k=None, b_v=None, b_o=None, w_gate=None, b_gate=None,
+                         return_context=False, window=None, softcap=None, alibi_slopes=None,
+                         sinks=None, q_norm=None, k_norm=None, norm_eps=1e-6, rope=None,
                          positions=None, key_positions=None, key_mask=None,
                          cu_seqlens=None, key_cu_seqlens=None, cache=None,
                          new_lengths=None):
@@ -125,6 +125,12 @@ def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None
         and V: 1-D (fused), 2-D (stacked) or a list of 1-D arrays (per head).
     b_o : (d_out,), optional
         The output bias.
+    w_gate, b_gate : (d_in, sum d_v), optional
+        The output gate (Keras's ``MultiHeadAttention(use_gate=True)``,
+        Qwen3-Next's gated attention): the concatenation of the heads becomes
+        ``sigmoid(x @ w_gate + b_gate) * concat`` (elementwise) before W^O.
+        x is the queries' source, so each query row has its own gate, also
+        in cross-attention.  ``b_gate`` (sum d_v,) needs ``w_gate``.
     return_context : bool
         Also return a :class:`mhattn.Context` for :func:`mhattn.backward`
         (O(T d) state: the projections, the concatenation and each row's
@@ -204,7 +210,7 @@ def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None
     The order of a score's life: project (+ bias), q/k norm, RoPE, q.k,
     x scale, softcap, + ALiBi + additive mask, the visibility rules (mask,
     causal, window, key_mask, key_lengths, packed sequences), softmax with
-    sinks, . V, concatenation, W^O.
+    sinks, . V, concatenation, the output gate, W^O.
 
     Examples
     --------
@@ -226,7 +232,8 @@ def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None
     # (tests/test_fast_path.py holds this list to VARIANT_DEFAULTS.)
     off = (window is softcap is alibi_slopes is sinks is q_norm is k_norm is rope is
            positions is key_positions is key_mask is cu_seqlens is key_cu_seqlens is None
-           and (norm_eps is _EPS or type(norm_eps) is float and norm_eps == _EPS))
+           and (norm_eps is _EPS or type(norm_eps) is float and norm_eps == _EPS)
+           and w_gate is b_gate is None)   # nor has the fast branch an output gate
     packed = None
     if type(w_q) is PackedWeights or w_k is None or w_v is None:
         packed, (w_q, w_k, w_v, w_o, num_heads, num_kv_heads, b_q, b_k, b_v, b_o) = \
@@ -237,8 +244,8 @@ def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None
                            num_kv_heads=num_kv_heads, b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o,
                            return_context=return_context, key=key, value=value,
                            mask=mask, key_lengths=key_lengths,
-                           new_lengths=new_lengths, packed=packed,
-                           **variant_kwargs(locals()))
+                           new_lengths=new_lengths, packed=packed, w_gate=w_gate,
+                           b_gate=b_gate, **variant_kwargs(locals()))
     if new_lengths is not None:
         raise ValueError("new_lengths: only with cache= (a ragged cached step)")
     args = call = half = None
@@ -259,10 +266,11 @@ def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None
         args, call = core.slow(x, w_q, w_k, w_v, w_o, num_heads, key, value, scale,
                                 mask, causal, key_lengths, num_kv_heads, b_q, b_k, b_v,
                                 b_o, return_weights, return_context,
-                                half_weights=packed is None, **variant_kwargs(locals()))
+                                half_weights=packed is None, w_gate=w_gate, b_gate=b_gate,
+                                **variant_kwargs(locals()))
     if packed is not None:
         args = (*args, packed._core_packed(args[0].dtype))
-    out, weights, extras = core.forward(*args)
+    out, weights, extras = core.forward(*args, **core.gate_args(call))
     if call is not None and call.out_dtype != call.dtype:   # half: round once
         half = call.out_dtype
     if half is not None:
