@@ -465,11 +465,14 @@ class KVCache:
 
         Examples
         --------
+        Three keys for both sequences, then two more for the first only:
+
         >>> cache = mhattn.KVCache(2, 1, 8, 4)
         >>> kv = np.zeros((2, 1, 3, 4), np.float32)
-        >>> cache.append(kv, kv, lengths=[3, 1])
+        >>> cache.append(kv, kv)
+        >>> cache.append(kv[:, :, :2], kv[:, :, :2], lengths=[2, 0])
         >>> cache.lengths
-        array([3, 1])
+        array([5, 3])
         """
         k = self._check_new("k_new", k_new, self.d_k, "d_k")
         v = self._check_new("v_new", v_new, self.d_v, "d_v")
