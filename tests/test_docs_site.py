@@ -17,6 +17,7 @@ import html.parser
 import os
 import shutil
 import subprocess
+import tempfile
 import urllib.parse
 
 import pytest
@@ -73,12 +74,18 @@ def _image_problems(page: str) -> list:
 def check_page(page: str, shot: str | None = None) -> list:
     """Problems found when Chromium loads the page: its console's exceptions
     and failed loads, then the <img> checks. [] when there are none."""
-    cmd = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu",
-           "--enable-logging=stderr", "--v=0", "--window-size=1280,1000",
-           "--virtual-time-budget=5000"]
-    cmd.append(f"--screenshot={shot}" if shot else "--dump-dom")
-    res = subprocess.run(cmd + ["file://" + os.path.abspath(page)], capture_output=True,
-                         text=True, timeout=120)
+    # Its own profile (two Chromiums at once, under pytest-xdist, would share
+    # the default one), and none of the sanitizer run's preloads, under
+    # which Chromium hangs (tools/sanitize.sh runs this file too).
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("LD_PRELOAD", "ASAN_OPTIONS", "UBSAN_OPTIONS", "PYTHONMALLOC")}
+    with tempfile.TemporaryDirectory(prefix="mhattn-chromium-") as profile:
+        cmd = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu",
+               f"--user-data-dir={profile}", "--enable-logging=stderr", "--v=0",
+               "--window-size=1280,1000", "--virtual-time-budget=5000"]
+        cmd.append(f"--screenshot={shot}" if shot else "--dump-dom")
+        res = subprocess.run(cmd + ["file://" + os.path.abspath(page)], capture_output=True,
+                             text=True, timeout=120, env=env)
     problems = [line.split("] ", 1)[-1] for line in res.stderr.splitlines()
                 if "CONSOLE" in line and any(p in line for p in PROBLEMS)]
     if res.returncode != 0:

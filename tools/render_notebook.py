@@ -52,6 +52,16 @@ def chromium() -> str | None:
     return None
 
 
+# What a browser must not inherit: the sanitizer run (tools/sanitize.sh)
+# preloads ASan and UBSan into this process, and Chromium hangs under them.
+SANITIZER_ENV = ("LD_PRELOAD", "ASAN_OPTIONS", "UBSAN_OPTIONS", "PYTHONMALLOC")
+
+
+def browser_env() -> dict:
+    """This process's environment without the sanitizer run's variables."""
+    return {k: v for k, v in os.environ.items() if k not in SANITIZER_ENV}
+
+
 def screenshot(browser: str, page: pathlib.Path, png: pathlib.Path, width: int) -> None:
     """Render ``page`` at ``width`` px, then crop the blank bottom and right."""
     with tempfile.TemporaryDirectory() as profile:
@@ -60,7 +70,7 @@ def screenshot(browser: str, page: pathlib.Path, png: pathlib.Path, width: int) 
                         f"--window-size={width},4000", f"--screenshot={png}",
                         page.as_uri()],
                        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                       timeout=120)
+                       timeout=120, env=browser_env())
     try:
         from PIL import Image, ImageChops
     except ImportError:
