@@ -168,7 +168,7 @@ def multi_head_attention_grad(grad_out, x, w_q, w_k=None, w_v=None, w_o=None, *,
                               key_lengths=None, num_kv_heads=None, b_q=None, b_k=None,
                               b_v=None, b_o=None, window=None, softcap=None,
                               alibi_slopes=None, sinks=None, q_norm=None, k_norm=None,
-                              norm_eps=1e-6, rope=None, positions=None,
+                              norm_eps=1e-6, norm_type="rms", rope=None, positions=None,
                               key_positions=None, key_mask=None, cu_seqlens=None,
                               key_cu_seqlens=None) -> Dict[str, Any]:
     """Gradients of multi_head_attention with respect to each array argument.
@@ -193,9 +193,9 @@ def multi_head_attention_grad(grad_out, x, w_q, w_k=None, w_v=None, w_o=None, *,
         As :func:`mhattn.multi_head_attention` (not ``return_weights``).
     key_lengths, num_kv_heads, b_q, b_k, b_v, b_o, window, softcap
         As :func:`mhattn.multi_head_attention`.
-    alibi_slopes, sinks, q_norm, k_norm, norm_eps, rope, positions
+    alibi_slopes, sinks, q_norm, k_norm, norm_eps, norm_type, rope
         As :func:`mhattn.multi_head_attention`.
-    key_positions, key_mask, cu_seqlens, key_cu_seqlens
+    positions, key_positions, key_mask, cu_seqlens, key_cu_seqlens
         As :func:`mhattn.multi_head_attention`.
 
     Returns
