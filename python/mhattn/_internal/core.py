@@ -38,8 +38,7 @@ from .. import _C  # the one module of the package that imports the extension
 from . import args as _args
 from . import half as _half
 from .fields import ATTENTION, LAYER, Names, user_error
-from .variants import Variants, variants_tuple
-from .variants import _norm_type as _norm_type_arg
+from .variants import Variants, norm_type_arg, variants_tuple
 from .args import (PER_HEAD_BYTES, Call, bool_arg, check_memory, fused_widths,
                    head_scales, memory_limit, normalize, plan)
 
@@ -153,7 +152,7 @@ def check_norm_type(norm_type: Any, names: Names = LAYER) -> str:
     holds one before any call of the core (the layer's constructor): the
     name as a str, or the core's rejection (mha_norm_type_parse), the very
     message a call would raise. A TypeError for anything but a str."""
-    name = _norm_type_arg(norm_type)
+    name = norm_type_arg(norm_type)
     try:
         _norm_type_ok(name)
     except ValueError as e:

@@ -29,7 +29,7 @@ import numpy as np
 
 from .arrays import _check_numeric, _to_array
 
-__all__ = ["RoPE", "Variants", "normalize_variants", "VARIANT_DEFAULTS",
+__all__ = ["RoPE", "Variants", "normalize_variants", "VARIANT_DEFAULTS", "norm_type_arg",
            "variant_kwargs",
            "query_positions", "key_positions_of", "sequence_ids"]
 
@@ -309,11 +309,13 @@ def _eps(norm_eps: Any) -> float:
     return float(norm_eps)   # finite and >= 0: the core's rule
 
 
-def _norm_type(norm_type: Any) -> str:
+def norm_type_arg(norm_type: Any) -> str:
+    """``norm_type`` as a str (TypeError for anything else); which names
+    exist is the core's rule (mha_norm_type_parse), asked at the call."""
     if not isinstance(norm_type, str):
         raise TypeError(f"norm_type: expected a str (\"rms\" or \"layer\"), got "
                         f"{norm_type!r:.80} ({type(norm_type).__name__})")
-    return str(norm_type)   # which names exist: the core's rule (mha_norm_type_parse)
+    return str(norm_type)
 
 
 def _rope(rope: Any, dk: Sequence[int]) -> tuple:
@@ -432,7 +434,7 @@ def normalize_variants(v: dict, *, batched: bool, B: int, Tq: int, Tk: int, H: i
         sinks=None if sinks is None else _per_head("sinks", sinks, H, 1, False, dtype)[0],
         q_norm=_norm_weight("q_norm", get("q_norm"), H, "query head", dk, dtype),
         k_norm=_norm_weight("k_norm", get("k_norm"), G, "key/value head", dk, dtype),
-        norm_eps=_eps(get("norm_eps")), norm_type=_norm_type(get("norm_type")),
+        norm_eps=_eps(get("norm_eps")), norm_type=norm_type_arg(get("norm_type")),
         rotary_dim=rd, interleaved=inter, inv_freq=freq,
         positions=pos, key_positions=kpos,
         key_mask=_key_mask(get("key_mask"), B, Tk, batched), cu_q=cu_q, cu_k=cu_k)
