@@ -340,7 +340,7 @@ void mha_head_offsets(size_t *qoff, size_t *cvoff, size_t *koff, size_t *voff,
  */
 /*
  * Half weights (mha_params.w_storage, mha_forward only, issue 36): with
- * dtype MHA_DTYPE_F32, wq, wk, wv and wo may hold float16 or bfloat16 bits
+ * dtype MHA_DTYPE_F32, wq, wk, wv, wo and wgate may hold float16 or bfloat16 bits
  * (MHA_KV_F16, MHA_KV_BF16; the biases stay float32). The forward packs
  * them into float32 panels, widening each value as it packs it (as
  * mha_pack_weight does), in one pool phase, and its projections multiply
@@ -391,6 +391,14 @@ typedef enum {
  * reads x, key, value, wq, wk, wv, wo (NULL iff !cfg->has_wo) and the
  * biases bq, bk, bv, bo (each may be NULL: zero).
  *
+ * The output gate (issue 38; Keras's MultiHeadAttention(use_gate=True),
+ * Qwen3-Next's gated attention): with wgate (Din, Svq) and bgate (Svq,)
+ * (NULL: zero; bgate without wgate is MHA_ERR_ARG), W^O (or, without
+ * it, out) reads sigmoid(x wgate + bgate) * concat, elementwise, in place
+ * of concat: one gate per query row and concatenation column (core/gate.h).
+ * The kept concat is still the heads side by side, before the gate: the
+ * backward reads it, and recomputes the gate from x, wgate and bgate.
+ *
  * A query row whose keys are all masked gets zero attention: its head
  * output is 0, its weights are 0 and its lse is -inf. No NaN is made; a
  * NaN score (from NaN inputs, or +inf in an additive mask) makes its row's
@@ -410,13 +418,15 @@ mha_status mha_forward(const mha_config *cfg, const mha_params *prm, mha_error *
  *
  * Overwrites (never adds into) every gradient it is given: dx, dkey,
  * dvalue, dwq, dwk, dwv, dwo, dbq, dbk, dbv, dbo, dsinks (with cfg->sinks),
- * dq_norm, dk_norm (with cfg->q_norm / k_norm); NULL for a gradient that is
- * not wanted (work that no wanted gradient needs is skipped). dwo is
- * ignored without W^O (cfg->has_wo == 0); biases need not have been given
+ * dq_norm, dk_norm (with cfg->q_norm / k_norm), dwgate, dbgate (with
+ * wgate); NULL for a gradient that is not wanted (work that no wanted
+ * gradient needs is skipped). dwo is ignored without W^O (cfg->has_wo ==
+ * 0), dwgate and dbgate without wgate; biases need not have been given
  * to the forward for their gradient to be computed.
- * Reads dout; x, key, value, wq, wk, wv, wo as given to the forward (the
- * biases are not needed); q, k, v, concat, lse as kept by the forward, same
- * cfg.
+ * Reads dout; x, key, value, wq, wk, wv, wo, wgate as given to the
+ * forward (the biases are not needed, but for bgate: the gate is
+ * recomputed, by the forward's function, so bitwise the forward's); q, k,
+ * v, concat, lse as kept by the forward, same cfg.
  *
  * One input feeding several roles: when key is x (self-attention), pass
  * dkey == dx; the keys' gradient is then added into dx, which holds the

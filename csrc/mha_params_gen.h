@@ -50,11 +50,17 @@ typedef struct {
     const void *bk;         /* F, P: reads (Sk,) or NULL (zero) */
     const void *bv;         /* F, P: reads (Sv,) or NULL (zero) */
     const void *bo;         /* F: reads (Dout,) or NULL (zero) */
-    mha_kv_storage w_storage;/* F: reads what wq, wk, wv, wo hold: MHA_KV_PLAIN (0),
-                                   elements of dtype; or, with dtype MHA_DTYPE_F32,
-                                   MHA_KV_F16 or _BF16 (uint16_t bits), widened to
-                                   float32 as the forward packs them (mha.h); every
-                                   other operation needs MHA_KV_PLAIN */
+    const void *wgate;      /* F, B: reads (Din, Svq) the output gate's weight: W^O
+                                   reads sigmoid(x wgate + bgate) * concat; NULL: no
+                                   gate */
+    const void *bgate;      /* F, B: reads (Svq,) the gate's bias, or NULL (zero);
+                                   only with wgate */
+    mha_kv_storage w_storage;/* F: reads what wq, wk, wv, wo, wgate hold:
+                                   MHA_KV_PLAIN (0), elements of dtype; or, with
+                                   dtype MHA_DTYPE_F32, MHA_KV_F16 or _BF16
+                                   (uint16_t bits), widened to float32 as the
+                                   forward packs them (mha.h); every other operation
+                                   needs MHA_KV_PLAIN */
 
     /* ---- The backward's (B, AB) upstream gradient and gradients ---- */
     const void *dout;       /* B: reads (B, Tq, Dout)
@@ -70,6 +76,8 @@ typedef struct {
     void *dbk;              /* B: writes (Sk,) */
     void *dbv;              /* B: writes (Sv,) */
     void *dbo;              /* B: writes (Dout,) */
+    void *dwgate;           /* B: writes (Din, Svq), with wgate */
+    void *dbgate;           /* B: writes (Svq,), with wgate */
     void *dq;               /* AB: writes (B, Tq, Sq) */
     void *dk;               /* AB: writes (B, Tk, Sk) */
     void *dv;               /* AB: writes (B, Tk, Sv) */

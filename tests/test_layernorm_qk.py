@@ -7,7 +7,8 @@ causal, masks, windows, RoPE, odd d_k, batches, shared and per-head
 weights) on every ISA in float32 and float64; its gradients by central
 differences of the reference, float32 against float64, and bitwise the
 same for 1 and 3 threads; the cached decode step, the layer, the trace;
-Flax NNX itself; the RMS path unchanged (tests/test_golden.py pins its
+with the output gate too (w_gate, b_gate; the layer's gate=True); Flax
+NNX itself; the RMS path unchanged (tests/test_golden.py pins its
 bits as main's build recorded them, tests/golden_cases.py "qk_norm_*");
 and the refusals.
 """
@@ -390,6 +391,77 @@ def test_layer_default_is_rms(rng):
     x = rng.standard_normal((5, 16)).astype(np.float32)
     assert a.norm_type == "rms" and a(x).tobytes() == b(x).tobytes()
     assert "norm_type" not in repr(a)
+
+
+# --- with the output gate ---------------------------------------------------------
+
+def _gate(rng, dtype, dk, h=H):
+    """w_gate (d_in, h*d_k), b_gate (h*d_k,): the output gate (d_v = d_k here)."""
+    return dict(w_gate=(rng.standard_normal((D_IN, h * dk)) * 0.5).astype(dtype),
+                b_gate=(rng.standard_normal(h * dk) * 0.3).astype(dtype))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_layer_norm_with_the_output_gate(rng, dtype):
+    """Both of issue 38's items 4 and 5 in one call: the q/k LayerNorm
+    before the scores, the gate sigmoid(x w_gate + b_gate) after the heads."""
+    p = _problem(rng, dtype, "per_head_gqa_odd_dk", offset=1.5)
+    p.update(_gate(rng, dtype, 7))
+    out = mhattn.multi_head_attention(**p, norm_type="layer", causal=True)
+    ref = R.multi_head_attention(**_as64(p), norm_type="layer", causal=True)
+    tol = 1e-12 if dtype == np.float64 else 2e-5
+    np.testing.assert_allclose(out, ref, rtol=tol, atol=tol * float(np.abs(ref).max()))
+    # each feature matters: with RMSNorm, or without the gate, another result
+    p64 = _as64(p)
+    for alt in (R.multi_head_attention(**p64, norm_type="rms", causal=True),
+                R.multi_head_attention(**dict(p64, w_gate=None, b_gate=None),
+                                       norm_type="layer", causal=True)):
+        assert np.abs(alt - ref).max() > 1e3 * tol * float(np.abs(ref).max())
+    if dtype == np.float32:
+        return
+    R_out = rng.standard_normal(out.shape)
+    g = mhattn.multi_head_attention_grad(R_out, **p, norm_type="layer", causal=True)
+    scale = max(float(np.abs(v).max()) for v in g.values())
+    for arg in ("q_norm", "k_norm", "w_gate", "b_gate", "x", "w_q"):
+        assert g[arg].shape == np.shape(p[arg]), arg
+        flat = list(np.ndindex(g[arg].shape))
+        for i in rng.choice(len(flat), min(4, len(flat)), replace=False):
+            idx = flat[i]
+            fd = _fd_reference(dict(p, causal=True), R_out, arg, idx)
+            assert abs(g[arg][idx] - fd) <= 1e-6 * scale + 1e-8, (arg, idx, g[arg][idx], fd)
+
+
+def test_layer_with_a_layer_norm_and_a_gate(rng):
+    layer = mhattn.MultiHeadAttention(16, 4, num_kv_heads=2, qk_norm="per_head",
+                                      norm_type="layer", gate=True, bias=True,
+                                      dtype=np.float64, seed=5)
+    layer.q_norm[...] = rng.random(layer.q_norm.shape) + 0.5
+    layer.b_q[...] = rng.standard_normal(layer.b_q.shape) + 2.0   # a mean to remove
+    layer.b_gate[...] = rng.standard_normal(layer.b_gate.shape)
+    x = rng.standard_normal((2, 6, 16))
+    out = layer(x, causal=True)
+    args = layer.arguments()
+    assert args["norm_type"] == "layer" and args["w_gate"] is layer.w_gate
+    np.testing.assert_allclose(out, R.multi_head_attention(x, **args, causal=True),
+                               rtol=1e-12, atol=1e-12)
+    assert "norm_type='layer'" in repr(layer) and "gate=True" in repr(layer)
+    other = mhattn.MultiHeadAttention(16, 4, num_kv_heads=2, qk_norm="per_head",
+                                      norm_type="layer", gate=True, bias=True,
+                                      dtype=np.float64, seed=6)
+    other.load_state_dict(layer.state_dict())
+    assert other(x, causal=True).tobytes() == out.tobytes()
+    single = layer.astype(np.float32)
+    assert single.norm_type == "layer" and single.has_gate
+    o, ctx = layer(x, causal=True, return_context=True)
+    R_out = rng.standard_normal(o.shape)
+    g = layer.backward(R_out, ctx)
+    want = mhattn.multi_head_attention_grad(R_out, x, **args, causal=True)
+    for k in ("q_norm", "k_norm", "w_gate", "b_gate", "x"):
+        np.testing.assert_array_equal(g[k], want[k], err_msg=k)
+    # the trace: the LayerNorm stages and the gate's
+    t = mhattn.trace(x[0], **args, causal=True)
+    assert t.norm_type == "layer" and {"q_normed", "gate", "gated"} <= set(t.variant_stages)
+    np.testing.assert_allclose(t.output, out[0], rtol=1e-12, atol=1e-12)
 
 
 # --- Flax NNX -------------------------------------------------------------------

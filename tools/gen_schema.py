@@ -307,16 +307,20 @@ def args_header(s):
         decls["param_slot"].append(f"{name}_params[]")
         decls["int"] += [f"{name}_{c}[]" for c in CHECKS if getattr(f, c)]
         fits.append(f"{p}_NARGS <= MAX_ARGS")
-        nopt = 0
-        for a, _ in reversed(ps):
+        nopt = nkw = 0
+        for a, kind in reversed(ps):
             if a.default is None:
                 break
             nopt += 1
+            nkw += kind == "keyword_only"
+        if nkw != sum(kind == "keyword_only" for _, kind in ps):
+            # the glue's parser (args.c) takes them after its "|": optional
+            raise ValueError(f"_C.{name}: a keyword-only argument has no default")
         checks = [f"{name}_{c}" if getattr(f, c) else "NULL" for c in CHECKS]
         roles = [f".{r} = " + next((pos[n] for n in cands if n in pos), "ARG_NONE")
                  for r, cands in s.C_ROLES.items()]
         fields = [f'.name = "{name}"', f".nargs = {p}_NARGS", f".args = {name}_args",
-                  f".nopt = {nopt}", f".checks_x = {checks[0]}",
+                  f".nopt = {nopt}", f".nkw = {nkw}", f".checks_x = {checks[0]}",
                   f".checks_widths = {checks[1]}"] + roles
         lines = wrap_list(f"#define {up}_SPEC_ARGS ", fields, "", width=88)
         out += [line + " \\" for line in lines[:-1]] + [lines[-1], ""]
@@ -474,7 +478,9 @@ def stub(s, name):
     f = s.C_FUNCTIONS[name]
     ps = s.params("_C." + name)
     lines = [f"def {name}("]
-    for a, kind in ps:
+    for i, (a, kind) in enumerate(ps):
+        if kind == "keyword_only" and (i == 0 or ps[i - 1][1] != "keyword_only"):
+            lines.append("    *,")
         t = STUB_TYPES[a.c_kind] if a.c_kind else KIND_TYPES[a.kind]
         default = f" = {a.default}" if a.default is not None else ""
         shape = f"{a.shape}: " if a.shape else ""

@@ -16,6 +16,7 @@
 #include "attend_fused.h"
 #include "check.h"
 #include "dispatch.h"
+#include "gate.h"
 #include "gemm.h"
 #include "kernels.h"
 #include "mha.h"

@@ -8,7 +8,13 @@
  * tiles of passes 3-5 are the kernels of the ISA in force (kernels/bwd.inc,
  * through the table of kernels.h); the GEMMs are core/gemm.c's.
  *
- *   1. d(concat) = dout wo^T, dwo = concat^T dout, dbo = colsum(dout)
+ *  0b. with the output gate: g = sigmoid(x wgate + bgate) recomputed, and
+ *      gated = g concat when dwo is wanted (core/gate.c, the forward's
+ *      function, so bitwise the forward's)
+ *   1. d(concat) = dout wo^T, dwo = concat^T dout, dbo = colsum(dout);
+ *      with the gate these are d(gated) and gated^T dout
+ *  1b. with the gate: d(concat) = d(gated) g, dz = d(gated) concat
+ *      g (1 - g) (core/gate.c)
  *   2. D = rowsum(dO * O) per (b, h, query row)
  *  2b. with a q/k transform: qt, kt recomputed from q, k (core/qk.c, the
  *      forward's function, so bitwise the forward's); the tiles read them
@@ -20,7 +26,8 @@
  *      (bwd_plan_fused): bitwise the same gradients, with less work
  *  5b. with a q/k transform: dq, dk from d(qt), d(kt) in place, and
  *      dq_norm, dk_norm (core/qk.c)
- *   6. dwq, dbq, dx and likewise for k and v
+ *   6. dwq, dbq, dx and likewise for k and v; with the gate, dwgate =
+ *      x^T dz, dbgate = colsum(dz), dx += dz wgate^T
  * Outside the tiles no pass contracts a * b + c or reassociates a sum, and
  * every reduction has one order: the gradients are bitwise the same for
  * any thread count.
@@ -39,9 +46,11 @@ typedef struct {
     REAL *dwq, *dwk, *dwv, *dwo;        /* (Din, Sq) (Dkin, Sk) (Dvin, Sv) (Svq, Dout) */
     REAL *dbq, *dbk, *dbv, *dbo;        /* (Sq,) (Sk,) (Sv,) (Dout,) */
     REAL *dsinks, *dq_norm, *dk_norm;   /* (H,), as q_norm, as k_norm (mha.h) */
+    REAL *dwgate, *dbgate;              /* (Din, Svq) (Svq,) */
     const REAL *dout;                   /* (B, Tq, Dout) */
     const REAL *x, *key, *value;        /* (B, Tq, Din) (B, Tk, Dkin) (B, Tk, Dvin) */
     const REAL *wq, *wk, *wv, *wo;      /* as the forward's */
+    const REAL *wgate, *bgate;          /* (Din, Svq) (Svq,), or NULL: no gate */
     const REAL *q, *k, *v, *concat;     /* kept by the forward */
     const REAL *lse;                    /* (B, H, Tq) */
 } BWD_ARGS;
@@ -55,7 +64,12 @@ typedef struct {
     int nth;                /* threads handed to the pool             */
     int need_dq, need_dkv;  /* some wanted gradient needs dQ / dK, dV */
     size_t *off;            /* (2H + 2G,): qoff, cvoff, koff, voff    */
-    REAL *dcat_s;           /* (B, Tq, Svq) d(concat), when W^O is there */
+    REAL *dcat_s;           /* (B, Tq, Svq) d(concat), when W^O or the
+                               gate is there                          */
+    REAL *gate;             /* (B, Tq, Svq) g, with the gate           */
+    REAL *gz;               /* (B, Tq, Svq) gated (pass 1's dwo), then
+                               dz (pass 1b), with the gate             */
+    int need_dz;            /* some wanted gradient needs dz           */
     REAL *D;                /* (B, H, Tq)                             */
     REAL *qt, *kt;          /* (B, Tq, Sq) (B, Tk, Sk) transformed q, k
                                (q/k transforms), else NULL            */
@@ -70,6 +84,8 @@ static void PICK(bwd_plan_free_f32, bwd_plan_free_f64)(BWD_PLAN *p)
 {
     mha_scratch_free(p->off);
     mha_scratch_free(p->dcat_s);
+    mha_scratch_free(p->gate);
+    mha_scratch_free(p->gz);
     mha_scratch_free(p->D);
     mha_scratch_free(p->qt);
     mha_scratch_free(p->kt);
@@ -88,7 +104,8 @@ static void PICK(bwd_plan_free_f32, bwd_plan_free_f64)(BWD_PLAN *p)
 
 /* The arguments a call must have: required buffers may only be NULL when
    they hold no element, and a shared gradient buffer means a shared input,
-   whose shapes must then agree. Drops dwo when there is no W^O. */
+   whose shapes must then agree. Drops dwo when there is no W^O, dwgate
+   and dbgate when there is no gate. */
 static mha_status PICK(bwd_check_args_f32, bwd_check_args_f64)(BWD_ARGS *a,
                                                                const BWD_PLAN *p,
                                                                mha_error *err)
@@ -121,8 +138,13 @@ static mha_status PICK(bwd_check_args_f32, bwd_check_args_f64)(BWD_ARGS *a,
         return mha_reject(err, MHA_ERR_ARG, MHA_FIELD_PARAMS,
                           "dvalue == dkey (value is key) needs Dvin == Dkin: Dvin = %zu, "
                           "Dkin = %zu", cfg->Dvin, cfg->Dkin);
+    if (a->bgate != NULL && a->wgate == NULL)
+        return mha_reject(err, MHA_ERR_ARG, MHA_FIELD_PARAMS,
+                          "bgate is given without wgate: the output gate needs its weight");
     if (!cfg->has_wo)
         a->dwo = NULL;
+    if (a->wgate == NULL)
+        a->dwgate = a->dbgate = NULL;
     if (cfg->sinks == NULL)
         a->dsinks = NULL;
     return MHA_OK;
@@ -203,8 +225,19 @@ static mha_status PICK(bwd_plan_f32, bwd_plan_f64)(BWD_PLAN *p, BWD_ARGS *a,
     const size_t H = cfg->H, G = cfg->G;
     if ((st = PICK(bwd_plan_heads_f32, bwd_plan_heads_f64)(p, cfg)) != MHA_OK)
         return st;
-    if (cfg->has_wo && (p->need_dq || p->need_dkv || a->dsinks != NULL) &&
-        (st = mha_scratch((void **)&p->dcat_s, p->nq * p->lay.Svq, sizeof(REAL))) != MHA_OK)
+    // With the gate: g for d(concat) (the attention's gradients), gated
+    // for dwo, dz for dwgate, dbgate and dx (pass 1b), each when wanted.
+    const int attn = p->need_dq || p->need_dkv || a->dsinks != NULL;
+    const size_t ncat = p->nq * p->lay.Svq;
+    p->need_dz = a->wgate != NULL && (a->dwgate != NULL || a->dbgate != NULL || a->dx != NULL);
+    if (a->wgate != NULL && (attn || a->dwo != NULL || p->need_dz) &&
+        (st = mha_scratch((void **)&p->gate, ncat, sizeof(REAL))) != MHA_OK)
+        return st;
+    if (a->wgate != NULL && (a->dwo != NULL || p->need_dz) &&
+        (st = mha_scratch((void **)&p->gz, ncat, sizeof(REAL))) != MHA_OK)
+        return st;
+    if ((cfg->has_wo || a->wgate != NULL) && (attn || p->need_dz) &&
+        (st = mha_scratch((void **)&p->dcat_s, ncat, sizeof(REAL))) != MHA_OK)
         return st;
     if ((p->need_dq || p->need_dkv || a->dsinks != NULL) &&
         (st = mha_scratch((void **)&p->D, cfg->B * H * cfg->Tq, sizeof(REAL))) != MHA_OK)
@@ -241,9 +274,24 @@ static void PICK(bwd_colsum_f32, bwd_colsum_f64)(REAL *dst, const REAL *src,
     }
 }
 
+/* Pass 0b, with the output gate: g = sigmoid(x @ wgate + bgate) and, for
+   dwo, gated = g * concat, by the forward's function (its pass 2b), so
+   bitwise what the forward's W^O read. */
+static mha_status PICK(bwd_pass_gate_fwd_f32, bwd_pass_gate_fwd_f64)(const BWD_PLAN *p,
+                                                                     const BWD_ARGS *a)
+{
+    if (p->gate == NULL)
+        return MHA_OK;
+    return PICK(mha_gate_forward_f32, mha_gate_forward_f64)(
+        p->gate, a->dwo != NULL ? p->gz : NULL, a->x, a->wgate, a->bgate, a->concat, NULL,
+        p->cfg, p->nq, p->cfg->Din, p->lay.Svq);
+}
+
 /* Pass 1, through the output projection `out = concat @ wo + bo`:
    d(concat) = dout wo^T, dwo = concat^T dout, dbo = colsum(dout). Without
-   W^O, `out = concat (+ bo)`: d(concat) = dout. */
+   W^O, `out = concat (+ bo)`: d(concat) = dout. With the gate, concat is
+   the gated one (pass 0b's, in gz) and d(concat) is d(gated), which pass
+   1b takes through the gate. */
 static mha_status PICK(bwd_pass_output_f32, bwd_pass_output_f64)(BWD_PLAN *p,
                                                                  const BWD_ARGS *a)
 {
@@ -251,19 +299,38 @@ static mha_status PICK(bwd_pass_output_f32, bwd_pass_output_f64)(BWD_PLAN *p,
     const size_t Svq = p->lay.Svq, Dout = cfg->Dout;
     mha_status st = MHA_OK;
     p->c.dcat = a->dout;
-    if (p->dcat_s != NULL) {
+    if (p->dcat_s != NULL && cfg->has_wo) {
         if ((st = GEMM(p->dcat_s, Svq, a->dout, Dout, 0, a->wo, Dout, 1, NULL,
                        p->nq, Svq, Dout, 0)) != MHA_OK)
             return st;
         p->c.dcat = p->dcat_s;
     }
+    // What W^O read: (B, Tq, Svq).
+    const REAL *cat = a->wgate != NULL ? p->gz : a->concat;
     if (a->dwo != NULL &&
-        (st = GEMM(a->dwo, Dout, a->concat, Svq, 1, a->dout, Dout, 0, NULL, Svq,
+        (st = GEMM(a->dwo, Dout, cat, Svq, 1, a->dout, Dout, 0, NULL, Svq,
                    Dout, p->nq, 0)) != MHA_OK)
         return st;
     if (a->dbo != NULL)
         PICK(bwd_colsum_f32, bwd_colsum_f64)(a->dbo, a->dout, p->nq, Dout);
     return mha_interrupted(cfg) ? MHA_ERR_INTERRUPTED : MHA_OK;
+}
+
+/* Pass 1b, through the output gate `gated = sigmoid(z) * concat`, `z = x
+   @ wgate + bgate`: d(concat) = d(gated) g into dcat_s (in place when it
+   holds d(gated)), and dz = d(gated) concat g (1 - g) into gz when wanted
+   (pass 6 takes dz through z). */
+static mha_status PICK(bwd_pass_gate_f32, bwd_pass_gate_f64)(BWD_PLAN *p, const BWD_ARGS *a)
+{
+    if (p->gate == NULL || p->dcat_s == NULL)
+        return MHA_OK;
+    const mha_status st = PICK(mha_gate_backward_f32, mha_gate_backward_f64)(
+        p->dcat_s, p->need_dz ? p->gz : NULL, p->c.dcat, p->gate, a->concat,
+        p->nq * p->lay.Svq);
+    p->c.dcat = p->dcat_s;
+    if (st == MHA_OK && mha_interrupted(p->cfg))
+        return MHA_ERR_INTERRUPTED;
+    return st;
 }
 
 /* Pass 2: D = rowsum(dO * O) per (b, h, i), where O is head h's slice of
@@ -435,7 +502,8 @@ static mha_status PICK(bwd_projection_f32, bwd_projection_f64)(
 }
 
 /* Pass 6: through the input projections `q = x @ wq + bq` and likewise k
-   and v. */
+   and v, and then the output gate's `z = x @ wgate + bgate` (dz from pass
+   1b), whose dx is added last. */
 static mha_status PICK(bwd_pass_inputs_f32, bwd_pass_inputs_f64)(const BWD_PLAN *p,
                                                                  const BWD_ARGS *a)
 {
@@ -451,6 +519,11 @@ static mha_status PICK(bwd_pass_inputs_f32, bwd_pass_inputs_f64)(const BWD_PLAN 
         st = PICK(bwd_projection_f32, bwd_projection_f64)(
             cfg, a->dwv, a->dbv, a->dvalue, a->value, a->wv, p->c.dv, p->nk,
             cfg->Dvin, p->lay.Sv, a->dvalue == a->dx || a->dvalue == a->dkey);
+    // dx was written above (any dx makes dQ wanted, need_dq).
+    if (st == MHA_OK && p->need_dz)
+        st = PICK(bwd_projection_f32, bwd_projection_f64)(
+            cfg, a->dwgate, a->dbgate, a->dx, a->x, a->wgate, p->gz, p->nq, cfg->Din,
+            p->lay.Svq, 1);
     return st;
 }
 
@@ -466,14 +539,20 @@ static mha_status PICK(mha_backward_f32, mha_backward_f64)(const mha_config *cfg
         .dwq = prm->dwq, .dwk = prm->dwk, .dwv = prm->dwv, .dwo = prm->dwo,
         .dbq = prm->dbq, .dbk = prm->dbk, .dbv = prm->dbv, .dbo = prm->dbo,
         .dsinks = prm->dsinks, .dq_norm = prm->dq_norm, .dk_norm = prm->dk_norm,
+        .dwgate = prm->dwgate, .dbgate = prm->dbgate,
         .dout = prm->dout, .x = prm->x, .key = prm->key, .value = prm->value,
         .wq = prm->wq, .wk = prm->wk, .wv = prm->wv, .wo = prm->wo,
+        .wgate = prm->wgate, .bgate = prm->bgate,
         .q = prm->q, .k = prm->k, .v = prm->v, .concat = prm->concat, .lse = prm->lse,
     };
     BWD_PLAN p;
     mha_status st = PICK(bwd_plan_f32, bwd_plan_f64)(&p, &a, cfg, err);
     if (st == MHA_OK)
+        st = PICK(bwd_pass_gate_fwd_f32, bwd_pass_gate_fwd_f64)(&p, &a);
+    if (st == MHA_OK)
         st = PICK(bwd_pass_output_f32, bwd_pass_output_f64)(&p, &a);
+    if (st == MHA_OK)
+        st = PICK(bwd_pass_gate_f32, bwd_pass_gate_f64)(&p, &a);
     if (st == MHA_OK && (p.need_dq || p.need_dkv || a.dsinks != NULL)) {
         PICK(bwd_pass_rowdot_f32, bwd_pass_rowdot_f64)(&p, &a);
         if (a.dsinks != NULL)

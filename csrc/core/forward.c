@@ -15,6 +15,7 @@
 #include "attend_fused.h"
 #include "check.h"
 #include "dispatch.h"
+#include "gate.h"
 #include "gemm.h"
 #include "kernels.h"
 #include "mha.h"
@@ -223,7 +224,7 @@ static mha_status attend(mha_flash_ctx *ctx, const mha_kernels *kern,
 
 /*
  * Half weights (mha.h, mha_params.w_storage): the float32 forms of a
- * forward's wq, wk, wv and wo that its GEMMs read. A weight whose GEMM
+ * forward's wq, wk, wv, wo and wgate that its GEMMs read. A weight whose GEMM
  * multiplies panels (mha_gemm_reads_panels) is packed into float32 panels,
  * widened as it is packed, all of them in one pool phase (mha_pack_half),
  * and handed to the GEMM as the call's prepacked weight: the GEMM then
@@ -239,14 +240,17 @@ static mha_status attend(mha_flash_ctx *ctx, const mha_kernels *kern,
  */
 typedef struct {
     mha_config cfg;      /* the call's, packed[] replaced by ours      */
-    const void *w[4];    /* wq, wk, wv, wo as the GEMMs are handed them */
-    mha_packed pk[4];    /* panels, or data NULL                       */
-    float *wide[4];      /* widened copies, or NULL                    */
+    const void *w[5];    /* wq, wk, wv, wo, wgate as the GEMMs are handed
+                            them                                        */
+    mha_packed pk[5];    /* panels, or data NULL                       */
+    float *wide[5];      /* widened copies, or NULL                    */
+    const mha_packed *pk_gate; /* &pk[4] when wgate's GEMM reads them;
+                            the config's packed[] has no slot for it   */
 } fwd_half_weights;
 
 static void fwd_half_free(fwd_half_weights *h)
 {
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < 5; i++) {
         mha_packed_free(&h->pk[i]);
         mha_scratch_free(h->wide[i]);
     }
@@ -257,20 +261,24 @@ static void fwd_half_free(fwd_half_weights *h)
 static mha_status fwd_half_prepare(fwd_half_weights *h, const mha_config *cfg,
                                    const mha_layout *lay, const mha_params *prm)
 {
-    *h = (fwd_half_weights){.cfg = *cfg, .w = {prm->wq, prm->wk, prm->wv, prm->wo}};
+    *h = (fwd_half_weights){.cfg = *cfg,
+                            .w = {prm->wq, prm->wk, prm->wv, prm->wo, prm->wgate}};
     const mha_dtype dt = prm->w_storage == MHA_KV_F16 ? MHA_DTYPE_F16 : MHA_DTYPE_BF16;
-    // Weight i: (K, N), multiplied by M rows (the projections, the output).
+    // Weight i: (K, N), multiplied by M rows (the projections, the output,
+    // the output gate).
     const size_t nq = cfg->B * cfg->Tq, nk = cfg->B * cfg->Tk;
-    const size_t K[4] = {cfg->Din, cfg->Dkin, cfg->Dvin, lay->Svq};
-    const size_t N[4] = {lay->Sq, lay->Sk, lay->Sv, cfg->Dout};
-    const size_t M[4] = {nq, nk, nk, nq};
-    const int nw = cfg->has_wo ? 4 : 3;
-    const uint16_t *pw[4];
-    size_t pK[4], pN[4];
-    int which[4], n = 0;
+    const size_t K[5] = {cfg->Din, cfg->Dkin, cfg->Dvin, lay->Svq, cfg->Din};
+    const size_t N[5] = {lay->Sq, lay->Sk, lay->Sv, cfg->Dout, lay->Svq};
+    const size_t M[5] = {nq, nk, nk, nq, nq};
+    const uint16_t *pw[5];
+    size_t pK[5], pN[5];
+    int which[5], n = 0;
     mha_status st = MHA_OK;
-    for (int i = 0; i < nw; i++) {
-        h->cfg.packed[i] = NULL;
+    for (int i = 0; i < 5; i++) {
+        if (i < 4)
+            h->cfg.packed[i] = NULL;
+        if (h->w[i] == NULL || (i == 3 && !cfg->has_wo))
+            continue; /* no W^O, no gate */
         if (M[i] == 0 || N[i] == 0 || K[i] == 0)
             continue; /* its GEMM reads no weight */
         if (mha_gemm_reads_panels(M[i], N[i], K[i])) {
@@ -282,12 +290,15 @@ static mha_status fwd_half_prepare(fwd_half_weights *h, const mha_config *cfg,
             return st;
         h->w[i] = h->wide[i];
     }
-    mha_packed pk[4];
+    mha_packed pk[5];
     if ((st = mha_pack_half(pk, pw, pN, pK, pN, n, dt)) != MHA_OK)
         return st;
     for (int j = 0; j < n; j++) {
         h->pk[which[j]] = pk[j];
-        h->cfg.packed[which[j]] = &h->pk[which[j]];
+        if (which[j] < 4)
+            h->cfg.packed[which[j]] = &h->pk[which[j]];
+        else
+            h->pk_gate = &h->pk[4];
     }
     return MHA_OK;
 }

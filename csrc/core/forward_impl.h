@@ -11,7 +11,10 @@
  *      RMSNorm or LayerNorm (core/qk.c); the attention reads qt, kt, the kept q, k stay raw
  *   2. attention per (b, h, query block): scores, scale, masks, softmax
  *      and weights V, fused (kernels/flash.inc via attend())
- *   3. output: out = concat wo + bo, or out = concat (+ bo) without W^O
+ *  2b. the output gate, when on (wgate): gated = sigmoid(x wgate + bgate)
+ *      * concat (core/gate.c); the kept concat stays the heads' own
+ *   3. output: out = concat wo + bo, or out = concat (+ bo) without W^O,
+ *      concat the gated one when there is a gate
  * The interrupt flag is polled between passes (a GEMM is not split) and by
  * every attention tile.
  */
@@ -31,6 +34,7 @@ typedef struct {
     const REAL *x, *key, *value;       /* (B, Tq, Din) (B, Tk, Dkin) (B, Tk, Dvin) */
     const REAL *wq, *wk, *wv, *wo;     /* (Din, Sq) (Dkin, Sk) (Dvin, Sv) (Svq, Dout) */
     const REAL *bq, *bk, *bv, *bo;     /* (Sq,) (Sk,) (Sv,) (Dout,) or NULL */
+    const REAL *wgate, *bgate;         /* (Din, Svq) (Svq,), or NULL: no gate */
 } FWD_ARGS;
 
 /* Sizes and buffers of one call, computed once by fwd_plan. */
@@ -45,6 +49,9 @@ typedef struct {
                                copies (B, Tq, Sq) (B, Tk, Sk) of q, k
                                when a q/k transform is on, else q, k   */
     REAL *scratch[6];       /* what of q, k, v, cat, qt, kt is ours     */
+    REAL *gated;            /* (B, Tq, Svq) the gated concatenation, which
+                               W^O reads; NULL without the gate         */
+    const mha_packed *pk_gate; /* wgate's panels (half weights) or NULL */
 } FWD_PLAN;
 
 /* Scratch for a buffer the caller does not keep: *use = given, or a new
@@ -81,10 +88,16 @@ static mha_status PICK(fwd_plan_f32, fwd_plan_f64)(FWD_PLAN *p, const FWD_ARGS *
     };
     if ((st = mha_check_required(req, sizeof req / sizeof req[0], err)) != MHA_OK)
         return st;
+    if (a->bgate != NULL && a->wgate == NULL)
+        return mha_reject(err, MHA_ERR_ARG, MHA_FIELD_PARAMS,
+                          "bgate is given without wgate: the output gate needs its weight");
     const size_t H = cfg->H, G = cfg->G;
     if ((st = mha_scratch((void **)&p->off, 2 * (H + G), sizeof *p->off)) != MHA_OK)
         return st;
     mha_head_offsets(p->off, p->off + H, p->off + 2 * H, p->off + 2 * H + G, cfg);
+    if (a->wgate != NULL &&
+        (st = mha_scratch((void **)&p->gated, nq * p->lay.Svq, sizeof(REAL))) != MHA_OK)
+        return st;
     // Without W^O the heads can be written straight into out (Dout == Svq).
     REAL *cat = a->concat != NULL ? a->concat : (cfg->has_wo ? NULL : a->out);
     if ((st = PICK(fwd_buffer_f32, fwd_buffer_f64)(&p->q, &p->scratch[0], a->q,
@@ -116,6 +129,7 @@ static void PICK(fwd_plan_free_f32, fwd_plan_free_f64)(FWD_PLAN *p)
     mha_scratch_free(p->off);
     for (int i = 0; i < 6; i++)
         mha_scratch_free(p->scratch[i]);
+    mha_scratch_free(p->gated);
 }
 
 /* Pass 1: the three projections, each `proj (rows, S) = input (rows,
@@ -177,18 +191,33 @@ static mha_status PICK(fwd_pass_attend_f32, fwd_pass_attend_f64)(const FWD_PLAN 
     return attend(&fctx, mha_kernels_for(mha_get_isa(), MHA_F64), sizeof(REAL), NULL);
 }
 
-/* Pass 3: out = concat @ wo + bo, or out = concat (+ bo) without W^O. */
+/* Pass 2b: the output gate, gated = sigmoid(x @ wgate + bgate) * concat,
+   into p->gated (core/gate.c), when there is one. */
+static mha_status PICK(fwd_pass_gate_f32, fwd_pass_gate_f64)(const FWD_PLAN *p,
+                                                             const FWD_ARGS *a)
+{
+    if (p->gated == NULL)
+        return MHA_OK;
+    return PICK(mha_gate_forward_f32, mha_gate_forward_f64)(
+        p->gated, p->gated, a->x, a->wgate, a->bgate, p->cat, p->pk_gate, p->cfg, p->nq,
+        p->cfg->Din, p->lay.Svq);
+}
+
+/* Pass 3: out = concat @ wo + bo, or out = concat (+ bo) without W^O;
+   concat is the gated one when there is a gate. */
 static mha_status PICK(fwd_pass_output_f32, fwd_pass_output_f64)(const FWD_PLAN *p,
                                                                  const FWD_ARGS *a)
 {
     const size_t Dout = p->cfg->Dout, Svq = p->lay.Svq;
+    // cat: (B, Tq, Svq), what W^O reads.
+    const REAL *cat = p->gated != NULL ? p->gated : p->cat;
     if (p->cfg->has_wo)
-        return GEMM_PACKED(a->out, Dout, p->cat, Svq, 0, a->wo, Dout, 0,
+        return GEMM_PACKED(a->out, Dout, cat, Svq, 0, a->wo, Dout, 0,
                            p->cfg->packed[3], a->bo, p->nq, Dout, Svq, 0);
-    if (p->cat != a->out || a->bo != NULL) {
+    if (cat != a->out || a->bo != NULL) {
         for (size_t r = 0; r < p->nq; r++) {
             REAL *out_r = a->out + r * Dout;
-            const REAL *cat_r = p->cat + r * Svq;
+            const REAL *cat_r = cat + r * Svq;
             for (size_t c = 0; c < Dout; c++)
                 out_r[c] = a->bo ? cat_r[c] + a->bo[c] : cat_r[c];
         }
@@ -204,7 +233,8 @@ static mha_status PICK(mha_forward_f32, mha_forward_f64)(const mha_config *cfg,
     // Shapes: see FWD_ARGS above and mha.h.
     FWD_ARGS a = {prm->out, prm->weights, prm->q, prm->k, prm->v, prm->concat,
                   prm->lse, prm->x, prm->key, prm->value, prm->wq, prm->wk,
-                  prm->wv, prm->wo, prm->bq, prm->bk, prm->bv, prm->bo};
+                  prm->wv, prm->wo, prm->bq, prm->bk, prm->bv, prm->bo,
+                  prm->wgate, prm->bgate};
     FWD_PLAN p;
     fwd_half_weights half = {.w = {NULL}};
     mha_status st = PICK(fwd_plan_f32, fwd_plan_f64)(&p, &a, cfg, err);
@@ -214,6 +244,8 @@ static mha_status PICK(mha_forward_f32, mha_forward_f64)(const mha_config *cfg,
         st = fwd_half_prepare(&half, cfg, &p.lay, prm);
         p.cfg = &half.cfg;
         a.wq = half.w[0], a.wk = half.w[1], a.wv = half.w[2], a.wo = half.w[3];
+        a.wgate = half.w[4];
+        p.pk_gate = half.pk_gate;
     }
     if (st == MHA_OK)
         st = PICK(fwd_pass_project_f32, fwd_pass_project_f64)(&p, &a);
@@ -221,6 +253,8 @@ static mha_status PICK(mha_forward_f32, mha_forward_f64)(const mha_config *cfg,
         st = PICK(fwd_pass_qk_f32, fwd_pass_qk_f64)(&p);
     if (st == MHA_OK)
         st = PICK(fwd_pass_attend_f32, fwd_pass_attend_f64)(&p, &a);
+    if (st == MHA_OK)
+        st = PICK(fwd_pass_gate_f32, fwd_pass_gate_f64)(&p, &a);
     if (st == MHA_OK)
         st = PICK(fwd_pass_output_f32, fwd_pass_output_f64)(&p, &a);
     PICK(fwd_plan_free_f32, fwd_plan_free_f64)(&p);

@@ -88,7 +88,7 @@ static inline int mha_gemm_reads_panels(size_t M, size_t N, size_t K)
    (K[i], N[i]), row stride ldw[i], the float32 panels that packing the
    widened weight gives, widened as they are packed (no float32 copy of a
    weight is made). On failure every p[i] is freed. */
-#define MHA_PACK_MAX 4
+#define MHA_PACK_MAX 5
 mha_status mha_pack_half(mha_packed *p, const uint16_t *const *w, const size_t *ldw,
                          const size_t *K, const size_t *N, int n, mha_dtype dtype);
 

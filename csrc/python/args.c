@@ -27,9 +27,9 @@ static arg_converter converter_of(arg_kind kind)
     return kind == ARG_BOOL ? store_truth : store_object;
 }
 
-/* Exactly sp->nargs positional arguments (or sp->nopt fewer) and no
-   keyword, as mhattn passes them: what parse_args would read, without the cost of the general
-   parser. */
+/* Exactly sp->nargs - sp->nkw positional arguments (or sp->nopt fewer in
+   all) and no keyword, as mhattn passes them: what parse_args would read,
+   without the cost of the general parser. */
 static int read_positional(call *c, const call_spec *sp, PyObject *const *argv,
                            Py_ssize_t nargs)
 {
@@ -52,7 +52,7 @@ static int read_positional(call *c, const call_spec *sp, PyObject *const *argv,
 static int parse_args(call *c, const call_spec *sp, PyObject *args,
                       PyObject *kwds)
 {
-    char format[2 * MAX_ARGS + 32], *f = format;
+    char format[2 * MAX_ARGS + 33], *f = format;
     char *kwlist[MAX_ARGS + 1];
     arg_converter cv[MAX_ARGS];
     void *slot[MAX_ARGS];
@@ -64,20 +64,26 @@ static int parse_args(call *c, const call_spec *sp, PyObject *args,
             kwlist[i] = (char *)sp->args[i].name;
             if (i == sp->nargs - sp->nopt)
                 *f++ = '|';
+            if (i == sp->nargs - sp->nkw)
+                *f++ = '$';   // after '|': keyword-only ones are optional
             *f++ = 'O';
             *f++ = '&';
         }
     }
     kwlist[sp->nargs] = NULL;
+    // PyArg leaves an optional argument that is not given alone: None.
+    for (int i = sp->nargs - sp->nopt; i < sp->nargs; i++)
+        c->arg[i] = (arg_value){Py_None, 0};
     *f++ = ':';   // then the name, which fits: sp->name is a short literal
     memcpy(f, sp->name, strlen(sp->name) + 1);
 #define PAIR(i) cv[i], slot[i]
-    _Static_assert(MAX_ARGS == 24, "the call below passes MAX_ARGS pairs");
+    _Static_assert(MAX_ARGS == 26, "the call below passes MAX_ARGS pairs");
     const int ok = PyArg_ParseTupleAndKeywords(
         args, kwds, format, kwlist, PAIR(0), PAIR(1), PAIR(2), PAIR(3),
         PAIR(4), PAIR(5), PAIR(6), PAIR(7), PAIR(8), PAIR(9), PAIR(10),
         PAIR(11), PAIR(12), PAIR(13), PAIR(14), PAIR(15), PAIR(16), PAIR(17),
-        PAIR(18), PAIR(19), PAIR(20), PAIR(21), PAIR(22), PAIR(23));
+        PAIR(18), PAIR(19), PAIR(20), PAIR(21), PAIR(22), PAIR(23), PAIR(24),
+        PAIR(25));
 #undef PAIR
     return ok ? 0 : -1;
 }
@@ -91,8 +97,6 @@ static int parse_fastcall(call *c, const call_spec *sp, PyObject *const *argv,
     int res = -1;
     if (args == NULL)
         return -1;
-    for (int i = sp->nargs - sp->nopt; i < sp->nargs; i++)
-        c->arg[i] = (arg_value){Py_None, 0};   // unless given
     for (Py_ssize_t i = 0; i < nargs; i++) {
         Py_INCREF(argv[i]);
         PyTuple_SET_ITEM(args, i, argv[i]);
@@ -113,10 +117,10 @@ done:
 }
 
 /* 1 when a call passes its arguments as mhattn does: by position alone,
-   all of them or all but the optional ones. */
+   all of them but the keyword-only ones, or all but the optional ones. */
 static int positional(const call_spec *sp, Py_ssize_t nargs)
 {
-    return nargs <= sp->nargs && nargs >= sp->nargs - sp->nopt;
+    return nargs <= sp->nargs - sp->nkw && nargs >= sp->nargs - sp->nopt;
 }
 
 /* The arguments of a METH_FASTCALL | METH_KEYWORDS entry point into c. */

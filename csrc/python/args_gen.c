@@ -28,6 +28,8 @@
 #define SPEC_WANT_WEIGHTS {.name = "want_weights", .kind = ARG_BOOL}
 #define SPEC_KEEP {.name = "keep", .kind = ARG_BOOL}
 #define SPEC_PACKED {.name = "packed", .kind = ARG_PACKED}
+#define SPEC_WGATE {"wgate", ARG_ARRAY_OPT, SHAPE2(L_DIN, L_SVQ), 0, NULL}
+#define SPEC_BGATE {"bgate", ARG_ARRAY_OPT, SHAPE1(L_SVQ), 0, NULL}
 #define SPEC_DOUT_BWD {"dout", ARG_ARRAY, SHAPE3(L_B, L_TQ, L_DOUT), 0, NULL}
 #define SPEC_KEY_BWD {"key", ARG_ARRAY_ALIAS, SHAPE3(L_B, L_TK, L_DKIN), BWD_X, NULL}
 #define SPEC_VALUE_BWD {"value", ARG_ARRAY_ALIAS, SHAPE3(L_B, L_TK, L_DVIN), BWD_KEY, NULL}
@@ -79,15 +81,15 @@ const char *const mha_field_names[MHA_FIELD_COUNT] = {[MHA_FIELD_NONE] = "",
 const arg_spec forward_args[FWD_NARGS] = {SPEC_X, SPEC_KEY_FWD, SPEC_VALUE_FWD, SPEC_WQ,
     SPEC_WK, SPEC_WV, SPEC_WO, SPEC_BQ, SPEC_BK, SPEC_BV, SPEC_BO, SPEC_DK, SPEC_DV,
     SPEC_SCALES_FWD, SPEC_MASK, SPEC_CAUSAL, SPEC_KEY_LENGTHS, SPEC_VARIANTS,
-    SPEC_WANT_WEIGHTS, SPEC_KEEP, SPEC_PACKED};
+    SPEC_WANT_WEIGHTS, SPEC_KEEP, SPEC_PACKED, SPEC_WGATE, SPEC_BGATE};
 const int forward_checks_x[] = {FWD_KEY, FWD_VALUE, -1};
 const int forward_checks_widths[] = {FWD_WQ, FWD_WK, FWD_WV, FWD_WO, FWD_BQ, FWD_BK, FWD_BV,
-    FWD_BO, -1};
+    FWD_BO, FWD_WGATE, FWD_BGATE, -1};
 const param_slot forward_params[] = {OUT(FWD_OUT, out), OUT(FWD_WEIGHTS, weights),
     OUT(FWD_Q, q), OUT(FWD_K, k), OUT(FWD_V, v), OUT(FWD_CONCAT, concat), OUT(FWD_LSE, lse),
     IN(FWD_X, x), IN(FWD_KEY, key), IN(FWD_VALUE, value), IN(FWD_WQ, wq), IN(FWD_WK, wk),
     IN(FWD_WV, wv), IN(FWD_WO, wo), IN(FWD_BQ, bq), IN(FWD_BK, bk), IN(FWD_BV, bv),
-    IN(FWD_BO, bo), {-1, 0, 0}};
+    IN(FWD_BO, bo), IN(FWD_WGATE, wgate), IN(FWD_BGATE, bgate), {-1, 0, 0}};
 const shape forward_outs[FWD_NOUTS] = {SHAPE3(L_B, L_TQ, L_DOUT),
     SHAPE4(L_B, L_H, L_TQ, L_TK), SHAPE3(L_B, L_TQ, L_SQ), SHAPE3(L_B, L_TK, L_SK),
     SHAPE3(L_B, L_TK, L_SV), SHAPE3(L_B, L_TQ, L_SVQ), SHAPE3(L_B, L_H, L_TQ)};
@@ -95,23 +97,24 @@ const shape forward_outs[FWD_NOUTS] = {SHAPE3(L_B, L_TQ, L_DOUT),
 const arg_spec backward_args[BWD_NARGS] = {SPEC_DOUT_BWD, SPEC_X, SPEC_KEY_BWD,
     SPEC_VALUE_BWD, SPEC_WQ, SPEC_WK, SPEC_WV, SPEC_WO, SPEC_Q_BWD, SPEC_K_BWD, SPEC_V_BWD,
     SPEC_CONCAT, SPEC_LSE_BWD, SPEC_DK, SPEC_DV, SPEC_SCALES_FWD, SPEC_MASK, SPEC_CAUSAL,
-    SPEC_KEY_LENGTHS, SPEC_VARIANTS, SPEC_WANT_BQ, SPEC_WANT_BK, SPEC_WANT_BV,
-    SPEC_WANT_BO};
+    SPEC_KEY_LENGTHS, SPEC_VARIANTS, SPEC_WANT_BQ, SPEC_WANT_BK, SPEC_WANT_BV, SPEC_WANT_BO,
+    SPEC_WGATE, SPEC_BGATE};
 const int backward_checks_x[] = {BWD_KEY, BWD_VALUE, -1};
 const int backward_checks_widths[] = {BWD_WQ, BWD_WK, BWD_WV, BWD_WO, BWD_DOUT, BWD_Q,
-    BWD_K, BWD_V, BWD_CONCAT, BWD_LSE, -1};
+    BWD_K, BWD_V, BWD_CONCAT, BWD_LSE, BWD_WGATE, BWD_BGATE, -1};
 const param_slot backward_params[] = {OUT(BWD_DX, dx), OUT(BWD_DKEY, dkey),
     OUT(BWD_DVALUE, dvalue), OUT(BWD_DWQ, dwq), OUT(BWD_DWK, dwk), OUT(BWD_DWV, dwv),
     OUT(BWD_DWO, dwo), OUT(BWD_DBQ, dbq), OUT(BWD_DBK, dbk), OUT(BWD_DBV, dbv),
     OUT(BWD_DBO, dbo), OUT(BWD_DSINKS, dsinks), OUT(BWD_DQ_NORM, dq_norm),
-    OUT(BWD_DK_NORM, dk_norm), IN(BWD_DOUT, dout), IN(BWD_X, x), IN(BWD_KEY, key),
-    IN(BWD_VALUE, value), IN(BWD_WQ, wq), IN(BWD_WK, wk), IN(BWD_WV, wv), IN(BWD_WO, wo),
-    IN(BWD_Q, q), IN(BWD_K, k), IN(BWD_V, v), IN(BWD_CONCAT, concat), IN(BWD_LSE, lse),
-    {-1, 0, 0}};
+    OUT(BWD_DK_NORM, dk_norm), OUT(BWD_DWGATE, dwgate), OUT(BWD_DBGATE, dbgate),
+    IN(BWD_DOUT, dout), IN(BWD_X, x), IN(BWD_KEY, key), IN(BWD_VALUE, value),
+    IN(BWD_WQ, wq), IN(BWD_WK, wk), IN(BWD_WV, wv), IN(BWD_WO, wo), IN(BWD_Q, q),
+    IN(BWD_K, k), IN(BWD_V, v), IN(BWD_CONCAT, concat), IN(BWD_LSE, lse),
+    IN(BWD_WGATE, wgate), IN(BWD_BGATE, bgate), {-1, 0, 0}};
 const shape backward_outs[BWD_NOUTS] = {SHAPE3(L_B, L_TQ, L_DIN), SHAPE3(L_B, L_TK, L_DKIN),
     SHAPE3(L_B, L_TK, L_DVIN), SHAPE2(L_DIN, L_SQ), SHAPE2(L_DKIN, L_SK),
     SHAPE2(L_DVIN, L_SV), SHAPE2(L_SVQ, L_DOUT), SHAPE1(L_SQ), SHAPE1(L_SK), SHAPE1(L_SV),
-    SHAPE1(L_DOUT), SHAPE1(L_H), {0}, {0}};
+    SHAPE1(L_DOUT), SHAPE1(L_H), {0}, {0}, SHAPE2(L_DIN, L_SVQ), SHAPE1(L_SVQ)};
 
 const arg_spec attention_args[ATT_NARGS] = {SPEC_Q_ATT, SPEC_K_ATT, SPEC_V_ATT,
     SPEC_SCALES_ATT, SPEC_MASK, SPEC_CAUSAL, SPEC_KEY_LENGTHS, SPEC_VARIANTS,

@@ -11,12 +11,13 @@
 /* forward() */
 enum { FWD_X, FWD_KEY, FWD_VALUE, FWD_WQ, FWD_WK, FWD_WV, FWD_WO, FWD_BQ, FWD_BK, FWD_BV,
     FWD_BO, FWD_DK, FWD_DV, FWD_SCALES, FWD_MASK, FWD_CAUSAL, FWD_KEY_LENGTHS, FWD_VARIANTS,
-    FWD_WANT_WEIGHTS, FWD_KEEP, FWD_PACKED, FWD_NARGS };
+    FWD_WANT_WEIGHTS, FWD_KEEP, FWD_PACKED, FWD_WGATE, FWD_BGATE, FWD_NARGS };
 enum { FWD_OUT, FWD_WEIGHTS, FWD_Q, FWD_K, FWD_V, FWD_CONCAT, FWD_LSE, FWD_NOUTS };
 #define FORWARD_SPEC_ARGS .name = "forward", .nargs = FWD_NARGS, .args = forward_args, \
-    .nopt = 1, .checks_x = forward_checks_x, .checks_widths = forward_checks_widths, \
-    .x = FWD_X, .key = FWD_KEY, .value = FWD_VALUE, .wq = FWD_WQ, .wk = FWD_WK, \
-    .wv = FWD_WV, .wo = FWD_WO, .dk = FWD_DK, .dv = FWD_DV, .scales = FWD_SCALES, \
+    .nopt = 3, .nkw = 2, .checks_x = forward_checks_x, \
+    .checks_widths = forward_checks_widths, .x = FWD_X, .key = FWD_KEY, \
+    .value = FWD_VALUE, .wq = FWD_WQ, .wk = FWD_WK, .wv = FWD_WV, .wo = FWD_WO, \
+    .wgate = FWD_WGATE, .dk = FWD_DK, .dv = FWD_DV, .scales = FWD_SCALES, \
     .mask = FWD_MASK, .causal = FWD_CAUSAL, .key_lengths = FWD_KEY_LENGTHS, \
     .variants = FWD_VARIANTS, .lengths_aligned = ARG_NONE
 
@@ -24,16 +25,17 @@ enum { FWD_OUT, FWD_WEIGHTS, FWD_Q, FWD_K, FWD_V, FWD_CONCAT, FWD_LSE, FWD_NOUTS
 enum { BWD_DOUT, BWD_X, BWD_KEY, BWD_VALUE, BWD_WQ, BWD_WK, BWD_WV, BWD_WO, BWD_Q, BWD_K,
     BWD_V, BWD_CONCAT, BWD_LSE, BWD_DK, BWD_DV, BWD_SCALES, BWD_MASK, BWD_CAUSAL,
     BWD_KEY_LENGTHS, BWD_VARIANTS, BWD_WANT_BQ, BWD_WANT_BK, BWD_WANT_BV, BWD_WANT_BO,
-    BWD_NARGS };
+    BWD_WGATE, BWD_BGATE, BWD_NARGS };
 enum { BWD_DX, BWD_DKEY, BWD_DVALUE, BWD_DWQ, BWD_DWK, BWD_DWV, BWD_DWO, BWD_DBQ, BWD_DBK,
-    BWD_DBV, BWD_DBO, BWD_DSINKS, BWD_DQ_NORM, BWD_DK_NORM, BWD_NOUTS };
+    BWD_DBV, BWD_DBO, BWD_DSINKS, BWD_DQ_NORM, BWD_DK_NORM, BWD_DWGATE, BWD_DBGATE,
+    BWD_NOUTS };
 #define BACKWARD_SPEC_ARGS .name = "backward", .nargs = BWD_NARGS, \
-    .args = backward_args, .nopt = 0, .checks_x = backward_checks_x, \
+    .args = backward_args, .nopt = 2, .nkw = 2, .checks_x = backward_checks_x, \
     .checks_widths = backward_checks_widths, .x = BWD_X, .key = BWD_KEY, \
     .value = BWD_VALUE, .wq = BWD_WQ, .wk = BWD_WK, .wv = BWD_WV, .wo = BWD_WO, \
-    .dk = BWD_DK, .dv = BWD_DV, .scales = BWD_SCALES, .mask = BWD_MASK, \
-    .causal = BWD_CAUSAL, .key_lengths = BWD_KEY_LENGTHS, .variants = BWD_VARIANTS, \
-    .lengths_aligned = ARG_NONE
+    .wgate = BWD_WGATE, .dk = BWD_DK, .dv = BWD_DV, .scales = BWD_SCALES, \
+    .mask = BWD_MASK, .causal = BWD_CAUSAL, .key_lengths = BWD_KEY_LENGTHS, \
+    .variants = BWD_VARIANTS, .lengths_aligned = ARG_NONE
 
 /* attention() */
 enum { ATT_Q, ATT_K, ATT_V, ATT_SCALES, ATT_MASK, ATT_CAUSAL, ATT_KEY_LENGTHS, ATT_VARIANTS,
@@ -41,10 +43,10 @@ enum { ATT_Q, ATT_K, ATT_V, ATT_SCALES, ATT_MASK, ATT_CAUSAL, ATT_KEY_LENGTHS, A
     ATT_V_SCALES, ATT_NARGS };
 enum { ATT_OUT, ATT_WEIGHTS, ATT_LSE, ATT_NOUTS };
 #define ATTENTION_SPEC_ARGS .name = "attention", .nargs = ATT_NARGS, \
-    .args = attention_args, .nopt = 2, .checks_x = attention_checks_x, \
+    .args = attention_args, .nopt = 2, .nkw = 0, .checks_x = attention_checks_x, \
     .checks_widths = NULL, .x = ATT_Q, .key = ATT_K, .value = ATT_V, .wq = ARG_NONE, \
-    .wk = ARG_NONE, .wv = ARG_NONE, .wo = ARG_NONE, .dk = ARG_NONE, .dv = ARG_NONE, \
-    .scales = ATT_SCALES, .mask = ATT_MASK, .causal = ATT_CAUSAL, \
+    .wk = ARG_NONE, .wv = ARG_NONE, .wo = ARG_NONE, .wgate = ARG_NONE, .dk = ARG_NONE, \
+    .dv = ARG_NONE, .scales = ATT_SCALES, .mask = ATT_MASK, .causal = ATT_CAUSAL, \
     .key_lengths = ATT_KEY_LENGTHS, .variants = ATT_VARIANTS, \
     .lengths_aligned = ATT_LENGTHS_ALIGNED
 
@@ -53,21 +55,23 @@ enum { ABW_DOUT, ABW_Q, ABW_K, ABW_V, ABW_OUT, ABW_LSE, ABW_SCALES, ABW_MASK, AB
     ABW_KEY_LENGTHS, ABW_VARIANTS, ABW_LENGTHS_ALIGNED, ABW_NARGS };
 enum { ABW_DQ, ABW_DK, ABW_DV, ABW_DSINKS, ABW_NOUTS };
 #define ATTENTION_BACKWARD_SPEC_ARGS .name = "attention_backward", .nargs = ABW_NARGS, \
-    .args = attention_backward_args, .nopt = 0, .checks_x = attention_backward_checks_x, \
+    .args = attention_backward_args, .nopt = 0, .nkw = 0, \
+    .checks_x = attention_backward_checks_x, \
     .checks_widths = attention_backward_checks_widths, .x = ABW_Q, .key = ABW_K, \
     .value = ABW_V, .wq = ARG_NONE, .wk = ARG_NONE, .wv = ARG_NONE, .wo = ARG_NONE, \
-    .dk = ARG_NONE, .dv = ARG_NONE, .scales = ABW_SCALES, .mask = ABW_MASK, \
-    .causal = ABW_CAUSAL, .key_lengths = ABW_KEY_LENGTHS, .variants = ABW_VARIANTS, \
-    .lengths_aligned = ABW_LENGTHS_ALIGNED
+    .wgate = ARG_NONE, .dk = ARG_NONE, .dv = ARG_NONE, .scales = ABW_SCALES, \
+    .mask = ABW_MASK, .causal = ABW_CAUSAL, .key_lengths = ABW_KEY_LENGTHS, \
+    .variants = ABW_VARIANTS, .lengths_aligned = ABW_LENGTHS_ALIGNED
 
 /* project() */
 enum { PRJ_X, PRJ_KEY, PRJ_VALUE, PRJ_WQ, PRJ_WK, PRJ_WV, PRJ_BQ, PRJ_BK, PRJ_BV, PRJ_DK,
     PRJ_DV, PRJ_SCALES, PRJ_VARIANTS, PRJ_PACKED, PRJ_NARGS };
 enum { PRJ_Q, PRJ_K, PRJ_V, PRJ_NOUTS };
 #define PROJECT_SPEC_ARGS .name = "project", .nargs = PRJ_NARGS, .args = project_args, \
-    .nopt = 1, .checks_x = project_checks_x, .checks_widths = project_checks_widths, \
-    .x = PRJ_X, .key = PRJ_KEY, .value = PRJ_VALUE, .wq = PRJ_WQ, .wk = PRJ_WK, \
-    .wv = PRJ_WV, .wo = ARG_NONE, .dk = PRJ_DK, .dv = PRJ_DV, .scales = PRJ_SCALES, \
+    .nopt = 1, .nkw = 0, .checks_x = project_checks_x, \
+    .checks_widths = project_checks_widths, .x = PRJ_X, .key = PRJ_KEY, \
+    .value = PRJ_VALUE, .wq = PRJ_WQ, .wk = PRJ_WK, .wv = PRJ_WV, .wo = ARG_NONE, \
+    .wgate = ARG_NONE, .dk = PRJ_DK, .dv = PRJ_DV, .scales = PRJ_SCALES, \
     .mask = ARG_NONE, .causal = ARG_NONE, .key_lengths = ARG_NONE, \
     .variants = PRJ_VARIANTS, .lengths_aligned = ARG_NONE
 
@@ -75,11 +79,11 @@ enum { PRJ_Q, PRJ_K, PRJ_V, PRJ_NOUTS };
 enum { CHK_X, CHK_KEY, CHK_DK, CHK_DV, CHK_SCALES, CHK_KEY_LENGTHS, CHK_VARIANTS,
     CHK_LENGTHS_ALIGNED, CHK_NARGS };
 #define CHECK_CONFIG_SPEC_ARGS .name = "check_config", .nargs = CHK_NARGS, \
-    .args = check_config_args, .nopt = 0, .checks_x = check_config_checks_x, \
+    .args = check_config_args, .nopt = 0, .nkw = 0, .checks_x = check_config_checks_x, \
     .checks_widths = NULL, .x = CHK_X, .key = CHK_KEY, .value = ARG_NONE, \
-    .wq = ARG_NONE, .wk = ARG_NONE, .wv = ARG_NONE, .wo = ARG_NONE, .dk = CHK_DK, \
-    .dv = CHK_DV, .scales = CHK_SCALES, .mask = ARG_NONE, .causal = ARG_NONE, \
-    .key_lengths = CHK_KEY_LENGTHS, .variants = CHK_VARIANTS, \
+    .wq = ARG_NONE, .wk = ARG_NONE, .wv = ARG_NONE, .wo = ARG_NONE, .wgate = ARG_NONE, \
+    .dk = CHK_DK, .dv = CHK_DV, .scales = CHK_SCALES, .mask = ARG_NONE, \
+    .causal = ARG_NONE, .key_lengths = CHK_KEY_LENGTHS, .variants = CHK_VARIANTS, \
     .lengths_aligned = CHK_LENGTHS_ALIGNED
 
 /* The tables, in args_gen.c; mha_field_names: each mha_field id's

@@ -212,7 +212,7 @@ static int convert_array(call *c, const call_spec *sp, int pos)
     PyArrayObject *arr = (PyArrayObject *)obj;
     const int kv_role = sp->kv_storage && (pos == sp->key || pos == sp->value);
     const int w_role = sp->w_storage && (pos == sp->wq || pos == sp->wk || pos == sp->wv ||
-                                         pos == sp->wo);
+                                         pos == sp->wo || pos == sp->wgate);
     // k and v may hold a KV cache's half or int8, the weights half values:
     // the core widens them as it reads (packs) them
     int kind = (kv_role || w_role) && c->typenum == NPY_FLOAT ? kv_storage_of(arr) : -1;

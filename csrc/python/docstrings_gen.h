@@ -46,6 +46,11 @@
     "want_weights: Also return the weights (B, H, Tq, Tk).\n"
 #define ARG_DOC_PACKED \
     "packed (4,): None, or pack_weight() capsules (or None) of wq, wk, wv, wo.\n"
+#define ARG_DOC_WGATE \
+    "wgate (Din, Svq): None, or the output gate's W: concat -> sigmoid(x wgate +\n" \
+    "    bgate) * concat.\n"
+#define ARG_DOC_BGATE \
+    "bgate (Svq,): None, or the output gate's bias (with wgate only).\n"
 #define ARG_DOC_Q \
     "q (B, H, Tq, dk): The queries, any strides, the last axis contiguous.\n"
 #define ARG_DOC_K \
@@ -58,13 +63,15 @@
 
 #define FORWARD_DOC \
     "forward(x, key, value, wq, wk, wv, wo, bq, bk, bv, bo, dk, dv, scales, mask,\n" \
-    "        causal, key_lengths, variants, want_weights, keep, packed=None)\n" \
+    "        causal, key_lengths, variants, want_weights, keep, packed=None, *,\n" \
+    "        wgate=None, bgate=None)\n" \
     "--\n" \
     "\n" \
     "Multi-head attention forward pass (low level; see mhattn for the public\n" \
     "API). All float arrays share one dtype, float32 or float64; or, with float32\n" \
-    "x, wq, wk, wv and wo are all float16 or all bfloat16, widened by the core as\n" \
-    "it packs them (no float32 copy)." \
+    "x, wq, wk, wv, wo and wgate are all float16 or all bfloat16, widened by the\n" \
+    "core as it packs them (no float32 copy). With wgate (keyword-only, as\n" \
+    "bgate), W^O reads sigmoid(x wgate + bgate) * concat." \
     "\n" \
     "\n" \
     ARG_DOC_X ARG_DOC_KEY ARG_DOC_VALUE ARG_DOC_WQ ARG_DOC_WK ARG_DOC_WV \
@@ -73,21 +80,23 @@
     ARG_DOC_DK ARG_DOC_DV ARG_DOC_SCALES ARG_DOC_MASK ARG_DOC_CAUSAL \
     ARG_DOC_KEY_LENGTHS ARG_DOC_VARIANTS ARG_DOC_WANT_WEIGHTS \
     "keep: Also return (q, k, v, concat, lse) for backward().\n" \
-    ARG_DOC_PACKED \
+    ARG_DOC_PACKED ARG_DOC_WGATE ARG_DOC_BGATE \
     "\n" \
     "Returns (out (B, Tq, Dout), weights (B, H, Tq, Tk) or None, (q, k, v,\n" \
-    "concat, lse) or None), new C-contiguous arrays of the call's dtype. A fully\n" \
-    "masked query row gets zero weights, a zero head output and lse -inf."
+    "concat, lse) or None), new C-contiguous arrays of the call's dtype; concat\n" \
+    "is the heads side by side, before the gate. A fully masked query row gets\n" \
+    "zero weights, a zero head output and lse -inf."
 
 #define BACKWARD_DOC \
     "backward(dout, x, key, value, wq, wk, wv, wo, q, k, v, concat, lse, dk, dv,\n" \
     "         scales, mask, causal, key_lengths, variants, want_bq, want_bk,\n" \
-    "         want_bv, want_bo)\n" \
+    "         want_bv, want_bo, *, wgate=None, bgate=None)\n" \
     "--\n" \
     "\n" \
     "Backward pass of forward() (low level; see mhattn.backward). x, key, value,\n" \
-    "wq, wk, wv, wo, dk, dv, scales, mask, causal, key_lengths, variants as given\n" \
-    "to forward()." \
+    "wq, wk, wv, wo, dk, dv, scales, mask, causal, key_lengths, variants, wgate\n" \
+    "and bgate as given to forward(); the gate is recomputed from x, wgate,\n" \
+    "bgate." \
     "\n" \
     "\n" \
     "dout (B, Tq, Dout): dL/dout.\n" \
@@ -108,11 +117,13 @@
     "want_bk: Return dbk.\n" \
     "want_bv: Return dbv.\n" \
     "want_bo: Return dbo.\n" \
+    ARG_DOC_WGATE ARG_DOC_BGATE \
     "\n" \
     "Returns (dx, dkey or None, dvalue or None, dwq, dwk, dwv, dwo or None, dbq,\n" \
-    "dbk, dbv, dbo, dsinks, dq_norm, dk_norm): new C-contiguous gradients, each\n" \
-    "bias gradient None unless its want_* is true, each variant's None unless it\n" \
-    "was given. Bitwise the same for any thread count."
+    "dbk, dbv, dbo, dsinks, dq_norm, dk_norm), and with wgate (dwgate, dbgate)\n" \
+    "after them: new C-contiguous gradients, each bias gradient None unless its\n" \
+    "want_* is true, each variant's None unless it was given. Bitwise the same\n" \
+    "for any thread count."
 
 #define ATTENTION_DOC \
     "attention(q, k, v, scales, mask, causal, key_lengths, variants,\n" \

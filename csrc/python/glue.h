@@ -121,8 +121,8 @@ typedef enum {
    try that is not polled: a call takes at most MAX_RESTARTS + 1 times its
    time, whatever the signals (a SIGINT storm included). */
 #define MAX_RESTARTS 3
-#define MAX_ARGS 24   /* backward()'s */
-#define MAX_OUTS 14   /* backward()'s gradients */
+#define MAX_ARGS 26   /* backward()'s */
+#define MAX_OUTS 16   /* backward()'s gradients */
 /* A position past every function's arguments that holds None (false, no
    array): a call_spec names it for an argument its function lacks. */
 #define ARG_NONE MAX_ARGS
@@ -183,18 +183,21 @@ struct call_spec {
     const arg_spec *args;   /* (nargs,) in positional order */
     int nopt;               /* trailing arguments that may be left out
                                (None then) */
+    int nkw;                /* the last nkw of those are keyword-only:
+                               mhattn passes them by name, and only when
+                               it has them (the output gate) */
     layout layout;          /* of the float arrays */
     const int *checks_x;       /* against x, key and value's sizes (q's) */
     const int *checks_widths;  /* against the head widths too */
     int x;                  /* the array whose dtype is the call's */
-    int key, value, wq, wk, wv, wo, dk, dv, scales, mask, causal, key_lengths;
+    int key, value, wq, wk, wv, wo, wgate, dk, dv, scales, mask, causal, key_lengths;
     int variants, lengths_aligned;
     int broadcast_mask;     /* the mask may broadcast to (B, H, Tq, Tk) */
     int has_wo;             /* cfg.has_wo when there is no wo argument */
     int kv_storage;         /* key and value may be a KV cache's float16,
                                bfloat16 or int8 storage with a float32
                                call (call.kv, convert.c) */
-    int w_storage;          /* wq, wk, wv, wo may be float16 or bfloat16
+    int w_storage;          /* wq, wk, wv, wo, wgate may be float16 or bfloat16
                                with a float32 call (call.w, convert.c) */
     int checked;            /* mha_check_config checks the config first */
     /* the family's steps, in the order the skeleton runs them: each

@@ -65,13 +65,15 @@ static int forward_outputs(call *c)
     return make_outputs(c, FWD_NOUTS, forward_outs, want);
 }
 
-/* Multiply-adds of a forward call: the four projections and attention. */
+/* Multiply-adds of a forward call: the four projections (and the output
+   gate's) and attention. */
 static double forward_work(const call *c)
 {
     const npy_intp *n = c->size;
+    const double gate = c->in[FWD_WGATE] != NULL ? (double)n[L_DIN] * (double)n[L_SVQ] : 0.0;
     return (double)n[L_B] *
            ((double)n[L_TQ] * ((double)n[L_DIN] * (double)n[L_SQ] +
-                               (double)n[L_SVQ] * (double)n[L_DOUT]) +
+                               (double)n[L_SVQ] * (double)n[L_DOUT] + gate) +
             (double)n[L_TK] * ((double)n[L_DKIN] * (double)n[L_SK] +
                                (double)n[L_DVIN] * (double)n[L_SV]) +
             (double)n[L_TQ] * (double)n[L_TK] *
@@ -133,15 +135,20 @@ static int backward_outputs(call *c)
         [BWD_DWQ] = 1, [BWD_DWK] = 1, [BWD_DWV] = 1,
         [BWD_DWO] = c->in[BWD_WO] != NULL,
         [BWD_DBQ] = a[BWD_WANT_BQ].truth, [BWD_DBK] = a[BWD_WANT_BK].truth,
-        [BWD_DBV] = a[BWD_WANT_BV].truth, [BWD_DBO] = a[BWD_WANT_BO].truth};
+        [BWD_DBV] = a[BWD_WANT_BV].truth, [BWD_DBO] = a[BWD_WANT_BO].truth,
+        [BWD_DWGATE] = c->in[BWD_WGATE] != NULL, [BWD_DBGATE] = c->in[BWD_WGATE] != NULL};
     if (make_outputs(c, BWD_NOUTS, backward_outs, want) < 0)
         return -1;
     return variant_gradients(c);
 }
 
+/* The gradients; the output gate's two (the last) only with wgate, so a
+   call without the gate gets the tuple it always had. */
 static PyObject *backward_result(call *c)
 {
-    return arrays_tuple(c->out, BWD_NOUTS);
+    _Static_assert(BWD_DWGATE == BWD_NOUTS - 2 && BWD_DBGATE == BWD_NOUTS - 1,
+                   "the gate's gradients close the tuple");
+    return arrays_tuple(c->out, c->in[BWD_WGATE] != NULL ? BWD_NOUTS : BWD_DWGATE);
 }
 
 /* Unlike forward(), no small-call shortcut (.work NULL): a main-thread

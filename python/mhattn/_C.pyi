@@ -69,16 +69,22 @@ def forward(
     keep: bool,  # Also return (q, k, v, concat, lse) for backward().
     # (4,): None, or pack_weight() capsules (or None) of wq, wk, wv, wo.
     packed: Optional[tuple] = None,
+    *,
+    # (Din, Svq): None, or the output gate's W: concat -> sigmoid(x wgate + bgate) * concat.
+    wgate: Optional[_Float] = None,
+    bgate: Optional[_Float] = None,  # (Svq,): None, or the output gate's bias (with wgate only).
 ) -> Tuple[_Float, Optional[_Float], Optional[Tuple[_Float, _Float, _Float, _Float, _Float]]]:
     """Multi-head attention forward pass (low level; see mhattn for the
     public API). All float arrays share one dtype, float32 or float64;
-    or, with float32 x, wq, wk, wv and wo are all float16 or all
+    or, with float32 x, wq, wk, wv, wo and wgate are all float16 or all
     bfloat16, widened by the core as it packs them (no float32 copy).
+    With wgate (keyword-only, as bgate), W^O reads sigmoid(x wgate +
+    bgate) * concat.
 
     Returns (out (B, Tq, Dout), weights (B, H, Tq, Tk) or None, (q, k,
     v, concat, lse) or None), new C-contiguous arrays of the call's
-    dtype. A fully masked query row gets zero weights, a zero head
-    output and lse -inf.
+    dtype; concat is the heads side by side, before the gate. A fully
+    masked query row gets zero weights, a zero head output and lse -inf.
     """
     ...
 
@@ -113,16 +119,21 @@ def backward(
     want_bk: bool,  # Return dbk.
     want_bv: bool,  # Return dbv.
     want_bo: bool,  # Return dbo.
-) -> Tuple[_Float, Optional[_Float], Optional[_Float], _Float, _Float, _Float, Optional[_Float], Optional[_Float], Optional[_Float], Optional[_Float], Optional[_Float], Optional[_Float], Optional[_Float], Optional[_Float]]:
+    *,
+    # (Din, Svq): None, or the output gate's W: concat -> sigmoid(x wgate + bgate) * concat.
+    wgate: Optional[_Float] = None,
+    bgate: Optional[_Float] = None,  # (Svq,): None, or the output gate's bias (with wgate only).
+) -> Tuple[Optional[_Float], ...]:
     """Backward pass of forward() (low level; see mhattn.backward). x,
     key, value, wq, wk, wv, wo, dk, dv, scales, mask, causal,
-    key_lengths, variants as given to forward().
+    key_lengths, variants, wgate and bgate as given to forward(); the
+    gate is recomputed from x, wgate, bgate.
 
     Returns (dx, dkey or None, dvalue or None, dwq, dwk, dwv, dwo or
-    None, dbq, dbk, dbv, dbo, dsinks, dq_norm, dk_norm): new
-    C-contiguous gradients, each bias gradient None unless its want_* is
-    true, each variant's None unless it was given. Bitwise the same for
-    any thread count.
+    None, dbq, dbk, dbv, dbo, dsinks, dq_norm, dk_norm), and with wgate
+    (dwgate, dbgate) after them: new C-contiguous gradients, each bias
+    gradient None unless its want_* is true, each variant's None unless
+    it was given. Bitwise the same for any thread count.
     """
     ...
 

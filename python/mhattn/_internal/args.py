@@ -352,6 +352,10 @@ class Call:
     # In a half call: the learnable variants given in the half dtype (their
     # gradients are rounded to it; see compute.grad.backward).
     half_variants: tuple = ()
+    # The output gate (csrc/core/gate.h): W^O reads sigmoid(x w_gate +
+    # b_gate) * concat. None: no gate.
+    w_gate: Optional[np.ndarray] = None     # (Din, Svq)
+    b_gate: Optional[np.ndarray] = None     # (Svq,), only with w_gate
 
     @property
     def B(self) -> int:
@@ -401,7 +405,8 @@ def _cols(widths: Sequence[int], i: int) -> slice:
 
 def core_items(B: int, Tq: int, Tk: int, H: int, Sq: int, Sk: int, Sv: int,
                Svq: int, d_out: int, has_wo: bool, dtype: np.dtype, *,
-               weights: bool = False, keep: bool = False, transforms: bool = False) -> list:
+               weights: bool = False, keep: bool = False, transforms: bool = False,
+               gate: bool = False) -> list:
     """What the C core allocates for a call (see csrc/mha.h), for check_memory."""
     n = dtype.itemsize
     items = [("out", "B*T_q*d_out", (B, Tq, d_out), n),
@@ -417,6 +422,8 @@ def core_items(B: int, Tq: int, Tk: int, H: int, Sq: int, Sk: int, Sv: int,
     if transforms:
         items.append(("the normed / rotated q and k", "B*T_q*sum(d_k) + B*T_k*sum(d_k)",
                       (B * Tq * Sq + B * Tk * Sk,), n))
+    if gate:
+        items.append(("the gated concatenation", "B*T_q*sum(d_v)", (B, Tq, Svq), n))
     return items
 
 
@@ -464,6 +471,12 @@ def backward_items(call: "Call", threads: int) -> list:
         per = 2 if call.var.norm_type == "layer" else 1
         items.append(("the backward's q/k norm factors", f"{per}*(B*T_q*h + B*T_k*g)",
                       (per, B * Tq * H + B * Tk * call.G), 8))
+    if call.w_gate is not None:
+        # g, gated then dz, and d(concat) (csrc/core/backward_impl.h, bwd_plan)
+        items += [("the gradients of w_gate and b_gate", "d_in*sum(d_v) + sum(d_v)",
+                   (Din * Svq + Svq,), n),
+                  ("the backward's gate, gated concatenation and d(concat)",
+                   "3*B*T_q*sum(d_v)", (3, B, Tq, Svq), n)]
     return items
 
 
@@ -682,10 +695,11 @@ def _scale_arg(scale: Any) -> Optional[float]:
                          "digits is too large for a float") from None
 
 
-def _cast_items(dtype: np.dtype, xa, ka, va, wo, bo, weights) -> list:
+def _cast_items(dtype: np.dtype, xa, ka, va, wo, bo, weights, wg=None, bg=None) -> list:
     """check_memory items of the casts of normalize's arrays to dtype."""
     items = [(f"casting {n} to {dtype}", "size", (a.size,), dtype.itemsize)
-             for n, a in (("x", xa), ("key", ka), ("value", va), ("w_o", wo), ("b_o", bo))
+             for n, a in (("x", xa), ("key", ka), ("value", va), ("w_o", wo), ("b_o", bo),
+                          ("w_gate", wg), ("b_gate", bg))
              if a is not None and a.dtype != dtype and
              (n == "x" or a is not xa) and (n != "value" or a is not ka)]
     for n, hs in zip(("w_q", "w_k", "w_v"), weights):
@@ -714,24 +728,44 @@ def _cast_list(bl: Optional[List[np.ndarray]], dtype: np.dtype) -> Optional[List
     return None if bl is None else [_cast(a, dtype) for a in bl]
 
 
-def _numbers(xa, ka, va, wq, wk, wv, wo, bq, bk, bv, bo) -> list:
+def _numbers(xa, ka, va, wq, wk, wv, wo, bq, bk, bv, bo, wg=None, bg=None) -> list:
     """(name, array) of a call's inputs that carry numbers, for shared_half."""
     named = [("x", xa), ("key", ka), ("value", va)]
     for name, hs in (("w_q", wq), ("w_k", wk), ("w_v", wv)):
         named += ([(name, hs.array)] if hs.array is not None else
                   [(f"{name}[{i}]", a) for i, a in enumerate(hs.heads)])
-    named += [("w_o", wo), ("b_o", bo)]
+    named += [("w_o", wo), ("b_o", bo), ("w_gate", wg), ("b_gate", bg)]
     for name, bl in (("b_q", bq), ("b_k", bk), ("b_v", bv)):
         if bl is not None:
             named += [(f"{name}[{i}]", a) for i, a in enumerate(bl)]
     return named
 
 
+def _gate(w_gate: Any, b_gate: Any, xa: np.ndarray, Svq: int) -> tuple:
+    """(w_gate, b_gate) of the output gate as arrays, or None: w_gate
+    (d_in, sum d_v), its rows x's features and its columns the heads'
+    concatenation; b_gate (sum d_v,), only with w_gate."""
+    d_in = xa.shape[-1]
+    if b_gate is not None and w_gate is None:
+        bg = _to_array("b_gate", b_gate)
+        raise ValueError(f"b_gate: given (shape {bg.shape}) without w_gate; the output "
+                         f"gate sigmoid(x @ w_gate + b_gate) needs its weight w_gate "
+                         f"({d_in}, {Svq})")
+    wg = _vector("w_gate", w_gate, (d_in, Svq),
+                 f"w_gate: expected shape ({d_in}, {Svq}) — x's d_in = {d_in} rows (x "
+                 f"{xa.shape}) and sum(d_v) = {Svq} columns, the width of the heads' "
+                 f"concatenation — got {{shape}}")
+    bg = _vector("b_gate", b_gate, (Svq,),
+                 f"b_gate: expected shape ({Svq},) (sum(d_v), the columns of w_gate "
+                 f"({d_in}, {Svq})), got {{shape}}")
+    return wg, bg
+
+
 def normalize(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=None,
               scale=None, mask=None, causal=False, key_lengths=None,
               num_kv_heads=None, b_q=None, b_k=None, b_v=None, b_o=None,
-              core_checks_next: bool = False, half_as: np.dtype = F32,
-              half_weights: bool = False, **variants) -> Call:
+              w_gate=None, b_gate=None, core_checks_next: bool = False,
+              half_as: np.dtype = F32, half_weights: bool = False, **variants) -> Call:
     """Check every argument and return the canonical :class:`Call`.
 
     ``variants``: the keywords of :data:`mhattn._internal.variants.VARIANT_DEFAULTS`
@@ -769,15 +803,16 @@ def normalize(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=Non
     d_out = wo.shape[1] if wo is not None else Svq
     bo = _vector("b_o", b_o, (d_out,),
                  f"b_o: expected shape ({d_out},) (d_out), got {{shape}}")
+    wg, bg = _gate(w_gate, b_gate, xa, Svq)
     floats = [xa, ka, va] + wq.heads + wk.heads + wv.heads
-    for extra in (wo, bo):
+    for extra in (wo, bo, wg, bg):
         if extra is not None:
             floats.append(extra)
     for bl in (bq, bk, bv):
         if bl is not None:
             floats.extend(bl)
     floats += variant_floats(variants)
-    half = shared_half(_numbers(xa, ka, va, wq, wk, wv, wo, bq, bk, bv, bo))
+    half = shared_half(_numbers(xa, ka, va, wq, wk, wv, wo, bq, bk, bv, bo, wg, bg))
     # A half call computes in float32 (its learnable variants and float
     # masks are cast to it too) and rounds its results to ``half``.
     dtype = np.dtype(half_as) if half is not None else compute_dtype(floats)
@@ -785,8 +820,9 @@ def normalize(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=Non
     Tq, Tk = xa.shape[-2], ka.shape[-2]
     # Before anything is cast or allocated: the casts below, and what any call
     # of these sizes allocates (out and the projections) must fit.
-    check_memory(_cast_items(dtype, xa, ka, va, wo, bo, (wq, wk, wv))
-                 + core_items(B, Tq, Tk, H, Sq, Sk, Sv, Svq, d_out, w_o is not None, dtype))
+    check_memory(_cast_items(dtype, xa, ka, va, wo, bo, (wq, wk, wv), wg, bg)
+                 + core_items(B, Tq, Tk, H, Sq, Sk, Sv, Svq, d_out, w_o is not None, dtype,
+                              gate=wg is not None))
 
     scales = head_scales(H, G, dk, _scale_arg(scale))
     bool_arg("causal", causal)
@@ -795,10 +831,10 @@ def normalize(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=Non
     var = normalize_variants(variants, batched=batched, B=B, Tq=Tq, Tk=Tk, H=H, G=G,
                              dk=dk, dtype=dtype, key_given=key is not None,
                              key_lengths=key_lengths)
-    # Half weights the core takes as they are: all four fused, of the half dtype.
+    # Half weights the core takes as they are: all fused, of the half dtype.
     keep = (half_weights and half is not None
             and all(h.form == "fused" and h.array.dtype == half for h in (wq, wk, wv))
-            and (wo is None or wo.dtype == half))
+            and (wo is None or wo.dtype == half) and (wg is None or wg.dtype == half))
     xb = xa if batched else xa[np.newaxis]
     kb = ka if batched else ka[np.newaxis]
     vb = va if batched else va[np.newaxis]
@@ -820,7 +856,9 @@ def normalize(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=Non
         Sq=Sq, Sk=Sk, Sv=Sv, Svq=Svq, var=var,
         half_variants=() if half is None else tuple(
             n for n in ("sinks", "q_norm", "k_norm") if variants.get(n) is not None
-            and is_half(getattr(variants[n], "dtype", np.dtype(np.float64)))))
+            and is_half(getattr(variants[n], "dtype", np.dtype(np.float64)))),
+        w_gate=wg if wg is None or keep else _cast(wg, dtype),
+        b_gate=None if bg is None else _cast(bg, dtype))
     # The rules on the config's values (the key lengths, the variants'
     # offsets, softcap, norm_eps, rotary_dim) are the core's: it checks them
     # here, before the reference or the checker reads any of them.
@@ -842,9 +880,10 @@ def plan(call: Call, *, want_weights: bool = False, keep: bool = False) -> list:
     n = call.dtype.itemsize
     items = core_items(call.B, call.Tq, call.Tk, call.H, call.Sq, call.Sk, call.Sv,
                        call.Svq, call.d_out, call.w_o is not None, call.dtype,
-                       weights=want_weights, keep=keep, transforms=call.var.transforms)
+                       weights=want_weights, keep=keep, transforms=call.var.transforms,
+                       gate=call.w_gate is not None)
     for name, a in (("x", call.x), ("key", call.key), ("value", call.value),
-                    ("w_o", call.w_o)):
+                    ("w_o", call.w_o), ("w_gate", call.w_gate)):
         if a is not None and _needs_copy(a):
             items.append((f"a contiguous copy of {name}", "size", (a.size,), n))
     for name, hs in (("w_q", call.wq), ("w_k", call.wk), ("w_v", call.wv)):

@@ -42,8 +42,8 @@ from .variants import Variants, norm_type_arg, variants_tuple
 from .args import (PER_HEAD_BYTES, Call, bool_arg, check_memory, fused_widths,
                    head_scales, memory_limit, normalize, plan)
 
-__all__ = ["fast", "slow", "core_args", "variant_args", "head_arrays", "run_core",
-           "Context", "make_context",
+__all__ = ["fast", "slow", "core_args", "gate_args", "variant_args", "head_arrays",
+           "run_core", "Context", "make_context",
            # the C entry points
            "forward", "backward", "attention", "attention_backward", "project", "check_heads",
            "check_config", "check_norm_type", "attention_in_layer_words",
@@ -64,14 +64,16 @@ __all__ = ["fast", "slow", "core_args", "variant_args", "head_arrays", "run_core
 # small call's path); a ``try`` costs nothing until something is raised.
 
 def _door(name: str, names: Names, doc: str):
-    """The entry point ``_C.<name>(*args)``, a core rejection raised in the
-    words of ``names``. A plain ``*args`` function, with no keyword of its
-    own: CPython calls it as cheaply as a direct wrapper (the small call)."""
+    """The entry point ``_C.<name>(*args, **keywords)``, a core rejection
+    raised in the words of ``names``. A plain ``*args`` function, with no
+    keyword of its own: CPython calls it as cheaply as a direct wrapper (the
+    small call); the keywords are the keyword-only arguments of _C (the
+    output gate's), empty on the common path."""
     fn = getattr(_C, name)
 
-    def door(*args):
+    def door(*args, **keywords):
         try:
-            return fn(*args)
+            return fn(*args, **keywords)
         except ValueError as e:
             if not hasattr(e, "field"):
                 raise
@@ -254,13 +256,16 @@ _FAST_HEADS = 1024
 
 def slow(x, w_q, w_k, w_v, w_o, num_heads, key, value, scale, mask, causal,
          key_lengths, num_kv_heads, b_q, b_k, b_v, b_o, want_weights, keep,
-         half_weights=False, **variants):
+         half_weights=False, w_gate=None, b_gate=None, **variants):
     """The glue's arguments for any call, and its checked :class:`Call`:
     (args, call). Every check, every friendly error. ``half_weights``: as
-    :func:`normalize`'s (a call without a context)."""
+    :func:`normalize`'s (a call without a context). The output gate's
+    arrays are not among the positional args: :func:`gate_args` of the
+    call gives them."""
     call = normalize(x, w_q, w_k, w_v, w_o, num_heads=num_heads, key=key, value=value,
                      scale=scale, mask=mask, causal=causal, key_lengths=key_lengths,
                      num_kv_heads=num_kv_heads, b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o,
+                     w_gate=w_gate, b_gate=b_gate,
                      half_weights=half_weights and not keep, **variants)
     want_weights = bool_arg("return_weights", want_weights)
     keep = bool_arg("return_context", keep)
@@ -299,6 +304,16 @@ def core_args(call: Call, *, want_weights: bool = False, keep: bool = False) -> 
             call.key_lengths, variant_args(call), bool(want_weights), bool(keep))
 
 
+def gate_args(call: Optional[Call]) -> Dict[str, np.ndarray]:
+    """The keyword-only arguments ``wgate`` and ``bgate`` of ``_C.forward``
+    and ``_C.backward`` for a checked call with an output gate; empty
+    without one (or for the fast branch's calls, call None, which have
+    none)."""
+    if call is None or call.w_gate is None:
+        return {}
+    return {"wgate": call.w_gate, "bgate": call.b_gate}
+
+
 def run_core(call: Call, *, want_weights: bool = False, keep: bool = False, packed=None):
     """Hand a checked Call to the C core; ``packed``: None or the capsules
     of a PackedWeights (``_core_packed``) for the call's weights.
@@ -306,7 +321,8 @@ def run_core(call: Call, *, want_weights: bool = False, keep: bool = False, pack
     Returns (out, weights, extras), batched: out (B, Tq, Dout), weights
     (B, H, Tq, Tk) or None, extras (q, k, v, concat, lse) or None.
     """
-    return forward(*core_args(call, want_weights=want_weights, keep=keep), packed)
+    return forward(*core_args(call, want_weights=want_weights, keep=keep), packed,
+                   **gate_args(call))
 
 
 # --- the fast branch ---------------------------------------------------------
@@ -582,7 +598,11 @@ class Context:  # numpydoc ignore=PR01
     (B, Tk, Sk), ``v`` (B, Tk, Sv), the concatenation ``concat``
     (B, Tq, Svq) and each query row's log-sum-exp ``lse`` (B, H, Tq) of its
     scaled, masked scores (-inf for a fully masked row).  The softmax
-    probabilities are recomputed from ``lse`` by the backward pass.
+    probabilities are recomputed from ``lse`` by the backward pass.  With
+    an output gate, ``concat`` is still the heads side by side, *before*
+    the gate (what the attention made, and what its backward needs); the
+    backward recomputes the gate sigmoid(x w_gate + b_gate) from the call's
+    x, w_gate and b_gate, and the gated concatenation W^O saw from both.
 
     A context may be used for any number of backward calls.  It holds
     references, not copies: modifying an input or weight in place between

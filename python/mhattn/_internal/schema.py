@@ -201,6 +201,16 @@ head i uses kv head i // (num_heads // num_kv_heads)."""),
         "The value bias, in the form of w_v."),
     Arg("b_o", _MHA, "array?", "T", "(Dout,)", "None", "The output bias.",
         type="(d_out,), optional", text="The output bias."),
+    Arg("w_gate", _MHA, "array?", "T", "(Din, Svq)", "None",
+        "The output gate: sigmoid(x W_gate + b_gate) times the concatenation.",
+        type="(d_in, sum d_v), optional",
+        text="""\
+The output gate (Keras's ``MultiHeadAttention(use_gate=True)``,
+Qwen3-Next's gated attention): the concatenation of the heads becomes
+``sigmoid(x @ w_gate + b_gate) * concat`` (elementwise) before W^O.
+x is the queries' source, so each query row has its own gate, also
+in cross-attention.  ``b_gate`` (sum d_v,) needs ``w_gate``."""),
+    Arg("b_gate", _MHA, "array?", "T", "(Svq,)", "None", "The output gate's bias."),
     Arg("return_context", ("multi_head_attention",), "bool", "", "", "False",
         "Also return a Context for mhattn.backward.", type="bool",
         text="""\
@@ -501,6 +511,12 @@ The q/k norm of ``qk_norm``: "rms", RMSNorm, or "layer", LayerNorm
 without a bias (Flax's ``MultiHeadAttention(normalize_qk=True)``);
 see multi_head_attention's ``norm_type``.  Only read with
 ``qk_norm``, but checked here (ValueError naming it) either way."""),
+    Arg("gate", _LAYER, "bool", "", "", "False", "Own an output gate, w_gate and b_gate.",
+        type="bool",
+        text="""\
+Own an output gate (Keras's ``use_gate=True``): ``w_gate``
+(d_model, h*d_v), Glorot-uniform as Keras draws it, and ``b_gate``
+(h*d_v,), initialised to 0; see multi_head_attention's ``w_gate``."""),
     Arg("dtype", _LAYER, "dtype", "", "", "np.float32",
         "float32, float64, float16 or bfloat16.",
         type="np.float32 (default), np.float64, np.float16 or bfloat16",
@@ -520,27 +536,27 @@ ENTRIES: Dict[str, Entry] = {
     "multi_head_attention": Entry(
         _F + "forward.py", "multi_head_attention",
         "x, w_q, w_k, w_v, w_o, *, num_heads, key, value, scale, return_weights, mask, "
-        "causal, key_lengths, num_kv_heads, b_q, b_k, b_v, b_o, return_context, window, "
-        "softcap, alibi_slopes, sinks, q_norm, k_norm, norm_eps, norm_type, rope, "
+        "causal, key_lengths, num_kv_heads, b_q, b_k, b_v, b_o, w_gate, b_gate, return_context, "
+        "window, softcap, alibi_slopes, sinks, q_norm, k_norm, norm_eps, norm_type, rope, "
         "positions, key_positions, key_mask, cu_seqlens, key_cu_seqlens, cache, new_lengths",
         ("x", "w_q, w_k, w_v", "w_o", "num_heads", "key, value", "scale",
          "return_weights", "mask", "causal", "key_lengths", "num_kv_heads",
-         "b_q, b_k, b_v", "b_o", "return_context", "window", "softcap", "alibi_slopes",
-         "sinks", "q_norm, k_norm", "norm_eps", "norm_type", "rope",
+         "b_q, b_k, b_v", "b_o", "w_gate, b_gate", "return_context", "window", "softcap",
+         "alibi_slopes", "sinks", "q_norm, k_norm", "norm_eps", "norm_type", "rope",
          "positions, key_positions",
          "key_mask", "cu_seqlens, key_cu_seqlens", "cache", "new_lengths")),
     "multi_head_attention_grad": Entry(
         _F + "grad.py", "multi_head_attention_grad",
         "grad_out, x, w_q, w_k, w_v, w_o, *, num_heads, key, value, scale, mask, causal, "
-        "key_lengths, num_kv_heads, b_q, b_k, b_v, b_o, window, softcap, alibi_slopes, "
-        "sinks, q_norm, k_norm, norm_eps, norm_type, rope, positions, key_positions, "
-        "key_mask, cu_seqlens, key_cu_seqlens",
+        "key_lengths, num_kv_heads, b_q, b_k, b_v, b_o, w_gate, b_gate, window, softcap, "
+        "alibi_slopes, sinks, q_norm, k_norm, norm_eps, norm_type, rope, positions, "
+        "key_positions, key_mask, cu_seqlens, key_cu_seqlens",
         ("grad_out",
          ("x, w_q, w_k, w_v, w_o, num_heads, key, value, scale, mask, causal",
           "As :func:`mhattn.multi_head_attention` (not ``return_weights``)."),
-         ("key_lengths, num_kv_heads, b_q, b_k, b_v, b_o, window, softcap",
+         ("key_lengths, num_kv_heads, b_q, b_k, b_v, b_o, w_gate, b_gate",
           "As :func:`mhattn.multi_head_attention`."),
-         ("alibi_slopes, sinks, q_norm, k_norm, norm_eps, norm_type, rope",
+         ("window, softcap, alibi_slopes, sinks, q_norm, k_norm, norm_eps, norm_type, rope",
           "As :func:`mhattn.multi_head_attention`."),
          ("positions, key_positions, key_mask, cu_seqlens, key_cu_seqlens",
           "As :func:`mhattn.multi_head_attention`."))),
@@ -583,9 +599,9 @@ RoPE) are not attention keywords: apply them before."""))),
     "MultiHeadAttention": Entry(
         "python/mhattn/nn/layer.py", "MultiHeadAttention",
         "d_model, num_heads, *, num_kv_heads, d_k, d_v, d_out, kdim, vdim, bias, sinks, "
-        "qk_norm, norm_eps, norm_type, dtype, seed",
+        "qk_norm, norm_eps, norm_type, gate, dtype, seed",
         ("d_model", "num_heads", "num_kv_heads", "d_k, d_v", "d_out", "kdim, vdim",
-         "bias", "sinks", "qk_norm", "norm_eps", "norm_type", "dtype", "seed")),
+         "bias", "sinks", "qk_norm", "norm_eps", "norm_type", "gate", "dtype", "seed")),
     "MultiHeadAttention.__call__": Entry("python/mhattn/nn/layer.py",
                                          "MultiHeadAttention.__call__",
                                          "x, key, value, **options"),
@@ -634,6 +650,12 @@ C_ARGS = (
         c_kind="ARG_ARRAY_OPT", c_field="bv"),
     Arg("bo", (_FWD,), "array?", "T", "(Dout,)", REQUIRED, "The output bias, or None.",
         c_kind="ARG_ARRAY_OPT", c_field="bo"),
+    Arg("wgate", (_FWD, _BWD), "array?", "T", "(Din, Svq)", "None",
+        "None, or the output gate's W: concat -> sigmoid(x wgate + bgate) * concat.",
+        c_kind="ARG_ARRAY_OPT", c_field="wgate"),
+    Arg("bgate", (_FWD, _BWD), "array?", "T", "(Svq,)", "None",
+        "None, or the output gate's bias (with wgate only).", c_kind="ARG_ARRAY_OPT",
+        c_field="bgate"),
     Arg("dout", (_BWD,), "array", "T", "(B, Tq, Dout)", REQUIRED, "dL/dout.",
         c_kind="ARG_ARRAY", c_field="dout"),
     Arg("q", (_BWD,), "array", "T", "(B, Tq, Sq)", REQUIRED,
@@ -728,7 +750,7 @@ C_ARGS = (
 # takes; ARG_NONE where it takes none.
 C_ROLES = {
     "x": ("x", "q"), "key": ("key", "k"), "value": ("value", "v"), "wq": ("wq",),
-    "wk": ("wk",), "wv": ("wv",), "wo": ("wo",),
+    "wk": ("wk",), "wv": ("wv",), "wo": ("wo",), "wgate": ("wgate",),
     "dk": ("dk",), "dv": ("dv",), "scales": ("scales",), "mask": ("mask",),
     "causal": ("causal",), "key_lengths": ("key_lengths",), "variants": ("variants",),
     "lengths_aligned": ("lengths_aligned",),
@@ -773,26 +795,29 @@ C_FUNCTIONS: Dict[str, CFunction] = {
         "_Float]]]",
         "Multi-head attention forward pass (low level; see mhattn for the public "
         "API). All float arrays share one dtype, float32 or float64; or, with "
-        "float32 x, wq, wk, wv and wo are all float16 or all bfloat16, widened by "
-        "the core as it packs them (no float32 copy).",
+        "float32 x, wq, wk, wv, wo and wgate are all float16 or all bfloat16, "
+        "widened by the core as it packs them (no float32 copy). With wgate "
+        "(keyword-only, as bgate), W^O reads sigmoid(x wgate + bgate) * concat.",
         "Returns (out (B, Tq, Dout), weights (B, H, Tq, Tk) or None, (q, k, v, "
-        "concat, lse) or None), new C-contiguous arrays of the call's dtype. A fully "
-        "masked query row gets zero weights, a zero head output and lse -inf.",
+        "concat, lse) or None), new C-contiguous arrays of the call's dtype; concat "
+        "is the heads side by side, before the gate. A fully masked query row gets "
+        "zero weights, a zero head output and lse -inf.",
         prefix="FWD", table_shapes=_ARRAYS, checks_x=("key", "value"),
-        checks_widths=("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo")),
+        checks_widths=("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "wgate", "bgate")),
     "backward": CFunction(
         "METH_VARARGS | METH_KEYWORDS",
-        "Tuple[_Float, %s, %s, _Float, _Float, _Float, %s, %s, %s, %s, %s, %s, %s, %s]"
-        % ((_OPT,) * 10),
+        "Tuple[Optional[_Float], ...]",
         "Backward pass of forward() (low level; see mhattn.backward). x, key, value, "
-        "wq, wk, wv, wo, dk, dv, scales, mask, causal, key_lengths, variants as "
-        "given to forward().",
+        "wq, wk, wv, wo, dk, dv, scales, mask, causal, key_lengths, variants, wgate "
+        "and bgate as given to forward(); the gate is recomputed from x, wgate, bgate.",
         "Returns (dx, dkey or None, dvalue or None, dwq, dwk, dwv, dwo or None, dbq, "
-        "dbk, dbv, dbo, dsinks, dq_norm, dk_norm): new C-contiguous gradients, each "
-        "bias gradient None unless its want_* is true, each variant's None unless it "
-        "was given. Bitwise the same for any thread count.",
+        "dbk, dbv, dbo, dsinks, dq_norm, dk_norm), and with wgate (dwgate, dbgate) "
+        "after them: new C-contiguous gradients, each bias gradient None unless its "
+        "want_* is true, each variant's None unless it was given. Bitwise the same "
+        "for any thread count.",
         prefix="BWD", table_shapes=_ARRAYS, checks_x=("key", "value"),
-        checks_widths=("wq", "wk", "wv", "wo", "dout", "q", "k", "v", "concat", "lse")),
+        checks_widths=("wq", "wk", "wv", "wo", "dout", "q", "k", "v", "concat", "lse",
+                       "wgate", "bgate")),
     "attention": CFunction(
         "METH_FASTCALL | METH_KEYWORDS",
         "Tuple[_Float, Optional[_Float], Optional[_Float]]",
@@ -871,10 +896,10 @@ C_FUNCTIONS: Dict[str, CFunction] = {
 # The functions' parameters in the glue's positional order.
 _C_PARAMS = {
     "forward": "x, key, value, wq, wk, wv, wo, bq, bk, bv, bo, dk, dv, scales, mask, "
-               "causal, key_lengths, variants, want_weights, keep, packed",
+               "causal, key_lengths, variants, want_weights, keep, packed, *, wgate, bgate",
     "backward": "dout, x, key, value, wq, wk, wv, wo, q, k, v, concat, lse, dk, dv, "
                 "scales, mask, causal, key_lengths, variants, want_bq, want_bk, want_bv, "
-                "want_bo",
+                "want_bo, *, wgate, bgate",
     "attention": "q, k, v, scales, mask, causal, key_lengths, variants, lengths_aligned, "
                  "out_bthd, want_weights, want_lse, k_scales, v_scales",
     "attention_backward": "dout, q, k, v, out, lse, scales, mask, causal, key_lengths, "
@@ -913,7 +938,8 @@ C_OUTPUTS: Dict[str, Tuple[Out, ...]] = {
         Out("q", "(B, Tq, Sq)", "keep", "The q projection (before the q/k transforms)."),
         Out("k", "(B, Tk, Sk)", "keep", "The k projection (before the q/k transforms)."),
         Out("v", "(B, Tk, Sv)", "keep", "The v projection."),
-        Out("concat", "(B, Tq, Svq)", "keep", "The heads side by side, before W^O."),
+        Out("concat", "(B, Tq, Svq)", "keep",
+            "The heads side by side, before the gate and W^O."),
         Out("lse", "(B, H, Tq)", "keep", "Each row's log-sum-exp, -inf when fully masked."),
     ),
     "backward": (
@@ -931,6 +957,8 @@ C_OUTPUTS: Dict[str, Tuple[Out, ...]] = {
         Out("dsinks", "(H,)", "variants: sinks", "dL/dsinks."),
         Out("dq_norm", "(dk,) or (H, dk)", "variants: q_norm", "dL/dq_norm."),
         Out("dk_norm", "(dk,) or (G, dk)", "variants: k_norm", "dL/dk_norm."),
+        Out("dwgate", "(Din, Svq)", "wgate", "dL/dwgate; in the tuple with wgate alone."),
+        Out("dbgate", "(Svq,)", "wgate", "dL/dbgate; in the tuple with wgate alone."),
     ),
     "attention": (
         Out("out", "(B, H, Tq, dv) or (B, Tq, H, dv)", "", "The attention, C-contiguous."),
@@ -1022,8 +1050,13 @@ PARAMS: Tuple[Field, ...] = tuple(
         ("bq", "(Sq,) or NULL (zero)"), ("bk", "(Sk,) or NULL (zero)"),
         ("bv", "(Sv,) or NULL (zero)"))]
     + [Field("bo", "const void *", _PROJ, (Use("F", "reads", "(Dout,) or NULL (zero)"),)),
+       Field("wgate", "const void *", _PROJ, (Use("F, B", "reads",
+             "(Din, Svq) the output gate's weight: W^O reads sigmoid(x wgate + bgate) "
+             "* concat; NULL: no gate"),)),
+       Field("bgate", "const void *", _PROJ, (Use("F, B", "reads",
+             "(Svq,) the gate's bias, or NULL (zero); only with wgate"),)),
        Field("w_storage", "mha_kv_storage", _PROJ, (Use("F", "reads",
-             "what wq, wk, wv, wo hold: MHA_KV_PLAIN (0), elements of dtype; or, with "
+             "what wq, wk, wv, wo, wgate hold: MHA_KV_PLAIN (0), elements of dtype; or, with "
              "dtype MHA_DTYPE_F32, MHA_KV_F16 or _BF16 (uint16_t bits), widened to "
              "float32 as the forward packs them (mha.h); every other operation needs "
              "MHA_KV_PLAIN"),)),
@@ -1033,7 +1066,8 @@ PARAMS: Tuple[Field, ...] = tuple(
         ("dx", "(B, Tq, Din)"), ("dkey", "(B, Tk, Dkin)"), ("dvalue", "(B, Tk, Dvin)"),
         ("dwq", "(Din, Sq)"), ("dwk", "(Dkin, Sk)"), ("dwv", "(Dvin, Sv)"),
         ("dwo", "(Svq, Dout)"), ("dbq", "(Sq,)"), ("dbk", "(Sk,)"), ("dbv", "(Sv,)"),
-        ("dbo", "(Dout,)"))]
+        ("dbo", "(Dout,)"), ("dwgate", "(Din, Svq), with wgate"),
+        ("dbgate", "(Svq,), with wgate"))]
     + [Field(n, "void *", _GRADS, u) for n, u in _io("AB", "writes",
         ("dq", "(B, Tq, Sq)"), ("dk", "(B, Tk, Sk)"), ("dv", "(B, Tk, Sv)"))]
     + [Field("dsinks", "void *", _GRADS, (Use("B, AB", "writes", "(H,), with cfg->sinks"),))]

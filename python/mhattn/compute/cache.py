@@ -583,7 +583,8 @@ def _check_step_memory(call, capacity: int, want_weights: bool, rope: bool) -> N
     Sq, Sk, Sv, Svq, d_out = call.Sq, call.Sk, call.Sv, call.Svq, call.d_out
     bound = (rows * (2 * d_out + 2 * Sq + 2 * Sk + Sv + Svq + 3 * d_in + 1)
              + d_in * (Sq + Sk + Sv) + Svq * d_out
-             + (rows * call.H * capacity if want_weights else 0))
+             + (rows * call.H * capacity if want_weights else 0)
+             + (2 * rows * Svq + d_in * Svq if call.w_gate is not None else 0))
     if 8 * bound > memory_limit():
         check_memory(_step_items(call, capacity, want_weights, rope))
 
@@ -600,10 +601,21 @@ def _scores_only(variants: Optional[tuple]) -> Optional[tuple]:
     return rules + (None, None, variants[9], variants[10], 0, False, None, None, None)
 
 
+def _output_gate(call) -> np.ndarray:
+    """(B, T_new, sum d_v): the output gate of the new rows, sigmoid(x @
+    w_gate + b_gate), in the call's dtype (csrc/core/gate.h's gate; the
+    step applies it here, as it applies W^O)."""
+    z = call.x @ call.w_gate
+    if call.b_gate is not None:
+        z += call.b_gate
+    with np.errstate(over="ignore"):   # exp(-z) = inf for z << 0: the gate is 0
+        return 1 / (1 + np.exp(-z))
+
+
 def cached_step(x, w_q, w_k, w_v, w_o, *, cache, num_heads=None, scale=None,
                 return_weights=False, causal=False, num_kv_heads=None, b_q=None,
                 b_k=None, b_v=None, b_o=None, return_context=False, new_lengths=None,
-                packed=None, **options):
+                packed=None, w_gate=None, b_gate=None, **options):
     """One step of multi_head_attention through a :class:`KVCache`:
     ``multi_head_attention(x_new, ..., cache=cache)`` calls this.
 
@@ -612,7 +624,8 @@ def cached_step(x, w_q, w_k, w_v, w_o, *, cache, num_heads=None, scale=None,
        lengths[b] + i;  2. append the new keys and values;  3. attend from
     the new queries over each sequence's lengths[b] + T_new keys, aligned
     bottom-right per sequence (``causal=True`` for a decoder's prefill);
-    4. apply W^O (+ b_o).  ``new_lengths`` (B,) makes the step ragged:
+    4. apply the output gate (with ``w_gate``: each new row's own, from x)
+    and W^O (+ b_o).  ``new_lengths`` (B,) makes the step ragged:
     sequence b takes only its first new_lengths[b] rows of x (causal=True);
     its other rows are padding, their outputs 0.  Returns out (B, T_new, d_out) (and the weights
     (B, H, T_new, capacity) with ``return_weights``; keys past a sequence's
@@ -634,7 +647,8 @@ def cached_step(x, w_q, w_k, w_v, w_o, *, cache, num_heads=None, scale=None,
     # error is found, while other threads wait on the lock.
     call = normalize(_to_array("x", x), w_q, w_k, w_v, w_o, num_heads=num_heads,
                      scale=scale, causal=causal, num_kv_heads=num_kv_heads, b_q=b_q,
-                     b_k=b_k, b_v=b_v, b_o=b_o, core_checks_next=True, **options)
+                     b_k=b_k, b_v=b_v, b_o=b_o, w_gate=w_gate, b_gate=b_gate,
+                     core_checks_next=True, **options)
     _check_cache(cache, call)
     counts = _new_lengths(new_lengths, call.B, call.Tq, call.causal)
     rope = call.var.rotary_dim > 0
@@ -681,6 +695,8 @@ def cached_step(x, w_q, w_k, w_v, w_o, *, cache, num_heads=None, scale=None,
         if weights is not None:
             weights[np.arange(Tq)[np.newaxis, :] >= counts[:, np.newaxis]] = 0
     out = concat.reshape(B, Tq, H * cache.d_v)
+    if call.w_gate is not None:
+        out = _output_gate(call) * out
     if call.w_o is not None:
         out = out @ call.w_o
     if call.b_o is not None:

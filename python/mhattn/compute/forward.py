@@ -65,9 +65,9 @@ def _widened(x, key, value, numbers: tuple, packed):
 def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None, key=None,
                          value=None, scale=None, return_weights=False, mask=None,
                          causal=False, key_lengths=None, num_kv_heads=None,
-                         b_q=None, b_k=None, b_v=None, b_o=None, return_context=False,
-                         window=None, softcap=None, alibi_slopes=None, sinks=None,
-                         q_norm=None, k_norm=None, norm_eps=1e-6, norm_type="rms",
+                         b_q=None, b_k=None, b_v=None, b_o=None, w_gate=None, b_gate=None,
+                         return_context=False, window=None, softcap=None, alibi_slopes=None,
+                         sinks=None, q_norm=None, k_norm=None, norm_eps=1e-6, norm_type="rms",
                          rope=None, positions=None, key_positions=None, key_mask=None,
                          cu_seqlens=None, key_cu_seqlens=None, cache=None,
                          new_lengths=None):
@@ -126,6 +126,12 @@ def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None
         and V: 1-D (fused), 2-D (stacked) or a list of 1-D arrays (per head).
     b_o : (d_out,), optional
         The output bias.
+    w_gate, b_gate : (d_in, sum d_v), optional
+        The output gate (Keras's ``MultiHeadAttention(use_gate=True)``,
+        Qwen3-Next's gated attention): the concatenation of the heads becomes
+        ``sigmoid(x @ w_gate + b_gate) * concat`` (elementwise) before W^O.
+        x is the queries' source, so each query row has its own gate, also
+        in cross-attention.  ``b_gate`` (sum d_v,) needs ``w_gate``.
     return_context : bool
         Also return a :class:`mhattn.Context` for :func:`mhattn.backward`
         (O(T d) state: the projections, the concatenation and each row's
@@ -218,7 +224,7 @@ def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None
     The order of a score's life: project (+ bias), q/k norm, RoPE, q.k,
     x scale, softcap, + ALiBi + additive mask, the visibility rules (mask,
     causal, window, key_mask, key_lengths, packed sequences), softmax with
-    sinks, . V, concatenation, W^O.
+    sinks, . V, concatenation, the output gate, W^O.
 
     Examples
     --------
@@ -241,7 +247,8 @@ def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None
     off = (window is softcap is alibi_slopes is sinks is q_norm is k_norm is rope is
            positions is key_positions is key_mask is cu_seqlens is key_cu_seqlens is None
            and (norm_eps is _EPS or type(norm_eps) is float and norm_eps == _EPS)
-           and (norm_type is _RMS or type(norm_type) is str and norm_type == _RMS))
+           and (norm_type is _RMS or type(norm_type) is str and norm_type == _RMS)
+           and w_gate is b_gate is None)   # nor has the fast branch an output gate
     packed = None
     if type(w_q) is PackedWeights or w_k is None or w_v is None:
         packed, (w_q, w_k, w_v, w_o, num_heads, num_kv_heads, b_q, b_k, b_v, b_o) = \
@@ -252,8 +259,8 @@ def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None
                            num_kv_heads=num_kv_heads, b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o,
                            return_context=return_context, key=key, value=value,
                            mask=mask, key_lengths=key_lengths,
-                           new_lengths=new_lengths, packed=packed,
-                           **variant_kwargs(locals()))
+                           new_lengths=new_lengths, packed=packed, w_gate=w_gate,
+                           b_gate=b_gate, **variant_kwargs(locals()))
     if new_lengths is not None:
         raise ValueError("new_lengths: only with cache= (a ragged cached step)")
     args = call = half = None
@@ -274,10 +281,11 @@ def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None
         args, call = core.slow(x, w_q, w_k, w_v, w_o, num_heads, key, value, scale,
                                 mask, causal, key_lengths, num_kv_heads, b_q, b_k, b_v,
                                 b_o, return_weights, return_context,
-                                half_weights=packed is None, **variant_kwargs(locals()))
+                                half_weights=packed is None, w_gate=w_gate, b_gate=b_gate,
+                                **variant_kwargs(locals()))
     if packed is not None:
         args = (*args, packed._core_packed(args[0].dtype))
-    out, weights, extras = core.forward(*args)
+    out, weights, extras = core.forward(*args, **core.gate_args(call))
     if call is not None and call.out_dtype != call.dtype:   # half: round once
         half = call.out_dtype
     if half is not None:

@@ -22,7 +22,8 @@ from .._internal import core
 from .._internal.args import (_check_numeric, _Heads, _to_array, backward_items, check_memory,
                               normalize, offsets, plan)
 from .._internal.args import _cast
-from .._internal.core import Context, head_arrays, make_context, run_core, variant_args
+from .._internal.core import (Context, gate_args, head_arrays, make_context, run_core,
+                              variant_args)
 from .._internal.half import half_of, is_half, narrow
 from .._internal.variants import variant_kwargs
 from .packed import PackedWeights, call_weights
@@ -70,9 +71,10 @@ def backward(grad_out, ctx: Context) -> Dict[str, Any]:
     dict
         Maps each argument's name to its gradient: 'x', then 'key' and
         'value' when they were given, 'w_q', 'w_k', 'w_v', then 'w_o',
-        'b_q', 'b_k', 'b_v', 'b_o' when they were given (the mask gets
-        none), then 'sinks', 'q_norm' and 'k_norm' when they were given
-        (ALiBi slopes, positions and the key mask get none).  Each gradient
+        'b_q', 'b_k', 'b_v', 'b_o', 'w_gate', 'b_gate' when they were given
+        (the mask gets none), then 'sinks', 'q_norm' and 'k_norm' when they
+        were given (ALiBi slopes, positions and the key mask get none).
+        'x' includes the output gate's contribution.  Each gradient
         has the form its argument came in (fused, stacked or a per-head
         list; batched or not), as new arrays of the compute dtype; in a
         half precision call (float16 or bfloat16 inputs), of that dtype,
@@ -117,14 +119,16 @@ def backward(grad_out, ctx: Context) -> Dict[str, Any]:
 
     biases = ctx.bias_forms
     dk, dv, scales = head_arrays(call)
+    # With the output gate, _C.backward's tuple closes with (dwgate, dbgate).
     (dx, dkey, dvalue, dwq, dwk, dwv, dwo, dbq, dbk, dbv, dbo, dsinks, dq_norm,
-     dk_norm) = core.backward(
+     dk_norm, *dgate) = core.backward(
         g, call.x, call.key if call.key_given else None,
         call.value if call.value_given else None,
         call.wq.fused(), call.wk.fused(), call.wv.fused(), call.w_o,
         ctx.q, ctx.k, ctx.v, ctx.concat, ctx.lse, dk, dv, scales, call.mask,
         call.causal, call.key_lengths, variant_args(call), biases["b_q"] is not None,
-        biases["b_k"] is not None, biases["b_v"] is not None, call.b_o is not None)
+        biases["b_k"] is not None, biases["b_v"] is not None, call.b_o is not None,
+        **gate_args(call))
 
     grads: Dict[str, Any] = {"x": call.unbatch(dx)}
     if call.key_given:
@@ -142,6 +146,10 @@ def backward(grad_out, ctx: Context) -> Dict[str, Any]:
             grads[name] = _bias_like(gb, biases[name], heads.widths)
     if call.b_o is not None:
         grads["b_o"] = dbo
+    if call.w_gate is not None:
+        grads["w_gate"] = dgate[0]
+        if call.b_gate is not None:
+            grads["b_gate"] = dgate[1]
     for name, gv in (("sinks", dsinks), ("q_norm", dq_norm), ("k_norm", dk_norm)):
         if gv is not None:
             grads[name] = gv
@@ -166,11 +174,11 @@ def _narrow_tree(g: Any, dt: np.dtype) -> Any:
 def multi_head_attention_grad(grad_out, x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None,
                               key=None, value=None, scale=None, mask=None, causal=False,
                               key_lengths=None, num_kv_heads=None, b_q=None, b_k=None,
-                              b_v=None, b_o=None, window=None, softcap=None,
-                              alibi_slopes=None, sinks=None, q_norm=None, k_norm=None,
-                              norm_eps=1e-6, norm_type="rms", rope=None, positions=None,
-                              key_positions=None, key_mask=None, cu_seqlens=None,
-                              key_cu_seqlens=None) -> Dict[str, Any]:
+                              b_v=None, b_o=None, w_gate=None, b_gate=None, window=None,
+                              softcap=None, alibi_slopes=None, sinks=None, q_norm=None,
+                              k_norm=None, norm_eps=1e-6, norm_type="rms", rope=None,
+                              positions=None, key_positions=None, key_mask=None,
+                              cu_seqlens=None, key_cu_seqlens=None) -> Dict[str, Any]:
     """Gradients of multi_head_attention with respect to each array argument.
 
     multi_head_attention_grad(grad_out, x, w_q, w_k, w_v, w_o=None, **keywords)
@@ -191,9 +199,9 @@ def multi_head_attention_grad(grad_out, x, w_q, w_k=None, w_v=None, w_o=None, *,
         of the shape of the forward's ``out``.
     x, w_q, w_k, w_v, w_o, num_heads, key, value, scale, mask, causal
         As :func:`mhattn.multi_head_attention` (not ``return_weights``).
-    key_lengths, num_kv_heads, b_q, b_k, b_v, b_o, window, softcap
+    key_lengths, num_kv_heads, b_q, b_k, b_v, b_o, w_gate, b_gate
         As :func:`mhattn.multi_head_attention`.
-    alibi_slopes, sinks, q_norm, k_norm, norm_eps, norm_type, rope
+    window, softcap, alibi_slopes, sinks, q_norm, k_norm, norm_eps, norm_type, rope
         As :func:`mhattn.multi_head_attention`.
     positions, key_positions, key_mask, cu_seqlens, key_cu_seqlens
         As :func:`mhattn.multi_head_attention`.
@@ -220,7 +228,7 @@ def multi_head_attention_grad(grad_out, x, w_q, w_k=None, w_v=None, w_o=None, *,
     call = normalize(x, w_q, w_k, w_v, w_o, num_heads=num_heads, key=key, value=value,
                      scale=scale, mask=mask, causal=causal, key_lengths=key_lengths,
                      num_kv_heads=num_kv_heads, b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o,
-                     **variants)
+                     w_gate=w_gate, b_gate=b_gate, **variants)
     # The forward's kept state lives on through the backward: both must fit.
     check_memory(plan(call, keep=True) + backward_items(call, core.get_num_threads()))
     _, _, extras = run_core(call, keep=True,

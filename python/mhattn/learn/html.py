@@ -59,6 +59,8 @@ FORMULA = {
     "k_normed": "RMSNorm(k_proj) &middot; k_norm",
     "capped": "c &middot; tanh(raw_scores &middot; scale / c)",
     "bias": "ALiBi: &minus;slope &middot; |p<sub>i</sub> &minus; j|",
+    "gate": "&sigma;(X W<sub>gate</sub> + b<sub>gate</sub>), the output gate",
+    "gated": "gate &middot; Concat(&hellip;), what W<sup>O</sup> reads",
 }
 MASKED = ", masked (&minus;&infin;)"
 
@@ -71,6 +73,7 @@ AXES = {
     "capped": ("h", "T_q", "T_k"), "bias": ("h", "T_q", "T_k"),
     "weights": ("h", "T_q", "T_k"), "row_max": ("h", "T_q"), "lse": ("h", "T_q"),
     "heads": ("h", "T_q", "d_v"), "concat": ("T_q", "h\u00b7d_v"),
+    "gate": ("T_q", "h\u00b7d_v"), "gated": ("T_q", "h\u00b7d_v"),
     "output": ("T_q", "d_out"),
 }
 

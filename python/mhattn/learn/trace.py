@@ -24,12 +24,16 @@ the order of a score's life (only those the call uses):
     bias               ALiBi's -slope * abs(p_i - j)                    (alibi_slopes)
     scores             ... + bias + additive mask, -inf where a rule blocks
     lse                the sinks included; ``sinks`` holds them     (sinks)
+    gate               sigmoid(X W_gate + b_gate), per query row    (w_gate)
+    gated              gate * concat, what W^O reads                (w_gate)
 
 The projections, weights, lse, concat and output come from mhattn's C core
 (the same numbers :func:`mhattn.multi_head_attention` computes); the raw and
 scaled scores and the row maximum are recomputed in NumPy from the core's q
 and k with the reference's own masking code (:func:`mhattn.reference.attention`
-and :func:`mhattn.reference.allowed_keys`).
+and :func:`mhattn.reference.allowed_keys`), and the output gate from x as the
+reference computes it.  ``concat`` is the heads side by side, before the
+gate.
 
 Layout of the per-head stages: when every head has the same width, a stage
 is one array, ``(h, T, d)`` for an unbatched call and ``(B, h, T, d)`` for a
@@ -66,12 +70,13 @@ KEYS = ("q", "k", "v", "raw_scores", "scores", "row_max", "lse", "weights",
         "heads", "concat", "output")
 
 #: The variants' stages, present when the call uses them (see the module doc).
-VARIANT_KEYS = ("q_proj", "k_proj", "q_normed", "k_normed", "capped", "bias")
+VARIANT_KEYS = ("q_proj", "k_proj", "q_normed", "k_normed", "capped", "bias", "gate",
+                "gated")
 
 # Every stage in the order of a score's life.
 _ORDER = ("q_proj", "k_proj", "q_normed", "k_normed", "q", "k", "v", "raw_scores",
           "capped", "bias", "scores", "row_max", "lse", "weights", "heads", "concat",
-          "output")
+          "gate", "gated", "output")
 
 _PER_HEAD = ("q", "k", "v", "heads", "q_proj", "k_proj", "q_normed", "k_normed")
 
@@ -106,10 +111,10 @@ def canonical_key(name: str) -> Optional[str]:
 
 def trace(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=None,
           scale=None, mask=None, causal=False, key_lengths=None, num_kv_heads=None,
-          b_q=None, b_k=None, b_v=None, b_o=None, tokens=None, key_tokens=None,
-          window=None, softcap=None, alibi_slopes=None, sinks=None, q_norm=None,
-          k_norm=None, norm_eps=1e-6, norm_type="rms", rope=None, positions=None,
-          key_positions=None, key_mask=None, cu_seqlens=None,
+          b_q=None, b_k=None, b_v=None, b_o=None, w_gate=None, b_gate=None, tokens=None,
+          key_tokens=None, window=None, softcap=None, alibi_slopes=None, sinks=None,
+          q_norm=None, k_norm=None, norm_eps=1e-6, norm_type="rms", rope=None,
+          positions=None, key_positions=None, key_mask=None, cu_seqlens=None,
           key_cu_seqlens=None) -> "Trace":
     """Every intermediate step of multi-head attention, per head.
 
@@ -129,7 +134,7 @@ def trace(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=None,
     ----------
     x, w_q, w_k, w_v, w_o, num_heads, key, value, scale, mask, causal
         As :func:`mhattn.multi_head_attention`.
-    key_lengths, num_kv_heads, b_q, b_k, b_v, b_o
+    key_lengths, num_kv_heads, b_q, b_k, b_v, b_o, w_gate, b_gate
         As :func:`mhattn.multi_head_attention`.
     tokens : sequence of str, optional
         One label per query row.
@@ -148,7 +153,8 @@ def trace(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=None,
         Holds, per head, ``q``, ``k``, ``v``, ``raw_scores`` (Q K^T),
         ``scores`` (scaled and masked: -inf where blocked), ``row_max``,
         ``lse``, ``weights`` and ``heads`` (each head's output), then
-        ``concat`` and ``output``.  A batched call (x of shape
+        ``concat`` (before the output gate; with ``w_gate``, ``gate`` and
+        ``gated`` follow it) and ``output``.  A batched call (x of shape
         (B, T_q, d_in)) keeps the batch axis first.  Per-head stages are
         stacked (h, T, d) / (B, h, T, d) when all heads have one width, and
         a list of h arrays when widths differ.  Half precision inputs
@@ -167,7 +173,7 @@ def trace(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=None,
     call = normalize(x, w_q, w_k, w_v, w_o, num_heads=num_heads, key=key, value=value,
                      scale=scale, mask=mask, causal=causal, key_lengths=key_lengths,
                      num_kv_heads=num_kv_heads, b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o,
-                     **variant_kwargs(locals()))
+                     w_gate=w_gate, b_gate=b_gate, **variant_kwargs(locals()))
     return Trace.from_call(call, tokens=tokens, key_tokens=key_tokens)
 
 
@@ -197,6 +203,9 @@ def _trace_items(call: Call) -> list:
         items.append(("the trace's capped scores", "B*h*T_q*T_k", (B, H, Tq, Tk), n))
     if var.alibi is not None:
         items.append(("the trace's ALiBi bias", "B*h*T_q*T_k", (B, H, Tq, Tk), n))
+    if call.w_gate is not None:
+        items.append(("the trace's gate and gated concatenation", "2*B*T_q*sum(d_v)",
+                      (2, B, Tq, call.Svq), n))
     if var.transforms:
         # q, k after the norm / RoPE (fused and per head), the projections per
         # head, and with a norm the normed q, k (fused and per head).
@@ -462,6 +471,11 @@ class Trace:
         for name in ("capped", "bias"):
             if st[name] is not None:
                 arrays[name] = call.unbatch(st[name])
+        if call.w_gate is not None:
+            # The output gate of each query row, by the reference's step.
+            gate = np.stack([reference._output_gate(call, b) for b in range(B)]) if B else \
+                np.zeros((0, Tq, call.Svq), call.dtype)
+            arrays.update(gate=call.unbatch(gate), gated=call.unbatch(gate * concat))
         if var.sinks is not None:
             arrays["sinks"] = var.sinks.copy()
         return cls(arrays, num_heads=H, num_kv_heads=call.G, d_k=dk, d_v=dv,

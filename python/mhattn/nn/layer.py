@@ -5,6 +5,7 @@ slice per head, in the document's row-vector convention (Q = X W^Q):
 
     w_q (h, d_model, d_k)   w_k (g, kdim, d_k)   w_v (g, vdim, d_v)
     w_o (h*d_v, d_out)      b_q (h, d_k)  b_k (g, d_k)  b_v (g, d_v)  b_o (d_out,)
+    w_gate (d_model, h*d_v) b_gate (h*d_v,)     (the output gate, gate=True)
 
 with h = num_heads and g = num_kv_heads (grouped-query attention when g < h:
 query head i uses kv head i // (h // g)).  Calling the layer is exactly
@@ -46,7 +47,7 @@ __all__ = ["MultiHeadAttention"]
 # Keywords of multi_head_attention that the layer sets itself from its weights.
 _OWNED = frozenset({"x", "w_q", "w_k", "w_v", "w_o", "num_heads", "num_kv_heads",
                     "key", "value", "b_q", "b_k", "b_v", "b_o", "sinks", "q_norm",
-                    "k_norm", "norm_eps", "norm_type"})
+                    "k_norm", "norm_eps", "norm_type", "w_gate", "b_gate"})
 # The learnable variants a layer may own, under their state_dict keys (the
 # names of gpt-oss's and Qwen3's attention modules).
 _VARIANT_KEYS = {"sinks": "sinks", "q_norm": "q_norm.weight", "k_norm": "k_norm.weight"}
@@ -145,7 +146,7 @@ class MultiHeadAttention:
     MultiHeadAttention(d_model, num_heads, *, num_kv_heads=None, d_k=None,
                        d_v=None, d_out=None, kdim=None, vdim=None, bias=False,
                        sinks=False, qk_norm=False, norm_eps=1e-6,
-                       norm_type="rms", dtype=np.float32, seed=None)
+                       norm_type="rms", gate=False, dtype=np.float32, seed=None)
 
     Parameters
     ----------
@@ -180,6 +181,10 @@ class MultiHeadAttention:
         without a bias (Flax's ``MultiHeadAttention(normalize_qk=True)``);
         see multi_head_attention's ``norm_type``.  Only read with
         ``qk_norm``, but checked here (ValueError naming it) either way.
+    gate : bool
+        Own an output gate (Keras's ``use_gate=True``): ``w_gate``
+        (d_model, h*d_v), Glorot-uniform as Keras draws it, and ``b_gate``
+        (h*d_v,), initialised to 0; see multi_head_attention's ``w_gate``.
     dtype : np.float32 (default), np.float64, np.float16 or bfloat16
         The dtype of every weight (``ml_dtypes.bfloat16``, or the string
         "bfloat16"). A half layer computes in float32 and returns its
@@ -195,7 +200,11 @@ class MultiHeadAttention:
     in-projection (W_q; W_k; W_v stacked as PyTorch's (rows, d_model)
     ``in_proj_weight``), otherwise Xavier-uniform over each of W_q, W_k, W_v;
     W^O keeps nn.Linear's default, kaiming_uniform(a=sqrt(5)), which is
-    U(-1/sqrt(h*d_v), 1/sqrt(h*d_v)); biases are 0.
+    U(-1/sqrt(h*d_v), 1/sqrt(h*d_v)); biases are 0.  The output gate's
+    W_gate is Keras's glorot_uniform on its (d_model, h*d_v) kernel,
+    U(-a, a) with a = sqrt(6 / (d_model + h*d_v)), drawn after the other
+    weights (a layer without a gate draws what it always drew), and b_gate
+    is 0.
 
     The weights ``w_q, w_k, w_v, w_o`` are kept packed for the C core's
     kernels (:func:`mhattn.pack_weights`): the attributes are *read-only*
@@ -206,8 +215,9 @@ class MultiHeadAttention:
     assigned array are not seen.  :meth:`load_state_dict` and
     :meth:`reset_parameters` repack too.  ``layer.packed`` is the
     :class:`mhattn.PackedWeights`.  The biases ``b_q, b_k, b_v, b_o`` (and
-    ``sinks``, ``q_norm``, ``k_norm``) are plain NumPy arrays (None when the
-    layer does not have them), not packed, and may be modified in place.
+    ``sinks``, ``q_norm``, ``k_norm``, and the gate's ``w_gate``,
+    ``b_gate``) are plain NumPy arrays (None when the layer does not have
+    them), not packed, and may be modified in place.
     Options that are not learnable (``causal``, ``window``, ``rope``,
     ``softcap``, ``alibi_slopes``, ``key_mask``, ...) are passed per call.
 
@@ -282,18 +292,18 @@ class MultiHeadAttention:
                  d_out: Optional[int] = None, kdim: Optional[int] = None,
                  vdim: Optional[int] = None, bias: bool = False, sinks: bool = False,
                  qk_norm: Any = False, norm_eps: float = 1e-6, norm_type: str = "rms",
-                 dtype: Any = np.float32, seed: Any = None):
+                 gate: bool = False, dtype: Any = np.float32, seed: Any = None):
         self._configure(d_model, num_heads, num_kv_heads=num_kv_heads, d_k=d_k, d_v=d_v,
                         d_out=d_out, kdim=kdim, vdim=vdim, bias=bias, dtype=dtype,
                         sinks=sinks, qk_norm=qk_norm, norm_eps=norm_eps,
-                        norm_type=norm_type)
+                        norm_type=norm_type, gate=gate)
         self.reset_parameters(seed)
 
     # -- construction ---------------------------------------------------------
 
     def _configure(self, d_model, num_heads, *, num_kv_heads, d_k, d_v, d_out, kdim,
                    vdim, bias, dtype, sinks=False, qk_norm=False, norm_eps=1e-6,
-                   norm_type="rms") -> None:
+                   norm_type="rms", gate=False) -> None:
         self.d_model = _int_arg("d_model", d_model, allow_none=False)
         self.num_heads = _int_arg("num_heads", num_heads, allow_none=False)
         g = _int_arg("num_kv_heads", num_kv_heads)
@@ -323,6 +333,9 @@ class MultiHeadAttention:
         if qk_norm not in (False, True, "per_head") or isinstance(qk_norm, np.ndarray):
             raise ValueError(f"qk_norm: expected False, True or 'per_head', got {qk_norm!r}")
         self.has_sinks = bool(sinks)
+        if not isinstance(gate, (bool, np.bool_)):
+            raise TypeError(f"gate: expected True or False, got {gate!r:.80}")
+        self.has_gate = bool(gate)
         self.qk_norm = qk_norm if qk_norm == "per_head" else bool(qk_norm)
         if isinstance(norm_eps, (bool, np.bool_)) or not isinstance(norm_eps, numbers.Real):
             raise TypeError(f"norm_eps: expected a real number >= 0, got {norm_eps!r:.80} "
@@ -352,6 +365,8 @@ class MultiHeadAttention:
             per_head = self.qk_norm == "per_head"
             shapes["q_norm"] = (h, self.d_k) if per_head else (self.d_k,)
             shapes["k_norm"] = (g, self.d_k) if per_head else (self.d_k,)
+        if self.has_gate:
+            shapes.update(w_gate=(self.d_model, h * self.d_v), b_gate=(h * self.d_v,))
         return shapes
 
     def reset_parameters(self, seed: Any = None) -> None:
@@ -382,7 +397,8 @@ class MultiHeadAttention:
             ("w_k", "num_kv_heads*kdim*d_k", (g, self.kdim, self.d_k), per),
             ("w_v", "num_kv_heads*vdim*d_v", (g, self.vdim, self.d_v), per),
             ("w_o", "num_heads*d_v*d_out", (h, self.d_v, self.d_out), per),
-        ])
+        ] + ([("w_gate", "d_model*num_heads*d_v", (self.d_model, h, self.d_v), per)]
+             if self.has_gate else []))
         # PyTorch layout: (out_features, in_features); ours is its transpose.
         if self._packed:
             packed = _xavier_uniform(rng, nq + nk + nv, self.d_model)
@@ -410,6 +426,14 @@ class MultiHeadAttention:
         self.sinks = np.zeros(shapes["sinks"], dt) if self.has_sinks else None
         self.q_norm = np.ones(shapes["q_norm"], dt) if self.qk_norm else None
         self.k_norm = np.ones(shapes["k_norm"], dt) if self.qk_norm else None
+        if self.has_gate:
+            # Keras's glorot_uniform on the gate's kernel: fan_in d_model,
+            # fan_out h*d_v (EinsumDense's input and output axes).
+            self.w_gate = np.ascontiguousarray(
+                _xavier_uniform(rng, self.d_model, h * self.d_v), dtype=dt)
+            self.b_gate = np.zeros(h * self.d_v, dt)
+        else:
+            self.w_gate = self.b_gate = None
 
     # -- the forward pass -----------------------------------------------------
 
@@ -420,8 +444,8 @@ class MultiHeadAttention:
         -------
         dict
             Name -> the layer's array itself (not a copy): w_q, w_k, w_v, w_o,
-            then b_q, b_k, b_v, b_o with ``bias``, sinks with ``sinks`` and
-            q_norm, k_norm with ``qk_norm``.
+            then b_q, b_k, b_v, b_o with ``bias``, sinks with ``sinks``,
+            q_norm, k_norm with ``qk_norm`` and w_gate, b_gate with ``gate``.
 
         Examples
         --------
@@ -480,8 +504,8 @@ class MultiHeadAttention:
             ``layer(x_new, causal=True, cache=cache)`` projects only the new
             rows, appends their keys and values, and attends over the cache
             (see :func:`mhattn.multi_head_attention`; no gradients through a
-            cache).  The layer's own arrays (sinks and the q/k norm
-            included) cannot be passed; anything else raises TypeError.
+            cache).  The layer's own arrays (sinks, the q/k norm and the
+            gate included) cannot be passed; anything else raises TypeError.
 
         Returns
         -------
@@ -601,7 +625,7 @@ class MultiHeadAttention:
                        d_k=self.d_k, d_v=self.d_v, d_out=self.d_out, kdim=self.kdim,
                        vdim=self.vdim, bias=self.bias, dtype=dt, sinks=self.has_sinks,
                        qk_norm=self.qk_norm, norm_eps=self.norm_eps,
-                       norm_type=self.norm_type)
+                       norm_type=self.norm_type, gate=self.has_gate)
         for name in self._shapes():
             a = getattr(self, name)
             setattr(new, name, np.asarray(a).astype(dt))
@@ -630,6 +654,8 @@ class MultiHeadAttention:
             extra += f", qk_norm={self.qk_norm!r}, norm_eps={self.norm_eps!r}"
             if self.norm_type != "rms":
                 extra += f", norm_type={self.norm_type!r}"
+        if self.has_gate:
+            extra += ", gate=True"
         return (f"MultiHeadAttention(d_model={self.d_model}, num_heads={self.num_heads}, "
                 f"num_kv_heads={self.num_kv_heads}, d_k={self.d_k}, d_v={self.d_v}, "
                 f"d_out={self.d_out}{extra}, bias={self.bias}, dtype={self.dtype.name})")
@@ -647,7 +673,10 @@ class MultiHeadAttention:
         :meth:`to_torch` is possible; other shapes generalise the layout and
         round-trip through :meth:`load_state_dict` only.  A layer with sinks
         or a q/k norm adds ``sinks`` (h,), ``q_norm.weight`` and
-        ``k_norm.weight`` (the names of gpt-oss's and Qwen3's modules).
+        ``k_norm.weight`` (the names of gpt-oss's and Qwen3's modules); one
+        with an output gate ``gate_proj.weight`` (h*d_v, d_model) and
+        ``gate_proj.bias`` (h*d_v,), in out_proj's layout (PyTorch's
+        MultiheadAttention has no gate)
 
         Returns
         -------
@@ -675,6 +704,9 @@ class MultiHeadAttention:
         for name, key in _VARIANT_KEYS.items():
             if getattr(self, name, None) is not None:
                 sd[key] = getattr(self, name).copy()
+        if self.has_gate:
+            sd["gate_proj.weight"] = np.ascontiguousarray(self.w_gate.T)
+            sd["gate_proj.bias"] = self.b_gate.copy()
         return sd
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -741,6 +773,9 @@ class MultiHeadAttention:
         for name, key in _VARIANT_KEYS.items():
             if key in arrays:
                 setattr(self, name, arrays[key])
+        if self.has_gate:
+            self.w_gate = np.ascontiguousarray(arrays["gate_proj.weight"].T)
+            self.b_gate = arrays["gate_proj.bias"]
 
     def _state_shapes(self) -> Dict[str, tuple]:
         """The shape of every state_dict entry, by key."""
@@ -760,6 +795,9 @@ class MultiHeadAttention:
         for name, key in _VARIANT_KEYS.items():
             if name in own:
                 shapes[key] = own[name]
+        if self.has_gate:
+            shapes["gate_proj.weight"] = own["w_gate"][::-1]
+            shapes["gate_proj.bias"] = own["b_gate"]
         return shapes
 
     @classmethod
@@ -872,9 +910,9 @@ class MultiHeadAttention:
                            f"{self.d_model / self.num_heads:g}")
         if self.d_out != self.d_model:
             reasons.append(f"d_out={self.d_out} != d_model={self.d_model}")
-        if self.has_sinks or self.qk_norm:
-            reasons.append("the layer has attention sinks or a q/k norm, which "
-                           "nn.MultiheadAttention does not")
+        if self.has_sinks or self.qk_norm or self.has_gate:
+            reasons.append("the layer has attention sinks, a q/k norm or an output gate, "
+                           "which nn.MultiheadAttention does not")
         if reasons:
             raise ValueError("to_torch: " + "; ".join(reasons))
         import torch

@@ -25,6 +25,11 @@ order of a score's life (``mhattn._internal.variants``):
  10. . V;  11. concat;  12. W^O            :func:`weighted_values`,
                                            :func:`multi_head_attention`
 
+and, with ``w_gate``, the output gate between 11 and 12 (Keras's
+``use_gate=True``, Qwen3-Next's gated attention): the concatenation
+becomes sigmoid(X W_gate + b_gate) * concat, elementwise, one gate per
+query row (:func:`multi_head_attention`).
+
 It takes exactly the arguments of :func:`mhattn.multi_head_attention` and
 returns the same thing, computed in the same dtype (float32 stays float32),
 except that float16 and bfloat16 inputs are computed and returned in
@@ -585,6 +590,16 @@ def head_scores(call: Call, b: int, h: int, q_proj: np.ndarray, k_proj: np.ndarr
                 lse=log_sum_exp(st["scores"], sink))
 
 
+def _output_gate(call: Call, b: int) -> np.ndarray:
+    """(Tq, sum d_v): the output gate of batch item b, sigmoid(X W_gate +
+    b_gate), in the call's dtype; the concatenation is multiplied by it."""
+    z = call.x[b] @ call.w_gate
+    if call.b_gate is not None:
+        z = z + call.b_gate
+    with np.errstate(over="ignore"):   # exp(-z) = inf for z << 0: the gate is 0
+        return (1 / (1 + np.exp(-z))).astype(call.dtype)
+
+
 def _run(call: Call):
     """(out (B, Tq, d_out), weights (B, H, Tq, Tk), lse (B, H, Tq)) of a call."""
     B, Tq, Tk, H = call.B, call.Tq, call.Tk, call.H
@@ -600,6 +615,9 @@ def _run(call: Call):
             all_lse[b, h] = step["lse"]
         # 11. Concat(head_1, ..., head_h): side by side along the features.
         concat = np.concatenate(heads, axis=-1)
+        # The output gate, when there is one: elementwise, per query row.
+        if call.w_gate is not None:
+            concat = _output_gate(call, b) * concat
         # 12. W^O
         out = concat @ call.w_o if call.w_o is not None else concat
         if call.b_o is not None:
@@ -612,9 +630,9 @@ def _run(call: Call):
 def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None,
                          value=None, scale=None, return_weights=False, mask=None,
                          causal=False, key_lengths=None, num_kv_heads=None,
-                         b_q=None, b_k=None, b_v=None, b_o=None,
-                         window=None, softcap=None, alibi_slopes=None, sinks=None,
-                         q_norm=None, k_norm=None, norm_eps=1e-6, norm_type="rms",
+                         b_q=None, b_k=None, b_v=None, b_o=None, w_gate=None,
+                         b_gate=None, window=None, softcap=None, alibi_slopes=None,
+                         sinks=None, q_norm=None, k_norm=None, norm_eps=1e-6, norm_type="rms",
                          rope=None, positions=None, key_positions=None, key_mask=None,
                          cu_seqlens=None, key_cu_seqlens=None):
     """Reference multi-head attention; same arguments and results as
@@ -626,6 +644,9 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None
         As :func:`mhattn.multi_head_attention`.
     causal, key_lengths, num_kv_heads, b_q, b_k, b_v, b_o
         As :func:`mhattn.multi_head_attention`.
+    w_gate, b_gate : (d_in, sum d_v), (sum d_v,), optional
+        The output gate: the concatenation becomes
+        sigmoid(x @ w_gate + b_gate) * concat before W^O.
     window : (left, right), optional
         Key j is visible from query i iff p_i - left <= j <= p_i + right
         (None: unbounded).  Mistral's sliding_window=W is (W-1, 0).
@@ -671,7 +692,8 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None
     call = normalize(x, w_q, w_k, w_v, w_o, num_heads=num_heads, key=key, value=value,
                      scale=scale, mask=mask, causal=causal, key_lengths=key_lengths,
                      num_kv_heads=num_kv_heads, b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o,
-                     half_as=np.float64, **variant_kwargs(locals()))
+                     w_gate=w_gate, b_gate=b_gate, half_as=np.float64,
+                     **variant_kwargs(locals()))
     return_weights = bool_arg("return_weights", return_weights)
     # The reference keeps every head's weights: check they fit first.
     check_memory(plan(call, want_weights=True))
