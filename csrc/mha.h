@@ -98,6 +98,20 @@ typedef enum {
     MHA_MASK_ADD,  /* real, added to the scaled scores; -inf allowed   */
 } mha_mask_kind;
 
+/* The q/k norm's kind (mha_config.norm_type), for the weights q_norm and
+   k_norm, over each head's d features x with mean m = mean(x) and the
+   biased (population) variance v = mean((x - m)^2):
+     MHA_NORM_RMS    y = x / sqrt(mean(x^2) + norm_eps) * w   (Qwen3, Gemma 3)
+     MHA_NORM_LAYER  y = (x - m) / sqrt(v + norm_eps) * w     (ViT-22B; Flax's
+                     MultiHeadAttention(normalize_qk=True): its LayerNorms
+                     have no bias, use_bias=False)
+   Zero-initialised, a config is MHA_NORM_RMS. Each value's name, as the
+   glue takes it ("rms", "layer"), is mha_norm_type_name's. */
+typedef enum {
+    MHA_NORM_RMS = 0,
+    MHA_NORM_LAYER = 1,
+} mha_norm_type;
+
 /*
  * A weight packed once for the GEMM's micro-kernels (issue 16): w (K, N)
  * cut into the column panels the GEMM would otherwise pack on every call,
@@ -195,16 +209,20 @@ typedef struct {
     const int64_t *cu_q, *cu_k;   /* (nseq + 1,) each */
 
     /* ---- q/k transforms (core/qk.c), applied to the projections, per head,
-       after the biases and before the attention: RMSNorm, then RoPE. The
+       after the biases and before the attention: the norm (RMSNorm or
+       LayerNorm, norm_type), then RoPE. The
        kept q and k (mha_forward's q, k outputs, the backward's q, k inputs)
        are the projections *before* them. ---- */
-    /* RMSNorm weights of the call's element type: q_norm (H, d) with
+    /* Norm weights of the call's element type: q_norm (H, d) with
        q_norm_hstride = d, or (d,) shared by every head with 0; k_norm (G, d)
        or (d,) likewise. d = dk, which must then be the same for every head.
-       y = x / sqrt(mean(x^2) + norm_eps) * w. Gradients dq_norm, dk_norm. */
+       norm_type says which norm (mha_norm_type: RMSNorm by default, or
+       LayerNorm, mean-centred); it is read only where a weight is given.
+       Gradients dq_norm, dk_norm. */
     const void *q_norm, *k_norm;
     size_t q_norm_hstride, k_norm_hstride;
     double norm_eps;
+    mha_norm_type norm_type;
     /* RoPE on the first rotary_dim features of each head's q and k (0: off;
        even, <= every dk). rope_interleaved = 0 pairs feature c with
        c + rotary_dim / 2 (GPT-NeoX, Llama), 1 pairs (2c, 2c+1) (GPT-J).
@@ -282,6 +300,18 @@ mha_status mha_check_config(mha_layout *lay, const mha_config *cfg, mha_error *e
    operation (the glue's check_config) does too. */
 mha_status mha_check_config_typed(mha_layout *lay, const mha_config *cfg, mha_dtype dtype,
                                   mha_error *err);
+
+/* The name of a norm type ("rms", "layer"), or NULL for a value that is
+   none of mha_norm_type's. */
+const char *mha_norm_type_name(mha_norm_type t);
+
+/* *t = the norm type called `name` (len bytes, not NUL-terminated; one of
+   mha_norm_type_name's): MHA_OK, or MHA_ERR_ARG (field MHA_FIELD_NORM_TYPE,
+   the message naming what was seen and every accepted name) for any other
+   name, *t untouched. For a caller that takes the type by name (the glue):
+   the names, like every rule on a config, are said once, here. */
+mha_status mha_norm_type_parse(mha_norm_type *t, const char *name, size_t len,
+                               mha_error *err);
 
 /* The first of mha_check_config's rules alone: H query heads and G
    key/value heads that a call can pair (H, G >= 1, G divides H). For a
@@ -440,8 +470,8 @@ mha_status mha_attend_backward(const mha_config *cfg, const mha_params *prm,
                                mha_error *err);
 
 /*
- * The projections of mha_forward alone, with the q/k transforms (RMSNorm,
- * RoPE at cfg's positions): writes q, k, v (each when given) as the
+ * The projections of mha_forward alone, with the q/k transforms (the q/k
+ * norm, RoPE at cfg's positions): writes q, k, v (each when given) as the
  * attention would use them (after the transforms), from x, key, value and
  * wq, wk, wv, bq, bk, bv as mha_forward reads them. For a KV cache: the new
  * rows' projections, their keys turned at their positions in the cache.

@@ -44,7 +44,7 @@ ARGS = ("x", "w_q", "w_k", "w_v", "w_o", "num_heads", "key", "value", "scale", "
 # bytes that older inputs do not have, so they replay as they always did.
 VARIANTS = ("window", "softcap", "alibi_slopes", "sinks", "q_norm", "k_norm", "norm_eps",
             "rope", "positions", "key_positions", "key_mask", "cu_seqlens",
-            "key_cu_seqlens")
+            "key_cu_seqlens", "norm_type")
 
 
 class Data:
@@ -314,6 +314,10 @@ def variants(d, rng, kw, vals, batched, B, H, G, Tq, Tk, dk, cross):
         if cross:
             kw["key_cu_seqlens"] = _split(rng, Tk, n)
         kw.pop("key_lengths", None)
+    # The q/k norm's kind (issue 38), decoded last: older inputs replay as
+    # they did (rarely is False once their bytes run out).
+    if d.rarely(4):
+        kw["norm_type"] = d.pick(["layer", "layer", "rms", "batch"])
 
 
 def mhattn_rope(**kw):

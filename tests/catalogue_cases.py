@@ -430,8 +430,9 @@ def variants(**change):
     """The glue's variants tuple (mhattn._internal.core.variant_args's layout), all
     off but what ``change`` sets."""
     v = dict(window=None, softcap=0.0, alibi=None, sinks=None, key_mask=None, cu_q=None,
-             cu_k=None, q_norm=None, k_norm=None, norm_eps=1e-6, rotary_dim=0,
-             interleaved=False, inv_freq=None, positions=None, key_positions=None)
+             cu_k=None, q_norm=None, k_norm=None, norm_eps=1e-6, norm_type="rms",
+             rotary_dim=0, interleaved=False, inv_freq=None, positions=None,
+             key_positions=None)
     v.update(change)
     return tuple(v.values())
 
@@ -1014,6 +1015,21 @@ BAD_VARIANTS = [
      lambda d: dict(k_norm=np.ones(d["dk"])), NORMS),
     ("norm_eps", "string", "a", TE, ["norm_eps", "real number"],
      lambda d: dict(q_norm=np.ones(d["dk"])), NORMS),
+    # norm_type's names are the core's (mha_norm_type_parse): checked with or
+    # without a norm weight, the message naming what was seen and each name.
+    ("norm_type", "unknown", "batch", VE, ["norm_type", '"batch"', '"rms"', '"layer"'],
+     lambda d: dict(q_norm=np.ones(d["dk"])), NORMS),
+    ("norm_type", "unknown_without_norm", "Layer", VE, ["norm_type", '"Layer"', '"rms"'],
+     {}, NORMS),
+    ("norm_type", "nul_inside", "rms\x00", VE, ["norm_type", '"rms?"'],
+     lambda d: dict(k_norm=np.ones(d["dk"])), NORMS),
+    ("norm_type", "lone_surrogate", "\ud800", VE, ["norm_type"],
+     lambda d: dict(k_norm=np.ones(d["dk"])), NORMS),
+    ("norm_type", "long", "x" * 10000, VE, ["norm_type", "x" * 32 + '..."'], {}, NORMS),
+    ("norm_type", "int", 1, TE, ["norm_type", "str"],
+     lambda d: dict(q_norm=np.ones(d["dk"])), NORMS),
+    ("norm_type", "bytes", b"rms", TE, ["norm_type", "str"], {}, NORMS),
+    ("norm_type", "none", None, TE, ["norm_type", "str"], {}, NORMS),
     ("rope", "string", "a", TE, ["rope", "mhattn.RoPE"], {}, ROPE),
     ("rope", "int", 5, TE, ["rope", "mhattn.RoPE"], {}, ROPE),
     ("rope", "wider_than_d_k", mhattn.RoPE(rotary_dim=4), VE, ["rotary_dim", "wider"], {},
@@ -1463,6 +1479,12 @@ table("layer", raises(TE, words=["sinks", "True or False"]), [
       LAYER)
 table("layer", raises(VE, words=["qk_norm", "'per_head'"]), [
     ("qk_norm_string", lambda: make(qk_norm="x"))], LAYER)
+# norm_type is the core's to read, asked by the constructor (one message).
+table("layer", raises(VE, words=["norm_type", '"batch"', '"rms"', '"layer"']), [
+    ("norm_type_unknown", lambda: make(qk_norm=True, norm_type="batch")),
+    ("norm_type_unknown_without_qk_norm", lambda: make(norm_type="batch"))], LAYER)
+table("layer", raises(TE, words=["norm_type", "str"]), [
+    ("norm_type_int", lambda: make(qk_norm=True, norm_type=0))], LAYER)
 table("layer", raises(TE, words=["dtype", "float32, float64, float16 or bfloat16"]), [
     ("dtype_int", lambda: make(dtype=np.int32)),
     ("dtype_void2", lambda: make(dtype="V2"))], LAYER)
@@ -1616,6 +1638,10 @@ table("trace_object", raises(VE, words=["Trace", "missing arrays", "'q'"]), [
     ("constructor_empty", lambda: mhattn.Trace({}, num_heads=2, num_kv_heads=2, d_k=[2],
                                                d_v=[2], scales=[1.0], batched=False,
                                                dtype=np.float64))], "Trace")
+table("trace_object", raises(VE, words=["norm_type", "'rms' or 'layer'", "'batch'"]), [
+    ("constructor_norm_type", lambda: mhattn.Trace(
+        TRACE.to_dict(), num_heads=2, num_kv_heads=2, d_k=[2, 2], d_v=[2, 2],
+        scales=[1.0, 1.0], batched=False, dtype=np.float64, norm_type="batch"))], "Trace")
 table("trace_object", raises(IndexError, words=["head 5", "2 heads"]), [
     ("head_out_of_range", lambda: TRACE.head(5))], "Trace.head")
 table("trace_object", raises(TE, words=["name", "stage name"]), [

@@ -83,7 +83,8 @@ def _run(rng, x, w_q, w_k, w_v, w_o, kw, weights=True, grad=True):
 
 def case(seed, dtype, *, B=2, Tq=7, Tk=None, d_in=12, h=3, dk=5, dv=None, d_out=None,
          g=None, cross=False, form="fused", ragged=None, weights=True, grad=True,
-         mask=None, causal=False, key_lengths=None, bias=False, scale=None):
+         mask=None, causal=False, key_lengths=None, bias=False, scale=None,
+         qk_norm=None, rope=False):
     Tk = Tq if Tk is None else Tk
     rng, x, key, w_q, w_k, w_v, w_o, kw = _setup(
         seed, dtype, B, Tq, Tk, d_in, h, dk, dv, d_out, g, cross, form, ragged)
@@ -114,7 +115,34 @@ def case(seed, dtype, *, B=2, Tq=7, Tk=None, d_in=12, h=3, dk=5, dv=None, d_out=
             kw["b_v"] = _w(rng, (w_v.shape[1],), dtype)
         del n_q
         kw["b_o"] = _w(rng, (w_o.shape[1],), dtype)
+    # The q/k RMSNorm (issue 38 pins its bits before LayerNorm joins it):
+    # weights drawn last, so the cases above keep their draws.
+    if qk_norm is not None:
+        g_ = h if g is None else g
+        kw["q_norm"] = 1 + _w(rng, (h, dk) if qk_norm == "per_head" else (dk,), dtype)
+        kw["k_norm"] = 1 + _w(rng, (g_, dk) if qk_norm == "per_head" else (dk,), dtype)
+    if rope:
+        kw["rope"] = mhattn.RoPE(rotary_dim=dk - dk % 2)
     return _run(rng, x, w_q, w_k, w_v, w_o, kw, weights=weights, grad=grad)
+
+
+def qk_norm_cached(dtype, per_head):
+    """Decode through a KVCache with the q/k RMSNorm and RoPE: a prefill of
+    5 rows, then 3 single-row steps; the outputs of every step."""
+    rng = np.random.default_rng(38 + per_head)
+    B, h, g, dk, d_in = 2, 4, 2, 6, 12
+    w_q, w_k, w_v = (_w(rng, (d_in, n * dk), dtype) for n in (h, g, g))
+    w_o = _w(rng, (h * dk, d_in), dtype)
+    q_norm = 1 + _w(rng, (h, dk) if per_head else (dk,), dtype)
+    k_norm = 1 + _w(rng, (g, dk) if per_head else (dk,), dtype)
+    x = _w(rng, (B, 8, d_in), dtype, 1.0)
+    cache = mhattn.KVCache(B, g, 16, dk, dtype=dtype)
+    res = {}
+    for i, (a, b) in enumerate(((0, 5), (5, 6), (6, 7), (7, 8))):
+        res[f"step{i}"] = mhattn.multi_head_attention(
+            x[:, a:b], w_q, w_k, w_v, w_o, num_heads=h, num_kv_heads=g, causal=True,
+            q_norm=q_norm, k_norm=k_norm, rope=mhattn.RoPE(), cache=cache)
+    return res
 
 
 def worked_example():
@@ -167,3 +195,17 @@ _add("tiles_cross_lengths", B=2, Tq=70, Tk=140, d_in=16, h=2, dk=8, dv=11, cross
      key_lengths=[140, 77], weights=True)
 _add("tiles_mask_gqa", B=1, Tq=130, Tk=130, d_in=16, h=4, g=2, dk=8, mask="bool_bcast",
      weights=False)
+# The q/k RMSNorm (shared and per-head weights, with RoPE, GQA, causal, an
+# odd d_k, a key/query width past one vector): its bits are pinned here, as
+# recorded before norm_type="layer" joined it (issue 38).
+_add("qk_norm_shared", B=2, Tq=7, h=3, dk=5, qk_norm="shared")
+_add("qk_norm_per_head_gqa_causal", B=2, Tq=9, h=4, g=2, dk=7, qk_norm="per_head",
+     causal=True, bias=True)
+_add("qk_norm_rope_cross", B=1, Tq=6, Tk=11, h=2, dk=8, cross=True, qk_norm="shared",
+     rope=True)
+_add("qk_norm_rope_tiles", B=1, Tq=130, d_in=16, h=2, dk=17, qk_norm="per_head", rope=True,
+     causal=True, weights=False)
+for _dt, _tag in ((np.float32, "f32"), (np.float64, "f64")):
+    for _ph in (0, 1):
+        CASES[f"qk_norm_cached_{'per_head' if _ph else 'shared'}-{_tag}"] = (
+            lambda dt=_dt, ph=_ph: qk_norm_cached(dt, ph))

@@ -55,7 +55,7 @@ NOT_CALLER_DATA = {
 # that its entry points (multi_head_attention, lse, projected_attention)
 # have checked; they check nothing themselves.
 REFERENCE_STEPS = ("softmax", "log_sum_exp", "attention", "score_steps", "weighted_values",
-                   "rms_norm", "rope", "softcap", "alibi_bias")
+                   "rms_norm", "layer_norm", "rope", "softcap", "alibi_bias")
 NOT_CALLER_DATA.update({f"reference.{n}": "a step of the document, checking nothing"
                         for n in REFERENCE_STEPS})
 
@@ -67,8 +67,8 @@ KNOWN_GAPS: dict = {}   # issue 35 closed the last three (RoPE.frequencies,
 
 # The variants' keywords: each entry point that takes one has a case naming it.
 VARIANTS = ("window", "softcap", "alibi_slopes", "sinks", "key_mask", "cu_seqlens",
-            "key_cu_seqlens", "q_norm", "k_norm", "norm_eps", "rope", "positions",
-            "key_positions")
+            "key_cu_seqlens", "q_norm", "k_norm", "norm_eps", "norm_type", "rope",
+            "positions", "key_positions")
 
 
 def _takes_something(fn) -> bool:

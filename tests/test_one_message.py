@@ -200,6 +200,11 @@ VIOLATIONS = {
                                   H, G, dict(kw, q_norm=np.ones(2))),
                                "layer": _layer_owned},
                               ["norm_eps", "-1"]),
+    # norm_type's names are the core's: the layer's constructor asks it too
+    "norm_type_unknown": ((2, 2), dict(norm_type="batch"),
+                          {**{e: f for e, f in LAYER.items() if e != "layer"},
+                           "MultiHeadAttention": _layer_new},
+                          ["norm_type: ", '"batch"', '"rms"', '"layer"']),
     "rotary_dim_wider_than_heads": ((2, 2), dict(rope=mhattn.RoPE(rotary_dim=4)), LAYER,
                                     ["rotary_dim", "4", "2"]),
     "rotary_dim_odd": ((2, 2), dict(rope=mhattn.RoPE(rotary_dim=1)), LAYER,
@@ -247,7 +252,7 @@ VIOLATIONS = {
 # core's field, so no layer above re-checked them first.
 CORE_RULES = {"kv_heads_not_dividing", "kv_heads_more_than_heads", "softcap_negative",
               "softcap_nan", "softcap_inf", "key_lengths_above", "key_lengths_negative",
-              "norm_eps_negative", "norm_eps_nan", "norm_eps_of_the_layer",
+              "norm_eps_negative", "norm_eps_nan", "norm_eps_of_the_layer", "norm_type_unknown",
               "rotary_dim_wider_than_heads", "rotary_dim_odd", "rotary_dim_odd_heads",
               "head_width_zero", "cu_seqlens_decreasing", "cu_seqlens_start",
               "cu_seqlens_end"}

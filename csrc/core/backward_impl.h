@@ -391,8 +391,9 @@ static mha_status PICK(bwd_pass_qk_f32, bwd_pass_qk_f64)(const BWD_PLAN *p,
         p->qt, p->kt, a->q, a->k, p->cfg, &p->lay, p->c.qoff, p->c.koff);
 }
 
-/* Pass 5b: through `qt = RoPE(RMSNorm(q))` and likewise kt: dq, dk (which
-   the tiles filled with d(qt), d(kt)) become dL/dq, dL/dk in place, and
+/* Pass 5b: through `qt = RoPE(norm(q))` (RMSNorm or LayerNorm) and
+   likewise kt: dq, dk (which the tiles filled with d(qt), d(kt)) become
+   dL/dq, dL/dk in place, and
    dq_norm, dk_norm are written when wanted and their norm is on. */
 static mha_status PICK(bwd_pass_qk_grad_f32, bwd_pass_qk_grad_f64)(const BWD_PLAN *p,
                                                                    const BWD_ARGS *a)

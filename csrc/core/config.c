@@ -18,6 +18,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <string.h>
 
 #include "check.h"
 #include "dispatch.h"
@@ -210,7 +211,61 @@ static mha_status variants_check(const mha_config *cfg, mha_error *err)
     return MHA_OK;
 }
 
-/* The q/k transforms (mha.h): RMSNorm and RoPE, their positions. */
+/* The norm types (mha.h, mha_norm_type) by value: the name a caller may
+   give (mha_norm_type_parse) and the C name the messages add. */
+static const struct {
+    const char *name, *cname;
+} norm_types[] = {
+    [MHA_NORM_RMS] = {"rms", "MHA_NORM_RMS"},
+    [MHA_NORM_LAYER] = {"layer", "MHA_NORM_LAYER"},
+};
+#define N_NORM_TYPES (sizeof norm_types / sizeof norm_types[0])
+
+const char *mha_norm_type_name(mha_norm_type t)
+{
+    return (unsigned)t < N_NORM_TYPES ? norm_types[t].name : NULL;
+}
+
+/* buf (n bytes) = the accepted values, for a rejection's message: every
+   norm type's name ("\"rms\", \"layer\""), or with `values` its value too
+   ("MHA_NORM_RMS (0, \"rms\"), ..."). */
+static const char *norm_type_list(char *buf, size_t n, int values)
+{
+    size_t used = 0;
+    buf[0] = '\0';
+    for (size_t i = 0; i < N_NORM_TYPES && used < n; i++) {
+        const char *sep = i ? ", " : "";
+        const int w = values ? snprintf(buf + used, n - used, "%s%s (%zu, \"%s\")", sep,
+                                        norm_types[i].cname, i, norm_types[i].name)
+                             : snprintf(buf + used, n - used, "%s\"%s\"", sep,
+                                        norm_types[i].name);
+        used += w > 0 ? (size_t)w : 0;
+    }
+    return buf;
+}
+
+mha_status mha_norm_type_parse(mha_norm_type *t, const char *name, size_t len,
+                               mha_error *err)
+{
+    mha_error_clear(err);
+    for (size_t i = 0; i < N_NORM_TYPES; i++)
+        if (name != NULL && strlen(norm_types[i].name) == len &&
+            memcmp(name, norm_types[i].name, len) == 0) {
+            *t = (mha_norm_type)i;
+            return MHA_OK;
+        }
+    // What was seen, as printable ASCII (any other byte, a NUL among them,
+    // as '?'), cut at 32 bytes: the message stays within mha_error.msg.
+    char seen[40], list[128];
+    size_t n = 0;
+    for (; name != NULL && n < len && n < 32; n++)
+        seen[n] = name[n] >= 0x20 && name[n] < 0x7f ? name[n] : '?';
+    snprintf(seen + n, sizeof seen - n, "%s", n < len ? "..." : "");
+    return REJECT(MHA_FIELD_NORM_TYPE, "norm_type = \"%s\" is not one of %s", seen,
+                  norm_type_list(list, sizeof list, 0));
+}
+
+/* The q/k transforms (mha.h): the q/k norm and RoPE, their positions. */
 static mha_status transforms_check(const mha_config *cfg, mha_error *err)
 {
     const size_t G = cfg->G, d = cfg->dk[0];
@@ -252,6 +307,13 @@ static mha_status transforms_check(const mha_config *cfg, mha_error *err)
     if (!(cfg->norm_eps >= 0) || !isfinite(cfg->norm_eps))
         return REJECT(MHA_FIELD_NORM_EPS,
                       "norm_eps = %g is not a finite number >= 0", cfg->norm_eps);
+    // Checked with or without a norm weight: a caller's wrong value is
+    // never ignored (it only matters where q_norm or k_norm is given).
+    if (mha_norm_type_name(cfg->norm_type) == NULL) {
+        char list[128];
+        return REJECT(MHA_FIELD_NORM_TYPE, "norm_type = %d is not one of %s",
+                      (int)cfg->norm_type, norm_type_list(list, sizeof list, 1));
+    }
     if (cfg->positions_bstride != 0 && cfg->positions_bstride != cfg->Tq)
         return REJECT(MHA_FIELD_POSITIONS_BSTRIDE,
                       "positions_bstride = %zu is neither 0 nor Tq = %zu",

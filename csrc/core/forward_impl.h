@@ -7,8 +7,8 @@
  * call and allocates all scratch once, and each pass is one function.
  *   1. projections: q = x wq + bq, k = key wk + bk, v = value wv + bv
  *      (the document's Q = X W^Q, one GEMM over every head at once)
- *  1b. q/k transforms, when on: qt = RoPE(RMSNorm(q)), kt likewise
- *      (core/qk.c); the attention reads qt, kt, the kept q, k stay raw
+ *  1b. q/k transforms, when on: qt = RoPE(norm(q)), kt likewise, the norm
+ *      RMSNorm or LayerNorm (core/qk.c); the attention reads qt, kt, the kept q, k stay raw
  *   2. attention per (b, h, query block): scores, scale, masks, softmax
  *      and weights V, fused (kernels/flash.inc via attend())
  *  2b. the output gate, when on (wgate): gated = sigmoid(x wgate + bgate)
@@ -164,7 +164,7 @@ static mha_status PICK(fwd_pass_project_f32, fwd_pass_project_f64)(const FWD_PLA
     return MHA_OK;
 }
 
-/* Pass 1b: the q/k transforms (RMSNorm, RoPE) into qt, kt, when on. */
+/* Pass 1b: the q/k transforms (the q/k norm, RoPE) into qt, kt, when on. */
 static mha_status PICK(fwd_pass_qk_f32, fwd_pass_qk_f64)(const FWD_PLAN *p)
 {
     const mha_config *cfg = p->cfg;

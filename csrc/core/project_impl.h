@@ -6,7 +6,8 @@
  * Legend: see mha.h.
  *   1. projections: q = x wq + bq, k = key wk + bk, v = value wv + bv
  *      (one GEMM each, as the forward's fwd_pass_project)
- *  1b. q/k transforms, when on: q = RoPE(RMSNorm(q)), k likewise
+ *  1b. q/k transforms, when on: q = RoPE(norm(q)), k likewise (the norm
+ *      RMSNorm or LayerNorm)
  *      (mha_qk_forward, as the forward's fwd_pass_qk), from scratch copies
  *      of the raw projections into the caller's q, k
  * A NULL output is not computed; with a q/k transform on, q and k are

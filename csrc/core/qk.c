@@ -1,6 +1,6 @@
 /*
- * qk.c - the q/k transforms (contract in mha.h and qk.h): RMSNorm per head,
- * then RoPE, and their backward. The per-type passes are qk_impl.h,
+ * qk.c - the q/k transforms (contract in mha.h and qk.h): RMSNorm or
+ * LayerNorm per head, then RoPE, and their backward. The per-type passes are qk_impl.h,
  * included twice below; what does not depend on the element type (the
  * sides, the positions, the angles, the threads) is here.
  *
@@ -45,7 +45,7 @@ typedef struct {
     size_t T, rows, S;        /* rows = B T of a (B, T, S) buffer        */
     size_t nh, per;           /* heads; head h is dk[h / per] wide       */
     const size_t *off;        /* (nh,) head offsets                      */
-    const void *w;            /* RMSNorm weight or NULL                  */
+    const void *w;            /* the norm's weight or NULL               */
     size_t wstride;           /* 0: one (d,) weight shared by all heads  */
     const int64_t *pos;       /* (B, T) / (T,) positions or NULL         */
     size_t pos_bstride;

@@ -1,12 +1,15 @@
 /*
  * qk.h - the q/k transforms of the core (contract in mha.h, "q/k
- * transforms"): per-head RMSNorm of the projections q and k, then RoPE on
- * the first rotary_dim features of each head. Internal to csrc/core/.
+ * transforms"): per-head RMSNorm or LayerNorm (cfg->norm_type) of the
+ * projections q and k, then RoPE on the first rotary_dim features of each
+ * head. Internal to csrc/core/.
  *
  * Legend: see mha.h. A "side" is q (B Tq rows, Sq wide, H heads, head h
  * dk[h / (H/G)] wide, weight q_norm + h q_norm_hstride) or k (B Tk rows,
  * Sk wide, G heads, weight k_norm + g k_norm_hstride). Per row and head:
- *   xhat = x r,   r = 1 / sqrt(mean(x^2) + norm_eps)   (with the norm)
+ *   xhat = x r,   r = 1 / sqrt(mean(x^2) + norm_eps)        (RMSNorm)
+ *   xhat = (x - m) r,   m = mean(x),
+ *                 r = 1 / sqrt(mean((x - m)^2) + norm_eps)  (LayerNorm)
  *   y    = xhat w
  *   (y_a, y_b) -> (y_a cos - y_b sin, y_a sin + y_b cos) for each pair c
  *                 of the first rotary_dim features, angle pos inv_freq[c]

@@ -3,14 +3,19 @@
  * with MHA_F64 defined (0 float, 1 double). No include guard on purpose.
  *
  * Legend: see mha.h and qk.h. Per side (q, then k):
- *   forward   1b. t = RoPE(RMSNorm(x)) per row and head (qk_fwd_task)
- *   backward  A. g = RoPE^T(g): the rotation by -angle, in place; r saved
+ *   forward   1b. t = RoPE(norm(x)) per row and head (qk_fwd_task)
+ *   backward  A. g = RoPE^T(g): the rotation by -angle, in place; r (and
+ *                LayerNorm's mean m) saved
  *             B. dw = sum over rows (and heads, when w is shared) of
  *                g xhat, per weight column, rows in increasing order
- *             C. g = r (g w - xhat mean(g w xhat)), in place
- * with g the gradient (rows, S): dL/dt on entry, dL/dx on return. Every
- * sum is in double (for float32 too, so that a long row's mean is not
- * the error's main source) in increasing index order.
+ *             C. g = r (g w - xhat mean(g w xhat)), in place (RMSNorm);
+ *                g = r (g w - mean(g w) - xhat mean(g w xhat)) (LayerNorm)
+ * with g the gradient (rows, S): dL/dt on entry, dL/dx on return, and
+ * xhat = x r (RMSNorm) or (x - m) r (LayerNorm). Every sum is in double
+ * (for float32 too, so that a long row's mean is not the error's main
+ * source) in increasing index order. The RMSNorm's code is its own: a
+ * LayerNorm call takes the branches marked for it, and an RMSNorm call
+ * computes exactly what it computed before LayerNorm joined it.
  */
 #if !defined(MHA_F64)
 #error "qk_impl.h needs MHA_F64"
@@ -20,12 +25,14 @@
 /* The names this template defines, bound to this type (dtype.h). */
 #define QK_CTX PICK(qk_ctx_t_f32, qk_ctx_t_f64)
 #define qk_rinv PICK(qk_rinv_f32, qk_rinv_f64)
+#define qk_layer_stats PICK(qk_layer_stats_f32, qk_layer_stats_f64)
 #define qk_head_fwd PICK(qk_head_fwd_f32, qk_head_fwd_f64)
 #define qk_weight PICK(qk_weight_f32, qk_weight_f64)
 #define qk_fwd_index PICK(qk_fwd_index_f32, qk_fwd_index_f64)
 #define qk_fwd_task PICK(qk_fwd_task_f32, qk_fwd_task_f64)
 #define mha_qk_forward PICK(mha_qk_forward_f32, mha_qk_forward_f64)
 #define qk_head_norm_bwd PICK(qk_head_norm_bwd_f32, qk_head_norm_bwd_f64)
+#define qk_head_layer_bwd PICK(qk_head_layer_bwd_f32, qk_head_layer_bwd_f64)
 #define qk_head_unseen PICK(qk_head_unseen_f32, qk_head_unseen_f64)
 #define qk_bwd_rows_task PICK(qk_bwd_rows_task_f32, qk_bwd_rows_task_f64)
 #define qk_bwd_norm_task PICK(qk_bwd_norm_task_f32, qk_bwd_norm_task_f64)
@@ -40,6 +47,8 @@ typedef struct {
     REAL *dst;        /* forward: t (rows, S); backward: g, in place  */
     const REAL *x;    /* (rows, S): the raw projection                */
     double *rinv;     /* backward with the norm: (rows, nh) r values  */
+    double *mean;     /* backward with LayerNorm: (rows, nh) means m,
+                         else NULL                                    */
     REAL *dw;         /* backward: the weight's gradient or NULL      */
     int fuse;         /* backward: pass C inside pass A's task        */
     const void *also; /* forward: the k side's QK_CTX, turned by q's
@@ -65,14 +74,56 @@ static double qk_rinv(const REAL *x, size_t d, double eps)
     return 1.0 / sqrt(((s0 + s1) + (s2 + s3)) / (double)d + eps);
 }
 
+/* LayerNorm's statistics of one head's d features: *m = mean(x) and the
+   returned r = 1 / sqrt(mean((x - m)^2) + eps), the biased (population)
+   variance, computed from the deviations (two passes: no cancellation, as
+   E[x^2] - m^2 would have for a large mean). Each sum in double in one
+   fixed order, as qk_rinv's: the forward's m, r and the backward's are
+   bitwise the same. */
+static double qk_layer_stats(const REAL *x, size_t d, double eps, double *m)
+{
+    double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    size_t c = 0;
+    for (; c + 4 <= d; c += 4) {
+        s0 += (double)x[c];
+        s1 += (double)x[c + 1];
+        s2 += (double)x[c + 2];
+        s3 += (double)x[c + 3];
+    }
+    for (; c < d; c++)
+        s0 += (double)x[c];
+    const double mu = ((s0 + s1) + (s2 + s3)) / (double)d;
+    s0 = s1 = s2 = s3 = 0;
+    for (c = 0; c + 4 <= d; c += 4) {
+        const double e0 = (double)x[c] - mu, e1 = (double)x[c + 1] - mu;
+        const double e2 = (double)x[c + 2] - mu, e3 = (double)x[c + 3] - mu;
+        s0 += e0 * e0;
+        s1 += e1 * e1;
+        s2 += e2 * e2;
+        s3 += e3 * e3;
+    }
+    for (; c < d; c++) {
+        const double e = (double)x[c] - mu;
+        s0 += e * e;
+    }
+    *m = mu;
+    return 1.0 / sqrt(((s0 + s1) + (s2 + s3)) / (double)d + eps);
+}
+
 /* One head of one row: y (d,) = RoPE(x r w), or RoPE(x) without the
-   weight w; cs holds the row's cos, sin (qk_angles), u is scratch of d
-   doubles. Loops without branches inside, so the compiler may vectorise
-   them (element-wise, so the bits do not change). */
+   weight w (LayerNorm: RoPE((x - m) r w)); cs holds the row's cos, sin
+   (qk_angles), u is scratch of d doubles. Loops without branches inside,
+   so the compiler may vectorise them (element-wise, so the bits do not
+   change). */
 static void qk_head_fwd(REAL *y, const REAL *x, size_t d, const REAL *w, const double *cs,
                         double *u, const mha_config *cfg)
 {
-    if (w != NULL) {
+    if (w != NULL && cfg->norm_type == MHA_NORM_LAYER) {
+        double m;
+        const double r = qk_layer_stats(x, d, cfg->norm_eps, &m);
+        for (size_t c = 0; c < d; c++)
+            u[c] = ((double)x[c] - m) * r * (double)w[c]; /* xhat w, xhat = (x - m) r */
+    } else if (w != NULL) {
         const double r = qk_rinv(x, d, cfg->norm_eps);
         for (size_t c = 0; c < d; c++)
             u[c] = (double)x[c] * r * (double)w[c]; /* xhat w, xhat = x r */
@@ -180,6 +231,34 @@ static void qk_head_norm_bwd(REAL *g, const REAL *x, size_t d, const REAL *w, do
     }
 }
 
+/* Pass C of LayerNorm for one head of one row, through `y = xhat w,
+   xhat = (x - m) r`, m = mean(x), r = 1 / sqrt(mean((x - m)^2) + eps):
+   dxhat = g w, g = r (dxhat - mean(dxhat) - xhat mean(dxhat xhat)), in
+   place (m and r depend on every x[c]: the two means are their terms). */
+static void qk_head_layer_bwd(REAL *g, const REAL *x, size_t d, const REAL *w, double r,
+                              double m)
+{
+    double a0 = 0, a1 = 0, m0 = 0, m1 = 0; /* two chains each, as above */
+    size_t c = 0;
+    for (; c + 2 <= d; c += 2) {
+        const double g0 = (double)g[c] * (double)w[c], g1 = (double)g[c + 1] * (double)w[c + 1];
+        a0 += g0;
+        a1 += g1;
+        m0 += g0 * (((double)x[c] - m) * r);
+        m1 += g1 * (((double)x[c + 1] - m) * r);
+    }
+    for (; c < d; c++) {
+        const double g0 = (double)g[c] * (double)w[c];
+        a0 += g0;
+        m0 += g0 * (((double)x[c] - m) * r);
+    }
+    const double mg = (a0 + a1) / (double)d, mx = (m0 + m1) / (double)d;
+    for (c = 0; c < d; c++) {
+        const double dxhat = (double)g[c] * (double)w[c], xhat = ((double)x[c] - m) * r;
+        g[c] = (REAL)(r * ((dxhat - mg) - xhat * mx));
+    }
+}
+
 /* 1 when one head of one row has g (d,) all zero and x (d,) holding an inf
    or NaN: a key no query sees, or a query that sees no key, of an inf or
    NaN projection. Its r and xhat are NaN, which would turn its g and the
@@ -225,6 +304,16 @@ static void qk_bwd_rows_task(void *vctx, size_t t, int ith)
             }
             if (s->w == NULL)
                 continue;
+            if (c->mean != NULL) { /* LayerNorm */
+                double m = 0;
+                const double rr = qk_head_unseen(g, x, d) ? -1.0
+                                                          : qk_layer_stats(x, d, cfg->norm_eps, &m);
+                c->rinv[r * s->nh + h] = rr;
+                c->mean[r * s->nh + h] = m;
+                if (c->fuse && !(rr < 0))
+                    qk_head_layer_bwd(g, x, d, qk_weight(s, h), rr, m);
+                continue;
+            }
             const double rr = qk_head_unseen(g, x, d) ? -1.0 : qk_rinv(x, d, cfg->norm_eps);
             c->rinv[r * s->nh + h] = rr;
             if (c->fuse && !(rr < 0))
@@ -245,7 +334,12 @@ static void qk_bwd_norm_task(void *vctx, size_t t, int ith)
         for (size_t bh = 0; bh < s->nb * s->nh; bh++) {
             const size_t r = (bh / s->nh) * s->rstep + i, h = bh % s->nh;
             const double rr = c->rinv[r * s->nh + h];
-            if (!(rr < 0)) /* not an unseen head row (qk_head_unseen) */
+            if (rr < 0) /* an unseen head row (qk_head_unseen) */
+                continue;
+            if (c->mean != NULL)
+                qk_head_layer_bwd(c->dst + r * s->S + s->off[h], c->x + r * s->S + s->off[h],
+                                  qk_width(s, h), qk_weight(s, h), rr, c->mean[r * s->nh + h]);
+            else
                 qk_head_norm_bwd(c->dst + r * s->S + s->off[h], c->x + r * s->S + s->off[h],
                                  qk_width(s, h), qk_weight(s, h), rr);
         }
@@ -253,7 +347,8 @@ static void qk_bwd_norm_task(void *vctx, size_t t, int ith)
 
 /* Pass B, one task per QK_COLS columns of one weight row hw: through
    `y = xhat w`, dw[hw, col] = sum over rows r (increasing), then over the
-   heads that share the weight (increasing), of g xhat. */
+   heads that share the weight (increasing), of g xhat (xhat = x r, or
+   (x - m) r with LayerNorm). */
 static void qk_dw_task(void *vctx, size_t t, int ith)
 {
     (void)ith;
@@ -273,6 +368,12 @@ static void qk_dw_task(void *vctx, size_t t, int ith)
             const double rr = c->rinv[r * s->nh + h];
             if (rr < 0) /* an unseen head row (qk_head_unseen) */
                 continue;
+            if (c->mean != NULL) {
+                const double m = c->mean[r * s->nh + h];
+                for (size_t j = 0; j < n; j++)
+                    acc[j] += (double)g[j] * (((double)x[j] - m) * rr);
+                continue;
+            }
             for (size_t j = 0; j < n; j++)
                 acc[j] += (double)g[j] * ((double)x[j] * rr);
         }
@@ -290,9 +391,14 @@ static mha_status qk_bwd_side(QK_CTX *c)
         return st;
     if (s->w == NULL)
         c->dw = NULL;
-    if (s->w != NULL &&
-        (st = mha_scratch((void **)&c->rinv, s->rows * s->nh, sizeof(double))) != MHA_OK)
+    // r per (row, head), then LayerNorm's means m beside them: one block.
+    const int layer = s->w != NULL && s->cfg->norm_type == MHA_NORM_LAYER;
+    size_t nr;
+    if (!mha_mul_ok(&nr, s->rows * s->nh, layer ? 2 : 1))
+        return MHA_ERR_SIZE;
+    if (s->w != NULL && (st = mha_scratch((void **)&c->rinv, nr, sizeof(double))) != MHA_OK)
         return st;
+    c->mean = layer ? c->rinv + s->rows * s->nh : NULL;
     c->fuse = c->dw == NULL;
     st = qk_run_rows(s, qk_bwd_rows_task, c);
     if (st == MHA_OK && c->dw != NULL) {
@@ -305,7 +411,7 @@ static mha_status qk_bwd_side(QK_CTX *c)
             st = qk_run_rows(s, qk_bwd_norm_task, c);
     }
     mha_scratch_free(c->rinv);
-    c->rinv = NULL;
+    c->rinv = c->mean = NULL;
     return st;
 }
 
@@ -329,12 +435,14 @@ mha_status mha_qk_backward(REAL *dq, REAL *dk, REAL *dq_norm, REAL *dk_norm, con
 
 #undef QK_CTX
 #undef qk_rinv
+#undef qk_layer_stats
 #undef qk_head_fwd
 #undef qk_weight
 #undef qk_fwd_index
 #undef qk_fwd_task
 #undef mha_qk_forward
 #undef qk_head_norm_bwd
+#undef qk_head_layer_bwd
 #undef qk_head_unseen
 #undef qk_bwd_rows_task
 #undef qk_bwd_norm_task

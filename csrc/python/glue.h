@@ -38,8 +38,8 @@
 /* The variants' tuple, position by position (see read_variants). */
 enum {
     V_WINDOW, V_SOFTCAP, V_ALIBI, V_SINKS, V_KEY_MASK, V_CU_Q, V_CU_K,
-    V_Q_NORM, V_K_NORM, V_NORM_EPS, V_ROTARY_DIM, V_INTERLEAVED, V_INV_FREQ,
-    V_POSITIONS, V_KEY_POSITIONS, V_N
+    V_Q_NORM, V_K_NORM, V_NORM_EPS, V_NORM_TYPE, V_ROTARY_DIM, V_INTERLEAVED,
+    V_INV_FREQ, V_POSITIONS, V_KEY_POSITIONS, V_N
 };
 
 /* ---- the argument tables and the call skeleton -------------------------- */

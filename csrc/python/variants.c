@@ -20,6 +20,9 @@
  *   q_norm         None, (d,) or (H, d) of x's dtype
  *   k_norm         None, (d,) or (G, d) of x's dtype
  *   norm_eps       float
+ *   norm_type      str: the norm's name, "rms" or "layer" (the core's
+ *                  mha_norm_type_parse takes it, and names the accepted
+ *                  ones when it refuses it)
  *   rotary_dim     int, 0 for off
  *   interleaved    truth value
  *   inv_freq       None or float64 (rotary_dim / 2,)
@@ -31,7 +34,7 @@
  */
 static const char *const variant_name[V_N] = {
     "window", "softcap", "alibi_slopes", "sinks", "key_mask", "cu_seqlens",
-    "key_cu_seqlens", "q_norm", "k_norm", "norm_eps", "rotary_dim",
+    "key_cu_seqlens", "q_norm", "k_norm", "norm_eps", "norm_type", "rotary_dim",
     "interleaved", "inv_freq", "positions", "key_positions"};
 
 /* *res = a C-contiguous copy of obj (1 to nd_max dimensions) as typenum,
@@ -103,8 +106,42 @@ static int variant_window(mha_config *cfg, PyObject *w)
     return 0;
 }
 
-/* The scalars of the tuple t into cfg: softcap, norm_eps, rotary_dim,
-   interleaved. */
+/* The norm type, a str, into cfg: its name is the core's to read and to
+   refuse (mha_norm_type_parse: a ValueError with field norm_type). */
+static int variant_norm_type(mha_config *cfg, PyObject *name)
+{
+    if (!PyUnicode_Check(name)) {
+        PyErr_Format(PyExc_TypeError, "norm_type: expected a str, got %s",
+                     Py_TYPE(name)->tp_name);
+        return -1;
+    }
+    // Its UTF-8 (cached in the str), or, for a str that has none (a lone
+    // surrogate), a copy with '?' in its place: no such str is a name, and
+    // the core's rejection then says so, as for any other.
+    Py_ssize_t len;
+    const char *s = PyUnicode_AsUTF8AndSize(name, &len);
+    PyObject *utf8 = NULL;
+    if (s == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_UnicodeEncodeError))
+            return -1;
+        PyErr_Clear();
+        if ((utf8 = PyUnicode_AsEncodedString(name, "utf-8", "replace")) == NULL)
+            return -1;
+        s = PyBytes_AS_STRING(utf8);
+        len = PyBytes_GET_SIZE(utf8);
+    }
+    mha_error err;
+    const mha_status st = mha_norm_type_parse(&cfg->norm_type, s, (size_t)len, &err);
+    Py_XDECREF(utf8);
+    if (st != MHA_OK) {
+        raise_status(st, &err);
+        return -1;
+    }
+    return 0;
+}
+
+/* The scalars of the tuple t into cfg: softcap, norm_eps, norm_type,
+   rotary_dim, interleaved. */
 static int variant_scalars(mha_config *cfg, PyObject *t)
 {
     cfg->softcap = PyFloat_AsDouble(PyTuple_GET_ITEM(t, V_SOFTCAP));
@@ -114,6 +151,8 @@ static int variant_scalars(mha_config *cfg, PyObject *t)
         prefix_error("variants");
         return -1;
     }
+    if (variant_norm_type(cfg, PyTuple_GET_ITEM(t, V_NORM_TYPE)) < 0)
+        return -1;
     // softcap and norm_eps are the core's to check (mha_check_config);
     // rotary_dim must convert to a size_t: an int past Py_ssize_t (a
     // RoPE's rotary_dim set to 2**64 after construction) is out of range,

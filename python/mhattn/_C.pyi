@@ -28,14 +28,15 @@ _Float = npt.NDArray[np.floating]
 #    4  key_mask: (B, Tk) bool. None or True = a real key.
 #    5  cu_seqlens: (n+1,) int64. None or the queries' offsets.
 #    6  key_cu_seqlens: (n+1,) int64. None or the keys' offsets.
-#    7  q_norm: (dk,) or (H, dk) T. None or the q RMSNorm weights.
-#    8  k_norm: (dk,) or (G, dk) T. None or the k RMSNorm weights.
-#    9  norm_eps: float64. The RMSNorm's epsilon.
-#   10  rotary_dim: int64. 0 for no RoPE.
-#   11  interleaved: bool. RoPE pairs (2c, 2c+1).
-#   12  inv_freq: (rotary_dim/2,) float64. None or RoPE's frequencies.
-#   13  positions: (Tq,) or (B, Tq) int64. None or the queries' RoPE positions.
-#   14  key_positions: (Tk,) or (B, Tk) int64. None or the keys' RoPE positions.
+#    7  q_norm: (dk,) or (H, dk) T. None or the q norm's weights.
+#    8  k_norm: (dk,) or (G, dk) T. None or the k norm's weights.
+#    9  norm_eps: float64. The q/k norm's epsilon.
+#   10  norm_type: str. The q/k norm's name, 'rms' or 'layer' (the core's mha_norm_type_parse).
+#   11  rotary_dim: int64. 0 for no RoPE.
+#   12  interleaved: bool. RoPE pairs (2c, 2c+1).
+#   13  inv_freq: (rotary_dim/2,) float64. None or RoPE's frequencies.
+#   14  positions: (Tq,) or (B, Tq) int64. None or the queries' RoPE positions.
+#   15  key_positions: (Tk,) or (B, Tk) int64. None or the keys' RoPE positions.
 
 EMULATED_AVX512: int
 """1 in the test build whose 'avx512' kernels are emulated in plain C
@@ -62,7 +63,7 @@ def forward(
     causal: bool,  # Query i sees keys j <= i + (Tk - Tq).
     # (B,): None, or each item's key count: keys j >= it are padding.
     key_lengths: Optional[npt.NDArray[np.int64]],
-    # (15,): None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).
+    # (16,): None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).
     variants: Optional[tuple],
     want_weights: bool,  # Also return the weights (B, H, Tq, Tk).
     keep: bool,  # Also return (q, k, v, concat, lse) for backward().
@@ -112,7 +113,7 @@ def backward(
     causal: bool,  # Query i sees keys j <= i + (Tk - Tq).
     # (B,): None, or each item's key count: keys j >= it are padding.
     key_lengths: Optional[npt.NDArray[np.int64]],
-    # (15,): None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).
+    # (16,): None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).
     variants: Optional[tuple],
     want_bq: bool,  # Return dbq.
     want_bk: bool,  # Return dbk.
@@ -147,7 +148,7 @@ def attention(
     causal: bool,  # Query i sees keys j <= i + (Tk - Tq).
     # (B,): None, or each item's key count: keys j >= it are padding.
     key_lengths: Optional[npt.NDArray[np.int64]],
-    # (15,): None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).
+    # (16,): None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).
     variants: Optional[tuple],
     lengths_aligned: bool,  # Align each item's queries to its own key length (a KV cache).
     out_bthd: bool,  # out (B, Tq, H, dv) instead of (B, H, Tq, dv).
@@ -186,7 +187,7 @@ def attention_backward(
     causal: bool,  # Query i sees keys j <= i + (Tk - Tq).
     # (B,): None, or each item's key count: keys j >= it are padding.
     key_lengths: Optional[npt.NDArray[np.int64]],
-    # (15,): None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).
+    # (16,): None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).
     variants: Optional[tuple],
     lengths_aligned: bool,  # Align each item's queries to its own key length (a KV cache).
 ) -> Tuple[_Float, _Float, _Float, Optional[_Float]]:
@@ -212,7 +213,7 @@ def project(
     dk: npt.NDArray[np.int64],  # (G,): Each kv head's key width.
     dv: npt.NDArray[np.int64],  # (G,): Each kv head's value width.
     scales: npt.NDArray[np.float64],  # (H,): The multiplier of q.k of each query head.
-    # (15,): None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).
+    # (16,): None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).
     variants: Optional[tuple],
     # (4,): None, or pack_weight() capsules (or None) of wq, wk, wv, wo.
     packed: Optional[tuple] = None,
@@ -235,7 +236,7 @@ def check_config(
     scales: npt.NDArray[np.float64],  # (H,): The multiplier of q.k of each query head.
     # (B,): None, or each item's key count: keys j >= it are padding.
     key_lengths: Optional[npt.NDArray[np.int64]],
-    # (15,): None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).
+    # (16,): None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).
     variants: Optional[tuple],
     lengths_aligned: bool,  # Align each item's queries to its own key length (a KV cache).
 ) -> None:

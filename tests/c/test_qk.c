@@ -1,6 +1,7 @@
 /*
  * test_qk.c - tests of the q/k transforms (csrc/core/qk.c): per-head
- * RMSNorm of q and k and RoPE, in mha_forward and mha_backward.
+ * RMSNorm or LayerNorm (cfg.norm_type) of q and k and RoPE, in mha_forward
+ * and mha_backward.
  *
  * Build and run (see the Makefile beside this file):
  *   make -C tests/c check      # optimised build + ASan/UBSan build, both run
@@ -8,7 +9,7 @@
  *
  * What is checked:
  *   - mha_forward (float32 and float64) against a naive double reference (plain loops:
- *     project, RMSNorm, RoPE, softmax attention, W^O), on every ISA this
+ *     project, RMSNorm or LayerNorm, RoPE, softmax attention, W^O), on every ISA this
  *     machine runs, for: norm only (shared (d,) and per-head weights), RoPE
  *     only (both pairings, partial rotary_dim, custom inv_freq, explicit
  *     positions (B, Tq) and (Tq,), key_positions), both, GQA, biases,
@@ -19,7 +20,9 @@
  *   - mha_backward_f64 against central finite differences of
  *     loss = sum(out * R) at entries of x, key, wq, wk, q_norm, k_norm, and
  *     float32's gradients against float64's;
- *   - a backward asked for dq_norm / dk_norm alone gives the same bits;
+ *   - a backward asked for dq_norm / dk_norm alone gives the same bits, and
+ *     one not asked for them (the norm's passes A and C fused) the same dx,
+ *     dkey, dwq, dwk;
  *   - bitwise equality of every output and gradient for 1 and 3 threads.
  */
 #ifndef _WIN32
@@ -43,7 +46,8 @@
 #define MAXG 8
 
 /* One test case. qn / kn: 0 off, 1 shared (d,) weight, 2 per head.
-   pos / kpos: 0 default positions, 1 (B, T), 2 (T,). */
+   pos / kpos: 0 default positions, 1 (B, T), 2 (T,). ln: the norm is
+   LayerNorm (MHA_NORM_LAYER), else RMSNorm. */
 typedef struct {
     const char *name;
     size_t B, Tq, Tk, Din, H, G, dv;
@@ -53,6 +57,7 @@ typedef struct {
     size_t rot;
     int inter, custom_freq;
     int pos, kpos;
+    int ln;
 } tcase;
 
 /* The inputs of one case, as doubles that are exactly floats (so float32
@@ -173,6 +178,7 @@ static void problem_init(problem *P, const tcase *c)
     cfg->q_norm_hstride = c->qn == 2 ? d : 0;
     cfg->k_norm_hstride = c->kn == 2 ? d : 0;
     cfg->norm_eps = 1e-5;
+    cfg->norm_type = c->ln ? MHA_NORM_LAYER : MHA_NORM_RMS;
     cfg->rotary_dim = c->rot;
     cfg->rope_interleaved = c->inter;
     cfg->inv_freq = c->rot ? P->inv_freq : NULL;
@@ -224,18 +230,24 @@ static void ref_proj(double *proj, const double *in, const double *w,
         }
 }
 
-/* One head of one row, in place: RMSNorm with weight w (or none), then
-   RoPE at position pos. */
+/* One head of one row, in place: RMSNorm, or LayerNorm (cfg->norm_type:
+   mean removed, the biased variance), with weight w (or none), then RoPE
+   at position pos. */
 static void ref_head(double *y, size_t d, const double *w, double pos,
                      const mha_config *cfg, const double *inv_freq)
 {
     if (w != NULL) {
-        double ss = 0;
+        double m = 0, ss = 0;
+        if (cfg->norm_type == MHA_NORM_LAYER) {
+            for (size_t c = 0; c < d; c++)
+                m += y[c];
+            m /= (double)d;
+        }
         for (size_t c = 0; c < d; c++)
-            ss += y[c] * y[c];
+            ss += (y[c] - m) * (y[c] - m);
         const double r = 1.0 / sqrt(ss / (double)d + cfg->norm_eps);
         for (size_t c = 0; c < d; c++)
-            y[c] = y[c] * r * w[c];
+            y[c] = (y[c] - m) * r * w[c];
     }
     const size_t half = cfg->rotary_dim / 2;
     for (size_t c = 0; c < half; c++) {
@@ -523,6 +535,8 @@ static void fwd_bwd(problem *P, int f64, fwd_out *o, grads *g)
     free(dout);
 }
 
+static int same_bytes(const void *a, const void *b, size_t n, int f64);
+
 /* Central differences of loss_f64 at `nent` entries of arr (the float64
    copy of an input, n entries) against the gradient grad. */
 static void check_fd(problem *P, double *arr, size_t n, const double *grad,
@@ -576,6 +590,26 @@ static void test_backward(problem *P)
         for (int i = 0; i < 6; i++) {
             const double e = max_err(a32[i], a64[i], n[i], 0);
             CHECK(e <= 1e-4, "%s: float32 gradient %d off by %.3g", c->name, i, e);
+        }
+
+        // Without dq_norm / dk_norm (passes A and C of the norm fused): the
+        // same bits of every other gradient.
+        for (int f64 = 0; f64 < 2 && (c->qn || c->kn); f64++) {
+            grads none;
+            grads_alloc(&none, P, f64);
+            free(none.dqn);
+            free(none.dkn);
+            none.dqn = none.dkn = NULL;
+            void *dout = typed(P->R, nq * P->Dout, f64);
+            const mha_status st = run_bwd(P, f64, &none, dout, f64 ? &o64 : &o32);
+            const grads *all = f64 ? &g64 : &g32;
+            CHECK(st == MHA_OK && same_bytes(none.dx, all->dx, nq * c->Din, f64) &&
+                      same_bytes(none.dkey, all->dkey, nk * c->Din, f64) &&
+                      same_bytes(none.dwq, all->dwq, c->Din * P->Sq, f64) &&
+                      same_bytes(none.dwk, all->dwk, c->Din * P->Sk, f64),
+                  "%s f%d: the fused norm backward differs", c->name, f64 ? 64 : 32);
+            free(dout);
+            grads_free(&none);
         }
 
         // dq_norm / dk_norm alone: the same bits as with every gradient.
@@ -699,13 +733,14 @@ static void test_packed_positions(void)
    interrupt flag stops the calls (ASan: nothing leaks on that path). */
 static void test_edges(void)
 {
-    const tcase base = {"edge", 2, 3, 4, 5, 2, 1, 3, {6}, 1, 1, 1, 2, 1, 4, 0, 0, 0, 0};
+    const tcase base = {"edge", 2, 3, 4, 5, 2, 1, 3, {6}, 1, 1, 1, 2, 1, 4, 0, 0, 0, 0, 0};
     const size_t shapes[3][3] = {{2, 3, 0}, {2, 0, 4}, {0, 3, 4}};
-    for (int e = 0; e < 3; e++) {
+    for (int e = 0; e < 6; e++) {
         tcase c = base;
-        c.B = shapes[e][0];
-        c.Tq = shapes[e][1];
-        c.Tk = shapes[e][2];
+        c.ln = e >= 3;   /* each empty axis with RMSNorm, then LayerNorm */
+        c.B = shapes[e % 3][0];
+        c.Tq = shapes[e % 3][1];
+        c.Tk = shapes[e % 3][2];
         problem P;
         problem_init(&P, &c);
         for (int f64 = 0; f64 < 2; f64++) {
@@ -745,24 +780,37 @@ static void test_edges(void)
 }
 
 /* name, B, Tq, Tk, Din, H, G, dv, dk[], has_wo, causal, bias, qn, kn, rot,
-   inter, custom_freq, pos, kpos */
+   inter, custom_freq, pos, kpos, ln */
 static const tcase k_cases[] = {
-    {"norm shared", 2, 5, 7, 6, 2, 2, 4, {8}, 1, 0, 0, 1, 1, 0, 0, 0, 0, 0},
-    {"norm per head gqa causal bias", 2, 6, 6, 6, 4, 2, 3, {6}, 1, 1, 1, 2, 2, 0, 0, 0, 0, 0},
-    {"q norm only", 1, 4, 5, 5, 2, 1, 3, {7}, 1, 0, 1, 2, 0, 0, 0, 0, 0, 0},
-    {"rope neox full", 2, 5, 5, 6, 2, 2, 4, {8}, 1, 0, 0, 0, 0, 8, 0, 0, 0, 0},
-    {"rope gptj partial custom freq", 1, 6, 8, 5, 2, 2, 4, {10}, 1, 0, 0, 0, 0, 6, 1, 1, 0, 0},
-    {"rope positions (B,Tq) key (B,Tk) causal", 2, 5, 6, 6, 2, 2, 4, {8}, 1, 1, 0, 0, 0, 4, 0, 0, 1, 1},
-    {"rope positions (Tq,) key (Tk,) gqa", 2, 4, 7, 5, 4, 1, 3, {6}, 1, 0, 1, 0, 0, 6, 1, 0, 2, 2},
-    {"rope ragged heads", 2, 5, 6, 6, 2, 2, 3, {8, 12}, 1, 0, 0, 0, 0, 8, 0, 0, 0, 0},
-    {"both gqa bias causal no wo", 2, 4, 9, 6, 4, 2, 3, {8}, 0, 1, 1, 2, 1, 6, 0, 0, 0, 0},
-    {"both interleaved custom", 1, 6, 6, 7, 3, 3, 2, {6}, 1, 0, 0, 1, 2, 4, 1, 1, 1, 0},
-    {"k norm rope Tq > Tk causal", 2, 7, 4, 5, 2, 2, 3, {8}, 1, 1, 0, 0, 2, 4, 1, 0, 0, 0},
+    {"norm shared", 2, 5, 7, 6, 2, 2, 4, {8}, 1, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0},
+    {"norm per head gqa causal bias", 2, 6, 6, 6, 4, 2, 3, {6}, 1, 1, 1, 2, 2, 0, 0, 0, 0, 0, 0},
+    {"q norm only", 1, 4, 5, 5, 2, 1, 3, {7}, 1, 0, 1, 2, 0, 0, 0, 0, 0, 0, 0},
+    {"rope neox full", 2, 5, 5, 6, 2, 2, 4, {8}, 1, 0, 0, 0, 0, 8, 0, 0, 0, 0, 0},
+    {"rope gptj partial custom freq", 1, 6, 8, 5, 2, 2, 4, {10}, 1, 0, 0, 0, 0, 6, 1, 1, 0, 0, 0},
+    {"rope positions (B,Tq) key (B,Tk) causal", 2, 5, 6, 6, 2, 2, 4, {8}, 1, 1, 0, 0, 0, 4, 0, 0, 1, 1, 0},
+    {"rope positions (Tq,) key (Tk,) gqa", 2, 4, 7, 5, 4, 1, 3, {6}, 1, 0, 1, 0, 0, 6, 1, 0, 2, 2, 0},
+    {"rope ragged heads", 2, 5, 6, 6, 2, 2, 3, {8, 12}, 1, 0, 0, 0, 0, 8, 0, 0, 0, 0, 0},
+    {"both gqa bias causal no wo", 2, 4, 9, 6, 4, 2, 3, {8}, 0, 1, 1, 2, 1, 6, 0, 0, 0, 0, 0},
+    {"both interleaved custom", 1, 6, 6, 7, 3, 3, 2, {6}, 1, 0, 0, 1, 2, 4, 1, 1, 1, 0, 0},
+    {"k norm rope Tq > Tk causal", 2, 7, 4, 5, 2, 2, 3, {8}, 1, 1, 0, 0, 2, 4, 1, 0, 0, 0, 0},
+    // LayerNorm (issue 38): shared and per-head weights, one side alone, odd
+    // widths (d = 7, 5: the four-chain sums' tails), with RoPE, GQA, biases.
+    {"layer norm shared", 2, 5, 7, 6, 2, 2, 4, {8}, 1, 0, 0, 1, 1, 0, 0, 0, 0, 0, 1},
+    {"layer norm per head gqa causal bias odd", 2, 6, 6, 6, 4, 2, 3, {7}, 1, 1, 1, 2, 2, 0, 0,
+     0, 0, 0, 1},
+    {"layer q norm only d 5", 1, 4, 5, 5, 2, 1, 3, {5}, 1, 0, 1, 2, 0, 0, 0, 0, 0, 0, 1},
+    {"layer k norm rope Tq > Tk causal", 2, 7, 4, 5, 2, 2, 3, {8}, 1, 1, 0, 0, 2, 4, 1, 0, 0,
+     0, 1},
+    {"layer both rope gqa bias no wo positions", 2, 4, 9, 6, 4, 2, 3, {6}, 0, 1, 1, 2, 1, 6, 0,
+     1, 1, 2, 1},
 };
 
 /* Large enough that the transforms, the attention and the GEMMs all split
    their work over the threads. */
-static const tcase k_big = {"big", 2, 256, 256, 64, 4, 2, 16, {64}, 1, 1, 1, 2, 1, 32, 0, 0, 0, 0};
+static const tcase k_big = {"big", 2, 256, 256, 64, 4, 2, 16, {64}, 1, 1, 1, 2, 1, 32, 0, 0, 0,
+                            0, 0};
+static const tcase k_big_ln = {"big layer norm", 2, 256, 256, 64, 4, 2, 16, {64}, 1, 1, 1, 2,
+                               1, 32, 0, 0, 0, 0, 1};
 
 static int cmp_double(const void *a, const void *b)
 {
@@ -788,7 +836,7 @@ static double cpu_s(void)
 
 static void bench(int reps)
 {
-    const tcase c = {"bench", 1, 1024, 1024, 512, 8, 8, 64, {64}, 1, 1, 0, 1, 1, 64, 0, 0, 0, 0};
+    const tcase c = {"bench", 1, 1024, 1024, 512, 8, 8, 64, {64}, 1, 1, 0, 1, 1, 64, 0, 0, 0, 0, 0};
     problem P;
     problem_init(&P, &c);
     mha_set_num_threads(1);
@@ -838,7 +886,7 @@ static void bench(int reps)
    valgrind --tool=callgrind --toggle-collect=mha_forward ./test_qk once qk */
 static void once(int qk)
 {
-    const tcase c = {"once", 1, 1024, 1024, 512, 8, 8, 64, {64}, 1, 1, 0, 1, 1, 64, 0, 0, 0, 0};
+    const tcase c = {"once", 1, 1024, 1024, 512, 8, 8, 64, {64}, 1, 1, 0, 1, 1, 64, 0, 0, 0, 0, 0};
     problem P;
     problem_init(&P, &c);
     mha_set_num_threads(1);
@@ -880,11 +928,14 @@ int main(int argc, char **argv)
         test_threads(&P);
         problem_free(&P);
     }
-    problem big;
-    problem_init(&big, &k_big);
-    printf("%s ...\n", k_big.name);
-    test_threads(&big);
-    problem_free(&big);
+    const tcase *bigs[2] = {&k_big, &k_big_ln};
+    for (int i = 0; i < 2; i++) {
+        problem big;
+        problem_init(&big, bigs[i]);
+        printf("%s ...\n", bigs[i]->name);
+        test_threads(&big);
+        problem_free(&big);
+    }
     printf("%ld checks, %d failures (%.1f s)\n", g_checks, g_failures, now_s() - t0);
     return g_failures != 0;
 }

@@ -963,6 +963,14 @@ static void test_config(void)
         "dk[0] = 8");
     BAD((c.norm_eps = -1e-6), "norm_eps < 0", A, MHA_FIELD_NORM_EPS, "norm_eps = -1e-06");
     BAD((c.norm_eps = NAN), "norm_eps NaN", A, MHA_FIELD_NORM_EPS, "norm_eps = ");
+    GOOD((c.q_norm = qn, c.norm_type = MHA_NORM_LAYER), "norm_type LayerNorm");
+    GOOD((c.norm_type = MHA_NORM_LAYER), "norm_type LayerNorm without a norm weight");
+    BAD((c.q_norm = qn, c.norm_type = (mha_norm_type)2), "norm_type 2", A,
+        MHA_FIELD_NORM_TYPE, "norm_type = 2", "MHA_NORM_RMS (0, \"rms\")",
+        "MHA_NORM_LAYER (1, \"layer\")");
+    // Checked without a norm weight too: a wrong value is never ignored.
+    BAD((c.norm_type = (mha_norm_type)-1), "norm_type -1 without q_norm", A,
+        MHA_FIELD_NORM_TYPE, "norm_type = -1");
     GOOD((c.positions_bstride = 5, c.key_positions_bstride = 7), "positions strides");
     BAD((c.positions_bstride = 7), "positions_bstride", A, MHA_FIELD_POSITIONS_BSTRIDE,
         "positions_bstride = 7", "Tq = 5");
@@ -971,6 +979,34 @@ static void test_config(void)
         "key_positions_bstride = 5", "Tk = 7");
 #undef BAD
 #undef GOOD
+
+    // The norm types by name (mha_norm_type_parse, mha_norm_type_name).
+    mha_norm_type nt = MHA_NORM_LAYER;
+    CHECK(mha_norm_type_parse(&nt, "rms", 3, &err) == MHA_OK && nt == MHA_NORM_RMS &&
+              err.field == MHA_FIELD_NONE, "parse rms");
+    CHECK(mha_norm_type_parse(&nt, "layerX", 5, &err) == MHA_OK && nt == MHA_NORM_LAYER,
+          "parse layer (by length)");
+    CHECK(strcmp(mha_norm_type_name(MHA_NORM_RMS), "rms") == 0 &&
+              strcmp(mha_norm_type_name(MHA_NORM_LAYER), "layer") == 0 &&
+              mha_norm_type_name((mha_norm_type)2) == NULL, "mha_norm_type_name");
+    static const struct {
+        const char *name;
+        size_t len;
+        const char *seen;
+    } bad_names[] = {{"batch", 5, "\"batch\""}, {"rms", 2, "\"rm\""},
+                     {"rms\0", 4, "\"rms?\""}, {"RMS", 3, "\"RMS\""}, {"", 0, "\"\""},
+                     {NULL, 0, "\"\""},
+                     {"0123456789012345678901234567890123456789", 40,
+                      "\"01234567890123456789012345678901...\""}};
+    for (size_t i = 0; i < sizeof bad_names / sizeof bad_names[0]; i++) {
+        nt = MHA_NORM_LAYER;
+        const mha_status st = mha_norm_type_parse(&nt, bad_names[i].name, bad_names[i].len, &err);
+        CHECK(st == MHA_ERR_ARG && nt == MHA_NORM_LAYER && err.field == MHA_FIELD_NORM_TYPE &&
+                  strstr(err.msg, bad_names[i].seen) != NULL &&
+                  strstr(err.msg, "\"rms\", \"layer\"") != NULL,
+              "parse %zu: %s (%s)", i, mha_status_name(st), err.msg);
+    }
+    CHECK(mha_norm_type_parse(&nt, "x", 1, NULL) == MHA_ERR_ARG, "parse, err NULL");
 
     // The entry points' own checks report through the same mha_error.
     double buf[64] = {0};

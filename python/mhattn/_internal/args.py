@@ -467,8 +467,10 @@ def backward_items(call: "Call", threads: int) -> list:
         items.append(("the backward's normed / rotated q and k",
                       "B*T_q*sum(d_k) + B*T_k*sum(d_k)", (B * Tq * Sq + B * Tk * Sk,), n))
     if call.var.q_norm is not None or call.var.k_norm is not None:
-        items.append(("the backward's RMSNorm factors", "B*T_q*h + B*T_k*g",
-                      (B * Tq * H + B * Tk * call.G,), 8))
+        # 1 / RMS per row and head, and LayerNorm's means beside them
+        per = 2 if call.var.norm_type == "layer" else 1
+        items.append(("the backward's q/k norm factors", f"{per}*(B*T_q*h + B*T_k*g)",
+                      (per, B * Tq * H + B * Tk * call.G), 8))
     if call.w_gate is not None:
         # g, gated then dz, and d(concat) (csrc/core/backward_impl.h, bwd_plan)
         items += [("the gradients of w_gate and b_gate", "d_in*sum(d_v) + sum(d_v)",

@@ -29,6 +29,7 @@ The letters follow ``csrc/mha.h``.
 from __future__ import annotations
 
 import functools
+import types
 from typing import Any, Dict, Optional
 
 import numpy as np
@@ -37,14 +38,15 @@ from .. import _C  # the one module of the package that imports the extension
 from . import args as _args
 from . import half as _half
 from .fields import ATTENTION, LAYER, Names, user_error
-from .variants import variants_tuple
+from .variants import Variants, norm_type_arg, variants_tuple
 from .args import (PER_HEAD_BYTES, Call, bool_arg, check_memory, fused_widths,
                    head_scales, memory_limit, normalize, plan)
 
 __all__ = ["fast", "slow", "core_args", "gate_args", "variant_args", "head_arrays",
            "run_core", "Context", "make_context",
            # the C entry points
-           "forward", "backward", "attention", "attention_backward", "project", "check_heads", "check_config", "attention_in_layer_words",
+           "forward", "backward", "attention", "attention_backward", "project", "check_heads",
+           "check_config", "check_norm_type", "attention_in_layer_words",
            "pack_weight", "packed_info", "get_isa", "set_isa", "get_num_threads",
            "set_num_threads", "library_path", "cast_half"]
 
@@ -145,6 +147,30 @@ def check_heads(H: int, G: int, dk=None, dv=None, names: Names = LAYER) -> None:
         if not hasattr(e, "field"):
             raise
         raise user_error(e, names) from None
+
+
+def check_norm_type(norm_type: Any, names: Names = LAYER) -> str:
+    """The core's verdict on a q/k norm's name (``norm_type``), for what
+    holds one before any call of the core (the layer's constructor): the
+    name as a str, or the core's rejection (mha_norm_type_parse), the very
+    message a call would raise. A TypeError for anything but a str."""
+    name = norm_type_arg(norm_type)
+    try:
+        _norm_type_ok(name)
+    except ValueError as e:
+        if not hasattr(e, "field"):
+            raise
+        raise user_error(e, names) from None
+    return name
+
+
+@functools.lru_cache(maxsize=16)
+def _norm_type_ok(name: str) -> None:
+    """``_C.check_config`` of one head on no rows, with the norm ``name``."""
+    call = types.SimpleNamespace(var=Variants(norm_type=name))
+    _C.check_config(np.empty((1, 0, 0)), np.empty((1, 0, 0)), np.ones(1, dtype=np.int64),
+                    np.ones(1, dtype=np.int64), np.ones(1), None,
+                    variants_tuple(call, always=True), False)
 
 
 @functools.lru_cache(maxsize=64)

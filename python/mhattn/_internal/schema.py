@@ -247,16 +247,32 @@ One learnable logit per query head, counted in the softmax's
 denominator as an extra key of value zero (gpt-oss); the returned
 weights exclude it, so a row sums to less than 1."""),
     Arg("q_norm", _MHA, "array?", "T", "(dk,) or (H, dk)", "None",
-        "RMSNorm weights of each head's q, before RoPE.",
+        "Norm weights of each head's q, before RoPE.",
         type="(d_k,), (h, d_k) / (num_kv_heads, d_k), optional",
         text="""\
-RMSNorm weights of each head's q and k over its d_k features, after
-the projection and bias, before RoPE (Qwen3, Gemma 3)."""),
+Norm weights of each head's q and k over its d_k features, after
+the projection and bias, before RoPE: RMSNorm (Qwen3, Gemma 3), or
+LayerNorm with ``norm_type="layer"``."""),
     Arg("k_norm", _MHA, "array?", "T", "(dk,) or (G, dk)", "None",
-        "RMSNorm weights of each kv head's k, before RoPE."),
-    Arg("norm_eps", _MHA, "float", "", "", "1e-06", "The q/k RMSNorm's epsilon.",
+        "Norm weights of each kv head's k, before RoPE."),
+    Arg("norm_eps", _MHA, "float", "", "", "1e-06", "The q/k norm's epsilon.",
         type="float, default 1e-6",
-        text="The RMSNorm's epsilon: x / sqrt(mean(x**2) + norm_eps) * weight."),
+        text="The q/k norm's epsilon, added to the mean square (or the variance)."),
+    Arg("norm_type", _MHA, "str", "", "", "'rms'",
+        "The q/k norm: 'rms' (RMSNorm) or 'layer' (LayerNorm, mean-centred).",
+        type='"rms" (default) or "layer"',
+        text="""\
+The q/k norm's kind, for ``q_norm`` and ``k_norm`` over each head's
+d_k features x: "rms", RMSNorm (Qwen3, Gemma 3),
+x / sqrt(mean(x**2) + norm_eps) * weight; or "layer", LayerNorm,
+(x - mean(x)) / sqrt(var(x) + norm_eps) * weight, var the biased
+(population) variance, as Flax NNX's
+``MultiHeadAttention(normalize_qk=True)`` (ViT-22B).  No bias: Flax
+builds those LayerNorms with ``use_bias=False`` (a bare
+``nnx.LayerNorm`` would have one), so there is none to match.
+Only read where ``q_norm`` or ``k_norm`` is given, but always checked:
+any other value raises ValueError naming norm_type and the accepted
+values."""),
     Arg("rope", _MHA, "object", "", "", "None",
         "Rotary embedding of q and k after the norm (a mhattn.RoPE).",
         type="mhattn.RoPE, optional",
@@ -478,14 +494,23 @@ default d_model."""),
 Own one attention-sink logit per query head, ``sinks`` (h,),
 initialised to 0 (gpt-oss; see multi_head_attention's ``sinks``)."""),
     Arg("qk_norm", _LAYER, "object", "", "", "False",
-        "Own q/k RMSNorm weights: False, True or 'per_head'.",
+        "Own q/k norm weights: False, True or 'per_head'.",
         type='False, True or "per_head"',
         text="""\
-Own RMSNorm weights for q and k, initialised to 1: ``q_norm`` and
-``k_norm`` (d_k,) shared by every head (Qwen3), or with "per_head"
-``q_norm`` (h, d_k) and ``k_norm`` (g, d_k)."""),
-    Arg("norm_eps", _LAYER, "float", "", "", "1e-06", "The q/k RMSNorm's epsilon.",
-        type="float", text="The q/k RMSNorm's epsilon."),
+Own norm weights for q and k, initialised to 1: ``q_norm`` and
+``k_norm`` (d_k,) shared by every head (Qwen3; Flax's
+``normalize_qk``), or with "per_head" ``q_norm`` (h, d_k) and
+``k_norm`` (g, d_k)."""),
+    Arg("norm_eps", _LAYER, "float", "", "", "1e-06", "The q/k norm's epsilon.",
+        type="float", text="The q/k norm's epsilon."),
+    Arg("norm_type", _LAYER, "str", "", "", "'rms'",
+        "The q/k norm: 'rms' (RMSNorm) or 'layer' (LayerNorm).",
+        type='"rms" (default) or "layer"',
+        text="""\
+The q/k norm of ``qk_norm``: "rms", RMSNorm, or "layer", LayerNorm
+without a bias (Flax's ``MultiHeadAttention(normalize_qk=True)``);
+see multi_head_attention's ``norm_type``.  Only read with
+``qk_norm``, but checked here (ValueError naming it) either way."""),
     Arg("gate", _LAYER, "bool", "", "", "False", "Own an output gate, w_gate and b_gate.",
         type="bool",
         text="""\
@@ -512,25 +537,26 @@ ENTRIES: Dict[str, Entry] = {
         _F + "forward.py", "multi_head_attention",
         "x, w_q, w_k, w_v, w_o, *, num_heads, key, value, scale, return_weights, mask, "
         "causal, key_lengths, num_kv_heads, b_q, b_k, b_v, b_o, w_gate, b_gate, return_context, "
-        "window, softcap, alibi_slopes, sinks, q_norm, k_norm, norm_eps, rope, positions, "
-        "key_positions, key_mask, cu_seqlens, key_cu_seqlens, cache, new_lengths",
+        "window, softcap, alibi_slopes, sinks, q_norm, k_norm, norm_eps, norm_type, rope, "
+        "positions, key_positions, key_mask, cu_seqlens, key_cu_seqlens, cache, new_lengths",
         ("x", "w_q, w_k, w_v", "w_o", "num_heads", "key, value", "scale",
          "return_weights", "mask", "causal", "key_lengths", "num_kv_heads",
-         "b_q, b_k, b_v", "b_o", "w_gate, b_gate", "return_context", "window", "softcap", "alibi_slopes",
-         "sinks", "q_norm, k_norm", "norm_eps", "rope", "positions, key_positions",
+         "b_q, b_k, b_v", "b_o", "w_gate, b_gate", "return_context", "window", "softcap",
+         "alibi_slopes", "sinks", "q_norm, k_norm", "norm_eps", "norm_type", "rope",
+         "positions, key_positions",
          "key_mask", "cu_seqlens, key_cu_seqlens", "cache", "new_lengths")),
     "multi_head_attention_grad": Entry(
         _F + "grad.py", "multi_head_attention_grad",
         "grad_out, x, w_q, w_k, w_v, w_o, *, num_heads, key, value, scale, mask, causal, "
         "key_lengths, num_kv_heads, b_q, b_k, b_v, b_o, w_gate, b_gate, window, softcap, "
-        "alibi_slopes, sinks, q_norm, k_norm, norm_eps, rope, positions, key_positions, "
-        "key_mask, cu_seqlens, key_cu_seqlens",
+        "alibi_slopes, sinks, q_norm, k_norm, norm_eps, norm_type, rope, positions, "
+        "key_positions, key_mask, cu_seqlens, key_cu_seqlens",
         ("grad_out",
          ("x, w_q, w_k, w_v, w_o, num_heads, key, value, scale, mask, causal",
           "As :func:`mhattn.multi_head_attention` (not ``return_weights``)."),
          ("key_lengths, num_kv_heads, b_q, b_k, b_v, b_o, w_gate, b_gate",
           "As :func:`mhattn.multi_head_attention`."),
-         ("window, softcap, alibi_slopes, sinks, q_norm, k_norm, norm_eps, rope",
+         ("window, softcap, alibi_slopes, sinks, q_norm, k_norm, norm_eps, norm_type, rope",
           "As :func:`mhattn.multi_head_attention`."),
          ("positions, key_positions, key_mask, cu_seqlens, key_cu_seqlens",
           "As :func:`mhattn.multi_head_attention`."))),
@@ -573,9 +599,9 @@ RoPE) are not attention keywords: apply them before."""))),
     "MultiHeadAttention": Entry(
         "python/mhattn/nn/layer.py", "MultiHeadAttention",
         "d_model, num_heads, *, num_kv_heads, d_k, d_v, d_out, kdim, vdim, bias, sinks, "
-        "qk_norm, norm_eps, gate, dtype, seed",
+        "qk_norm, norm_eps, norm_type, gate, dtype, seed",
         ("d_model", "num_heads", "num_kv_heads", "d_k, d_v", "d_out", "kdim, vdim",
-         "bias", "sinks", "qk_norm", "norm_eps", "gate", "dtype", "seed")),
+         "bias", "sinks", "qk_norm", "norm_eps", "norm_type", "gate", "dtype", "seed")),
     "MultiHeadAttention.__call__": Entry("python/mhattn/nn/layer.py",
                                          "MultiHeadAttention.__call__",
                                          "x, key, value, **options"),
@@ -677,7 +703,7 @@ C_ARGS = (
     Arg("key_lengths", _MASKED + (_CHK,), "vector?", "int64", "(B,)", REQUIRED,
         "None, or each item's key count: keys j >= it are padding.",
         c_kind="ARG_LENGTHS", c_field="key_lengths"),
-    Arg("variants", _ALL5, "tuple?", "", "(15,)", REQUIRED,
+    Arg("variants", _ALL5, "tuple?", "", "(16,)", REQUIRED,
         "None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).",
         c_kind="ARG_VARIANTS", c_field=""),   # VARIANTS' fields
     Arg("lengths_aligned", (_AT, _ABW, _CHK), "bool", "", "", REQUIRED,
@@ -745,10 +771,12 @@ VARIANTS = (
     ("cu_seqlens", "array?", "int64", "(n+1,)", "nseq, cu_q", "None or the queries' offsets."),
     ("key_cu_seqlens", "array?", "int64", "(n+1,)", "cu_k", "None or the keys' offsets."),
     ("q_norm", "array?", "T", "(dk,) or (H, dk)", "q_norm, q_norm_hstride",
-     "None or the q RMSNorm weights."),
+     "None or the q norm's weights."),
     ("k_norm", "array?", "T", "(dk,) or (G, dk)", "k_norm, k_norm_hstride",
-     "None or the k RMSNorm weights."),
-    ("norm_eps", "float", "float64", "", "norm_eps", "The RMSNorm's epsilon."),
+     "None or the k norm's weights."),
+    ("norm_eps", "float", "float64", "", "norm_eps", "The q/k norm's epsilon."),
+    ("norm_type", "str", "", "", "norm_type",
+     "The q/k norm's name, 'rms' or 'layer' (the core's mha_norm_type_parse)."),
     ("rotary_dim", "int", "int64", "", "rotary_dim", "0 for no RoPE."),
     ("interleaved", "bool", "", "", "rope_interleaved", "RoPE pairs (2c, 2c+1)."),
     ("inv_freq", "array?", "float64", "(rotary_dim/2,)", "inv_freq",
@@ -1080,7 +1108,8 @@ MHA_FIELDS = (
     ("ALIBI_BSTRIDE", "alibi_bstride", ""), ("NSEQ", "nseq", ""), ("CU_Q", "cu_q", ""),
     ("CU_K", "cu_k", ""), ("Q_NORM", "q_norm", ""), ("K_NORM", "k_norm", ""),
     ("Q_NORM_HSTRIDE", "q_norm_hstride", ""), ("K_NORM_HSTRIDE", "k_norm_hstride", ""),
-    ("NORM_EPS", "norm_eps", ""), ("ROTARY_DIM", "rotary_dim", ""),
+    ("NORM_EPS", "norm_eps", ""), ("NORM_TYPE", "norm_type", ""),
+    ("ROTARY_DIM", "rotary_dim", ""),
     ("ROPE_INTERLEAVED", "rope_interleaved", ""), ("INV_FREQ", "inv_freq", ""),
     ("POSITIONS_BSTRIDE", "positions_bstride", ""),
     ("KEY_POSITIONS_BSTRIDE", "key_positions_bstride", ""),

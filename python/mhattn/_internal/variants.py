@@ -1,7 +1,8 @@
 """The variants of today's models: their checks, in one place.
 
 :func:`normalize_variants` turns the keywords ``window``, ``softcap``,
-``alibi_slopes``, ``sinks``, ``q_norm``, ``k_norm``, ``norm_eps``, ``rope``,
+``alibi_slopes``, ``sinks``, ``q_norm``, ``k_norm``, ``norm_eps``,
+``norm_type``, ``rope``,
 ``positions``, ``key_positions``, ``key_mask``, ``cu_seqlens`` and
 ``key_cu_seqlens`` into one :class:`Variants`, held by the checked
 :class:`mhattn._internal.args.Call` as ``call.var``.  Every error names the argument
@@ -11,7 +12,7 @@ The order of a score's life, which the reference, the trace and the C core
 all follow:
 
  1. project, plus bias;          7. + ALiBi + additive mask;
- 2. q/k RMSNorm;                 8. the visibility rules (mask, causal,
+ 2. q/k norm (RMS or Layer);     8. the visibility rules (mask, causal,
  3. RoPE;                           window, key_mask, key_lengths,
  4. q . k;                          packed sequences): -inf;
  5. x scale;                     9. softmax, with sinks;
@@ -28,14 +29,14 @@ import numpy as np
 
 from .arrays import _check_numeric, _to_array
 
-__all__ = ["RoPE", "Variants", "normalize_variants", "VARIANT_DEFAULTS",
+__all__ = ["RoPE", "Variants", "normalize_variants", "VARIANT_DEFAULTS", "norm_type_arg",
            "variant_kwargs",
            "query_positions", "key_positions_of", "sequence_ids"]
 
 #: Every variant keyword and its default (off).
 VARIANT_DEFAULTS = dict(window=None, softcap=None, alibi_slopes=None, sinks=None,
-                        q_norm=None, k_norm=None, norm_eps=1e-6, rope=None,
-                        positions=None, key_positions=None, key_mask=None,
+                        q_norm=None, k_norm=None, norm_eps=1e-6, norm_type="rms",
+                        rope=None, positions=None, key_positions=None, key_mask=None,
                         cu_seqlens=None, key_cu_seqlens=None)
 
 
@@ -192,6 +193,7 @@ class Variants:
     q_norm: Optional[np.ndarray] = None      # (d_k,) or (H, d_k) compute dtype
     k_norm: Optional[np.ndarray] = None      # (d_k,) or (G, d_k)
     norm_eps: float = 1e-6
+    norm_type: str = "rms"                   # the q/k norm: "rms" or "layer"
     rotary_dim: int = 0                      # 0: no RoPE
     interleaved: bool = False
     inv_freq: Optional[np.ndarray] = None    # (rotary_dim/2,) float64
@@ -305,6 +307,15 @@ def _eps(norm_eps: Any) -> float:
             norm_eps, (numbers.Real, np.floating, np.integer)):
         raise TypeError(f"norm_eps: expected a real number >= 0, got {norm_eps!r}")
     return float(norm_eps)   # finite and >= 0: the core's rule
+
+
+def norm_type_arg(norm_type: Any) -> str:
+    """``norm_type`` as a str (TypeError for anything else); which names
+    exist is the core's rule (mha_norm_type_parse), asked at the call."""
+    if not isinstance(norm_type, str):
+        raise TypeError(f"norm_type: expected a str (\"rms\" or \"layer\"), got "
+                        f"{norm_type!r:.80} ({type(norm_type).__name__})")
+    return str(norm_type)
 
 
 def _rope(rope: Any, dk: Sequence[int]) -> tuple:
@@ -423,7 +434,8 @@ def normalize_variants(v: dict, *, batched: bool, B: int, Tq: int, Tk: int, H: i
         sinks=None if sinks is None else _per_head("sinks", sinks, H, 1, False, dtype)[0],
         q_norm=_norm_weight("q_norm", get("q_norm"), H, "query head", dk, dtype),
         k_norm=_norm_weight("k_norm", get("k_norm"), G, "key/value head", dk, dtype),
-        norm_eps=_eps(get("norm_eps")), rotary_dim=rd, interleaved=inter, inv_freq=freq,
+        norm_eps=_eps(get("norm_eps")), norm_type=norm_type_arg(get("norm_type")),
+        rotary_dim=rd, interleaved=inter, inv_freq=freq,
         positions=pos, key_positions=kpos,
         key_mask=_key_mask(get("key_mask"), B, Tk, batched), cu_q=cu_q, cu_k=cu_k)
 
@@ -431,16 +443,18 @@ def normalize_variants(v: dict, *, batched: bool, B: int, Tq: int, Tk: int, H: i
 def variants_tuple(call: Any, always: bool = False):
     """The glue's ``variants`` argument for ``call.var`` (a :class:`Variants`):
     None when every variant is off (unless ``always``), else the tuple whose
-    layout csrc/python/variants.c (read_variants) gives."""
+    layout csrc/python/variants.c (read_variants) gives. A norm_type other
+    than the default counts as given: the core reads its name (and refuses
+    an unknown one) even where no norm weight uses it."""
     v = call.var
-    if not (v.any or always):
+    if not (v.any or always or v.norm_type != VARIANT_DEFAULTS["norm_type"]):
         return None
     window = None
     if v.window is not None:
         window = tuple(-1 if side is None else side for side in v.window)
     return (window, 0.0 if v.softcap is None else v.softcap, v.alibi, v.sinks,
-            v.key_mask, v.cu_q, v.cu_k, v.q_norm, v.k_norm, v.norm_eps, v.rotary_dim,
-            v.interleaved, v.inv_freq, v.positions, v.key_positions)
+            v.key_mask, v.cu_q, v.cu_k, v.q_norm, v.k_norm, v.norm_eps, v.norm_type,
+            v.rotary_dim, v.interleaved, v.inv_freq, v.positions, v.key_positions)
 
 
 def variant_floats(v: dict) -> list:

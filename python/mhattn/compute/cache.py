@@ -601,7 +601,7 @@ def _scores_only(variants: Optional[tuple]) -> Optional[tuple]:
     rules = variants[:7]
     if rules[1] == 0.0 and all(a is None for i, a in enumerate(rules) if i != 1):
         return None
-    return rules + (None, None, variants[9], 0, False, None, None, None)
+    return rules + (None, None, variants[9], variants[10], 0, False, None, None, None)
 
 
 def _output_gate(call) -> np.ndarray:

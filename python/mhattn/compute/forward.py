@@ -13,6 +13,7 @@ from .packed import PackedWeights, call_weights
 __all__ = ["multi_head_attention", "run_core"]
 
 _EPS = VARIANT_DEFAULTS["norm_eps"]
+_RMS = VARIANT_DEFAULTS["norm_type"]
 
 
 _ndarray = np.ndarray
@@ -66,8 +67,8 @@ def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None
                          causal=False, key_lengths=None, num_kv_heads=None,
                          b_q=None, b_k=None, b_v=None, b_o=None, w_gate=None, b_gate=None,
                          return_context=False, window=None, softcap=None, alibi_slopes=None,
-                         sinks=None, q_norm=None, k_norm=None, norm_eps=1e-6, rope=None,
-                         positions=None, key_positions=None, key_mask=None,
+                         sinks=None, q_norm=None, k_norm=None, norm_eps=1e-6, norm_type="rms",
+                         rope=None, positions=None, key_positions=None, key_mask=None,
                          cu_seqlens=None, key_cu_seqlens=None, cache=None,
                          new_lengths=None):
     """Multi-head attention, computed by mhattn's C core.
@@ -154,10 +155,23 @@ def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None
         denominator as an extra key of value zero (gpt-oss); the returned
         weights exclude it, so a row sums to less than 1.
     q_norm, k_norm : (d_k,), (h, d_k) / (num_kv_heads, d_k), optional
-        RMSNorm weights of each head's q and k over its d_k features, after
-        the projection and bias, before RoPE (Qwen3, Gemma 3).
+        Norm weights of each head's q and k over its d_k features, after
+        the projection and bias, before RoPE: RMSNorm (Qwen3, Gemma 3), or
+        LayerNorm with ``norm_type="layer"``.
     norm_eps : float, default 1e-6
-        The RMSNorm's epsilon: x / sqrt(mean(x**2) + norm_eps) * weight.
+        The q/k norm's epsilon, added to the mean square (or the variance).
+    norm_type : "rms" (default) or "layer"
+        The q/k norm's kind, for ``q_norm`` and ``k_norm`` over each head's
+        d_k features x: "rms", RMSNorm (Qwen3, Gemma 3),
+        x / sqrt(mean(x**2) + norm_eps) * weight; or "layer", LayerNorm,
+        (x - mean(x)) / sqrt(var(x) + norm_eps) * weight, var the biased
+        (population) variance, as Flax NNX's
+        ``MultiHeadAttention(normalize_qk=True)`` (ViT-22B).  No bias: Flax
+        builds those LayerNorms with ``use_bias=False`` (a bare
+        ``nnx.LayerNorm`` would have one), so there is none to match.
+        Only read where ``q_norm`` or ``k_norm`` is given, but always checked:
+        any other value raises ValueError naming norm_type and the accepted
+        values.
     rope : mhattn.RoPE, optional
         Rotary embedding of q and k after the norm (see :class:`mhattn.RoPE`).
     positions, key_positions : int (T_q,) / (B, T_q), (T_k,) / (B, T_k), optional
@@ -233,6 +247,7 @@ def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None
     off = (window is softcap is alibi_slopes is sinks is q_norm is k_norm is rope is
            positions is key_positions is key_mask is cu_seqlens is key_cu_seqlens is None
            and (norm_eps is _EPS or type(norm_eps) is float and norm_eps == _EPS)
+           and (norm_type is _RMS or type(norm_type) is str and norm_type == _RMS)
            and w_gate is b_gate is None)   # nor has the fast branch an output gate
     packed = None
     if type(w_q) is PackedWeights or w_k is None or w_v is None:

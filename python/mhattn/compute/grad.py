@@ -176,9 +176,9 @@ def multi_head_attention_grad(grad_out, x, w_q, w_k=None, w_v=None, w_o=None, *,
                               key_lengths=None, num_kv_heads=None, b_q=None, b_k=None,
                               b_v=None, b_o=None, w_gate=None, b_gate=None, window=None,
                               softcap=None, alibi_slopes=None, sinks=None, q_norm=None,
-                              k_norm=None, norm_eps=1e-6, rope=None, positions=None,
-                              key_positions=None, key_mask=None, cu_seqlens=None,
-                              key_cu_seqlens=None) -> Dict[str, Any]:
+                              k_norm=None, norm_eps=1e-6, norm_type="rms", rope=None,
+                              positions=None, key_positions=None, key_mask=None,
+                              cu_seqlens=None, key_cu_seqlens=None) -> Dict[str, Any]:
     """Gradients of multi_head_attention with respect to each array argument.
 
     multi_head_attention_grad(grad_out, x, w_q, w_k, w_v, w_o=None, **keywords)
@@ -201,7 +201,7 @@ def multi_head_attention_grad(grad_out, x, w_q, w_k=None, w_v=None, w_o=None, *,
         As :func:`mhattn.multi_head_attention` (not ``return_weights``).
     key_lengths, num_kv_heads, b_q, b_k, b_v, b_o, w_gate, b_gate
         As :func:`mhattn.multi_head_attention`.
-    window, softcap, alibi_slopes, sinks, q_norm, k_norm, norm_eps, rope
+    window, softcap, alibi_slopes, sinks, q_norm, k_norm, norm_eps, norm_type, rope
         As :func:`mhattn.multi_head_attention`.
     positions, key_positions, key_mask, cu_seqlens, key_cu_seqlens
         As :func:`mhattn.multi_head_attention`.

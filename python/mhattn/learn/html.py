@@ -149,6 +149,8 @@ def trace_html(trace: Any) -> str:
            f'<th style="{TH}">equation</th><th style="{TH}">shape</th></tr></thead><tbody>']
     for k in trace.keys():
         formula = FORMULA[k] + (MASKED if k == "scores" and masked else "")
+        if k in ("q_normed", "k_normed") and getattr(trace, "norm_type", "rms") == "layer":
+            formula = formula.replace("RMSNorm", "LayerNorm")
         out.append(f'<tr><td style="{TD}"><code>{k}</code></td>'
                    f'<td style="{TD}">{formula}</td>'
                    f'<td style="{TD}"><code>{esc(stage_shape(trace, k))}</code></td></tr>')

@@ -17,7 +17,8 @@ With the variants of today's models, the trace holds their steps too, in
 the order of a score's life (only those the call uses):
 
     q_proj, k_proj     X W^Q (+ b), before the q/k norm and RoPE
-    q_normed, k_normed RMSNorm(q_proj), RMSNorm(k_proj)     (q_norm, k_norm)
+    q_normed, k_normed norm(q_proj), norm(k_proj)           (q_norm, k_norm;
+                       RMSNorm, or LayerNorm with norm_type="layer")
     q, k               what the scores use: after the norm and RoPE
     capped             softcap * tanh(raw_scores * scale / softcap)   (softcap)
     bias               ALiBi's -slope * abs(p_i - j)                    (alibi_slopes)
@@ -112,8 +113,8 @@ def trace(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=None,
           scale=None, mask=None, causal=False, key_lengths=None, num_kv_heads=None,
           b_q=None, b_k=None, b_v=None, b_o=None, w_gate=None, b_gate=None, tokens=None,
           key_tokens=None, window=None, softcap=None, alibi_slopes=None, sinks=None,
-          q_norm=None, k_norm=None, norm_eps=1e-6, rope=None, positions=None,
-          key_positions=None, key_mask=None, cu_seqlens=None,
+          q_norm=None, k_norm=None, norm_eps=1e-6, norm_type="rms", rope=None,
+          positions=None, key_positions=None, key_mask=None, cu_seqlens=None,
           key_cu_seqlens=None) -> "Trace":
     """Every intermediate step of multi-head attention, per head.
 
@@ -139,8 +140,10 @@ def trace(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=None,
         One label per query row.
     key_tokens : sequence of str, optional
         One label per key row; defaults to ``tokens`` for self-attention.
-    window, softcap, alibi_slopes, sinks, q_norm, k_norm, norm_eps, rope
+    window, softcap, alibi_slopes, sinks, q_norm, k_norm, norm_eps, norm_type
         The variants, as :func:`mhattn.multi_head_attention` takes them.
+    rope
+        As :func:`mhattn.multi_head_attention`.
     positions, key_positions, key_mask, cu_seqlens, key_cu_seqlens
         As :func:`mhattn.multi_head_attention`.
 
@@ -220,7 +223,7 @@ def _trace_items(call: Call) -> list:
     # The views and lists of each head's stages, as elsewhere (PER_HEAD_BYTES).
     items.append(("the trace's per-head bookkeeping", "h", (H,), PER_HEAD_BYTES))
     if var.transforms:
-        # rms_norm and rope in float64: at most 8 (T, d_k) arrays per side.
+        # the norm and rope in float64: at most 8 (T, d_k) arrays per side.
         items.append(("one head's q/k norm and RoPE, in float64", "8*(T_q + T_k)*max(d_k)",
                       (8, Tq + Tk, max(call.dk, default=0)), 8))
     return items
@@ -323,6 +326,9 @@ class Trace:
     causal, masked : bool, default False
         Whether the call was causal, and whether it had a mask or key
         lengths.
+    norm_type : "rms" (default) or "layer"
+        The call's q/k norm (``q_normed``, ``k_normed``): RMSNorm or
+        LayerNorm, named so in the HTML display.
     tokens, key_tokens : sequence of str, optional
         The labels of the query rows and of the key rows.
 
@@ -349,7 +355,7 @@ class Trace:
     def __init__(self, arrays: Mapping[str, Any], *, num_heads: int, num_kv_heads: int,
                  d_k: Sequence[int], d_v: Sequence[int], scales: Sequence[float],
                  batched: bool, dtype, causal: bool = False, masked: bool = False,
-                 tokens: Optional[Sequence[str]] = None,
+                 norm_type: str = "rms", tokens: Optional[Sequence[str]] = None,
                  key_tokens: Optional[Sequence[str]] = None):
         # Made by mhattn.trace (Trace.from_call); built by hand, it is whole
         # or refused: every stage an array (a per-head one may be a list).
@@ -389,6 +395,9 @@ class Trace:
         self.dtype = np.dtype(dtype)
         self.causal = bool(causal)
         self.masked = bool(masked)
+        if norm_type not in ("rms", "layer"):   # a label of the display, nothing computed
+            raise ValueError(f"norm_type: expected 'rms' or 'layer', got {norm_type!r:.80}")
+        self.norm_type = str(norm_type)
         self.tokens = None if tokens is None else list(tokens)
         self.key_tokens = None if key_tokens is None else list(key_tokens)
 
@@ -473,7 +482,7 @@ class Trace:
                    scales=call.scales, batched=call.batched, dtype=call.dtype,
                    causal=call.causal,
                    masked=call.mask is not None or call.key_lengths is not None,
-                   tokens=tokens, key_tokens=key_tokens)
+                   norm_type=var.norm_type, tokens=tokens, key_tokens=key_tokens)
 
     # ------------------------------------------------------------- accessors
     def to_dict(self) -> Dict[str, PerHead]:

@@ -47,7 +47,7 @@ __all__ = ["MultiHeadAttention"]
 # Keywords of multi_head_attention that the layer sets itself from its weights.
 _OWNED = frozenset({"x", "w_q", "w_k", "w_v", "w_o", "num_heads", "num_kv_heads",
                     "key", "value", "b_q", "b_k", "b_v", "b_o", "sinks", "q_norm",
-                    "k_norm", "norm_eps", "w_gate", "b_gate"})
+                    "k_norm", "norm_eps", "norm_type", "w_gate", "b_gate"})
 # The learnable variants a layer may own, under their state_dict keys (the
 # names of gpt-oss's and Qwen3's attention modules).
 _VARIANT_KEYS = {"sinks": "sinks", "q_norm": "q_norm.weight", "k_norm": "k_norm.weight"}
@@ -146,7 +146,7 @@ class MultiHeadAttention:
     MultiHeadAttention(d_model, num_heads, *, num_kv_heads=None, d_k=None,
                        d_v=None, d_out=None, kdim=None, vdim=None, bias=False,
                        sinks=False, qk_norm=False, norm_eps=1e-6,
-                       gate=False, dtype=np.float32, seed=None)
+                       norm_type="rms", gate=False, dtype=np.float32, seed=None)
 
     Parameters
     ----------
@@ -170,11 +170,17 @@ class MultiHeadAttention:
         Own one attention-sink logit per query head, ``sinks`` (h,),
         initialised to 0 (gpt-oss; see multi_head_attention's ``sinks``).
     qk_norm : False, True or "per_head"
-        Own RMSNorm weights for q and k, initialised to 1: ``q_norm`` and
-        ``k_norm`` (d_k,) shared by every head (Qwen3), or with "per_head"
-        ``q_norm`` (h, d_k) and ``k_norm`` (g, d_k).
+        Own norm weights for q and k, initialised to 1: ``q_norm`` and
+        ``k_norm`` (d_k,) shared by every head (Qwen3; Flax's
+        ``normalize_qk``), or with "per_head" ``q_norm`` (h, d_k) and
+        ``k_norm`` (g, d_k).
     norm_eps : float
-        The q/k RMSNorm's epsilon.
+        The q/k norm's epsilon.
+    norm_type : "rms" (default) or "layer"
+        The q/k norm of ``qk_norm``: "rms", RMSNorm, or "layer", LayerNorm
+        without a bias (Flax's ``MultiHeadAttention(normalize_qk=True)``);
+        see multi_head_attention's ``norm_type``.  Only read with
+        ``qk_norm``, but checked here (ValueError naming it) either way.
     gate : bool
         Own an output gate (Keras's ``use_gate=True``): ``w_gate``
         (d_model, h*d_v), Glorot-uniform as Keras draws it, and ``b_gate``
@@ -285,18 +291,19 @@ class MultiHeadAttention:
                  d_k: Optional[int] = None, d_v: Optional[int] = None,
                  d_out: Optional[int] = None, kdim: Optional[int] = None,
                  vdim: Optional[int] = None, bias: bool = False, sinks: bool = False,
-                 qk_norm: Any = False, norm_eps: float = 1e-6, gate: bool = False,
-                 dtype: Any = np.float32, seed: Any = None):
+                 qk_norm: Any = False, norm_eps: float = 1e-6, norm_type: str = "rms",
+                 gate: bool = False, dtype: Any = np.float32, seed: Any = None):
         self._configure(d_model, num_heads, num_kv_heads=num_kv_heads, d_k=d_k, d_v=d_v,
                         d_out=d_out, kdim=kdim, vdim=vdim, bias=bias, dtype=dtype,
-                        sinks=sinks, qk_norm=qk_norm, norm_eps=norm_eps, gate=gate)
+                        sinks=sinks, qk_norm=qk_norm, norm_eps=norm_eps,
+                        norm_type=norm_type, gate=gate)
         self.reset_parameters(seed)
 
     # -- construction ---------------------------------------------------------
 
     def _configure(self, d_model, num_heads, *, num_kv_heads, d_k, d_v, d_out, kdim,
                    vdim, bias, dtype, sinks=False, qk_norm=False, norm_eps=1e-6,
-                   gate=False) -> None:
+                   norm_type="rms", gate=False) -> None:
         self.d_model = _int_arg("d_model", d_model, allow_none=False)
         self.num_heads = _int_arg("num_heads", num_heads, allow_none=False)
         g = _int_arg("num_kv_heads", num_kv_heads)
@@ -336,6 +343,9 @@ class MultiHeadAttention:
         # finite and >= 0 is the core's rule, checked at the call (one place;
         # tests/catalogue_cases.py expects norm_eps=-1 refused by __call__)
         self.norm_eps = float(norm_eps)
+        # Its name is the core's to read: asked here, so that a layer never
+        # holds a norm its calls would refuse (the same message as theirs).
+        self.norm_type = _core.check_norm_type(norm_type)
 
     @property
     def _packed(self) -> bool:
@@ -453,8 +463,8 @@ class MultiHeadAttention:
         Returns
         -------
         dict
-            :meth:`weights`, plus ``num_kv_heads`` (and ``norm_eps`` with a
-            q/k norm).
+            :meth:`weights`, plus ``num_kv_heads`` (and ``norm_eps``,
+            ``norm_type`` with a q/k norm).
 
         Examples
         --------
@@ -469,6 +479,7 @@ class MultiHeadAttention:
         kw["num_kv_heads"] = self.num_kv_heads
         if self.qk_norm:
             kw["norm_eps"] = self.norm_eps
+            kw["norm_type"] = self.norm_type
         return kw
 
     def __call__(self, x, key=None, value=None, **options):
@@ -613,7 +624,8 @@ class MultiHeadAttention:
         new._configure(self.d_model, self.num_heads, num_kv_heads=self.num_kv_heads,
                        d_k=self.d_k, d_v=self.d_v, d_out=self.d_out, kdim=self.kdim,
                        vdim=self.vdim, bias=self.bias, dtype=dt, sinks=self.has_sinks,
-                       qk_norm=self.qk_norm, norm_eps=self.norm_eps, gate=self.has_gate)
+                       qk_norm=self.qk_norm, norm_eps=self.norm_eps,
+                       norm_type=self.norm_type, gate=self.has_gate)
         for name in self._shapes():
             a = getattr(self, name)
             setattr(new, name, np.asarray(a).astype(dt))
@@ -640,6 +652,8 @@ class MultiHeadAttention:
             extra += ", sinks=True"
         if self.qk_norm:
             extra += f", qk_norm={self.qk_norm!r}, norm_eps={self.norm_eps!r}"
+            if self.norm_type != "rms":
+                extra += f", norm_type={self.norm_type!r}"
         if self.has_gate:
             extra += ", gate=True"
         return (f"MultiHeadAttention(d_model={self.d_model}, num_heads={self.num_heads}, "

@@ -14,7 +14,7 @@ and the variants of today's models (issue 13), one function per rule, in the
 order of a score's life (``mhattn._internal.variants``):
 
  1. project, plus bias                     :func:`_project`
- 2. q/k RMSNorm                            :func:`rms_norm`
+ 2. q/k norm                               :func:`rms_norm`, :func:`layer_norm`
  3. RoPE                                   :func:`rope`
  4. q . k;  5. x scale                     :func:`score_steps`
  6. softcap: c tanh(s / c)                 :func:`softcap`
@@ -48,9 +48,9 @@ from .._internal.half import shared_half
 from .._internal.variants import key_positions_of, query_positions, sequence_ids, variant_kwargs
 
 __all__ = ["multi_head_attention", "lse", "softmax", "log_sum_exp", "attention",
-           "score_steps", "weighted_values", "allowed_keys", "rms_norm", "rope",
-           "softcap", "alibi_bias", "param_count", "head_intermediates", "head_scores",
-           "worked_example", "projected_attention"]
+           "score_steps", "weighted_values", "allowed_keys", "rms_norm", "layer_norm",
+           "rope", "softcap", "alibi_bias", "param_count", "head_intermediates",
+           "head_scores", "worked_example", "projected_attention"]
 
 
 def softmax(scores: np.ndarray, sink=None) -> np.ndarray:
@@ -165,6 +165,40 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     x64 = x.astype(np.float64)
     r = 1.0 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps)
     return (x64 * r * np.asarray(w, dtype=np.float64)).astype(x.dtype)
+
+
+def layer_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """Step 2 with ``norm_type="layer"``, the q/k LayerNorm of each row:
+    y = (x - mean(x)) / sqrt(var(x) + eps) * w.
+
+    var is the biased (population) variance, mean((x - mean(x))^2), and
+    there is no bias, as in the LayerNorms of Flax NNX's
+    ``MultiHeadAttention(normalize_qk=True)`` (``use_bias=False``).
+
+    Parameters
+    ----------
+    x : (T, d) array
+        One head's projected queries or keys.
+    w : (d,) array
+        The norm's weight (Flax's ``query_ln.scale`` / ``key_ln.scale``).
+    eps : float
+        ``norm_eps``, added to the variance (Flax's ``epsilon``, 1e-6 by
+        default, as here).
+
+    Returns
+    -------
+    y : (T, d) array of the dtype of ``x``
+        Computed in float64 and rounded once, as the C core does.
+
+    Examples
+    --------
+    >>> layer_norm(np.array([[1.0, 3.0]]), np.ones(2), 0.0)   # mean 2, variance 1
+    array([[-1.,  1.]])
+    """
+    x64 = x.astype(np.float64)
+    centred = x64 - np.mean(x64, axis=-1, keepdims=True)
+    r = 1.0 / np.sqrt(np.mean(centred * centred, axis=-1, keepdims=True) + eps)
+    return (centred * r * np.asarray(w, dtype=np.float64)).astype(x.dtype)
 
 
 def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, rotary_dim: int,
@@ -458,7 +492,8 @@ def head_intermediates(call: Call, b: int, h: int) -> dict:
     dict of the steps, in the order of a score's life:
 
     - q_proj (Tq, dk), k_proj (Tk, dk), v (Tk, dv): the projections plus bias;
-    - q_normed, k_normed: after the RMSNorm (the projections without one);
+    - q_normed, k_normed: after the q/k norm, RMSNorm or LayerNorm
+      (``norm_type``; the projections without one);
     - q, k: as the scores use them, after RoPE (= q_normed, k_normed without);
     - raw_scores = q k^T, scaled = raw * scale, capped = softcap(scaled)
       (= scaled without one), each (Tq, Tk);
@@ -520,10 +555,11 @@ def head_scores(call: Call, b: int, h: int, q_proj: np.ndarray, k_proj: np.ndarr
     var = call.var
     B, Tq, Tk = call.B, call.Tq, call.Tk
     g = call.kv_head(h)
-    # 2. q/k RMSNorm
+    # 2. q/k norm: RMSNorm, or LayerNorm (mean-centred) with norm_type="layer"
+    norm = layer_norm if var.norm_type == "layer" else rms_norm
     wqn, wkn = _norm_row(var.q_norm, h), _norm_row(var.k_norm, g)
-    q_normed = q_proj if wqn is None else rms_norm(q_proj, wqn, var.norm_eps)
-    k_normed = k_proj if wkn is None else rms_norm(k_proj, wkn, var.norm_eps)
+    q_normed = q_proj if wqn is None else norm(q_proj, wqn, var.norm_eps)
+    k_normed = k_proj if wkn is None else norm(k_proj, wkn, var.norm_eps)
     # 3. RoPE, at positions= / key_positions= or the default positions
     q, k = q_normed, k_normed
     if var.rotary_dim:
@@ -596,8 +632,8 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None
                          causal=False, key_lengths=None, num_kv_heads=None,
                          b_q=None, b_k=None, b_v=None, b_o=None, w_gate=None,
                          b_gate=None, window=None, softcap=None, alibi_slopes=None,
-                         sinks=None, q_norm=None, k_norm=None, norm_eps=1e-6, rope=None,
-                         positions=None, key_positions=None, key_mask=None,
+                         sinks=None, q_norm=None, k_norm=None, norm_eps=1e-6, norm_type="rms",
+                         rope=None, positions=None, key_positions=None, key_mask=None,
                          cu_seqlens=None, key_cu_seqlens=None):
     """Reference multi-head attention; same arguments and results as
     :func:`mhattn.multi_head_attention`.
@@ -621,9 +657,12 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None
     sinks : (h,), optional
         One extra softmax logit of zero value per query head.
     q_norm, k_norm : (d_k,) or (h, d_k) / (h_kv, d_k), optional
-        RMSNorm weights applied to the projected q / k, eps ``norm_eps``.
+        Norm weights applied to the projected q / k, eps ``norm_eps``.
     norm_eps : float, default 1e-6
-        The RMSNorm's epsilon.
+        The q/k norm's epsilon.
+    norm_type : "rms" (default) or "layer"
+        The q/k norm: :func:`rms_norm`, or :func:`layer_norm` (mean-centred,
+        no bias); read only where q_norm or k_norm is given.
     rope : mhattn.RoPE, optional
         Rotary embedding after the norm, at ``positions`` (queries, default
         p_i) and ``key_positions`` (keys, default j).
