@@ -199,6 +199,17 @@ typedef struct {
     /* Key padding: (B, Tk), nonzero = a real key; combined by AND with every
        other rule. Key blocks with no real key are skipped. */
     const uint8_t *key_mask;
+    /* Dropout on the attention weights (issue 38): 0 <= dropout < 1 (0:
+       off). Weight (b, h, i, j) is kept, and scaled by 1 / (1 - dropout),
+       iff mha_dropout_bits(mha_dropout_key(dropout_seed, b, h, i, j >>
+       32), (uint32_t)j) >= mha_dropout_threshold(dropout) (core/rules.h),
+       else zeroed: a counter-based hash of (seed, b, h, i, j), so the mask
+       is the same for any thread count, tiling or ISA, and the backward
+       regenerates it instead of storing it. The softmax's normaliser (and
+       lse) are those of the weights before dropout; i and j index the
+       call's own (packed) rows and keys. */
+    double dropout;
+    uint64_t dropout_seed;
     /* Packed sequences (nseq > 0, B == 1): sequence s holds queries
        cu_q[s] .. cu_q[s+1]-1 and keys cu_k[s] .. cu_k[s+1]-1; a query sees
        keys of its own sequence only, and causal, window and the default

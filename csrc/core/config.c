@@ -172,7 +172,7 @@ static mha_status cu_check(const int64_t *cu, size_t nseq, size_t n, const char 
     return MHA_OK;
 }
 
-/* The variants (mha.h): window, softcap, ALiBi, packed sequences,
+/* The variants (mha.h): window, softcap, dropout, ALiBi, packed sequences,
    lengths_aligned. */
 static mha_status variants_check(const mha_config *cfg, mha_error *err)
 {
@@ -183,6 +183,8 @@ static mha_status variants_check(const mha_config *cfg, mha_error *err)
     if (!(cfg->softcap >= 0) || !isfinite(cfg->softcap))
         return REJECT(MHA_FIELD_SOFTCAP,
                       "softcap = %g is not a finite number >= 0", cfg->softcap);
+    if (!(cfg->dropout >= 0 && cfg->dropout < 1))
+        return REJECT(MHA_FIELD_DROPOUT, "dropout = %g is not in [0, 1)", cfg->dropout);
     if (cfg->alibi_bstride != 0 && cfg->alibi == NULL)
         return REJECT(MHA_FIELD_ALIBI,
                       "alibi is NULL with alibi_bstride = %zu", cfg->alibi_bstride);

@@ -38,6 +38,8 @@
  *   5. p = exp(s - max) / (exp(sink_h - max) + sum)   the softmax, by the
  *      tile; the sink (when given) is a key of value zero: weights
  *      exclude it, lse includes it.
+ *   6. p = keep(b, h, i, j) ? p / (1 - dropout) : 0   dropout
+ *      (rules_dropout_row; lse is step 5's)
  *
  * Adding a rule: a visibility rule that keeps rows intervals changes
  * mha_rules_key_range; a pointwise one goes in rules_score_row (and, to
@@ -267,6 +269,56 @@ static inline int mha_rules_keys_masked(const mha_config *cfg, size_t b,
     return any == 0;
 }
 
+/*
+ * Dropout (cfg->dropout > 0; mha.h): the keep mask, a counter-based hash
+ * of (seed, b, h, i, j) as FlashAttention's and PyTorch's GPU kernels use
+ * (theirs is Philox), so any tile, thread or ISA that needs weight
+ * (b, h, i, j) regenerates the same bit, and the backward stores nothing.
+ * One row's key is a SplitMix64 chain over (seed, b, h, i, j >> 32); each
+ * key j then costs two rounds of MurmurHash3's 32-bit finaliser on
+ * (uint32_t)j, which the compilers vectorise (32-bit multiplies; a 64-bit
+ * mix per key would need AVX-512DQ). The reference
+ * (mhattn/reference, dropout_keep) computes the same integers in NumPy.
+ */
+static inline uint64_t mha_mix64(uint64_t z)
+{
+    z = (z ^ (z >> 30)) * UINT64_C(0xbf58476d1ce4e5b9);
+    z = (z ^ (z >> 27)) * UINT64_C(0x94d049bb133111eb);
+    return z ^ (z >> 31);
+}
+
+static inline uint32_t mha_mix32(uint32_t x)
+{
+    x = (x ^ (x >> 16)) * UINT32_C(0x85ebca6b);
+    x = (x ^ (x >> 13)) * UINT32_C(0xc2b2ae35);
+    return x ^ (x >> 16);
+}
+
+/* The key of row (b, h, i) for the keys j with j >> 32 == jhi. */
+static inline uint64_t mha_dropout_key(uint64_t seed, uint64_t b, uint64_t h,
+                                       uint64_t i, uint64_t jhi)
+{
+    const uint64_t gold = UINT64_C(0x9e3779b97f4a7c15);
+    uint64_t k = mha_mix64(seed + gold);
+    k = mha_mix64(k + b + gold);
+    k = mha_mix64(k + h + gold);
+    k = mha_mix64(k + i + gold);
+    return mha_mix64(k + jhi + gold);
+}
+
+/* 32 uniform bits of key j (its low 32 bits jlo) under a row's key. */
+static inline uint32_t mha_dropout_bits(uint64_t key, uint32_t jlo)
+{
+    return mha_mix32(mha_mix32(jlo ^ (uint32_t)key) ^ (uint32_t)(key >> 32));
+}
+
+/* A weight is kept iff its bits >= floor(p 2^32): with probability
+   1 - floor(p 2^32) / 2^32, within 2^-32 of 1 - p. 0 <= p < 1. */
+static inline uint32_t mha_dropout_threshold(double p)
+{
+    return (uint32_t)(p * 4294967296.0);
+}
+
 #endif /* MHA_RULES_H */
 
 /*
@@ -365,5 +417,35 @@ static void PICK(rules_score_row_f32, rules_score_row_f64)(
         s[j] = NINF;
     for (j = e; j < npad; j++)
         s[j] = NINF;
+}
+
+/*
+ * Dropout of one row (step 6, after the softmax): p (n,) holds row i's
+ * values at keys j0 .. j0 + n - 1 of head h in batch item b; each becomes
+ * p * (1 / (1 - dropout)) where the hash keeps it, else 0 (selected, not
+ * multiplied: a NaN at a dropped key stays out). The forward applies it
+ * to the probabilities before they meet V and to the weights it returns;
+ * the backward to dZ = dO V^T (giving dP) and to P (giving the weights
+ * dV sums). Exact, elementwise: the same bits on every ISA.
+ */
+static void PICK(rules_dropout_row_f32, rules_dropout_row_f64)(
+    REAL *p, const mha_config *cfg, size_t b, size_t h, size_t i, size_t j0, size_t n)
+{
+    const uint32_t thr = mha_dropout_threshold(cfg->dropout);
+    const REAL inv = (REAL)(1.0 / (1.0 - cfg->dropout));
+    size_t j = 0;
+    while (j < n) {
+        // Keys up to the next multiple of 2^32 share a row key (always
+        // all of them, but for rows past 4 billion keys).
+        const uint64_t jg = (uint64_t)(j0 + j), jhi = jg >> 32;
+        const uint64_t left = (UINT64_C(1) << 32) - (jg & UINT64_C(0xffffffff));
+        const size_t m = (uint64_t)(n - j) < left ? n - j : (size_t)left;
+        const uint64_t key = mha_dropout_key(cfg->dropout_seed, b, h, i, jhi);
+        const uint32_t jlo = (uint32_t)jg;
+        REAL *pj = p + j;
+        for (size_t t = 0; t < m; t++)
+            pj[t] = mha_dropout_bits(key, jlo + (uint32_t)t) >= thr ? pj[t] * inv : 0;
+        j += m;
+    }
 }
 #endif /* MHA_RULES_ROW */
