@@ -28,6 +28,8 @@
  *   inv_freq       None or float64 (rotary_dim / 2,)
  *   positions      None or int64 (1 or B, Tq)
  *   key_positions  None or int64 (1 or B, Tk)
+ *   dropout        float, 0 for off (the core checks 0 <= dropout < 1)
+ *   seed           int in [0, 2**64): dropout's seed
  * Every array is copied into memory the call owns (they are small), so no
  * index, offset or size the core uses lives where another thread can write
  * during the call; mha_check_config then checks the copies.
@@ -35,7 +37,7 @@
 static const char *const variant_name[V_N] = {
     "window", "softcap", "alibi_slopes", "sinks", "key_mask", "cu_seqlens",
     "key_cu_seqlens", "q_norm", "k_norm", "norm_eps", "norm_type", "rotary_dim",
-    "interleaved", "inv_freq", "positions", "key_positions"};
+    "interleaved", "inv_freq", "positions", "key_positions", "dropout", "seed"};
 
 /* *res = a C-contiguous copy of obj (1 to nd_max dimensions) as typenum,
    owned by the call, or NULL for None. */
@@ -140,17 +142,32 @@ static int variant_norm_type(mha_config *cfg, PyObject *name)
     return 0;
 }
 
-/* The scalars of the tuple t into cfg: softcap, norm_eps, norm_type,
-   rotary_dim, interleaved. */
+/* The scalars of the tuple t into cfg: softcap, norm_eps, dropout, seed,
+   norm_type, rotary_dim, interleaved. */
 static int variant_scalars(mha_config *cfg, PyObject *t)
 {
     cfg->softcap = PyFloat_AsDouble(PyTuple_GET_ITEM(t, V_SOFTCAP));
     cfg->norm_eps = PyFloat_AsDouble(PyTuple_GET_ITEM(t, V_NORM_EPS));
+    cfg->dropout = PyFloat_AsDouble(PyTuple_GET_ITEM(t, V_DROPOUT));
     const int inter = PyObject_IsTrue(PyTuple_GET_ITEM(t, V_INTERLEAVED));
     if (PyErr_Occurred()) {
         prefix_error("variants");
         return -1;
     }
+    // The seed: any int in [0, 2**64) (Python draws it); anything else is
+    // refused here, naming it, rather than wrapped.
+    PyObject *seed = PyTuple_GET_ITEM(t, V_SEED);
+    if (!PyLong_Check(seed)) {
+        PyErr_Format(PyExc_TypeError, "seed: expected an int, got %s", Py_TYPE(seed)->tp_name);
+        return -1;
+    }
+    const unsigned long long sv = PyLong_AsUnsignedLongLong(seed);
+    if (sv == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "seed: expected an int in [0, 2**64), got %R", seed);
+        return -1;
+    }
+    cfg->dropout_seed = (uint64_t)sv;
     if (variant_norm_type(cfg, PyTuple_GET_ITEM(t, V_NORM_TYPE)) < 0)
         return -1;
     // softcap and norm_eps are the core's to check (mha_check_config);

@@ -37,6 +37,8 @@ _Float = npt.NDArray[np.floating]
 #   13  inv_freq: (rotary_dim/2,) float64. None or RoPE's frequencies.
 #   14  positions: (Tq,) or (B, Tq) int64. None or the queries' RoPE positions.
 #   15  key_positions: (Tk,) or (B, Tk) int64. None or the keys' RoPE positions.
+#   16  dropout: float64. 0 for off, else in [0, 1).
+#   17  seed: uint64. Dropout's seed, in [0, 2**64).
 
 EMULATED_AVX512: int
 """1 in the test build whose 'avx512' kernels are emulated in plain C
@@ -63,7 +65,7 @@ def forward(
     causal: bool,  # Query i sees keys j <= i + (Tk - Tq).
     # (B,): None, or each item's key count: keys j >= it are padding.
     key_lengths: Optional[npt.NDArray[np.int64]],
-    # (16,): None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).
+    # (18,): None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).
     variants: Optional[tuple],
     want_weights: bool,  # Also return the weights (B, H, Tq, Tk).
     keep: bool,  # Also return (q, k, v, concat, lse) for backward().
@@ -113,7 +115,7 @@ def backward(
     causal: bool,  # Query i sees keys j <= i + (Tk - Tq).
     # (B,): None, or each item's key count: keys j >= it are padding.
     key_lengths: Optional[npt.NDArray[np.int64]],
-    # (16,): None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).
+    # (18,): None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).
     variants: Optional[tuple],
     want_bq: bool,  # Return dbq.
     want_bk: bool,  # Return dbk.
@@ -148,7 +150,7 @@ def attention(
     causal: bool,  # Query i sees keys j <= i + (Tk - Tq).
     # (B,): None, or each item's key count: keys j >= it are padding.
     key_lengths: Optional[npt.NDArray[np.int64]],
-    # (16,): None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).
+    # (18,): None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).
     variants: Optional[tuple],
     lengths_aligned: bool,  # Align each item's queries to its own key length (a KV cache).
     out_bthd: bool,  # out (B, Tq, H, dv) instead of (B, H, Tq, dv).
@@ -187,7 +189,7 @@ def attention_backward(
     causal: bool,  # Query i sees keys j <= i + (Tk - Tq).
     # (B,): None, or each item's key count: keys j >= it are padding.
     key_lengths: Optional[npt.NDArray[np.int64]],
-    # (16,): None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).
+    # (18,): None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).
     variants: Optional[tuple],
     lengths_aligned: bool,  # Align each item's queries to its own key length (a KV cache).
 ) -> Tuple[_Float, _Float, _Float, Optional[_Float]]:
@@ -213,7 +215,7 @@ def project(
     dk: npt.NDArray[np.int64],  # (G,): Each kv head's key width.
     dv: npt.NDArray[np.int64],  # (G,): Each kv head's value width.
     scales: npt.NDArray[np.float64],  # (H,): The multiplier of q.k of each query head.
-    # (16,): None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).
+    # (18,): None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).
     variants: Optional[tuple],
     # (4,): None, or pack_weight() capsules (or None) of wq, wk, wv, wo.
     packed: Optional[tuple] = None,
@@ -236,7 +238,7 @@ def check_config(
     scales: npt.NDArray[np.float64],  # (H,): The multiplier of q.k of each query head.
     # (B,): None, or each item's key count: keys j >= it are padding.
     key_lengths: Optional[npt.NDArray[np.int64]],
-    # (16,): None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).
+    # (18,): None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).
     variants: Optional[tuple],
     lengths_aligned: bool,  # Align each item's queries to its own key length (a KV cache).
 ) -> None:

@@ -38,7 +38,7 @@ from .. import _C  # the one module of the package that imports the extension
 from . import args as _args
 from . import half as _half
 from .fields import ATTENTION, LAYER, Names, user_error
-from .variants import Variants, norm_type_arg, variants_tuple
+from .variants import Variants, dropout_arg, norm_type_arg, variants_tuple
 from .args import (PER_HEAD_BYTES, Call, bool_arg, check_memory, fused_widths,
                    head_scales, memory_limit, normalize, plan)
 
@@ -164,10 +164,31 @@ def check_norm_type(norm_type: Any, names: Names = LAYER) -> str:
     return name
 
 
-@functools.lru_cache(maxsize=16)
+def check_dropout(dropout: Any, names: Names = LAYER) -> float:
+    """The core's verdict on a dropout probability, for what holds one
+    before any call (the layer's constructor): the value as a float, or the
+    very rejection a call would raise (0 <= dropout < 1 is core/config.c's
+    rule). A TypeError for anything but a real number."""
+    p = dropout_arg(dropout)
+    try:
+        _scalars_ok(dropout=p)
+    except ValueError as e:
+        if not hasattr(e, "field"):
+            raise
+        raise user_error(e, names) from None
+    return p
+
+
 def _norm_type_ok(name: str) -> None:
     """``_C.check_config`` of one head on no rows, with the norm ``name``."""
-    call = types.SimpleNamespace(var=Variants(norm_type=name))
+    _scalars_ok(norm_type=name)
+
+
+@functools.lru_cache(maxsize=16)
+def _scalars_ok(norm_type: str = "rms", dropout: float = 0.0) -> None:
+    """``_C.check_config`` of one head on no rows, with the variants'
+    scalars ``norm_type`` and ``dropout``."""
+    call = types.SimpleNamespace(var=Variants(norm_type=norm_type, dropout=dropout))
     _C.check_config(np.empty((1, 0, 0)), np.empty((1, 0, 0)), np.ones(1, dtype=np.int64),
                     np.ones(1, dtype=np.int64), np.ones(1), None,
                     variants_tuple(call, always=True), False)

@@ -301,6 +301,28 @@ window too).  ``key_cu_seqlens`` gives the keys' offsets for packed
 cross-attention."""),
     Arg("key_cu_seqlens", _MHA + _ATT, "array?", "int64", "(n+1,)", "None",
         "Packed sequences: the keys' offsets, for cross-attention."),
+    Arg("dropout", _MHA + _ATT, "float", "", "", "0.0",
+        "Dropout on the attention weights: each is zeroed with probability dropout.",
+        type="float in [0, 1), default 0.0",
+        text="""\
+Dropout on the attention weights, as PyTorch's ``dropout_p`` and
+FlashAttention's: after the softmax each weight is zeroed with
+probability ``dropout`` and the others are scaled by 1 / (1 - dropout).
+The keep mask is a counter-based hash of (seed, batch, head, query,
+key), so one seed gives the same mask, and the same bits, for any
+thread count, tiling or ISA; the backward regenerates it.  The
+log-sum-exp is the softmax's, before dropout.  Weights returned with
+``return_weights=True`` are those after dropout.  0 (the default) is
+off; a value outside [0, 1) raises ValueError."""),
+    Arg("seed", _MHA + _ATT, "object", "", "", "None",
+        "Dropout's seed: an int in [0, 2**64), a numpy.random.Generator, or None.",
+        type="int, numpy.random.Generator or None, default None",
+        text="""\
+The seed of ``dropout``'s mask: an int in [0, 2**64), or a
+``numpy.random.Generator`` from which one 64-bit seed is drawn; None
+draws one from fresh OS entropy (a new mask on each call).  A
+context (``return_context=True``) keeps the seed for its backward.
+Anything else raises ValueError naming seed."""),
     Arg("cache", ("multi_head_attention",), "object", "", "", "None",
         "A KVCache: one decoder step, x holding only the new rows.",
         type="mhattn.KVCache, optional",
@@ -517,6 +539,15 @@ see multi_head_attention's ``norm_type``.  Only read with
 Own an output gate (Keras's ``use_gate=True``): ``w_gate``
 (d_model, h*d_v), Glorot-uniform as Keras draws it, and ``b_gate``
 (h*d_v,), initialised to 0; see multi_head_attention's ``w_gate``."""),
+    Arg("dropout", _LAYER, "float", "", "", "0.0",
+        "Dropout on the attention weights, in training mode only.",
+        type="float in [0, 1), default 0.0",
+        text="""\
+Dropout on the attention weights (multi_head_attention's ``dropout``),
+applied in training mode only (:meth:`train`; a new layer is in
+evaluation mode, :meth:`eval`).  Each training call draws its mask's
+seed from a generator seeded by ``seed`` (fresh OS entropy without
+one), unless the call passes ``seed=``.  Outside [0, 1): ValueError."""),
     Arg("dtype", _LAYER, "dtype", "", "", "np.float32",
         "float32, float64, float16 or bfloat16.",
         type="np.float32 (default), np.float64, np.float16 or bfloat16",
@@ -538,19 +569,21 @@ ENTRIES: Dict[str, Entry] = {
         "x, w_q, w_k, w_v, w_o, *, num_heads, key, value, scale, return_weights, mask, "
         "causal, key_lengths, num_kv_heads, b_q, b_k, b_v, b_o, w_gate, b_gate, return_context, "
         "window, softcap, alibi_slopes, sinks, q_norm, k_norm, norm_eps, norm_type, rope, "
-        "positions, key_positions, key_mask, cu_seqlens, key_cu_seqlens, cache, new_lengths",
+        "positions, key_positions, key_mask, cu_seqlens, key_cu_seqlens, dropout, seed, cache, "
+        "new_lengths",
         ("x", "w_q, w_k, w_v", "w_o", "num_heads", "key, value", "scale",
          "return_weights", "mask", "causal", "key_lengths", "num_kv_heads",
          "b_q, b_k, b_v", "b_o", "w_gate, b_gate", "return_context", "window", "softcap",
          "alibi_slopes", "sinks", "q_norm, k_norm", "norm_eps", "norm_type", "rope",
          "positions, key_positions",
-         "key_mask", "cu_seqlens, key_cu_seqlens", "cache", "new_lengths")),
+         "key_mask", "cu_seqlens, key_cu_seqlens", "dropout", "seed", "cache",
+         "new_lengths")),
     "multi_head_attention_grad": Entry(
         _F + "grad.py", "multi_head_attention_grad",
         "grad_out, x, w_q, w_k, w_v, w_o, *, num_heads, key, value, scale, mask, causal, "
         "key_lengths, num_kv_heads, b_q, b_k, b_v, b_o, w_gate, b_gate, window, softcap, "
         "alibi_slopes, sinks, q_norm, k_norm, norm_eps, norm_type, rope, positions, "
-        "key_positions, key_mask, cu_seqlens, key_cu_seqlens",
+        "key_positions, key_mask, cu_seqlens, key_cu_seqlens, dropout, seed",
         ("grad_out",
          ("x, w_q, w_k, w_v, w_o, num_heads, key, value, scale, mask, causal",
           "As :func:`mhattn.multi_head_attention` (not ``return_weights``)."),
@@ -559,12 +592,15 @@ ENTRIES: Dict[str, Entry] = {
          ("window, softcap, alibi_slopes, sinks, q_norm, k_norm, norm_eps, norm_type, rope",
           "As :func:`mhattn.multi_head_attention`."),
          ("positions, key_positions, key_mask, cu_seqlens, key_cu_seqlens",
-          "As :func:`mhattn.multi_head_attention`."))),
+          "As :func:`mhattn.multi_head_attention`."),
+         ("dropout, seed", "As :func:`mhattn.multi_head_attention`: the same seed "
+          "gives the forward's mask."))),
     "backward": Entry(_F + "grad.py", "backward", "grad_out, ctx", ("grad_out", "ctx")),
     "attention": Entry(
         _F + "attention.py", "attention",
         "q, k, v, *, layout, scale, mask, causal, key_lengths, return_weights, return_lse, "
-        "window, softcap, alibi_slopes, sinks, key_mask, cu_seqlens, key_cu_seqlens",
+        "window, softcap, alibi_slopes, sinks, key_mask, cu_seqlens, key_cu_seqlens, dropout, "
+        "seed",
         ("q", "k", "v", "layout", "scale", "mask, causal, key_lengths", "return_weights",
          "return_lse",
          ("window, softcap, alibi_slopes, sinks, key_mask, cu_seqlens, key_cu_seqlens",
@@ -572,16 +608,18 @@ ENTRIES: Dict[str, Entry] = {
 The score variants of :func:`mhattn.multi_head_attention`, with the
 same meanings and checks.  Packed sequences take unbatched 3-D
 inputs, the tokens along T.  The q/k transforms (q_norm, k_norm,
-RoPE) are not attention keywords: apply them before."""))),
+RoPE) are not attention keywords: apply them before."""),
+         ("dropout, seed", "As :func:`mhattn.multi_head_attention`."))),
     "attention_grad": Entry(
         _F + "attention.py", "attention_grad",
         "grad_out, q, k, v, *, layout, scale, mask, causal, key_lengths, window, softcap, "
-        "alibi_slopes, sinks, key_mask, cu_seqlens, key_cu_seqlens, lse, out",
+        "alibi_slopes, sinks, key_mask, cu_seqlens, key_cu_seqlens, dropout, seed, lse, out",
         ("grad_out",
          ("q, k, v, layout, scale, mask, causal, key_lengths",
           "As :func:`attention` (not ``return_weights`` / ``return_lse``)."),
          ("window, softcap, alibi_slopes, sinks, key_mask, cu_seqlens, key_cu_seqlens",
           "As :func:`attention`."),
+         ("dropout, seed", "As :func:`attention`: the same seed gives the forward's mask."),
          "lse", "out")),
     "merge_attention": Entry(_F + "attention.py", "merge_attention",
                              "outs, lses, *, layout", ("outs", "lses", "layout")),
@@ -599,9 +637,10 @@ RoPE) are not attention keywords: apply them before."""))),
     "MultiHeadAttention": Entry(
         "python/mhattn/nn/layer.py", "MultiHeadAttention",
         "d_model, num_heads, *, num_kv_heads, d_k, d_v, d_out, kdim, vdim, bias, sinks, "
-        "qk_norm, norm_eps, norm_type, gate, dtype, seed",
+        "qk_norm, norm_eps, norm_type, gate, dropout, dtype, seed",
         ("d_model", "num_heads", "num_kv_heads", "d_k, d_v", "d_out", "kdim, vdim",
-         "bias", "sinks", "qk_norm", "norm_eps", "norm_type", "gate", "dtype", "seed")),
+         "bias", "sinks", "qk_norm", "norm_eps", "norm_type", "gate", "dropout", "dtype",
+         "seed")),
     "MultiHeadAttention.__call__": Entry("python/mhattn/nn/layer.py",
                                          "MultiHeadAttention.__call__",
                                          "x, key, value, **options"),
@@ -703,7 +742,7 @@ C_ARGS = (
     Arg("key_lengths", _MASKED + (_CHK,), "vector?", "int64", "(B,)", REQUIRED,
         "None, or each item's key count: keys j >= it are padding.",
         c_kind="ARG_LENGTHS", c_field="key_lengths"),
-    Arg("variants", _ALL5, "tuple?", "", "(16,)", REQUIRED,
+    Arg("variants", _ALL5, "tuple?", "", "(18,)", REQUIRED,
         "None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).",
         c_kind="ARG_VARIANTS", c_field=""),   # VARIANTS' fields
     Arg("lengths_aligned", (_AT, _ABW, _CHK), "bool", "", "", REQUIRED,
@@ -785,6 +824,8 @@ VARIANTS = (
      "None or the queries' RoPE positions."),
     ("key_positions", "array?", "int64", "(Tk,) or (B, Tk)",
      "key_positions, key_positions_bstride", "None or the keys' RoPE positions."),
+    ("dropout", "float", "float64", "", "dropout", "0 for off, else in [0, 1)."),
+    ("seed", "int", "uint64", "", "dropout_seed", "Dropout's seed, in [0, 2**64)."),
 )
 
 _OPT = "Optional[_Float]"
@@ -1105,7 +1146,8 @@ MHA_FIELDS = (
     ("KEY_LENGTHS", "key_lengths", ""),
     ("WINDOW", "windowed, window_left, window_right", ""),
     ("SOFTCAP", "softcap", ""), ("ALIBI", "alibi", ""),
-    ("ALIBI_BSTRIDE", "alibi_bstride", ""), ("NSEQ", "nseq", ""), ("CU_Q", "cu_q", ""),
+    ("ALIBI_BSTRIDE", "alibi_bstride", ""), ("DROPOUT", "dropout", ""),
+    ("DROPOUT_SEED", "dropout_seed", ""), ("NSEQ", "nseq", ""), ("CU_Q", "cu_q", ""),
     ("CU_K", "cu_k", ""), ("Q_NORM", "q_norm", ""), ("K_NORM", "k_norm", ""),
     ("Q_NORM_HSTRIDE", "q_norm_hstride", ""), ("K_NORM_HSTRIDE", "k_norm_hstride", ""),
     ("NORM_EPS", "norm_eps", ""), ("NORM_TYPE", "norm_type", ""),

@@ -37,7 +37,7 @@ __all__ = ["RoPE", "Variants", "normalize_variants", "VARIANT_DEFAULTS", "norm_t
 VARIANT_DEFAULTS = dict(window=None, softcap=None, alibi_slopes=None, sinks=None,
                         q_norm=None, k_norm=None, norm_eps=1e-6, norm_type="rms",
                         rope=None, positions=None, key_positions=None, key_mask=None,
-                        cu_seqlens=None, key_cu_seqlens=None)
+                        cu_seqlens=None, key_cu_seqlens=None, dropout=0.0, seed=None)
 
 
 def variant_kwargs(ns: dict) -> dict:
@@ -202,13 +202,16 @@ class Variants:
     key_mask: Optional[np.ndarray] = None    # (B, Tk) bool
     cu_q: Optional[np.ndarray] = None        # (n+1,) int64: packed sequences (B == 1)
     cu_k: Optional[np.ndarray] = None        # (n+1,) int64
+    dropout: float = 0.0                     # 0 <= dropout < 1 (the core's rule)
+    seed: int = 0                            # dropout's seed, in [0, 2**64)
 
     @property
     def any(self) -> bool:
         """Whether any variant is on."""
         return (self.window is not None or self.softcap is not None
                 or self.alibi is not None or self.sinks is not None
-                or self.key_mask is not None or self.packed or self.transforms)
+                or self.key_mask is not None or self.packed or self.transforms
+                or self.dropout != 0)   # a bad one too (NaN, < 0): the core refuses it
 
     @property
     def transforms(self) -> bool:
@@ -271,6 +274,39 @@ def _softcap(softcap: Any) -> Optional[float]:
     # 0 is off, as in FlashAttention; the rest (finite, >= 0) is the core's rule.
     c = float(softcap)
     return None if c == 0 else c
+
+
+def dropout_arg(dropout: Any) -> float:
+    if isinstance(dropout, (bool, np.bool_)) or not isinstance(
+            dropout, (numbers.Real, np.floating, np.integer)):
+        raise TypeError(f"dropout: expected a probability in [0, 1), got {dropout!r:.80}")
+    return float(dropout)   # 0 <= dropout < 1: the core's rule (config.c)
+
+
+def dropout_kwargs(dropout: Any, seed: Any) -> dict:
+    """dropout and seed as variant keywords, or {} when both are off (a
+    dropout of 0 and no seed): an entry point whose variants are all None
+    when off (attention's) keeps its plain path."""
+    off = (seed is None and type(dropout) in (float, int) and dropout == 0)
+    return {} if off else {"dropout": dropout, "seed": seed}
+
+
+def dropout_seed(seed: Any, dropout: float) -> int:
+    """The 64-bit seed of a call's dropout: an int in [0, 2**64) as it is,
+    one drawn from a ``numpy.random.Generator``, or, for None, one drawn
+    from fresh OS entropy when dropout is on (0 when it is off: unused)."""
+    if isinstance(seed, np.random.Generator):
+        return int(seed.integers(0, 2 ** 64, dtype=np.uint64))
+    if seed is None:
+        return int(np.random.default_rng().integers(0, 2 ** 64, dtype=np.uint64)) \
+            if dropout > 0 else 0
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (numbers.Integral,
+                                                                    np.integer)):
+        raise ValueError(f"seed: expected an int in [0, 2**64) or a numpy.random.Generator, "
+                         f"got {seed!r:.80} ({type(seed).__name__})")
+    if not 0 <= int(seed) < 2 ** 64:
+        raise ValueError(f"seed: expected an int in [0, 2**64), got {int(seed)}")
+    return int(seed)
 
 
 def _per_head(name: str, obj: Any, H: int, B: int, batched: bool, dtype) -> np.ndarray:
@@ -427,6 +463,7 @@ def normalize_variants(v: dict, *, batched: bool, B: int, Tq: int, Tk: int, H: i
                          "positions are used by RoPE only; pass rope=mhattn.RoPE(...)")
     alibi = get("alibi_slopes")
     sinks = get("sinks")
+    p = dropout_arg(get("dropout"))
     return Variants(
         window=_window(get("window")), softcap=_softcap(get("softcap")),
         alibi=None if alibi is None else _per_head("alibi_slopes", alibi, H, B, batched,
@@ -437,7 +474,8 @@ def normalize_variants(v: dict, *, batched: bool, B: int, Tq: int, Tk: int, H: i
         norm_eps=_eps(get("norm_eps")), norm_type=norm_type_arg(get("norm_type")),
         rotary_dim=rd, interleaved=inter, inv_freq=freq,
         positions=pos, key_positions=kpos,
-        key_mask=_key_mask(get("key_mask"), B, Tk, batched), cu_q=cu_q, cu_k=cu_k)
+        key_mask=_key_mask(get("key_mask"), B, Tk, batched), cu_q=cu_q, cu_k=cu_k,
+        dropout=p, seed=dropout_seed(get("seed"), p))
 
 
 def variants_tuple(call: Any, always: bool = False):
@@ -446,7 +484,11 @@ def variants_tuple(call: Any, always: bool = False):
     layout csrc/python/variants.c (read_variants) gives. A norm_type other
     than the default counts as given: the core reads its name (and refuses
     an unknown one) even where no norm weight uses it."""
-    v = call.var
+    return variants_tuple_of(call.var, always)
+
+
+def variants_tuple_of(v: Variants, always: bool = False):
+    """:func:`variants_tuple` of a :class:`Variants` ``v``."""
     if not (v.any or always or v.norm_type != VARIANT_DEFAULTS["norm_type"]):
         return None
     window = None
@@ -454,7 +496,8 @@ def variants_tuple(call: Any, always: bool = False):
         window = tuple(-1 if side is None else side for side in v.window)
     return (window, 0.0 if v.softcap is None else v.softcap, v.alibi, v.sinks,
             v.key_mask, v.cu_q, v.cu_k, v.q_norm, v.k_norm, v.norm_eps, v.norm_type,
-            v.rotary_dim, v.interleaved, v.inv_freq, v.positions, v.key_positions)
+            v.rotary_dim, v.interleaved, v.inv_freq, v.positions, v.key_positions,
+            v.dropout, v.seed)
 
 
 def variant_floats(v: dict) -> list:

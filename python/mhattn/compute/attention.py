@@ -24,7 +24,7 @@ from .._internal.args import (_cast, _normalize_lengths, _normalize_mask, _scale
 from .._internal.arrays import _check_numeric, _to_array
 from .._internal.core import variant_args
 from .._internal.half import F32, half_of, is_half, narrow, narrow_like, shared_half
-from .._internal.variants import Variants, normalize_variants
+from .._internal.variants import Variants, dropout_kwargs, normalize_variants
 
 __all__ = ["attention", "attention_grad", "merge_attention", "Projected",
            "check_projected", "projected_variants"]
@@ -153,7 +153,7 @@ def _bhtd(p: Projected, a: np.ndarray) -> np.ndarray:
 def attention(q, k, v, *, layout="bhtd", scale=None, mask=None, causal=False,
               key_lengths=None, return_weights=False, return_lse=False, window=None,
               softcap=None, alibi_slopes=None, sinks=None, key_mask=None,
-              cu_seqlens=None, key_cu_seqlens=None):
+              cu_seqlens=None, key_cu_seqlens=None, dropout=0.0, seed=None):
     """Scaled dot-product attention on tensors that are already projected.
 
     attention(q, k, v, *, layout="bhtd", scale=None, mask=None, causal=False,
@@ -196,6 +196,8 @@ def attention(q, k, v, *, layout="bhtd", scale=None, mask=None, causal=False,
         same meanings and checks.  Packed sequences take unbatched 3-D
         inputs, the tokens along T.  The q/k transforms (q_norm, k_norm,
         RoPE) are not attention keywords: apply them before.
+    dropout, seed
+        As :func:`mhattn.multi_head_attention`.
 
     Returns
     -------
@@ -219,7 +221,8 @@ def attention(q, k, v, *, layout="bhtd", scale=None, mask=None, causal=False,
     want_w = bool_arg("return_weights", return_weights)
     want_lse = bool_arg("return_lse", return_lse)
     variants = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                    key_mask=key_mask, cu_seqlens=cu_seqlens, key_cu_seqlens=key_cu_seqlens)
+                    key_mask=key_mask, cu_seqlens=cu_seqlens, key_cu_seqlens=key_cu_seqlens,
+                    **dropout_kwargs(dropout, seed))
     scales, m, c, kl, var = _glue_args(p, scale, mask, causal, key_lengths, variants)
     n = p.dtype.itemsize
     check_memory([("out", "B*h*T_q*d_v", (p.B, p.H, p.Tq, p.dv), n),
@@ -239,7 +242,8 @@ def attention(q, k, v, *, layout="bhtd", scale=None, mask=None, causal=False,
 def attention_grad(grad_out, q, k, v, *, layout="bhtd", scale=None, mask=None,
                    causal=False, key_lengths=None, window=None, softcap=None,
                    alibi_slopes=None, sinks=None, key_mask=None, cu_seqlens=None,
-                   key_cu_seqlens=None, lse=None, out=None) -> Dict[str, np.ndarray]:
+                   key_cu_seqlens=None, dropout=0.0, seed=None, lse=None,
+                   out=None) -> Dict[str, np.ndarray]:
     """Gradients of :func:`attention` with respect to q, k, v (and sinks).
 
     attention_grad(grad_out, q, k, v, *, <attention's keywords>, lse=None,
@@ -253,6 +257,8 @@ def attention_grad(grad_out, q, k, v, *, layout="bhtd", scale=None, mask=None,
         As :func:`attention` (not ``return_weights`` / ``return_lse``).
     window, softcap, alibi_slopes, sinks, key_mask, cu_seqlens, key_cu_seqlens
         As :func:`attention`.
+    dropout, seed
+        As :func:`attention`: the same seed gives the forward's mask.
     lse : (B, H, T_q), optional
         The forward's ``return_lse=True`` result, given with ``out``.
     out : the forward's ``out``, optional
@@ -283,7 +289,8 @@ def attention_grad(grad_out, q, k, v, *, layout="bhtd", scale=None, mask=None,
     """
     p = check_projected(q, k, v, layout)
     variants = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                    key_mask=key_mask, cu_seqlens=cu_seqlens, key_cu_seqlens=key_cu_seqlens)
+                    key_mask=key_mask, cu_seqlens=cu_seqlens, key_cu_seqlens=key_cu_seqlens,
+                    **dropout_kwargs(dropout, seed))
     scales, m, c, kl, var = _glue_args(p, scale, mask, causal, key_lengths, variants)
     want = (p.B, p.Tq, p.H, p.dv) if p.layout == "bthd" else (p.B, p.H, p.Tq, p.dv)
     want = want if p.batched else want[1:]

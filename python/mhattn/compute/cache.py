@@ -21,6 +21,7 @@ no step reads a row being written.
 """
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import threading
 from typing import Any, Optional
@@ -31,6 +32,7 @@ from .._internal import core
 from .._internal.args import (_to_array, bool_arg, check_memory, memory_limit, normalize,
                               plan)
 from .._internal.core import _fused_bias, head_arrays, variant_args
+from .._internal.variants import Variants, variants_tuple_of
 from .._internal.half import bfloat16_dtype, is_bfloat16, is_half, narrow, narrow_like
 
 __all__ = ["KVCache", "cached_step"]
@@ -592,16 +594,14 @@ def _check_step_memory(call, capacity: int, want_weights: bool, rope: bool) -> N
         check_memory(_step_items(call, capacity, want_weights, rope))
 
 
-def _scores_only(variants: Optional[tuple]) -> Optional[tuple]:
+def _scores_only(var: Variants) -> Optional[tuple]:
     """The variants' tuple (csrc/python/variants.c, read_variants) without the
     q/k transforms, which the projections applied: None when no score rule
-    (window, softcap, ALiBi, sinks, key_mask) is left."""
-    if variants is None:
-        return None
-    rules = variants[:7]
-    if rules[1] == 0.0 and all(a is None for i, a in enumerate(rules) if i != 1):
-        return None
-    return rules + (None, None, variants[9], variants[10], 0, False, None, None, None)
+    (window, softcap, ALiBi, sinks, key_mask, dropout) is left."""
+    rules = dataclasses.replace(var, q_norm=None, k_norm=None, rotary_dim=0,
+                                interleaved=False, inv_freq=None, positions=None,
+                                key_positions=None)
+    return variants_tuple_of(rules) if rules.any else None
 
 
 def _output_gate(call) -> np.ndarray:
@@ -658,7 +658,7 @@ def cached_step(x, w_q, w_k, w_v, w_o, *, cache, num_heads=None, scale=None,
     _check_step_memory(call, cache.capacity, want_w, rope)
     dk, dv, scales = head_arrays(call)
     variants = variant_args(call)
-    scores_only = _scores_only(variants)
+    scores_only = _scores_only(call.var)
     fused = (call.wq.fused(), call.wk.fused(), call.wv.fused(), _fused_bias(call.bq),
              _fused_bias(call.bk), _fused_bias(call.bv))
     capsules = None if packed is None else packed._core_packed(call.dtype)
@@ -668,9 +668,10 @@ def cached_step(x, w_q, w_k, w_v, w_o, *, cache, num_heads=None, scale=None,
         cache.check_room(every, "x")
         if rope:
             # RoPE turns the new rows at their places in the cache, lengths[b]
-            # + i: the variants' positions and key_positions (the last two).
+            # + i: the variants' positions and key_positions.
             pos = cache._lengths[:, np.newaxis] + np.arange(Tq, dtype=np.int64)
-            variants = variants[:-2] + (pos, pos)
+            variants = variants_tuple_of(dataclasses.replace(call.var, positions=pos,
+                                                             key_positions=pos))
         q, k, v = core.project(call.x, call.key, call.value, *fused, dk, dv, scales,
                                variants, capsules)
         q4 = q.reshape(B, Tq, H, cache.d_k).swapaxes(1, 2)

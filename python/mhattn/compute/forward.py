@@ -14,6 +14,7 @@ __all__ = ["multi_head_attention", "run_core"]
 
 _EPS = VARIANT_DEFAULTS["norm_eps"]
 _RMS = VARIANT_DEFAULTS["norm_type"]
+_NODROP = VARIANT_DEFAULTS["dropout"]
 
 
 _ndarray = np.ndarray
@@ -69,8 +70,8 @@ def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None
                          return_context=False, window=None, softcap=None, alibi_slopes=None,
                          sinks=None, q_norm=None, k_norm=None, norm_eps=1e-6, norm_type="rms",
                          rope=None, positions=None, key_positions=None, key_mask=None,
-                         cu_seqlens=None, key_cu_seqlens=None, cache=None,
-                         new_lengths=None):
+                         cu_seqlens=None, key_cu_seqlens=None, dropout=0.0, seed=None,
+                         cache=None, new_lengths=None):
     """Multi-head attention, computed by mhattn's C core.
 
     multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None,
@@ -185,6 +186,22 @@ def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None
         offsets [0, ..., total]; each attends only within itself (causal and
         window too).  ``key_cu_seqlens`` gives the keys' offsets for packed
         cross-attention.
+    dropout : float in [0, 1), default 0.0
+        Dropout on the attention weights, as PyTorch's ``dropout_p`` and
+        FlashAttention's: after the softmax each weight is zeroed with
+        probability ``dropout`` and the others are scaled by 1 / (1 - dropout).
+        The keep mask is a counter-based hash of (seed, batch, head, query,
+        key), so one seed gives the same mask, and the same bits, for any
+        thread count, tiling or ISA; the backward regenerates it.  The
+        log-sum-exp is the softmax's, before dropout.  Weights returned with
+        ``return_weights=True`` are those after dropout.  0 (the default) is
+        off; a value outside [0, 1) raises ValueError.
+    seed : int, numpy.random.Generator or None, default None
+        The seed of ``dropout``'s mask: an int in [0, 2**64), or a
+        ``numpy.random.Generator`` from which one 64-bit seed is drawn; None
+        draws one from fresh OS entropy (a new mask on each call).  A
+        context (``return_context=True``) keeps the seed for its backward.
+        Anything else raises ValueError naming seed.
     cache : mhattn.KVCache, optional
         One step of a decoder through a key/value cache (prefill: many rows;
         decode: one): x holds only the new rows, (B, T_new, d_in) (or
@@ -248,6 +265,7 @@ def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None
            positions is key_positions is key_mask is cu_seqlens is key_cu_seqlens is None
            and (norm_eps is _EPS or type(norm_eps) is float and norm_eps == _EPS)
            and (norm_type is _RMS or type(norm_type) is str and norm_type == _RMS)
+           and (dropout is _NODROP or type(dropout) is float and dropout == 0) and seed is None
            and w_gate is b_gate is None)   # nor has the fast branch an output gate
     packed = None
     if type(w_q) is PackedWeights or w_k is None or w_v is None:

@@ -178,7 +178,8 @@ def multi_head_attention_grad(grad_out, x, w_q, w_k=None, w_v=None, w_o=None, *,
                               softcap=None, alibi_slopes=None, sinks=None, q_norm=None,
                               k_norm=None, norm_eps=1e-6, norm_type="rms", rope=None,
                               positions=None, key_positions=None, key_mask=None,
-                              cu_seqlens=None, key_cu_seqlens=None) -> Dict[str, Any]:
+                              cu_seqlens=None, key_cu_seqlens=None, dropout=0.0,
+                              seed=None) -> Dict[str, Any]:
     """Gradients of multi_head_attention with respect to each array argument.
 
     multi_head_attention_grad(grad_out, x, w_q, w_k, w_v, w_o=None, **keywords)
@@ -205,6 +206,8 @@ def multi_head_attention_grad(grad_out, x, w_q, w_k=None, w_v=None, w_o=None, *,
         As :func:`mhattn.multi_head_attention`.
     positions, key_positions, key_mask, cu_seqlens, key_cu_seqlens
         As :func:`mhattn.multi_head_attention`.
+    dropout, seed
+        As :func:`mhattn.multi_head_attention`: the same seed gives the forward's mask.
 
     Returns
     -------

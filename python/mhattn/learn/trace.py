@@ -70,12 +70,12 @@ KEYS = ("q", "k", "v", "raw_scores", "scores", "row_max", "lse", "weights",
         "heads", "concat", "output")
 
 #: The variants' stages, present when the call uses them (see the module doc).
-VARIANT_KEYS = ("q_proj", "k_proj", "q_normed", "k_normed", "capped", "bias", "gate",
-                "gated")
+VARIANT_KEYS = ("q_proj", "k_proj", "q_normed", "k_normed", "capped", "bias", "keep",
+                "gate", "gated")
 
 # Every stage in the order of a score's life.
 _ORDER = ("q_proj", "k_proj", "q_normed", "k_normed", "q", "k", "v", "raw_scores",
-          "capped", "bias", "scores", "row_max", "lse", "weights", "heads", "concat",
+          "capped", "bias", "scores", "row_max", "lse", "keep", "weights", "heads", "concat",
           "gate", "gated", "output")
 
 _PER_HEAD = ("q", "k", "v", "heads", "q_proj", "k_proj", "q_normed", "k_normed")
@@ -115,7 +115,7 @@ def trace(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=None,
           key_tokens=None, window=None, softcap=None, alibi_slopes=None, sinks=None,
           q_norm=None, k_norm=None, norm_eps=1e-6, norm_type="rms", rope=None,
           positions=None, key_positions=None, key_mask=None, cu_seqlens=None,
-          key_cu_seqlens=None) -> "Trace":
+          key_cu_seqlens=None, dropout=0.0, seed=None) -> "Trace":
     """Every intermediate step of multi-head attention, per head.
 
     trace(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=None,
@@ -146,6 +146,10 @@ def trace(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=None,
         As :func:`mhattn.multi_head_attention`.
     positions, key_positions, key_mask, cu_seqlens, key_cu_seqlens
         As :func:`mhattn.multi_head_attention`.
+    dropout, seed
+        As :func:`mhattn.multi_head_attention`: ``weights`` are then those
+        after dropout, and ``keep`` holds dropout's mask (bool, the shape of
+        ``weights``).
 
     Returns
     -------
@@ -203,6 +207,10 @@ def _trace_items(call: Call) -> list:
         items.append(("the trace's capped scores", "B*h*T_q*T_k", (B, H, Tq, Tk), n))
     if var.alibi is not None:
         items.append(("the trace's ALiBi bias", "B*h*T_q*T_k", (B, H, Tq, Tk), n))
+    if var.dropout > 0:
+        # the keep mask, and one head's hash (its uint64 keys, uint32 bits)
+        items.append(("the trace's dropout mask", "B*h*T_q*T_k", (B, H, Tq, Tk), 1))
+        items.append(("one head's dropout hash", "T_q*T_k", (Tq, Tk), 8 + 3 * 4 + 1))
     if call.w_gate is not None:
         items.append(("the trace's gate and gated concatenation", "2*B*T_q*sum(d_v)",
                       (2, B, Tq, call.Svq), n))
@@ -471,6 +479,13 @@ class Trace:
         for name in ("capped", "bias"):
             if st[name] is not None:
                 arrays[name] = call.unbatch(st[name])
+        if var.dropout > 0:
+            # Dropout's mask, by the reference's hash (the core's, bit for bit).
+            keep = np.zeros((B, H, Tq, Tk), bool)
+            for b in range(B):
+                for h in range(H):
+                    keep[b, h] = reference.dropout_keep(var.seed, b, h, Tq, Tk, var.dropout)
+            arrays["keep"] = call.unbatch(keep)
         if call.w_gate is not None:
             # The output gate of each query row, by the reference's step.
             gate = np.stack([reference._output_gate(call, b) for b in range(B)]) if B else \

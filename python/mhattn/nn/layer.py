@@ -47,7 +47,7 @@ __all__ = ["MultiHeadAttention"]
 # Keywords of multi_head_attention that the layer sets itself from its weights.
 _OWNED = frozenset({"x", "w_q", "w_k", "w_v", "w_o", "num_heads", "num_kv_heads",
                     "key", "value", "b_q", "b_k", "b_v", "b_o", "sinks", "q_norm",
-                    "k_norm", "norm_eps", "norm_type", "w_gate", "b_gate"})
+                    "k_norm", "norm_eps", "norm_type", "w_gate", "b_gate", "dropout"})
 # The learnable variants a layer may own, under their state_dict keys (the
 # names of gpt-oss's and Qwen3's attention modules).
 _VARIANT_KEYS = {"sinks": "sinks", "q_norm": "q_norm.weight", "k_norm": "k_norm.weight"}
@@ -146,7 +146,8 @@ class MultiHeadAttention:
     MultiHeadAttention(d_model, num_heads, *, num_kv_heads=None, d_k=None,
                        d_v=None, d_out=None, kdim=None, vdim=None, bias=False,
                        sinks=False, qk_norm=False, norm_eps=1e-6,
-                       norm_type="rms", gate=False, dtype=np.float32, seed=None)
+                       norm_type="rms", gate=False, dropout=0.0, dtype=np.float32,
+                       seed=None)
 
     Parameters
     ----------
@@ -185,6 +186,12 @@ class MultiHeadAttention:
         Own an output gate (Keras's ``use_gate=True``): ``w_gate``
         (d_model, h*d_v), Glorot-uniform as Keras draws it, and ``b_gate``
         (h*d_v,), initialised to 0; see multi_head_attention's ``w_gate``.
+    dropout : float in [0, 1), default 0.0
+        Dropout on the attention weights (multi_head_attention's ``dropout``),
+        applied in training mode only (:meth:`train`; a new layer is in
+        evaluation mode, :meth:`eval`).  Each training call draws its mask's
+        seed from a generator seeded by ``seed`` (fresh OS entropy without
+        one), unless the call passes ``seed=``.  Outside [0, 1): ValueError.
     dtype : np.float32 (default), np.float64, np.float16 or bfloat16
         The dtype of every weight (``ml_dtypes.bfloat16``, or the string
         "bfloat16"). A half layer computes in float32 and returns its
@@ -292,18 +299,23 @@ class MultiHeadAttention:
                  d_out: Optional[int] = None, kdim: Optional[int] = None,
                  vdim: Optional[int] = None, bias: bool = False, sinks: bool = False,
                  qk_norm: Any = False, norm_eps: float = 1e-6, norm_type: str = "rms",
-                 gate: bool = False, dtype: Any = np.float32, seed: Any = None):
+                 gate: bool = False, dropout: float = 0.0, dtype: Any = np.float32,
+                 seed: Any = None):
         self._configure(d_model, num_heads, num_kv_heads=num_kv_heads, d_k=d_k, d_v=d_v,
                         d_out=d_out, kdim=kdim, vdim=vdim, bias=bias, dtype=dtype,
                         sinks=sinks, qk_norm=qk_norm, norm_eps=norm_eps,
-                        norm_type=norm_type, gate=gate)
+                        norm_type=norm_type, gate=gate, dropout=dropout)
         self.reset_parameters(seed)
+        # Dropout's seeds, one drawn per training call: a seeded layer trains
+        # reproducibly (None: fresh OS entropy, as multi_head_attention's).
+        self._dropout_rng = seed if isinstance(seed, np.random.Generator) else (
+            None if seed is None else np.random.default_rng(_rng(seed).integers(2 ** 63)))
 
     # -- construction ---------------------------------------------------------
 
     def _configure(self, d_model, num_heads, *, num_kv_heads, d_k, d_v, d_out, kdim,
                    vdim, bias, dtype, sinks=False, qk_norm=False, norm_eps=1e-6,
-                   norm_type="rms", gate=False) -> None:
+                   norm_type="rms", gate=False, dropout=0.0) -> None:
         self.d_model = _int_arg("d_model", d_model, allow_none=False)
         self.num_heads = _int_arg("num_heads", num_heads, allow_none=False)
         g = _int_arg("num_kv_heads", num_kv_heads)
@@ -346,6 +358,11 @@ class MultiHeadAttention:
         # Its name is the core's to read: asked here, so that a layer never
         # holds a norm its calls would refuse (the same message as theirs).
         self.norm_type = _core.check_norm_type(norm_type)
+        # Likewise dropout's range (core/config.c): refused here, as a call
+        # would refuse it, though eval-mode calls never pass it on.
+        self.dropout = _core.check_dropout(dropout)
+        self.training = False
+        self._dropout_rng = None
 
     @property
     def _packed(self) -> bool:
@@ -534,6 +551,10 @@ class MultiHeadAttention:
                                 f"argument {name!r}; accepted: {', '.join(sorted(allowed))}")
         self._check_half_inputs(x=x, key=key, value=value)
         kw = self.arguments()
+        if self.training and self.dropout > 0:
+            kw["dropout"] = self.dropout
+            if options.get("seed") is None and self._dropout_rng is not None:
+                options["seed"] = self._dropout_rng
         try:
             packed = self._packed_weights()
         except (TypeError, ValueError):
@@ -546,6 +567,52 @@ class MultiHeadAttention:
         # layer's num_heads (so it does not ask for it)
         return multi_head_attention(x, key=key, value=value, num_heads=self.num_heads,
                                     **kw, **options)
+
+    def train(self, mode: bool = True) -> "MultiHeadAttention":
+        """Set training mode (``mode=True``) or evaluation mode, as PyTorch's
+        ``Module.train``: ``dropout`` applies in training mode only. A new
+        layer is in evaluation mode.
+
+        Parameters
+        ----------
+        mode : bool, default True
+            True for training, False for evaluation.
+
+        Returns
+        -------
+        MultiHeadAttention
+            This layer.
+
+        Examples
+        --------
+        >>> layer = mhattn.MultiHeadAttention(16, 2, dropout=0.5, seed=0)
+        >>> x = np.ones((3, 16), np.float32)
+        >>> _, w = layer.train()(x, return_weights=True)
+        >>> bool((w == 0).any()), layer.training
+        (True, True)
+        >>> np.array_equal(layer.eval()(x), mhattn.multi_head_attention(x, **layer.arguments()))
+        True
+        """
+        if not isinstance(mode, (bool, np.bool_)):
+            raise TypeError(f"mode: expected True or False, got {mode!r:.80}")
+        self.training = bool(mode)
+        return self
+
+    def eval(self) -> "MultiHeadAttention":
+        """Set evaluation mode (no dropout): ``train(False)``.
+
+        Returns
+        -------
+        MultiHeadAttention
+            This layer.
+
+        Examples
+        --------
+        >>> layer = mhattn.MultiHeadAttention(16, 2, dropout=0.1).train()
+        >>> layer.eval().training
+        False
+        """
+        return self.train(False)
 
     def _check_half_inputs(self, **inputs) -> None:
         """A TypeError naming the layer when an input array's dtype and the
@@ -625,7 +692,8 @@ class MultiHeadAttention:
                        d_k=self.d_k, d_v=self.d_v, d_out=self.d_out, kdim=self.kdim,
                        vdim=self.vdim, bias=self.bias, dtype=dt, sinks=self.has_sinks,
                        qk_norm=self.qk_norm, norm_eps=self.norm_eps,
-                       norm_type=self.norm_type, gate=self.has_gate)
+                       norm_type=self.norm_type, gate=self.has_gate, dropout=self.dropout)
+        new.training = self.training
         for name in self._shapes():
             a = getattr(self, name)
             setattr(new, name, np.asarray(a).astype(dt))
@@ -656,6 +724,8 @@ class MultiHeadAttention:
                 extra += f", norm_type={self.norm_type!r}"
         if self.has_gate:
             extra += ", gate=True"
+        if self.dropout > 0:
+            extra += f", dropout={self.dropout!r}"
         return (f"MultiHeadAttention(d_model={self.d_model}, num_heads={self.num_heads}, "
                 f"num_kv_heads={self.num_kv_heads}, d_k={self.d_k}, d_v={self.d_v}, "
                 f"d_out={self.d_out}{extra}, bias={self.bias}, dtype={self.dtype.name})")
@@ -862,7 +932,7 @@ class MultiHeadAttention:
         layer = cls.__new__(cls)
         layer._configure(E, int(module.num_heads), num_kv_heads=None, d_k=None, d_v=None,
                          d_out=E, kdim=int(module.kdim), vdim=int(module.vdim),
-                         bias=has_bias, dtype=dtype)
+                         bias=has_bias, dtype=dtype, dropout=float(module.dropout))
         sd = {}
         if module.in_proj_weight is not None:
             sd["in_proj_weight"] = module.in_proj_weight

@@ -21,6 +21,7 @@ order of a score's life (``mhattn._internal.variants``):
  7. + ALiBi + additive mask                :func:`alibi_bias`
  8. the visibility rules -> -inf           :func:`allowed_keys`
  9. softmax, with sinks                    :func:`softmax`, :func:`log_sum_exp`
+ 9b. dropout (``dropout=p``, ``seed=``)     :func:`dropout_keep`
     (steps 2-9 of one head from its projections: :func:`head_scores`)
  10. . V;  11. concat;  12. W^O            :func:`weighted_values`,
                                            :func:`multi_head_attention`
@@ -50,7 +51,76 @@ from .._internal.variants import key_positions_of, query_positions, sequence_ids
 __all__ = ["multi_head_attention", "lse", "softmax", "log_sum_exp", "attention",
            "score_steps", "weighted_values", "allowed_keys", "rms_norm", "layer_norm",
            "rope", "softcap", "alibi_bias", "param_count", "head_intermediates",
-           "head_scores", "worked_example", "projected_attention"]
+           "head_scores", "worked_example", "projected_attention", "dropout_keep"]
+
+_U64 = np.uint64
+
+
+def _mix64(z: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser, lane by lane on uint64 (wrapping)."""
+    z = (z ^ (z >> _U64(30))) * _U64(0xbf58476d1ce4e5b9)
+    z = (z ^ (z >> _U64(27))) * _U64(0x94d049bb133111eb)
+    return z ^ (z >> _U64(31))
+
+
+def _mix32(x: np.ndarray) -> np.ndarray:
+    """MurmurHash3's 32-bit finaliser, lane by lane on uint32 (wrapping)."""
+    u = np.uint32
+    x = (x ^ (x >> u(16))) * u(0x85ebca6b)
+    x = (x ^ (x >> u(13))) * u(0xc2b2ae35)
+    return x ^ (x >> u(16))
+
+
+def dropout_keep(seed: int, b: int, h: int, Tq: int, Tk: int, p: float) -> np.ndarray:
+    """Which weights of head h on batch item b dropout keeps: (Tq, Tk) bool.
+
+    The C core's counter-based hash (``csrc/core/rules.h``), in NumPy:
+    weight (b, h, i, j) is kept iff
+
+        key  = mix64(... mix64(mix64(seed + G) + b + G) + h + G) + i + G) + (j >> 32) + G)
+        bits = mix32(mix32(lo32(j) ^ lo32(key)) ^ hi32(key))
+        bits >= floor(p * 2**32)
+
+    (G = 0x9e3779b97f4a7c15; mix64 SplitMix64's finaliser, mix32
+    MurmurHash3's; every operation wraps), so each weight is kept with
+    probability 1 - p (within 2**-32), independently of the others, the
+    same on every thread count, tiling and ISA.  i and j are the call's
+    query and key rows (packed rows when the sequences are packed).
+
+    Parameters
+    ----------
+    seed : int
+        In [0, 2**64).
+    b, h : int
+        The batch item and the query head.
+    Tq, Tk : int
+        The call's query and key rows.
+    p : float
+        The dropout probability, in [0, 1).
+
+    Returns
+    -------
+    keep : (Tq, Tk) bool
+
+    Examples
+    --------
+    >>> keep = dropout_keep(seed=0, b=0, h=0, Tq=256, Tk=256, p=0.25)
+    >>> keep.shape, bool(abs(keep.mean() - 0.75) < 0.01)
+    ((256, 256), True)
+    """
+    gold = _U64(0x9e3779b97f4a7c15)
+    with np.errstate(over="ignore"):
+        k = _mix64(np.array([seed], dtype=_U64) + gold)
+        k = _mix64(k + _U64(b) + gold)
+        k = _mix64(k + _U64(h) + gold)
+        k = _mix64(k + np.arange(Tq, dtype=_U64)[:, None] + gold)        # (Tq, 1)
+        j = np.arange(Tk, dtype=_U64)[None, :]
+        key = _mix64(k + (j >> _U64(32)) + gold)                          # (Tq, Tk)
+        lo = (key & _U64(0xffffffff)).astype(np.uint32)
+        hi = (key >> _U64(32)).astype(np.uint32)
+        jlo = (j & _U64(0xffffffff)).astype(np.uint32)
+        bits = _mix32(_mix32(jlo ^ lo) ^ hi)
+    return bits >= np.uint32(int(p * 4294967296.0))
 
 
 def softmax(scores: np.ndarray, sink=None) -> np.ndarray:
@@ -502,8 +572,12 @@ def head_intermediates(call: Call, b: int, h: int) -> dict:
     - allowed (Tq, Tk) bool: :func:`allowed_keys`;
     - scores (Tq, Tk): capped + bias + additive, -inf where not allowed;
     - sink: the head's sink logit or None;
-    - weights (Tq, Tk): softmax with the sink, which they exclude;
-    - lse (Tq,): each row's log-sum-exp, the sink included;
+    - probs (Tq, Tk): softmax with the sink, which they exclude;
+    - keep (Tq, Tk) bool or None: dropout's mask (:func:`dropout_keep`),
+      None without dropout;
+    - weights (Tq, Tk): probs after dropout, kept ones times 1 / (1 - p)
+      (= probs without dropout);
+    - lse (Tq,): each row's log-sum-exp, the sink included (before dropout);
     - head (Tq, dv): weights . v.
 
     Examples
@@ -583,10 +657,17 @@ def head_scores(call: Call, b: int, h: int, q_proj: np.ndarray, k_proj: np.ndarr
                      allowed=allowed)
     # 9. softmax with the sink, which the weights exclude and the lse includes
     sink = None if var.sinks is None else var.sinks[h]
+    probs = softmax(st["scores"], sink)
+    # 9b. dropout: kept weights scaled by 1 / (1 - p), the others 0
+    keep, weights = None, probs
+    if var.dropout > 0:
+        keep = dropout_keep(var.seed, b, h, Tq, Tk, var.dropout)
+        inv = probs.dtype.type(1.0 / (1.0 - var.dropout))
+        weights = np.where(keep, probs * inv, probs.dtype.type(0))
     return dict(q_proj=q_proj, k_proj=k_proj, q_normed=q_normed, k_normed=k_normed,
                 q=q, k=k, raw_scores=st["raw_scores"], scaled=st["scaled"],
                 capped=st["capped"], bias=bias, additive=additive, allowed=allowed,
-                scores=st["scores"], sink=sink, weights=softmax(st["scores"], sink),
+                scores=st["scores"], sink=sink, probs=probs, keep=keep, weights=weights,
                 lse=log_sum_exp(st["scores"], sink))
 
 
@@ -634,7 +715,7 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None
                          b_gate=None, window=None, softcap=None, alibi_slopes=None,
                          sinks=None, q_norm=None, k_norm=None, norm_eps=1e-6, norm_type="rms",
                          rope=None, positions=None, key_positions=None, key_mask=None,
-                         cu_seqlens=None, key_cu_seqlens=None):
+                         cu_seqlens=None, key_cu_seqlens=None, dropout=0.0, seed=None):
     """Reference multi-head attention; same arguments and results as
     :func:`mhattn.multi_head_attention`.
 
@@ -673,6 +754,9 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None
     cu_seqlens, key_cu_seqlens : (n+1,) int, optional
         Packed sequences of a 2-D x (and key): a query sees only its own
         sequence's keys, and positions, causal and window are per sequence.
+    dropout, seed : float, int or numpy.random.Generator, optional
+        Dropout on the weights with :func:`dropout_keep`'s mask: the C
+        core's, bit for bit, for the same seed.
 
     Returns
     -------
@@ -730,7 +814,7 @@ def lse(x, w_q, w_k, w_v, w_o=None, **keywords) -> np.ndarray:
 
 
 _ATTENTION_VARIANTS = ("window", "softcap", "alibi_slopes", "sinks", "key_mask",
-                       "cu_seqlens", "key_cu_seqlens")
+                       "cu_seqlens", "key_cu_seqlens", "dropout", "seed")
 
 
 def projected_attention(q, k, v, *, layout="bhtd", scale=None, mask=None, causal=False,
