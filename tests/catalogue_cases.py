@@ -432,7 +432,7 @@ def variants(**change):
     v = dict(window=None, softcap=0.0, alibi=None, sinks=None, key_mask=None, cu_q=None,
              cu_k=None, q_norm=None, k_norm=None, norm_eps=1e-6, norm_type="rms",
              rotary_dim=0, interleaved=False, inv_freq=None, positions=None,
-             key_positions=None)
+             key_positions=None, dropout=0.0, seed=0)
     v.update(change)
     return tuple(v.values())
 
@@ -897,6 +897,11 @@ def layer(**kw):
     return mhattn.MultiHeadAttention(4, 2, dtype=np.float64, seed=0, **kw)
 
 
+def training_layer():
+    """A layer whose calls apply dropout, so that they read a call's seed=."""
+    return layer(dropout=0.1).train()
+
+
 def step(x=None, cache=None, **kw):
     """One cached step of X (3, 4) into a cache of batch 1 (or ``cache``);
     a step that raises leaves the cache as it was."""
@@ -918,7 +923,7 @@ VARIANT_ENTRIES = [
     ("trace", "trace", lambda **kw: mhattn.trace(X, W, W, W, num_heads=2, **kw), MHA_DIMS),
     ("ref", "reference.multi_head_attention", lambda **kw: reference.multi_head_attention(
         X, W, W, W, num_heads=2, **kw), MHA_DIMS),
-    ("layer", "MultiHeadAttention.__call__", lambda **kw: layer()(X, **kw), MHA_DIMS),
+    ("layer", "MultiHeadAttention.__call__", lambda **kw: training_layer()(X, **kw), MHA_DIMS),
     ("step", "multi_head_attention(cache=)", lambda **kw: step(**kw), MHA_DIMS),
     ("attention", "attention", lambda **kw: mhattn.attention(Q3, K3, K3, **kw), ATT_DIMS),
     ("attention_grad", "attention_grad", lambda **kw: mhattn.attention_grad(
@@ -937,6 +942,7 @@ BOUNDS = ("mha", "grad", "trace", "ref", "layer", "attention", "attention_grad",
 NORMS = ("mha", "grad", "trace", "ref", "step")
 ROPE = ("mha", "grad", "trace", "ref", "layer", "step")
 POSITIONS = ("mha", "grad", "trace", "ref", "layer")
+DROPOUT = tuple(s for s in SCORE if s != "layer")     # a layer's dropout is its own
 
 
 def _rope():
@@ -1051,6 +1057,20 @@ BAD_VARIANTS = [
      ["key_positions", "integers"], _rope(), POSITIONS),
     ("key_positions", "without_rope", lambda d: np.arange(d["Tk"]), VE,
      ["key_positions", "RoPE only"], {}, POSITIONS),
+    # dropout's range is the core's rule (config.c); its type and the seed's
+    # are checked in Python. The layer owns its dropout (MultiHeadAttention(
+    # dropout=), train()), but a call may pass the mask's seed.
+    ("dropout", "one", 1.0, VE, ["dropout", "is not in [0, 1)"], {}, DROPOUT),
+    ("dropout", "negative", -0.1, VE, ["dropout", "is not in [0, 1)"], {}, DROPOUT),
+    ("dropout", "nan", np.nan, VE, ["dropout", "is not in [0, 1)"], {}, DROPOUT),
+    ("dropout", "string", "0.1", TE, ["dropout", "probability"], {}, DROPOUT),
+    ("dropout", "bool", True, TE, ["dropout", "probability"], {}, DROPOUT),
+    ("dropout", "array", np.full(2, 0.1), TE, ["dropout", "probability"], {}, DROPOUT),
+    ("seed", "float", 1.5, VE, ["seed", "int in [0, 2**64)"], dict(dropout=0.1), DROPOUT),
+    ("seed", "float_in_training", 1.5, VE, ["seed", "int in [0, 2**64)"], {}, ("layer",)),
+    ("seed", "negative", -1, VE, ["seed", "int in [0, 2**64)"], dict(dropout=0.1), DROPOUT),
+    ("seed", "past_uint64", 2 ** 64, VE, ["seed", "int in [0, 2**64)"], {}, DROPOUT),
+    ("seed", "string", "1", VE, ["seed", "int in [0, 2**64)"], {}, DROPOUT),
 ]
 for kw_name, label, value, exc, words, extra, where in BAD_VARIANTS:
     for short, entry, call, dims in VARIANT_ENTRIES:
@@ -1485,6 +1505,18 @@ table("layer", raises(VE, words=["norm_type", '"batch"', '"rms"', '"layer"']), [
     ("norm_type_unknown_without_qk_norm", lambda: make(norm_type="batch"))], LAYER)
 table("layer", raises(TE, words=["norm_type", "str"]), [
     ("norm_type_int", lambda: make(qk_norm=True, norm_type=0))], LAYER)
+# dropout's range is the core's, asked by the constructor (one message).
+table("layer", raises(VE, words=["dropout", "is not in [0, 1)"]), [
+    ("dropout_one", lambda: make(dropout=1.0)), ("dropout_nan", lambda: make(dropout=np.nan))],
+      LAYER)
+table("layer", raises(TE, words=["dropout", "probability"]), [
+    ("dropout_string", lambda: make(dropout="a"))], LAYER)
+table("layer", raises(TE, words=["seed", "non-negative int", "'abc'"]), [
+    ("seed_string", lambda: make(seed="abc"))], LAYER)
+table("layer", raises(TE, words=["dropout", "set by the layer"]), [
+    ("dropout_per_call", lambda: layer()(X, dropout=0.1))], "MultiHeadAttention.__call__")
+table("layer", raises(TE, words=["mode", "True or False"]), [
+    ("train_mode_string", lambda: layer().train("yes"))], "MultiHeadAttention.train")
 table("layer", raises(TE, words=["dtype", "float32, float64, float16 or bfloat16"]), [
     ("dtype_int", lambda: make(dtype=np.int32)),
     ("dtype_void2", lambda: make(dtype="V2"))], LAYER)
@@ -1763,6 +1795,11 @@ table(CHECK, raises(VE, words=["convention", "'general' or 'standard'"]), [
     CHECK)
 table(CHECK, raises(TE, words=["convention:", "'general' or 'standard'"]), [
     ("convention_int", lambda: mhattn.check_prototype(good_prototype, convention=5))], CHECK)
+table(CHECK, raises(TE, words=["seed", "non-negative integer", "'abc'"]), [
+    ("seed_string", lambda: mhattn.check_prototype(good_prototype, seed="abc"))], CHECK)
+table(CHECK_ATT, raises(TE, words=["seed", "non-negative integer", "'abc'"]), [
+    ("seed_string", lambda: mhattn.check_attention_prototype(good_attention, seed="abc"))],
+    CHECK_ATT)
 
 # The PyTorch mask converters, param_count and set_num_threads.
 FTM, TTA = "from_torch_masks", "to_torch_attn_mask"

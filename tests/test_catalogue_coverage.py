@@ -39,7 +39,7 @@ TAKES_NOTHING = {
     "worked_example", "get_isa", "get_num_threads",
     "PackedWeights.arguments", "KVCache.reset", "MultiHeadAttention.weights",
     "MultiHeadAttention.arguments", "MultiHeadAttention.state_dict",
-    "MultiHeadAttention.to_torch", "Trace.to_dict", "Trace.keys",
+    "MultiHeadAttention.to_torch", "Trace.to_dict", "Trace.keys", "MultiHeadAttention.eval",
 }
 
 # Callables whose arguments no caller makes: mhattn hands them its own.
@@ -55,7 +55,7 @@ NOT_CALLER_DATA = {
 # that its entry points (multi_head_attention, lse, projected_attention)
 # have checked; they check nothing themselves.
 REFERENCE_STEPS = ("softmax", "log_sum_exp", "attention", "score_steps", "weighted_values",
-                   "rms_norm", "layer_norm", "rope", "softcap", "alibi_bias")
+                   "rms_norm", "layer_norm", "rope", "softcap", "alibi_bias", "dropout_keep")
 NOT_CALLER_DATA.update({f"reference.{n}": "a step of the document, checking nothing"
                         for n in REFERENCE_STEPS})
 
@@ -68,7 +68,7 @@ KNOWN_GAPS: dict = {}   # issue 35 closed the last three (RoPE.frequencies,
 # The variants' keywords: each entry point that takes one has a case naming it.
 VARIANTS = ("window", "softcap", "alibi_slopes", "sinks", "key_mask", "cu_seqlens",
             "key_cu_seqlens", "q_norm", "k_norm", "norm_eps", "norm_type", "rope",
-            "positions", "key_positions")
+            "positions", "key_positions", "dropout", "seed")
 
 
 def _takes_something(fn) -> bool:
