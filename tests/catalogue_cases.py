@@ -2311,6 +2311,52 @@ def _():
     same_bits(gated_results(dict(a, w_gate=np.asmatrix(a["w_gate"]))), want)
 
 
+def half_gate_transformed(fn, dtname):
+    """A half call's gate (kept in its dtype for the core, which widens it as
+    it packs it): the bits of contiguous arrays, forward, gradients, packed
+    weights and a cached prefill."""
+    def thunk():
+        if dtname == "bfloat16":
+            needs("ml_dtypes")
+            import ml_dtypes
+            dt = np.dtype(ml_dtypes.bfloat16)
+        else:
+            dt = np.dtype(np.float16)
+        r = np.random.default_rng(38)
+        x = r.standard_normal((2, 5, 8)).astype(dt)
+        w = [(r.standard_normal((8, 8)) / 3).astype(dt) for _ in range(4)]
+        wg, bg = (r.standard_normal((8, 8)) / 3).astype(dt), r.standard_normal(8).astype(dt)
+
+        def results(wg, bg):
+            kw = dict(causal=True, w_gate=wg, b_gate=bg)
+            out = mha(x, *w, num_heads=2, **kw)
+            grads = mhattn.multi_head_attention_grad(np.ones_like(out), x, *w, num_heads=2,
+                                                     **kw)
+            packed = mha(x, mhattn.pack_weights(*w, num_heads=2), **kw)
+            cache = mhattn.KVCache(2, 2, 8, 4, dtype=dt)
+            return [out, *grads.values(), packed, mha(x, *w, num_heads=2, cache=cache, **kw)]
+        want = results(wg, bg)
+        a, b = fn(wg), fn(bg)
+        got = results(a, b)
+        assert all(g.dtype == v.dtype for g, v in zip(got, want))
+        same_bits([g.view(np.uint16) for g in got], [v.view(np.uint16) for v in want])
+        assert np.array_equal(np.asarray(a).astype(dt).view(np.uint16), wg.view(np.uint16))
+    return thunk
+
+
+for dtname in ("float16", "bfloat16"):
+    for label, fn in [("negative_strides", negative_strides), ("unaligned", unaligned),
+                      ("subclass", subclass), ("memmap_readonly", memmapped),
+                      ("fortran", fortran), ("every_other", every_other),
+                      ("read_only", read_only)]:
+        case(f"gate_valid_half_{label}_{dtname}", OK, (MHA, GRAD, PACKED, STEP))(
+            half_gate_transformed(fn, dtname))
+# (ml_dtypes' bfloat16 has no byte-swapped form: astype gives '>V2', refused
+# as 2-byte data of no known float, as dtype_*_void2 are.)
+case("gate_valid_half_byteswapped_float16", OK, (MHA, GRAD, PACKED, STEP))(
+    half_gate_transformed(byteswapped, "float16"))
+
+
 @case("gate_inputs_are_never_written", OK,
       (MHA, GRAD, "backward", "trace", REF, STEP, PACKED, CALL, "MultiHeadAttention.backward"))
 def _():
@@ -2552,6 +2598,48 @@ def _():
     assert out.shape == (2 ** 40, 0, 2)
     out = _C.forward(**zero_width(1, 3), wgate=np.zeros((0, 2)), bgate=np.array([1.0, -1.0]))[0]
     assert out.shape == (1, 3, 2) and not out.any()
+
+
+# A gate of zero strides is copied to a contiguous one for the core: the
+# copy is counted before it is made (8 TiB each for w_gate and the fused w_v).
+def _huge_gate(fn):
+    d_in, S = 2 ** 20, 2 ** 20
+    b = np.broadcast_to
+    return fn(b(0.0, (1, 1, d_in)), np.zeros((d_in, 2)), np.zeros((d_in, 2)),
+              b(0.0, (d_in, S)), np.zeros((S, 0)), num_heads=1,
+              w_gate=b(0.0, (d_in, S)))
+
+
+table("gate_size", raises(MemoryError, words=["w_gate", "GiB"]), [
+    ("contiguous_copy", lambda: _huge_gate(mha))])
+table("gate_size", raises(MemoryError, words=["w_gate", "GiB"]), [
+    ("contiguous_copy_trace", lambda: _huge_gate(mhattn.trace))], "trace")
+table("gate_size", raises(MemoryError, words=["w_gate", "GiB"]), [
+    ("contiguous_copy_grad", lambda: _huge_gate(
+        lambda *a, **k: mhattn.multi_head_attention_grad(np.zeros((1, 1, 0)), *a, **k)))],
+      GRAD)
+table("gate_size", raises(MemoryError, words=["w_gate", "GiB"]), [
+    ("contiguous_copy_step", lambda: _huge_gate(
+        lambda *a, **k: mha(*a, cache=mhattn.KVCache(1, 1, 4, 2, 2 ** 20, dtype=np.float64),
+                            **k)))], STEP)
+
+
+class RaisingArray:
+    """An array-like whose conversion raises the caller's own error."""
+
+    def __array__(self, dtype=None, copy=None):
+        raise RuntimeError("the caller's own __array__ failed")
+
+
+# The caller's own exception passes through unchanged (as for any argument),
+# and a step it stops leaves its cache as it was (step()).
+for label, kw in (("w_gate", dict(w_gate=RaisingArray())),
+                  ("b_gate", dict(b_gate=RaisingArray())),
+                  ("b_gate_without_w_gate", dict(w_gate=None, b_gate=RaisingArray()))):
+    for short, entry, call in GATE_ENTRIES:
+        case(f"gate_raising_array_{label}_{short}",
+             raises(RuntimeError, words=["the caller's own __array__ failed"]), entry)(
+            lambda call=call, kw=kw: call(**kw))
 
 
 # The gate's cast (an integer w_gate to float64) is counted before it is made.
