@@ -1915,6 +1915,7 @@ GATE_ENTRIES = [
     ("step", STEP, lambda **kw: step(**_gated(kw))),
     ("packed", PACKED, lambda **kw: mha(X, pack(W, W, W, WO), **_gated(kw))),
     ("layer", CALL, lambda **kw: gated_layer(**_gated(kw))(X)),
+    ("lse", REF_LSE, lambda **kw: reference.lse(X, W, W, W, WO, num_heads=2, **_gated(kw))),
 ]
 W_GATE_SHAPE = ["expected shape (4, 4)", "x's d_in = 4 rows (x (3, 4))", "sum(d_v) = 4"]
 B_GATE_SHAPE = ["expected shape (4,)", "columns of w_gate (4, 4)"]
@@ -1966,6 +1967,22 @@ for label, kw, exc, words in BAD_GATES:
     for short, entry, call in GATE_ENTRIES:
         case(f"gate_{label}_{short}", raises(exc, words=words), entry)(
             lambda call=call, kw=kw: call(**kw))
+
+# The gate reads x, the queries' source, also in cross-attention: a w_gate
+# with key's d_in rows is refused, by the glue too.
+table("gate_w_gate_reads_x_not_key", raises(VE, words=["w_gate", "expected shape (4, 4)",
+                                                       "x (3, 4)", "got (5, 4)"]), [
+    ("mha", lambda: mha(X, W, np.ones((5, 4)), np.ones((5, 4)), num_heads=2,
+                        key=np.ones((6, 5)), w_gate=np.ones((5, 4))))])
+table("glue_gate_wgate_reads_x_not_key", raises(VE, words=["wgate", "expected shape (4, 4)",
+                                                           "got (5, 4)"]), [
+    ("forward", lambda: _C.forward(**glue_args(key=np.ones((1, 6, 5)), value=np.ones((1, 6, 5)),
+                                               wk=np.ones((5, 4)), wv=np.ones((5, 4))),
+                                   wgate=np.ones((5, 4))))], "_C.forward")
+# The gate belongs to the call, not to packed weights (pack_weights has no
+# such parameter: Python's own TypeError, before the function is entered).
+table("gate_packed_replace", raises(TE, words=["replace()", "'w_gate'"]), [
+    ("takes_no_gate", lambda: packed().replace(w_gate=WGATE))], REPLACE)
 
 
 def _transposed_gate_in_layer():
