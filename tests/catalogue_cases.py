@@ -2076,6 +2076,7 @@ def _():
             num_heads=3, key=a["key"], value=a["value"], **gate)
         assert g["w_gate"].dtype == np.float64 and g["w_gate"].shape == (6, 6)
 
+
 # The glue's keyword-only wgate / bgate (_C.forward, _C.backward): each
 # refusal names the glue's argument, its expected shape by letter and what
 # it saw; bgate without wgate is the core's rule (field "params").
@@ -2182,11 +2183,15 @@ for name, (exc, words, kw) in GLUE_BACKWARD_GATE_BAD.items():
 
 
 def read_only(a):
-    """A read-only copy of a: whatever writes to it raises (or, from C, would
-    be caught by the comparisons after the call)."""
-    a = np.array(a)
-    a.flags.writeable = False
-    return a
+    """A read-only view of a, its strides kept: a write from Python raises;
+    one from C would not, so callers compare with a copy afterwards."""
+    v = np.asarray(a).view()
+    v.flags.writeable = False
+    return v
+
+
+def read_only_copy(a):
+    return read_only(np.array(a))
 
 
 @case("glue_gate_any_layout", OK, ("_C.forward", "_C.backward"))
@@ -2200,7 +2205,7 @@ def _():
     want_f = _C.forward(**g, wgate=wg, bgate=bg)
     want_b = _C.backward(*args, wgate=wg, bgate=bg)
 
-    for fn in (negative_strides, every_other, fortran, read_only,
+    for fn in (negative_strides, every_other, fortran, read_only_copy,
                lambda a: read_only(every_other(a))):
         wt, bt = fn(wg), fn(bg)
         got_f = _C.forward(**g, wgate=wt, bgate=bt)
@@ -2311,7 +2316,7 @@ for dt in (np.float32, np.float64):
                       ("memmap_readonly", memmapped), ("memmap_copy_on_write",
                                                        lambda a: memmapped(a, "c")),
                       ("fortran", fortran), ("every_other", every_other),
-                      ("read_only", read_only),
+                      ("read_only", read_only_copy),
                       ("read_only_every_other", lambda a: read_only(every_other(a)))]:
         case(f"gate_valid_{label}_{n}", OK, (MHA, GRAD, STEP, CALL))(gate_transformed(fn, dt))
 case("gate_valid_nested_lists", OK, (MHA, GRAD, STEP, CALL))(
@@ -2365,7 +2370,8 @@ for dtname in ("float16", "bfloat16"):
     for label, fn in [("negative_strides", negative_strides), ("unaligned", unaligned),
                       ("subclass", subclass), ("memmap_readonly", memmapped),
                       ("fortran", fortran), ("every_other", every_other),
-                      ("read_only", read_only)]:
+                      ("read_only", read_only_copy),
+                      ("read_only_every_other", lambda a: read_only(every_other(a)))]:
         case(f"gate_valid_half_{label}_{dtname}", OK, (MHA, GRAD, PACKED, STEP))(
             half_gate_transformed(fn, dtname))
 # (ml_dtypes' bfloat16 has no byte-swapped form: astype gives '>V2', refused
