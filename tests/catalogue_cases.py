@@ -1918,6 +1918,799 @@ table("reference_projected", raises(MemoryError, words=["return_weights=True", "
       "reference.projected_attention")
 
 
+# --- the output gate (issue 38, item 4): w_gate, b_gate, wgate / bgate, gate= --
+# w_gate (d_in, sum d_v) and b_gate (sum d_v,) on every entry point that takes
+# them; each refusal names the argument and the shapes it saw, and a step that
+# raises leaves its cache unchanged (step()). X, W with num_heads=2: d_in = 4,
+# sum d_v = 4.
+r38 = np.random.default_rng(38)
+WGATE = r38.standard_normal((4, 4))
+BGATE = r38.standard_normal(4)
+
+
+def gated_layer(w_gate=WGATE, b_gate=BGATE, **kw):
+    """layer(gate=True), its gate's arrays (plain attributes) set by hand: its
+    call hands them to the checks of multi_head_attention."""
+    lay = layer(gate=True, **kw)
+    lay.w_gate, lay.b_gate = w_gate, b_gate
+    return lay
+
+
+def _gated(kw):
+    return {"w_gate": WGATE, "b_gate": BGATE, **kw}
+
+
+# (short name, entry, call of the gate's keywords): w_gate and b_gate default
+# to WGATE and BGATE; a keyword given as None drops that array.
+GATE_ENTRIES = [
+    ("mha", MHA, lambda **kw: mha(X, W, W, W, WO, num_heads=2, **_gated(kw))),
+    ("grad", GRAD, lambda **kw: mhattn.multi_head_attention_grad(
+        np.ones((3, 3)), X, W, W, W, WO, num_heads=2, **_gated(kw))),
+    ("trace", "trace", lambda **kw: mhattn.trace(X, W, W, W, WO, num_heads=2, **_gated(kw))),
+    ("ref", REF, lambda **kw: reference.multi_head_attention(X, W, W, W, WO, num_heads=2,
+                                                             **_gated(kw))),
+    ("step", STEP, lambda **kw: step(**_gated(kw))),
+    ("packed", PACKED, lambda **kw: mha(X, pack(W, W, W, WO), **_gated(kw))),
+    ("layer", CALL, lambda **kw: gated_layer(**_gated(kw))(X)),
+    ("lse", REF_LSE, lambda **kw: reference.lse(X, W, W, W, WO, num_heads=2, **_gated(kw))),
+]
+W_GATE_SHAPE = ["expected shape (4, 4)", "x's d_in = 4 rows (x (3, 4))", "sum(d_v) = 4"]
+B_GATE_SHAPE = ["expected shape (4,)", "columns of w_gate (4, 4)"]
+# (label, keywords, expected exception, words): the argument first.
+BAD_GATES = [
+    ("w_gate_width", dict(w_gate=np.ones((4, 5))), VE, ["w_gate", *W_GATE_SHAPE, "got (4, 5)"]),
+    ("w_gate_rows", dict(w_gate=np.ones((5, 4))), VE, ["w_gate", *W_GATE_SHAPE, "got (5, 4)"]),
+    ("w_gate_no_columns", dict(w_gate=np.zeros((4, 0))), VE, ["w_gate", *W_GATE_SHAPE,
+                                                              "got (4, 0)"]),
+    ("w_gate_0d", dict(w_gate=np.float64(1.0)), VE, ["w_gate", *W_GATE_SHAPE, "got ()"]),
+    ("w_gate_1d", dict(w_gate=np.ones(4)), VE, ["w_gate", *W_GATE_SHAPE, "got (4,)"]),
+    ("w_gate_3d", dict(w_gate=np.ones((1, 4, 4))), VE, ["w_gate", *W_GATE_SHAPE,
+                                                        "got (1, 4, 4)"]),
+    # per-head blocks, as w_q may be given: w_gate is one matrix
+    ("w_gate_list_of_heads", dict(w_gate=[np.ones((4, 2))] * 2), VE,
+     ["w_gate", *W_GATE_SHAPE, "got (2, 4, 2)"]),
+    ("b_gate_width", dict(b_gate=np.ones(5)), VE, ["b_gate", *B_GATE_SHAPE, "got (5,)"]),
+    ("b_gate_0d", dict(b_gate=np.float64(1.0)), VE, ["b_gate", *B_GATE_SHAPE, "got ()"]),
+    ("b_gate_2d", dict(b_gate=np.ones((1, 4))), VE, ["b_gate", *B_GATE_SHAPE, "got (1, 4)"]),
+    ("b_gate_without_w_gate", dict(w_gate=None), VE,
+     ["b_gate", "given (shape (4,)) without w_gate", "w_gate (4, 4)"]),
+    ("b_gate_wrong_width_without_w_gate", dict(w_gate=None, b_gate=np.ones(7)), VE,
+     ["b_gate", "given (shape (7,)) without w_gate", "w_gate (4, 4)"]),
+    ("b_gate_a_str_without_w_gate", dict(w_gate=None, b_gate="abc"), TE,
+     ["b_gate", "array of numbers", "str"]),
+    ("w_gate_a_str", dict(w_gate="abc"), TE, ["w_gate", "array of numbers", "str"]),
+    ("w_gate_dict", dict(w_gate={}), TE, ["w_gate", "array of numbers", "dict"]),
+    ("b_gate_a_str", dict(b_gate="abc"), TE, ["b_gate", "array of numbers", "str"]),
+    ("w_gate_ragged", dict(w_gate=[[1.0], [1.0, 2.0]]), TE, ["w_gate", "cannot be read"]),
+    ("b_gate_none_inside", dict(b_gate=[1.0, None, 1.0, 1.0]), TE, ["b_gate", "object"]),
+    ("w_gate_masked", dict(w_gate=np.ma.masked_array(WGATE, WGATE > 0)), TE,
+     ["w_gate", "masked arrays are not supported"]),
+    ("b_gate_masked", dict(b_gate=np.ma.masked_array(BGATE, BGATE > 0)), TE,
+     ["b_gate", "masked arrays are not supported"]),
+    # a half gate in a float64 call: the message names both dtypes
+    ("w_gate_float16_in_float64_call", dict(w_gate=WGATE.astype(np.float16)), TE,
+     ["w_gate's float16", "x: dtype float64", "share one dtype"]),
+    ("b_gate_float16_in_float64_call", dict(b_gate=BGATE.astype(np.float16)), TE,
+     ["b_gate's float16", "x: dtype float64", "share one dtype"]),
+]
+for kind, conv in BAD_DTYPES.items():
+    if kind == "longdouble" and np.dtype(np.longdouble).itemsize <= 8:
+        continue
+    for arg, good in (("w_gate", WGATE), ("b_gate", BGATE)):
+        BAD_GATES.append((f"{arg}_{kind}", {arg: conv(good)}, TE,
+                          [arg, "is not supported", "float32 or float64"]
+                          + ([kind] if kind in ("complex", "object", "bool") else [])))
+for label, kw, exc, words in BAD_GATES:
+    for short, entry, call in GATE_ENTRIES:
+        case(f"gate_{label}_{short}", raises(exc, words=words), entry)(
+            lambda call=call, kw=kw: call(**kw))
+
+# The gate reads x, the queries' source, also in cross-attention: a w_gate
+# with key's d_in rows is refused, by the glue too.
+table("gate_w_gate_reads_x_not_key", raises(VE, words=["w_gate", "expected shape (4, 4)",
+                                                       "x (3, 4)", "got (5, 4)"]), [
+    ("mha", lambda: mha(X, W, np.ones((5, 4)), np.ones((5, 4)), num_heads=2,
+                        key=np.ones((6, 5)), w_gate=np.ones((5, 4))))])
+table("glue_gate_wgate_reads_x_not_key", raises(VE, words=["wgate", "expected shape (4, 4)",
+                                                           "got (5, 4)"]), [
+    ("forward", lambda: _C.forward(**glue_args(key=np.ones((1, 6, 5)), value=np.ones((1, 6, 5)),
+                                               wk=np.ones((5, 4)), wv=np.ones((5, 4))),
+                                   wgate=np.ones((5, 4))))], "_C.forward")
+# The gate belongs to the call, not to packed weights (pack_weights has no
+# such parameter: Python's own TypeError, before the function is entered).
+table("gate_packed_replace", raises(TE, words=["replace()", "'w_gate'"]), [
+    ("takes_no_gate", lambda: packed().replace(w_gate=WGATE))], REPLACE)
+
+
+def _transposed_gate_in_layer():
+    lay = layer(gate=True, d_v=3)
+    lay.w_gate = lay.state_dict()["gate_proj.weight"]     # out_proj's layout: (h*d_v, d)
+    return lay(X)
+
+
+# w_gate in a state dict's (out_proj's) layout, (sum d_v, d_in): refused when
+# sum d_v != d_in (when they are equal no shape can tell).
+table("gate_w_gate_transposed", raises(VE, words=["w_gate", "expected shape (4, 6)",
+                                                  "got (6, 4)"]), [
+    ("mha", lambda: mha(X, W, W, np.ones((4, 6)), num_heads=2, w_gate=np.ones((6, 4))))])
+table("gate_w_gate_transposed", raises(VE, words=["w_gate", "expected shape (4, 6)",
+                                                  "got (6, 4)"]), [
+    ("layer", _transposed_gate_in_layer)], CALL)
+
+# Half precision: a half call's numbers share one dtype, its gate's too; a
+# 2-byte type that is neither float16 nor bfloat16 is refused by name.
+X16, W16, WO16 = X.astype(np.float16), W.astype(np.float16), WO.astype(np.float16)
+WGATE16, BGATE16 = WGATE.astype(np.float16), BGATE.astype(np.float16)
+
+
+def _gated16(kw):
+    return {"w_gate": WGATE16, "b_gate": BGATE16, **kw}
+
+
+def half_gated_layer(w_gate=WGATE16, b_gate=BGATE16):
+    lay = layer(gate=True).astype(np.float16)
+    lay.w_gate, lay.b_gate = w_gate, b_gate
+    return lay
+
+
+HALF_GATE_ENTRIES = [
+    ("mha", MHA, lambda **kw: mha(X16, W16, W16, W16, WO16, num_heads=2, **_gated16(kw))),
+    ("grad", GRAD, lambda **kw: mhattn.multi_head_attention_grad(
+        np.ones((3, 3), np.float16), X16, W16, W16, W16, WO16, num_heads=2, **_gated16(kw))),
+    ("trace", "trace", lambda **kw: mhattn.trace(X16, W16, W16, W16, WO16, num_heads=2,
+                                                 **_gated16(kw))),
+    ("ref", REF, lambda **kw: reference.multi_head_attention(X16, W16, W16, W16, WO16,
+                                                             num_heads=2, **_gated16(kw))),
+    ("layer", CALL, lambda **kw: half_gated_layer(**_gated16(kw))(X16)),
+]
+
+
+def _bf16_gate():
+    needs("ml_dtypes")
+    import ml_dtypes
+    return WGATE.astype(ml_dtypes.bfloat16)
+
+
+HALF_BAD_GATES = [
+    ("w_gate_float32", lambda: dict(w_gate=WGATE.astype(np.float32)),
+     ["w_gate", "dtype float32 does not match x's float16", "w_gate.astype(x.dtype)"]),
+    ("b_gate_float32", lambda: dict(b_gate=BGATE.astype(np.float32)),
+     ["b_gate", "dtype float32 does not match x's float16", "b_gate.astype(x.dtype)"]),
+    ("w_gate_float64", lambda: dict(w_gate=WGATE),
+     ["w_gate", "dtype float64 does not match x's float16"]),
+    ("w_gate_int64", lambda: dict(w_gate=np.ones((4, 4), np.int64)),
+     ["w_gate", "dtype int64 does not match x's float16"]),
+    ("w_gate_bfloat16", lambda: dict(w_gate=_bf16_gate()),
+     ["w_gate", "dtype bfloat16 does not match x's float16"]),
+    ("w_gate_void2", lambda: dict(w_gate=np.zeros((4, 4), "V2")),
+     ["w_gate", "2-byte", "float16, bfloat16"]),
+    ("b_gate_void2", lambda: dict(b_gate=np.zeros(4, "V2")),
+     ["b_gate", "2-byte", "float16, bfloat16"]),
+]
+for label, kw, words in HALF_BAD_GATES:
+    for short, entry, call in HALF_GATE_ENTRIES:
+        case(f"gate_half_{label}_{short}", raises(TE, words=words), entry)(
+            lambda call=call, kw=kw: call(**kw()))
+
+
+# A float32 call whose gate is float64 or integer computes in float64, as
+# with any other weight (integers are promoted to float64): the bits of the
+# call on the inputs widened by hand.
+@case("gate_float64_gate_promotes_a_float32_call", OK, (MHA, GRAD))
+def _():
+    a = {k: v.astype(np.float32) for k, v in inputs(np.float64).items()}
+    r = np.random.default_rng(38)
+    wg, bg = r.standard_normal((6, 6)), r.integers(-3, 3, 6)
+    for gate in (dict(w_gate=wg), dict(w_gate=wg.astype(np.float32), b_gate=bg),
+                 dict(w_gate=np.round(wg * 4).astype(np.int32))):
+        wide = {k: v.astype(np.float64) for k, v in a.items()}
+        want = run(wide, **{k: np.asarray(v, np.float64) for k, v in gate.items()})
+        got = run(a, **gate)
+        assert got[0].dtype == np.float64
+        same_bits(got, want)
+        g = mhattn.multi_head_attention_grad(
+            np.ones((2, 5, 3), np.float32), a["x"], a["w_q"], a["w_k"], a["w_v"], a["w_o"],
+            num_heads=3, key=a["key"], value=a["value"], **gate)
+        assert g["w_gate"].dtype == np.float64 and g["w_gate"].shape == (6, 6)
+
+
+# The glue's keyword-only wgate / bgate (_C.forward, _C.backward): each
+# refusal names the glue's argument, its expected shape by letter and what
+# it saw; bgate without wgate is the core's rule (field "params").
+W4 = np.ones((4, 4))
+
+
+def glue32(**change):
+    """glue_args in float32, then ``change``."""
+    return {**{k: (v.astype(np.float32) if isinstance(v, np.ndarray) and
+                   v.dtype == np.float64 else v) for k, v in glue_args().items()}, **change}
+
+
+GLUE_GATE_BAD = {
+    "wgate_width": (VE, ["wgate", "expected shape (4, 4) (Din, Svq)", "got (4, 5)"],
+                    dict(wgate=np.ones((4, 5)))),
+    "wgate_rows": (VE, ["wgate", "expected shape (4, 4) (Din, Svq)", "got (5, 4)"],
+                   dict(wgate=np.ones((5, 4)))),
+    "wgate_1d": (VE, ["wgate", "2-D", "got shape (4,)"], dict(wgate=np.ones(4))),
+    "wgate_3d": (VE, ["wgate", "2-D", "got shape (1, 4, 4)"], dict(wgate=np.ones((1, 4, 4)))),
+    "wgate_scalar": (TE, ["wgate", "numpy.ndarray or None", "numpy.float64"],
+                     dict(wgate=np.float64(1.0))),
+    "wgate_list": (TE, ["wgate", "numpy.ndarray or None", "list"], dict(wgate=W4.tolist())),
+    "wgate_string": (TE, ["wgate", "numpy.ndarray or None", "str"], dict(wgate="a")),
+    "wgate_float32": (TE, ["wgate", "expected dtype float64 (the dtype of x)", "float32"],
+                      dict(wgate=W4.astype(np.float32))),
+    "wgate_float16_float64_x": (TE, ["wgate", "expected dtype float64", "float16"],
+                                dict(wgate=W4.astype(np.float16))),
+    "wgate_int": (TE, ["wgate", "expected dtype float64", "int64"],
+                  dict(wgate=W4.astype(np.int64))),
+    "wgate_complex": (TE, ["wgate", "expected dtype float64", "complex128"],
+                      dict(wgate=W4.astype(complex))),
+    "wgate_object": (TE, ["wgate", "expected dtype float64", "'O'"],
+                     dict(wgate=W4.astype(object))),
+    "wgate_bool": (TE, ["wgate", "expected dtype float64", "bool"], dict(wgate=W4 > 0)),
+    "bgate_width": (VE, ["bgate", "expected shape (4,) (Svq,)", "got (3,)"],
+                    dict(wgate=W4, bgate=np.ones(3))),
+    "bgate_2d": (VE, ["bgate", "1-D", "got shape (1, 4)"], dict(wgate=W4, bgate=np.ones((1, 4)))),
+    "bgate_float32": (TE, ["bgate", "expected dtype float64 (the dtype of x)", "float32"],
+                      dict(wgate=W4, bgate=np.ones(4, np.float32))),
+    "bgate_int": (TE, ["bgate", "expected dtype float64", "int64"],
+                  dict(wgate=W4, bgate=np.ones(4, np.int64))),
+    "bgate_complex": (TE, ["bgate", "expected dtype float64", "complex128"],
+                      dict(wgate=W4, bgate=np.ones(4, complex))),
+    "bgate_float16": (TE, ["bgate", "expected dtype float64", "float16"],
+                      dict(wgate=W4, bgate=np.ones(4, np.float16))),
+    "bgate_without_wgate": (VE, ["bgate is given without wgate", "needs its weight"],
+                            dict(bgate=np.ones(4))),
+    # the shapes are checked first: a wrong bgate alone is named by its shape
+    "bgate_width_without_wgate": (VE, ["bgate", "expected shape (4,) (Svq,)", "got (7,)"],
+                                  dict(bgate=np.ones(7))),
+    "gate_misspelt": (TE, ["w_gate", "invalid keyword"], dict(w_gate=W4)),
+}
+for name, (exc, words, change) in GLUE_GATE_BAD.items():
+    case(f"glue_gate_{name}", raises(exc, words=words), "_C.forward")(
+        lambda change=change: _C.forward(**glue_args(**change)))
+
+GLUE32_GATE_BAD = {
+    "wgate_float64": (["wgate", "expected dtype float32 (the dtype of x)", "float64"],
+                      dict(wgate=W4)),
+    "bgate_float64": (["bgate", "expected dtype float32 (the dtype of x)", "float64"],
+                      dict(wgate=W4.astype(np.float32), bgate=np.ones(4))),
+    # half weights are stored alike: all of wq, wk, wv, wo and wgate, or none
+    "wgate_float16_float32_weights": (
+        ["wgate", "dtype float16", "wq has dtype float32", "stored alike"],
+        dict(wgate=W4.astype(np.float16))),
+    "wgate_float32_float16_weights": (
+        ["wgate", "dtype float32", "wq has dtype float16", "stored alike"],
+        dict(wgate=W4.astype(np.float32), wq=W4.astype(np.float16),
+             wk=W4.astype(np.float16), wv=W4.astype(np.float16))),
+}
+for name, (words, change) in GLUE32_GATE_BAD.items():
+    case(f"glue_gate_float32_call_{name}", raises(TE, words=words), "_C.forward")(
+        lambda change=change: _C.forward(**glue32(**change)))
+case("glue_gate_positional", raises(TE, words=["forward()", "positional arguments"]),
+     "_C.forward")(lambda: _C.forward(*glue_args().values(), None, W4))
+
+
+def glue_backward_args():
+    """_C.backward's arguments of a gated forward of glue_args (with wo)."""
+    g = glue_args(wo=W4, keep=True)
+    out, _, (q, k, v, cat, lse) = _C.forward(**g, wgate=W4)
+    return (out, g["x"], None, None, W4, W4, W4, W4, q, k, v, cat, lse, g["dk"], g["dv"],
+            g["scales"], None, False, None, None, False, False, False, False)
+
+
+GLUE_BACKWARD_GATE_BAD = {
+    "wgate_width": (VE, ["wgate", "expected shape (4, 4) (Din, Svq)", "got (4, 5)"],
+                    dict(wgate=np.ones((4, 5)))),
+    "wgate_1d": (VE, ["wgate", "2-D", "got shape (4,)"], dict(wgate=np.ones(4))),
+    "wgate_float32": (TE, ["wgate", "expected dtype float64", "float32"],
+                      dict(wgate=W4.astype(np.float32))),
+    "wgate_float16": (TE, ["wgate", "expected dtype float64", "float16"],
+                      dict(wgate=W4.astype(np.float16))),
+    "wgate_list": (TE, ["wgate", "numpy.ndarray or None", "list"], dict(wgate=W4.tolist())),
+    "bgate_width": (VE, ["bgate", "expected shape (4,) (Svq,)", "got (3,)"],
+                    dict(wgate=W4, bgate=np.ones(3))),
+    "bgate_complex": (TE, ["bgate", "expected dtype float64", "complex128"],
+                      dict(wgate=W4, bgate=np.ones(4, complex))),
+    "bgate_without_wgate": (VE, ["bgate is given without wgate"], dict(bgate=np.ones(4))),
+}
+for name, (exc, words, kw) in GLUE_BACKWARD_GATE_BAD.items():
+    case(f"glue_backward_gate_{name}", raises(exc, words=words), ("_C.forward", "_C.backward"))(
+        lambda kw=kw: _C.backward(*glue_backward_args(), **kw))
+
+
+def read_only(a):
+    """A read-only view of a, its strides kept: a write from Python raises;
+    one from C would not, so callers compare with a copy afterwards."""
+    v = np.asarray(a).view()
+    v.flags.writeable = False
+    return v
+
+
+def read_only_copy(a):
+    return read_only(np.array(a))
+
+
+@case("glue_gate_any_layout", OK, ("_C.forward", "_C.backward"))
+def _():
+    """wgate and bgate of any strides, read-only or not: the bits of
+    contiguous copies, forward and backward, and never written to."""
+    r = np.random.default_rng(38)
+    wg, bg = r.standard_normal((4, 4)), r.standard_normal(4)
+    args = glue_backward_args()
+    g = glue_args(wo=W4, keep=True)
+    want_f = _C.forward(**g, wgate=wg, bgate=bg)
+    want_b = _C.backward(*args, wgate=wg, bgate=bg)
+
+    for fn in (negative_strides, every_other, fortran, read_only_copy,
+               lambda a: read_only(every_other(a))):
+        wt, bt = fn(wg), fn(bg)
+        got_f = _C.forward(**g, wgate=wt, bgate=bt)
+        same_bits([got_f[0], *got_f[2]], [want_f[0], *want_f[2]])
+        got_b = _C.backward(*args, wgate=wt, bgate=bt)
+        same_bits([a for a in got_b if a is not None], [a for a in want_b if a is not None])
+        assert np.array_equal(wt, wg) and np.array_equal(bt, bg)
+    assert len(want_b) == 16 and want_b[-2].shape == (4, 4) and want_b[-1].shape == (4,)
+
+# The layer: gate= is True or False (a NumPy bool too); the gate's arrays are
+# the layer's own (its call refuses them); a state dict's gate_proj.* are
+# checked, and a load that raises leaves the layer as it was.
+for label, value in [("string", "yes"), ("int_1", 1), ("int_0", 0), ("none", None),
+                     ("float", 1.0), ("array_0d", np.array(True)), ("list", [True]),
+                     ("numpy_int", np.int64(1))]:
+    case(f"gate_layer_gate_{label}", raises(TE, words=["gate", "True or False",
+                                                       repr(value)[:20]]), LAYER)(
+        lambda value=value: make(gate=value))
+
+
+@case("gate_layer_gate_numpy_bool", OK, LAYER)
+def _():
+    assert make(gate=np.True_).has_gate and not make(gate=np.False_).has_gate
+    lay = make(gate=np.True_, d_v=3)
+    assert lay.w_gate.shape == (4, 6) and lay.b_gate.shape == (6,)
+
+
+for name in ("w_gate", "b_gate"):
+    for label, gate in (("gated", True), ("ungated", False)):
+        case(f"gate_layer_call_{name}_is_the_layers_{label}",
+             raises(TE, words=[name, "set by the layer"]), CALL)(
+            lambda name=name, gate=gate: layer(gate=gate)(X, **{name: np.ones(4)}))
+
+
+def load_gated(**change):
+    """load_state_dict of a gated layer's own state with ``change``: the
+    layer is unchanged when it raises."""
+    lay = layer(gate=True)
+    before = {k: v.copy() for k, v in lay.state_dict().items()}
+    try:
+        lay.load_state_dict({k: v for k, v in {**before, **change}.items() if v is not ...})
+    finally:
+        assert all(np.array_equal(v, before[k]) for k, v in lay.state_dict().items())
+
+
+GP_W, GP_B = "gate_proj.weight", "gate_proj.bias"
+table("gate_load_state_dict", raises(VE, words=[GP_W, "has shape (4, 5)", "expected (4, 4)"]), [
+    ("weight_shape", lambda: load_gated(**{GP_W: np.ones((4, 5))}))], LOAD)
+table("gate_load_state_dict", raises(VE, words=[GP_B, "has shape (5,)", "expected (4,)"]), [
+    ("bias_shape", lambda: load_gated(**{GP_B: np.ones(5)}))], LOAD)
+table("gate_load_state_dict", raises(VE, words=["load_state_dict", f"missing ['{GP_W}']",
+                                                "gate=True"]), [
+    ("weight_missing", lambda: load_gated(**{GP_W: ...}))], LOAD)
+table("gate_load_state_dict", raises(VE, words=["load_state_dict",
+                                                f"unexpected ['{GP_B}', '{GP_W}']"]), [
+    ("into_an_ungated_layer", lambda: load(**{GP_W: np.ones((4, 4)), GP_B: np.ones(4)}))],
+      LOAD)
+table("gate_load_state_dict", raises(TE, words=[GP_W, "complex"]), [
+    ("weight_complex", lambda: load_gated(**{GP_W: np.ones((4, 4), complex)}))], LOAD)
+table("gate_load_state_dict", raises(TE, words=[GP_B, "array of numbers", "str"]), [
+    ("bias_string", lambda: load_gated(**{GP_B: "a"}))], LOAD)
+table("gate_load_state_dict", raises(TE, words=[GP_B, "None"]), [
+    ("bias_none", lambda: load_gated(**{GP_B: None}))], LOAD)
+
+
+# Unusual but valid gates: the bits of plain contiguous arrays (the forward
+# and its weights, the gradients, a cached step, the layer), never modified.
+def gated_inputs(dtype):
+    r = np.random.default_rng(38)
+    return dict(inputs(dtype), w_gate=r.standard_normal((6, 6)).astype(dtype),
+                b_gate=r.standard_normal(6).astype(dtype))
+
+
+def gated_results(a):
+    """Every result of a gated call of ``a`` (gated_inputs's arrays): the
+    forward with its weights, every gradient, a cached prefill and a decode
+    step of x, and a layer holding the gate."""
+    gate = dict(w_gate=a["w_gate"], b_gate=a["b_gate"])
+    out, wt = run(a, **gate)
+    dt = out.dtype
+    grads = mhattn.multi_head_attention_grad(
+        np.ones(out.shape, dt), a["x"], a["w_q"], a["w_k"], a["w_v"], a["w_o"], num_heads=3,
+        key=a["key"], value=a["value"], mask=a["mask"], b_o=a["b_o"], **gate)
+    cache = mhattn.KVCache(2, 3, 8, 2, dtype=dt)
+    steps = [mha(a["x"][:, s], a["w_q"], a["w_k"], a["w_v"], a["w_o"], num_heads=3,
+                 causal=True, b_o=a["b_o"], cache=cache, **gate)
+             for s in (slice(0, 4), slice(4, 5))]
+    lay = mhattn.MultiHeadAttention(6, 3, d_out=3, gate=True, dtype=dt, seed=0)
+    lay.w_gate, lay.b_gate = gate["w_gate"], gate["b_gate"]
+    return [out, wt, *grads.values(), *steps, lay(a["x"])]
+
+
+def gate_transformed(fn, dtype=np.float64):
+    def thunk():
+        a = gated_inputs(dtype)
+        want = gated_results(a)
+        b = dict(a, w_gate=fn(a["w_gate"]), b_gate=fn(a["b_gate"]))
+        same_bits(gated_results(b), want)
+        for k in ("w_gate", "b_gate"):   # and the gate was not modified
+            np.testing.assert_array_equal(np.asarray(b[k], dtype=a[k].dtype), a[k])
+    return thunk
+
+
+for dt in (np.float32, np.float64):
+    n = np.dtype(dt).name
+    for label, fn in [("negative_strides", negative_strides), ("unaligned", unaligned),
+                      ("byteswapped", byteswapped), ("subclass", subclass),
+                      ("memmap_readonly", memmapped), ("memmap_copy_on_write",
+                                                       lambda a: memmapped(a, "c")),
+                      ("fortran", fortran), ("every_other", every_other),
+                      ("read_only", read_only_copy),
+                      ("read_only_every_other", lambda a: read_only(every_other(a)))]:
+        case(f"gate_valid_{label}_{n}", OK, (MHA, GRAD, STEP, CALL))(gate_transformed(fn, dt))
+case("gate_valid_nested_lists", OK, (MHA, GRAD, STEP, CALL))(
+    gate_transformed(nested_list, np.float64))
+
+
+@case("gate_valid_matrix_and_broadcast", OK, (MHA, GRAD, STEP, CALL))
+def _():
+    a = gated_inputs(np.float64)
+    a["w_gate"] = np.broadcast_to(a["w_gate"][:1], a["w_gate"].shape)
+    a["b_gate"] = np.broadcast_to(a["b_gate"][:1], a["b_gate"].shape)
+    want = gated_results({k: np.ascontiguousarray(v) for k, v in a.items()})
+    same_bits(gated_results(a), want)
+    same_bits(gated_results(dict(a, w_gate=np.asmatrix(a["w_gate"]))), want)
+
+
+def half_gate_transformed(fn, dtname):
+    """A half call's gate (kept in its dtype for the core, which widens it as
+    it packs it): the bits of contiguous arrays, forward, gradients, packed
+    weights and a cached prefill."""
+    def thunk():
+        if dtname == "bfloat16":
+            needs("ml_dtypes")
+            import ml_dtypes
+            dt = np.dtype(ml_dtypes.bfloat16)
+        else:
+            dt = np.dtype(np.float16)
+        r = np.random.default_rng(38)
+        x = r.standard_normal((2, 5, 8)).astype(dt)
+        w = [(r.standard_normal((8, 8)) / 3).astype(dt) for _ in range(4)]
+        wg, bg = (r.standard_normal((8, 8)) / 3).astype(dt), r.standard_normal(8).astype(dt)
+
+        def results(wg, bg):
+            kw = dict(causal=True, w_gate=wg, b_gate=bg)
+            out = mha(x, *w, num_heads=2, **kw)
+            grads = mhattn.multi_head_attention_grad(np.ones_like(out), x, *w, num_heads=2,
+                                                     **kw)
+            packed = mha(x, mhattn.pack_weights(*w, num_heads=2), **kw)
+            cache = mhattn.KVCache(2, 2, 8, 4, dtype=dt)
+            return [out, *grads.values(), packed, mha(x, *w, num_heads=2, cache=cache, **kw)]
+        want = results(wg, bg)
+        a, b = fn(wg), fn(bg)
+        got = results(a, b)
+        assert all(g.dtype == v.dtype for g, v in zip(got, want))
+        same_bits([g.view(np.uint16) for g in got], [v.view(np.uint16) for v in want])
+        assert np.array_equal(np.asarray(a).astype(dt).view(np.uint16), wg.view(np.uint16))
+    return thunk
+
+
+for dtname in ("float16", "bfloat16"):
+    for label, fn in [("negative_strides", negative_strides), ("unaligned", unaligned),
+                      ("subclass", subclass), ("memmap_readonly", memmapped),
+                      ("fortran", fortran), ("every_other", every_other),
+                      ("read_only", read_only_copy),
+                      ("read_only_every_other", lambda a: read_only(every_other(a)))]:
+        case(f"gate_valid_half_{label}_{dtname}", OK, (MHA, GRAD, PACKED, STEP))(
+            half_gate_transformed(fn, dtname))
+# (ml_dtypes' bfloat16 has no byte-swapped form: astype gives '>V2', refused
+# as 2-byte data of no known float, as dtype_*_void2 are.)
+case("gate_valid_half_byteswapped_float16", OK, (MHA, GRAD, PACKED, STEP))(
+    half_gate_transformed(byteswapped, "float16"))
+
+
+@case("gate_inputs_are_never_written", OK,
+      (MHA, GRAD, "backward", "trace", REF, STEP, PACKED, CALL, "MultiHeadAttention.backward"))
+def _():
+    """Every array of a gated call read-only, through every entry point that
+    takes the gate: each runs, and no input changes (a C write to read-only
+    memory would not raise: the values are compared too)."""
+    a = gated_inputs(np.float64)
+    del a["mask"]
+    keep = {k: v.copy() for k, v in a.items()}
+    ro = {k: read_only(v) for k, v in a.items()}
+    x, wq, wk, wv, wo = (ro[k] for k in ("x", "w_q", "w_k", "w_v", "w_o"))
+    kw = dict(num_heads=3, key=ro["key"], value=ro["value"], b_o=ro["b_o"],
+              w_gate=ro["w_gate"], b_gate=ro["b_gate"])
+    out, ctx = mha(x, wq, wk, wv, wo, return_context=True, **kw)
+    g = read_only(np.ones(out.shape))
+    mhattn.backward(g, ctx)
+    mhattn.multi_head_attention_grad(g, x, wq, wk, wv, wo, **kw)
+    mhattn.trace(x, wq, wk, wv, wo, **kw)
+    reference.multi_head_attention(x, wq, wk, wv, wo, **kw)
+    mha(x, mhattn.pack_weights(wq, wk, wv, wo, num_heads=3),
+        **{k: v for k, v in kw.items() if k != "num_heads"})
+    self_kw = {k: v for k, v in kw.items() if k not in ("key", "value")}
+    mha(x, wq, wk, wv, wo, causal=True, cache=mhattn.KVCache(2, 3, 8, 2, dtype=np.float64),
+        **self_kw)
+    lay = mhattn.MultiHeadAttention(6, 3, d_out=3, gate=True, dtype=np.float64, seed=0)
+    lay.w_gate, lay.b_gate = ro["w_gate"], ro["b_gate"]
+    lo, lctx = lay(x, return_context=True)
+    lay.backward(read_only(np.ones(lo.shape)), lctx)
+    for k, v in keep.items():
+        assert np.array_equal(ro[k], v), k
+    assert out.flags.writeable and not np.shares_memory(out, ro["x"])
+
+
+# NaN and Inf in the gate: IEEE propagation, never a crash or a hang. A gate
+# column reads one column of w_gate and b_gate, so without W^O a NaN there
+# spoils that column alone; +-inf in b_gate opens (1) or shuts (0) it, and a
+# finite bias of the dtype's largest magnitude does the same to every column
+# (sigmoid never overflows to NaN, nor does its derivative).
+def gate_cross(dtype):
+    x, key, value, w = cross(dtype)
+    r = np.random.default_rng(38)
+    return (x, key, value, w, r.standard_normal((6, 6)).astype(dtype),
+            r.standard_normal(6).astype(dtype), r.standard_normal(6).astype(dtype))
+
+
+def gated_step(x, w, wo, **kw):
+    """A prefill of x (4, 6) through a cache: self-attention, causal."""
+    c = mhattn.KVCache(1, 2, 8, 3, dtype=x.dtype)
+    return mha(x, *w[:3], wo, num_heads=2, causal=True, cache=c, **kw)
+
+
+GATE_NUMERIC = (MHA, GRAD, "trace", REF, STEP)
+for dt in (np.float32, np.float64):
+    n = np.dtype(dt).name
+
+    @case(f"gate_nan_in_one_column_{n}", OK, GATE_NUMERIC)
+    def _(dt=dt):
+        x, key, value, w, wg, bg, bo = gate_cross(dt)
+        kw = dict(num_heads=2, key=key, value=value)
+        clean = mha(x, *w[:3], None, w_gate=wg, b_gate=bg, **kw)
+        for where in ("w_gate", "b_gate"):
+            gate = dict(w_gate=wg.copy(), b_gate=bg.copy())
+            if where == "w_gate":
+                gate["w_gate"][2, 4] = np.nan
+            else:
+                gate["b_gate"][4] = np.nan
+            got = mha(x, *w[:3], None, **gate, **kw)
+            assert np.isnan(got[:, 4]).all(), where
+            same_bits([np.delete(got, 4, -1)], [np.delete(clean, 4, -1)])
+            # through W^O every output reads the spoilt column
+            full = mha(x, *w[:3], w[3], b_o=bo, **gate, **kw)
+            assert np.isnan(full).all(), where
+            with np.errstate(all="ignore"):
+                nan_equal(got, reference.multi_head_attention(x, *w[:3], None, **gate, **kw))
+                nan_equal(mhattn.trace(x, *w[:3], None, **gate, **kw).output, got)
+                grads = mhattn.multi_head_attention_grad(np.ones_like(got), x, *w[:3], None,
+                                                         **gate, **kw)
+                nan_equal(gated_step(x, w, None, **gate),
+                          mha(x, *w[:3], None, causal=True, num_heads=2, **gate))
+            assert grads["w_gate"].shape == (6, 6) and np.isnan(grads["b_gate"][4])
+
+    @case(f"gate_infinite_bias_opens_or_shuts_a_column_{n}", OK, GATE_NUMERIC)
+    def _(dt=dt):
+        x, key, value, w, wg, bg, bo = gate_cross(dt)
+        kw = dict(num_heads=2, key=key, value=value)
+        ungated = mha(x, *w[:3], None, **kw)
+        clean = mha(x, *w[:3], None, w_gate=wg, b_gate=bg, **kw)
+        for sign in (1, -1):
+            b = bg.copy()
+            b[1] = sign * np.inf
+            got = mha(x, *w[:3], None, w_gate=wg, b_gate=b, **kw)
+            want = ungated[:, 1] * (1.0 if sign > 0 else 0.0)      # -0.0 where it is
+            same_bits([np.ascontiguousarray(got[:, 1])], [np.ascontiguousarray(want)])
+            same_bits([np.delete(got, 1, -1)], [np.delete(clean, 1, -1)])
+            with np.errstate(all="ignore"):
+                ref = reference.multi_head_attention(x, *w[:3], None, w_gate=wg, b_gate=b, **kw)
+            np.testing.assert_allclose(got, ref, **({"rtol": 1e-5, "atol": 1e-5}
+                                                    if dt == np.float32 else {}))
+            np.testing.assert_allclose(mhattn.trace(x, *w[:3], None, w_gate=wg, b_gate=b,
+                                                    **kw).output, got, rtol=1e-5, atol=1e-5)
+            grads = mhattn.multi_head_attention_grad(np.ones_like(got), x, *w[:3], None,
+                                                     w_gate=wg, b_gate=b, **kw)
+            assert all(np.isfinite(g).all() for g in grads.values()), sign
+            assert grads["b_gate"][1] == 0 and not grads["w_gate"][:, 1].any()
+            np.testing.assert_allclose(
+                gated_step(x, w, None, w_gate=wg, b_gate=b),
+                mha(x, *w[:3], None, causal=True, num_heads=2, w_gate=wg, b_gate=b),
+                rtol=1e-5, atol=1e-5)
+
+    @case(f"gate_saturated_by_the_largest_bias_{n}", OK, GATE_NUMERIC)
+    def _(dt=dt):
+        x, key, value, w, wg, bg, bo = gate_cross(dt)
+        kw = dict(num_heads=2, key=key, value=value, b_o=bo)
+        big = np.finfo(dt).max
+        R = np.random.default_rng(3).standard_normal((4, 6)).astype(dt)
+        plain = mha(x, *w, **kw)
+        plain_grads = mhattn.multi_head_attention_grad(R, x, *w, **kw)
+        opened = dict(w_gate=wg, b_gate=np.full(6, big, dt))
+        shut = dict(w_gate=wg, b_gate=np.full(6, -big, dt))
+        same_bits([mha(x, *w, **opened, **kw)], [plain])      # the gate is 1: no gate
+        same_bits([mha(x, *w, **shut, **kw)], [np.broadcast_to(bo, plain.shape).copy()])
+        with np.errstate(all="ignore"):
+            same_bits([mhattn.trace(x, *w, **opened, **kw).gate], [np.ones((4, 6), dt)])
+            same_bits([reference.multi_head_attention(x, *w, **shut, **kw)],
+                      [np.broadcast_to(bo, plain.shape).copy()])
+        g = mhattn.multi_head_attention_grad(R, x, *w, **opened, **kw)
+        same_bits([g[k] for k in plain_grads], list(plain_grads.values()))
+        assert not g["w_gate"].any() and not g["b_gate"].any()      # sigmoid' = 0
+        g = mhattn.multi_head_attention_grad(R, x, *w, **shut, **kw)
+        assert all(np.isfinite(v).all() for v in g.values())
+        assert not any(g[k].any() for k in g if k != "b_o")   # nothing reaches the rest
+        with np.errstate(all="ignore"):
+            step_kw = {k: v for k, v in kw.items() if k not in ("key", "value", "num_heads")}
+            same_bits([gated_step(x, w, w[3], **shut, **step_kw)],
+                      [np.broadcast_to(bo, plain.shape).copy()])
+
+    @case(f"gate_infinite_weight_{n}", OK, GATE_NUMERIC)
+    def _(dt=dt):
+        x, key, value, w, wg, bg, bo = gate_cross(dt)
+        x[2, 3] = 0                      # 0 * inf: that row's gate column is NaN
+        kw = dict(num_heads=2, key=key, value=value, b_o=bo)
+        for wo in (None, w[3]):
+            a = wg.copy()
+            a[3, 0], a[1, 5] = np.inf, -np.inf
+            got = mha(x, *w[:3], wo, w_gate=a, b_gate=bg, **kw)
+            with np.errstate(all="ignore"):
+                ref = reference.multi_head_attention(x, *w[:3], wo, w_gate=a, b_gate=bg, **kw)
+                nan_equal(got, ref)
+                nan_equal(mhattn.trace(x, *w[:3], wo, w_gate=a, b_gate=bg, **kw).output, got)
+                step_kw = {k: v for k, v in kw.items() if k not in ("key", "value", "num_heads")}
+                nan_equal(gated_step(x, w, wo, w_gate=a, b_gate=bg, **step_kw),
+                          mha(x, *w[:3], wo, num_heads=2, causal=True, w_gate=a, b_gate=bg,
+                              **step_kw))
+            assert np.isnan(got[2]).any() and np.isfinite(np.delete(got, 2, 0)).all()
+            grads = mhattn.multi_head_attention_grad(np.ones_like(got), x, *w[:3], wo,
+                                                     w_gate=a, b_gate=bg, **kw)
+            assert grads["w_gate"].shape == (6, 6)
+
+    @case(f"gate_all_nan_{n}", OK, (MHA, GRAD, STEP))
+    def _(dt=dt):
+        x, key, value, w, wg, bg, bo = gate_cross(dt)
+        nan = dict(w_gate=np.full((6, 6), np.nan, dt), b_gate=np.full(6, np.nan, dt))
+        assert np.isnan(mha(x, *w, num_heads=2, causal=True, **nan)).all()
+        with np.errstate(all="ignore"):
+            assert np.isnan(gated_step(x, w, w[3], **nan)).all()
+        g = mhattn.multi_head_attention_grad(np.ones((4, 6), dt), x, *w, num_heads=2, **nan)
+        assert np.isnan(g["w_gate"]).all() and np.isnan(g["x"]).all()
+
+
+# Zero-sized axes: no query row, no batch, no input feature, no key, no
+# output column; each call returns at once with the reference's values, and
+# a gate's gradient over no rows is 0.
+def _zero_gate_calls(x, w_q, w_v, w_o, grad_out, key=None):
+    wg = np.random.default_rng(38).standard_normal((x.shape[-1], w_v.shape[1]))
+    kw = dict(num_heads=2, key=key, w_gate=wg, b_gate=np.arange(w_v.shape[1], dtype=float))
+    out = mha(x, w_q, w_q, w_v, w_o, **kw)
+    with np.errstate(all="ignore"):
+        ref = reference.multi_head_attention(x, w_q, w_q, w_v, w_o, **kw)
+    np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(mhattn.trace(x, w_q, w_q, w_v, w_o, **kw).output, out,
+                               rtol=1e-12, atol=1e-12)
+    grads = mhattn.multi_head_attention_grad(grad_out, x, w_q, w_q, w_v, w_o, **kw)
+    assert grads["w_gate"].shape == wg.shape and grads["b_gate"].shape == kw["b_gate"].shape
+    if key is None and (x.ndim == 2 or x.shape[0] > 0):   # a cache has a batch
+        c = mhattn.KVCache(x.shape[0] if x.ndim == 3 else 1, 2, 8, w_q.shape[1] // 2,
+                           w_v.shape[1] // 2, dtype=np.float64)
+        np.testing.assert_allclose(mha(x, w_q, w_q, w_v, w_o, cache=c, **kw), out,
+                                   rtol=1e-12, atol=1e-12)
+    return out, grads
+
+
+ZW4 = np.ones((4, 4))
+
+
+@case("gate_zero_query_rows", OK, (MHA, GRAD, "trace", REF, STEP))
+def _():
+    out, g = _zero_gate_calls(np.zeros((0, 4)), ZW4, ZW4, WO, np.zeros((0, 3)))
+    assert out.shape == (0, 3) and not g["w_gate"].any() and not g["b_gate"].any()
+
+
+@case("gate_zero_batch", OK, (MHA, GRAD, "trace", REF))
+def _():
+    out, g = _zero_gate_calls(np.zeros((0, 3, 4)), ZW4, ZW4, WO, np.zeros((0, 3, 3)))
+    assert out.shape == (0, 3, 3) and not g["w_gate"].any() and not g["b_gate"].any()
+
+
+@case("gate_zero_input_features", OK, (MHA, GRAD, "trace", REF, STEP))
+def _():
+    # x @ w_gate is 0: the gate is sigmoid(b_gate); the values are 0 too
+    z = np.zeros((0, 4))
+    out, g = _zero_gate_calls(np.zeros((3, 0)), z, z, None, np.ones((3, 4)))
+    assert out.shape == (3, 4) and not out.any() and g["w_gate"].shape == (0, 4)
+
+
+@case("gate_zero_keys", OK, (MHA, GRAD, "trace", REF))
+def _():
+    out, g = _zero_gate_calls(X, ZW4, ZW4, WO, np.ones((3, 3)), key=np.zeros((0, 4)))
+    assert out.shape == (3, 3) and not out.any()
+
+
+@case("gate_zero_output_columns", OK, (MHA, GRAD, "trace", REF, STEP))
+def _():
+    out, g = _zero_gate_calls(X, ZW4, ZW4, np.zeros((4, 0)), np.ones((3, 0)))
+    assert out.shape == (3, 0) and not g["w_gate"].any()
+
+
+@case("gate_zero_layer", OK, CALL)
+def _():
+    lay = layer(gate=True)
+    assert lay(np.zeros((0, 4))).shape == (0, 4)
+    assert lay(np.zeros((0, 3, 4))).shape == (0, 3, 4)
+
+
+@case("gate_zero_glue", OK, "_C.forward")
+def _():
+    # a huge batch of empty sequences, and zero-width x: out = sigmoid(bgate) * 0
+    out = _C.forward(**zero_width(2 ** 40, 0, Tk=0), wgate=np.zeros((0, 2)),
+                     bgate=np.zeros(2))[0]
+    assert out.shape == (2 ** 40, 0, 2)
+    out = _C.forward(**zero_width(1, 3), wgate=np.zeros((0, 2)), bgate=np.array([1.0, -1.0]))[0]
+    assert out.shape == (1, 3, 2) and not out.any()
+
+
+# A gate of zero strides is copied to a contiguous one for the core: the
+# copy is counted before it is made (8 TiB each for w_gate and the fused w_v).
+def _huge_gate(fn):
+    d_in, S = 2 ** 20, 2 ** 20
+    b = np.broadcast_to
+    return fn(b(0.0, (1, 1, d_in)), np.zeros((d_in, 2)), np.zeros((d_in, 2)),
+              b(0.0, (d_in, S)), np.zeros((S, 0)), num_heads=1,
+              w_gate=b(0.0, (d_in, S)))
+
+
+table("gate_size", raises(MemoryError, words=["w_gate", "GiB"]), [
+    ("contiguous_copy", lambda: _huge_gate(mha))])
+table("gate_size", raises(MemoryError, words=["w_gate", "GiB"]), [
+    ("contiguous_copy_trace", lambda: _huge_gate(mhattn.trace))], "trace")
+table("gate_size", raises(MemoryError, words=["w_gate", "GiB"]), [
+    ("contiguous_copy_grad", lambda: _huge_gate(
+        lambda *a, **k: mhattn.multi_head_attention_grad(np.zeros((1, 1, 0)), *a, **k)))],
+      GRAD)
+table("gate_size", raises(MemoryError, words=["w_gate", "GiB"]), [
+    ("contiguous_copy_step", lambda: _huge_gate(
+        lambda *a, **k: mha(*a, cache=mhattn.KVCache(1, 1, 4, 2, 2 ** 20, dtype=np.float64),
+                            **k)))], STEP)
+
+
+class RaisingArray:
+    """An array-like whose conversion raises the caller's own error."""
+
+    def __array__(self, dtype=None, copy=None):
+        raise RuntimeError("the caller's own __array__ failed")
+
+
+# The caller's own exception passes through unchanged (as for any argument),
+# and a step it stops leaves its cache as it was (step()).
+for label, kw in (("w_gate", dict(w_gate=RaisingArray())),
+                  ("b_gate", dict(b_gate=RaisingArray())),
+                  ("b_gate_without_w_gate", dict(w_gate=None, b_gate=RaisingArray()))):
+    for short, entry, call in GATE_ENTRIES:
+        case(f"gate_raising_array_{label}_{short}",
+             raises(RuntimeError, words=["the caller's own __array__ failed"]), entry)(
+            lambda call=call, kw=kw: call(**kw))
+
+
+# The gate's cast (an integer w_gate to float64) is counted before it is made.
+table("gate_size", raises(MemoryError, words=["casting w_gate to float64", "GiB"]), [
+    ("cast_exceeds_memory", lambda: mha(
+        np.broadcast_to(0.0, (1, 1, 2 ** 21)), np.broadcast_to(0.0, (2 ** 21, 2)),
+        np.broadcast_to(0.0, (2 ** 21, 2)), np.broadcast_to(0.0, (2 ** 21, 2 ** 20)),
+        np.zeros((2 ** 20, 0)), num_heads=1,
+        w_gate=np.broadcast_to(np.int64(0), (2 ** 21, 2 ** 20))))])
+
+
 # --- the child-process runner ------------------------------------------------
 def entry_function(entry):
     """The function that runs when ``entry`` (a name of :data:`ENTRY`) is

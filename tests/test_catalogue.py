@@ -102,6 +102,28 @@ def test_catalogue_covers_the_issue():
         assert kind in names, kind
 
 
+def test_catalogue_covers_the_output_gate():
+    """The kinds of hostile gate (issue 38, item 4) are all in the catalogue,
+    each bad one on every entry point that takes the gate."""
+    names = set(catalogue_cases.CASES)
+    joined = " ".join(names)
+    for kind in ["w_gate_width", "w_gate_rows", "w_gate_1d", "w_gate_3d", "b_gate_width",
+                 "b_gate_2d", "b_gate_without_w_gate", "w_gate_complex", "w_gate_object",
+                 "b_gate_complex", "b_gate_object", "w_gate_float16_in_float64_call"]:
+        for short, _, _ in catalogue_cases.GATE_ENTRIES:
+            assert f"gate_{kind}_{short}" in names, (kind, short)
+    for kind in ["gate_half_w_gate_float32_", "gate_half_b_gate_void2_",
+                 "gate_float64_gate_promotes_a_float32_call", "gate_valid_negative_strides_",
+                 "gate_valid_read_only_", "gate_inputs_are_never_written",
+                 "gate_nan_in_one_column_", "gate_infinite_bias_", "gate_infinite_weight_",
+                 "gate_zero_query_rows", "gate_zero_input_features", "gate_layer_gate_string",
+                 "gate_layer_gate_int_1", "gate_layer_call_w_gate_is_the_layers",
+                 "gate_load_state_dict_weight_shape", "glue_gate_wgate_width",
+                 "glue_gate_bgate_without_wgate", "glue_gate_float32_call_wgate_float64",
+                 "glue_backward_gate_wgate_width", "glue_gate_any_layout", "gate_size_"]:
+        assert kind in joined, kind
+
+
 @pytest.mark.slow
 def test_runner_names_a_crash_and_goes_on(tmp_path):
     """The harness itself: a case that kills its process is named as the

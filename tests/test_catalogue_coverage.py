@@ -8,8 +8,10 @@ the modes of multi_head_attention that are entry points of their own
 (catalogue_cases.MODES: the cached step, packed weights). Each must be
 named (``entry=``) by at least one case of tests/catalogue_cases.py, and
 tests/test_catalogue.py checks that a case calls what it names. Each
-variant keyword (window, ..., key_positions) of each entry point whose
-signature has it must have a case whose message names it first.
+variant keyword (window, ..., key_positions), and each keyword of the output
+gate (w_gate, b_gate, the layer's gate), of each entry point whose signature
+has it must have a case whose message names it first; so must the glue's
+wgate and bgate on _C.forward and _C.backward.
 
 What is not an entry point, or has no case yet, is said below by name with
 the reason; every line is checked against mhattn, so a new function, class
@@ -69,6 +71,10 @@ KNOWN_GAPS: dict = {}   # issue 35 closed the last three (RoPE.frequencies,
 VARIANTS = ("window", "softcap", "alibi_slopes", "sinks", "key_mask", "cu_seqlens",
             "key_cu_seqlens", "q_norm", "k_norm", "norm_eps", "norm_type", "rope",
             "positions", "key_positions", "dropout", "seed")
+# The output gate's keywords (issue 38, item 4), held to the same rule.
+GATE = ("w_gate", "b_gate", "gate")
+# The glue's names of the gate: keyword-only arguments of these builtins.
+GLUE_GATE = {"_C.forward": ("wgate", "bgate"), "_C.backward": ("wgate", "bgate")}
 
 
 def _takes_something(fn) -> bool:
@@ -144,22 +150,56 @@ def test_coverage_can_fail():
     assert "attention" not in uncovered()
 
 
-def test_every_variant_keyword_has_a_case_on_each_entry_point():
+def first_words(entry_of=None):
+    """{entry name: the first words of the messages its raising cases expect}."""
     firsts = {}
-    for case, entries in catalogue_cases.ENTRY.items():
+    for case, entries in (entry_of or catalogue_cases.ENTRY).items():
         expect = catalogue_cases.CASES[case][1]
         if expect != catalogue_cases.OK and expect[2]:
             for e in entries:
                 firsts.setdefault(e, set()).add(expect[2][0])
+    return firsts
+
+
+def keywords_without_a_case(keywords, entry_of=None):
+    """["entry(keyword=)"] of each of ``keywords`` in an entry point's
+    signature that no case of the entry point names first."""
+    firsts = first_words(entry_of)
     missing = []
     for name, fn in entry_points().items():
         try:
             params = inspect.signature(fn).parameters
         except (TypeError, ValueError):
             continue
-        missing += [f"{name}({v}=)" for v in VARIANTS
+        missing += [f"{name}({v}=)" for v in keywords
                     if v in params and v not in firsts.get(name, ())]
+    return missing
+
+
+def test_every_variant_keyword_has_a_case_on_each_entry_point():
+    missing = keywords_without_a_case(VARIANTS)
     assert not missing, f"no case whose message names the keyword first: {missing}"
+
+
+def test_every_gate_keyword_has_a_case_on_each_entry_point():
+    missing = keywords_without_a_case(GATE)
+    assert not missing, f"no case whose message names the keyword first: {missing}"
+    firsts = first_words()
+    missing = [f"{e}({k}=)" for e, kws in GLUE_GATE.items() for k in kws
+               if k not in firsts.get(e, ())]
+    assert not missing, f"no glue case whose message names the keyword first: {missing}"
+
+
+def test_gate_coverage_can_fail():
+    """Without the gate's cases, its keywords are reported on the entry
+    points that take them (and only there: the layer's call takes none)."""
+    entry_of = {c: e for c, e in catalogue_cases.ENTRY.items() if not c.startswith("gate_")}
+    missing = set(keywords_without_a_case(GATE, entry_of))
+    for name in ("multi_head_attention", "multi_head_attention_grad", "trace",
+                 "reference.multi_head_attention", "multi_head_attention(cache=)"):
+        assert {f"{name}(w_gate=)", f"{name}(b_gate=)"} <= missing, name
+    assert "MultiHeadAttention(gate=)" in missing
+    assert not [m for m in missing if m.startswith("MultiHeadAttention.__call__")]
 
 
 def test_the_lists_here_are_true():

@@ -149,6 +149,22 @@ def _reference(H, G, kw):
     return mhattn.reference.multi_head_attention(X, *w, num_heads=H, num_kv_heads=G, **kw)
 
 
+def _decode_all(H, G, kw):
+    """A cached prefill of all of X: the gate's messages name x's shape."""
+    w = _layer_weights(H, G)
+    cache = mhattn.KVCache(B, G, 8, 2, dtype=np.float64)
+    return mhattn.multi_head_attention(X, *w, num_heads=H, num_kv_heads=G, cache=cache, **kw)
+
+
+def _layer_gated(H, G, kw):
+    """A gated layer whose gate's arrays (plain attributes) are kw's."""
+    layer = mhattn.MultiHeadAttention(D, H, num_kv_heads=G, d_k=2, d_v=2, dtype=np.float64,
+                                      gate=True, seed=0)
+    for name, value in kw.items():
+        setattr(layer, name, value)
+    return layer(X)
+
+
 # The learner's tools read a call's values in Python (the reference, the
 # trace): the core checks their configs too (mhattn._internal.core.check_config).
 LAYER = {"multi_head_attention": _mha, "multi_head_attention_grad": _grad,
@@ -161,6 +177,13 @@ EVERY_CALL = {**LAYER, **ATTENTION}
 NOT_CACHED = {e: f for e, f in EVERY_CALL.items() if e != "decode"}
 # The layer owns its sinks and norms: its call does not take them.
 NOT_OWNED = {e: f for e, f in EVERY_CALL.items() if e != "layer"}
+
+# The output gate (issue 38, item 4): the layer family's entry points take
+# w_gate and b_gate, the layer holds its own (its call refuses them).
+GATED = {"multi_head_attention": _mha, "multi_head_attention_grad": _grad,
+         "decode": _decode_all, "packed": _packed_call, "trace": _trace,
+         "reference": _reference, "layer": _layer_gated}
+W_GATE = _r(D, 4)          # (d_in, sum d_v) of two heads of width 2
 
 # The projected-tensor API's names for the layer's (mhattn._internal.fields).
 ATTENTION_WORDS = {"q's heads": "num_heads", "k's heads": "num_kv_heads"}
@@ -245,6 +268,21 @@ VIOLATIONS = {
                         ["w_q / w_k", "width 2", "width 3"]),
     "lengths_in_append": ((2, 2), dict(lengths=np.array([3, 1])), {"append": _append},
                           ["lengths", "3"]),
+    # the output gate: each message names the argument and the shapes it saw
+    "w_gate_shape": ((2, 2), dict(w_gate=np.ones((D, 5))), GATED,
+                     ["w_gate: ", "expected shape (12, 4)", "x (2, 3, 12)", "got (12, 5)"]),
+    "w_gate_rank": ((2, 2), dict(w_gate=np.ones(4)), GATED,
+                    ["w_gate: ", "expected shape (12, 4)", "got (4,)"]),
+    "b_gate_shape": ((2, 2), dict(w_gate=W_GATE, b_gate=np.ones((1, 4))), GATED,
+                     ["b_gate: ", "expected shape (4,)", "w_gate (12, 4)", "got (1, 4)"]),
+    "b_gate_without_w_gate": ((2, 2), dict(w_gate=None, b_gate=np.ones(4)), GATED,
+                              ["b_gate: ", "(shape (4,)) without w_gate", "(12, 4)"]),
+    "w_gate_complex": ((2, 2), dict(w_gate=np.ones((D, 4), complex)), GATED,
+                       ["w_gate: ", "complex128"]),
+    "b_gate_object": ((2, 2), dict(w_gate=W_GATE, b_gate=np.ones(4, object)), GATED,
+                      ["b_gate: ", "object"]),
+    "w_gate_float16_in_float64_call": ((2, 2), dict(w_gate=W_GATE.astype(np.float16)),
+                                       GATED, ["x: dtype float64", "w_gate's float16"]),
 }
 
 
