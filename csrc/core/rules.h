@@ -52,6 +52,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "mha.h"
 
@@ -419,20 +420,18 @@ static void PICK(rules_score_row_f32, rules_score_row_f64)(
         s[j] = NINF;
 }
 
+/* A dropout mask's lanes: unsigned integers of REAL's width, all ones
+   where the hash keeps the weight, 0 where it drops it. */
+#define DMASK PICK(uint32_t, uint64_t)
+
 /*
- * Dropout of one row (step 6, after the softmax): p (n,) holds row i's
- * values at keys j0 .. j0 + n - 1 of head h in batch item b; each becomes
- * p * (1 / (1 - dropout)) where the hash keeps it, else 0 (selected, not
- * multiplied: a NaN at a dropped key stays out). The forward applies it
- * to the probabilities before they meet V and to the weights it returns;
- * the backward to dZ = dO V^T (giving dP) and to P (giving the weights
- * dV sums). Exact, elementwise: the same bits on every ISA.
+ * Dropout's mask of one row: km (n,) for row i of head h in batch item b
+ * at keys j0 .. j0 + n - 1 (mha_dropout_bits >= mha_dropout_threshold).
  */
-static void PICK(rules_dropout_row_f32, rules_dropout_row_f64)(
-    REAL *p, const mha_config *cfg, size_t b, size_t h, size_t i, size_t j0, size_t n)
+static void PICK(rules_dropout_mask_f32, rules_dropout_mask_f64)(
+    DMASK *km, const mha_config *cfg, size_t b, size_t h, size_t i, size_t j0, size_t n)
 {
     const uint32_t thr = mha_dropout_threshold(cfg->dropout);
-    const REAL inv = (REAL)(1.0 / (1.0 - cfg->dropout));
     size_t j = 0;
     while (j < n) {
         // Keys up to the next multiple of 2^32 share a row key (always
@@ -442,10 +441,58 @@ static void PICK(rules_dropout_row_f32, rules_dropout_row_f64)(
         const size_t m = (uint64_t)(n - j) < left ? n - j : (size_t)left;
         const uint64_t key = mha_dropout_key(cfg->dropout_seed, b, h, i, jhi);
         const uint32_t jlo = (uint32_t)jg;
-        REAL *pj = p + j;
-        for (size_t t = 0; t < m; t++)
-            pj[t] = mha_dropout_bits(key, jlo + (uint32_t)t) >= thr ? pj[t] * inv : 0;
+        DMASK *kj = km + j;
+        for (size_t t = 0; t < m; t++)   /* vectorised: integers only */
+            kj[t] = -(DMASK)(mha_dropout_bits(key, jlo + (uint32_t)t) >= thr);
         j += m;
     }
 }
+
+/*
+ * p (n,) becomes p * inv where km keeps it, else 0, inv = 1 / (1 - dropout)
+ * in REAL: selected, not multiplied, so a NaN at a dropped key stays out.
+ * The select is an AND of the bits: GCC does not if-convert a float
+ * select under -ftrapping-math, and the branchy loop ran unvectorised on
+ * AVX2. Exact, elementwise: the same bits on every ISA.
+ */
+static void PICK(rules_dropout_scale_f32, rules_dropout_scale_f64)(
+    REAL *p, const DMASK *km, REAL inv, size_t n)
+{
+    for (size_t t = 0; t < n; t++) {
+        const REAL v = p[t] * inv;
+        DMASK u;
+        memcpy(&u, &v, sizeof u);
+        u &= km[t];
+        memcpy(p + t, &u, sizeof u);
+    }
+}
+
+/* 1 / (1 - dropout) in REAL: the kept weights' factor. */
+static inline REAL PICK(rules_dropout_inv_f32, rules_dropout_inv_f64)(const mha_config *cfg)
+{
+    return (REAL)(1.0 / (1.0 - cfg->dropout));
+}
+
+/*
+ * Dropout of one row (step 6, after the softmax): p (n,) holds row i's
+ * values at keys j0 .. j0 + n - 1 of head h in batch item b; rules_dropout_
+ * mask's mask applied by rules_dropout_scale, a chunk at a time. The
+ * forward applies it to the probabilities before they meet V and to the
+ * weights it returns; the backward makes the mask once per row and tile
+ * and applies it to dZ = dO V^T (giving dP) and to P (giving the weights
+ * dV sums).
+ */
+static void PICK(rules_dropout_row_f32, rules_dropout_row_f64)(
+    REAL *p, const mha_config *cfg, size_t b, size_t h, size_t i, size_t j0, size_t n)
+{
+    enum { CHUNK = 256 };
+    DMASK km[CHUNK];
+    const REAL inv = PICK(rules_dropout_inv_f32, rules_dropout_inv_f64)(cfg);
+    for (size_t c = 0; c < n; c += CHUNK) {
+        const size_t m = n - c < CHUNK ? n - c : CHUNK;
+        PICK(rules_dropout_mask_f32, rules_dropout_mask_f64)(km, cfg, b, h, i, j0 + c, m);
+        PICK(rules_dropout_scale_f32, rules_dropout_scale_f64)(p + c, km, inv, m);
+    }
+}
+#undef DMASK
 #endif /* MHA_RULES_ROW */

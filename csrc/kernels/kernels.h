@@ -145,10 +145,11 @@ static inline int mha_interrupted(const mha_config *cfg)
    uses the same, so the backward's plan does not depend on the ISA. */
 #define MHA_BWD_BQ ((size_t)64)
 #define MHA_BWD_BK ((size_t)64)
-/* Reals of one thread's tile scratch, S (BQ, BK), dP (BQ, BK) and the
-   softcap's derivative of one row (BK,), rounded up to a whole number of
-   64-byte cache lines for either element size. */
-#define MHA_BWD_TILE_STRIDE ((2 * MHA_BWD_BQ * MHA_BWD_BK + MHA_BWD_BK + 15) / 16 * 16)
+/* Reals of one thread's tile scratch, S (BQ, BK), dP (BQ, BK), the
+   softcap's derivative of one row (BK,) and dropout's mask of one row (BK
+   integers of a real's width), rounded up to a whole number of 64-byte
+   cache lines for either element size. */
+#define MHA_BWD_TILE_STRIDE ((2 * MHA_BWD_BQ * MHA_BWD_BK + 2 * MHA_BWD_BK + 15) / 16 * 16)
 
 /*
  * What the backward's tasks read (core/backward.c fills it; the passes are

@@ -1,0 +1,71 @@
+"""What dropout costs: attention forward and backward with ``dropout=p``
+against the same calls without it, in one process.
+
+    python benchmarks/bench_dropout.py [--T 1024] [--heads 8] [--dk 64]
+                                       [--batch 1] [--p 0.1] [--rounds 7]
+
+The timed step is one training step of attention on projected tensors:
+``mhattn.attention(q, k, v, return_lse=True)`` then
+``mhattn.attention_grad(g, q, k, v, lse=lse, out=out)`` (the backward
+regenerates the mask; nothing is stored), causal and not. Each round times
+both variants, alternating which goes first, and takes each one's median
+over its calls; the table gives the median of the round medians and their
+ratio (dropout / none). Issue 38's target: at most 1.15 at T = 1024. The
+ISA is printed first; quote ratios of one run.
+"""
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+import mhattn
+
+
+def step(q, k, v, g, causal, p):
+    kw = dict(causal=causal)
+    if p:
+        kw.update(dropout=p, seed=1)
+    out, lse = mhattn.attention(q, k, v, return_lse=True, **kw)
+    mhattn.attention_grad(g, q, k, v, lse=lse, out=out, **kw)
+
+
+def median_time(fn, budget):
+    times, end = [], time.perf_counter() + budget
+    while time.perf_counter() < end or len(times) < 3:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--T", type=int, default=1024)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--dk", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--p", type=float, default=0.1)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--budget", type=float, default=1.0, help="seconds per variant per round")
+    a = ap.parse_args()
+    rng = np.random.default_rng(0)
+    shape = (a.batch, a.heads, a.T, a.dk)
+    q, k, v, g = (rng.standard_normal(shape).astype(np.float32) for _ in range(4))
+    print(f"ISA {mhattn.get_isa()}, {mhattn.get_num_threads()} threads; attention forward + "
+          f"backward, float32, (B, H, T, d_k) = {shape}, dropout p = {a.p}")
+    print(f"| causal | none ms | dropout ms | dropout / none | rounds (ratio) |")
+    print("|---|---|---|---|---|")
+    for causal in (False, True):
+        none, drop = [], []
+        for r in range(a.rounds):
+            order = ((0, none), (a.p, drop)) if r % 2 == 0 else ((a.p, drop), (0, none))
+            for p, sink in order:
+                sink.append(median_time(lambda p=p: step(q, k, v, g, causal, p), a.budget))
+        n, d = statistics.median(none), statistics.median(drop)
+        per = " ".join(f"{y / x:.3f}" for x, y in zip(none, drop))
+        print(f"| {causal} | {n * 1e3:.2f} | {d * 1e3:.2f} | {d / n:.3f} | {per} |")
+
+
+if __name__ == "__main__":
+    main()
