@@ -63,36 +63,6 @@ typedef struct {
     mha_config cfg;
 } problem;
 
-static double *rand_arr(size_t n, double amp)
-{
-    double *a = xcalloc(n, sizeof *a);
-    for (size_t i = 0; i < n; i++)
-        a[i] = (double)(float)(amp * rng_unit());
-    return a;
-}
-
-static void *typed(const double *src, size_t n, int f64)
-{
-    void *d = xcalloc(n, f64 ? sizeof(double) : sizeof(float));
-    for (size_t i = 0; i < n; i++) {
-        if (f64)
-            ((double *)d)[i] = src[i];
-        else
-            ((float *)d)[i] = (float)src[i];
-    }
-    return d;
-}
-
-static void *zalloc(size_t n, int f64)
-{
-    return xcalloc(n, f64 ? sizeof(double) : sizeof(float));
-}
-
-static double val(const void *a, size_t i, int f64)
-{
-    return f64 ? ((const double *)a)[i] : (double)((const float *)a)[i];
-}
-
 static void problem_init(problem *P, const tcase *c)
 {
     memset(P, 0, sizeof *P);
@@ -111,11 +81,11 @@ static void problem_init(problem *P, const tcase *c)
     const double amp[NIN] = {1, 1, 0.6, 0.6, 0.6, 0.5, 0.5, 0.7, 0.8};
     for (int i = 0; i < NIN; i++) {
         P->n[i] = n[i];
-        P->in[i] = rand_arr(n[i], amp[i]);
+        P->in[i] = rand_vec(n[i], amp[i]);
         P->t[0][i] = typed(P->in[i], n[i], 0);
         P->t[1][i] = typed(P->in[i], n[i], 1);
     }
-    P->R = rand_arr(nq * P->Dout, 1);
+    P->R = rand_vec(nq * P->Dout, 1);
     P->cfg = (mha_config){
         .B = c->B, .Tq = c->Tq, .Tk = c->Tk, .Din = c->Din, .Dkin = c->Dkin,
         .Dvin = c->Dkin, .Dout = P->Dout, .H = c->H, .G = c->G, .dk = P->dk, .dv = P->dv,
@@ -304,12 +274,6 @@ static double max_err(const void *a, const double *ref, size_t n, int f64)
         e = d > e || d != d ? d : e;
     }
     return e;
-}
-
-static int same_bytes(const void *a, const void *b, size_t n, int f64)
-{
-    return (a == NULL && b == NULL) ||
-           memcmp(a, b, n * (f64 ? sizeof(double) : sizeof(float))) == 0;
 }
 
 /* ---- the tests ---- */

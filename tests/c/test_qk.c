@@ -79,27 +79,6 @@ typedef struct {
     mha_config cfg;
 } problem;
 
-static double *rand_arr(size_t n, double lo, double hi)
-{
-    double *a = malloc((n ? n : 1) * sizeof *a);
-    for (size_t i = 0; i < n; i++)
-        a[i] = (double)(float)(lo + (hi - lo) * 0.5 * (rng_unit() + 1.0));
-    return a;
-}
-
-static void *typed(const double *src, size_t n, int f64)
-{
-    if (f64) {
-        double *d = malloc((n ? n : 1) * sizeof *d);
-        memcpy(d, src, n * sizeof *d);
-        return d;
-    }
-    float *f = malloc((n ? n : 1) * sizeof *f);
-    for (size_t i = 0; i < n; i++)
-        f[i] = (float)src[i];
-    return f;
-}
-
 static void typed_fill(problem *P, int f64)
 {
     const tcase *c = &P->c;
@@ -144,22 +123,22 @@ static void problem_init(problem *P, const tcase *c)
         P->inv_freq[i] = c->custom_freq ? 0.05 + 1.2 * (0.5 + 0.5 * rng_unit())
                                         : pow(10000.0, -2.0 * (double)i / (double)c->rot);
     const size_t nq = c->B * c->Tq, nk = c->B * c->Tk;
-    P->x = rand_arr(nq * c->Din, -1, 1);
-    P->key = rand_arr(nk * c->Din, -1, 1);
-    P->value = rand_arr(nk * c->Din, -1, 1);
-    P->wq = rand_arr(c->Din * P->Sq, -0.6, 0.6);
-    P->wk = rand_arr(c->Din * P->Sk, -0.6, 0.6);
-    P->wv = rand_arr(c->Din * P->Sv, -0.6, 0.6);
-    P->wo = rand_arr(P->Svq * P->Dout, -0.5, 0.5);
-    P->bq = rand_arr(P->Sq, -0.5, 0.5);
-    P->bk = rand_arr(P->Sk, -0.5, 0.5);
-    P->bv = rand_arr(P->Sv, -0.5, 0.5);
-    P->bo = rand_arr(P->Dout, -0.5, 0.5);
+    P->x = rand_vec(nq * c->Din, 1);
+    P->key = rand_vec(nk * c->Din, 1);
+    P->value = rand_vec(nk * c->Din, 1);
+    P->wq = rand_vec(c->Din * P->Sq, 0.6);
+    P->wk = rand_vec(c->Din * P->Sk, 0.6);
+    P->wv = rand_vec(c->Din * P->Sv, 0.6);
+    P->wo = rand_vec(P->Svq * P->Dout, 0.5);
+    P->bq = rand_vec(P->Sq, 0.5);
+    P->bk = rand_vec(P->Sk, 0.5);
+    P->bv = rand_vec(P->Sv, 0.5);
+    P->bo = rand_vec(P->Dout, 0.5);
     P->nqn = c->qn == 2 ? c->H * d : d;
     P->nkn = c->kn == 2 ? c->G * d : d;
-    P->qn = rand_arr(P->nqn, 0.5, 1.5);
-    P->kn = rand_arr(P->nkn, 0.5, 1.5);
-    P->R = rand_arr(nq * P->Dout, -1, 1);
+    P->qn = rand_range(P->nqn, 0.5, 1.5);
+    P->kn = rand_range(P->nkn, 0.5, 1.5);
+    P->R = rand_vec(nq * P->Dout, 1);
     P->pos = malloc((nq ? nq : 1) * sizeof *P->pos);
     P->kpos = malloc((nk ? nk : 1) * sizeof *P->kpos);
     for (size_t i = 0; i < nq; i++)
@@ -364,11 +343,6 @@ typedef struct {
     void *out, *q, *k, *v, *cat, *lse;
 } fwd_out;
 
-static void *zalloc(size_t n, int f64)
-{
-    return calloc(n ? n : 1, f64 ? sizeof(double) : sizeof(float));
-}
-
 static void fwd_alloc(fwd_out *o, const problem *P, int f64)
 {
     const size_t nq = P->c.B * P->c.Tq, nk = P->c.B * P->c.Tk;
@@ -455,11 +429,6 @@ static mha_status run_bwd(problem *P, int f64, grads *g, const void *dout,
     return mha_backward(&P->cfg, &prm, NULL);
 }
 
-static double val(const void *a, size_t i, int f64)
-{
-    return f64 ? ((const double *)a)[i] : (double)((const float *)a)[i];
-}
-
 /* max over i of |a[i] - ref[i]| / (1 + |ref[i]|) */
 static double max_err(const void *a, const double *ref, size_t n, int f64)
 {
@@ -534,8 +503,6 @@ static void fwd_bwd(problem *P, int f64, fwd_out *o, grads *g)
     CHECK(st == MHA_OK, "%s: fwd/bwd %s", P->c.name, mha_status_name(st));
     free(dout);
 }
-
-static int same_bytes(const void *a, const void *b, size_t n, int f64);
 
 /* Central differences of loss_f64 at `nent` entries of arr (the float64
    copy of an input, n entries) against the gradient grad. */
@@ -635,11 +602,6 @@ static void test_backward(problem *P)
     mha_set_isa(MHA_ISA_AVX512);
 }
 
-static int same_bytes(const void *a, const void *b, size_t n, int f64)
-{
-    return memcmp(a, b, n * (f64 ? sizeof(double) : sizeof(float))) == 0;
-}
-
 /* Every output and gradient bitwise the same for 1 and 3 threads. */
 static void test_threads(problem *P)
 {
@@ -681,7 +643,7 @@ static void test_packed_positions(void)
     const size_t dk[1] = {8}, Tq = 7, Tk = 9, H = 2, S = 8;
     const int64_t cu_q[3] = {0, 3, 7}, cu_k[3] = {0, 5, 9};
     double inv_freq[3] = {1.0, 0.3, 0.07}, scale[2] = {1, 1};
-    double *w = rand_arr(8, 0.5, 1.5);
+    double *w = rand_range(8, 0.5, 1.5);
     mha_config cfg = {
         .B = 1, .Tq = Tq, .Tk = Tk, .H = H, .G = 1, .dk = dk, .dv = dk,
         .scale = scale, .nseq = 2, .cu_q = cu_q, .cu_k = cu_k, .q_norm = w,
@@ -689,7 +651,7 @@ static void test_packed_positions(void)
     };
     const mha_layout lay = {.Sq = H * S, .Sk = S, .Sv = S, .Svq = H * S};
     const size_t qoff[2] = {0, 8}, koff[1] = {0};
-    double *q = rand_arr(Tq * H * S, -1, 1), *k = rand_arr(Tk * S, -1, 1);
+    double *q = rand_vec(Tq * H * S, 1), *k = rand_vec(Tk * S, 1);
     double *qt = calloc(Tq * H * S, sizeof *qt), *kt = calloc(Tk * S, sizeof *kt);
     mha_status st = mha_qk_forward_f64(qt, kt, q, k, &cfg, &lay, qoff, koff);
     CHECK(st == MHA_OK, "packed: status %s", mha_status_name(st));
