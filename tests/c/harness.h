@@ -1,11 +1,12 @@
 /*
  * harness.h - what every C test here shares: a CHECK that counts checks
  * and failures (printing the first 40), reproducible random numbers
- * (xorshift64*), allocation that cannot fail, a monotonic clock, threads
- * that can be waited for, and the naive attention reference (mha.h's
- * contract, densely, in double, one rule per line) that the attention
- * tests compare the core with. Include it once, after the system headers,
- * from a test's single compile unit.
+ * (xorshift64*), allocation that cannot fail, typed (float32 / float64)
+ * copies of double arrays, a monotonic clock, threads that can be waited
+ * for, and the naive attention reference (mha.h's contract, densely, in
+ * double, one rule per line) that the attention tests compare the core
+ * with. Include it once, after the system headers, from a test's single
+ * compile unit.
  *
  * Everything OS-specific comes from the core's platform layer
  * (csrc/core/platform.h), so the tests build wherever the core does
@@ -18,6 +19,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "dispatch.h"
 #include "mha.h"
@@ -71,14 +73,62 @@ static inline void *xcalloc(size_t n, size_t size)
     return p;
 }
 
-/* n doubles, uniform in [-amp, amp), each exactly a float (so that the
-   float32 calls see the same values as the float64 ones). */
-static inline double *rand_vec(size_t n, double amp)
+/* n doubles, uniform in [lo, hi), each exactly a float (so that the
+   float32 calls see the same values as the float64 ones). Drawn as
+   mid + half * u: for lo = -hi, mid is 0 and half is hi exactly, so
+   rand_vec(n, amp) has the bits of amp * u. */
+static inline double *rand_range(size_t n, double lo, double hi)
 {
+    const double mid = 0.5 * (lo + hi), half = 0.5 * (hi - lo);
     double *v = xcalloc(n, sizeof *v);
     for (size_t i = 0; i < n; i++)
-        v[i] = (double)(float)(amp * rng_unit());
+        v[i] = (double)(float)(mid + half * rng_unit());
     return v;
+}
+
+/* n doubles, uniform in [-amp, amp), each exactly a float. */
+static inline double *rand_vec(size_t n, double amp)
+{
+    return rand_range(n, -amp, amp);
+}
+
+/* ------------------------------------------------------------------ */
+/* Typed buffers: the core takes float32 or float64 arrays (f64 says    */
+/* which) through void pointers; the tests keep their values in double. */
+
+/* n zeroed elements of the type. */
+static inline void *zalloc(size_t n, int f64)
+{
+    return xcalloc(n, f64 ? sizeof(double) : sizeof(float));
+}
+
+/* A typed copy of n doubles (f64: a plain copy; else each rounded to
+   float, exact for values rand_range drew). */
+static inline void *typed(const double *src, size_t n, int f64)
+{
+    void *dst = zalloc(n, f64);
+    for (size_t i = 0; i < n; i++) {
+        if (f64)
+            ((double *)dst)[i] = src[i];
+        else
+            ((float *)dst)[i] = (float)src[i];
+    }
+    return dst;
+}
+
+/* Element i of a typed array, as a double. */
+static inline double val(const void *a, size_t i, int f64)
+{
+    return f64 ? ((const double *)a)[i] : (double)((const float *)a)[i];
+}
+
+/* Do two typed arrays of n elements hold the same bits? Two NULLs (an
+   output not asked for on either side) are the same; one NULL is not. */
+static inline int same_bytes(const void *a, const void *b, size_t n, int f64)
+{
+    if (a == NULL || b == NULL)
+        return a == b;
+    return memcmp(a, b, n * (f64 ? sizeof(double) : sizeof(float))) == 0;
 }
 
 /* ------------------------------------------------------------------ */

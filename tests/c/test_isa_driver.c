@@ -186,19 +186,6 @@ static void results_free(results *R)
         free(R->r[i]);
 }
 
-/* A typed copy of double values (f64: a plain copy). */
-static void *typed(const double *src, size_t n, int f64)
-{
-    void *dst = xcalloc(n, f64 ? sizeof(double) : sizeof(float));
-    for (size_t e = 0; e < n; e++) {
-        if (f64)
-            ((double *)dst)[e] = src[e];
-        else
-            ((float *)dst)[e] = (float)src[e];
-    }
-    return dst;
-}
-
 static double *widened(const void *src, size_t n, int f64)
 {
     double *dst = xcalloc(n, sizeof(double));

@@ -14,9 +14,10 @@
 #                                     every FMA in software)
 #   MHATTN_ARM_FULL=1 bash ...        the C tests' full grids (much slower)
 #   MHATTN_ARM_TESTS="test_qk ..."    these C tests after the driver
-#                                     (default: test_qk test_attend
-#                                     test_attend_bwd test_variants
-#                                     test_half test_kv_storage)
+#                                     (default: test_qk test_gate
+#                                     test_attend test_attend_bwd
+#                                     test_variants test_half
+#                                     test_kv_storage)
 # test_gemm runs its dispatch checks (`env`) only by default: its quick mode
 # takes ~19 min under qemu here, and its fork-with-a-live-pool check dies
 # inside qemu-user 7.2 itself (assertion in accel/tcg/cpu-exec.c: cpu ==
@@ -65,8 +66,8 @@ nm "$out/obj/isa_neon.o" 2>/dev/null | grep -q mha_kernels_neon_f32 ||
     { echo "isa_neon.o has no NEON table"; exit 1; }
 
 echo "== aarch64: building tests/c (the Makefile's flags, plus -Werror) and the ISA driver"
-tests=(test_gemm test_variants test_qk test_attend test_attend_bwd test_isa_driver test_half
-       test_kv_storage)
+tests=(test_gemm test_variants test_qk test_gate test_attend test_attend_bwd test_isa_driver
+       test_half test_kv_storage)
 for t in "${tests[@]}"; do
     "$cc" -std=c11 -O3 -Wall -Wextra -Werror -fvisibility=hidden -pthread "${inc[@]}" \
         -o "$out/$t" "tests/c/$t.c" "${objs[@]}" -lm
@@ -93,8 +94,8 @@ else
     cat "$out/driver.log"
     fail=1
 fi
-for t in ${MHATTN_ARM_TESTS:-test_qk test_attend test_attend_bwd test_variants test_half
-                          test_kv_storage}; do
+for t in ${MHATTN_ARM_TESTS:-test_qk test_gate test_attend test_attend_bwd test_variants
+                          test_half test_kv_storage}; do
     t0=$(date +%s)
     ran=$((ran + 1))
     if run "$out/$t" $mode >>"$log" 2>&1; then

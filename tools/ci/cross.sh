@@ -142,8 +142,8 @@ if command -v wine >/dev/null 2>&1; then
     done
     if [ $link_ok = 1 ]; then
         # The Makefile's tests (other files in tests/c are compiled above).
-        for name in test_gemm test_variants test_qk test_attend test_attend_bwd test_platform test_isa_driver \
-                    test_half test_kv_storage; do
+        for name in test_gemm test_variants test_qk test_gate test_attend test_attend_bwd test_platform \
+                    test_isa_driver test_half test_kv_storage; do
             c=tests/c/$name.c
             n_tests=$((n_tests + 1))
             if ! zig cc -target x86_64-windows-gnu -std=c11 -O2 -Wall -Wextra -Werror \
