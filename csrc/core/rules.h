@@ -295,16 +295,33 @@ static inline uint32_t mha_mix32(uint32_t x)
     return x ^ (x >> 16);
 }
 
-/* The key of row (b, h, i) for the keys j with j >> 32 == jhi. */
+#define MHA_DROPOUT_GOLD UINT64_C(0x9e3779b97f4a7c15)
+
+/* The chain's first three links, (seed, b, h): the same for every row of
+   a head, so each thread remembers the last head's (a tile asks for one
+   head's rows, block after block; three of a row's five mixes saved). */
+static inline uint64_t mha_dropout_head_key(uint64_t seed, uint64_t b, uint64_t h)
+{
+    static _Thread_local struct {
+        uint64_t seed, b, h, k;
+        int valid;
+    } memo;
+    if (memo.valid && memo.seed == seed && memo.b == b && memo.h == h)
+        return memo.k;
+    uint64_t k = mha_mix64(seed + MHA_DROPOUT_GOLD);
+    k = mha_mix64(k + b + MHA_DROPOUT_GOLD);
+    k = mha_mix64(k + h + MHA_DROPOUT_GOLD);
+    memo.seed = seed, memo.b = b, memo.h = h, memo.k = k, memo.valid = 1;
+    return k;
+}
+
+/* The key of row (b, h, i) for the keys j with j >> 32 == jhi:
+   mix64(mix64(head_key + i + G) + jhi + G). */
 static inline uint64_t mha_dropout_key(uint64_t seed, uint64_t b, uint64_t h,
                                        uint64_t i, uint64_t jhi)
 {
-    const uint64_t gold = UINT64_C(0x9e3779b97f4a7c15);
-    uint64_t k = mha_mix64(seed + gold);
-    k = mha_mix64(k + b + gold);
-    k = mha_mix64(k + h + gold);
-    k = mha_mix64(k + i + gold);
-    return mha_mix64(k + jhi + gold);
+    const uint64_t k = mha_mix64(mha_dropout_head_key(seed, b, h) + i + MHA_DROPOUT_GOLD);
+    return mha_mix64(k + jhi + MHA_DROPOUT_GOLD);
 }
 
 /* 32 uniform bits of key j (its low 32 bits jlo) under a row's key. */
