@@ -598,6 +598,8 @@ def _scores_only(var: Variants) -> Optional[tuple]:
     """The variants' tuple (csrc/python/variants.c, read_variants) without the
     q/k transforms, which the projections applied: None when no score rule
     (window, softcap, ALiBi, sinks, key_mask, dropout) is left."""
+    if not var.any:
+        return None
     rules = dataclasses.replace(var, q_norm=None, k_norm=None, rotary_dim=0,
                                 interleaved=False, inv_freq=None, positions=None,
                                 key_positions=None)
