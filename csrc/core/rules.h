@@ -297,6 +297,11 @@ static inline uint32_t mha_mix32(uint32_t x)
 
 #define MHA_DROPOUT_GOLD UINT64_C(0x9e3779b97f4a7c15)
 
+/* A dropout mask's lanes (rules_dropout_mask): unsigned integers of the
+   element type's width, all ones where the hash keeps the weight. */
+typedef uint32_t mha_dmask_f32;
+typedef uint64_t mha_dmask_f64;
+
 /* The chain's first three links, (seed, b, h): the same for every row of
    a head, so each thread remembers the last head's (a tile asks for one
    head's rows, block after block; three of a row's five mixes saved). */
@@ -437,9 +442,7 @@ static void PICK(rules_score_row_f32, rules_score_row_f64)(
         s[j] = NINF;
 }
 
-/* A dropout mask's lanes: unsigned integers of REAL's width, all ones
-   where the hash keeps the weight, 0 where it drops it. */
-#define DMASK PICK(uint32_t, uint64_t)
+#define DMASK PICK(mha_dmask_f32, mha_dmask_f64)
 
 /*
  * Dropout's mask of one row: km (n,) for row i of head h in batch item b
