@@ -640,13 +640,15 @@ def nested_list(a):
     return a.tolist()
 
 
+# The valid layouts every array argument is tried in (the gate's too, below).
+VALID_LAYOUTS = [("negative_strides", negative_strides), ("unaligned", unaligned),
+                 ("byteswapped", byteswapped), ("subclass", subclass),
+                 ("memmap_readonly", memmapped),
+                 ("memmap_copy_on_write", lambda a: memmapped(a, "c")),
+                 ("fortran", fortran), ("every_other", every_other)]
 for dt in (np.float32, np.float64):
     n = np.dtype(dt).name
-    for label, fn in [("negative_strides", negative_strides), ("unaligned", unaligned),
-                      ("byteswapped", byteswapped), ("subclass", subclass),
-                      ("memmap_readonly", memmapped), ("memmap_copy_on_write",
-                                                       lambda a: memmapped(a, "c")),
-                      ("fortran", fortran), ("every_other", every_other)]:
+    for label, fn in VALID_LAYOUTS:
         case(f"valid_{label}_{n}", OK)(transformed(fn, dt))
 case("valid_nested_lists", OK)(transformed(nested_list, np.float64))
 case("valid_matrix_weights", OK)(transformed(np.asmatrix, np.float64,
@@ -2348,13 +2350,9 @@ def gate_transformed(fn, dtype=np.float64):
 
 for dt in (np.float32, np.float64):
     n = np.dtype(dt).name
-    for label, fn in [("negative_strides", negative_strides), ("unaligned", unaligned),
-                      ("byteswapped", byteswapped), ("subclass", subclass),
-                      ("memmap_readonly", memmapped), ("memmap_copy_on_write",
-                                                       lambda a: memmapped(a, "c")),
-                      ("fortran", fortran), ("every_other", every_other),
-                      ("read_only", read_only_copy),
-                      ("read_only_every_other", lambda a: read_only(every_other(a)))]:
+    for label, fn in VALID_LAYOUTS + [
+            ("read_only", read_only_copy),
+            ("read_only_every_other", lambda a: read_only(every_other(a)))]:
         case(f"gate_valid_{label}_{n}", OK, (MHA, GRAD, STEP, CALL))(gate_transformed(fn, dt))
 case("gate_valid_nested_lists", OK, (MHA, GRAD, STEP, CALL))(
     gate_transformed(nested_list, np.float64))
