@@ -610,7 +610,10 @@ def _output_gate(call) -> np.ndarray:
     """(B, T_new, sum d_v): the output gate of the new rows, sigmoid(x @
     w_gate + b_gate), in the call's dtype (csrc/core/gate.h's gate; the
     step applies it here, as it applies W^O)."""
-    z = call.x @ call.w_gate
+    # Contiguous operands: NumPy's BLAS takes a Fortran-ordered w_gate by
+    # another kernel, whose sums round differently (a step's bits would
+    # then depend on the gate's layout).
+    z = np.ascontiguousarray(call.x) @ np.ascontiguousarray(call.w_gate)
     if call.b_gate is not None:
         z += call.b_gate
     with np.errstate(over="ignore"):   # exp(-z) = inf for z << 0: the gate is 0
