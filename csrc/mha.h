@@ -445,7 +445,11 @@ mha_status mha_forward(const mha_config *cfg, const mha_params *prm, mha_error *
  * (value is key). The shapes of the shared roles must agree.
  *
  * Fully masked query rows (lse -inf) contribute nothing: zero gradients,
- * never NaN. An additive mask gets no gradient. The result is bitwise the
+ * never NaN. An additive mask's gradient is dmask (B, H, Tq, Tk), when
+ * given (and ignored without an additive mask): dL/d(mask) at every (b, h,
+ * i, j) before the mask's broadcast, 0 where row i does not see key j (the
+ * caller sums it over the broadcast axes; pass 4 writes it, so a call
+ * wanting dmask alone runs the dK, dV tiles). The result is bitwise the
  * same for any thread count.
  */
 mha_status mha_backward(const mha_config *cfg, const mha_params *prm, mha_error *err);
@@ -473,8 +477,9 @@ mha_status mha_attend(const mha_config *cfg, const mha_params *prm, mha_error *e
  * Backward of mha_attend, on contiguous fused tensors (the layout of
  * mha_forward's q, k, v, concat): reads q (B, Tq, Sq), k (B, Tk, Sk), v
  * (B, Tk, Sv), out and dout (B, Tq, Svq), lse (B, H, Tq) as mha_attend
- * made it, or NULL to have it recomputed. Writes dq, dk, dv and, with
- * cfg->sinks, dsinks (H,); any may be NULL when not wanted. Bitwise the
+ * made it, or NULL to have it recomputed. Writes dq, dk, dv, with
+ * cfg->sinks dsinks (H,), and with an additive mask dmask (B, H, Tq, Tk)
+ * as mha_backward does; any may be NULL when not wanted. Bitwise the
  * same for any thread count.
  */
 mha_status mha_attend_backward(const mha_config *cfg, const mha_params *prm,

@@ -82,6 +82,10 @@ typedef struct {
     void *dk;               /* AB: writes (B, Tk, Sk) */
     void *dv;               /* AB: writes (B, Tk, Sv) */
     void *dsinks;           /* B, AB: writes (H,), with cfg->sinks */
+    void *dmask;            /* B, AB: writes (B, H, Tq, Tk), with an additive mask:
+                                   dL/d(mask) at each (b, h, i, j), before the
+                                   mask's broadcast (0 where the row does not see
+                                   the key) */
     void *dq_norm;          /* B: writes shaped as cfg->q_norm */
     void *dk_norm;          /* B: writes shaped as cfg->k_norm */
 

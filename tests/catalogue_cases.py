@@ -1446,6 +1446,19 @@ def mgrad(g=np.ones((3, 4)), x=X, **kw):
     return mhattn.multi_head_attention_grad(g, x, W, W, W, **{"num_heads": 2, **kw})
 
 
+# mask_grad: a bool, and only with an additive mask.
+table("mha_grad", raises(VE, words=["mask_grad", "additive", "bool"]), [
+    ("mask_grad_bool_mask", lambda: mgrad(mask=np.ones((3, 3), bool), mask_grad=True))], GRAD)
+table("mha_grad", raises(VE, words=["mask_grad", "additive", "None"]), [
+    ("mask_grad_no_mask", lambda: mgrad(mask_grad=True))], GRAD)
+table("mha_grad", raises(TE, words=["mask_grad"]), [
+    ("mask_grad_string", lambda: mgrad(mask=np.zeros((3, 3)), mask_grad="yes"))], GRAD)
+table("backward", raises(VE, words=["mask_grad", "additive", "None"]), [
+    ("mask_grad_no_mask", lambda: mhattn.backward(np.ones((3, 4)), CTX, mask_grad=True))],
+      "backward")
+table("attention_grad", raises(VE, words=["mask_grad", "additive", "bool"]), [
+    ("mask_grad_bool_mask", lambda: agrad(mask=np.ones((3, 5), bool), mask_grad=True))],
+      "attention_grad")
 table("mha_grad", raises(VE, words=["grad_out", "(3, 4)", "(3, 5)"]), [
     ("grad_out_shape", lambda: mgrad(np.ones((3, 5))))], GRAD)
 table("mha_grad", raises(TE, words=["grad_out", "None"]), [

@@ -47,6 +47,7 @@ typedef struct {
     REAL *dbq, *dbk, *dbv, *dbo;        /* (Sq,) (Sk,) (Sv,) (Dout,) */
     REAL *dsinks, *dq_norm, *dk_norm;   /* (H,), as q_norm, as k_norm (mha.h) */
     REAL *dwgate, *dbgate;              /* (Din, Svq) (Svq,) */
+    REAL *dmask;                        /* (B, H, Tq, Tk), with an additive mask */
     const REAL *dout;                   /* (B, Tq, Dout) */
     const REAL *x, *key, *value;        /* (B, Tq, Din) (B, Tk, Dkin) (B, Tk, Dvin) */
     const REAL *wq, *wk, *wv, *wo;      /* as the forward's */
@@ -147,6 +148,8 @@ static mha_status PICK(bwd_check_args_f32, bwd_check_args_f64)(BWD_ARGS *a,
         a->dwgate = a->dbgate = NULL;
     if (cfg->sinks == NULL)
         a->dsinks = NULL;
+    if (cfg->mask_kind != MHA_MASK_ADD)
+        a->dmask = NULL;
     return MHA_OK;
 }
 
@@ -219,9 +222,11 @@ static mha_status PICK(bwd_plan_f32, bwd_plan_f64)(BWD_PLAN *p, BWD_ARGS *a,
     p->kern = mha_kernels_for(mha_get_isa(), MHA_F64);
     p->need_dq = a->dx != NULL || a->dwq != NULL || a->dbq != NULL ||
                  (a->dq_norm != NULL && cfg->q_norm != NULL);
+    // dmask is written by pass 4, the dK, dV tiles (into scratch when
+    // neither is wanted).
     p->need_dkv = a->dkey != NULL || a->dvalue != NULL || a->dwk != NULL ||
                   a->dbk != NULL || a->dwv != NULL || a->dbv != NULL ||
-                  (a->dk_norm != NULL && cfg->k_norm != NULL);
+                  (a->dk_norm != NULL && cfg->k_norm != NULL) || a->dmask != NULL;
     const size_t H = cfg->H, G = cfg->G;
     if ((st = PICK(bwd_plan_heads_f32, bwd_plan_heads_f64)(p, cfg)) != MHA_OK)
         return st;
@@ -253,7 +258,7 @@ static mha_status PICK(bwd_plan_f32, bwd_plan_f64)(BWD_PLAN *p, BWD_ARGS *a,
         .cfg = cfg, .lay = &p->lay, .qoff = p->off, .cvoff = p->off + H,
         .koff = p->off + 2 * H, .voff = p->off + 2 * H + G,
         .q = p->qt != NULL ? p->qt : a->q, .k = p->kt != NULL ? p->kt : a->k,
-        .v = a->v, .lse = a->lse, .D = p->D,
+        .v = a->v, .lse = a->lse, .D = p->D, .dmask = a->dmask,
         .nqb = (cfg->Tq + MHA_BWD_BQ - 1) / MHA_BWD_BQ,
         .nkb = (cfg->Tk + MHA_BWD_BK - 1) / MHA_BWD_BK,
     };
@@ -539,7 +544,7 @@ static mha_status PICK(mha_backward_f32, mha_backward_f64)(const mha_config *cfg
         .dwq = prm->dwq, .dwk = prm->dwk, .dwv = prm->dwv, .dwo = prm->dwo,
         .dbq = prm->dbq, .dbk = prm->dbk, .dbv = prm->dbv, .dbo = prm->dbo,
         .dsinks = prm->dsinks, .dq_norm = prm->dq_norm, .dk_norm = prm->dk_norm,
-        .dwgate = prm->dwgate, .dbgate = prm->dbgate,
+        .dwgate = prm->dwgate, .dbgate = prm->dbgate, .dmask = prm->dmask,
         .dout = prm->dout, .x = prm->x, .key = prm->key, .value = prm->value,
         .wq = prm->wq, .wk = prm->wk, .wv = prm->wv, .wo = prm->wo,
         .wgate = prm->wgate, .bgate = prm->bgate,
@@ -596,8 +601,10 @@ static mha_status PICK(bwd_attend_plan_f32, bwd_attend_plan_f64)(
     const size_t nq = p->nq = cfg->B * cfg->Tq, nk = p->nk = cfg->B * cfg->Tk;
     if (cfg->sinks == NULL)
         a->dsinks = NULL;
+    if (cfg->mask_kind != MHA_MASK_ADD)
+        a->dmask = NULL;
     p->need_dq = dq != NULL;
-    p->need_dkv = dk != NULL || dv != NULL;
+    p->need_dkv = dk != NULL || dv != NULL || a->dmask != NULL;   /* dmask: pass 4's */
     const int any = p->need_dq || p->need_dkv || a->dsinks != NULL;
     const mha_required req[] = {
         {a->dout, any && nq != 0, "dout"}, {a->q, any && nq != 0, "q"},
@@ -622,7 +629,7 @@ static mha_status PICK(bwd_attend_plan_f32, bwd_attend_plan_f64)(
         .cfg = cfg, .lay = &p->lay, .qoff = p->off, .cvoff = p->off + H,
         .koff = p->off + 2 * H, .voff = p->off + 2 * H + G,
         .q = a->q, .k = a->k, .v = a->v, .dcat = a->dout, .lse = a->lse, .D = p->D,
-        .dq = dq, .dk = dk, .dv = dv,
+        .dq = dq, .dk = dk, .dv = dv, .dmask = a->dmask,
         .nqb = (cfg->Tq + MHA_BWD_BQ - 1) / MHA_BWD_BQ,
         .nkb = (cfg->Tk + MHA_BWD_BK - 1) / MHA_BWD_BK,
     };
@@ -651,8 +658,9 @@ static mha_status PICK(mha_attend_backward_f32, mha_attend_backward_f64)(
 {
     // dq, q (B, Tq, Sq); dk, k (B, Tk, Sk); dv, v (B, Tk, Sv);
     // dout, out (B, Tq, Svq); lse (B, H, Tq); dsinks (H,).
-    BWD_ARGS a = {.dsinks = prm->dsinks, .dout = prm->dout, .q = prm->q, .k = prm->k,
-                  .v = prm->v, .concat = prm->out, .lse = prm->lse};
+    BWD_ARGS a = {.dsinks = prm->dsinks, .dmask = prm->dmask, .dout = prm->dout,
+                  .q = prm->q, .k = prm->k, .v = prm->v, .concat = prm->out,
+                  .lse = prm->lse};
     BWD_PLAN p;
     mha_status st = PICK(bwd_attend_plan_f32, bwd_attend_plan_f64)(&p, &a, prm->dq, prm->dk,
                                                                    prm->dv, cfg, err);

@@ -189,6 +189,7 @@ static inline int mha_interrupted(const mha_config *cfg)
         real *dq;           /* (B, Tq, Sq)   written by pass 5  */            \
         real *dk;           /* (B, Tk, Sk)   written by pass 4  */            \
         real *dv;           /* (B, Tk, Sv)   written by pass 4  */            \
+        real *dmask;        /* (B, H, Tq, Tk) dS, pass 4; NULL: not wanted */ \
         real *scratch;      /* per thread: MHA_BWD_TILE_STRIDE reals */       \
         size_t nqb, nkb;    /* query blocks, key blocks         */            \
     } name;

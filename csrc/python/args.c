@@ -77,13 +77,13 @@ static int parse_args(call *c, const call_spec *sp, PyObject *args,
     *f++ = ':';   // then the name, which fits: sp->name is a short literal
     memcpy(f, sp->name, strlen(sp->name) + 1);
 #define PAIR(i) cv[i], slot[i]
-    _Static_assert(MAX_ARGS == 26, "the call below passes MAX_ARGS pairs");
+    _Static_assert(MAX_ARGS == 27, "the call below passes MAX_ARGS pairs");
     const int ok = PyArg_ParseTupleAndKeywords(
         args, kwds, format, kwlist, PAIR(0), PAIR(1), PAIR(2), PAIR(3),
         PAIR(4), PAIR(5), PAIR(6), PAIR(7), PAIR(8), PAIR(9), PAIR(10),
         PAIR(11), PAIR(12), PAIR(13), PAIR(14), PAIR(15), PAIR(16), PAIR(17),
         PAIR(18), PAIR(19), PAIR(20), PAIR(21), PAIR(22), PAIR(23), PAIR(24),
-        PAIR(25));
+        PAIR(25), PAIR(26));
 #undef PAIR
     return ok ? 0 : -1;
 }

@@ -42,6 +42,7 @@
 #define SPEC_WANT_BK {.name = "want_bk", .kind = ARG_BOOL}
 #define SPEC_WANT_BV {.name = "want_bv", .kind = ARG_BOOL}
 #define SPEC_WANT_BO {.name = "want_bo", .kind = ARG_BOOL}
+#define SPEC_WANT_DMASK {.name = "want_dmask", .kind = ARG_BOOL}
 #define SPEC_Q_ATT {"q", ARG_ARRAY, SHAPE4(L_B, L_H, L_TQ, L_DK), 0, NULL}
 #define SPEC_K_ATT {"k", ARG_ARRAY, SHAPE4(L_B, L_G, L_TK, L_DK), 0, " from q's B and dk"}
 #define SPEC_V_ATT {"v", ARG_ARRAY, SHAPE4(L_B, L_G, L_TK, L_DV), 0, " from k"}
@@ -99,7 +100,7 @@ const arg_spec backward_args[BWD_NARGS] = {SPEC_DOUT_BWD, SPEC_X, SPEC_KEY_BWD,
     SPEC_VALUE_BWD, SPEC_WQ, SPEC_WK, SPEC_WV, SPEC_WO, SPEC_Q_BWD, SPEC_K_BWD, SPEC_V_BWD,
     SPEC_CONCAT, SPEC_LSE_BWD, SPEC_DK, SPEC_DV, SPEC_SCALES_FWD, SPEC_MASK, SPEC_CAUSAL,
     SPEC_KEY_LENGTHS, SPEC_VARIANTS, SPEC_WANT_BQ, SPEC_WANT_BK, SPEC_WANT_BV, SPEC_WANT_BO,
-    SPEC_WGATE, SPEC_BGATE};
+    SPEC_WGATE, SPEC_BGATE, SPEC_WANT_DMASK};
 const int backward_checks_x[] = {BWD_KEY, BWD_VALUE, -1};
 const int backward_checks_widths[] = {BWD_WQ, BWD_WK, BWD_WV, BWD_WO, BWD_DOUT, BWD_Q,
     BWD_K, BWD_V, BWD_CONCAT, BWD_LSE, BWD_WGATE, BWD_BGATE, -1};
@@ -108,14 +109,15 @@ const param_slot backward_params[] = {OUT(BWD_DX, dx), OUT(BWD_DKEY, dkey),
     OUT(BWD_DWO, dwo), OUT(BWD_DBQ, dbq), OUT(BWD_DBK, dbk), OUT(BWD_DBV, dbv),
     OUT(BWD_DBO, dbo), OUT(BWD_DSINKS, dsinks), OUT(BWD_DQ_NORM, dq_norm),
     OUT(BWD_DK_NORM, dk_norm), OUT(BWD_DWGATE, dwgate), OUT(BWD_DBGATE, dbgate),
-    IN(BWD_DOUT, dout), IN(BWD_X, x), IN(BWD_KEY, key), IN(BWD_VALUE, value),
-    IN(BWD_WQ, wq), IN(BWD_WK, wk), IN(BWD_WV, wv), IN(BWD_WO, wo), IN(BWD_Q, q),
-    IN(BWD_K, k), IN(BWD_V, v), IN(BWD_CONCAT, concat), IN(BWD_LSE, lse),
+    OUT(BWD_DMASK, dmask), IN(BWD_DOUT, dout), IN(BWD_X, x), IN(BWD_KEY, key),
+    IN(BWD_VALUE, value), IN(BWD_WQ, wq), IN(BWD_WK, wk), IN(BWD_WV, wv), IN(BWD_WO, wo),
+    IN(BWD_Q, q), IN(BWD_K, k), IN(BWD_V, v), IN(BWD_CONCAT, concat), IN(BWD_LSE, lse),
     IN(BWD_WGATE, wgate), IN(BWD_BGATE, bgate), {-1, 0, 0}};
 const shape backward_outs[BWD_NOUTS] = {SHAPE3(L_B, L_TQ, L_DIN), SHAPE3(L_B, L_TK, L_DKIN),
     SHAPE3(L_B, L_TK, L_DVIN), SHAPE2(L_DIN, L_SQ), SHAPE2(L_DKIN, L_SK),
     SHAPE2(L_DVIN, L_SV), SHAPE2(L_SVQ, L_DOUT), SHAPE1(L_SQ), SHAPE1(L_SK), SHAPE1(L_SV),
-    SHAPE1(L_DOUT), SHAPE1(L_H), {0}, {0}, SHAPE2(L_DIN, L_SVQ), SHAPE1(L_SVQ)};
+    SHAPE1(L_DOUT), SHAPE1(L_H), {0}, {0}, SHAPE2(L_DIN, L_SVQ), SHAPE1(L_SVQ),
+    SHAPE4(L_B, L_H, L_TQ, L_TK)};
 
 const arg_spec attention_args[ATT_NARGS] = {SPEC_Q_ATT, SPEC_K_ATT, SPEC_V_ATT,
     SPEC_SCALES_ATT, SPEC_MASK, SPEC_CAUSAL, SPEC_KEY_LENGTHS, SPEC_VARIANTS,
@@ -132,15 +134,17 @@ const shape attention_outs[2][ATT_NOUTS] = {
 
 const arg_spec attention_backward_args[ABW_NARGS] = {SPEC_DOUT_ABW, SPEC_Q_ATT, SPEC_K_ABW,
     SPEC_V_ABW, SPEC_OUT, SPEC_LSE_ABW, SPEC_SCALES_ABW, SPEC_MASK, SPEC_CAUSAL,
-    SPEC_KEY_LENGTHS, SPEC_VARIANTS, SPEC_LENGTHS_ALIGNED};
+    SPEC_KEY_LENGTHS, SPEC_VARIANTS, SPEC_LENGTHS_ALIGNED, SPEC_WANT_DMASK};
 const int attention_backward_checks_x[] = {ABW_DOUT, ABW_Q, ABW_K, ABW_V, ABW_OUT, ABW_LSE,
     -1};
 const int attention_backward_checks_widths[] = {ABW_SCALES, -1};
 const param_slot attention_backward_params[] = {OUT(ABW_DQ, dq), OUT(ABW_DK, dk),
-    OUT(ABW_DV, dv), OUT(ABW_DSINKS, dsinks), IN(ABW_DOUT, dout), IN(ABW_Q, q),
-    IN(ABW_K, k), IN(ABW_V, v), IN(ABW_OUT, out), IN(ABW_LSE, lse), {-1, 0, 0}};
+    OUT(ABW_DV, dv), OUT(ABW_DSINKS, dsinks), OUT(ABW_DMASK, dmask), IN(ABW_DOUT, dout),
+    IN(ABW_Q, q), IN(ABW_K, k), IN(ABW_V, v), IN(ABW_OUT, out), IN(ABW_LSE, lse),
+    {-1, 0, 0}};
 const shape attention_backward_outs[ABW_NOUTS] = {SHAPE4(L_B, L_TQ, L_H, L_DK),
-    SHAPE4(L_B, L_TK, L_G, L_DK), SHAPE4(L_B, L_TK, L_G, L_DV), SHAPE1(L_H)};
+    SHAPE4(L_B, L_TK, L_G, L_DK), SHAPE4(L_B, L_TK, L_G, L_DV), SHAPE1(L_H),
+    SHAPE4(L_B, L_H, L_TQ, L_TK)};
 
 const arg_spec project_args[PRJ_NARGS] = {SPEC_X, SPEC_KEY_FWD, SPEC_VALUE_FWD, SPEC_WQ,
     SPEC_WK, SPEC_WV, SPEC_BQ, SPEC_BK, SPEC_BV, SPEC_DK, SPEC_DV, SPEC_SCALES_FWD,

@@ -25,12 +25,12 @@ enum { FWD_OUT, FWD_WEIGHTS, FWD_Q, FWD_K, FWD_V, FWD_CONCAT, FWD_LSE, FWD_NOUTS
 enum { BWD_DOUT, BWD_X, BWD_KEY, BWD_VALUE, BWD_WQ, BWD_WK, BWD_WV, BWD_WO, BWD_Q, BWD_K,
     BWD_V, BWD_CONCAT, BWD_LSE, BWD_DK, BWD_DV, BWD_SCALES, BWD_MASK, BWD_CAUSAL,
     BWD_KEY_LENGTHS, BWD_VARIANTS, BWD_WANT_BQ, BWD_WANT_BK, BWD_WANT_BV, BWD_WANT_BO,
-    BWD_WGATE, BWD_BGATE, BWD_NARGS };
+    BWD_WGATE, BWD_BGATE, BWD_WANT_DMASK, BWD_NARGS };
 enum { BWD_DX, BWD_DKEY, BWD_DVALUE, BWD_DWQ, BWD_DWK, BWD_DWV, BWD_DWO, BWD_DBQ, BWD_DBK,
     BWD_DBV, BWD_DBO, BWD_DSINKS, BWD_DQ_NORM, BWD_DK_NORM, BWD_DWGATE, BWD_DBGATE,
-    BWD_NOUTS };
+    BWD_DMASK, BWD_NOUTS };
 #define BACKWARD_SPEC_ARGS .name = "backward", .nargs = BWD_NARGS, \
-    .args = backward_args, .nopt = 2, .nkw = 2, .checks_x = backward_checks_x, \
+    .args = backward_args, .nopt = 3, .nkw = 3, .checks_x = backward_checks_x, \
     .checks_widths = backward_checks_widths, .x = BWD_X, .key = BWD_KEY, \
     .value = BWD_VALUE, .wq = BWD_WQ, .wk = BWD_WK, .wv = BWD_WV, .wo = BWD_WO, \
     .wgate = BWD_WGATE, .dk = BWD_DK, .dv = BWD_DV, .scales = BWD_SCALES, \
@@ -52,10 +52,10 @@ enum { ATT_OUT, ATT_WEIGHTS, ATT_LSE, ATT_NOUTS };
 
 /* attention_backward() */
 enum { ABW_DOUT, ABW_Q, ABW_K, ABW_V, ABW_OUT, ABW_LSE, ABW_SCALES, ABW_MASK, ABW_CAUSAL,
-    ABW_KEY_LENGTHS, ABW_VARIANTS, ABW_LENGTHS_ALIGNED, ABW_NARGS };
-enum { ABW_DQ, ABW_DK, ABW_DV, ABW_DSINKS, ABW_NOUTS };
+    ABW_KEY_LENGTHS, ABW_VARIANTS, ABW_LENGTHS_ALIGNED, ABW_WANT_DMASK, ABW_NARGS };
+enum { ABW_DQ, ABW_DK, ABW_DV, ABW_DSINKS, ABW_DMASK, ABW_NOUTS };
 #define ATTENTION_BACKWARD_SPEC_ARGS .name = "attention_backward", .nargs = ABW_NARGS, \
-    .args = attention_backward_args, .nopt = 0, .nkw = 0, \
+    .args = attention_backward_args, .nopt = 1, .nkw = 1, \
     .checks_x = attention_backward_checks_x, \
     .checks_widths = attention_backward_checks_widths, .x = ABW_Q, .key = ABW_K, \
     .value = ABW_V, .wq = ARG_NONE, .wk = ARG_NONE, .wv = ARG_NONE, .wo = ARG_NONE, \

@@ -194,7 +194,10 @@ static int attention_backward_fused(call *c)
    when sinks are given. */
 static int attention_backward_outputs(call *c)
 {
-    const int want[ABW_NOUTS] = {1, 1, 1, c->var[V_SINKS] != NULL};
+    const int dmask = c->arg[ABW_WANT_DMASK].truth;
+    const int want[ABW_NOUTS] = {1, 1, 1, c->var[V_SINKS] != NULL, dmask};
+    if (dmask && want_dmask_check(c) < 0)
+        return -1;
     return make_outputs(c, ABW_NOUTS, attention_backward_outs, want);
 }
 
@@ -212,8 +215,13 @@ static PyObject *attention_backward_result(call *c)
             goto done;
     }
     PyObject *dsinks = (PyObject *)c->out[ABW_DSINKS];
-    result = PyTuple_Pack(4, (PyObject *)grad[0], (PyObject *)grad[1], (PyObject *)grad[2],
-                          dsinks != NULL ? dsinks : Py_None);
+    if (c->out[ABW_DMASK] != NULL)   /* want_dmask: dmask closes the tuple */
+        result = PyTuple_Pack(5, (PyObject *)grad[0], (PyObject *)grad[1],
+                              (PyObject *)grad[2], dsinks != NULL ? dsinks : Py_None,
+                              (PyObject *)c->out[ABW_DMASK]);
+    else
+        result = PyTuple_Pack(4, (PyObject *)grad[0], (PyObject *)grad[1],
+                              (PyObject *)grad[2], dsinks != NULL ? dsinks : Py_None);
 done:
     for (int i = 0; i < 3; i++)
         Py_XDECREF(grad[i]);

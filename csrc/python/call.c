@@ -239,6 +239,18 @@ static int build_config(call *c, const call_spec *sp)
 
 /* The outputs: new C-contiguous arrays of x's dtype, out[i] of shape
    shapes[i] where want[i] (sizes checked by mha_check_config). */
+/* want_dmask asks for the gradient of an additive mask: a ValueError,
+   naming it, for a call whose mask is bool or absent. */
+int want_dmask_check(const call *c)
+{
+    if (c->cfg.mask_kind == MHA_MASK_ADD)
+        return 0;
+    PyErr_Format(PyExc_ValueError, "want_dmask: dmask is the gradient of an additive "
+                 "(float) mask; this call's mask is %s",
+                 c->cfg.mask_kind == MHA_MASK_BOOL ? "bool" : "None");
+    return -1;
+}
+
 int make_outputs(call *c, int nout, const shape *shapes, const int *want)
 {
     for (int i = 0; i < nout; i++) {

@@ -51,6 +51,9 @@
     "    bgate) * concat.\n"
 #define ARG_DOC_BGATE \
     "bgate (Svq,): None, or the output gate's bias (with wgate only).\n"
+#define ARG_DOC_WANT_DMASK \
+    "want_dmask: Also return dmask, the gradient of an additive mask (B, H, Tq,\n" \
+    "    Tk).\n"
 #define ARG_DOC_Q \
     "q (B, H, Tq, dk): The queries, any strides, the last axis contiguous.\n"
 #define ARG_DOC_K \
@@ -90,7 +93,7 @@
 #define BACKWARD_DOC \
     "backward(dout, x, key, value, wq, wk, wv, wo, q, k, v, concat, lse, dk, dv,\n" \
     "         scales, mask, causal, key_lengths, variants, want_bq, want_bk,\n" \
-    "         want_bv, want_bo, *, wgate=None, bgate=None)\n" \
+    "         want_bv, want_bo, *, wgate=None, bgate=None, want_dmask=False)\n" \
     "--\n" \
     "\n" \
     "Backward pass of forward() (low level; see mhattn.backward). x, key, value,\n" \
@@ -117,7 +120,7 @@
     "want_bk: Return dbk.\n" \
     "want_bv: Return dbv.\n" \
     "want_bo: Return dbo.\n" \
-    ARG_DOC_WGATE ARG_DOC_BGATE \
+    ARG_DOC_WGATE ARG_DOC_BGATE ARG_DOC_WANT_DMASK \
     "\n" \
     "Returns (dx, dkey or None, dvalue or None, dwq, dwk, dwv, dwo or None, dbq,\n" \
     "dbk, dbv, dbo, dsinks, dq_norm, dk_norm), and with wgate (dwgate, dbgate)\n" \
@@ -154,7 +157,8 @@
 
 #define ATTENTION_BACKWARD_DOC \
     "attention_backward(dout, q, k, v, out, lse, scales, mask, causal,\n" \
-    "                   key_lengths, variants, lengths_aligned)\n" \
+    "                   key_lengths, variants, lengths_aligned, *,\n" \
+    "                   want_dmask=False)\n" \
     "--\n" \
     "\n" \
     "Backward of attention() (low level; see mhattn.attention_grad; the core's\n" \
@@ -166,7 +170,7 @@
     "out (B, H, Tq, dv): attention()'s out.\n" \
     "lse (B, H, Tq): attention()'s lse, or None: recomputed.\n" \
     ARG_DOC_SCALES ARG_DOC_MASK ARG_DOC_CAUSAL ARG_DOC_KEY_LENGTHS \
-    ARG_DOC_VARIANTS ARG_DOC_LENGTHS_ALIGNED \
+    ARG_DOC_VARIANTS ARG_DOC_LENGTHS_ALIGNED ARG_DOC_WANT_DMASK \
     "\n" \
     "Returns (dq (B, H, Tq, dk), dk (B, G, Tk, dk), dv (B, G, Tk, dv), dsinks\n" \
     "(H,) or None), C-contiguous."

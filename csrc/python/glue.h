@@ -121,8 +121,8 @@ typedef enum {
    try that is not polled: a call takes at most MAX_RESTARTS + 1 times its
    time, whatever the signals (a SIGINT storm included). */
 #define MAX_RESTARTS 3
-#define MAX_ARGS 26   /* backward()'s */
-#define MAX_OUTS 16   /* backward()'s gradients */
+#define MAX_ARGS 27   /* backward()'s */
+#define MAX_OUTS 17   /* backward()'s gradients */
 /* A position past every function's arguments that holds None (false, no
    array): a call_spec names it for an argument its function lacks. */
 #define ARG_NONE MAX_ARGS
@@ -266,6 +266,7 @@ PyObject *call_fast(const call_spec *sp, PyObject *const *argv, Py_ssize_t nargs
                     PyObject *kwnames);
 PyObject *call_tuple(const call_spec *sp, PyObject *args, PyObject *kwds);
 int make_outputs(call *c, int nout, const shape *shapes, const int *want);
+int want_dmask_check(const call *c);
 PyObject *arrays_tuple(PyArrayObject *const *a, int n);
 void raise_status(mha_status st, const mha_error *err);
 int sigint_setup(void);

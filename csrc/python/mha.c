@@ -136,19 +136,29 @@ static int backward_outputs(call *c)
         [BWD_DWO] = c->in[BWD_WO] != NULL,
         [BWD_DBQ] = a[BWD_WANT_BQ].truth, [BWD_DBK] = a[BWD_WANT_BK].truth,
         [BWD_DBV] = a[BWD_WANT_BV].truth, [BWD_DBO] = a[BWD_WANT_BO].truth,
-        [BWD_DWGATE] = c->in[BWD_WGATE] != NULL, [BWD_DBGATE] = c->in[BWD_WGATE] != NULL};
+        [BWD_DWGATE] = c->in[BWD_WGATE] != NULL, [BWD_DBGATE] = c->in[BWD_WGATE] != NULL,
+        [BWD_DMASK] = a[BWD_WANT_DMASK].truth};
+    if (a[BWD_WANT_DMASK].truth && want_dmask_check(c) < 0)
+        return -1;
     if (make_outputs(c, BWD_NOUTS, backward_outs, want) < 0)
         return -1;
     return variant_gradients(c);
 }
 
-/* The gradients; the output gate's two (the last) only with wgate, so a
-   call without the gate gets the tuple it always had. */
+/* The gradients; the output gate's two only with wgate, then dmask only
+   with want_dmask, so a call without them gets the tuple it always had. */
 static PyObject *backward_result(call *c)
 {
-    _Static_assert(BWD_DWGATE == BWD_NOUTS - 2 && BWD_DBGATE == BWD_NOUTS - 1,
-                   "the gate's gradients close the tuple");
-    return arrays_tuple(c->out, c->in[BWD_WGATE] != NULL ? BWD_NOUTS : BWD_DWGATE);
+    _Static_assert(BWD_DWGATE == BWD_NOUTS - 3 && BWD_DBGATE == BWD_NOUTS - 2 &&
+                       BWD_DMASK == BWD_NOUTS - 1,
+                   "the gate's gradients, then dmask, close the tuple");
+    PyArrayObject *items[BWD_NOUTS];
+    int n = c->in[BWD_WGATE] != NULL ? BWD_DMASK : BWD_DWGATE;
+    for (int i = 0; i < n; i++)
+        items[i] = c->out[i];
+    if (c->out[BWD_DMASK] != NULL)
+        items[n++] = c->out[BWD_DMASK];
+    return arrays_tuple(items, n);
 }
 
 /* Unlike forward(), no small-call shortcut (.work NULL): a main-thread

@@ -125,6 +125,8 @@ def backward(
     # (Din, Svq): None, or the output gate's W: concat -> sigmoid(x wgate + bgate) * concat.
     wgate: Optional[_Float] = None,
     bgate: Optional[_Float] = None,  # (Svq,): None, or the output gate's bias (with wgate only).
+    # Also return dmask, the gradient of an additive mask (B, H, Tq, Tk).
+    want_dmask: bool = False,
 ) -> Tuple[Optional[_Float], ...]:
     """Backward pass of forward() (low level; see mhattn.backward). x,
     key, value, wq, wk, wv, wo, dk, dv, scales, mask, causal,
@@ -192,6 +194,9 @@ def attention_backward(
     # (18,): None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).
     variants: Optional[tuple],
     lengths_aligned: bool,  # Align each item's queries to its own key length (a KV cache).
+    *,
+    # Also return dmask, the gradient of an additive mask (B, H, Tq, Tk).
+    want_dmask: bool = False,
 ) -> Tuple[_Float, _Float, _Float, Optional[_Float]]:
     """Backward of attention() (low level; see mhattn.attention_grad;
     the core's mha_attend_backward). The variants' q/k transforms must

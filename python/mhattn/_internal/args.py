@@ -356,6 +356,9 @@ class Call:
     # b_gate) * concat. None: no gate.
     w_gate: Optional[np.ndarray] = None     # (Din, Svq)
     b_gate: Optional[np.ndarray] = None     # (Svq,), only with w_gate
+    # The mask as given (its gradient's shape and dtype, mask_gradient).
+    mask_shape: Optional[tuple] = None
+    mask_dtype: Optional[np.dtype] = None
 
     @property
     def B(self) -> int:
@@ -530,10 +533,38 @@ def ambiguous_mask(shape: tuple, B: int, H: int, Tq: int) -> Optional[str]:
     return None
 
 
-def _normalize_mask(mask: Any, batched: bool, B: int, H: int, Tq: int, Tk: int,
-                    dtype: np.dtype) -> Optional[np.ndarray]:
+def mask_grad_arg(mask_grad: Any, mask: Optional[np.ndarray]) -> bool:
+    """``mask_grad`` checked: a bool, True only with an additive (float)
+    mask (``mask``: the call's checked mask, or None)."""
+    want = bool_arg("mask_grad", mask_grad)
+    if want and (mask is None or mask.dtype == bool):
+        raise ValueError(f"mask_grad: only an additive (float) mask has a gradient; this "
+                         f"call's mask is {'None' if mask is None else 'bool'}")
+    return want
+
+
+def mask_gradient(full: np.ndarray, shape: tuple, batched: bool) -> np.ndarray:
+    """The gradient of an additive mask of ``shape`` (as given: broadcast to
+    (B, h, T_q, T_k), or (h, T_q, T_k) unbatched) from the core's dmask
+    (B, H, Tq, Tk): summed over the axes along which the mask was broadcast
+    (NumPy's sums, the same for any thread count), shaped as the mask."""
+    g = full if batched else full[0]
+    lead = g.ndim - len(shape)
+    g = g.sum(axis=tuple(range(lead))) if lead else g
+    axes = tuple(i for i, n in enumerate(shape) if n == 1 and g.shape[i] != 1)
+    if axes:
+        g = g.sum(axis=axes, keepdims=True)
+    return np.ascontiguousarray(g.reshape(shape))
+
+
+def mask_and_form(mask: Any, batched: bool, B: int, H: int, Tq: int, Tk: int,
+                  dtype: np.dtype) -> tuple:
+    """(view, shape, dtype): the mask checked and broadcast to (B, H, Tq, Tk)
+    (bool, or the compute dtype), and the shape and dtype it was given in
+    (for its gradient, :func:`mask_gradient`); (None, None, None) for
+    none."""
     if mask is None:
-        return None
+        return None, None, None
     m = _to_array("mask", mask)
     kind = "f" if is_half(m.dtype) else m.dtype.kind
     if kind not in "bf" or (kind == "f" and m.dtype.itemsize > 8):
@@ -565,7 +596,7 @@ def _normalize_mask(mask: Any, batched: bool, B: int, H: int, Tq: int, Tk: int,
             view = np.broadcast_to(_cast(m, dtype), target)
     if not batched:
         view = view[np.newaxis]
-    return view
+    return view, m.shape, m.dtype
 
 
 def _normalize_lengths(key_lengths: Any, batched: bool, B: int, Tk: int) -> Optional[np.ndarray]:
@@ -826,7 +857,7 @@ def normalize(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=Non
 
     scales = head_scales(H, G, dk, _scale_arg(scale))
     bool_arg("causal", causal)
-    mask_v = _normalize_mask(mask, batched, B, H, Tq, Tk, dtype)
+    mask_v, mask_shape, mask_dtype = mask_and_form(mask, batched, B, H, Tq, Tk, dtype)
     kl = _normalize_lengths(key_lengths, batched, B, Tk)
     var = normalize_variants(variants, batched=batched, B=B, Tq=Tq, Tk=Tk, H=H, G=G,
                              dk=dk, dtype=dtype, key_given=key is not None,
@@ -852,7 +883,7 @@ def normalize(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=Non
         bq=_cast_list(bq, dtype), bk=_cast_list(bk, dtype), bv=_cast_list(bv, dtype),
         b_o=None if bo is None else _cast(bo, dtype),
         H=H, G=G, dk=dk, dv=dv, scales=scales, causal=bool(causal),
-        mask=mask_v, key_lengths=kl,
+        mask=mask_v, mask_shape=mask_shape, mask_dtype=mask_dtype, key_lengths=kl,
         Sq=Sq, Sk=Sk, Sv=Sv, Svq=Svq, var=var,
         half_variants=() if half is None else tuple(
             n for n in ("sinks", "q_norm", "k_norm") if variants.get(n) is not None

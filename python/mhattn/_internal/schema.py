@@ -323,6 +323,19 @@ The seed of ``dropout``'s mask: an int in [0, 2**64), or a
 draws one from fresh OS entropy (a new mask on each call).  A
 context (``return_context=True``) keeps the seed for its backward.
 Anything else raises ValueError naming seed."""),
+    Arg("mask_grad", ("multi_head_attention_grad", "backward", "attention_grad"), "bool", "",
+        "", "False", "Also return 'mask': the gradient of an additive mask.",
+        type="bool, default False",
+        text="""\
+Also return ``'mask'``, the gradient of the additive (float) ``mask``
+(a learned bias: a relative-position table's scores, a FlexAttention
+``score_mod`` over a captured tensor), summed over the axes along
+which the mask was broadcast: a (T_q, T_k) mask gets a (T_q, T_k)
+gradient, a (B, 1, 1, T_k) one a (B, 1, 1, T_k) gradient.  The core
+writes dL/dmask at every (b, h, i, j) (a B*h*T_q*T_k array, made only
+when asked for) and NumPy sums it, the same for any thread count.
+Keys a row does not see get 0.  A bool mask, or none, raises
+ValueError naming mask_grad."""),
     Arg("cache", ("multi_head_attention",), "object", "", "", "None",
         "A KVCache: one decoder step, x holding only the new rows.",
         type="mhattn.KVCache, optional",
@@ -583,7 +596,7 @@ ENTRIES: Dict[str, Entry] = {
         "grad_out, x, w_q, w_k, w_v, w_o, *, num_heads, key, value, scale, mask, causal, "
         "key_lengths, num_kv_heads, b_q, b_k, b_v, b_o, w_gate, b_gate, window, softcap, "
         "alibi_slopes, sinks, q_norm, k_norm, norm_eps, norm_type, rope, positions, "
-        "key_positions, key_mask, cu_seqlens, key_cu_seqlens, dropout, seed",
+        "key_positions, key_mask, cu_seqlens, key_cu_seqlens, dropout, seed, mask_grad",
         ("grad_out",
          ("x, w_q, w_k, w_v, w_o, num_heads, key, value, scale, mask, causal",
           "As :func:`mhattn.multi_head_attention` (not ``return_weights``)."),
@@ -594,8 +607,10 @@ ENTRIES: Dict[str, Entry] = {
          ("positions, key_positions, key_mask, cu_seqlens, key_cu_seqlens",
           "As :func:`mhattn.multi_head_attention`."),
          ("dropout, seed", "As :func:`mhattn.multi_head_attention`: the same seed "
-          "gives the forward's mask."))),
-    "backward": Entry(_F + "grad.py", "backward", "grad_out, ctx", ("grad_out", "ctx")),
+          "gives the forward's mask."),
+         "mask_grad")),
+    "backward": Entry(_F + "grad.py", "backward", "grad_out, ctx, *, mask_grad",
+                      ("grad_out", "ctx", "mask_grad")),
     "attention": Entry(
         _F + "attention.py", "attention",
         "q, k, v, *, layout, scale, mask, causal, key_lengths, return_weights, return_lse, "
@@ -613,14 +628,15 @@ RoPE) are not attention keywords: apply them before."""),
     "attention_grad": Entry(
         _F + "attention.py", "attention_grad",
         "grad_out, q, k, v, *, layout, scale, mask, causal, key_lengths, window, softcap, "
-        "alibi_slopes, sinks, key_mask, cu_seqlens, key_cu_seqlens, dropout, seed, lse, out",
+        "alibi_slopes, sinks, key_mask, cu_seqlens, key_cu_seqlens, dropout, seed, lse, out, "
+        "mask_grad",
         ("grad_out",
          ("q, k, v, layout, scale, mask, causal, key_lengths",
           "As :func:`attention` (not ``return_weights`` / ``return_lse``)."),
          ("window, softcap, alibi_slopes, sinks, key_mask, cu_seqlens, key_cu_seqlens",
           "As :func:`attention`."),
          ("dropout, seed", "As :func:`attention`: the same seed gives the forward's mask."),
-         "lse", "out")),
+         "lse", "out", "mask_grad")),
     "merge_attention": Entry(_F + "attention.py", "merge_attention",
                              "outs, lses, *, layout", ("outs", "lses", "layout")),
     "KVCache": Entry(_F + "cache.py", "KVCache",
@@ -765,6 +781,9 @@ C_ARGS = (
         c_field="dbk != NULL"),
     Arg("want_bv", (_BWD,), "bool", "", "", REQUIRED, "Return dbv.", c_kind="ARG_BOOL",
         c_field="dbv != NULL"),
+    Arg("want_dmask", (_BWD, _ABW), "bool", "", "", "False",
+        "Also return dmask, the gradient of an additive mask (B, H, Tq, Tk).",
+        c_kind="ARG_BOOL", c_field="dmask != NULL"),
     Arg("want_bo", (_BWD,), "bool", "", "", REQUIRED, "Return dbo.", c_kind="ARG_BOOL",
         c_field="dbo != NULL"),
     Arg("packed", (_FWD, _PRJ), "tuple?", "", "(4,)", "None",
@@ -940,11 +959,11 @@ _C_PARAMS = {
                "causal, key_lengths, variants, want_weights, keep, packed, *, wgate, bgate",
     "backward": "dout, x, key, value, wq, wk, wv, wo, q, k, v, concat, lse, dk, dv, "
                 "scales, mask, causal, key_lengths, variants, want_bq, want_bk, want_bv, "
-                "want_bo, *, wgate, bgate",
+                "want_bo, *, wgate, bgate, want_dmask",
     "attention": "q, k, v, scales, mask, causal, key_lengths, variants, lengths_aligned, "
                  "out_bthd, want_weights, want_lse, k_scales, v_scales",
     "attention_backward": "dout, q, k, v, out, lse, scales, mask, causal, key_lengths, "
-                          "variants, lengths_aligned",
+                          "variants, lengths_aligned, *, want_dmask",
     "project": "x, key, value, wq, wk, wv, bq, bk, bv, dk, dv, scales, variants, packed",
     "check_config": "x, key, dk, dv, scales, key_lengths, variants, lengths_aligned",
     "pack_weight": "w, /",
@@ -1000,6 +1019,9 @@ C_OUTPUTS: Dict[str, Tuple[Out, ...]] = {
         Out("dk_norm", "(dk,) or (G, dk)", "variants: k_norm", "dL/dk_norm."),
         Out("dwgate", "(Din, Svq)", "wgate", "dL/dwgate; in the tuple with wgate alone."),
         Out("dbgate", "(Svq,)", "wgate", "dL/dbgate; in the tuple with wgate alone."),
+        Out("dmask", "(B, H, Tq, Tk)", "want_dmask",
+            "dL/d(mask) of an additive mask, before its broadcast; last in the tuple, "
+            "with want_dmask alone."),
     ),
     "attention": (
         Out("out", "(B, H, Tq, dv) or (B, Tq, H, dv)", "", "The attention, C-contiguous."),
@@ -1011,6 +1033,9 @@ C_OUTPUTS: Dict[str, Tuple[Out, ...]] = {
         Out("dk", "(B, G, Tk, dk)", "", "dL/dk.", "(B, Tk, G, dk)"),
         Out("dv", "(B, G, Tk, dv)", "", "dL/dv.", "(B, Tk, G, dv)"),
         Out("dsinks", "(H,)", "variants: sinks", "dL/dsinks."),
+        Out("dmask", "(B, H, Tq, Tk)", "want_dmask",
+            "dL/d(mask) of an additive mask, before its broadcast; in the tuple with "
+            "want_dmask alone."),
     ),
     "project": (
         Out("q", "(B, Tq, Sq)", "", "The q projection, after the q/k norm and RoPE."),
@@ -1112,6 +1137,9 @@ PARAMS: Tuple[Field, ...] = tuple(
     + [Field(n, "void *", _GRADS, u) for n, u in _io("AB", "writes",
         ("dq", "(B, Tq, Sq)"), ("dk", "(B, Tk, Sk)"), ("dv", "(B, Tk, Sv)"))]
     + [Field("dsinks", "void *", _GRADS, (Use("B, AB", "writes", "(H,), with cfg->sinks"),))]
+    + [Field("dmask", "void *", _GRADS, (Use("B, AB", "writes",
+        "(B, H, Tq, Tk), with an additive mask: dL/d(mask) at each (b, h, i, j), "
+        "before the mask's broadcast (0 where the row does not see the key)"),))]
     + [Field(n, "void *", _GRADS, u) for n, u in _io("B", "writes",
         ("dq_norm", "shaped as cfg->q_norm"), ("dk_norm", "shaped as cfg->k_norm"))]
     + [Field(n, "mha_strides", _STR, u) for n, u in _io("A", "reads",

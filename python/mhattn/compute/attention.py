@@ -19,8 +19,9 @@ from typing import Any, Dict, Optional
 import numpy as np
 
 from .._internal import core
-from .._internal.args import (_cast, _normalize_lengths, _normalize_mask, _scale_arg,
-                              bool_arg, check_memory, compute_dtype, head_scales)
+from .._internal.args import (_cast, _normalize_lengths, _scale_arg, bool_arg, check_memory,
+                              compute_dtype, head_scales, mask_and_form, mask_grad_arg,
+                              mask_gradient)
 from .._internal.arrays import _check_numeric, _to_array
 from .._internal.core import variant_args
 from .._internal.half import F32, half_of, is_half, narrow, narrow_like, shared_half
@@ -110,7 +111,8 @@ def projected_variants(p: Projected, variants: Dict[str, Any],
 
 
 def _glue_args(p: Projected, scale, mask, causal, key_lengths, variants) -> tuple:
-    """(scales, mask, causal, key_lengths, variants) as the glue takes them."""
+    """(scales, mask, causal, key_lengths, variants) as the glue takes them,
+    and the mask's (shape, dtype) as given (None, None without one)."""
     if p.batched and variants.get("cu_seqlens") is not None:
         raise ValueError(f"cu_seqlens: packed sequences take unbatched 3-D q, k, v, the "
                          f"tokens along T (q (H, total, d_k) with layout='bhtd'); got q "
@@ -121,9 +123,9 @@ def _glue_args(p: Projected, scale, mask, causal, key_lengths, variants) -> tupl
                                                                   key_lengths)))
     scales = _scales(p.H, p.dk, _scale_arg(scale))
     causal = bool_arg("causal", causal)
-    m = _normalize_mask(mask, p.batched, p.B, p.H, p.Tq, p.Tk, p.dtype)
+    m, mshape, mdtype = mask_and_form(mask, p.batched, p.B, p.H, p.Tq, p.Tk, p.dtype)
     kl = _normalize_lengths(key_lengths, p.batched, p.B, p.Tk)
-    return scales, m, causal, kl, var
+    return scales, m, causal, kl, var, (mshape, mdtype)
 
 
 def _scales(H: int, dk: int, scale: Optional[float]) -> np.ndarray:
@@ -223,7 +225,7 @@ def attention(q, k, v, *, layout="bhtd", scale=None, mask=None, causal=False,
     variants = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
                     key_mask=key_mask, cu_seqlens=cu_seqlens, key_cu_seqlens=key_cu_seqlens,
                     **dropout_kwargs(dropout, seed))
-    scales, m, c, kl, var = _glue_args(p, scale, mask, causal, key_lengths, variants)
+    scales, m, c, kl, var, _ = _glue_args(p, scale, mask, causal, key_lengths, variants)
     n = p.dtype.itemsize
     check_memory([("out", "B*h*T_q*d_v", (p.B, p.H, p.Tq, p.dv), n),
                   ("the log-sum-exp", "B*h*T_q", (p.B, p.H, p.Tq), n)]
@@ -243,7 +245,7 @@ def attention_grad(grad_out, q, k, v, *, layout="bhtd", scale=None, mask=None,
                    causal=False, key_lengths=None, window=None, softcap=None,
                    alibi_slopes=None, sinks=None, key_mask=None, cu_seqlens=None,
                    key_cu_seqlens=None, dropout=0.0, seed=None, lse=None,
-                   out=None) -> Dict[str, np.ndarray]:
+                   out=None, mask_grad=False) -> Dict[str, np.ndarray]:
     """Gradients of :func:`attention` with respect to q, k, v (and sinks).
 
     attention_grad(grad_out, q, k, v, *, <attention's keywords>, lse=None,
@@ -265,6 +267,16 @@ def attention_grad(grad_out, q, k, v, *, layout="bhtd", scale=None, mask=None,
         Given with ``lse``, no forward pass is run; with neither, the
         forward is recomputed (the backward needs both).  One without the
         other raises ValueError naming the missing one.
+    mask_grad : bool, default False
+        Also return ``'mask'``, the gradient of the additive (float) ``mask``
+        (a learned bias: a relative-position table's scores, a FlexAttention
+        ``score_mod`` over a captured tensor), summed over the axes along
+        which the mask was broadcast: a (T_q, T_k) mask gets a (T_q, T_k)
+        gradient, a (B, 1, 1, T_k) one a (B, 1, 1, T_k) gradient.  The core
+        writes dL/dmask at every (b, h, i, j) (a B*h*T_q*T_k array, made only
+        when asked for) and NumPy sums it, the same for any thread count.
+        Keys a row does not see get 0.  A bool mask, or none, raises
+        ValueError naming mask_grad.
 
     Returns
     -------
@@ -272,7 +284,8 @@ def attention_grad(grad_out, q, k, v, *, layout="bhtd", scale=None, mask=None,
         'q', 'k', 'v': gradients in their arguments' layouts and shapes
         (new arrays of the compute dtype, or of q's half dtype, each
         rounded once); 'sinks' (H,) when ``sinks`` is given (half if it
-        was).  ALiBi slopes and masks get none.  Fully masked rows
+        was); 'mask', shaped as ``mask``, with ``mask_grad=True``.  ALiBi
+        slopes and bool masks get none.  Fully masked rows
         contribute zero.  In a half call ``out`` and ``grad_out`` of
         another half dtype raise TypeError; a half ``out`` enters the
         backward rounded, as FlashAttention's does (without it, the
@@ -291,7 +304,9 @@ def attention_grad(grad_out, q, k, v, *, layout="bhtd", scale=None, mask=None,
     variants = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
                     key_mask=key_mask, cu_seqlens=cu_seqlens, key_cu_seqlens=key_cu_seqlens,
                     **dropout_kwargs(dropout, seed))
-    scales, m, c, kl, var = _glue_args(p, scale, mask, causal, key_lengths, variants)
+    scales, m, c, kl, var, (mshape, mdtype) = _glue_args(p, scale, mask, causal, key_lengths,
+                                                         variants)
+    want_dmask = mask_grad_arg(mask_grad, m)
     want = (p.B, p.Tq, p.H, p.dv) if p.layout == "bthd" else (p.B, p.H, p.Tq, p.dv)
     want = want if p.batched else want[1:]
     g = _as_like("grad_out", grad_out, want, p)
@@ -307,11 +322,15 @@ def attention_grad(grad_out, q, k, v, *, layout="bhtd", scale=None, mask=None,
     if o is None:
         o, _, ls = core.attention(p.q, p.k, p.v, scales, m, c, kl, var, False, False,
                                 False, True)
-    dq, dk, dv, dsinks = core.attention_backward(g, p.q, p.k, p.v, o, ls, scales, m, c, kl,
-                                               var, False)
+    dq, dk, dv, dsinks, *dmask = core.attention_backward(
+        g, p.q, p.k, p.v, o, ls, scales, m, c, kl, var, False,
+        **({"want_dmask": True} if want_dmask else {}))
     grads = {"q": _bhtd(p, dq), "k": _bhtd(p, dk), "v": _bhtd(p, dv)}
+    if want_dmask:
+        grads["mask"] = mask_gradient(dmask[0], mshape, p.batched)
     if p.out_dtype != p.dtype:   # half: each gradient rounded once to q's dtype
-        grads = {n: narrow(a, p.out_dtype) for n, a in grads.items()}
+        grads = {n: narrow(a, p.out_dtype) if n != "mask" or is_half(mdtype) else a
+                 for n, a in grads.items()}
     if sinks is not None:
         grads["sinks"] = dsinks if p.out_dtype == p.dtype or not is_half(
             getattr(sinks, "dtype", np.dtype(np.float64))) else narrow(dsinks, p.out_dtype)

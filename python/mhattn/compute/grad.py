@@ -20,7 +20,7 @@ import numpy as np
 
 from .._internal import core
 from .._internal.args import (_check_numeric, _Heads, _to_array, backward_items, check_memory,
-                              normalize, offsets, plan)
+                              mask_grad_arg, mask_gradient, normalize, offsets, plan)
 from .._internal.args import _cast
 from .._internal.core import (Context, gate_args, head_arrays, make_context, run_core,
                               variant_args)
@@ -52,7 +52,7 @@ def _bias_like(g: np.ndarray, form: str, widths: List[int]) -> Any:
     return [g[offs[i]:offs[i + 1]].copy() for i in range(len(widths))]
 
 
-def backward(grad_out, ctx: Context) -> Dict[str, Any]:
+def backward(grad_out, ctx: Context, *, mask_grad=False) -> Dict[str, Any]:
     """Gradients of a scalar loss L with respect to every array argument of
     the forward call that made ``ctx``, given ``grad_out`` = dL/dout.
 
@@ -65,15 +65,26 @@ def backward(grad_out, ctx: Context) -> Dict[str, Any]:
         of the shape of the forward's ``out``.
     ctx : mhattn.Context
         The context of ``multi_head_attention(..., return_context=True)``.
+    mask_grad : bool, default False
+        Also return ``'mask'``, the gradient of the additive (float) ``mask``
+        (a learned bias: a relative-position table's scores, a FlexAttention
+        ``score_mod`` over a captured tensor), summed over the axes along
+        which the mask was broadcast: a (T_q, T_k) mask gets a (T_q, T_k)
+        gradient, a (B, 1, 1, T_k) one a (B, 1, 1, T_k) gradient.  The core
+        writes dL/dmask at every (b, h, i, j) (a B*h*T_q*T_k array, made only
+        when asked for) and NumPy sums it, the same for any thread count.
+        Keys a row does not see get 0.  A bool mask, or none, raises
+        ValueError naming mask_grad.
 
     Returns
     -------
     dict
         Maps each argument's name to its gradient: 'x', then 'key' and
         'value' when they were given, 'w_q', 'w_k', 'w_v', then 'w_o',
-        'b_q', 'b_k', 'b_v', 'b_o', 'w_gate', 'b_gate' when they were given
-        (the mask gets none), then 'sinks', 'q_norm' and 'k_norm' when they
-        were given (ALiBi slopes, positions and the key mask get none).
+        'b_q', 'b_k', 'b_v', 'b_o', 'w_gate', 'b_gate' when they were given,
+        then 'sinks', 'q_norm' and 'k_norm' when they were given, and 'mask'
+        with ``mask_grad=True`` (ALiBi slopes, positions, the key mask and a
+        bool mask get none).
         'x' includes the output gate's contribution.  Each gradient
         has the form its argument came in (fused, stacked or a per-head
         list; batched or not), as new arrays of the compute dtype; in a
@@ -99,6 +110,7 @@ def backward(grad_out, ctx: Context) -> Dict[str, Any]:
         raise TypeError(f"ctx: expected the context returned by multi_head_attention("
                         f"..., return_context=True), got {type(ctx).__name__}")
     call = ctx.call
+    want_dmask = mask_grad_arg(mask_grad, call.mask)
     g = _to_array("grad_out", grad_out)
     _check_numeric("grad_out", g)
     if g.shape != ctx.out_shape:
@@ -112,6 +124,9 @@ def backward(grad_out, ctx: Context) -> Dict[str, Any]:
     # core's scratch.
     cast = [] if g.dtype == call.dtype else [
         (f"casting grad_out to {call.dtype}", "size", (g.size,), call.dtype.itemsize)]
+    if want_dmask:   # the core's dmask, then its sum over the broadcast axes
+        cast.append(("mask_grad=True: dL/dmask before its broadcast", "B*h*T_q*T_k",
+                     (2, call.B, call.H, call.Tq, call.Tk), call.dtype.itemsize))
     check_memory(cast + backward_items(call, core.get_num_threads()))
     g = _cast(g, call.dtype)
     if not call.batched:
@@ -119,16 +134,18 @@ def backward(grad_out, ctx: Context) -> Dict[str, Any]:
 
     biases = ctx.bias_forms
     dk, dv, scales = head_arrays(call)
-    # With the output gate, _C.backward's tuple closes with (dwgate, dbgate).
+    # With the output gate, _C.backward's tuple goes on with (dwgate, dbgate);
+    # with want_dmask, dmask closes it.
     (dx, dkey, dvalue, dwq, dwk, dwv, dwo, dbq, dbk, dbv, dbo, dsinks, dq_norm,
-     dk_norm, *dgate) = core.backward(
+     dk_norm, *rest) = core.backward(
         g, call.x, call.key if call.key_given else None,
         call.value if call.value_given else None,
         call.wq.fused(), call.wk.fused(), call.wv.fused(), call.w_o,
         ctx.q, ctx.k, ctx.v, ctx.concat, ctx.lse, dk, dv, scales, call.mask,
         call.causal, call.key_lengths, variant_args(call), biases["b_q"] is not None,
         biases["b_k"] is not None, biases["b_v"] is not None, call.b_o is not None,
-        **gate_args(call))
+        **gate_args(call), **({"want_dmask": True} if want_dmask else {}))
+    dgate = rest[:2] if call.w_gate is not None else []
 
     grads: Dict[str, Any] = {"x": call.unbatch(dx)}
     if call.key_given:
@@ -153,15 +170,19 @@ def backward(grad_out, ctx: Context) -> Dict[str, Any]:
     for name, gv in (("sinks", dsinks), ("q_norm", dq_norm), ("k_norm", dk_norm)):
         if gv is not None:
             grads[name] = gv
+    if want_dmask:
+        grads["mask"] = mask_gradient(rest[-1], call.mask_shape, call.batched)
     if half is not None:
         # Each gradient in its argument's dtype: the numbers' are half, a
         # variant array's (sinks, q_norm, k_norm) half if it was given so.
         grads = {name: _narrow_tree(gv, half) if name not in _VARIANT_GRADS
                  or name in call.half_variants else gv for name, gv in grads.items()}
+        if want_dmask and is_half(call.mask_dtype):
+            grads["mask"] = narrow(grads["mask"], half)
     return grads
 
 
-_VARIANT_GRADS = ("sinks", "q_norm", "k_norm")
+_VARIANT_GRADS = ("sinks", "q_norm", "k_norm", "mask")
 
 
 def _narrow_tree(g: Any, dt: np.dtype) -> Any:
@@ -179,7 +200,7 @@ def multi_head_attention_grad(grad_out, x, w_q, w_k=None, w_v=None, w_o=None, *,
                               k_norm=None, norm_eps=1e-6, norm_type="rms", rope=None,
                               positions=None, key_positions=None, key_mask=None,
                               cu_seqlens=None, key_cu_seqlens=None, dropout=0.0,
-                              seed=None) -> Dict[str, Any]:
+                              seed=None, mask_grad=False) -> Dict[str, Any]:
     """Gradients of multi_head_attention with respect to each array argument.
 
     multi_head_attention_grad(grad_out, x, w_q, w_k, w_v, w_o=None, **keywords)
@@ -208,6 +229,16 @@ def multi_head_attention_grad(grad_out, x, w_q, w_k=None, w_v=None, w_o=None, *,
         As :func:`mhattn.multi_head_attention`.
     dropout, seed
         As :func:`mhattn.multi_head_attention`: the same seed gives the forward's mask.
+    mask_grad : bool, default False
+        Also return ``'mask'``, the gradient of the additive (float) ``mask``
+        (a learned bias: a relative-position table's scores, a FlexAttention
+        ``score_mod`` over a captured tensor), summed over the axes along
+        which the mask was broadcast: a (T_q, T_k) mask gets a (T_q, T_k)
+        gradient, a (B, 1, 1, T_k) one a (B, 1, 1, T_k) gradient.  The core
+        writes dL/dmask at every (b, h, i, j) (a B*h*T_q*T_k array, made only
+        when asked for) and NumPy sums it, the same for any thread count.
+        Keys a row does not see get 0.  A bool mask, or none, raises
+        ValueError naming mask_grad.
 
     Returns
     -------
@@ -232,9 +263,10 @@ def multi_head_attention_grad(grad_out, x, w_q, w_k=None, w_v=None, w_o=None, *,
                      scale=scale, mask=mask, causal=causal, key_lengths=key_lengths,
                      num_kv_heads=num_kv_heads, b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o,
                      w_gate=w_gate, b_gate=b_gate, **variants)
+    mask_grad_arg(mask_grad, call.mask)   # refused before the forward runs
     # The forward's kept state lives on through the backward: both must fit.
     check_memory(plan(call, keep=True) + backward_items(call, core.get_num_threads()))
     _, _, extras = run_core(call, keep=True,
                             packed=None if packed is None else packed._core_packed(call.dtype))
     ctx = make_context(call, extras, b_q=b_q, b_k=b_k, b_v=b_v)
-    return backward(grad_out, ctx)
+    return backward(grad_out, ctx, mask_grad=mask_grad)

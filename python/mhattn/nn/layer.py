@@ -630,7 +630,7 @@ class MultiHeadAttention:
                 f"call layer.astype({'ml_dtypes.bfloat16' if is_bfloat16(dt) else 'np.' + dt.name})"
                 f" first")
 
-    def backward(self, grad_out, ctx) -> Dict[str, Any]:
+    def backward(self, grad_out, ctx, *, mask_grad=False) -> Dict[str, Any]:
         """Gradients of a scalar loss given ``grad_out`` = dL/dout, for the
         call ``out, ctx = layer(x, ..., return_context=True)`` that made ctx.
 
@@ -640,6 +640,9 @@ class MultiHeadAttention:
             dL/dout, of the shape of the call's ``out``.
         ctx : mhattn.Context
             The context of that call.
+        mask_grad : bool, default False
+            Also return 'mask', the gradient of the call's additive mask
+            (see :func:`mhattn.backward`).
 
         Returns
         -------
@@ -659,7 +662,7 @@ class MultiHeadAttention:
         >>> sorted(grads), grads["w_q"].shape
         (['w_k', 'w_o', 'w_q', 'w_v', 'x'], (2, 16, 8))
         """
-        return _backward(grad_out, ctx)
+        return _backward(grad_out, ctx, mask_grad=mask_grad)
 
     def astype(self, dtype) -> "MultiHeadAttention":
         """A new layer of the same shape whose weights (biases, sinks and
