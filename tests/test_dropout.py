@@ -12,6 +12,7 @@ import pytest
 
 import mhattn
 from mhattn import reference as R
+from numgrad import central_differences as _fd
 
 
 def _inputs(rng, B=2, T=9, d=16, dtype=np.float64, Tk=None):
@@ -154,16 +155,6 @@ def test_bits_do_not_depend_on_the_thread_count(rng):
         np.testing.assert_array_equal(dec, runs[0][2])
         for name in grads:
             np.testing.assert_array_equal(grads[name], runs[0][1][name], err_msg=name)
-
-
-def _fd(f, a, eps=1e-6):
-    g = np.zeros_like(a)
-    for idx in np.ndindex(a.shape):
-        p, m = a.copy(), a.copy()
-        p[idx] += eps
-        m[idx] -= eps
-        g[idx] = (f(p) - f(m)) / (2 * eps)
-    return g
 
 
 @pytest.mark.parametrize("name", ["plain", "causal", "gqa_window", "sinks_softcap",

@@ -11,16 +11,7 @@ import pytest
 
 import mhattn
 from mhattn import reference as R
-
-
-def _fd(f, a, eps=1e-6):
-    g = np.zeros_like(a)
-    for idx in np.ndindex(a.shape):
-        p, m = a.copy(), a.copy()
-        p[idx] += eps
-        m[idx] -= eps
-        g[idx] = (f(p) - f(m)) / (2 * eps)
-    return g
+from numgrad import central_differences as _fd
 
 
 B, T, D, H = 2, 5, 8, 2
