@@ -186,8 +186,12 @@ CHILD = textwrap.dedent(r"""
     def raising(sig, frame):
         raise ValueError("the user's handler")
     # The cap can make the call shorter than 1 s: send the signal within
-    # its first third, as timed at this very size.
-    t = time.perf_counter(); run(fast); dt = time.perf_counter() - t
+    # its first third, as timed at this very size, the fastest of three
+    # (one timing, its first call's page faults included, once made the
+    # delay longer than the next call: 0.2118 s for a call of 0.2115 s).
+    dt = float("inf")
+    for _ in range(3):
+        t = time.perf_counter(); run(fast); dt = min(dt, time.perf_counter() - t)
     report["handler_delay"] = min(0.3, dt / 3)
     prev = signal.signal(signal.SIGINT, raising)
     raised, _, report["handler_error_after"] = interrupted(
