@@ -210,6 +210,24 @@ typedef struct {
        call's own (packed) rows and keys. */
     double dropout;
     uint64_t dropout_seed;
+    /* T5's relative position bias (issue 38; transformers' T5Attention):
+       rel_table (rel_buckets, H) of the call's element type, rows H apart,
+       or NULL (off). Adds rel_table[bucket(pos(j) - p_i), h] to the score,
+       after ALiBi and before the additive mask. bucket is T5's
+       _relative_position_bucket of the signed distance, in float32 as
+       transformers computes it (mha_rel_bucket, core/rules.h):
+       rel_bidirectional != 0 gives each direction rel_buckets / 2 buckets,
+       else only keys before the query are told apart (later ones share
+       bucket 0); half of a direction's buckets are exact distances, the
+       rest logarithmic up to rel_max_distance, beyond which all share the
+       last. A direction needs at least 2 buckets and rel_max_distance at
+       least its bucket count (fewer makes buckets empty). The bias depends
+       on the distance alone: each call looks up one value per distance and
+       head (O(H (Tq + Tk)), never a (Tq, Tk) array; core/relbias.h).
+       Gradient drel_table. */
+    const void *rel_table;
+    size_t rel_buckets, rel_max_distance;
+    int rel_bidirectional;
     /* Packed sequences (nseq > 0, B == 1): sequence s holds queries
        cu_q[s] .. cu_q[s+1]-1 and keys cu_k[s] .. cu_k[s+1]-1; a query sees
        keys of its own sequence only, and causal, window and the default

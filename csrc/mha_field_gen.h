@@ -33,6 +33,9 @@ typedef enum {
     MHA_FIELD_ALIBI_BSTRIDE,
     MHA_FIELD_DROPOUT,
     MHA_FIELD_DROPOUT_SEED,
+    MHA_FIELD_REL_TABLE,
+    MHA_FIELD_REL_BUCKETS,          /* rel_buckets, rel_bidirectional */
+    MHA_FIELD_REL_MAX_DISTANCE,
     MHA_FIELD_NSEQ,
     MHA_FIELD_CU_Q,
     MHA_FIELD_CU_K,

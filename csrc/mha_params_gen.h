@@ -82,6 +82,8 @@ typedef struct {
     void *dk;               /* AB: writes (B, Tk, Sk) */
     void *dv;               /* AB: writes (B, Tk, Sv) */
     void *dsinks;           /* B, AB: writes (H,), with cfg->sinks */
+    void *drel_table;       /* B, AB: writes (rel_buckets, H), with cfg->rel_table:
+                                   dL/d(rel_table) */
     void *dmask;            /* B, AB: writes (B, H, Tq, Tk), with an additive mask:
                                    dL/d(mask) at each (b, h, i, j), before the
                                    mask's broadcast (0 where the row does not see

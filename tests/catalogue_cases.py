@@ -432,7 +432,7 @@ def variants(**change):
     v = dict(window=None, softcap=0.0, alibi=None, sinks=None, key_mask=None, cu_q=None,
              cu_k=None, q_norm=None, k_norm=None, norm_eps=1e-6, norm_type="rms",
              rotary_dim=0, interleaved=False, inv_freq=None, positions=None,
-             key_positions=None, dropout=0.0, seed=0)
+             key_positions=None, dropout=0.0, seed=0, relative_bias=None)
     v.update(change)
     return tuple(v.values())
 
@@ -1062,6 +1062,13 @@ BAD_VARIANTS = [
     # dropout's range is the core's rule (config.c); its type and the seed's
     # are checked in Python. The layer owns its dropout (MultiHeadAttention(
     # dropout=), train()), but a call may pass the mask's seed.
+    # T5's relative bias: its table's width is checked against the call's
+    # heads; the buckets and the distance by RelativeBias (below) and the core.
+    ("relative_bias", "table_heads", lambda d: mhattn.RelativeBias(np.ones((32, d["H"] + 1))),
+     VE, ["relative_bias", "(32, ", "(num_buckets, heads)"], {}, SCORE),
+    ("relative_bias", "string", "a", TE, ["relative_bias", "mhattn.RelativeBias"], {}, SCORE),
+    ("relative_bias", "array", lambda d: np.ones((32, d["H"])), TE,
+     ["relative_bias", "mhattn.RelativeBias"], {}, SCORE),
     ("dropout", "one", 1.0, VE, ["dropout", "is not in [0, 1)"], {}, DROPOUT),
     ("dropout", "negative", -0.1, VE, ["dropout", "is not in [0, 1)"], {}, DROPOUT),
     ("dropout", "nan", np.nan, VE, ["dropout", "is not in [0, 1)"], {}, DROPOUT),
@@ -1635,6 +1642,34 @@ table("rope", raises(VE, words=["rotary_dim", "positive int"]), [
     ("rotary_dim_negative", lambda: mhattn.RoPE(rotary_dim=-2)),
     ("rotary_dim_zero", lambda: mhattn.RoPE(rotary_dim=0)),
 ], "RoPE")
+# T5's relative bias (issue 38, item 3): the table's shape and the buckets'
+# rules, each a ValueError naming the argument.
+table("relative_bias", raises(VE, words=["max_distance", "buckets empty"]), [
+    ("max_distance_small", lambda: mhattn.RelativeBias(np.ones((32, 2)), 32, 15)),
+    ("max_distance_small_decoder", lambda: mhattn.RelativeBias(np.ones((8, 2)), 8, 7,
+                                                               bidirectional=False)),
+], "RelativeBias")
+table("relative_bias", raises(VE, words=["relative_bias", "(32, h)"]), [
+    ("table_rows", lambda: mhattn.RelativeBias(np.ones((16, 2)))),
+    ("table_1d", lambda: mhattn.RelativeBias(np.ones(32))),
+], "RelativeBias")
+table("relative_bias", raises(VE, words=["num_buckets", "at least 2"]), [
+    ("num_buckets_three", lambda: mhattn.RelativeBias(np.ones((3, 2)), 3)),
+    ("num_buckets_one_decoder", lambda: mhattn.RelativeBias(np.ones((1, 2)), 1,
+                                                            bidirectional=False)),
+], "RelativeBias")
+table("relative_bias", raises(TE, words=["num_buckets", "an int"]), [
+    ("num_buckets_float", lambda: mhattn.RelativeBias(np.ones((32, 2)), 32.0))],
+      "RelativeBias")
+table("relative_bias", raises(TE, words=["max_distance", "an int"]), [
+    ("max_distance_string", lambda: mhattn.RelativeBias(np.ones((32, 2)), 32, "a"))],
+      "RelativeBias")
+table("relative_bias", raises(TE, words=["bidirectional", "True or False"]), [
+    ("bidirectional_int", lambda: mhattn.RelativeBias(np.ones((32, 2)), bidirectional=1))],
+      "RelativeBias")
+table("relative_bias", raises(TE, words=["relative_bias", "complex"]), [
+    ("table_complex", lambda: mhattn.RelativeBias(np.ones((32, 2), complex)))],
+      "RelativeBias")
 table("packed_weights", raises(TE, words=["PackedWeights:", "mhattn.pack_weights"]), [
     ("made_directly", lambda: mhattn.PackedWeights()),
     ("made_directly_with_weights", lambda: mhattn.PackedWeights(W, W, W))], "PackedWeights")

@@ -57,7 +57,8 @@ NOT_CALLER_DATA = {
 # that its entry points (multi_head_attention, lse, projected_attention)
 # have checked; they check nothing themselves.
 REFERENCE_STEPS = ("softmax", "log_sum_exp", "attention", "score_steps", "weighted_values",
-                   "rms_norm", "layer_norm", "rope", "softcap", "alibi_bias", "dropout_keep")
+                   "rms_norm", "layer_norm", "rope", "softcap", "alibi_bias", "dropout_keep",
+                   "relative_position_bucket", "relative_bias")
 NOT_CALLER_DATA.update({f"reference.{n}": "a step of the document, checking nothing"
                         for n in REFERENCE_STEPS})
 
@@ -70,7 +71,7 @@ KNOWN_GAPS: dict = {}   # issue 35 closed the last three (RoPE.frequencies,
 # The variants' keywords: each entry point that takes one has a case naming it.
 VARIANTS = ("window", "softcap", "alibi_slopes", "sinks", "key_mask", "cu_seqlens",
             "key_cu_seqlens", "q_norm", "k_norm", "norm_eps", "norm_type", "rope",
-            "positions", "key_positions", "dropout", "seed")
+            "positions", "key_positions", "dropout", "seed", "relative_bias")
 # The output gate's keywords (issue 38, item 4), held to the same rule.
 GATE = ("w_gate", "b_gate", "gate")
 # The glue's names of the gate: keyword-only arguments of these builtins.

@@ -21,6 +21,7 @@
 #include "kernels.h"
 #include "mha.h"
 #include "qk.h"
+#include "relbias.h"
 #include "sizes.h"
 #include "threads.h"
 

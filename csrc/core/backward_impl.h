@@ -48,6 +48,7 @@ typedef struct {
     REAL *dsinks, *dq_norm, *dk_norm;   /* (H,), as q_norm, as k_norm (mha.h) */
     REAL *dwgate, *dbgate;              /* (Din, Svq) (Svq,) */
     REAL *dmask;                        /* (B, H, Tq, Tk), with an additive mask */
+    REAL *drel_table;                   /* (rel_buckets, H), with T5's bias */
     const REAL *dout;                   /* (B, Tq, Dout) */
     const REAL *x, *key, *value;        /* (B, Tq, Din) (B, Tk, Dkin) (B, Tk, Dvin) */
     const REAL *wq, *wk, *wv, *wo;      /* as the forward's */
@@ -77,6 +78,7 @@ typedef struct {
     REAL *grad_s[3];        /* dq, dk, dv scratch, where the tiles do not
                                write into the caller's (mha_attend_backward) */
     REAL *lse_s;            /* (B, H, Tq) lse recomputed, else NULL   */
+    mha_rel rel;            /* T5's bias by distance (relbias.h)      */
     BWD_CTX c;              /* the tiles' view; its buffers are scratch */
 } BWD_PLAN;
 
@@ -93,6 +95,9 @@ static void PICK(bwd_plan_free_f32, bwd_plan_free_f64)(BWD_PLAN *p)
     for (int i = 0; i < 3; i++)
         mha_scratch_free(p->grad_s[i]);
     mha_scratch_free(p->lse_s);
+    mha_rel_free(&p->rel);
+    mha_scratch_free(p->c.drel_part);
+    mha_scratch_free(p->c.rel_acc);
     mha_scratch_free(p->c.scratch);
     mha_scratch_free(p->c.qh);
     mha_scratch_free(p->c.doh);
@@ -150,6 +155,8 @@ static mha_status PICK(bwd_check_args_f32, bwd_check_args_f64)(BWD_ARGS *a,
         a->dsinks = NULL;
     if (cfg->mask_kind != MHA_MASK_ADD)
         a->dmask = NULL;
+    if (cfg->rel_table == NULL)
+        a->drel_table = NULL;
     return MHA_OK;
 }
 
@@ -168,16 +175,47 @@ static mha_status PICK(bwd_plan_heads_f32, bwd_plan_heads_f64)(BWD_PLAN *p,
     return st;
 }
 
+/* T5's bias for the tiles (the forward's, by distance, with the buckets)
+   and, with drel_table wanted, pass 4's partial sums by bucket (B G nkb
+   slots of H / G rows of rel_buckets) and the threads' sums by distance
+   (nth rows of rel.n), those zeroed: bwd_kv_block keeps them 0 between
+   uses. */
+static mha_status PICK(bwd_plan_rel_f32, bwd_plan_rel_f64)(BWD_PLAN *p, const BWD_ARGS *a)
+{
+    const mha_config *cfg = p->cfg;
+    BWD_CTX *c = &p->c;
+    mha_status st = mha_rel_prepare(&p->rel, cfg, sizeof(REAL), 1);
+    if (st != MHA_OK || p->rel.bias == NULL)
+        return st;
+    c->rel = &p->rel;
+    if (a->drel_table == NULL)
+        return MHA_OK;
+    size_t np, na;
+    if (!mha_mul_ok(&np, cfg->B * cfg->H, c->nkb) || !mha_mul_ok(&np, np, cfg->rel_buckets) ||
+        !mha_mul_ok(&na, (size_t)p->nth, p->rel.n))
+        return MHA_ERR_SIZE;
+    if ((st = mha_scratch((void **)&c->drel_part, np, sizeof(REAL))) != MHA_OK ||
+        (st = mha_scratch((void **)&c->rel_acc, na, sizeof(REAL))) != MHA_OK)
+        return st;
+    for (size_t e = 0; e < na; e++)
+        c->rel_acc[e] = 0;
+    return MHA_OK;
+}
+
 /* Allocates the tiles' scratch: per-thread S and dP tiles, the packed
    operands (kh, kT: B nkb BK Sk reals, vT: B nkb BK Sv, with B nkb BK <
    B Tk + B BK; qh: B Tq Sq, doh: B Tq Svq), their flags (qbad: B H nqb
    bytes, kvbad: B nkb G) and dq, dk, dv as needed, unless c->dq, c->dk,
    c->dv already point at the caller's. */
-static mha_status PICK(bwd_plan_tiles_f32, bwd_plan_tiles_f64)(BWD_PLAN *p)
+static mha_status PICK(bwd_plan_tiles_f32, bwd_plan_tiles_f64)(BWD_PLAN *p,
+                                                               const BWD_ARGS *a)
 {
     BWD_CTX *c = &p->c;
     const size_t B = p->cfg->B, Sk = p->lay.Sk, Sv = p->lay.Sv;
     mha_status st = MHA_OK;
+    if ((p->need_dq || p->need_dkv) &&
+        (st = PICK(bwd_plan_rel_f32, bwd_plan_rel_f64)(p, a)) != MHA_OK)
+        return st;
     if (p->need_dq || p->need_dkv) {
         size_t nkT, nvT;
         if (!mha_mul_ok(&nkT, B * c->nkb, MHA_BWD_BK) || !mha_mul_ok(&nvT, nkT, Sv) ||
@@ -222,11 +260,12 @@ static mha_status PICK(bwd_plan_f32, bwd_plan_f64)(BWD_PLAN *p, BWD_ARGS *a,
     p->kern = mha_kernels_for(mha_get_isa(), MHA_F64);
     p->need_dq = a->dx != NULL || a->dwq != NULL || a->dbq != NULL ||
                  (a->dq_norm != NULL && cfg->q_norm != NULL);
-    // dmask is written by pass 4, the dK, dV tiles (into scratch when
-    // neither is wanted).
+    // dmask and drel_table are written by pass 4, the dK, dV tiles (into
+    // scratch when neither is wanted).
     p->need_dkv = a->dkey != NULL || a->dvalue != NULL || a->dwk != NULL ||
                   a->dbk != NULL || a->dwv != NULL || a->dbv != NULL ||
-                  (a->dk_norm != NULL && cfg->k_norm != NULL) || a->dmask != NULL;
+                  (a->dk_norm != NULL && cfg->k_norm != NULL) || a->dmask != NULL ||
+                  a->drel_table != NULL;
     const size_t H = cfg->H, G = cfg->G;
     if ((st = PICK(bwd_plan_heads_f32, bwd_plan_heads_f64)(p, cfg)) != MHA_OK)
         return st;
@@ -262,7 +301,7 @@ static mha_status PICK(bwd_plan_f32, bwd_plan_f64)(BWD_PLAN *p, BWD_ARGS *a,
         .nqb = (cfg->Tq + MHA_BWD_BQ - 1) / MHA_BWD_BQ,
         .nkb = (cfg->Tk + MHA_BWD_BK - 1) / MHA_BWD_BK,
     };
-    return PICK(bwd_plan_tiles_f32, bwd_plan_tiles_f64)(p);
+    return PICK(bwd_plan_tiles_f32, bwd_plan_tiles_f64)(p, a);
 }
 
 /* dst (cols,) = sum over rows of src (rows, cols), rows in increasing
@@ -382,6 +421,29 @@ static void PICK(bwd_pass_dsinks_f32, bwd_pass_dsinks_f64)(const BWD_PLAN *p,
                     acc -= exp((double)sinks[h] - (double)a->lse[at]) * (double)p->D[at];
             }
         a->dsinks[h] = (REAL)acc;
+    }
+}
+
+/* After pass 4, with T5's bias: drel_table[k, h] = the sum of head h's
+   bucket-k partials over b, then key blocks, in increasing order (one
+   order: bitwise for any thread count), in double. */
+static void PICK(bwd_pass_drel_f32, bwd_pass_drel_f64)(const BWD_PLAN *p, const BWD_ARGS *a)
+{
+    const mha_config *cfg = p->cfg;
+    if (a->drel_table == NULL)
+        return;
+    const size_t H = cfg->H, G = cfg->G, per_kv = H / G, nbk = cfg->rel_buckets;
+    const size_t nkb = p->c.nkb;
+    for (size_t h = 0; h < H; h++) {
+        const size_t g = h / per_kv, hl = h % per_kv;
+        for (size_t k = 0; k < nbk; k++) {
+            double acc = 0;
+            for (size_t b = 0; b < cfg->B; b++)
+                for (size_t kb = 0; kb < nkb; kb++)
+                    acc += (double)p->c.drel_part[(((b * G + g) * nkb + kb) * per_kv + hl) *
+                                                  nbk + k];
+            a->drel_table[k * H + h] = (REAL)acc;
+        }
     }
 }
 
@@ -545,6 +607,7 @@ static mha_status PICK(mha_backward_f32, mha_backward_f64)(const mha_config *cfg
         .dbq = prm->dbq, .dbk = prm->dbk, .dbv = prm->dbv, .dbo = prm->dbo,
         .dsinks = prm->dsinks, .dq_norm = prm->dq_norm, .dk_norm = prm->dk_norm,
         .dwgate = prm->dwgate, .dbgate = prm->dbgate, .dmask = prm->dmask,
+        .drel_table = prm->drel_table,
         .dout = prm->dout, .x = prm->x, .key = prm->key, .value = prm->value,
         .wq = prm->wq, .wk = prm->wk, .wv = prm->wv, .wo = prm->wo,
         .wgate = prm->wgate, .bgate = prm->bgate,
@@ -566,6 +629,8 @@ static mha_status PICK(mha_backward_f32, mha_backward_f64)(const mha_config *cfg
             st = PICK(bwd_pass_qk_f32, bwd_pass_qk_f64)(&p, &a);
             if (st == MHA_OK)
                 st = PICK(bwd_pass_tiles_f32, bwd_pass_tiles_f64)(&p);
+            if (st == MHA_OK)
+                PICK(bwd_pass_drel_f32, bwd_pass_drel_f64)(&p, &a);
             if (st == MHA_OK)
                 st = PICK(bwd_pass_qk_grad_f32, bwd_pass_qk_grad_f64)(&p, &a);
         }
@@ -603,8 +668,11 @@ static mha_status PICK(bwd_attend_plan_f32, bwd_attend_plan_f64)(
         a->dsinks = NULL;
     if (cfg->mask_kind != MHA_MASK_ADD)
         a->dmask = NULL;
+    if (cfg->rel_table == NULL)
+        a->drel_table = NULL;
     p->need_dq = dq != NULL;
-    p->need_dkv = dk != NULL || dv != NULL || a->dmask != NULL;   /* dmask: pass 4's */
+    p->need_dkv = dk != NULL || dv != NULL || a->dmask != NULL ||
+                  a->drel_table != NULL;   /* pass 4's */
     const int any = p->need_dq || p->need_dkv || a->dsinks != NULL;
     const mha_required req[] = {
         {a->dout, any && nq != 0, "dout"}, {a->q, any && nq != 0, "q"},
@@ -633,7 +701,7 @@ static mha_status PICK(bwd_attend_plan_f32, bwd_attend_plan_f64)(
         .nqb = (cfg->Tq + MHA_BWD_BQ - 1) / MHA_BWD_BQ,
         .nkb = (cfg->Tk + MHA_BWD_BK - 1) / MHA_BWD_BK,
     };
-    return PICK(bwd_plan_tiles_f32, bwd_plan_tiles_f64)(p);
+    return PICK(bwd_plan_tiles_f32, bwd_plan_tiles_f64)(p, a);
 }
 
 /* Pass 0, without the caller's lse: the forward's attention pass on q,
@@ -658,7 +726,8 @@ static mha_status PICK(mha_attend_backward_f32, mha_attend_backward_f64)(
 {
     // dq, q (B, Tq, Sq); dk, k (B, Tk, Sk); dv, v (B, Tk, Sv);
     // dout, out (B, Tq, Svq); lse (B, H, Tq); dsinks (H,).
-    BWD_ARGS a = {.dsinks = prm->dsinks, .dmask = prm->dmask, .dout = prm->dout,
+    BWD_ARGS a = {.dsinks = prm->dsinks, .dmask = prm->dmask,
+                  .drel_table = prm->drel_table, .dout = prm->dout,
                   .q = prm->q, .k = prm->k, .v = prm->v, .concat = prm->out,
                   .lse = prm->lse};
     BWD_PLAN p;
@@ -674,6 +743,8 @@ static mha_status PICK(mha_attend_backward_f32, mha_attend_backward_f64)(
             st = MHA_ERR_INTERRUPTED;
         if (st == MHA_OK && (p.need_dq || p.need_dkv))
             st = PICK(bwd_pass_tiles_f32, bwd_pass_tiles_f64)(&p);
+        if (st == MHA_OK)
+            PICK(bwd_pass_drel_f32, bwd_pass_drel_f64)(&p, &a);
     }
     PICK(bwd_plan_free_f32, bwd_plan_free_f64)(&p);
     return st;

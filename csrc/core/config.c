@@ -172,8 +172,8 @@ static mha_status cu_check(const int64_t *cu, size_t nseq, size_t n, const char 
     return MHA_OK;
 }
 
-/* The variants (mha.h): window, softcap, dropout, ALiBi, packed sequences,
-   lengths_aligned. */
+/* The variants (mha.h): window, softcap, dropout, ALiBi, T5's bias, packed
+   sequences, lengths_aligned. */
 static mha_status variants_check(const mha_config *cfg, mha_error *err)
 {
     if (!cfg->windowed && (cfg->window_left != 0 || cfg->window_right != 0))
@@ -191,6 +191,34 @@ static mha_status variants_check(const mha_config *cfg, mha_error *err)
     if (cfg->alibi_bstride != 0 && cfg->alibi_bstride != cfg->H)
         return REJECT(MHA_FIELD_ALIBI_BSTRIDE, "alibi_bstride = %zu is neither 0 nor H = %zu",
                       cfg->alibi_bstride, cfg->H);
+    if (cfg->rel_table == NULL &&
+        (cfg->rel_buckets != 0 || cfg->rel_max_distance != 0 || cfg->rel_bidirectional))
+        return REJECT(MHA_FIELD_REL_TABLE,
+                      "rel_table is NULL with rel_buckets = %zu, rel_max_distance = %zu, "
+                      "rel_bidirectional = %d", cfg->rel_buckets, cfg->rel_max_distance,
+                      cfg->rel_bidirectional);
+    if (cfg->rel_table != NULL) {
+        // Per direction: n buckets, half exact distances, half logarithmic
+        // from n / 2 up to rel_max_distance (mha_rel_bucket).
+        const size_t n = cfg->rel_bidirectional ? cfg->rel_buckets / 2 : cfg->rel_buckets;
+        const char *per = cfg->rel_bidirectional ? "rel_buckets / 2 (a direction's)"
+                                                 : "rel_buckets";
+        size_t elems;
+        if (n < 2)
+            return REJECT(MHA_FIELD_REL_BUCKETS,
+                          "rel_buckets = %zu (rel_bidirectional = %d): %s = %zu, but a "
+                          "direction needs at least 2 buckets", cfg->rel_buckets,
+                          cfg->rel_bidirectional, per, n);
+        if (!mul_ok(&elems, cfg->rel_buckets, cfg->H))
+            return REJECT(MHA_FIELD_REL_BUCKETS,
+                          "rel_table (rel_buckets = %zu, H = %zu) is past MHA_MAX_ELEMS",
+                          cfg->rel_buckets, cfg->H);
+        if (cfg->rel_max_distance < n || cfg->rel_max_distance > MHA_MAX_ELEMS)
+            return REJECT(MHA_FIELD_REL_MAX_DISTANCE,
+                          "rel_max_distance = %zu is not in [%s = %zu, MHA_MAX_ELEMS]: "
+                          "fewer distances than buckets leave buckets empty",
+                          cfg->rel_max_distance, per, n);
+    }
     if (cfg->nseq > 0) {
         if (cfg->B != 1)
             return REJECT(MHA_FIELD_NSEQ,

@@ -20,6 +20,7 @@
 #include "kernels.h"
 #include "mha.h"
 #include "qk.h"
+#include "relbias.h"
 #include "rules.h"
 #include "sizes.h"
 #include "threads.h"
@@ -219,7 +220,15 @@ static mha_status attend(mha_flash_ctx *ctx, const mha_kernels *kern,
                         (double)cfg->Tk * (double)(dk_max + dv_max);
     if (work < MHA_SMALL_WORK)
         nth = 1;
-    return attend_run(ctx, kern, ntasks, nth, real_size, merge);
+    // T5's bias, by distance, for every tile (core/relbias.h).
+    mha_rel rel;
+    mha_status st = mha_rel_prepare(&rel, cfg, real_size, 0);
+    ctx->rel = rel.bias != NULL ? &rel : NULL;
+    if (st == MHA_OK)
+        st = attend_run(ctx, kern, ntasks, nth, real_size, merge);
+    mha_rel_free(&rel);
+    ctx->rel = NULL;
+    return st;
 }
 
 /*

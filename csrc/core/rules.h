@@ -33,6 +33,7 @@
  *   1. s = scale * (q_i . k_j)          by the tile's product
  *   2. s = c tanh(s / c)                softcap (c > 0)
  *   3. s += -slope_bh |p_i - pos(j)|    ALiBi
+ *      s += table[bucket(pos(j) - p_i), h]   T5's relative bias (mha_rel)
  *      s += mask[b, h, i, j]            additive mask
  *   4. s = -inf where j is not visible (part 1)
  *   5. p = exp(s - max) / (exp(sink_h - max) + sum)   the softmax, by the
@@ -50,6 +51,7 @@
 #ifndef MHA_RULES_H
 #define MHA_RULES_H
 
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -247,13 +249,74 @@ static inline int mha_rules_rows_see_all(const mha_config *cfg, size_t len_b,
 }
 
 /* 1 when a score rule of part 2 or a pointwise visibility rule applies
-   (softcap, ALiBi, a mask, key_mask): else rules_score_row only writes
-   -inf outside [a, e), and a row that sees all of its block's keys,
+   (softcap, ALiBi, T5's bias, a mask, key_mask): else rules_score_row only
+   writes -inf outside [a, e), and a row that sees all of its block's keys,
    unpadded, is left as it is. */
 static inline int mha_rules_pointwise(const mha_config *cfg)
 {
-    return cfg->softcap > 0 || cfg->alibi != NULL || cfg->mask_kind != MHA_MASK_NONE ||
-           cfg->key_mask != NULL;
+    return cfg->softcap > 0 || cfg->alibi != NULL || cfg->rel_table != NULL ||
+           cfg->mask_kind != MHA_MASK_NONE || cfg->key_mask != NULL;
+}
+
+/*
+ * T5's relative position bias (mha.h, rel_table). bucket(d) of a signed
+ * distance d = pos(j) - p_i is transformers' _relative_position_bucket,
+ * operation by operation in float32 as torch does it there:
+ *     bidirectional: n = buckets / 2, at = n if d > 0, r = |d|;
+ *     else:          n = buckets, at = 0, r = max(-d, 0);
+ *     exact = n / 2;  r < exact: at + r;  else at + min(n - 1,
+ *       exact + trunc(log(f(r) / f(exact)) / f(log(max / exact)) * f(n - exact)))
+ * f() rounding to float32 and log(max / exact) in double (Python's math.log
+ * of a true division). The float32 log is the double log rounded: the
+ * correctly rounded float32 log but for ties far below any bucket's edge,
+ * the same on every platform; tests/test_relative_bias.py holds it to
+ * transformers' buckets for every distance of its configurations.
+ */
+static inline size_t mha_rel_bucket(const mha_config *cfg, int64_t d)
+{
+    size_t n = cfg->rel_buckets, at = 0;
+    uint64_t r;
+    if (cfg->rel_bidirectional) {
+        n /= 2;
+        at = d > 0 ? n : 0;
+        r = d < 0 ? (uint64_t)0 - (uint64_t)d : (uint64_t)d;
+    } else {
+        r = d < 0 ? (uint64_t)0 - (uint64_t)d : 0;
+    }
+    const size_t exact = n / 2; /* >= 1: mha_check_config */
+    if (r < exact)
+        return at + (size_t)r;
+    const float q = (float)r / (float)exact;
+    const float lq = (float)log((double)q);
+    const float lmax = (float)log((double)cfg->rel_max_distance / (double)exact);
+    const float t = lq / lmax * (float)(n - exact);
+    // t >= 0; past n it is clamped below, so the cut keeps it finite.
+    const size_t over = t < (float)n ? (size_t)t : n;
+    const size_t v = exact + over;
+    return at + (v < n - 1 ? v : n - 1);
+}
+
+/*
+ * A call's T5 bias by distance (core/relbias.c makes it): head h's bias
+ * at distance d (pos(j) - p_i) is bias[h n + off + d], of the call's
+ * element type, for every d a visible key can have, -off <= d < n - off;
+ * bucket[off + d] is that distance's bucket (the backward's, to fold the
+ * gradient by distance into the table's rows).
+ */
+typedef struct {
+    void *bias;           /* (H, n) */
+    uint32_t *bucket;     /* (n,) */
+    size_t n, off;
+} mha_rel;
+
+/* Where row i's key j0 lies in a head's row of an mha_rel: key j0 + j
+   (j >= 0, visible) is at index return + j of bias[h n ..]. */
+static inline int64_t mha_rel_index0(const mha_config *cfg, const mha_rel *rel, size_t b,
+                                     size_t i, size_t j0)
+{
+    int64_t base, nk;
+    const int64_t p = mha_rules_row_place(cfg, i, mha_rules_key_len(cfg, b), &base, &nk);
+    return (int64_t)j0 - base - p + (int64_t)rel->off;
 }
 
 /* 1 when key_mask (B, Tk) blocks every key j0 .. j0 + n - 1 of batch item
@@ -359,6 +422,7 @@ static inline uint32_t mha_dropout_threshold(double p)
  *                                                 dcap is not NULL: the
  *                                                 backward's derivative)
  *   ALiBi     s += -slope |p_i - pos(j)|
+ *   T5        s += its bias at distance pos(j) - p_i (rel, NULL: none)
  *   additive  s += mask[b, h, i, j]
  *   then -inf where the bool mask or key_mask blocks, and outside [a, e).
  * Vector body plus a leftovers tail; the arithmetic is the same lane by
@@ -367,8 +431,8 @@ static inline uint32_t mha_dropout_threshold(double p)
  * where the vector body stops nor on the ISA.
  */
 static void PICK(rules_score_row_f32, rules_score_row_f64)(
-    REAL *s, REAL *dcap, const mha_config *cfg, size_t b, size_t h, size_t i,
-    size_t j0, size_t a, size_t e, size_t npad)
+    REAL *s, REAL *dcap, const mha_config *cfg, const mha_rel *rel, size_t b, size_t h,
+    size_t i, size_t j0, size_t a, size_t e, size_t npad)
 {
     const ptrdiff_t sj = cfg->mask_stride[3];
     const size_t a0 = a / VLEN * VLEN;
@@ -398,6 +462,14 @@ static void PICK(rules_score_row_f32, rules_score_row_f64)(
             const VEC dist = VABS(VSUB(d0v, VADD(VSET1((REAL)j), iota)));
             VSTORE(s + j, VADD(VLOAD(s + j), VMUL(ns, dist)));
         }
+    }
+    if (rel != NULL && a < e) {
+        // The head's biases of keys j0 + a .. j0 + e - 1 lie side by side.
+        const REAL *rb = (const REAL *)rel->bias + h * rel->n +
+                         (size_t)(mha_rel_index0(cfg, rel, b, i, j0) + (int64_t)a);
+        REAL *sa = s + a;
+        for (j = 0; j < e - a; j++)
+            sa[j] += rb[j];
     }
     const ptrdiff_t at = mha_rules_mask_at(cfg, b, h, i, j0);
     if (cfg->mask_kind == MHA_MASK_ADD && a < e) {

@@ -23,6 +23,7 @@
 
 #include "dispatch.h"
 #include "mha.h"
+#include "rules.h"
 #include "threads.h"
 
 /* n rounded up to a multiple of m (m > 0); callers keep n far from
@@ -121,6 +122,9 @@ typedef struct {
     mha_kv_storage kv_storage;
     const float *k_scale, *v_scale;
     mha_strides sks, svs;
+    /* T5's bias by distance (core/relbias.h), made by attend() for a
+       config with rel_table; NULL without. */
+    const mha_rel *rel;
     atomic_int stop;              /* set once cfg->interrupt was seen  */
 } mha_flash_ctx;
 
@@ -190,6 +194,12 @@ static inline int mha_interrupted(const mha_config *cfg)
         real *dk;           /* (B, Tk, Sk)   written by pass 4  */            \
         real *dv;           /* (B, Tk, Sv)   written by pass 4  */            \
         real *dmask;        /* (B, H, Tq, Tk) dS, pass 4; NULL: not wanted */ \
+        const mha_rel *rel; /* T5's bias by distance, or NULL   */            \
+        /* With drel_table wanted: pass 4's partial sums of dS by bucket,   */ \
+        /* (B, G, nkb, H / G, rel_buckets), one slot per task (b, g, kb),  */ \
+        /* summed by distance first in rel_acc (nth, rel->n), 0 between    */ \
+        /* uses. NULL: not wanted.                                          */ \
+        real *drel_part, *rel_acc;                                            \
         real *scratch;      /* per thread: MHA_BWD_TILE_STRIDE reals */       \
         size_t nqb, nkb;    /* query blocks, key blocks         */            \
     } name;

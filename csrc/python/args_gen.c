@@ -71,7 +71,9 @@ const char *const mha_field_names[MHA_FIELD_COUNT] = {[MHA_FIELD_NONE] = "",
     [MHA_FIELD_KEY_LENGTHS] = "key_lengths", [MHA_FIELD_WINDOW] = "window",
     [MHA_FIELD_SOFTCAP] = "softcap", [MHA_FIELD_ALIBI] = "alibi",
     [MHA_FIELD_ALIBI_BSTRIDE] = "alibi_bstride", [MHA_FIELD_DROPOUT] = "dropout",
-    [MHA_FIELD_DROPOUT_SEED] = "dropout_seed", [MHA_FIELD_NSEQ] = "nseq",
+    [MHA_FIELD_DROPOUT_SEED] = "dropout_seed", [MHA_FIELD_REL_TABLE] = "rel_table",
+    [MHA_FIELD_REL_BUCKETS] = "rel_buckets",
+    [MHA_FIELD_REL_MAX_DISTANCE] = "rel_max_distance", [MHA_FIELD_NSEQ] = "nseq",
     [MHA_FIELD_CU_Q] = "cu_q", [MHA_FIELD_CU_K] = "cu_k", [MHA_FIELD_Q_NORM] = "q_norm",
     [MHA_FIELD_K_NORM] = "k_norm", [MHA_FIELD_Q_NORM_HSTRIDE] = "q_norm_hstride",
     [MHA_FIELD_K_NORM_HSTRIDE] = "k_norm_hstride", [MHA_FIELD_NORM_EPS] = "norm_eps",
@@ -109,15 +111,16 @@ const param_slot backward_params[] = {OUT(BWD_DX, dx), OUT(BWD_DKEY, dkey),
     OUT(BWD_DWO, dwo), OUT(BWD_DBQ, dbq), OUT(BWD_DBK, dbk), OUT(BWD_DBV, dbv),
     OUT(BWD_DBO, dbo), OUT(BWD_DSINKS, dsinks), OUT(BWD_DQ_NORM, dq_norm),
     OUT(BWD_DK_NORM, dk_norm), OUT(BWD_DWGATE, dwgate), OUT(BWD_DBGATE, dbgate),
-    OUT(BWD_DMASK, dmask), IN(BWD_DOUT, dout), IN(BWD_X, x), IN(BWD_KEY, key),
-    IN(BWD_VALUE, value), IN(BWD_WQ, wq), IN(BWD_WK, wk), IN(BWD_WV, wv), IN(BWD_WO, wo),
-    IN(BWD_Q, q), IN(BWD_K, k), IN(BWD_V, v), IN(BWD_CONCAT, concat), IN(BWD_LSE, lse),
-    IN(BWD_WGATE, wgate), IN(BWD_BGATE, bgate), {-1, 0, 0}};
+    OUT(BWD_DMASK, dmask), OUT(BWD_DREL_TABLE, drel_table), IN(BWD_DOUT, dout),
+    IN(BWD_X, x), IN(BWD_KEY, key), IN(BWD_VALUE, value), IN(BWD_WQ, wq), IN(BWD_WK, wk),
+    IN(BWD_WV, wv), IN(BWD_WO, wo), IN(BWD_Q, q), IN(BWD_K, k), IN(BWD_V, v),
+    IN(BWD_CONCAT, concat), IN(BWD_LSE, lse), IN(BWD_WGATE, wgate), IN(BWD_BGATE, bgate),
+    {-1, 0, 0}};
 const shape backward_outs[BWD_NOUTS] = {SHAPE3(L_B, L_TQ, L_DIN), SHAPE3(L_B, L_TK, L_DKIN),
     SHAPE3(L_B, L_TK, L_DVIN), SHAPE2(L_DIN, L_SQ), SHAPE2(L_DKIN, L_SK),
     SHAPE2(L_DVIN, L_SV), SHAPE2(L_SVQ, L_DOUT), SHAPE1(L_SQ), SHAPE1(L_SK), SHAPE1(L_SV),
     SHAPE1(L_DOUT), SHAPE1(L_H), {0}, {0}, SHAPE2(L_DIN, L_SVQ), SHAPE1(L_SVQ),
-    SHAPE4(L_B, L_H, L_TQ, L_TK)};
+    SHAPE4(L_B, L_H, L_TQ, L_TK), {0}};
 
 const arg_spec attention_args[ATT_NARGS] = {SPEC_Q_ATT, SPEC_K_ATT, SPEC_V_ATT,
     SPEC_SCALES_ATT, SPEC_MASK, SPEC_CAUSAL, SPEC_KEY_LENGTHS, SPEC_VARIANTS,
@@ -139,12 +142,12 @@ const int attention_backward_checks_x[] = {ABW_DOUT, ABW_Q, ABW_K, ABW_V, ABW_OU
     -1};
 const int attention_backward_checks_widths[] = {ABW_SCALES, -1};
 const param_slot attention_backward_params[] = {OUT(ABW_DQ, dq), OUT(ABW_DK, dk),
-    OUT(ABW_DV, dv), OUT(ABW_DSINKS, dsinks), OUT(ABW_DMASK, dmask), IN(ABW_DOUT, dout),
-    IN(ABW_Q, q), IN(ABW_K, k), IN(ABW_V, v), IN(ABW_OUT, out), IN(ABW_LSE, lse),
-    {-1, 0, 0}};
+    OUT(ABW_DV, dv), OUT(ABW_DSINKS, dsinks), OUT(ABW_DMASK, dmask),
+    OUT(ABW_DREL_TABLE, drel_table), IN(ABW_DOUT, dout), IN(ABW_Q, q), IN(ABW_K, k),
+    IN(ABW_V, v), IN(ABW_OUT, out), IN(ABW_LSE, lse), {-1, 0, 0}};
 const shape attention_backward_outs[ABW_NOUTS] = {SHAPE4(L_B, L_TQ, L_H, L_DK),
     SHAPE4(L_B, L_TK, L_G, L_DK), SHAPE4(L_B, L_TK, L_G, L_DV), SHAPE1(L_H),
-    SHAPE4(L_B, L_H, L_TQ, L_TK)};
+    SHAPE4(L_B, L_H, L_TQ, L_TK), {0}};
 
 const arg_spec project_args[PRJ_NARGS] = {SPEC_X, SPEC_KEY_FWD, SPEC_VALUE_FWD, SPEC_WQ,
     SPEC_WK, SPEC_WV, SPEC_BQ, SPEC_BK, SPEC_BV, SPEC_DK, SPEC_DV, SPEC_SCALES_FWD,

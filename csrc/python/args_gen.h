@@ -28,7 +28,7 @@ enum { BWD_DOUT, BWD_X, BWD_KEY, BWD_VALUE, BWD_WQ, BWD_WK, BWD_WV, BWD_WO, BWD_
     BWD_WGATE, BWD_BGATE, BWD_WANT_DMASK, BWD_NARGS };
 enum { BWD_DX, BWD_DKEY, BWD_DVALUE, BWD_DWQ, BWD_DWK, BWD_DWV, BWD_DWO, BWD_DBQ, BWD_DBK,
     BWD_DBV, BWD_DBO, BWD_DSINKS, BWD_DQ_NORM, BWD_DK_NORM, BWD_DWGATE, BWD_DBGATE,
-    BWD_DMASK, BWD_NOUTS };
+    BWD_DMASK, BWD_DREL_TABLE, BWD_NOUTS };
 #define BACKWARD_SPEC_ARGS .name = "backward", .nargs = BWD_NARGS, \
     .args = backward_args, .nopt = 3, .nkw = 3, .checks_x = backward_checks_x, \
     .checks_widths = backward_checks_widths, .x = BWD_X, .key = BWD_KEY, \
@@ -53,7 +53,7 @@ enum { ATT_OUT, ATT_WEIGHTS, ATT_LSE, ATT_NOUTS };
 /* attention_backward() */
 enum { ABW_DOUT, ABW_Q, ABW_K, ABW_V, ABW_OUT, ABW_LSE, ABW_SCALES, ABW_MASK, ABW_CAUSAL,
     ABW_KEY_LENGTHS, ABW_VARIANTS, ABW_LENGTHS_ALIGNED, ABW_WANT_DMASK, ABW_NARGS };
-enum { ABW_DQ, ABW_DK, ABW_DV, ABW_DSINKS, ABW_DMASK, ABW_NOUTS };
+enum { ABW_DQ, ABW_DK, ABW_DV, ABW_DSINKS, ABW_DMASK, ABW_DREL_TABLE, ABW_NOUTS };
 #define ATTENTION_BACKWARD_SPEC_ARGS .name = "attention_backward", .nargs = ABW_NARGS, \
     .args = attention_backward_args, .nopt = 1, .nkw = 1, \
     .checks_x = attention_backward_checks_x, \

@@ -195,10 +195,17 @@ static int attention_backward_fused(call *c)
 static int attention_backward_outputs(call *c)
 {
     const int dmask = c->arg[ABW_WANT_DMASK].truth;
-    const int want[ABW_NOUTS] = {1, 1, 1, c->var[V_SINKS] != NULL, dmask};
+    const int want[ABW_NOUTS] = {1, 1, 1, c->var[V_SINKS] != NULL, dmask, 0};
     if (dmask && want_dmask_check(c) < 0)
         return -1;
-    return make_outputs(c, ABW_NOUTS, attention_backward_outs, want);
+    if (make_outputs(c, ABW_NOUTS, attention_backward_outs, want) < 0)
+        return -1;
+    // T5's table's gradient, shaped as the table.
+    PyArrayObject *t = c->var[V_REL];
+    if (t != NULL && (c->out[ABW_DREL_TABLE] = (PyArrayObject *)PyArray_EMPTY(
+                          2, PyArray_DIMS(t), c->typenum, 0)) == NULL)
+        return -1;
+    return 0;
 }
 
 /* (dq, dk, dv, dsinks or None): dq, dk, dv C-contiguous copies of the
@@ -215,13 +222,19 @@ static PyObject *attention_backward_result(call *c)
             goto done;
     }
     PyObject *dsinks = (PyObject *)c->out[ABW_DSINKS];
-    if (c->out[ABW_DMASK] != NULL)   /* want_dmask: dmask closes the tuple */
-        result = PyTuple_Pack(5, (PyObject *)grad[0], (PyObject *)grad[1],
-                              (PyObject *)grad[2], dsinks != NULL ? dsinks : Py_None,
-                              (PyObject *)c->out[ABW_DMASK]);
-    else
-        result = PyTuple_Pack(4, (PyObject *)grad[0], (PyObject *)grad[1],
-                              (PyObject *)grad[2], dsinks != NULL ? dsinks : Py_None);
+    // want_dmask: dmask, then with T5's bias drel_table, close the tuple.
+    PyObject *items[6] = {(PyObject *)grad[0], (PyObject *)grad[1], (PyObject *)grad[2],
+                          dsinks != NULL ? dsinks : Py_None};
+    Py_ssize_t n = 4;
+    if (c->out[ABW_DMASK] != NULL)
+        items[n++] = (PyObject *)c->out[ABW_DMASK];
+    if (c->out[ABW_DREL_TABLE] != NULL)
+        items[n++] = (PyObject *)c->out[ABW_DREL_TABLE];
+    result = PyTuple_New(n);
+    for (Py_ssize_t i = 0; result != NULL && i < n; i++) {
+        Py_INCREF(items[i]);
+        PyTuple_SET_ITEM(result, i, items[i]);
+    }
 done:
     for (int i = 0; i < 3; i++)
         Py_XDECREF(grad[i]);

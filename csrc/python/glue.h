@@ -39,7 +39,7 @@
 enum {
     V_WINDOW, V_SOFTCAP, V_ALIBI, V_SINKS, V_KEY_MASK, V_CU_Q, V_CU_K,
     V_Q_NORM, V_K_NORM, V_NORM_EPS, V_NORM_TYPE, V_ROTARY_DIM, V_INTERLEAVED,
-    V_INV_FREQ, V_POSITIONS, V_KEY_POSITIONS, V_DROPOUT, V_SEED, V_N
+    V_INV_FREQ, V_POSITIONS, V_KEY_POSITIONS, V_DROPOUT, V_SEED, V_REL, V_N
 };
 
 /* ---- the argument tables and the call skeleton -------------------------- */
@@ -122,7 +122,7 @@ typedef enum {
    time, whatever the signals (a SIGINT storm included). */
 #define MAX_RESTARTS 3
 #define MAX_ARGS 27   /* backward()'s */
-#define MAX_OUTS 17   /* backward()'s gradients */
+#define MAX_OUTS 18   /* backward()'s gradients */
 /* A position past every function's arguments that holds None (false, no
    array): a call_spec names it for an argument its function lacks. */
 #define ARG_NONE MAX_ARGS

@@ -109,12 +109,13 @@ GLUE_FASTCALL_ENTRY(forward, FORWARD_DOC)
 /* ---- backward ----------------------------------------------------------- */
 
 /* The learnable variants' gradients, shaped as they are: dsinks (H,),
-   dq_norm and dk_norm as q_norm and k_norm; none for an absent one. */
+   dq_norm and dk_norm as q_norm and k_norm, drel_table as T5's table;
+   none for an absent one. */
 static int variant_gradients(call *c)
 {
-    static const int grad[3] = {BWD_DSINKS, BWD_DQ_NORM, BWD_DK_NORM};
-    static const int param[3] = {V_SINKS, V_Q_NORM, V_K_NORM};
-    for (int i = 0; i < 3; i++) {
+    static const int grad[4] = {BWD_DSINKS, BWD_DQ_NORM, BWD_DK_NORM, BWD_DREL_TABLE};
+    static const int param[4] = {V_SINKS, V_Q_NORM, V_K_NORM, V_REL};
+    for (int i = 0; i < 4; i++) {
         PyArrayObject *p = c->var[param[i]];
         if (p == NULL)
             continue;
@@ -146,18 +147,21 @@ static int backward_outputs(call *c)
 }
 
 /* The gradients; the output gate's two only with wgate, then dmask only
-   with want_dmask, so a call without them gets the tuple it always had. */
+   with want_dmask, then drel_table only with T5's bias, so a call without
+   them gets the tuple it always had. */
 static PyObject *backward_result(call *c)
 {
-    _Static_assert(BWD_DWGATE == BWD_NOUTS - 3 && BWD_DBGATE == BWD_NOUTS - 2 &&
-                       BWD_DMASK == BWD_NOUTS - 1,
-                   "the gate's gradients, then dmask, close the tuple");
+    _Static_assert(BWD_DWGATE == BWD_NOUTS - 4 && BWD_DBGATE == BWD_NOUTS - 3 &&
+                       BWD_DMASK == BWD_NOUTS - 2 && BWD_DREL_TABLE == BWD_NOUTS - 1,
+                   "the gate's gradients, then dmask, then drel_table close the tuple");
     PyArrayObject *items[BWD_NOUTS];
     int n = c->in[BWD_WGATE] != NULL ? BWD_DMASK : BWD_DWGATE;
     for (int i = 0; i < n; i++)
         items[i] = c->out[i];
     if (c->out[BWD_DMASK] != NULL)
         items[n++] = c->out[BWD_DMASK];
+    if (c->out[BWD_DREL_TABLE] != NULL)
+        items[n++] = c->out[BWD_DREL_TABLE];
     return arrays_tuple(items, n);
 }
 

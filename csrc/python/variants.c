@@ -30,6 +30,10 @@
  *   key_positions  None or int64 (1 or B, Tk)
  *   dropout        float, 0 for off (the core checks 0 <= dropout < 1)
  *   seed           int in [0, 2**64): dropout's seed
+ *   relative_bias  None or (table, max_distance, bidirectional): T5's
+ *                  bias, table (num_buckets, H) of x's dtype, max_distance
+ *                  an int, bidirectional a truth value (the core checks
+ *                  the buckets and the distance: mha_check_config)
  * Every array is copied into memory the call owns (they are small), so no
  * index, offset or size the core uses lives where another thread can write
  * during the call; mha_check_config then checks the copies.
@@ -37,7 +41,8 @@
 static const char *const variant_name[V_N] = {
     "window", "softcap", "alibi_slopes", "sinks", "key_mask", "cu_seqlens",
     "key_cu_seqlens", "q_norm", "k_norm", "norm_eps", "norm_type", "rotary_dim",
-    "interleaved", "inv_freq", "positions", "key_positions", "dropout", "seed"};
+    "interleaved", "inv_freq", "positions", "key_positions", "dropout", "seed",
+    "relative_bias"};
 
 /* *res = a C-contiguous copy of obj (1 to nd_max dimensions) as typenum,
    owned by the call, or NULL for None. */
@@ -191,6 +196,45 @@ static int variant_scalars(mha_config *cfg, PyObject *t)
     return 0;
 }
 
+/* T5's relative bias, None or (table, max_distance, bidirectional): the
+   table copied into c->var[V_REL] (as the arrays below), its size and the
+   scalars into cfg. */
+static int variant_rel(call *c, PyObject *t)
+{
+    PyObject *r = PyTuple_GET_ITEM(t, V_REL);
+    if (r == Py_None)
+        return 0;
+    if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) != 3) {
+        PyErr_Format(PyExc_TypeError, "relative_bias: expected None or a tuple (table, "
+                     "max_distance, bidirectional), got %s", Py_TYPE(r)->tp_name);
+        return -1;
+    }
+    const Py_ssize_t md = PyLong_AsSsize_t(PyTuple_GET_ITEM(r, 1));
+    const int bidir = PyObject_IsTrue(PyTuple_GET_ITEM(r, 2));
+    if ((md == -1 && PyErr_Occurred()) || bidir < 0) {
+        prefix_error("relative_bias");
+        return -1;
+    }
+    if (md < 0) {
+        PyErr_Format(PyExc_ValueError, "relative_bias: max_distance = %zd is negative", md);
+        return -1;
+    }
+    if (variant_copy(&c->var[V_REL], PyTuple_GET_ITEM(r, 0), "relative_bias", c->typenum,
+                     2) < 0)
+        return -1;
+    PyArrayObject *a = c->var[V_REL];
+    if (PyArray_NDIM(a) != 2 || PyArray_DIM(a, 1) != c->size[L_H]) {
+        const npy_intp want[2] = {PyArray_NDIM(a) == 2 ? PyArray_DIM(a, 0) : 32,
+                                  c->size[L_H]};
+        return check_shape(a, "relative_bias", 2, want, "(num_buckets, H)");
+    }
+    c->cfg.rel_table = PyArray_DATA(a);
+    c->cfg.rel_buckets = (size_t)PyArray_DIM(a, 0);
+    c->cfg.rel_max_distance = (size_t)md;
+    c->cfg.rel_bidirectional = bidir;
+    return 0;
+}
+
 /* Copies the tuple's arrays into c->var, by dtype. */
 static int variant_arrays(call *c, PyObject *t)
 {
@@ -284,7 +328,7 @@ int read_variants(call *c, PyObject *t)
         return -1;
     }
     if (variant_window(&c->cfg, PyTuple_GET_ITEM(t, V_WINDOW)) < 0 ||
-        variant_scalars(&c->cfg, t) < 0 || variant_arrays(c, t) < 0)
+        variant_scalars(&c->cfg, t) < 0 || variant_arrays(c, t) < 0 || variant_rel(c, t) < 0)
         return -1;
     return variant_shapes(c, &c->cfg);
 }

@@ -886,8 +886,9 @@ def normalize(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=Non
         mask=mask_v, mask_shape=mask_shape, mask_dtype=mask_dtype, key_lengths=kl,
         Sq=Sq, Sk=Sk, Sv=Sv, Svq=Svq, var=var,
         half_variants=() if half is None else tuple(
-            n for n in ("sinks", "q_norm", "k_norm") if variants.get(n) is not None
-            and is_half(getattr(variants[n], "dtype", np.dtype(np.float64)))),
+            n for n in ("sinks", "q_norm", "k_norm", "relative_bias")
+            if variants.get(n) is not None and is_half(getattr(
+                getattr(variants[n], "table", variants[n]), "dtype", np.dtype(np.float64)))),
         w_gate=wg if wg is None or keep else _cast(wg, dtype),
         b_gate=None if bg is None else _cast(bg, dtype))
     # The rules on the config's values (the key lengths, the variants'

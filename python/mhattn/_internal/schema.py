@@ -323,6 +323,17 @@ The seed of ``dropout``'s mask: an int in [0, 2**64), or a
 draws one from fresh OS entropy (a new mask on each call).  A
 context (``return_context=True``) keeps the seed for its backward.
 Anything else raises ValueError naming seed."""),
+    Arg("relative_bias", _MHA + _ATT, "object", "", "", "None",
+        "T5's relative position bias: a mhattn.RelativeBias, or None.",
+        type="mhattn.RelativeBias, optional",
+        text="""\
+T5's relative position bias (:class:`mhattn.RelativeBias`): score (i, j)
+of head h gains ``table[bucket(j - p_i), h]``, after the softcap and
+ALiBi, before the additive mask, with transformers' ``T5Attention``
+buckets.  One bias per distance and head is looked up per call; no
+(T_q, T_k) array is made.  Its table's gradient is ``'relative_bias'``
+in the ``_grad`` functions' results.  A table whose shape is not
+(num_buckets, h) raises ValueError naming relative_bias."""),
     Arg("mask_grad", ("multi_head_attention_grad", "backward", "attention_grad"), "bool", "",
         "", "False", "Also return 'mask': the gradient of an additive mask.",
         type="bool, default False",
@@ -582,21 +593,22 @@ ENTRIES: Dict[str, Entry] = {
         "x, w_q, w_k, w_v, w_o, *, num_heads, key, value, scale, return_weights, mask, "
         "causal, key_lengths, num_kv_heads, b_q, b_k, b_v, b_o, w_gate, b_gate, return_context, "
         "window, softcap, alibi_slopes, sinks, q_norm, k_norm, norm_eps, norm_type, rope, "
-        "positions, key_positions, key_mask, cu_seqlens, key_cu_seqlens, dropout, seed, cache, "
-        "new_lengths",
+        "positions, key_positions, key_mask, cu_seqlens, key_cu_seqlens, dropout, seed, "
+        "relative_bias, cache, new_lengths",
         ("x", "w_q, w_k, w_v", "w_o", "num_heads", "key, value", "scale",
          "return_weights", "mask", "causal", "key_lengths", "num_kv_heads",
          "b_q, b_k, b_v", "b_o", "w_gate, b_gate", "return_context", "window", "softcap",
          "alibi_slopes", "sinks", "q_norm, k_norm", "norm_eps", "norm_type", "rope",
          "positions, key_positions",
-         "key_mask", "cu_seqlens, key_cu_seqlens", "dropout", "seed", "cache",
-         "new_lengths")),
+         "key_mask", "cu_seqlens, key_cu_seqlens", "dropout", "seed", "relative_bias",
+         "cache", "new_lengths")),
     "multi_head_attention_grad": Entry(
         _F + "grad.py", "multi_head_attention_grad",
         "grad_out, x, w_q, w_k, w_v, w_o, *, num_heads, key, value, scale, mask, causal, "
         "key_lengths, num_kv_heads, b_q, b_k, b_v, b_o, w_gate, b_gate, window, softcap, "
         "alibi_slopes, sinks, q_norm, k_norm, norm_eps, norm_type, rope, positions, "
-        "key_positions, key_mask, cu_seqlens, key_cu_seqlens, dropout, seed, mask_grad",
+        "key_positions, key_mask, cu_seqlens, key_cu_seqlens, dropout, seed, relative_bias, "
+        "mask_grad",
         ("grad_out",
          ("x, w_q, w_k, w_v, w_o, num_heads, key, value, scale, mask, causal",
           "As :func:`mhattn.multi_head_attention` (not ``return_weights``)."),
@@ -608,6 +620,8 @@ ENTRIES: Dict[str, Entry] = {
           "As :func:`mhattn.multi_head_attention`."),
          ("dropout, seed", "As :func:`mhattn.multi_head_attention`: the same seed "
           "gives the forward's mask."),
+         ("relative_bias", "As :func:`mhattn.multi_head_attention`; its table's "
+          "gradient is 'relative_bias'."),
          "mask_grad")),
     "backward": Entry(_F + "grad.py", "backward", "grad_out, ctx, *, mask_grad",
                       ("grad_out", "ctx", "mask_grad")),
@@ -615,7 +629,7 @@ ENTRIES: Dict[str, Entry] = {
         _F + "attention.py", "attention",
         "q, k, v, *, layout, scale, mask, causal, key_lengths, return_weights, return_lse, "
         "window, softcap, alibi_slopes, sinks, key_mask, cu_seqlens, key_cu_seqlens, dropout, "
-        "seed",
+        "seed, relative_bias",
         ("q", "k", "v", "layout", "scale", "mask, causal, key_lengths", "return_weights",
          "return_lse",
          ("window, softcap, alibi_slopes, sinks, key_mask, cu_seqlens, key_cu_seqlens",
@@ -624,18 +638,21 @@ The score variants of :func:`mhattn.multi_head_attention`, with the
 same meanings and checks.  Packed sequences take unbatched 3-D
 inputs, the tokens along T.  The q/k transforms (q_norm, k_norm,
 RoPE) are not attention keywords: apply them before."""),
-         ("dropout, seed", "As :func:`mhattn.multi_head_attention`."))),
+         ("dropout, seed", "As :func:`mhattn.multi_head_attention`."),
+         ("relative_bias", "As :func:`mhattn.multi_head_attention`."))),
     "attention_grad": Entry(
         _F + "attention.py", "attention_grad",
         "grad_out, q, k, v, *, layout, scale, mask, causal, key_lengths, window, softcap, "
-        "alibi_slopes, sinks, key_mask, cu_seqlens, key_cu_seqlens, dropout, seed, lse, out, "
-        "mask_grad",
+        "alibi_slopes, sinks, key_mask, cu_seqlens, key_cu_seqlens, dropout, seed, "
+        "relative_bias, lse, out, mask_grad",
         ("grad_out",
          ("q, k, v, layout, scale, mask, causal, key_lengths",
           "As :func:`attention` (not ``return_weights`` / ``return_lse``)."),
          ("window, softcap, alibi_slopes, sinks, key_mask, cu_seqlens, key_cu_seqlens",
           "As :func:`attention`."),
          ("dropout, seed", "As :func:`attention`: the same seed gives the forward's mask."),
+         ("relative_bias", "As :func:`attention`; its table's gradient is "
+          "'relative_bias'."),
          "lse", "out", "mask_grad")),
     "merge_attention": Entry(_F + "attention.py", "merge_attention",
                              "outs, lses, *, layout", ("outs", "lses", "layout")),
@@ -758,7 +775,7 @@ C_ARGS = (
     Arg("key_lengths", _MASKED + (_CHK,), "vector?", "int64", "(B,)", REQUIRED,
         "None, or each item's key count: keys j >= it are padding.",
         c_kind="ARG_LENGTHS", c_field="key_lengths"),
-    Arg("variants", _ALL5, "tuple?", "", "(18,)", REQUIRED,
+    Arg("variants", _ALL5, "tuple?", "", "(19,)", REQUIRED,
         "None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).",
         c_kind="ARG_VARIANTS", c_field=""),   # VARIANTS' fields
     Arg("lengths_aligned", (_AT, _ABW, _CHK), "bool", "", "", REQUIRED,
@@ -845,6 +862,9 @@ VARIANTS = (
      "key_positions, key_positions_bstride", "None or the keys' RoPE positions."),
     ("dropout", "float", "float64", "", "dropout", "0 for off, else in [0, 1)."),
     ("seed", "int", "uint64", "", "dropout_seed", "Dropout's seed, in [0, 2**64)."),
+    ("relative_bias", "tuple?", "T", "(num_buckets, H)",
+     "rel_table, rel_buckets, rel_max_distance, rel_bidirectional",
+     "None or (table, max_distance, bidirectional): T5's relative bias."),
 )
 
 _OPT = "Optional[_Float]"
@@ -1020,8 +1040,10 @@ C_OUTPUTS: Dict[str, Tuple[Out, ...]] = {
         Out("dwgate", "(Din, Svq)", "wgate", "dL/dwgate; in the tuple with wgate alone."),
         Out("dbgate", "(Svq,)", "wgate", "dL/dbgate; in the tuple with wgate alone."),
         Out("dmask", "(B, H, Tq, Tk)", "want_dmask",
-            "dL/d(mask) of an additive mask, before its broadcast; last in the tuple, "
+            "dL/d(mask) of an additive mask, before its broadcast; in the tuple "
             "with want_dmask alone."),
+        Out("drel_table", "(num_buckets, H)", "variants: relative_bias",
+            "dL/d(table) of T5's relative bias; last in the tuple, with it alone."),
     ),
     "attention": (
         Out("out", "(B, H, Tq, dv) or (B, Tq, H, dv)", "", "The attention, C-contiguous."),
@@ -1036,6 +1058,8 @@ C_OUTPUTS: Dict[str, Tuple[Out, ...]] = {
         Out("dmask", "(B, H, Tq, Tk)", "want_dmask",
             "dL/d(mask) of an additive mask, before its broadcast; in the tuple with "
             "want_dmask alone."),
+        Out("drel_table", "(num_buckets, H)", "variants: relative_bias",
+            "dL/d(table) of T5's relative bias; last in the tuple, with it alone."),
     ),
     "project": (
         Out("q", "(B, Tq, Sq)", "", "The q projection, after the q/k norm and RoPE."),
@@ -1137,6 +1161,8 @@ PARAMS: Tuple[Field, ...] = tuple(
     + [Field(n, "void *", _GRADS, u) for n, u in _io("AB", "writes",
         ("dq", "(B, Tq, Sq)"), ("dk", "(B, Tk, Sk)"), ("dv", "(B, Tk, Sv)"))]
     + [Field("dsinks", "void *", _GRADS, (Use("B, AB", "writes", "(H,), with cfg->sinks"),))]
+    + [Field("drel_table", "void *", _GRADS, (Use("B, AB", "writes",
+        "(rel_buckets, H), with cfg->rel_table: dL/d(rel_table)"),))]
     + [Field("dmask", "void *", _GRADS, (Use("B, AB", "writes",
         "(B, H, Tq, Tk), with an additive mask: dL/d(mask) at each (b, h, i, j), "
         "before the mask's broadcast (0 where the row does not see the key)"),))]
@@ -1175,7 +1201,9 @@ MHA_FIELDS = (
     ("WINDOW", "windowed, window_left, window_right", ""),
     ("SOFTCAP", "softcap", ""), ("ALIBI", "alibi", ""),
     ("ALIBI_BSTRIDE", "alibi_bstride", ""), ("DROPOUT", "dropout", ""),
-    ("DROPOUT_SEED", "dropout_seed", ""), ("NSEQ", "nseq", ""), ("CU_Q", "cu_q", ""),
+    ("DROPOUT_SEED", "dropout_seed", ""), ("REL_TABLE", "rel_table", ""),
+    ("REL_BUCKETS", "rel_buckets, rel_bidirectional", ""),
+    ("REL_MAX_DISTANCE", "rel_max_distance", ""), ("NSEQ", "nseq", ""), ("CU_Q", "cu_q", ""),
     ("CU_K", "cu_k", ""), ("Q_NORM", "q_norm", ""), ("K_NORM", "k_norm", ""),
     ("Q_NORM_HSTRIDE", "q_norm_hstride", ""), ("K_NORM_HSTRIDE", "k_norm_hstride", ""),
     ("NORM_EPS", "norm_eps", ""), ("NORM_TYPE", "norm_type", ""),

@@ -29,7 +29,7 @@ import numpy as np
 
 from .arrays import _check_numeric, _to_array
 
-__all__ = ["RoPE", "Variants", "normalize_variants", "VARIANT_DEFAULTS", "norm_type_arg",
+__all__ = ["RoPE", "RelativeBias", "Variants", "normalize_variants", "VARIANT_DEFAULTS", "norm_type_arg",
            "variant_kwargs",
            "query_positions", "key_positions_of", "sequence_ids"]
 
@@ -37,7 +37,8 @@ __all__ = ["RoPE", "Variants", "normalize_variants", "VARIANT_DEFAULTS", "norm_t
 VARIANT_DEFAULTS = dict(window=None, softcap=None, alibi_slopes=None, sinks=None,
                         q_norm=None, k_norm=None, norm_eps=1e-6, norm_type="rms",
                         rope=None, positions=None, key_positions=None, key_mask=None,
-                        cu_seqlens=None, key_cu_seqlens=None, dropout=0.0, seed=None)
+                        cu_seqlens=None, key_cu_seqlens=None, dropout=0.0, seed=None,
+                        relative_bias=None)
 
 
 def variant_kwargs(ns: dict) -> dict:
@@ -180,6 +181,109 @@ class RoPE:
         return 1.0 / self.theta ** (2 * c / rotary_dim)
 
 
+class RelativeBias:
+    """T5's relative position bias: a learned table of per-head biases by bucketed distance.
+
+    RelativeBias(table, num_buckets=32, max_distance=128, bidirectional=True)
+
+    Passed as ``relative_bias=`` to :func:`mhattn.multi_head_attention`,
+    :func:`mhattn.attention`, their ``_grad`` functions, the layer and the
+    reference.  Score (i, j) of head h gains ``table[bucket(j_pos - i_pos), h]``
+    after the softcap and ALiBi, before the additive mask, as in
+    transformers' ``T5Attention`` (which also uses ``scale=1.0``: T5 does
+    not divide by sqrt(d_k)).
+
+    Parameters
+    ----------
+    table : (num_buckets, h) array
+        The biases, as ``T5Attention.relative_attention_bias.weight``.  Its
+        gradient is returned under ``'relative_bias'``, shaped as the table.
+    num_buckets : int, default 32
+        Rows of the table.  Bidirectional (an encoder) gives each direction
+        ``num_buckets // 2``; a decoder (``bidirectional=False``) tells only
+        earlier keys apart.  A direction needs at least 2 buckets.
+    max_distance : int, default 128
+        Half of a direction's buckets are exact distances, the rest are
+        logarithmic up to ``max_distance``, beyond which all distances share
+        the last bucket.  It must be at least a direction's bucket count
+        (``num_buckets // 2`` when bidirectional): fewer distances than
+        buckets would leave buckets empty.
+    bidirectional : bool, default True
+        True for T5's encoder, False for its decoder.
+
+    Notes
+    -----
+    The bucket depends on the distance alone, so the C core looks up one
+    bias per distance and head per call (O(h (T_q + T_k))) and each tile
+    adds a contiguous slice of it: no (T_q, T_k) array is made.  The
+    buckets are transformers' ``_relative_position_bucket``, in float32 as
+    torch computes them (:func:`mhattn.reference.relative_position_bucket`).
+    Positions are those of ALiBi and causal masking: query i sits at
+    ``i + T_k - T_q`` (a KV cache's queries at their own position), key j
+    at j, within its own sequence when packed.
+
+    Examples
+    --------
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.standard_normal((6, 16))
+    >>> w = rng.standard_normal((16, 16)) / 4
+    >>> rb = mhattn.RelativeBias(rng.standard_normal((32, 2)))
+    >>> out = mhattn.multi_head_attention(x, w, w, w, num_heads=2, scale=1.0,
+    ...                                   relative_bias=rb)
+    >>> out.shape
+    (6, 16)
+    >>> g = mhattn.multi_head_attention_grad(np.ones_like(out), x, w, w, w,
+    ...                                      num_heads=2, scale=1.0, relative_bias=rb)
+    >>> g['relative_bias'].shape
+    (32, 2)
+    """
+
+    def __init__(self, table: Any, num_buckets: int = 32, max_distance: int = 128,
+                 bidirectional: bool = True):
+        for name, v in (("num_buckets", num_buckets), ("max_distance", max_distance)):
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (numbers.Integral,
+                                                                     np.integer)):
+                raise TypeError(f"{name}: expected an int, got {v!r:.80}")
+        if not isinstance(bidirectional, (bool, np.bool_)):
+            raise TypeError(f"bidirectional: expected True or False, got {bidirectional!r:.80}")
+        num_buckets, max_distance = int(num_buckets), int(max_distance)
+        per = num_buckets // 2 if bidirectional else num_buckets
+        what = "num_buckets // 2 (a direction's buckets)" if bidirectional else "num_buckets"
+        if per < 2:
+            raise ValueError(f"num_buckets: {num_buckets} gives {what} = {per}; a direction "
+                             f"needs at least 2 buckets")
+        if max_distance < per:
+            raise ValueError(f"max_distance: {max_distance} is less than {what} = {per}, "
+                             f"which leaves buckets empty (T5 uses 128 with 32 buckets)")
+        t = _real_array("relative_bias", table)
+        if t.ndim != 2 or t.shape[0] != num_buckets:
+            raise ValueError(f"relative_bias: expected a table of shape ({num_buckets}, h) "
+                             f"(num_buckets, heads), got {t.shape}")
+        self.table = t
+        self.num_buckets = num_buckets
+        self.max_distance = max_distance
+        self.bidirectional = bool(bidirectional)
+
+    def __repr__(self) -> str:
+        return (f"RelativeBias(table=<{self.table.shape[0]}x{self.table.shape[1]}>, "
+                f"num_buckets={self.num_buckets}, max_distance={self.max_distance}, "
+                f"bidirectional={self.bidirectional})")
+
+
+def _relative_bias(rb: Any, H: int, dtype) -> Optional[tuple]:
+    """(table (num_buckets, H) of dtype, max_distance, bidirectional), checked."""
+    if rb is None:
+        return None
+    if not isinstance(rb, RelativeBias):
+        raise TypeError(f"relative_bias: expected mhattn.RelativeBias(table, ...) or None, "
+                        f"got {type(rb).__name__}")
+    t = rb.table
+    if t.shape != (rb.num_buckets, H):
+        raise ValueError(f"relative_bias: expected a table of shape ({rb.num_buckets}, {H}) "
+                         f"(num_buckets, heads), got {t.shape}")
+    return _frozen(t.astype(dtype)), rb.max_distance, rb.bidirectional
+
+
 @dataclass
 class Variants:
     """The checked variants of one call (all off by default).
@@ -204,6 +308,7 @@ class Variants:
     cu_k: Optional[np.ndarray] = None        # (n+1,) int64
     dropout: float = 0.0                     # 0 <= dropout < 1 (the core's rule)
     seed: int = 0                            # dropout's seed, in [0, 2**64)
+    rel: Optional[tuple] = None              # T5: (table (nb, H), max_distance, bidir)
 
     @property
     def any(self) -> bool:
@@ -211,7 +316,8 @@ class Variants:
         return (self.window is not None or self.softcap is not None
                 or self.alibi is not None or self.sinks is not None
                 or self.key_mask is not None or self.packed or self.transforms
-                or self.dropout != 0)   # a bad one too (NaN, < 0): the core refuses it
+                or self.dropout != 0    # a bad one too (NaN, < 0): the core refuses it
+                or self.rel is not None)
 
     @property
     def transforms(self) -> bool:
@@ -475,7 +581,8 @@ def normalize_variants(v: dict, *, batched: bool, B: int, Tq: int, Tk: int, H: i
         rotary_dim=rd, interleaved=inter, inv_freq=freq,
         positions=pos, key_positions=kpos,
         key_mask=_key_mask(get("key_mask"), B, Tk, batched), cu_q=cu_q, cu_k=cu_k,
-        dropout=p, seed=dropout_seed(get("seed"), p))
+        dropout=p, seed=dropout_seed(get("seed"), p),
+        rel=_relative_bias(get("relative_bias"), H, dtype))
 
 
 def variants_tuple(call: Any, always: bool = False):
@@ -497,17 +604,21 @@ def variants_tuple_of(v: Variants, always: bool = False):
     return (window, 0.0 if v.softcap is None else v.softcap, v.alibi, v.sinks,
             v.key_mask, v.cu_q, v.cu_k, v.q_norm, v.k_norm, v.norm_eps, v.norm_type,
             v.rotary_dim, v.interleaved, v.inv_freq, v.positions, v.key_positions,
-            v.dropout, v.seed)
+            v.dropout, v.seed, v.rel)
 
 
 def variant_floats(v: dict) -> list:
-    """The learnable variants given as arrays (sinks, q_norm, k_norm): they
+    """The learnable variants given as arrays (sinks, q_norm, k_norm, T5's
+    table): they
     take part in choosing the compute dtype, as the biases do."""
     out = []
     for n in ("sinks", "q_norm", "k_norm"):
         a = v.get(n)
         if a is not None:
             out.append(_real_array(n, a))
+    rb = v.get("relative_bias")
+    if isinstance(rb, RelativeBias):
+        out.append(rb.table)
     return out
 
 

@@ -34,7 +34,7 @@ _LAYOUTS = ("bhtd", "bthd")
 # The variant keywords of attention on projected tensors: the score rules.
 # The q/k transforms (q_norm, k_norm, rope) belong to the projections.
 _ATTENTION_VARIANTS = ("window", "softcap", "alibi_slopes", "sinks", "key_mask",
-                       "cu_seqlens", "key_cu_seqlens")
+                       "cu_seqlens", "key_cu_seqlens", "relative_bias")
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 # (H, dk, scale) -> the glue's read-only scales (H,): a decode step builds none.
 _SCALES: Dict[tuple, np.ndarray] = {}
@@ -155,7 +155,8 @@ def _bhtd(p: Projected, a: np.ndarray) -> np.ndarray:
 def attention(q, k, v, *, layout="bhtd", scale=None, mask=None, causal=False,
               key_lengths=None, return_weights=False, return_lse=False, window=None,
               softcap=None, alibi_slopes=None, sinks=None, key_mask=None,
-              cu_seqlens=None, key_cu_seqlens=None, dropout=0.0, seed=None):
+              cu_seqlens=None, key_cu_seqlens=None, dropout=0.0, seed=None,
+              relative_bias=None):
     """Scaled dot-product attention on tensors that are already projected.
 
     attention(q, k, v, *, layout="bhtd", scale=None, mask=None, causal=False,
@@ -200,6 +201,8 @@ def attention(q, k, v, *, layout="bhtd", scale=None, mask=None, causal=False,
         RoPE) are not attention keywords: apply them before.
     dropout, seed
         As :func:`mhattn.multi_head_attention`.
+    relative_bias
+        As :func:`mhattn.multi_head_attention`.
 
     Returns
     -------
@@ -224,7 +227,7 @@ def attention(q, k, v, *, layout="bhtd", scale=None, mask=None, causal=False,
     want_lse = bool_arg("return_lse", return_lse)
     variants = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
                     key_mask=key_mask, cu_seqlens=cu_seqlens, key_cu_seqlens=key_cu_seqlens,
-                    **dropout_kwargs(dropout, seed))
+                    relative_bias=relative_bias, **dropout_kwargs(dropout, seed))
     scales, m, c, kl, var, _ = _glue_args(p, scale, mask, causal, key_lengths, variants)
     n = p.dtype.itemsize
     check_memory([("out", "B*h*T_q*d_v", (p.B, p.H, p.Tq, p.dv), n),
@@ -244,8 +247,8 @@ def attention(q, k, v, *, layout="bhtd", scale=None, mask=None, causal=False,
 def attention_grad(grad_out, q, k, v, *, layout="bhtd", scale=None, mask=None,
                    causal=False, key_lengths=None, window=None, softcap=None,
                    alibi_slopes=None, sinks=None, key_mask=None, cu_seqlens=None,
-                   key_cu_seqlens=None, dropout=0.0, seed=None, lse=None,
-                   out=None, mask_grad=False) -> Dict[str, np.ndarray]:
+                   key_cu_seqlens=None, dropout=0.0, seed=None, relative_bias=None,
+                   lse=None, out=None, mask_grad=False) -> Dict[str, np.ndarray]:
     """Gradients of :func:`attention` with respect to q, k, v (and sinks).
 
     attention_grad(grad_out, q, k, v, *, <attention's keywords>, lse=None,
@@ -261,6 +264,8 @@ def attention_grad(grad_out, q, k, v, *, layout="bhtd", scale=None, mask=None,
         As :func:`attention`.
     dropout, seed
         As :func:`attention`: the same seed gives the forward's mask.
+    relative_bias
+        As :func:`attention`; its table's gradient is 'relative_bias'.
     lse : (B, H, T_q), optional
         The forward's ``return_lse=True`` result, given with ``out``.
     out : the forward's ``out``, optional
@@ -303,7 +308,7 @@ def attention_grad(grad_out, q, k, v, *, layout="bhtd", scale=None, mask=None,
     p = check_projected(q, k, v, layout)
     variants = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
                     key_mask=key_mask, cu_seqlens=cu_seqlens, key_cu_seqlens=key_cu_seqlens,
-                    **dropout_kwargs(dropout, seed))
+                    relative_bias=relative_bias, **dropout_kwargs(dropout, seed))
     scales, m, c, kl, var, (mshape, mdtype) = _glue_args(p, scale, mask, causal, key_lengths,
                                                          variants)
     want_dmask = mask_grad_arg(mask_grad, m)
@@ -322,18 +327,23 @@ def attention_grad(grad_out, q, k, v, *, layout="bhtd", scale=None, mask=None,
     if o is None:
         o, _, ls = core.attention(p.q, p.k, p.v, scales, m, c, kl, var, False, False,
                                 False, True)
-    dq, dk, dv, dsinks, *dmask = core.attention_backward(
+    # want_dmask: dmask, then with T5's bias drel_table, close the tuple.
+    dq, dk, dv, dsinks, *rest = core.attention_backward(
         g, p.q, p.k, p.v, o, ls, scales, m, c, kl, var, False,
         **({"want_dmask": True} if want_dmask else {}))
+    drel = rest.pop() if relative_bias is not None else None
     grads = {"q": _bhtd(p, dq), "k": _bhtd(p, dk), "v": _bhtd(p, dv)}
     if want_dmask:
-        grads["mask"] = mask_gradient(dmask[0], mshape, p.batched)
+        grads["mask"] = mask_gradient(rest[0], mshape, p.batched)
     if p.out_dtype != p.dtype:   # half: each gradient rounded once to q's dtype
         grads = {n: narrow(a, p.out_dtype) if n != "mask" or is_half(mdtype) else a
                  for n, a in grads.items()}
-    if sinks is not None:
-        grads["sinks"] = dsinks if p.out_dtype == p.dtype or not is_half(
-            getattr(sinks, "dtype", np.dtype(np.float64))) else narrow(dsinks, p.out_dtype)
+    # A variant's gradient: half when its array was given half.
+    for name, given, gv in (("sinks", sinks, dsinks),
+                            ("relative_bias", getattr(relative_bias, "table", None), drel)):
+        if given is not None:
+            grads[name] = gv if p.out_dtype == p.dtype or not is_half(
+                getattr(given, "dtype", np.dtype(np.float64))) else narrow(gv, p.out_dtype)
     return grads
 
 

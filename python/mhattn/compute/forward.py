@@ -71,7 +71,7 @@ def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None
                          sinks=None, q_norm=None, k_norm=None, norm_eps=1e-6, norm_type="rms",
                          rope=None, positions=None, key_positions=None, key_mask=None,
                          cu_seqlens=None, key_cu_seqlens=None, dropout=0.0, seed=None,
-                         cache=None, new_lengths=None):
+                         relative_bias=None, cache=None, new_lengths=None):
     """Multi-head attention, computed by mhattn's C core.
 
     multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None,
@@ -202,6 +202,14 @@ def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None
         draws one from fresh OS entropy (a new mask on each call).  A
         context (``return_context=True``) keeps the seed for its backward.
         Anything else raises ValueError naming seed.
+    relative_bias : mhattn.RelativeBias, optional
+        T5's relative position bias (:class:`mhattn.RelativeBias`): score (i, j)
+        of head h gains ``table[bucket(j - p_i), h]``, after the softcap and
+        ALiBi, before the additive mask, with transformers' ``T5Attention``
+        buckets.  One bias per distance and head is looked up per call; no
+        (T_q, T_k) array is made.  Its table's gradient is ``'relative_bias'``
+        in the ``_grad`` functions' results.  A table whose shape is not
+        (num_buckets, h) raises ValueError naming relative_bias.
     cache : mhattn.KVCache, optional
         One step of a decoder through a key/value cache (prefill: many rows;
         decode: one): x holds only the new rows, (B, T_new, d_in) (or
@@ -262,7 +270,8 @@ def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None
     # no more; the paths that take the variants build their dict there.
     # (tests/test_fast_path.py holds this list to VARIANT_DEFAULTS.)
     off = (window is softcap is alibi_slopes is sinks is q_norm is k_norm is rope is
-           positions is key_positions is key_mask is cu_seqlens is key_cu_seqlens is None
+           positions is key_positions is key_mask is cu_seqlens is key_cu_seqlens is
+           relative_bias is None
            and (norm_eps is _EPS or type(norm_eps) is float and norm_eps == _EPS)
            and (norm_type is _RMS or type(norm_type) is str and norm_type == _RMS)
            and (dropout is _NODROP or type(dropout) is float and dropout == 0) and seed is None

@@ -135,7 +135,7 @@ def backward(grad_out, ctx: Context, *, mask_grad=False) -> Dict[str, Any]:
     biases = ctx.bias_forms
     dk, dv, scales = head_arrays(call)
     # With the output gate, _C.backward's tuple goes on with (dwgate, dbgate);
-    # with want_dmask, dmask closes it.
+    # then with want_dmask dmask, then with T5's bias drel_table.
     (dx, dkey, dvalue, dwq, dwk, dwv, dwo, dbq, dbk, dbv, dbo, dsinks, dq_norm,
      dk_norm, *rest) = core.backward(
         g, call.x, call.key if call.key_given else None,
@@ -146,6 +146,7 @@ def backward(grad_out, ctx: Context, *, mask_grad=False) -> Dict[str, Any]:
         biases["b_k"] is not None, biases["b_v"] is not None, call.b_o is not None,
         **gate_args(call), **({"want_dmask": True} if want_dmask else {}))
     dgate = rest[:2] if call.w_gate is not None else []
+    drel = rest.pop() if call.var.rel is not None else None
 
     grads: Dict[str, Any] = {"x": call.unbatch(dx)}
     if call.key_given:
@@ -167,7 +168,8 @@ def backward(grad_out, ctx: Context, *, mask_grad=False) -> Dict[str, Any]:
         grads["w_gate"] = dgate[0]
         if call.b_gate is not None:
             grads["b_gate"] = dgate[1]
-    for name, gv in (("sinks", dsinks), ("q_norm", dq_norm), ("k_norm", dk_norm)):
+    for name, gv in (("sinks", dsinks), ("q_norm", dq_norm), ("k_norm", dk_norm),
+                     ("relative_bias", drel)):
         if gv is not None:
             grads[name] = gv
     if want_dmask:
@@ -182,7 +184,7 @@ def backward(grad_out, ctx: Context, *, mask_grad=False) -> Dict[str, Any]:
     return grads
 
 
-_VARIANT_GRADS = ("sinks", "q_norm", "k_norm", "mask")
+_VARIANT_GRADS = ("sinks", "q_norm", "k_norm", "relative_bias", "mask")
 
 
 def _narrow_tree(g: Any, dt: np.dtype) -> Any:
@@ -200,7 +202,8 @@ def multi_head_attention_grad(grad_out, x, w_q, w_k=None, w_v=None, w_o=None, *,
                               k_norm=None, norm_eps=1e-6, norm_type="rms", rope=None,
                               positions=None, key_positions=None, key_mask=None,
                               cu_seqlens=None, key_cu_seqlens=None, dropout=0.0,
-                              seed=None, mask_grad=False) -> Dict[str, Any]:
+                              seed=None, relative_bias=None,
+                              mask_grad=False) -> Dict[str, Any]:
     """Gradients of multi_head_attention with respect to each array argument.
 
     multi_head_attention_grad(grad_out, x, w_q, w_k, w_v, w_o=None, **keywords)
@@ -229,6 +232,8 @@ def multi_head_attention_grad(grad_out, x, w_q, w_k=None, w_v=None, w_o=None, *,
         As :func:`mhattn.multi_head_attention`.
     dropout, seed
         As :func:`mhattn.multi_head_attention`: the same seed gives the forward's mask.
+    relative_bias
+        As :func:`mhattn.multi_head_attention`; its table's gradient is 'relative_bias'.
     mask_grad : bool, default False
         Also return ``'mask'``, the gradient of the additive (float) ``mask``
         (a learned bias: a relative-position table's scores, a FlexAttention

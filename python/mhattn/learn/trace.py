@@ -70,12 +70,12 @@ KEYS = ("q", "k", "v", "raw_scores", "scores", "row_max", "lse", "weights",
         "heads", "concat", "output")
 
 #: The variants' stages, present when the call uses them (see the module doc).
-VARIANT_KEYS = ("q_proj", "k_proj", "q_normed", "k_normed", "capped", "bias", "keep",
-                "gate", "gated")
+VARIANT_KEYS = ("q_proj", "k_proj", "q_normed", "k_normed", "capped", "bias", "relative",
+                "keep", "gate", "gated")
 
 # Every stage in the order of a score's life.
 _ORDER = ("q_proj", "k_proj", "q_normed", "k_normed", "q", "k", "v", "raw_scores",
-          "capped", "bias", "scores", "row_max", "lse", "keep", "weights", "heads", "concat",
+          "capped", "bias", "relative", "scores", "row_max", "lse", "keep", "weights", "heads", "concat",
           "gate", "gated", "output")
 
 _PER_HEAD = ("q", "k", "v", "heads", "q_proj", "k_proj", "q_normed", "k_normed")
@@ -115,7 +115,7 @@ def trace(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=None,
           key_tokens=None, window=None, softcap=None, alibi_slopes=None, sinks=None,
           q_norm=None, k_norm=None, norm_eps=1e-6, norm_type="rms", rope=None,
           positions=None, key_positions=None, key_mask=None, cu_seqlens=None,
-          key_cu_seqlens=None, dropout=0.0, seed=None) -> "Trace":
+          key_cu_seqlens=None, dropout=0.0, seed=None, relative_bias=None) -> "Trace":
     """Every intermediate step of multi-head attention, per head.
 
     trace(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=None,
@@ -150,6 +150,9 @@ def trace(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=None,
         As :func:`mhattn.multi_head_attention`: ``weights`` are then those
         after dropout, and ``keep`` holds dropout's mask (bool, the shape of
         ``weights``).
+    relative_bias
+        As :func:`mhattn.multi_head_attention`: ``relative`` then holds T5's
+        bias of every (b, h, i, j), the shape of ``scores``.
 
     Returns
     -------
@@ -207,6 +210,8 @@ def _trace_items(call: Call) -> list:
         items.append(("the trace's capped scores", "B*h*T_q*T_k", (B, H, Tq, Tk), n))
     if var.alibi is not None:
         items.append(("the trace's ALiBi bias", "B*h*T_q*T_k", (B, H, Tq, Tk), n))
+    if var.rel is not None:
+        items.append(("the trace's T5 bias", "B*h*T_q*T_k", (B, H, Tq, Tk), n))
     if var.dropout > 0:
         # the keep mask, and one head's hash (its uint64 keys, uint32 bits)
         items.append(("the trace's dropout mask", "B*h*T_q*T_k", (B, H, Tq, Tk), 1))
@@ -225,7 +230,8 @@ def _trace_items(call: Call) -> list:
     # scores and three arrays of the softmax (exp, quotient, its rounding),
     # one more each for the capped scores and the ALiBi bias, in the call's
     # dtype; the allowed keys in bool.
-    steps = 6 + (var.softcap is not None) + (var.alibi is not None)
+    # T5's: its bias and its distances and buckets (int64 each).
+    steps = 6 + (var.softcap is not None) + (var.alibi is not None) + 3 * (var.rel is not None)
     items.append((f"one head's score steps ({steps} arrays and a bool mask)", "T_q*T_k",
                   (Tq, Tk), steps * n + 1))
     # The views and lists of each head's stages, as elsewhere (PER_HEAD_BYTES).
@@ -242,7 +248,7 @@ def _score_stages(call: Call, q: np.ndarray, k: np.ndarray) -> dict:
     Sq) and k (B, Tk, Sk), by the reference's steps
     (:func:`mhattn.reference.head_scores`): q_normed, k_normed, q, k (in
     the fused layout); raw, capped, bias, scores (B, H, Tq, Tk), capped and
-    bias None when the call has no softcap / ALiBi."""
+    bias None when the call has no softcap / ALiBi, relative without T5's bias."""
     var, B, H, Tq, Tk = call.var, call.B, call.H, call.Tq, call.Tk
     # Without a norm or RoPE the scores use the projections themselves.
     norms = var.q_norm is not None or var.k_norm is not None
@@ -251,7 +257,8 @@ def _score_stages(call: Call, q: np.ndarray, k: np.ndarray) -> dict:
     shape = (B, H, Tq, Tk)
     out = dict(raw=np.empty(shape, call.dtype), scores=np.empty(shape, call.dtype),
                capped=np.empty(shape, call.dtype) if var.softcap is not None else None,
-               bias=np.empty(shape, call.dtype) if var.alibi is not None else None)
+               bias=np.empty(shape, call.dtype) if var.alibi is not None else None,
+               relative=np.empty(shape, call.dtype) if var.rel is not None else None)
     # With no keys at all (T_k == 0) there is nothing to score.
     for b in range(B if Tk else 0):
         for h in range(H):
@@ -262,7 +269,7 @@ def _score_stages(call: Call, q: np.ndarray, k: np.ndarray) -> dict:
             if var.transforms:
                 qr[b, :, qc], kr[b, :, kc] = st["q"], st["k"]
             out["raw"][b, h], out["scores"][b, h] = st["raw_scores"], st["scores"]
-            for name in ("capped", "bias"):
+            for name in ("capped", "bias", "relative"):
                 if out[name] is not None:
                     out[name][b, h] = st[name]
             # Freed before the next head's steps: one head's at a time.
@@ -476,7 +483,7 @@ class Trace:
         if var.q_norm is not None or var.k_norm is not None:
             arrays.update(q_normed=per_head(st["q_normed"], call.q_cols),
                           k_normed=per_head(st["k_normed"], kv_cols))
-        for name in ("capped", "bias"):
+        for name in ("capped", "bias", "relative"):
             if st[name] is not None:
                 arrays[name] = call.unbatch(st[name])
         if var.dropout > 0:

@@ -18,7 +18,7 @@ order of a score's life (``mhattn._internal.variants``):
  3. RoPE                                   :func:`rope`
  4. q . k;  5. x scale                     :func:`score_steps`
  6. softcap: c tanh(s / c)                 :func:`softcap`
- 7. + ALiBi + additive mask                :func:`alibi_bias`
+ 7. + ALiBi + T5's bias + additive mask    :func:`alibi_bias`, :func:`relative_bias`
  8. the visibility rules -> -inf           :func:`allowed_keys`
  9. softmax, with sinks                    :func:`softmax`, :func:`log_sum_exp`
  9b. dropout (``dropout=p``, ``seed=``)     :func:`dropout_keep`
@@ -51,7 +51,8 @@ from .._internal.variants import key_positions_of, query_positions, sequence_ids
 __all__ = ["multi_head_attention", "lse", "softmax", "log_sum_exp", "attention",
            "score_steps", "weighted_values", "allowed_keys", "rms_norm", "layer_norm",
            "rope", "softcap", "alibi_bias", "param_count", "head_intermediates",
-           "head_scores", "worked_example", "projected_attention", "dropout_keep"]
+           "head_scores", "worked_example", "projected_attention", "dropout_keep",
+           "relative_position_bucket", "relative_bias"]
 
 _U64 = np.uint64
 
@@ -365,6 +366,85 @@ def alibi_bias(slope: float, query_pos: np.ndarray, key_pos: np.ndarray,
     return (-float(slope) * d).astype(dtype)
 
 
+def relative_position_bucket(relative_position: np.ndarray, bidirectional: bool = True,
+                             num_buckets: int = 32, max_distance: int = 128) -> np.ndarray:
+    """T5's bucket of each signed distance ``key_pos - query_pos``.
+
+    transformers' ``T5Attention._relative_position_bucket``, operation by
+    operation in float32 as torch computes it there (the float32 log as the
+    float64 log rounded, as the C core does: ``mha_rel_bucket``).
+
+    Parameters
+    ----------
+    relative_position : int array
+        Key position minus query position.
+    bidirectional : bool, default True
+        True (an encoder): each direction gets ``num_buckets // 2`` buckets,
+        later keys from ``num_buckets // 2`` on; False (a decoder): later
+        keys share bucket 0.
+    num_buckets, max_distance : int
+        As :class:`mhattn.RelativeBias`.
+
+    Returns
+    -------
+    int64 array of the same shape, each in [0, num_buckets).
+
+    Examples
+    --------
+    >>> relative_position_bucket(np.array([-200, -9, -1, 0, 1, 9, 200]))
+    array([15,  8,  1,  0, 17, 24, 31])
+    """
+    d = np.asarray(relative_position, dtype=np.int64)
+    n, at = num_buckets, np.zeros(d.shape, dtype=np.int64)
+    if bidirectional:
+        n //= 2
+        at = np.where(d > 0, n, 0)
+        r = np.abs(d)
+    else:
+        r = np.maximum(-d, 0)
+    exact = n // 2
+    f32 = np.float32
+    with np.errstate(divide="ignore"):   # r = 0 takes the exact branch below
+        q = r.astype(f32) / f32(exact)
+        lq = np.log(q.astype(np.float64)).astype(f32)
+    t = lq / f32(np.log(max_distance / exact)) * f32(n - exact)
+    large = exact + np.minimum(np.where(r >= exact, t, 0), n).astype(np.int64)
+    return at + np.where(r < exact, r, np.minimum(large, n - 1))
+
+
+def relative_bias(table: np.ndarray, h: int, query_pos: np.ndarray, key_pos: np.ndarray,
+                  bidirectional: bool = True, max_distance: int = 128,
+                  dtype=np.float64) -> np.ndarray:
+    """Step 7, T5's relative bias of head h: ``table[bucket(j - p_i), h]``.
+
+    Parameters
+    ----------
+    table : (num_buckets, H) array
+        :class:`mhattn.RelativeBias`'s table.
+    h : int
+        The query head.
+    query_pos, key_pos : (Tq,) and (Tk,) int arrays
+        p_i and j, as for :func:`alibi_bias`.
+    bidirectional, max_distance
+        As :class:`mhattn.RelativeBias`.
+    dtype : the result's dtype
+
+    Returns
+    -------
+    bias : (Tq, Tk) array, added after ALiBi's
+
+    Examples
+    --------
+    >>> table = np.arange(8.0).reshape(4, 2)
+    >>> relative_bias(table, 1, np.array([1]), np.arange(3), max_distance=2)
+    array([[3., 1., 7.]])
+    """
+    d = np.asarray(key_pos, dtype=np.int64)[None, :] - np.asarray(query_pos,
+                                                                  dtype=np.int64)[:, None]
+    b = relative_position_bucket(d, bidirectional, table.shape[0], max_distance)
+    return np.asarray(table)[b, h].astype(dtype)
+
+
 def allowed_keys(call: Call, b: int, h: int) -> np.ndarray:
     """Step 8, (Tq, Tk) bool: which keys query row i of head h, batch item b may attend to.
 
@@ -427,7 +507,8 @@ def allowed_keys(call: Call, b: int, h: int) -> np.ndarray:
 
 def score_steps(q: np.ndarray, k: np.ndarray, scale: float, *, cap: Optional[float] = None,
                 bias: Optional[np.ndarray] = None, additive: Optional[np.ndarray] = None,
-                allowed: Optional[np.ndarray] = None) -> dict:
+                allowed: Optional[np.ndarray] = None,
+                relative: Optional[np.ndarray] = None) -> dict:
     """Steps 4-8 of one head's scores, each kept.
 
     Parameters
@@ -443,12 +524,14 @@ def score_steps(q: np.ndarray, k: np.ndarray, scale: float, *, cap: Optional[flo
         The float mask.
     allowed : (Tq, Tk) bool, optional
         :func:`allowed_keys`; False becomes -inf.
+    relative : (Tq, Tk), optional
+        T5's relative bias (:func:`relative_bias`), added after ALiBi's.
 
     Returns
     -------
     dict with raw_scores = q k^T, scaled = raw * scale, capped (= scaled
-    without a softcap) and scores (capped + bias + additive, -inf where not
-    allowed), each (Tq, Tk) of q's dtype.
+    without a softcap) and scores (capped + bias + relative + additive,
+    -inf where not allowed), each (Tq, Tk) of q's dtype.
 
     Examples
     --------
@@ -462,6 +545,8 @@ def score_steps(q: np.ndarray, k: np.ndarray, scale: float, *, cap: Optional[flo
     scores = capped
     if bias is not None:
         scores = scores + bias
+    if relative is not None:
+        scores = scores + relative
     if additive is not None:
         scores = scores + additive
     if allowed is not None:
@@ -647,6 +732,13 @@ def head_scores(call: Call, b: int, h: int, q_proj: np.ndarray, k_proj: np.ndarr
         slope = var.alibi[b if var.alibi.shape[0] > 1 else 0, h]
         bias = alibi_bias(slope, query_positions(var, B, Tq, Tk, for_rope=False)[b],
                           key_positions_of(var, B, Tk, for_rope=False)[b], call.dtype)
+    # T5's bias at the same positions
+    relative = None
+    if var.rel is not None:
+        table, max_distance, bidirectional = var.rel
+        relative = relative_bias(table, h, query_positions(var, B, Tq, Tk, for_rope=False)[b],
+                                 key_positions_of(var, B, Tk, for_rope=False)[b],
+                                 bidirectional, max_distance, call.dtype)
     additive = None
     if call.mask is not None and call.mask.dtype != bool:
         additive = call.mask[b, h]
@@ -654,7 +746,7 @@ def head_scores(call: Call, b: int, h: int, q_proj: np.ndarray, k_proj: np.ndarr
     allowed = allowed_keys(call, b, h)
     # 4-8. the scores
     st = score_steps(q, k, call.scales[h], cap=var.softcap, bias=bias, additive=additive,
-                     allowed=allowed)
+                     allowed=allowed, relative=relative)
     # 9. softmax with the sink, which the weights exclude and the lse includes
     sink = None if var.sinks is None else var.sinks[h]
     probs = softmax(st["scores"], sink)
@@ -666,7 +758,8 @@ def head_scores(call: Call, b: int, h: int, q_proj: np.ndarray, k_proj: np.ndarr
         weights = np.where(keep, probs * inv, probs.dtype.type(0))
     return dict(q_proj=q_proj, k_proj=k_proj, q_normed=q_normed, k_normed=k_normed,
                 q=q, k=k, raw_scores=st["raw_scores"], scaled=st["scaled"],
-                capped=st["capped"], bias=bias, additive=additive, allowed=allowed,
+                capped=st["capped"], bias=bias, relative=relative, additive=additive,
+                allowed=allowed,
                 scores=st["scores"], sink=sink, probs=probs, keep=keep, weights=weights,
                 lse=log_sum_exp(st["scores"], sink))
 
@@ -715,7 +808,8 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None
                          b_gate=None, window=None, softcap=None, alibi_slopes=None,
                          sinks=None, q_norm=None, k_norm=None, norm_eps=1e-6, norm_type="rms",
                          rope=None, positions=None, key_positions=None, key_mask=None,
-                         cu_seqlens=None, key_cu_seqlens=None, dropout=0.0, seed=None):
+                         cu_seqlens=None, key_cu_seqlens=None, dropout=0.0, seed=None,
+                         relative_bias=None):
     """Reference multi-head attention; same arguments and results as
     :func:`mhattn.multi_head_attention`.
 
@@ -814,7 +908,7 @@ def lse(x, w_q, w_k, w_v, w_o=None, **keywords) -> np.ndarray:
 
 
 _ATTENTION_VARIANTS = ("window", "softcap", "alibi_slopes", "sinks", "key_mask",
-                       "cu_seqlens", "key_cu_seqlens", "dropout", "seed")
+                       "cu_seqlens", "key_cu_seqlens", "dropout", "seed", "relative_bias")
 
 
 def projected_attention(q, k, v, *, layout="bhtd", scale=None, mask=None, causal=False,
