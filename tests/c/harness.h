@@ -24,6 +24,7 @@
 #include "dispatch.h"
 #include "mha.h"
 #include "platform.h"
+#include "rules.h"   /* mha_rel_bucket: T5's buckets, held to transformers' in Python */
 
 static int g_failures;
 static long g_checks;
@@ -245,6 +246,11 @@ static inline double ref_score(const mha_config *c, double scale, const double *
         int64_t pi, pj;
         ref_place(c, b, i, j, &pi, &pj);
         s += -c->alibi[b * c->alibi_bstride + h] * (double)llabs(pi - pj);
+    }
+    if (c->rel_table) { /* T5's bias: a double table (rel_buckets, H) */
+        int64_t pi, pj;
+        ref_place(c, b, i, j, &pi, &pj);
+        s += ((const double *)c->rel_table)[mha_rel_bucket(c, pj - pi) * c->H + h];
     }
     if (c->mask_kind == MHA_MASK_ADD)
         s += maskd[((b * c->H + h) * c->Tq + i) * c->Tk + j];

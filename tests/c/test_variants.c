@@ -1,9 +1,9 @@
 /*
  * test_variants.c - the score-level variants of issue 13 in the fused core
  * (csrc/core/rules.h, kernels/flash.inc, kernels/bwd.inc): sliding windows,
- * softcap, ALiBi, attention sinks (and dsinks), key_mask and packed
- * sequences, alone and together with the bool / additive masks and
- * key_lengths.
+ * softcap, ALiBi, attention sinks (and dsinks), key_mask, packed sequences
+ * and T5's relative bias (issue 38, and drel_table), alone and together
+ * with the bool / additive masks and key_lengths.
  *
  * Build and run (see the Makefile beside this file):
  *   make -C tests/c check
@@ -17,7 +17,8 @@
  *     threads, with bitwise equality across the thread counts; shapes are
  *     awkward on purpose (T not a multiple of any tile, GQA G < H, Tq != Tk);
  *   - the backward: central finite differences of sum(out * R) for a few
- *     entries of x, wq, key and of the sinks (dsinks), per case; bitwise
+ *     entries of x, wq, key, of the sinks (dsinks) and of T5's table
+ *     (drel_table), per case; bitwise
  *     equality of every gradient across thread counts (1 thread runs the
  *     fused dK/dV/dQ pass, 3 threads the two-pass plan); a window's
  *     gradients equal those of the same call with the window written as a
@@ -46,6 +47,9 @@
 
 enum { KM_NONE, KM_PATTERN };       /* key_mask: none, or left/inner/right */
 enum { AL_NONE, AL_H, AL_BH };      /* ALiBi slopes (H,) or (B, H)         */
+enum { REL_NONE, REL_BI, REL_DEC }; /* T5's bias: encoder, decoder         */
+#define REL_NB 16                   /* its buckets, and its max distance   */
+#define REL_MD 40
 
 typedef struct {
     const char *name;
@@ -54,7 +58,7 @@ typedef struct {
     int causal, windowed;
     int64_t wl, wr;
     double softcap;
-    int alibi, sinks, key_mask;
+    int alibi, sinks, key_mask, rel;
     mha_mask_kind mask_kind;
     int key_lengths;             /* 1: key_lengths (B,), item 1 gets 0 keys */
     size_t nseq;
@@ -68,7 +72,7 @@ typedef struct {
     spec sp;
     mha_config cfg;
     size_t dkv[8], dvv[8];
-    double scale[16], slopes[32], sinks[16];
+    double scale[16], slopes[32], sinks[16], reltab[REL_NB * 16];
     int64_t klen[8];
     size_t Sq, Sk, Sv, Svq, Dout;
     double *x, *key, *value, *wq, *wk, *wv, *wo, *maskd, *R;
@@ -90,6 +94,8 @@ static void prob_init(prob *P, const spec *sp)
     }
     for (size_t e = 0; e < B * H; e++)
         P->slopes[e] = 0.02 + 0.2 * fabs(rng_unit());
+    for (size_t e = 0; e < REL_NB * H; e++)
+        P->reltab[e] = (double)(float)rng_unit();
     P->Sq = H * sp->dk, P->Sk = G * sp->dk, P->Sv = G * sp->dv, P->Svq = H * sp->dv;
     P->Dout = sp->has_wo ? 20 : P->Svq;
     P->x = rand_vec(B * Tq * sp->Din, 1);
@@ -142,6 +148,11 @@ static void prob_init(prob *P, const spec *sp)
     c->alibi_bstride = sp->alibi == AL_BH ? H : 0;
     c->sinks = sp->sinks ? P->sinks : NULL; /* rebound per type by the runners */
     c->key_mask = sp->key_mask ? P->km : NULL;
+    if (sp->rel) { /* rebound per type by the runners */
+        c->rel_table = P->reltab;
+        c->rel_buckets = REL_NB, c->rel_max_distance = REL_MD;
+        c->rel_bidirectional = sp->rel == REL_BI;
+    }
     c->nseq = sp->nseq;
     c->cu_q = sp->nseq ? P->sp.cu_q : NULL;
     c->cu_k = sp->nseq ? P->sp.cu_k : NULL;
@@ -212,6 +223,7 @@ typedef struct {
 
 typedef struct {
     double *dx, *dkey, *dvalue, *dwq, *dwk, *dwv, *dwo, *dsinks;
+    double *drel;   /* (REL_NB, H), with T5's bias */
 } bwd_out;
 
 static float *to_f(const double *a, size_t n)
@@ -285,9 +297,11 @@ static mha_status run_fwd(const prob *P, int f64, const fwd_out *o)
     float *wk = to_f(P->wk, Din * P->Sk), *wv = to_f(P->wv, Din * P->Sv);
     float *wo = to_f(P->wo, P->Svq * P->Dout);
     float *maskd = to_f(P->maskd, n[1]), *sinks = to_f(P->sinks, P->sp.H);
+    float *rel = to_f(P->reltab, REL_NB * P->sp.H);
     if (cfg.mask_kind == MHA_MASK_ADD)
         cfg.mask = maskd;
     cfg.sinks = P->sp.sinks ? sinks : NULL;
+    cfg.rel_table = P->sp.rel ? rel : NULL;
     float *of[7];
     for (int t = 0; t < 7; t++) {
         of[t] = xcalloc(n[t], sizeof(float));
@@ -305,7 +319,7 @@ static mha_status run_fwd(const prob *P, int f64, const fwd_out *o)
         free(of[t]);
     }
     free(x), free(key), free(value), free(wq), free(wk), free(wv), free(wo);
-    free(maskd), free(sinks);
+    free(maskd), free(sinks), free(rel);
     return st;
 }
 
@@ -320,12 +334,13 @@ static void bwd_alloc(bwd_out *g, const prob *P)
     g->dwv = xcalloc(Din * P->Sv, sizeof(double));
     g->dwo = xcalloc(P->Svq * P->Dout, sizeof(double));
     g->dsinks = xcalloc(P->sp.H, sizeof(double));
+    g->drel = xcalloc(REL_NB * P->sp.H, sizeof(double));
 }
 
 static void bwd_free(bwd_out *g)
 {
     free(g->dx), free(g->dkey), free(g->dvalue), free(g->dwq), free(g->dwk);
-    free(g->dwv), free(g->dwo), free(g->dsinks);
+    free(g->dwv), free(g->dwo), free(g->dsinks), free(g->drel);
 }
 
 static void bwd_sizes(const prob *P, size_t n[8])
@@ -350,6 +365,7 @@ static mha_status run_bwd(const prob *P, int f64, const fwd_out *fo, const bwd_o
         const mha_params prm = {
             .dtype = MHA_DTYPE_F64, .dx = g->dx, .dkey = g->dkey, .dvalue = g->dvalue,
             .dwq = g->dwq, .dwk = g->dwk, .dwv = g->dwv, .dwo = wo_d, .dsinks = g->dsinks,
+            .drel_table = g->drel,
             .dout = P->R, .x = P->x, .key = P->key, .value = P->value, .wq = P->wq,
             .wk = P->wk, .wv = P->wv, .wo = P->wo, .q = fo->q, .k = fo->k, .v = fo->v,
             .concat = fo->cat, .lse = fo->lse};
@@ -363,15 +379,19 @@ static mha_status run_bwd(const prob *P, int f64, const fwd_out *fo, const bwd_o
     float *maskd = to_f(P->maskd, nf[1]), *sinks = to_f(P->sinks, P->sp.H);
     float *q = to_f(fo->q, nf[3]), *k = to_f(fo->k, nf[4]), *v = to_f(fo->v, nf[5]);
     float *cat = to_f(fo->cat, nf[6]), *lse = to_f(fo->lse, nf[2]);
+    float *rel = to_f(P->reltab, REL_NB * P->sp.H);
+    float *drel = xcalloc(REL_NB * P->sp.H, sizeof(float));
     if (cfg.mask_kind == MHA_MASK_ADD)
         cfg.mask = maskd;
     cfg.sinks = P->sp.sinks ? sinks : NULL;
+    cfg.rel_table = P->sp.rel ? rel : NULL;
     float *gf[8];
     for (int t = 0; t < 8; t++)
         gf[t] = xcalloc(n[t], sizeof(float));
     const mha_params prm = {
         .dtype = MHA_DTYPE_F32, .dx = gf[0], .dkey = gf[1], .dvalue = gf[2], .dwq = gf[3],
         .dwk = gf[4], .dwv = gf[5], .dwo = P->sp.has_wo ? gf[6] : NULL, .dsinks = gf[7],
+        .drel_table = drel,
         .dout = R, .x = x, .key = key, .value = value, .wq = wq, .wk = wk, .wv = wv,
         .wo = wo, .q = q, .k = k, .v = v, .concat = cat, .lse = lse};
     const mha_status st = mha_backward(&cfg, &prm, NULL);
@@ -381,7 +401,9 @@ static mha_status run_bwd(const prob *P, int f64, const fwd_out *fo, const bwd_o
         free(gf[t]);
     }
     free(x), free(key), free(value), free(wq), free(wk), free(wv), free(wo);
+    from_f(g->drel, drel, REL_NB * P->sp.H);
     free(R), free(maskd), free(sinks), free(q), free(k), free(v), free(cat), free(lse);
+    free(rel), free(drel);
     return st;
 }
 
@@ -514,6 +536,13 @@ static void check_backward(prob *P)
         CHECK(fabs(num - g.dsinks[h]) <= 2e-7 * (1 + fabs(num)),
               "%s: dsinks[%zu] fd %.10g backward %.10g", P->sp.name, h, num, g.dsinks[h]);
     }
+    // T5's table: a few entries, among them the last bucket (far keys).
+    for (int r = 0; P->sp.rel && r < 4; r++) {
+        const size_t e = r == 0 ? (REL_NB - 1) * P->sp.H : (size_t)(rng_u64() % (REL_NB * P->sp.H));
+        const double num = fd(P, P->reltab + e);
+        CHECK(fabs(num - g.drel[e]) <= 2e-7 * (1 + fabs(num)),
+              "%s: drel_table[%zu] fd %.10g backward %.10g", P->sp.name, e, num, g.drel[e]);
+    }
     for (int f = 0; f < 8; f++) {
         const double *gd[8] = {g.dx, g.dkey, g.dvalue, g.dwq, g.dwk, g.dwv, g.dwo, g.dsinks};
         CHECK(all_finite(gd[f], n[f]), "%s: gradient %d not finite", P->sp.name, f);
@@ -544,6 +573,9 @@ static void check_backward(prob *P)
                 CHECK(memcmp(a[f], b[f], n[f] * sizeof(double)) == 0,
                       "%s %s f%d: gradient %d differs between 1 and 3 threads",
                       P->sp.name, mha_isa_name((mha_isa)k_isas[ii]), f64 ? 64 : 32, f);
+            CHECK(memcmp(gt[0].drel, gt[1].drel, REL_NB * P->sp.H * sizeof(double)) == 0,
+                  "%s %s f%d: drel_table differs between 1 and 3 threads", P->sp.name,
+                  mha_isa_name((mha_isa)k_isas[ii]), f64 ? 64 : 32);
             bwd_free(&gt[0]), bwd_free(&gt[1]);
             fwd_free(&fo);
         }
@@ -602,6 +634,12 @@ static const spec k_cases[] = {
     {.name = "tiny packed: one query per sequence", BASE, .B = 1, .Tq = 3, .Tk = 4,
      .nseq = 3, .cu_q = {0, 1, 2, 3}, .cu_k = {0, 0, 3, 4}, .causal = 1, .sinks = 1,
      .alibi = AL_H},
+    {.name = "t5 encoder (Tk > max distance)", BASE, .Tq = 150, .Tk = 221, .rel = REL_BI},
+    {.name = "t5 decoder+causal+lengths+softcap+add", BASE, .B = 3, .causal = 1,
+     .rel = REL_DEC, .key_lengths = 1, .softcap = 2.0, .mask_kind = MHA_MASK_ADD},
+    {.name = "t5 packed+window+sinks+alibi", BASE, .B = 1, .Tq = 197, .Tk = 230, .nseq = 4,
+     .cu_q = {0, 50, 50, 120, 197}, .cu_k = {0, 70, 100, 100, 230}, .windowed = 1,
+     .wl = 60, .wr = 10, .sinks = 1, .alibi = AL_H, .rel = REL_BI},
     {.name = "everything(add), no wo", BASE, .B = 2, .Tq = 97, .Tk = 260, .has_wo = 0,
      .windowed = 1, .wl = 70, .wr = 30, .softcap = 2.5, .scale = 2.0, .alibi = AL_H,
      .sinks = 1, .key_mask = KM_PATTERN, .mask_kind = MHA_MASK_ADD, .key_lengths = 1},
