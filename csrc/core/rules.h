@@ -286,6 +286,12 @@ static inline size_t mha_rel_bucket(const mha_config *cfg, int64_t d)
     const size_t exact = n / 2; /* >= 1: mha_check_config */
     if (r < exact)
         return at + (size_t)r;
+    // From max on the quotient below is >= 1 but for float32's rounding, t
+    // >= (n - exact) (1 - a few ulps) > n - exact - 1 while n - exact <
+    // 2^20, and the bucket is the last: no log for the far keys (most of a
+    // long decode step's).
+    if (r >= cfg->rel_max_distance && n - exact < ((size_t)1 << 20))
+        return at + n - 1;
     const float q = (float)r / (float)exact;
     const float lq = (float)log((double)q);
     const float lmax = (float)log((double)cfg->rel_max_distance / (double)exact);

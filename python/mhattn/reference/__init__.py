@@ -851,6 +851,8 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None
     dropout, seed : float, int or numpy.random.Generator, optional
         Dropout on the weights with :func:`dropout_keep`'s mask: the C
         core's, bit for bit, for the same seed.
+    relative_bias : mhattn.RelativeBias, optional
+        T5's bias, :func:`relative_bias` of each head, added after ALiBi's.
 
     Returns
     -------
