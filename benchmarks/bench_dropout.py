@@ -1,8 +1,9 @@
 """What dropout costs: attention forward and backward with ``dropout=p``
-against the same calls without it, in one process.
+against the same calls without it, in one process (``--t5``: T5's relative
+bias, ``relative_bias=``, instead).
 
     python benchmarks/bench_dropout.py [--T 1024] [--heads 8] [--dk 64]
-                                       [--batch 1] [--p 0.1] [--rounds 7]
+                                       [--batch 1] [--p 0.1] [--rounds 7] [--t5]
 
 The timed step is one training step of attention on projected tensors:
 ``mhattn.attention(q, k, v, return_lse=True)`` then
@@ -22,10 +23,12 @@ import numpy as np
 import mhattn
 
 
-def step(q, k, v, g, causal, p):
+def step(q, k, v, g, causal, p, rb=None):
     kw = dict(causal=causal)
     if p:
         kw.update(dropout=p, seed=1)
+    if rb is not None:
+        kw.update(relative_bias=rb)
     out, lse = mhattn.attention(q, k, v, return_lse=True, **kw)
     mhattn.attention_grad(g, q, k, v, lse=lse, out=out, **kw)
 
@@ -47,6 +50,8 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--p", type=float, default=0.1)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--t5", action="store_true",
+                    help="time T5's relative bias (32 buckets, max distance 128) instead")
     ap.add_argument("--budget", type=float, default=1.0, help="seconds per variant per round")
     ap.add_argument("--stat", choices=("median", "min"), default="median",
                     help="each round's median call and the median round (default), or "
@@ -56,17 +61,24 @@ def main():
     rng = np.random.default_rng(0)
     shape = (a.batch, a.heads, a.T, a.dk)
     q, k, v, g = (rng.standard_normal(shape).astype(np.float32) for _ in range(4))
+    what = "t5" if a.t5 else "dropout"
+    rb = mhattn.RelativeBias(rng.standard_normal((32, a.heads)).astype(np.float32)) \
+        if a.t5 else None
+    p = 0.0 if a.t5 else a.p
     print(f"ISA {mhattn.get_isa()}, {mhattn.get_num_threads()} threads; attention forward + "
-          f"backward, float32, (B, H, T, d_k) = {shape}, dropout p = {a.p}, stat {a.stat}")
-    print(f"| causal | none ms | dropout ms | dropout / none | rounds (ratio) |")
+          f"backward, float32, (B, H, T, d_k) = {shape}, "
+          f"{'T5 relative bias' if a.t5 else f'dropout p = {a.p}'}, stat {a.stat}")
+    print(f"| causal | none ms | {what} ms | {what} / none | rounds (ratio) |")
     print("|---|---|---|---|---|")
     for causal in (False, True):
         none, drop = [], []
         for r in range(a.rounds):
-            order = ((0, none), (a.p, drop)) if r % 2 == 0 else ((a.p, drop), (0, none))
-            for p, sink in order:
-                sink.append(round_time(lambda p=p: step(q, k, v, g, causal, p), a.budget,
-                                       stat))
+            order = ((False, none), (True, drop)) if r % 2 == 0 else ((True, drop),
+                                                                      (False, none))
+            for on, sink in order:
+                sink.append(round_time(lambda on=on: step(q, k, v, g, causal, p if on else 0,
+                                                          rb if on else None),
+                                       a.budget, stat))
         n, d = stat(none), stat(drop)
         per = " ".join(f"{y / x:.3f}" for x, y in zip(none, drop))
         print(f"| {causal} | {n * 1e3:.2f} | {d * 1e3:.2f} | {d / n:.3f} | {per} |")
