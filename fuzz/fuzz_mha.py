@@ -44,7 +44,7 @@ ARGS = ("x", "w_q", "w_k", "w_v", "w_o", "num_heads", "key", "value", "scale", "
 # bytes that older inputs do not have, so they replay as they always did.
 VARIANTS = ("window", "softcap", "alibi_slopes", "sinks", "q_norm", "k_norm", "norm_eps",
             "rope", "positions", "key_positions", "key_mask", "cu_seqlens",
-            "key_cu_seqlens", "norm_type")
+            "key_cu_seqlens", "norm_type", "dropout", "seed", "relative_bias")
 
 
 class Data:
@@ -318,6 +318,24 @@ def variants(d, rng, kw, vals, batched, B, H, G, Tq, Tk, dk, cross):
     # they did (rarely is False once their bytes run out).
     if d.rarely(4):
         kw["norm_type"] = d.pick(["layer", "layer", "rms", "batch"])
+    # Dropout and T5's relative bias (issue 38), decoded after it, likewise.
+    if d.rarely(5):
+        kw["dropout"] = d.pick([0.1, 0.5, 0.0, 0.9, 1.0, -0.25])
+        kw["seed"] = d.pick([0, 1, 2 ** 64 - 1, -1])
+    if d.rarely(5):
+        nb = d.pick([4, 8, 32, 3])
+        kw["relative_bias"] = mhattn_relative_bias(
+            vals((nb, d.pick([H, H, H, H + 1]))), nb, d.pick([2, 8, 128, 1]),
+            bool(d.int(0, 1)))
+
+
+def mhattn_relative_bias(table, nb, md, bidirectional):
+    """mhattn.RelativeBias(...), or the garbage its checks refuse."""
+    import mhattn
+    try:
+        return mhattn.RelativeBias(table, nb, md, bidirectional)
+    except (TypeError, ValueError):
+        return "not a RelativeBias"
 
 
 def mhattn_rope(**kw):
