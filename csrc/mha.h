@@ -178,6 +178,13 @@ typedef struct {
        unbounded. causal caps the right side at 0. */
     int windowed;
     int64_t window_left, window_right;
+    /* Chunked attention (issue 39; Llama 4's chunked layers, FlashAttention
+       3's attention_chunk): chunk > 0 keeps key j for query i iff
+       floor(p_i / chunk) == floor(pos(j) / chunk) (floor division: p_i may
+       be negative), ANDed with causal, the window and the rest; 0: off. A
+       row's keys stay one interval, so blocks outside are skipped. At most
+       MHA_MAX_ELEMS. */
+    size_t chunk;
     /* softcap > 0: each scaled score s becomes softcap * tanh(s / softcap),
        before ALiBi and the masks (Gemma 2). 0: off. Finite, and, when > 0,
        softcap and 1 / softcap representable in the call's type:

@@ -28,6 +28,7 @@ typedef enum {
     MHA_FIELD_MASK,
     MHA_FIELD_KEY_LENGTHS,
     MHA_FIELD_WINDOW,               /* windowed, window_left, window_right */
+    MHA_FIELD_CHUNK,
     MHA_FIELD_SOFTCAP,
     MHA_FIELD_ALIBI,
     MHA_FIELD_ALIBI_BSTRIDE,

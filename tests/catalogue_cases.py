@@ -432,7 +432,7 @@ def variants(**change):
     v = dict(window=None, softcap=0.0, alibi=None, sinks=None, key_mask=None, cu_q=None,
              cu_k=None, q_norm=None, k_norm=None, norm_eps=1e-6, norm_type="rms",
              rotary_dim=0, interleaved=False, inv_freq=None, positions=None,
-             key_positions=None, dropout=0.0, seed=0, relative_bias=None)
+             key_positions=None, dropout=0.0, seed=0, relative_bias=None, chunk=0)
     v.update(change)
     return tuple(v.values())
 
@@ -1062,6 +1062,13 @@ BAD_VARIANTS = [
     # dropout's range is the core's rule (config.c); its type and the seed's
     # are checked in Python. The layer owns its dropout (MultiHeadAttention(
     # dropout=), train()), but a call may pass the mask's seed.
+    # chunked attention (issue 39): a positive int; its bound is the core's.
+    ("chunk", "zero", 0, VE, ["chunk", "positive int"], {}, SCORE),
+    ("chunk", "negative", -4, VE, ["chunk", "positive int"], {}, SCORE),
+    ("chunk", "huge", 2 ** 63, VE, ["chunk", "too large"], {}, SCORE),
+    ("chunk", "float", 4.0, TE, ["chunk", "positive int"], {}, SCORE),
+    ("chunk", "string", "4", TE, ["chunk", "positive int"], {}, SCORE),
+    ("chunk", "bool", True, TE, ["chunk", "positive int"], {}, SCORE),
     # T5's relative bias: its table's width is checked against the call's
     # heads; the buckets and the distance by RelativeBias (below) and the core.
     ("relative_bias", "table_heads", lambda d: mhattn.RelativeBias(np.ones((32, d["H"] + 1))),

@@ -484,3 +484,28 @@ def test_half_precision_targets_and_decode_rows(capsys):
     w = 4 * (64 * 8 * 64 * 2 + 64 * 8 * 64 * 2)
     assert rows[0]["bytes"]["float32"] == 32 * 8 * 128 * 4 + w
     assert any(line.startswith("decode: one cached layer step") for line in out)
+
+
+@pytest.mark.parametrize("script,args,rows", [
+    ("bench_structured.py", ["--T", "200", "--chunk", "48", "--rounds", "1", "--budget",
+                             "0.01"], ["causal", "causal, chunk=48",
+                                       "causal, chunk=48 as a dense mask"]),
+    ("bench_dropout.py", ["--T", "64", "--rounds", "1", "--budget", "0.01"], ["False", "True"]),
+    ("bench_dropout.py", ["--T", "64", "--rounds", "1", "--budget", "0.01", "--t5"],
+     ["False", "True"]),
+])
+def test_ratio_scripts_print_their_tables(script, args, rows):
+    """The scripts that print a ratio table run end to end on a tiny case:
+    every row, each with a finite ratio."""
+    import subprocess
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    res = subprocess.run([sys.executable, os.path.join(BENCH, script), *args],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("| ")]
+    for row in rows:
+        hits = [ln for ln in lines if ln.split(" | ")[0] == f"| {row}"]
+        assert hits, (row, res.stdout)
+        for ln in hits:
+            ratio = float(ln.strip("| ").split(" | ")[-1 if "structured" in script else 3])
+            assert np.isfinite(ratio) and ratio > 0, ln

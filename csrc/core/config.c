@@ -180,6 +180,8 @@ static mha_status variants_check(const mha_config *cfg, mha_error *err)
         return REJECT(MHA_FIELD_WINDOW,
                       "window_left = %lld, window_right = %lld need windowed != 0",
                       (long long)cfg->window_left, (long long)cfg->window_right);
+    if (cfg->chunk > MHA_MAX_ELEMS)
+        return REJECT(MHA_FIELD_CHUNK, "chunk = %zu is past MHA_MAX_ELEMS", cfg->chunk);
     if (!(cfg->softcap >= 0) || !isfinite(cfg->softcap))
         return REJECT(MHA_FIELD_SOFTCAP,
                       "softcap = %g is not a finite number >= 0", cfg->softcap);

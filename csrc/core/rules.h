@@ -17,6 +17,7 @@
  *   and j is in i's own sequence        (packed: cu_q, cu_k)
  *   and pos(j) <= p_i                   (when causal)
  *   and p_i - left <= pos(j) <= p_i + right   (windowed; a side < 0: none)
+ *   and floor(p_i / N) == floor(pos(j) / N)   (chunk = N > 0)
  *   and key_mask[b, j] != 0             (pointwise)
  *   and mask[b, h, i, j]                (the bool mask, pointwise)
  *   The rules but the pointwise ones leave each row one interval
@@ -148,7 +149,9 @@ static inline int64_t mha_rules_row_place(const mha_config *cfg, size_t i,
  * the interval [*lo, *hi) of
  *     its own sequence's keys (packed),  j < len_b (key_lengths),
  *     pos(j) <= p_i (causal),  p_i - left <= pos(j) <= p_i + right
- *     (windowed; a side < 0 is unbounded),
+ *     (windowed; a side < 0 is unbounded), p_i's chunk (chunk: the
+ *     positions c <= pos(j) < c + chunk, c = p_i - (p_i mod chunk), mod
+ *     of floor division, nondecreasing in p_i),
  * clamped so that lo <= hi. len_b = mha_rules_key_len(cfg, b) of the
  * row's batch item (it also places the row under lengths_aligned). Both
  * ends are nondecreasing in i (per batch item), across
@@ -172,6 +175,13 @@ static inline void mha_rules_key_range(const mha_config *cfg, size_t i,
         e = p + right + 1;
     if (cfg->windowed && left >= 0 && left < p - a)
         a = p - left;
+    if (cfg->chunk > 0) {
+        // -Tq <= p < nk and chunk <= MHA_MAX_ELEMS: c + chunk fits.
+        const int64_t n = (int64_t)cfg->chunk, r = p % n;
+        const int64_t c = p - (r < 0 ? r + n : r);
+        a = c > a ? c : a;
+        e = c + n < e ? c + n : e;
+    }
     e = e < 0 ? 0 : e;
     size_t h = (size_t)(base + e), l = (size_t)(base + a);
     h = h < len_b ? h : len_b;

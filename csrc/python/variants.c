@@ -34,6 +34,7 @@
  *                  bias, table (num_buckets, H) of x's dtype, max_distance
  *                  an int, bidirectional a truth value (the core checks
  *                  the buckets and the distance: mha_check_config)
+ *   chunk          int >= 0, 0 for off (the core checks its bound)
  * Every array is copied into memory the call owns (they are small), so no
  * index, offset or size the core uses lives where another thread can write
  * during the call; mha_check_config then checks the copies.
@@ -42,7 +43,7 @@ static const char *const variant_name[V_N] = {
     "window", "softcap", "alibi_slopes", "sinks", "key_mask", "cu_seqlens",
     "key_cu_seqlens", "q_norm", "k_norm", "norm_eps", "norm_type", "rotary_dim",
     "interleaved", "inv_freq", "positions", "key_positions", "dropout", "seed",
-    "relative_bias"};
+    "relative_bias", "chunk"};
 
 /* *res = a C-contiguous copy of obj (1 to nd_max dimensions) as typenum,
    owned by the call, or NULL for None. */
@@ -148,7 +149,7 @@ static int variant_norm_type(mha_config *cfg, PyObject *name)
 }
 
 /* The scalars of the tuple t into cfg: softcap, norm_eps, dropout, seed,
-   norm_type, rotary_dim, interleaved. */
+   norm_type, rotary_dim, interleaved, chunk. */
 static int variant_scalars(mha_config *cfg, PyObject *t)
 {
     cfg->softcap = PyFloat_AsDouble(PyTuple_GET_ITEM(t, V_SOFTCAP));
@@ -193,6 +194,20 @@ static int variant_scalars(mha_config *cfg, PyObject *t)
     }
     cfg->rotary_dim = (size_t)rd;
     cfg->rope_interleaved = inter;
+    // chunk: an int >= 0, a ValueError naming it otherwise (as rotary_dim).
+    PyObject *ch_obj = PyTuple_GET_ITEM(t, V_CHUNK);
+    const Py_ssize_t ch = PyLong_AsSsize_t(ch_obj);
+    if (ch == -1 && PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_OverflowError)) {
+        prefix_error("chunk");
+        return -1;
+    }
+    if (ch < 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "chunk: expected an int in [0, %zd], got %R",
+                     PY_SSIZE_T_MAX, ch_obj);
+        return -1;
+    }
+    cfg->chunk = (size_t)ch;
     return 0;
 }
 

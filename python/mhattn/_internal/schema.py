@@ -334,6 +334,17 @@ buckets.  One bias per distance and head is looked up per call; no
 (T_q, T_k) array is made.  Its table's gradient is ``'relative_bias'``
 in the ``_grad`` functions' results.  A table whose shape is not
 (num_buckets, h) raises ValueError naming relative_bias."""),
+    Arg("chunk", _MHA + _ATT, "int?", "", "", "None",
+        "Chunked attention: query i sees key j only when p_i // chunk == j // chunk.",
+        type="int, optional",
+        text="""\
+Chunked attention (Llama 4's chunked layers, FlashAttention 3's
+``attention_chunk``): query i sees key j only when ``p_i // chunk ==
+j // chunk``, at the positions causal masking uses (so it lines up
+with a KV cache), ANDed with ``causal`` and every other rule.  Key
+blocks outside a row's chunk are skipped, forward and backward.  None
+(the default) is off; a value that is not a positive int raises
+TypeError or ValueError naming chunk."""),
     Arg("mask_grad", ("multi_head_attention_grad", "backward", "attention_grad"), "bool", "",
         "", "False", "Also return 'mask': the gradient of an additive mask.",
         type="bool, default False",
@@ -594,21 +605,21 @@ ENTRIES: Dict[str, Entry] = {
         "causal, key_lengths, num_kv_heads, b_q, b_k, b_v, b_o, w_gate, b_gate, return_context, "
         "window, softcap, alibi_slopes, sinks, q_norm, k_norm, norm_eps, norm_type, rope, "
         "positions, key_positions, key_mask, cu_seqlens, key_cu_seqlens, dropout, seed, "
-        "relative_bias, cache, new_lengths",
+        "relative_bias, chunk, cache, new_lengths",
         ("x", "w_q, w_k, w_v", "w_o", "num_heads", "key, value", "scale",
          "return_weights", "mask", "causal", "key_lengths", "num_kv_heads",
          "b_q, b_k, b_v", "b_o", "w_gate, b_gate", "return_context", "window", "softcap",
          "alibi_slopes", "sinks", "q_norm, k_norm", "norm_eps", "norm_type", "rope",
          "positions, key_positions",
          "key_mask", "cu_seqlens, key_cu_seqlens", "dropout", "seed", "relative_bias",
-         "cache", "new_lengths")),
+         "chunk", "cache", "new_lengths")),
     "multi_head_attention_grad": Entry(
         _F + "grad.py", "multi_head_attention_grad",
         "grad_out, x, w_q, w_k, w_v, w_o, *, num_heads, key, value, scale, mask, causal, "
         "key_lengths, num_kv_heads, b_q, b_k, b_v, b_o, w_gate, b_gate, window, softcap, "
         "alibi_slopes, sinks, q_norm, k_norm, norm_eps, norm_type, rope, positions, "
         "key_positions, key_mask, cu_seqlens, key_cu_seqlens, dropout, seed, relative_bias, "
-        "mask_grad",
+        "chunk, mask_grad",
         ("grad_out",
          ("x, w_q, w_k, w_v, w_o, num_heads, key, value, scale, mask, causal",
           "As :func:`mhattn.multi_head_attention` (not ``return_weights``)."),
@@ -622,6 +633,7 @@ ENTRIES: Dict[str, Entry] = {
           "gives the forward's mask."),
          ("relative_bias", "As :func:`mhattn.multi_head_attention`; its table's "
           "gradient is 'relative_bias'."),
+         ("chunk", "As :func:`mhattn.multi_head_attention`."),
          "mask_grad")),
     "backward": Entry(_F + "grad.py", "backward", "grad_out, ctx, *, mask_grad",
                       ("grad_out", "ctx", "mask_grad")),
@@ -629,7 +641,7 @@ ENTRIES: Dict[str, Entry] = {
         _F + "attention.py", "attention",
         "q, k, v, *, layout, scale, mask, causal, key_lengths, return_weights, return_lse, "
         "window, softcap, alibi_slopes, sinks, key_mask, cu_seqlens, key_cu_seqlens, dropout, "
-        "seed, relative_bias",
+        "seed, relative_bias, chunk",
         ("q", "k", "v", "layout", "scale", "mask, causal, key_lengths", "return_weights",
          "return_lse",
          ("window, softcap, alibi_slopes, sinks, key_mask, cu_seqlens, key_cu_seqlens",
@@ -639,12 +651,13 @@ same meanings and checks.  Packed sequences take unbatched 3-D
 inputs, the tokens along T.  The q/k transforms (q_norm, k_norm,
 RoPE) are not attention keywords: apply them before."""),
          ("dropout, seed", "As :func:`mhattn.multi_head_attention`."),
-         ("relative_bias", "As :func:`mhattn.multi_head_attention`."))),
+         ("relative_bias", "As :func:`mhattn.multi_head_attention`."),
+         ("chunk", "As :func:`mhattn.multi_head_attention`."))),
     "attention_grad": Entry(
         _F + "attention.py", "attention_grad",
         "grad_out, q, k, v, *, layout, scale, mask, causal, key_lengths, window, softcap, "
         "alibi_slopes, sinks, key_mask, cu_seqlens, key_cu_seqlens, dropout, seed, "
-        "relative_bias, lse, out, mask_grad",
+        "relative_bias, chunk, lse, out, mask_grad",
         ("grad_out",
          ("q, k, v, layout, scale, mask, causal, key_lengths",
           "As :func:`attention` (not ``return_weights`` / ``return_lse``)."),
@@ -653,6 +666,7 @@ RoPE) are not attention keywords: apply them before."""),
          ("dropout, seed", "As :func:`attention`: the same seed gives the forward's mask."),
          ("relative_bias", "As :func:`attention`; its table's gradient is "
           "'relative_bias'."),
+         ("chunk", "As :func:`attention`."),
          "lse", "out", "mask_grad")),
     "merge_attention": Entry(_F + "attention.py", "merge_attention",
                              "outs, lses, *, layout", ("outs", "lses", "layout")),
@@ -775,7 +789,7 @@ C_ARGS = (
     Arg("key_lengths", _MASKED + (_CHK,), "vector?", "int64", "(B,)", REQUIRED,
         "None, or each item's key count: keys j >= it are padding.",
         c_kind="ARG_LENGTHS", c_field="key_lengths"),
-    Arg("variants", _ALL5, "tuple?", "", "(19,)", REQUIRED,
+    Arg("variants", _ALL5, "tuple?", "", "(20,)", REQUIRED,
         "None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).",
         c_kind="ARG_VARIANTS", c_field=""),   # VARIANTS' fields
     Arg("lengths_aligned", (_AT, _ABW, _CHK), "bool", "", "", REQUIRED,
@@ -865,6 +879,7 @@ VARIANTS = (
     ("relative_bias", "tuple?", "T", "(num_buckets, H)",
      "rel_table, rel_buckets, rel_max_distance, rel_bidirectional",
      "None or (table, max_distance, bidirectional): T5's relative bias."),
+    ("chunk", "int", "int64", "", "chunk", "0 for off: chunked attention's chunk."),
 )
 
 _OPT = "Optional[_Float]"
@@ -1198,7 +1213,7 @@ MHA_FIELDS = (
     ("G", "G", ""), ("DK", "dk", ""), ("DV", "dv", ""), ("SCALE", "scale", ""),
     ("MASK_KIND", "mask_kind", ""), ("MASK", "mask", ""),
     ("KEY_LENGTHS", "key_lengths", ""),
-    ("WINDOW", "windowed, window_left, window_right", ""),
+    ("WINDOW", "windowed, window_left, window_right", ""), ("CHUNK", "chunk", ""),
     ("SOFTCAP", "softcap", ""), ("ALIBI", "alibi", ""),
     ("ALIBI_BSTRIDE", "alibi_bstride", ""), ("DROPOUT", "dropout", ""),
     ("DROPOUT_SEED", "dropout_seed", ""), ("REL_TABLE", "rel_table", ""),

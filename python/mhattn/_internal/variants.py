@@ -38,7 +38,7 @@ VARIANT_DEFAULTS = dict(window=None, softcap=None, alibi_slopes=None, sinks=None
                         q_norm=None, k_norm=None, norm_eps=1e-6, norm_type="rms",
                         rope=None, positions=None, key_positions=None, key_mask=None,
                         cu_seqlens=None, key_cu_seqlens=None, dropout=0.0, seed=None,
-                        relative_bias=None)
+                        relative_bias=None, chunk=None)
 
 
 def variant_kwargs(ns: dict) -> dict:
@@ -309,6 +309,7 @@ class Variants:
     dropout: float = 0.0                     # 0 <= dropout < 1 (the core's rule)
     seed: int = 0                            # dropout's seed, in [0, 2**64)
     rel: Optional[tuple] = None              # T5: (table (nb, H), max_distance, bidir)
+    chunk: int = 0                           # chunked attention's chunk; 0: off
 
     @property
     def any(self) -> bool:
@@ -317,7 +318,7 @@ class Variants:
                 or self.alibi is not None or self.sinks is not None
                 or self.key_mask is not None or self.packed or self.transforms
                 or self.dropout != 0    # a bad one too (NaN, < 0): the core refuses it
-                or self.rel is not None)
+                or self.rel is not None or self.chunk != 0)
 
     @property
     def transforms(self) -> bool:
@@ -380,6 +381,22 @@ def _softcap(softcap: Any) -> Optional[float]:
     # 0 is off, as in FlashAttention; the rest (finite, >= 0) is the core's rule.
     c = float(softcap)
     return None if c == 0 else c
+
+
+def _chunk(chunk: Any) -> int:
+    """chunk= as an int (0: off, from None): a positive int, else TypeError /
+    ValueError naming it. (Its upper bound is the core's.)"""
+    if chunk is None:
+        return 0
+    if isinstance(chunk, (bool, np.bool_)) or not isinstance(chunk, (numbers.Integral,
+                                                                     np.integer)):
+        raise TypeError(f"chunk: expected a positive int or None, got {chunk!r:.80}")
+    if chunk <= 0:
+        raise ValueError(f"chunk: expected a positive int (keys per chunk) or None, got "
+                         f"{int(chunk)}")
+    if chunk > 2 ** 62:
+        raise ValueError(f"chunk: {int(chunk)} is too large; None means no chunks")
+    return int(chunk)
 
 
 def dropout_arg(dropout: Any) -> float:
@@ -582,7 +599,7 @@ def normalize_variants(v: dict, *, batched: bool, B: int, Tq: int, Tk: int, H: i
         positions=pos, key_positions=kpos,
         key_mask=_key_mask(get("key_mask"), B, Tk, batched), cu_q=cu_q, cu_k=cu_k,
         dropout=p, seed=dropout_seed(get("seed"), p),
-        rel=_relative_bias(get("relative_bias"), H, dtype))
+        rel=_relative_bias(get("relative_bias"), H, dtype), chunk=_chunk(get("chunk")))
 
 
 def variants_tuple(call: Any, always: bool = False):
@@ -604,7 +621,7 @@ def variants_tuple_of(v: Variants, always: bool = False):
     return (window, 0.0 if v.softcap is None else v.softcap, v.alibi, v.sinks,
             v.key_mask, v.cu_q, v.cu_k, v.q_norm, v.k_norm, v.norm_eps, v.norm_type,
             v.rotary_dim, v.interleaved, v.inv_freq, v.positions, v.key_positions,
-            v.dropout, v.seed, v.rel)
+            v.dropout, v.seed, v.rel, v.chunk)
 
 
 def variant_floats(v: dict) -> list:

@@ -71,7 +71,7 @@ def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None
                          sinks=None, q_norm=None, k_norm=None, norm_eps=1e-6, norm_type="rms",
                          rope=None, positions=None, key_positions=None, key_mask=None,
                          cu_seqlens=None, key_cu_seqlens=None, dropout=0.0, seed=None,
-                         relative_bias=None, cache=None, new_lengths=None):
+                         relative_bias=None, chunk=None, cache=None, new_lengths=None):
     """Multi-head attention, computed by mhattn's C core.
 
     multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None,
@@ -210,6 +210,14 @@ def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None
         (T_q, T_k) array is made.  Its table's gradient is ``'relative_bias'``
         in the ``_grad`` functions' results.  A table whose shape is not
         (num_buckets, h) raises ValueError naming relative_bias.
+    chunk : int, optional
+        Chunked attention (Llama 4's chunked layers, FlashAttention 3's
+        ``attention_chunk``): query i sees key j only when ``p_i // chunk ==
+        j // chunk``, at the positions causal masking uses (so it lines up
+        with a KV cache), ANDed with ``causal`` and every other rule.  Key
+        blocks outside a row's chunk are skipped, forward and backward.  None
+        (the default) is off; a value that is not a positive int raises
+        TypeError or ValueError naming chunk.
     cache : mhattn.KVCache, optional
         One step of a decoder through a key/value cache (prefill: many rows;
         decode: one): x holds only the new rows, (B, T_new, d_in) (or
@@ -271,7 +279,7 @@ def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None
     # (tests/test_fast_path.py holds this list to VARIANT_DEFAULTS.)
     off = (window is softcap is alibi_slopes is sinks is q_norm is k_norm is rope is
            positions is key_positions is key_mask is cu_seqlens is key_cu_seqlens is
-           relative_bias is None
+           relative_bias is chunk is None
            and (norm_eps is _EPS or type(norm_eps) is float and norm_eps == _EPS)
            and (norm_type is _RMS or type(norm_type) is str and norm_type == _RMS)
            and (dropout is _NODROP or type(dropout) is float and dropout == 0) and seed is None

@@ -115,7 +115,8 @@ def trace(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=None,
           key_tokens=None, window=None, softcap=None, alibi_slopes=None, sinks=None,
           q_norm=None, k_norm=None, norm_eps=1e-6, norm_type="rms", rope=None,
           positions=None, key_positions=None, key_mask=None, cu_seqlens=None,
-          key_cu_seqlens=None, dropout=0.0, seed=None, relative_bias=None) -> "Trace":
+          key_cu_seqlens=None, dropout=0.0, seed=None, relative_bias=None,
+          chunk=None) -> "Trace":
     """Every intermediate step of multi-head attention, per head.
 
     trace(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=None,
@@ -153,6 +154,8 @@ def trace(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=None,
     relative_bias
         As :func:`mhattn.multi_head_attention`: ``relative`` then holds T5's
         bias of every (b, h, i, j), the shape of ``scores``.
+    chunk
+        As :func:`mhattn.multi_head_attention`.
 
     Returns
     -------

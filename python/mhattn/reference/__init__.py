@@ -457,6 +457,8 @@ def allowed_keys(call: Call, b: int, h: int) -> np.ndarray:
       convention), so one new query against a long key cache sees every key;
     - window (left, right): p_i - left <= j <= p_i + right, a side of None
       unbounded (with causal the right side is capped at 0 by the rule above);
+    - chunk N: p_i // N == j // N (floor division), Llama 4's chunked
+      attention and FlashAttention 3's ``attention_chunk``;
     - key_lengths: keys j >= length are padding;
     - key_mask (B, Tk): False = padding;
     - a boolean mask: True = may attend.
@@ -496,6 +498,8 @@ def allowed_keys(call: Call, b: int, h: int) -> np.ndarray:
             ok &= j >= p - left
         if right is not None:
             ok &= j <= p + right
+    if var.chunk:
+        ok &= (p // var.chunk) == (j // var.chunk)
     if call.key_lengths is not None:
         ok &= (np.arange(Tk) < call.key_lengths[b])[None, :]
     if var.key_mask is not None:
@@ -809,7 +813,7 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None
                          sinks=None, q_norm=None, k_norm=None, norm_eps=1e-6, norm_type="rms",
                          rope=None, positions=None, key_positions=None, key_mask=None,
                          cu_seqlens=None, key_cu_seqlens=None, dropout=0.0, seed=None,
-                         relative_bias=None):
+                         relative_bias=None, chunk=None):
     """Reference multi-head attention; same arguments and results as
     :func:`mhattn.multi_head_attention`.
 
@@ -853,6 +857,9 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None
         core's, bit for bit, for the same seed.
     relative_bias : mhattn.RelativeBias, optional
         T5's bias, :func:`relative_bias` of each head, added after ALiBi's.
+    chunk : int, optional
+        Chunked attention: query i sees key j only when p_i // chunk ==
+        j // chunk (:func:`allowed_keys`).
 
     Returns
     -------
@@ -910,7 +917,8 @@ def lse(x, w_q, w_k, w_v, w_o=None, **keywords) -> np.ndarray:
 
 
 _ATTENTION_VARIANTS = ("window", "softcap", "alibi_slopes", "sinks", "key_mask",
-                       "cu_seqlens", "key_cu_seqlens", "dropout", "seed", "relative_bias")
+                       "cu_seqlens", "key_cu_seqlens", "dropout", "seed", "relative_bias",
+                       "chunk")
 
 
 def projected_attention(q, k, v, *, layout="bhtd", scale=None, mask=None, causal=False,
