@@ -226,6 +226,12 @@ static inline int ref_visible(const mha_config *c, const uint8_t *maskb, size_t 
         return 0;
     if (c->windowed && c->window_right >= 0 && pj > pi + c->window_right)
         return 0;
+    if (c->chunk > 0) { /* the same chunk, by floor division */
+        const int64_t n = (int64_t)c->chunk;
+        const int64_t ci = (pi >= 0 ? pi : pi - n + 1) / n, cj = pj / n;
+        if (ci != cj)
+            return 0;
+    }
     if (c->key_mask && c->key_mask[b * c->Tk + j] == 0)
         return 0;
     if (c->mask_kind == MHA_MASK_BOOL &&

@@ -57,6 +57,7 @@ typedef struct {
     int has_wo;
     int causal, windowed;
     int64_t wl, wr;
+    size_t chunk;
     double softcap;
     int alibi, sinks, key_mask, rel;
     mha_mask_kind mask_kind;
@@ -143,6 +144,7 @@ static void prob_init(prob *P, const spec *sp)
     c->key_lengths = sp->key_lengths ? P->klen : NULL;
     c->windowed = sp->windowed;
     c->window_left = sp->wl, c->window_right = sp->wr;
+    c->chunk = sp->chunk;
     c->softcap = sp->softcap;
     c->alibi = sp->alibi ? P->slopes : NULL;
     c->alibi_bstride = sp->alibi == AL_BH ? H : 0;
@@ -634,6 +636,12 @@ static const spec k_cases[] = {
     {.name = "tiny packed: one query per sequence", BASE, .B = 1, .Tq = 3, .Tk = 4,
      .nseq = 3, .cu_q = {0, 1, 2, 3}, .cu_k = {0, 0, 3, 4}, .causal = 1, .sinks = 1,
      .alibi = AL_H},
+    {.name = "chunk 48 + causal", BASE, .chunk = 48, .causal = 1},
+    {.name = "chunk 37, Tq > Tk (negative positions) + sinks", BASE, .Tq = 230, .Tk = 150,
+     .chunk = 37, .sinks = 1},
+    {.name = "chunk 64 + window + packed + lengths", BASE, .B = 1, .Tq = 199, .Tk = 240,
+     .nseq = 3, .cu_q = {0, 99, 99, 199}, .cu_k = {0, 120, 180, 240}, .chunk = 64,
+     .windowed = 1, .wl = 40, .wr = 7, .key_lengths = 1},
     {.name = "t5 encoder (Tk > max distance)", BASE, .Tq = 150, .Tk = 221, .rel = REL_BI},
     {.name = "t5 decoder+causal+lengths+softcap+add", BASE, .B = 3, .causal = 1,
      .rel = REL_DEC, .key_lengths = 1, .softcap = 2.0, .mask_kind = MHA_MASK_ADD},
