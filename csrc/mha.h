@@ -193,7 +193,10 @@ typedef struct {
     double softcap;
     /* ALiBi: adds -alibi[b * alibi_bstride + h] * |p_i - j| to the score
        (after softcap, with the additive mask). (B, H) slopes with
-       alibi_bstride = H, or (H,) with 0. No gradient. Each bias must be
+       alibi_bstride = H, or (H,) with 0; with packed sequences (nseq > 0)
+       and alibi_bstride = H, (nseq, H): row s is sequence s's slopes, for
+       the queries of sequence s (FlashAttention's varlen alibi_slopes,
+       issue 39). No gradient. Each bias must be
        representable in the call's type: |slope| * max(max(Tq, Tk) - 1, 1)
        <= FLT_MAX for float32 (DBL_MAX for float64; NaN and inf never). */
     const double *alibi;

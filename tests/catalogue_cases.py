@@ -1062,6 +1062,10 @@ BAD_VARIANTS = [
     # dropout's range is the core's rule (config.c); its type and the seed's
     # are checked in Python. The layer owns its dropout (MultiHeadAttention(
     # dropout=), train()), but a call may pass the mask's seed.
+    # ALiBi with packed sequences (issue 39): (H,) or one row per sequence.
+    ("alibi_slopes", "packed_rows", lambda d: np.ones((3, d["H"])), VE,
+     ["alibi_slopes", "one row per packed sequence", "got (3, "],
+     lambda d: dict(cu_seqlens=[0, 1, d["Tq"]], key_cu_seqlens=[0, 1, d["Tk"]]), BOUNDS),
     # chunked attention (issue 39): a positive int; its bound is the core's.
     ("chunk", "zero", 0, VE, ["chunk", "positive int"], {}, SCORE),
     ("chunk", "negative", -4, VE, ["chunk", "positive int"], {}, SCORE),

@@ -556,7 +556,8 @@ static mha_status precision_check(const mha_config *cfg, mha_dtype dtype, mha_er
                       "softcap = %g is not representable in %s: softcap and 1 / softcap "
                       "must lie in [%g, %g]", cfg->softcap, type, 1.0 / M, M);
     if (cfg->alibi != NULL) {
-        const size_t n = cfg->alibi_bstride != 0 ? cfg->B * cfg->H : cfg->H;
+        const size_t rows = cfg->nseq > 0 ? cfg->nseq : cfg->B;
+        const size_t n = cfg->alibi_bstride != 0 ? rows * cfg->H : cfg->H;
         const size_t far = cfg->Tq > cfg->Tk ? cfg->Tq : cfg->Tk;
         const double dist = far > 1 ? (double)(far - 1) : 1.0;
         for (size_t i = 0; i < n; i++) {

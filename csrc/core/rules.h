@@ -472,7 +472,12 @@ static void PICK(rules_score_row_f32, rules_score_row_f64)(
         int64_t base, nk;
         const int64_t d0 = mha_rules_row_place(cfg, i, mha_rules_key_len(cfg, b),
                                                &base, &nk) + base - (int64_t)j0;
-        const VEC ns = VSET1((REAL)-cfg->alibi[b * cfg->alibi_bstride + h]);
+        // The slopes' row: the batch item's, or with packed sequences the
+        // query's sequence's (its own row when there is one per sequence).
+        const size_t row = cfg->nseq > 0 && cfg->alibi_bstride != 0
+                               ? mha_rules_seq_of(cfg->cu_q, cfg->nseq, i)
+                               : b;
+        const VEC ns = VSET1((REAL)-cfg->alibi[row * cfg->alibi_bstride + h]);
         const VEC d0v = VSET1((REAL)d0), iota = VIOTA();
         for (j = a0; j < e; j += VLEN) {
             const VEC dist = VABS(VSUB(d0v, VADD(VSET1((REAL)j), iota)));

@@ -13,7 +13,8 @@
  * mhattn._core.variant_args makes it:
  *   window         None or (left, right): ints, -1 for an unbounded side
  *   softcap        float, 0 for off
- *   alibi          None or float64 (1 or B, H)
+ *   alibi          None or float64 (1 or B, H), with packed sequences
+ *                  (1 or n, H): one row per sequence
  *   sinks          None or (H,) of x's dtype
  *   key_mask       None or bool (B, Tk)
  *   cu_q, cu_k     None or int64 (n + 1,) each, both or neither
@@ -295,7 +296,9 @@ static int variant_shapes(call *c, mha_config *cfg)
     const npy_intp *n = c->size, G = (npy_intp)cfg->G;
     const npy_intp d = G > 0 ? (npy_intp)cfg->dk[0] : 0;
     size_t unused;
-    if (variant_rows(v[V_ALIBI], "alibi_slopes", n[L_B], n[L_H], 1, 0,
+    // ALiBi's rows: one per batch item, or per packed sequence.
+    const npy_intp arows = v[V_CU_Q] != NULL ? PyArray_DIM(v[V_CU_Q], 0) - 1 : n[L_B];
+    if (variant_rows(v[V_ALIBI], "alibi_slopes", arows, n[L_H], 1, 0,
                      &cfg->alibi_bstride) < 0 ||
         variant_rows(v[V_SINKS], "sinks", 1, n[L_H], 0, 1, &unused) < 0 ||
         variant_rows(v[V_KEY_MASK], "key_mask", n[L_B], n[L_TK], 0, 0, &unused) < 0 ||

@@ -236,9 +236,11 @@ softcap * tanh(s / softcap), before ALiBi and the masks. None or 0
 must be finite in the call's dtype."""),
     Arg("alibi_slopes", _MHA + _ATT, "array?", "float64", "(H,) or (B, H)", "None",
         "ALiBi: adds -slope_h * abs(p_i - j) to the scores.",
-        type="(h,) or (B, h), optional",
+        type="(h,) or (B, h), optional; (n, h) with cu_seqlens",
         text="ALiBi: adds -slope_h * abs(p_i - j) to the scores (no gradient). Finite,\n"
-             "and slope * (max(T_q, T_k) - 1) within the call's dtype."),
+             "and slope * (max(T_q, T_k) - 1) within the call's dtype. With packed\n"
+             "sequences, (n, h) gives each of the n sequences its own row of\n"
+             "slopes (FlashAttention's varlen alibi_slopes)."),
     Arg("sinks", _MHA + _ATT, "array?", "T", "(H,)", "None",
         "One learnable logit per query head, an extra key of value zero.",
         type="(h,), optional",

@@ -292,7 +292,7 @@ class Variants:
     """
     window: Optional[tuple] = None           # (left, right), each int >= 0 or None
     softcap: Optional[float] = None          # > 0
-    alibi: Optional[np.ndarray] = None       # (B, H) or (1, H) float64
+    alibi: Optional[np.ndarray] = None       # (B, H), (n, H) packed, or (1, H) float64
     sinks: Optional[np.ndarray] = None       # (H,) compute dtype
     q_norm: Optional[np.ndarray] = None      # (d_k,) or (H, d_k) compute dtype
     k_norm: Optional[np.ndarray] = None      # (d_k,) or (G, d_k)
@@ -446,6 +446,23 @@ def _per_head(name: str, obj: Any, H: int, B: int, batched: bool, dtype) -> np.n
     return _frozen(a)
 
 
+def _alibi(obj: Any, H: int, B: int, batched: bool, cu_q: Optional[np.ndarray]) -> np.ndarray:
+    """ALiBi's slopes as (rows, H) float64: (H,) shared, (B, H) per batch
+    item, or with packed sequences (n, H), one row per sequence, as
+    FlashAttention's varlen calls take them."""
+    if cu_q is None:
+        return _per_head("alibi_slopes", obj, H, B, batched, np.float64)
+    n = cu_q.size - 1
+    a = _real_array("alibi_slopes", obj)
+    if a.shape not in ((H,), (n, H)):
+        raise ValueError(f"alibi_slopes: expected shape ({H},) (one per query head) or "
+                         f"({n}, {H}) (one row per packed sequence), got {a.shape}")
+    a = np.atleast_2d(a).astype(np.float64)
+    if not np.isfinite(a).all():
+        raise ValueError("alibi_slopes: every value must be finite")
+    return _frozen(a)
+
+
 def _norm_weight(name: str, obj: Any, heads: int, head_word: str, dk: Sequence[int],
                  dtype) -> Optional[np.ndarray]:
     if obj is None:
@@ -585,12 +602,13 @@ def normalize_variants(v: dict, *, batched: bool, B: int, Tq: int, Tk: int, H: i
         raise ValueError(f"{'positions' if pos is not None else 'key_positions'}: "
                          "positions are used by RoPE only; pass rope=mhattn.RoPE(...)")
     alibi = get("alibi_slopes")
+    if alibi is not None:
+        alibi = _alibi(alibi, H, B, batched, cu_q)
     sinks = get("sinks")
     p = dropout_arg(get("dropout"))
     return Variants(
         window=_window(get("window")), softcap=_softcap(get("softcap")),
-        alibi=None if alibi is None else _per_head("alibi_slopes", alibi, H, B, batched,
-                                                   np.float64),
+        alibi=alibi,
         sinks=None if sinks is None else _per_head("sinks", sinks, H, 1, False, dtype)[0],
         q_norm=_norm_weight("q_norm", get("q_norm"), H, "query head", dk, dtype),
         k_norm=_norm_weight("k_norm", get("k_norm"), G, "key/value head", dk, dtype),

@@ -148,9 +148,11 @@ def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None
         softcap * tanh(s / softcap), before ALiBi and the masks. None or 0
         (FlashAttention's convention) for none; otherwise softcap and 1 / softcap
         must be finite in the call's dtype.
-    alibi_slopes : (h,) or (B, h), optional
+    alibi_slopes : (h,) or (B, h), optional; (n, h) with cu_seqlens
         ALiBi: adds -slope_h * abs(p_i - j) to the scores (no gradient). Finite,
-        and slope * (max(T_q, T_k) - 1) within the call's dtype.
+        and slope * (max(T_q, T_k) - 1) within the call's dtype. With packed
+        sequences, (n, h) gives each of the n sequences its own row of
+        slopes (FlashAttention's varlen alibi_slopes).
     sinks : (h,), optional
         One learnable logit per query head, counted in the softmax's
         denominator as an extra key of value zero (gpt-oss); the returned

@@ -344,8 +344,9 @@ def alibi_bias(slope: float, query_pos: np.ndarray, key_pos: np.ndarray,
 
     Parameters
     ----------
-    slope : float
-        The head's slope (``alibi_slopes[h]`` or ``[b, h]``).
+    slope : float or (Tq,) array
+        The head's slope (``alibi_slopes[h]`` or ``[b, h]``), or each query
+        row's (packed sequences with a row of slopes per sequence).
     query_pos : (Tq,) int array
         p_i = i + (Tk - Tq), within its sequence when packed.
     key_pos : (Tk,) int array
@@ -363,7 +364,8 @@ def alibi_bias(slope: float, query_pos: np.ndarray, key_pos: np.ndarray,
     """
     d = np.abs(np.asarray(query_pos, dtype=np.float64)[:, None]
                - np.asarray(key_pos, dtype=np.float64)[None, :])
-    return (-float(slope) * d).astype(dtype)
+    s = np.asarray(slope, dtype=np.float64)
+    return (-(s[:, None] if s.ndim else s) * d).astype(dtype)
 
 
 def relative_position_bucket(relative_position: np.ndarray, bidirectional: bool = True,
@@ -733,7 +735,10 @@ def head_scores(call: Call, b: int, h: int, q_proj: np.ndarray, k_proj: np.ndarr
     # 7. the biases: ALiBi at the attention's own positions, and the float mask
     bias = None
     if var.alibi is not None:
-        slope = var.alibi[b if var.alibi.shape[0] > 1 else 0, h]
+        if var.packed and var.alibi.shape[0] > 1:   # a row per packed sequence
+            slope = var.alibi[sequence_ids(var.cu_q, Tq), h]
+        else:
+            slope = var.alibi[b if var.alibi.shape[0] > 1 else 0, h]
         bias = alibi_bias(slope, query_positions(var, B, Tq, Tk, for_rope=False)[b],
                           key_positions_of(var, B, Tk, for_rope=False)[b], call.dtype)
     # T5's bias at the same positions
