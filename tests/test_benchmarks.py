@@ -498,7 +498,12 @@ def test_ratio_scripts_print_their_tables(script, args, rows):
     """The scripts that print a ratio table run end to end on a tiny case:
     every row, each with a finite ratio."""
     import subprocess
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+
+    import mhattn
+    # The mhattn this process imported (the installed one, or a built
+    # checkout's under PYTHONPATH), not whatever else sys.path holds: a
+    # source tree's python/ without its extension would shadow it.
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(mhattn.__file__)))
     res = subprocess.run([sys.executable, os.path.join(BENCH, script), *args],
                          capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stderr
