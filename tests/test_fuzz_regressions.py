@@ -210,3 +210,27 @@ def test_entry_harness_catches_a_cache_changed_by_a_failed_append(monkeypatch):
     monkeypatch.setattr(mhattn.KVCache, "append", append_then_raise)
     with pytest.raises(AssertionError, match="changed the cache"):
         fuzz_entry_points.fuzz_cache(fuzz_mha.Data(b"\x00" * 64), np.random.default_rng(0))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_nan_row_stays_nan_when_dropout_drops_every_weight(dtype):
+    """fuzz/regressions/dropout-nan-row-all-dropped: a q/k norm with eps = 0
+    on a zero q row makes that row's scores NaN; dropout then zeroed both of
+    its weights. The core's output row is NaN (the softmax's normaliser,
+    which dropout keeps, is NaN: the rule for NaN scores), and so is the
+    reference's now; it summed the zeroed weights into 0."""
+    x = np.array([[0.0, 1.0], [1.0, 0.0]], dtype)
+    w = np.eye(2, dtype=dtype)
+    kw = dict(num_heads=2, q_norm=np.ones(1, dtype), norm_eps=0.0, dropout=0.9)
+    for seed in range(64):   # a seed that drops both weights of a NaN row
+        out, wt = mhattn.multi_head_attention(x, w, w, w, return_weights=True, seed=seed,
+                                              **kw)
+        rout, rwt = reference.multi_head_attention(x, w, w, w, return_weights=True,
+                                                   seed=seed, **kw)
+        np.testing.assert_array_equal(wt, rwt)
+        np.testing.assert_array_equal(out, rout)     # NaN where NaN
+        # head 0's row 0 (q = 0): NaN scores, both weights dropped
+        if (wt[0, 0] == 0).all() and np.isnan(out[0, 0]):
+            break
+    else:
+        pytest.fail("no seed dropped every weight of a NaN row")

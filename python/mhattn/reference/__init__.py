@@ -685,7 +685,15 @@ def head_intermediates(call: Call, b: int, h: int) -> dict:
     # 2-9.
     st = head_scores(call, b, h, q_proj, k_proj)
     # 10. . V
-    return dict(st, v=v, head=weighted_values(st["weights"], v))
+    head = weighted_values(st["weights"], v)
+    if st["keep"] is not None:
+        # A row with a NaN score has a NaN softmax normaliser, and dropout
+        # keeps that normaliser (its lse is the undropped softmax's): its
+        # output is NaN even where dropout zeroed every weight, as the C
+        # core's, which divides by it (mhattn.multi_head_attention's rule
+        # for NaN scores).
+        head = np.where(np.isnan(st["lse"])[:, None], head.dtype.type(np.nan), head)
+    return dict(st, v=v, head=head)
 
 
 def head_scores(call: Call, b: int, h: int, q_proj: np.ndarray, k_proj: np.ndarray) -> dict:
