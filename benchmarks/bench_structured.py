@@ -16,20 +16,11 @@ printed first; quote ratios of one run.
 """
 import argparse
 import statistics
-import time
 
 import numpy as np
 
 import mhattn
-
-
-def timed(fn, budget, stat):
-    times, end = [], time.perf_counter() + budget
-    while time.perf_counter() < end or len(times) < 3:
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return stat(times)
+from bench_dropout import round_time as timed   # one call's time, `stat` over a budget
 
 
 def main():

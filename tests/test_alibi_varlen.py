@@ -9,6 +9,7 @@ import pytest
 
 import mhattn
 from mhattn import reference as R
+from threadcounts import at_thread_counts
 
 CU = np.array([0, 5, 5, 17, 30, 64])       # an empty sequence, one past a block
 SPANS = list(zip(CU[:-1], CU[1:]))
@@ -43,15 +44,10 @@ def test_attention_on_projected_tensors_and_threads(rng):
     k = rng.standard_normal((2, 64, 8)).astype(np.float32)
     slopes = rng.random((len(SPANS), 4))
     kw = dict(cu_seqlens=CU, alibi_slopes=slopes, causal=True)
-    before = mhattn.get_num_threads()
-    try:
-        runs = []
-        for t in (1, 3):
-            mhattn.set_num_threads(t)
-            out = mhattn.attention(q, k, k, **kw)
-            runs.append((out, mhattn.attention_grad(np.ones_like(out), q, k, k, **kw)))
-    finally:
-        mhattn.set_num_threads(before)
+    def call():
+        out = mhattn.attention(q, k, k, **kw)
+        return out, mhattn.attention_grad(np.ones_like(out), q, k, k, **kw)
+    runs = at_thread_counts(call, (1, 3))
     np.testing.assert_array_equal(runs[0][0], runs[1][0])
     for n in "qkv":
         np.testing.assert_array_equal(runs[0][1][n], runs[1][1][n])

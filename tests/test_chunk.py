@@ -13,6 +13,7 @@ import pytest
 import mhattn
 from mhattn import reference as R
 from numgrad import central_differences as _fd
+from threadcounts import at_thread_counts
 
 
 def chunk_mask(Tq, Tk, n):
@@ -112,15 +113,8 @@ def test_decode_through_a_cache_lines_up_with_the_whole_sequence(rng):
 def test_threads_change_no_bit(rng):
     q, k, v = _qkv(rng, 2, 4, 2, 300, 300, d=32, dtype=np.float32)
     g = rng.standard_normal(q.shape).astype(np.float32)
-    before = mhattn.get_num_threads()
-    runs = []
-    try:
-        for t in (1, 2, 3):
-            mhattn.set_num_threads(t)
-            runs.append((mhattn.attention(q, k, v, chunk=64, causal=True),
-                         mhattn.attention_grad(g, q, k, v, chunk=64, causal=True)))
-    finally:
-        mhattn.set_num_threads(before)
+    runs = at_thread_counts(lambda: (mhattn.attention(q, k, v, chunk=64, causal=True),
+                                     mhattn.attention_grad(g, q, k, v, chunk=64, causal=True)))
     for out, grads in runs[1:]:
         np.testing.assert_array_equal(out, runs[0][0])
         for name in grads:

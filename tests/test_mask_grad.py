@@ -12,6 +12,7 @@ import pytest
 import mhattn
 from mhattn import reference as R
 from numgrad import central_differences as _fd
+from threadcounts import at_thread_counts
 
 
 B, T, D, H = 2, 5, 8, 2
@@ -98,14 +99,7 @@ def test_unseen_keys_get_zero_and_threads_change_no_bit(rng):
     g = rng.standard_normal(x.shape).astype(np.float32)
     kw = dict(num_heads=4, causal=True, window=(40, 0), mask=mask, mask_grad=True,
               key_lengths=np.array([150, 90]))
-    before = mhattn.get_num_threads()
-    runs = []
-    try:
-        for n in (1, 2, 3):
-            mhattn.set_num_threads(n)
-            runs.append(mhattn.multi_head_attention_grad(g, x, *w, **kw))
-    finally:
-        mhattn.set_num_threads(before)
+    runs = at_thread_counts(lambda: mhattn.multi_head_attention_grad(g, x, *w, **kw))
     for r in runs[1:]:
         for n in r:
             np.testing.assert_array_equal(r[n], runs[0][n], err_msg=n)

@@ -15,6 +15,7 @@ import pytest
 import mhattn
 from mhattn import reference as R
 from numgrad import central_differences as _fd
+from threadcounts import at_thread_counts
 
 B, T, D, H = 2, 9, 16, 4
 
@@ -183,15 +184,8 @@ def test_threads_change_no_bit(rng):
     g = rng.standard_normal(x.shape).astype(np.float32)
     kw = dict(num_heads=4, num_kv_heads=2, causal=True, relative_bias=rb,
               key_lengths=np.array([150, 97]))
-    before = mhattn.get_num_threads()
-    runs = []
-    try:
-        for n in (1, 2, 3):
-            mhattn.set_num_threads(n)
-            runs.append((mhattn.multi_head_attention(x, *w, **kw),
-                         mhattn.multi_head_attention_grad(g, x, *w, **kw)))
-    finally:
-        mhattn.set_num_threads(before)
+    runs = at_thread_counts(lambda: (mhattn.multi_head_attention(x, *w, **kw),
+                                     mhattn.multi_head_attention_grad(g, x, *w, **kw)))
     for out, grads in runs[1:]:
         np.testing.assert_array_equal(out, runs[0][0])
         for n in grads:
@@ -297,6 +291,8 @@ def test_glue_and_core_refuse_what_relative_bias_refuses(rng):
         call((np.ones((8, 2)), 3, True))
     with pytest.raises(ValueError, match="rel_buckets = 3"):
         call((np.ones((3, 2)), 8, True))
+    with pytest.raises(ValueError, match=r"max_distance: expected an int in \[0, "):
+        call((np.ones((8, 2)), -1, True))
     with pytest.raises(TypeError, match="relative_bias: expected None or a tuple"):
         call([np.ones((8, 2)), 8, True])
     out = call((np.ones((8, 2)), 8, False))

@@ -149,6 +149,28 @@ static int variant_norm_type(mha_config *cfg, PyObject *name)
     return 0;
 }
 
+/* *out = obj, an int that must convert to a size_t (rotary_dim, chunk,
+   max_distance): an int past Py_ssize_t (a RoPE's rotary_dim set to 2**64
+   after construction) is out of range, a ValueError naming it, as a
+   negative one is, not an OverflowError; a non-int is a TypeError naming
+   it. */
+static int variant_size(PyObject *obj, const char *name, size_t *out)
+{
+    const Py_ssize_t v = PyLong_AsSsize_t(obj);
+    if (v == -1 && PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_OverflowError)) {
+        prefix_error(name);
+        return -1;
+    }
+    if (v < 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "%s: expected an int in [0, %zd], got %R", name,
+                     PY_SSIZE_T_MAX, obj);
+        return -1;
+    }
+    *out = (size_t)v;
+    return 0;
+}
+
 /* The scalars of the tuple t into cfg: softcap, norm_eps, dropout, seed,
    norm_type, rotary_dim, interleaved, chunk. */
 static int variant_scalars(mha_config *cfg, PyObject *t)
@@ -177,38 +199,11 @@ static int variant_scalars(mha_config *cfg, PyObject *t)
     cfg->dropout_seed = (uint64_t)sv;
     if (variant_norm_type(cfg, PyTuple_GET_ITEM(t, V_NORM_TYPE)) < 0)
         return -1;
-    // softcap and norm_eps are the core's to check (mha_check_config);
-    // rotary_dim must convert to a size_t: an int past Py_ssize_t (a
-    // RoPE's rotary_dim set to 2**64 after construction) is out of range,
-    // a ValueError naming it, as a negative one is, not an OverflowError.
-    PyObject *rd_obj = PyTuple_GET_ITEM(t, V_ROTARY_DIM);
-    const Py_ssize_t rd = PyLong_AsSsize_t(rd_obj);
-    if (rd == -1 && PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_OverflowError)) {
-        prefix_error("rotary_dim");
+    // softcap and norm_eps are the core's to check (mha_check_config).
+    if (variant_size(PyTuple_GET_ITEM(t, V_ROTARY_DIM), "rotary_dim", &cfg->rotary_dim) < 0 ||
+        variant_size(PyTuple_GET_ITEM(t, V_CHUNK), "chunk", &cfg->chunk) < 0)
         return -1;
-    }
-    if (rd < 0) {
-        PyErr_Clear();
-        PyErr_Format(PyExc_ValueError, "rotary_dim: expected an int in [0, %zd], got %R",
-                     PY_SSIZE_T_MAX, rd_obj);
-        return -1;
-    }
-    cfg->rotary_dim = (size_t)rd;
     cfg->rope_interleaved = inter;
-    // chunk: an int >= 0, a ValueError naming it otherwise (as rotary_dim).
-    PyObject *ch_obj = PyTuple_GET_ITEM(t, V_CHUNK);
-    const Py_ssize_t ch = PyLong_AsSsize_t(ch_obj);
-    if (ch == -1 && PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_OverflowError)) {
-        prefix_error("chunk");
-        return -1;
-    }
-    if (ch < 0) {
-        PyErr_Clear();
-        PyErr_Format(PyExc_ValueError, "chunk: expected an int in [0, %zd], got %R",
-                     PY_SSIZE_T_MAX, ch_obj);
-        return -1;
-    }
-    cfg->chunk = (size_t)ch;
     return 0;
 }
 
@@ -225,14 +220,12 @@ static int variant_rel(call *c, PyObject *t)
                      "max_distance, bidirectional), got %s", Py_TYPE(r)->tp_name);
         return -1;
     }
-    const Py_ssize_t md = PyLong_AsSsize_t(PyTuple_GET_ITEM(r, 1));
-    const int bidir = PyObject_IsTrue(PyTuple_GET_ITEM(r, 2));
-    if ((md == -1 && PyErr_Occurred()) || bidir < 0) {
-        prefix_error("relative_bias");
+    size_t md;
+    if (variant_size(PyTuple_GET_ITEM(r, 1), "max_distance", &md) < 0)
         return -1;
-    }
-    if (md < 0) {
-        PyErr_Format(PyExc_ValueError, "relative_bias: max_distance = %zd is negative", md);
+    const int bidir = PyObject_IsTrue(PyTuple_GET_ITEM(r, 2));
+    if (bidir < 0) {
+        prefix_error("relative_bias");
         return -1;
     }
     if (variant_copy(&c->var[V_REL], PyTuple_GET_ITEM(r, 0), "relative_bias", c->typenum,
@@ -246,7 +239,7 @@ static int variant_rel(call *c, PyObject *t)
     }
     c->cfg.rel_table = PyArray_DATA(a);
     c->cfg.rel_buckets = (size_t)PyArray_DIM(a, 0);
-    c->cfg.rel_max_distance = (size_t)md;
+    c->cfg.rel_max_distance = md;
     c->cfg.rel_bidirectional = bidir;
     return 0;
 }
