@@ -57,6 +57,11 @@ extern "C" {
  * more than the call (well under a millisecond on any machine).
  */
 #define MHA_MAX_ELEMS ((size_t)PTRDIFF_MAX / sizeof(double))
+
+/* A block mask's entries that are not a partial block's index
+   (mha_config.bm_block). */
+#define MHA_BM_EMPTY (-1)
+#define MHA_BM_FULL (-2)
 #define MHA_SMALL_WORK 262144.0
 
 typedef enum {
@@ -185,6 +190,26 @@ typedef struct {
        row's keys stay one interval, so blocks outside are skipped. At most
        MHA_MAX_ELEMS. */
     size_t chunk;
+    /* A block mask (issue 39; mhattn.BlockMask, FlexAttention's
+       BlockMask): the keys are cut into blocks of bm_bk, the queries into
+       blocks of bm_bq (nqb = ceil(Tq / bm_bq), nkb = ceil(Tk / bm_bk); the
+       last ones may be short), and entry
+           bm_block[b bm_bstride + h bm_hstride + qb nkb + kb]
+       of query block qb and key block kb is MHA_BM_EMPTY (no key of the
+       block is visible from any query of it), MHA_BM_FULL (every one is)
+       or p in [0, bm_npartial): partial, with the bits of block p of
+       bm_bits, (bm_npartial, bm_bq, ceil(bm_bk / 8)) bytes: bit c % 8 of
+       byte c / 8 of row r is 1 iff key kb bm_bk + c is visible from query
+       qb bm_bq + r (numpy.packbits(..., bitorder="little")). bm_hstride is
+       0 (one pattern for every head) or nqb nkb, bm_bstride 0 or (bm_
+       hstride ? H : 1) nqb nkb. ANDed with every other rule (causal,
+       window, chunk, key_lengths, key_mask, packed sequences, mask): empty
+       blocks are skipped, forward and backward, and full ones cost no
+       per-element test. NULL: off (then every bm_ field is 0). Indices
+       are call indices (packed rows and keys with nseq > 0). */
+    const int32_t *bm_block;
+    const uint8_t *bm_bits;
+    size_t bm_bq, bm_bk, bm_bstride, bm_hstride, bm_npartial;
     /* softcap > 0: each scaled score s becomes softcap * tanh(s / softcap),
        before ALiBi and the masks (Gemma 2). 0: off. Finite, and, when > 0,
        softcap and 1 / softcap representable in the call's type:

@@ -29,6 +29,8 @@ typedef enum {
     MHA_FIELD_KEY_LENGTHS,
     MHA_FIELD_WINDOW,               /* windowed, window_left, window_right */
     MHA_FIELD_CHUNK,
+    MHA_FIELD_BLOCK_MASK,           /* bm_block, bm_bits, bm_bq, bm_bk, bm_bstride,
+                                       bm_hstride, bm_npartial */
     MHA_FIELD_SOFTCAP,
     MHA_FIELD_ALIBI,
     MHA_FIELD_ALIBI_BSTRIDE,

@@ -432,7 +432,8 @@ def variants(**change):
     v = dict(window=None, softcap=0.0, alibi=None, sinks=None, key_mask=None, cu_q=None,
              cu_k=None, q_norm=None, k_norm=None, norm_eps=1e-6, norm_type="rms",
              rotary_dim=0, interleaved=False, inv_freq=None, positions=None,
-             key_positions=None, dropout=0.0, seed=0, relative_bias=None, chunk=0)
+             key_positions=None, dropout=0.0, seed=0, relative_bias=None, chunk=0,
+             block_mask=None)
     v.update(change)
     return tuple(v.values())
 
@@ -945,6 +946,7 @@ NORMS = ("mha", "grad", "trace", "ref", "step")
 ROPE = ("mha", "grad", "trace", "ref", "layer", "step")
 POSITIONS = ("mha", "grad", "trace", "ref", "layer")
 DROPOUT = tuple(s for s in SCORE if s != "layer")     # a layer's dropout is its own
+BLOCKS = tuple(s for s in SCORE if s != "step")       # a block mask not with a cache
 
 
 def _rope():
@@ -1073,6 +1075,18 @@ BAD_VARIANTS = [
     ("chunk", "float", 4.0, TE, ["chunk", "positive int"], {}, SCORE),
     ("chunk", "string", "4", TE, ["chunk", "positive int"], {}, SCORE),
     ("chunk", "bool", True, TE, ["chunk", "positive int"], {}, SCORE),
+    # block masks (issue 39): a BlockMask of the call's shape, not with a cache.
+    ("block_mask", "shape", lambda d: mhattn.BlockMask.from_dense(
+        np.ones((d["Tq"], d["Tk"] + 1), bool)), VE, ["block_mask", "got (1, 1, "], {}, BLOCKS),
+    ("block_mask", "heads", lambda d: mhattn.BlockMask.from_dense(
+        np.ones((d["H"] + 1, d["Tq"], d["Tk"]), bool)), VE, ["block_mask", "H or 1"], {},
+     BLOCKS),
+    ("block_mask", "string", "a", TE, ["block_mask", "mhattn.BlockMask"], {}, BLOCKS),
+    ("block_mask", "dense", lambda d: np.ones((d["Tq"], d["Tk"]), bool), TE,
+     ["block_mask", "mhattn.BlockMask"], {}, BLOCKS),
+    ("block_mask", "with_cache", lambda d: mhattn.BlockMask.from_dense(
+        np.ones((d["Tq"], d["Tk"]), bool)), VE, ["block_mask", "not with cache"], {},
+     ("step",)),
     # T5's relative bias: its table's width is checked against the call's
     # heads; the buckets and the distance by RelativeBias (below) and the core.
     ("relative_bias", "table_heads", lambda d: mhattn.RelativeBias(np.ones((32, d["H"] + 1))),
@@ -1681,6 +1695,73 @@ table("relative_bias", raises(TE, words=["bidirectional", "True or False"]), [
 table("relative_bias", raises(TE, words=["relative_bias", "complex"]), [
     ("table_complex", lambda: mhattn.RelativeBias(np.ones((32, 2), complex)))],
       "RelativeBias")
+# BlockMask (issue 39): the predicate's failures (it raised, returned a
+# non-boolean or a shape short of the grid) and the sizes, each naming the
+# argument; from_dense's mask; the parts a direct construction takes.
+_BM = mhattn.BlockMask
+
+
+def _bm_raising(b, h, q, kv):
+    raise KeyError("no such document")
+
+
+_BMF = "BlockMask.from_function"
+table("block_mask", raises(VE, words=["fn", "raised KeyError", "query rows 0"]), [
+    ("fn_raises", lambda: _BM.from_function(_bm_raising, 1, 1, 8, 8))], _BMF)
+table("block_mask", raises(TE, words=["fn", "booleans"]), [
+    ("fn_ints", lambda: _BM.from_function(lambda b, h, q, kv: q - kv, 1, 1, 8, 8)),
+    ("fn_floats", lambda: _BM.from_function(lambda b, h, q, kv: 1.0 * (kv <= q), 1, 1, 8, 8))],
+      _BMF)
+table("block_mask", raises(VE, words=["fn", "does not broadcast", "(1, 1, 8, 8)"]), [
+    ("fn_part_of_grid", lambda: _BM.from_function(lambda b, h, q, kv: kv[..., :-1] <= q,
+                                                   1, 1, 8, 8)),
+    ("fn_extra_axis", lambda: _BM.from_function(lambda b, h, q, kv: (kv <= q)[None],
+                                                 1, 1, 8, 8)),
+    ("fn_per_head_for_one", lambda: _BM.from_function(
+        lambda b, h, q, kv: np.ones((2, 1, 1, 1), bool), 1, 1, 8, 8))], _BMF)
+table("block_mask", raises(TE, words=["fn", "callable"]), [
+    ("fn_array", lambda: _BM.from_function(np.ones((8, 8), bool), 1, 1, 8, 8))], _BMF)
+table("block_mask", raises(VE, words=["block", "int >= 1"]), [
+    ("block_zero", lambda: _BM.from_function(lambda b, h, q, kv: kv <= q, 1, 1, 8, 8,
+                                              block=0)),
+    ("block_negative", lambda: _BM.from_function(lambda b, h, q, kv: kv <= q, 1, 1, 8, 8,
+                                                  block=(4, -4)))], _BMF)
+table("block_mask", raises(VE, words=["block", "int >= 1"]), [
+    ("dense_block_zero", lambda: _BM.from_dense(np.ones((8, 8), bool), block=(0, 4)))],
+      "BlockMask.from_dense")
+table("block_mask", raises(TE, words=["block", "an int"]), [
+    ("block_float", lambda: _BM.from_function(lambda b, h, q, kv: kv <= q, 1, 1, 8, 8,
+                                               block=4.0)),
+    ("block_triple", lambda: _BM.from_function(lambda b, h, q, kv: kv <= q, 1, 1, 8, 8,
+                                                block=(4, 4, 4)))], _BMF)
+table("block_mask", raises(VE, words=["H", "int >= 1"]), [
+    ("heads_zero", lambda: _BM.from_function(lambda b, h, q, kv: kv <= q, 1, 0, 8, 8))], _BMF)
+table("block_mask", raises(TE, words=["mask", "boolean"]), [
+    ("dense_floats", lambda: _BM.from_dense(np.ones((8, 8))))], "BlockMask.from_dense")
+table("block_mask", raises(VE, words=["mask", "(T_q, T_k)"]), [
+    ("dense_1d", lambda: _BM.from_dense(np.ones(8, bool))),
+    ("dense_5d", lambda: _BM.from_dense(np.ones((1, 1, 1, 8, 8), bool)))],
+      "BlockMask.from_dense")
+table("block_mask", raises(VE, words=["kind", "expected shape (1, 1, 2, 2)"]), [
+    ("parts_kind_shape", lambda: _BM(np.zeros((1, 1, 2, 3), np.uint8),
+                                     np.zeros((0, 4, 1), np.uint8), (1, 1, 8, 8), 4))],
+      "BlockMask")
+table("block_mask", raises(VE, words=["bits", "1 partial blocks"]), [
+    ("parts_bits_missing", lambda: _BM(np.array([[[[2, 0], [0, 0]]]], np.uint8),
+                                       np.zeros((0, 4, 1), np.uint8), (1, 1, 8, 8), 4))],
+      "BlockMask")
+table("block_mask", raises(VE, words=["kind", "0 (empty), 1 (full) or 2 (partial)"]), [
+    ("parts_kind_value", lambda: _BM(np.full((1, 1, 2, 2), 3, np.uint8),
+                                     np.zeros((0, 4, 1), np.uint8), (1, 1, 8, 8), 4))],
+      "BlockMask")
+
+
+@case("block_mask_to_dense_round_trip", OK, entry="BlockMask.from_dense")
+def _():
+    m = rng.random((2, 3, 9, 13)) < 0.4
+    assert np.array_equal(mhattn.BlockMask.from_dense(m, block=(4, 5)).to_dense(), m)
+
+
 table("packed_weights", raises(TE, words=["PackedWeights:", "mhattn.pack_weights"]), [
     ("made_directly", lambda: mhattn.PackedWeights()),
     ("made_directly_with_weights", lambda: mhattn.PackedWeights(W, W, W))], "PackedWeights")

@@ -487,9 +487,13 @@ def test_half_precision_targets_and_decode_rows(capsys):
 
 
 @pytest.mark.parametrize("script,args,rows", [
-    ("bench_structured.py", ["--T", "200", "--chunk", "48", "--rounds", "1", "--budget",
-                             "0.01"], ["causal", "causal, chunk=48",
-                                       "causal, chunk=48 as a dense mask"]),
+    ("bench_structured.py", ["--T", "200", "--chunk", "48", "--docs", "5", "--block", "16",
+                             "--rounds", "1", "--budget", "0.01"],
+     ["causal", "causal, chunk=48", "causal, chunk=48 as a dense mask", "no mask",
+      "5 documents as a BlockMask", "5 documents as a dense mask"]),
+    ("bench_structured.py", ["--T", "100", "--docs", "3", "--block", "16", "--rounds", "1",
+                             "--budget", "0.01", "--layer", "--heads", "2", "--dk", "8"],
+     ["causal", "no mask", "3 documents as a BlockMask"]),
     ("bench_dropout.py", ["--T", "64", "--rounds", "1", "--budget", "0.01"], ["False", "True"]),
     ("bench_dropout.py", ["--T", "64", "--rounds", "1", "--budget", "0.01", "--t5"],
      ["False", "True"]),

@@ -39,7 +39,7 @@ NOT_CALLABLE = {
 # Callables that take nothing from their caller (no parameter but self).
 TAKES_NOTHING = {
     "worked_example", "get_isa", "get_num_threads",
-    "PackedWeights.arguments", "KVCache.reset", "MultiHeadAttention.weights",
+    "PackedWeights.arguments", "KVCache.reset", "BlockMask.to_dense", "MultiHeadAttention.weights",
     "MultiHeadAttention.arguments", "MultiHeadAttention.state_dict",
     "MultiHeadAttention.to_torch", "Trace.to_dict", "Trace.keys", "MultiHeadAttention.eval",
 }
@@ -71,7 +71,8 @@ KNOWN_GAPS: dict = {}   # issue 35 closed the last three (RoPE.frequencies,
 # The variants' keywords: each entry point that takes one has a case naming it.
 VARIANTS = ("window", "softcap", "alibi_slopes", "sinks", "key_mask", "cu_seqlens",
             "key_cu_seqlens", "q_norm", "k_norm", "norm_eps", "norm_type", "rope",
-            "positions", "key_positions", "dropout", "seed", "relative_bias", "chunk")
+            "positions", "key_positions", "dropout", "seed", "relative_bias", "chunk",
+            "block_mask")
 # The output gate's keywords (issue 38, item 4), held to the same rule.
 GATE = ("w_gate", "b_gate", "gate")
 # The glue's names of the gate: keyword-only arguments of these builtins.

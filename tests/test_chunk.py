@@ -13,7 +13,7 @@ import pytest
 import mhattn
 from mhattn import reference as R
 from numgrad import central_differences as _fd
-from threadcounts import at_thread_counts
+from threadcounts import assert_same_bits_at_thread_counts
 
 
 def chunk_mask(Tq, Tk, n):
@@ -113,12 +113,9 @@ def test_decode_through_a_cache_lines_up_with_the_whole_sequence(rng):
 def test_threads_change_no_bit(rng):
     q, k, v = _qkv(rng, 2, 4, 2, 300, 300, d=32, dtype=np.float32)
     g = rng.standard_normal(q.shape).astype(np.float32)
-    runs = at_thread_counts(lambda: (mhattn.attention(q, k, v, chunk=64, causal=True),
-                                     mhattn.attention_grad(g, q, k, v, chunk=64, causal=True)))
-    for out, grads in runs[1:]:
-        np.testing.assert_array_equal(out, runs[0][0])
-        for name in grads:
-            np.testing.assert_array_equal(grads[name], runs[0][1][name], err_msg=name)
+    assert_same_bits_at_thread_counts(
+        lambda: mhattn.attention(q, k, v, chunk=64, causal=True),
+        lambda: mhattn.attention_grad(g, q, k, v, chunk=64, causal=True))
 
 
 def test_every_isa_path(rng, isa):

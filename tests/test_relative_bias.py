@@ -15,7 +15,7 @@ import pytest
 import mhattn
 from mhattn import reference as R
 from numgrad import central_differences as _fd
-from threadcounts import at_thread_counts
+from threadcounts import assert_same_bits_at_thread_counts
 
 B, T, D, H = 2, 9, 16, 4
 
@@ -184,12 +184,8 @@ def test_threads_change_no_bit(rng):
     g = rng.standard_normal(x.shape).astype(np.float32)
     kw = dict(num_heads=4, num_kv_heads=2, causal=True, relative_bias=rb,
               key_lengths=np.array([150, 97]))
-    runs = at_thread_counts(lambda: (mhattn.multi_head_attention(x, *w, **kw),
-                                     mhattn.multi_head_attention_grad(g, x, *w, **kw)))
-    for out, grads in runs[1:]:
-        np.testing.assert_array_equal(out, runs[0][0])
-        for n in grads:
-            np.testing.assert_array_equal(grads[n], runs[0][1][n], err_msg=n)
+    assert_same_bits_at_thread_counts(lambda: mhattn.multi_head_attention(x, *w, **kw),
+                                      lambda: mhattn.multi_head_attention_grad(g, x, *w, **kw))
 
 
 def test_every_isa_path_agrees_with_float64(rng, isa):
@@ -283,7 +279,7 @@ def test_glue_and_core_refuse_what_relative_bias_refuses(rng):
     v = (None, 0.0, None, None, None, None, None, None, None, 1e-6, "rms", 0, False, None,
          None, None, 0.0, 0)
     def call(rel):
-        return _C.attention(q, q, q, np.ones(2), None, False, None, v + (rel, 0), False, False,
+        return _C.attention(q, q, q, np.ones(2), None, False, None, v + (rel, 0, None), False, False,
                             False, False)
     with pytest.raises(ValueError, match=r"relative_bias: expected shape \(8, 2\)"):
         call((np.ones((8, 3)), 8, True))

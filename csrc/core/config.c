@@ -172,16 +172,76 @@ static mha_status cu_check(const int64_t *cu, size_t nseq, size_t n, const char 
     return MHA_OK;
 }
 
+/* A block mask (mha.h, bm_block): its sizes and strides, and every entry
+   empty, full or a partial block's index below bm_npartial, so that no
+   entry reads past bm_bits. O(entries): one look per block. */
+static mha_status block_mask_check(const mha_config *cfg, mha_error *err)
+{
+    if (cfg->bm_block == NULL) {
+        if (cfg->bm_bits != NULL || cfg->bm_bq != 0 || cfg->bm_bk != 0 ||
+            cfg->bm_bstride != 0 || cfg->bm_hstride != 0 || cfg->bm_npartial != 0)
+            return REJECT(MHA_FIELD_BLOCK_MASK,
+                          "bm_block is NULL with bm_bits = %p, bm_bq = %zu, bm_bk = %zu, "
+                          "bm_bstride = %zu, bm_hstride = %zu, bm_npartial = %zu",
+                          (const void *)cfg->bm_bits, cfg->bm_bq, cfg->bm_bk,
+                          cfg->bm_bstride, cfg->bm_hstride, cfg->bm_npartial);
+        return MHA_OK;
+    }
+    if (cfg->bm_bq == 0 || cfg->bm_bk == 0 || cfg->bm_bq > MHA_MAX_ELEMS ||
+        cfg->bm_bk > MHA_MAX_ELEMS)
+        return REJECT(MHA_FIELD_BLOCK_MASK, "bm_bq = %zu, bm_bk = %zu: each must be in "
+                      "[1, MHA_MAX_ELEMS]", cfg->bm_bq, cfg->bm_bk);
+    const size_t nqb = (cfg->Tq + cfg->bm_bq - 1) / cfg->bm_bq;
+    const size_t nkb = (cfg->Tk + cfg->bm_bk - 1) / cfg->bm_bk;
+    size_t per_head, per_item, n, bits;
+    if (!mul_ok(&per_head, nqb, nkb))
+        return REJECT(MHA_FIELD_BLOCK_MASK, "bm_block (%zu x %zu blocks) is past "
+                      "MHA_MAX_ELEMS", nqb, nkb);
+    if (cfg->bm_hstride != 0 && cfg->bm_hstride != per_head)
+        return REJECT(MHA_FIELD_BLOCK_MASK, "bm_hstride = %zu is neither 0 nor nqb nkb = %zu",
+                      cfg->bm_hstride, per_head);
+    const size_t nh = cfg->bm_hstride != 0 ? cfg->H : 1;
+    if (!mul_ok(&per_item, per_head, nh))
+        return REJECT(MHA_FIELD_BLOCK_MASK, "bm_block (%zu heads of %zu blocks) is past "
+                      "MHA_MAX_ELEMS", nh, per_head);
+    if (cfg->bm_bstride != 0 && cfg->bm_bstride != per_item)
+        return REJECT(MHA_FIELD_BLOCK_MASK,
+                      "bm_bstride = %zu is neither 0 nor (bm_hstride ? H : 1) nqb nkb = %zu",
+                      cfg->bm_bstride, per_item);
+    if (!mul_ok(&n, per_item, cfg->bm_bstride != 0 ? cfg->B : 1))
+        return REJECT(MHA_FIELD_BLOCK_MASK, "bm_block (%zu items of %zu blocks) is past "
+                      "MHA_MAX_ELEMS", cfg->B, per_item);
+    if (cfg->bm_npartial > 0 &&
+        (cfg->bm_bits == NULL || !mul_ok(&bits, cfg->bm_npartial, cfg->bm_bq) ||
+         !mul_ok(&bits, bits, (cfg->bm_bk + 7) / 8)))
+        return REJECT(MHA_FIELD_BLOCK_MASK, "bm_bits = %p for bm_npartial = %zu blocks of "
+                      "%zu x %zu bits", (const void *)cfg->bm_bits, cfg->bm_npartial,
+                      cfg->bm_bq, cfg->bm_bk);
+    for (size_t e = 0; e < n; e++) {
+        const int32_t v = cfg->bm_block[e];
+        if (v < MHA_BM_FULL || (v >= 0 && (uint64_t)v >= (uint64_t)cfg->bm_npartial))
+            return REJECT(MHA_FIELD_BLOCK_MASK,
+                          "bm_block[%zu] = %ld is neither MHA_BM_EMPTY (-1), MHA_BM_FULL "
+                          "(-2) nor a partial block's index below bm_npartial = %zu",
+                          e, (long)v, cfg->bm_npartial);
+    }
+    return MHA_OK;
+}
+
 /* The variants (mha.h): window, softcap, dropout, ALiBi, T5's bias, packed
    sequences, lengths_aligned. */
 static mha_status variants_check(const mha_config *cfg, mha_error *err)
 {
+    mha_status st;
     if (!cfg->windowed && (cfg->window_left != 0 || cfg->window_right != 0))
         return REJECT(MHA_FIELD_WINDOW,
                       "window_left = %lld, window_right = %lld need windowed != 0",
                       (long long)cfg->window_left, (long long)cfg->window_right);
     if (cfg->chunk > MHA_MAX_ELEMS)
         return REJECT(MHA_FIELD_CHUNK, "chunk = %zu is past MHA_MAX_ELEMS", cfg->chunk);
+    st = block_mask_check(cfg, err);
+    if (st != MHA_OK)
+        return st;
     if (!(cfg->softcap >= 0) || !isfinite(cfg->softcap))
         return REJECT(MHA_FIELD_SOFTCAP,
                       "softcap = %g is not a finite number >= 0", cfg->softcap);

@@ -20,6 +20,8 @@
  *   and floor(p_i / N) == floor(pos(j) / N)   (chunk = N > 0)
  *   and key_mask[b, j] != 0             (pointwise)
  *   and mask[b, h, i, j]                (the bool mask, pointwise)
+ *   and block_mask's bit (b, h, i, j)   (pointwise, with a summary per
+ *                                        block: mha_bm_kinds)
  *   The rules but the pointwise ones leave each row one interval
  *   [lo(i), hi(i)) (mha_rules_key_range), both ends nondecreasing in i. So
  *   a block of rows sees keys in [lo(first), hi(last)) only: the forward
@@ -258,10 +260,180 @@ static inline int mha_rules_rows_see_all(const mha_config *cfg, size_t len_b,
     return hi >= j1;
 }
 
+/*
+ * The block mask (mha.h, bm_block): a pointwise rule with a summary per
+ * block. A region of queries and keys whose blocks are all empty is
+ * skipped like the blocks the intervals rule out; one whose blocks are all
+ * full needs no per-element test (rules_score_row's last step tests the
+ * partial blocks' bits).
+ */
+static inline int32_t mha_bm_entry(const mha_config *cfg, size_t b, size_t h, size_t qb,
+                                   size_t kb)
+{
+    const size_t nkb = (cfg->Tk + cfg->bm_bk - 1) / cfg->bm_bk;
+    return cfg->bm_block[b * cfg->bm_bstride + h * cfg->bm_hstride + qb * nkb + kb];
+}
+
+/* What the blocks over queries [i0, i1) and keys [j0, j1) (both nonempty)
+   of heads h0 .. h0 + nh - 1 in batch item b are: an OR of the MHA_BM_HAS_
+   flags; MHA_BM_HAS_FULL with no block mask. One look per block (heads
+   that share a pattern, once). */
+enum { MHA_BM_HAS_EMPTY = 1, MHA_BM_HAS_FULL = 2, MHA_BM_HAS_PARTIAL = 4 };
+
+static inline unsigned mha_bm_kinds(const mha_config *cfg, size_t b, size_t h0, size_t nh,
+                                    size_t i0, size_t i1, size_t j0, size_t j1)
+{
+    if (cfg->bm_block == NULL)
+        return MHA_BM_HAS_FULL;
+    unsigned k = 0;
+    const size_t he = cfg->bm_hstride != 0 ? h0 + nh : h0 + 1;
+    for (size_t h = h0; h < he; h++)
+        for (size_t qb = i0 / cfg->bm_bq; qb <= (i1 - 1) / cfg->bm_bq; qb++)
+            for (size_t kb = j0 / cfg->bm_bk; kb <= (j1 - 1) / cfg->bm_bk; kb++) {
+                const int32_t v = mha_bm_entry(cfg, b, h, qb, kb);
+                k |= v == MHA_BM_EMPTY ? MHA_BM_HAS_EMPTY
+                                       : v == MHA_BM_FULL ? MHA_BM_HAS_FULL : MHA_BM_HAS_PARTIAL;
+            }
+    return k;
+}
+
+/* 1 when the block mask hides every key of [j0, j1) from every query of
+   [i0, i1) (heads h0 .. h0 + nh - 1): such a region is skipped. */
+static inline int mha_bm_empty(const mha_config *cfg, size_t b, size_t h0, size_t nh,
+                               size_t i0, size_t i1, size_t j0, size_t j1)
+{
+    return cfg->bm_block != NULL &&
+           mha_bm_kinds(cfg, b, h0, nh, i0, i1, j0, j1) == MHA_BM_HAS_EMPTY;
+}
+
+/* Row r of partial block v's bits. */
+static inline const uint8_t *mha_bm_row(const mha_config *cfg, int32_t v, size_t r)
+{
+    return cfg->bm_bits + ((size_t)v * cfg->bm_bq + r) * ((cfg->bm_bk + 7) / 8);
+}
+
+/* The first (last != 0: the last) column c of [c0, c1) within key block kb
+   that some query of [i0, i1) of heads h0 .. h0 + nh - 1 sees by the block
+   mask, or SIZE_MAX when none does. A partial block's rows are read a
+   byte at a time, skipping zero bytes. */
+static inline size_t mha_bm_edge(const mha_config *cfg, size_t b, size_t h0, size_t nh,
+                                 size_t i0, size_t i1, size_t kb, size_t c0, size_t c1,
+                                 int last)
+{
+    const size_t bq = cfg->bm_bq, he = cfg->bm_hstride != 0 ? h0 + nh : h0 + 1;
+    size_t best = SIZE_MAX;
+    for (size_t h = h0; h < he; h++)
+        for (size_t qb = i0 / bq; qb <= (i1 - 1) / bq; qb++) {
+            const int32_t v = mha_bm_entry(cfg, b, h, qb, kb);
+            if (v == MHA_BM_EMPTY)
+                continue;
+            if (v == MHA_BM_FULL)
+                return last ? c1 - 1 : c0;   /* the widest there is */
+            const size_t r0 = i0 > qb * bq ? i0 - qb * bq : 0;
+            const size_t r1 = i1 - qb * bq < bq ? i1 - qb * bq : bq;
+            for (size_t r = r0; r < r1; r++) {
+                const uint8_t *bits = mha_bm_row(cfg, v, r);
+                // Columns still worth a look: past the best so far.
+                size_t lo = c0, hi = c1;
+                if (best != SIZE_MAX) {
+                    if (last)
+                        lo = best + 1;
+                    else
+                        hi = best;
+                }
+                for (size_t t = lo; t < hi;) {
+                    const size_t c = last ? hi - 1 - (t - lo) : t;
+                    if (bits[c >> 3] == 0) {   /* the rest of this byte */
+                        const size_t step = last ? (c & 7) + 1 : 8 - (c & 7);
+                        t += step;
+                        continue;
+                    }
+                    if ((bits[c >> 3] >> (c & 7)) & 1) {
+                        best = c;
+                        break;
+                    }
+                    t++;
+                }
+            }
+        }
+    return best;
+}
+
+/* Within the keys [j0, j1): [*a, *e), from the first to the last key some
+   query of [i0, i1) (heads h0 .. h0 + nh - 1) sees by the block mask (exact
+   to the key: the blocks, then the edge blocks' bits); returns 0 when none
+   is seen. With no block mask, [j0, j1). */
+static inline int mha_bm_hull(const mha_config *cfg, size_t b, size_t h0, size_t nh,
+                              size_t i0, size_t i1, size_t j0, size_t j1, size_t *a,
+                              size_t *e)
+{
+    *a = j0, *e = j1;
+    if (cfg->bm_block == NULL)
+        return 1;
+    const size_t bk = cfg->bm_bk, kb0 = j0 / bk, kb1 = (j1 - 1) / bk;
+    size_t kb, c = SIZE_MAX;
+    for (kb = kb0; kb <= kb1 && c == SIZE_MAX; kb++) {
+        const size_t lo = kb == kb0 ? j0 - kb * bk : 0;
+        const size_t hi = kb == kb1 ? j1 - kb * bk : bk;
+        c = mha_bm_edge(cfg, b, h0, nh, i0, i1, kb, lo, hi, 0);
+        if (c != SIZE_MAX)
+            *a = kb * bk + c;
+    }
+    if (c == SIZE_MAX)
+        return 0;
+    c = SIZE_MAX;
+    for (kb = kb1 + 1; kb-- > kb0 && c == SIZE_MAX;) {
+        const size_t lo = kb == kb0 ? j0 - kb * bk : 0;
+        const size_t hi = kb == kb1 ? j1 - kb * bk : bk;
+        c = mha_bm_edge(cfg, b, h0, nh, i0, i1, kb, lo, hi, 1);
+        if (c != SIZE_MAX)
+            *e = kb * bk + c + 1;
+    }
+    return 1;
+}
+
+/* Within the queries [i0, i1): [*ib, *ie), from the first to the last query
+   of head h that sees a key of [j0, j1) by the block mask (the blocks, then
+   the bits of the first and last query blocks' rows); *ib == *ie when none
+   does. With no block mask, [i0, i1). */
+static inline void mha_bm_rows(const mha_config *cfg, size_t b, size_t h, size_t i0,
+                               size_t i1, size_t j0, size_t j1, size_t *ib, size_t *ie)
+{
+    *ib = i0, *ie = i1;
+    if (cfg->bm_block == NULL || i0 >= i1 || j0 >= j1)
+        return;
+    const size_t bq = cfg->bm_bq, qb0 = i0 / bq, qb1 = (i1 - 1) / bq;
+    size_t first = SIZE_MAX, last = 0, a, e;
+    for (size_t qb = qb0; qb <= qb1; qb++) {
+        const size_t r0 = qb == qb0 ? i0 : qb * bq, r1 = qb == qb1 ? i1 : (qb + 1) * bq;
+        // Rows of this query block that see some key: all or none of them
+        // unless a partial block is met, whose rows are then read (only
+        // in the first and the last query block with any).
+        if (mha_bm_empty(cfg, b, h, 1, r0, r1, j0, j1))
+            continue;
+        if (first == SIZE_MAX)
+            for (size_t r = r0; r < r1 && first == SIZE_MAX; r++)
+                if (mha_bm_hull(cfg, b, h, 1, r, r + 1, j0, j1, &a, &e))
+                    first = r;
+        last = qb;
+    }
+    if (first == SIZE_MAX) {
+        *ie = *ib;
+        return;
+    }
+    const size_t r0 = last == qb0 ? i0 : last * bq, r1 = last == qb1 ? i1 : (last + 1) * bq;
+    size_t end = r1;
+    while (end > r0 && end - 1 > first &&
+           !mha_bm_hull(cfg, b, h, 1, end - 1, end, j0, j1, &a, &e))
+        end--;
+    *ib = first, *ie = end;
+}
+
 /* 1 when a score rule of part 2 or a pointwise visibility rule applies
    (softcap, ALiBi, T5's bias, a mask, key_mask): else rules_score_row only
-   writes -inf outside [a, e), and a row that sees all of its block's keys,
-   unpadded, is left as it is. */
+   writes -inf outside [a, e) and where the block mask hides a key, and a
+   row that sees all of its block's keys, unpadded, in blocks the block
+   mask keeps whole (mha_bm_kinds), is left as it is. */
 static inline int mha_rules_pointwise(const mha_config *cfg)
 {
     return cfg->softcap > 0 || cfg->alibi != NULL || cfg->rel_table != NULL ||
@@ -440,7 +612,8 @@ static inline uint32_t mha_dropout_threshold(double p)
  *   ALiBi     s += -slope |p_i - pos(j)|
  *   T5        s += its bias at distance pos(j) - p_i (rel, NULL: none)
  *   additive  s += mask[b, h, i, j]
- *   then -inf where the bool mask or key_mask blocks, and outside [a, e).
+ *   then -inf where the bool mask, key_mask or the block mask blocks, and
+ *   outside [a, e).
  * Vector body plus a leftovers tail; the arithmetic is the same lane by
  * lane (softcap's tanh and ALiBi's distances included: vexp.inc, the
  * vocabulary's exact iota and abs), so the result depends neither on
@@ -528,6 +701,41 @@ static void PICK(rules_score_row_f32, rules_score_row_f64)(
         for (; j < e; j++)
             if (km[j] == 0)
                 s[j] = NINF;
+    }
+    if (cfg->bm_block != NULL && a < e) {
+        // Block by block: an empty one hides its keys, a full one keeps
+        // them, a partial one reads row i's bits.
+        const size_t bq = cfg->bm_bq, bk = cfg->bm_bk, qb = i / bq, r = i % bq;
+        for (j = a; j < e;) {
+            const size_t kb = (j0 + j) / bk, c0 = (j0 + j) % bk;
+            const size_t n = bk - c0 < e - j ? bk - c0 : e - j;
+            const int32_t v = mha_bm_entry(cfg, b, h, qb, kb);
+            if (v == MHA_BM_EMPTY) {
+                for (size_t t = 0; t < n; t++)
+                    s[j + t] = NINF;
+            } else if (v != MHA_BM_FULL) {
+                // A byte at a time where the bits are whole bytes: all 1
+                // keeps 8 keys, all 0 hides them (a document's or a
+                // window's edge block is mostly such bytes).
+                const uint8_t *bits = mha_bm_row(cfg, v, r);
+                size_t t = 0;
+                while (t < n) {
+                    const size_t c = c0 + t;
+                    const uint8_t byte = bits[c >> 3];
+                    if ((c & 7) == 0 && t + 8 <= n && (byte == 0 || byte == 0xff)) {
+                        if (byte == 0)
+                            for (size_t u = 0; u < 8; u++)
+                                s[j + t + u] = NINF;
+                        t += 8;
+                        continue;
+                    }
+                    if (((byte >> (c & 7)) & 1) == 0)
+                        s[j + t] = NINF;
+                    t++;
+                }
+            }
+            j += n;
+        }
     }
     for (j = 0; j < a; j++)
         s[j] = NINF;

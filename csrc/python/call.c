@@ -182,7 +182,7 @@ static void call_release(call *c)
         Py_XDECREF(c->in[i]);
     for (int i = 0; i < MAX_OUTS; i++)
         Py_XDECREF(c->out[i]);
-    for (int i = 0; i < V_N; i++)
+    for (int i = 0; i < V_HELD; i++)
         Py_XDECREF(c->var[i]);
 }
 

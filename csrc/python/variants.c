@@ -36,6 +36,10 @@
  *                  an int, bidirectional a truth value (the core checks
  *                  the buckets and the distance: mha_check_config)
  *   chunk          int >= 0, 0 for off (the core checks its bound)
+ *   block_mask     None or (entries, bits, bq, bk): a BlockMask's int32
+ *                  entries (1 or B, 1 or H, nqb, nkb) and uint8 bits
+ *                  (npartial, bq, ceil(bk / 8)), bq and bk ints (the core
+ *                  checks every entry: mha_check_config)
  * Every array is copied into memory the call owns (they are small), so no
  * index, offset or size the core uses lives where another thread can write
  * during the call; mha_check_config then checks the copies.
@@ -44,7 +48,7 @@ static const char *const variant_name[V_N] = {
     "window", "softcap", "alibi_slopes", "sinks", "key_mask", "cu_seqlens",
     "key_cu_seqlens", "q_norm", "k_norm", "norm_eps", "norm_type", "rotary_dim",
     "interleaved", "inv_freq", "positions", "key_positions", "dropout", "seed",
-    "relative_bias", "chunk"};
+    "relative_bias", "chunk", "block_mask"};
 
 /* *res = a C-contiguous copy of obj (1 to nd_max dimensions) as typenum,
    owned by the call, or NULL for None. */
@@ -244,6 +248,60 @@ static int variant_rel(call *c, PyObject *t)
     return 0;
 }
 
+/* The block mask, None or (entries, bits, bq, bk): entries and bits copied
+   into c->var[V_BLOCK_MASK] and c->var[V_BM_BITS], their shapes checked
+   against the call's sizes and each other; the entries' values are the
+   core's to check. */
+static int variant_block_mask(call *c, PyObject *t)
+{
+    PyObject *r = PyTuple_GET_ITEM(t, V_BLOCK_MASK);
+    if (r == Py_None)
+        return 0;
+    if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) != 4) {
+        PyErr_Format(PyExc_TypeError, "block_mask: expected None or a tuple (entries, "
+                     "bits, bq, bk), got %s", Py_TYPE(r)->tp_name);
+        return -1;
+    }
+    size_t bq, bk;
+    if (variant_size(PyTuple_GET_ITEM(r, 2), "block_mask's bq", &bq) < 0 ||
+        variant_size(PyTuple_GET_ITEM(r, 3), "block_mask's bk", &bk) < 0)
+        return -1;
+    if (bq == 0 || bk == 0) {
+        PyErr_Format(PyExc_ValueError, "block_mask: block (%zu, %zu) has a size of 0", bq, bk);
+        return -1;
+    }
+    if (variant_copy(&c->var[V_BLOCK_MASK], PyTuple_GET_ITEM(r, 0), "block_mask", NPY_INT32,
+                     4) < 0 ||
+        variant_copy(&c->var[V_BM_BITS], PyTuple_GET_ITEM(r, 1), "block_mask", NPY_UINT8,
+                     3) < 0)
+        return -1;
+    PyArrayObject *e = c->var[V_BLOCK_MASK], *bits = c->var[V_BM_BITS];
+    const npy_intp *n = c->size;
+    const npy_intp nqb = (npy_intp)((size_t)n[L_TQ] / bq + ((size_t)n[L_TQ] % bq != 0));
+    const npy_intp nkb = (npy_intp)((size_t)n[L_TK] / bk + ((size_t)n[L_TK] % bk != 0));
+    const npy_intp eb = PyArray_NDIM(e) == 4 ? PyArray_DIM(e, 0) : -1;
+    const npy_intp eh = PyArray_NDIM(e) == 4 ? PyArray_DIM(e, 1) : -1;
+    if (eb < 0 || (eb != 1 && eb != n[L_B]) || (eh != 1 && eh != n[L_H]) ||
+        PyArray_DIM(e, 2) != nqb || PyArray_DIM(e, 3) != nkb) {
+        const npy_intp want[4] = {n[L_B], n[L_H], nqb, nkb};
+        return check_shape(e, "block_mask", 4, want, "(B or 1, H or 1, nqb, nkb)");
+    }
+    if (PyArray_NDIM(bits) != 3 || PyArray_DIM(bits, 1) != (npy_intp)bq ||
+        PyArray_DIM(bits, 2) != (npy_intp)((bk + 7) / 8)) {
+        const npy_intp want[3] = {PyArray_NDIM(bits) == 3 ? PyArray_DIM(bits, 0) : 0,
+                                  (npy_intp)bq, (npy_intp)((bk + 7) / 8)};
+        return check_shape(bits, "block_mask", 3, want, "(npartial, bq, ceil(bk / 8))");
+    }
+    mha_config *cfg = &c->cfg;
+    cfg->bm_block = PyArray_DATA(e);
+    cfg->bm_bits = PyArray_DATA(bits);
+    cfg->bm_bq = bq, cfg->bm_bk = bk;
+    cfg->bm_hstride = eh > 1 ? (size_t)(nqb * nkb) : 0;
+    cfg->bm_bstride = eb > 1 ? (size_t)(eh * nqb * nkb) : 0;
+    cfg->bm_npartial = (size_t)PyArray_DIM(bits, 0);
+    return 0;
+}
+
 /* Copies the tuple's arrays into c->var, by dtype. */
 static int variant_arrays(call *c, PyObject *t)
 {
@@ -339,7 +397,8 @@ int read_variants(call *c, PyObject *t)
         return -1;
     }
     if (variant_window(&c->cfg, PyTuple_GET_ITEM(t, V_WINDOW)) < 0 ||
-        variant_scalars(&c->cfg, t) < 0 || variant_arrays(c, t) < 0 || variant_rel(c, t) < 0)
+        variant_scalars(&c->cfg, t) < 0 || variant_arrays(c, t) < 0 || variant_rel(c, t) < 0 ||
+        variant_block_mask(c, t) < 0)
         return -1;
     return variant_shapes(c, &c->cfg);
 }

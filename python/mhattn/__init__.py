@@ -20,6 +20,7 @@ from .compute import (multi_head_attention, pack_weights, PackedWeights, attenti
                       attention_grad, merge_attention, KVCache, Context, backward,
                       multi_head_attention_grad)
 from ._internal.variants import RelativeBias, RoPE
+from ._internal.blockmask import BlockMask
 from .reference import param_count, worked_example
 from . import reference
 from .nn import MultiHeadAttention, from_torch_masks, to_torch_attn_mask
@@ -41,7 +42,7 @@ from .nn import layer, interop
 from .compute import cache, packed
 
 __all__ = ["multi_head_attention", "pack_weights", "PackedWeights", "attention", "attention_grad", "merge_attention",
-           "KVCache", "multi_head_attention_grad", "backward", "Context", "RoPE", "RelativeBias",
+           "KVCache", "multi_head_attention_grad", "backward", "Context", "RoPE", "RelativeBias", "BlockMask",
            "param_count", "reference", "worked_example",
            "MultiHeadAttention", "from_torch_masks", "to_torch_attn_mask",
            "get_isa", "set_num_threads", "get_num_threads",

@@ -237,6 +237,19 @@ static inline int ref_visible(const mha_config *c, const uint8_t *maskb, size_t 
     if (c->mask_kind == MHA_MASK_BOOL &&
         maskb[((b * c->H + h) * c->Tq + i) * c->Tk + j] == 0)
         return 0;
+    if (c->bm_block != NULL) { /* the block mask's entry, then its bit */
+        const size_t bq = c->bm_bq, bk = c->bm_bk, nkb = (c->Tk + bk - 1) / bk;
+        const int32_t v = c->bm_block[b * c->bm_bstride + h * c->bm_hstride +
+                                      i / bq * nkb + j / bk];
+        if (v == MHA_BM_EMPTY)
+            return 0;
+        if (v >= 0) {
+            const size_t r = i % bq, col = j % bk;
+            if (((c->bm_bits[((size_t)v * bq + r) * ((bk + 7) / 8) + col / 8] >> (col % 8)) &
+                 1) == 0)
+                return 0;
+        }
+    }
     return 1;
 }
 

@@ -48,6 +48,7 @@
 enum { KM_NONE, KM_PATTERN };       /* key_mask: none, or left/inner/right */
 enum { AL_NONE, AL_H, AL_BH };      /* ALiBi slopes (H,) or (B, H)         */
 enum { REL_NONE, REL_BI, REL_DEC }; /* T5's bias: encoder, decoder         */
+enum { BM_NONE, BM_ONE, BM_BH };    /* a block mask: none, shared, per (b, h) */
 #define REL_NB 16                   /* its buckets, and its max distance   */
 #define REL_MD 40
 
@@ -58,6 +59,8 @@ typedef struct {
     int causal, windowed;
     int64_t wl, wr;
     size_t chunk;
+    int bm;                      /* BM_*, in blocks of bq x bk               */
+    size_t bq, bk;
     double softcap;
     int alibi, sinks, key_mask, rel;
     mha_mask_kind mask_kind;
@@ -78,7 +81,57 @@ typedef struct {
     size_t Sq, Sk, Sv, Svq, Dout;
     double *x, *key, *value, *wq, *wk, *wv, *wo, *maskd, *R;
     uint8_t *maskb, *km;
+    int32_t *bm_e;               /* the block mask's entries and bits         */
+    uint8_t *bm_bits;
 } prob;
+
+/* The block mask's pattern (True: visible): documents of 37 queries and
+   keys, a stripe across them that depends on b and h, and rows i = 5 mod
+   11 that see nothing. */
+static int bm_pattern(size_t b, size_t h, size_t i, size_t j)
+{
+    if (i % 11 == 5)
+        return 0;
+    return i / 37 == j / 37 || (i + 2 * j + b + 3 * h) % 5 == 0;
+}
+
+/* The spec's block mask of bm_pattern, (B or 1, H or 1) patterns of
+   (Tq, Tk) in blocks of bq x bk, into P->bm_e, P->bm_bits and the config. */
+static void bm_init(prob *P, mha_config *c)
+{
+    const spec *sp = &P->sp;
+    const size_t nb = sp->bm == BM_BH ? sp->B : 1, nh = sp->bm == BM_BH ? sp->H : 1;
+    const size_t bq = sp->bq, bk = sp->bk, rb = (bk + 7) / 8;
+    const size_t nqb = (sp->Tq + bq - 1) / bq, nkb = (sp->Tk + bk - 1) / bk;
+    const size_t n = nb * nh * nqb * nkb;
+    P->bm_e = xcalloc(n, sizeof *P->bm_e);
+    P->bm_bits = xcalloc(n * bq * rb + 1, 1);     /* room for every block */
+    size_t np = 0;
+    for (size_t e = 0; e < n; e++) {
+        const size_t kb = e % nkb, qb = e / nkb % nqb, h = e / nkb / nqb % nh;
+        const size_t b = e / nkb / nqb / nh;
+        size_t seen = 0, all = 0;
+        uint8_t *bits = P->bm_bits + np * bq * rb;
+        for (size_t r = 0; r < bq && qb * bq + r < sp->Tq; r++)
+            for (size_t t = 0; t < bk && kb * bk + t < sp->Tk; t++) {
+                all++;
+                if (bm_pattern(b, h, qb * bq + r, kb * bk + t)) {
+                    seen++;
+                    bits[r * rb + t / 8] |= (uint8_t)(1u << (t % 8));
+                }
+            }
+        if (seen == 0 || seen == all) {
+            memset(bits, 0, bq * rb);
+            P->bm_e[e] = seen == 0 ? MHA_BM_EMPTY : MHA_BM_FULL;
+        } else {
+            P->bm_e[e] = (int32_t)np++;
+        }
+    }
+    c->bm_block = P->bm_e, c->bm_bits = P->bm_bits;
+    c->bm_bq = bq, c->bm_bk = bk, c->bm_npartial = np;
+    c->bm_hstride = nh > 1 ? nqb * nkb : 0;
+    c->bm_bstride = nb > 1 ? nh * nqb * nkb : 0;
+}
 
 static void prob_init(prob *P, const spec *sp)
 {
@@ -158,13 +211,15 @@ static void prob_init(prob *P, const spec *sp)
     c->nseq = sp->nseq;
     c->cu_q = sp->nseq ? P->sp.cu_q : NULL;
     c->cu_k = sp->nseq ? P->sp.cu_k : NULL;
+    if (sp->bm)
+        bm_init(P, c);
 }
 
 static void prob_free(prob *P)
 {
     free(P->x), free(P->key), free(P->value), free(P->wq), free(P->wk);
     free(P->wv), free(P->wo), free(P->maskd), free(P->R), free(P->maskb);
-    free(P->km);
+    free(P->km), free(P->bm_e), free(P->bm_bits);
 }
 
 /* ------------------------------------------------------------------ */
@@ -637,6 +692,16 @@ static const spec k_cases[] = {
      .nseq = 3, .cu_q = {0, 1, 2, 3}, .cu_k = {0, 0, 3, 4}, .causal = 1, .sinks = 1,
      .alibi = AL_H},
     {.name = "chunk 48 + causal", BASE, .chunk = 48, .causal = 1},
+    {.name = "block mask per (b, h), 16 x 24 + causal", BASE, .bm = BM_BH, .bq = 16, .bk = 24,
+     .causal = 1},
+    {.name = "block mask 7 x 13 + window + sinks + softcap", BASE, .Tq = 150, .Tk = 190,
+     .bm = BM_ONE, .bq = 7, .bk = 13, .windowed = 1, .wl = 60, .wr = -1, .sinks = 1,
+     .softcap = 3.0},
+    {.name = "block mask 32 x 32 + packed + key_mask + alibi", BASE, .B = 1, .Tq = 199,
+     .Tk = 240, .nseq = 3, .cu_q = {0, 99, 99, 199}, .cu_k = {0, 120, 180, 240},
+     .bm = BM_BH, .bq = 32, .bk = 32, .key_mask = 1, .alibi = AL_H},
+    {.name = "block mask 1 x 1 + bool mask + lengths", BASE, .bm = BM_ONE, .bq = 1, .bk = 1,
+     .mask_kind = MHA_MASK_BOOL, .key_lengths = 1},
     {.name = "chunk 37, Tq > Tk (negative positions) + sinks", BASE, .Tq = 230, .Tk = 150,
      .chunk = 37, .sinks = 1},
     {.name = "chunk 64 + window + packed + lengths", BASE, .B = 1, .Tq = 199, .Tk = 240,

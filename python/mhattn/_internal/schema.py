@@ -347,6 +347,17 @@ with a KV cache), ANDed with ``causal`` and every other rule.  Key
 blocks outside a row's chunk are skipped, forward and backward.  None
 (the default) is off; a value that is not a positive int raises
 TypeError or ValueError naming chunk."""),
+    Arg("block_mask", _MHA + _ATT, "object", "", "", "None",
+        "A mhattn.BlockMask: which keys each query sees, block by block.",
+        type="mhattn.BlockMask, optional",
+        text="""\
+A :class:`mhattn.BlockMask` of shape (B or 1, h or 1, T_q, T_k): query
+i of head h in batch item b sees key j only where it is True, ANDed
+with ``mask``, ``causal``, the window, ``chunk``, the key lengths,
+``key_mask`` and packed sequences.  Blocks it marks empty are skipped,
+forward and backward, and full ones cost no per-element test, so a
+document or prefix-LM mask costs what it keeps.  A BlockMask of another
+shape raises ValueError naming block_mask; not with ``cache=``."""),
     Arg("mask_grad", ("multi_head_attention_grad", "backward", "attention_grad"), "bool", "",
         "", "False", "Also return 'mask': the gradient of an additive mask.",
         type="bool, default False",
@@ -607,21 +618,21 @@ ENTRIES: Dict[str, Entry] = {
         "causal, key_lengths, num_kv_heads, b_q, b_k, b_v, b_o, w_gate, b_gate, return_context, "
         "window, softcap, alibi_slopes, sinks, q_norm, k_norm, norm_eps, norm_type, rope, "
         "positions, key_positions, key_mask, cu_seqlens, key_cu_seqlens, dropout, seed, "
-        "relative_bias, chunk, cache, new_lengths",
+        "relative_bias, chunk, block_mask, cache, new_lengths",
         ("x", "w_q, w_k, w_v", "w_o", "num_heads", "key, value", "scale",
          "return_weights", "mask", "causal", "key_lengths", "num_kv_heads",
          "b_q, b_k, b_v", "b_o", "w_gate, b_gate", "return_context", "window", "softcap",
          "alibi_slopes", "sinks", "q_norm, k_norm", "norm_eps", "norm_type", "rope",
          "positions, key_positions",
          "key_mask", "cu_seqlens, key_cu_seqlens", "dropout", "seed", "relative_bias",
-         "chunk", "cache", "new_lengths")),
+         "chunk", "block_mask", "cache", "new_lengths")),
     "multi_head_attention_grad": Entry(
         _F + "grad.py", "multi_head_attention_grad",
         "grad_out, x, w_q, w_k, w_v, w_o, *, num_heads, key, value, scale, mask, causal, "
         "key_lengths, num_kv_heads, b_q, b_k, b_v, b_o, w_gate, b_gate, window, softcap, "
         "alibi_slopes, sinks, q_norm, k_norm, norm_eps, norm_type, rope, positions, "
         "key_positions, key_mask, cu_seqlens, key_cu_seqlens, dropout, seed, relative_bias, "
-        "chunk, mask_grad",
+        "chunk, block_mask, mask_grad",
         ("grad_out",
          ("x, w_q, w_k, w_v, w_o, num_heads, key, value, scale, mask, causal",
           "As :func:`mhattn.multi_head_attention` (not ``return_weights``)."),
@@ -635,7 +646,7 @@ ENTRIES: Dict[str, Entry] = {
           "gives the forward's mask."),
          ("relative_bias", "As :func:`mhattn.multi_head_attention`; its table's "
           "gradient is 'relative_bias'."),
-         ("chunk", "As :func:`mhattn.multi_head_attention`."),
+         ("chunk, block_mask", "As :func:`mhattn.multi_head_attention`."),
          "mask_grad")),
     "backward": Entry(_F + "grad.py", "backward", "grad_out, ctx, *, mask_grad",
                       ("grad_out", "ctx", "mask_grad")),
@@ -643,7 +654,7 @@ ENTRIES: Dict[str, Entry] = {
         _F + "attention.py", "attention",
         "q, k, v, *, layout, scale, mask, causal, key_lengths, return_weights, return_lse, "
         "window, softcap, alibi_slopes, sinks, key_mask, cu_seqlens, key_cu_seqlens, dropout, "
-        "seed, relative_bias, chunk",
+        "seed, relative_bias, chunk, block_mask",
         ("q", "k", "v", "layout", "scale", "mask, causal, key_lengths", "return_weights",
          "return_lse",
          ("window, softcap, alibi_slopes, sinks, key_mask, cu_seqlens, key_cu_seqlens",
@@ -654,12 +665,12 @@ inputs, the tokens along T.  The q/k transforms (q_norm, k_norm,
 RoPE) are not attention keywords: apply them before."""),
          ("dropout, seed", "As :func:`mhattn.multi_head_attention`."),
          ("relative_bias", "As :func:`mhattn.multi_head_attention`."),
-         ("chunk", "As :func:`mhattn.multi_head_attention`."))),
+         ("chunk, block_mask", "As :func:`mhattn.multi_head_attention`."))),
     "attention_grad": Entry(
         _F + "attention.py", "attention_grad",
         "grad_out, q, k, v, *, layout, scale, mask, causal, key_lengths, window, softcap, "
         "alibi_slopes, sinks, key_mask, cu_seqlens, key_cu_seqlens, dropout, seed, "
-        "relative_bias, chunk, lse, out, mask_grad",
+        "relative_bias, chunk, block_mask, lse, out, mask_grad",
         ("grad_out",
          ("q, k, v, layout, scale, mask, causal, key_lengths",
           "As :func:`attention` (not ``return_weights`` / ``return_lse``)."),
@@ -668,7 +679,7 @@ RoPE) are not attention keywords: apply them before."""),
          ("dropout, seed", "As :func:`attention`: the same seed gives the forward's mask."),
          ("relative_bias", "As :func:`attention`; its table's gradient is "
           "'relative_bias'."),
-         ("chunk", "As :func:`attention`."),
+         ("chunk, block_mask", "As :func:`attention`."),
          "lse", "out", "mask_grad")),
     "merge_attention": Entry(_F + "attention.py", "merge_attention",
                              "outs, lses, *, layout", ("outs", "lses", "layout")),
@@ -791,7 +802,7 @@ C_ARGS = (
     Arg("key_lengths", _MASKED + (_CHK,), "vector?", "int64", "(B,)", REQUIRED,
         "None, or each item's key count: keys j >= it are padding.",
         c_kind="ARG_LENGTHS", c_field="key_lengths"),
-    Arg("variants", _ALL5, "tuple?", "", "(20,)", REQUIRED,
+    Arg("variants", _ALL5, "tuple?", "", "(21,)", REQUIRED,
         "None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).",
         c_kind="ARG_VARIANTS", c_field=""),   # VARIANTS' fields
     Arg("lengths_aligned", (_AT, _ABW, _CHK), "bool", "", "", REQUIRED,
@@ -882,6 +893,9 @@ VARIANTS = (
      "rel_table, rel_buckets, rel_max_distance, rel_bidirectional",
      "None or (table, max_distance, bidirectional): T5's relative bias."),
     ("chunk", "int", "int64", "", "chunk", "0 for off: chunked attention's chunk."),
+    ("block_mask", "tuple?", "int32, uint8", "(B or 1, H or 1, nqb, nkb)",
+     "bm_block, bm_bits, bm_bq, bm_bk, bm_bstride, bm_hstride, bm_npartial",
+     "None or (blocks, bits, bq, bk): a BlockMask's entries and partial bits."),
 )
 
 _OPT = "Optional[_Float]"
@@ -1216,6 +1230,8 @@ MHA_FIELDS = (
     ("MASK_KIND", "mask_kind", ""), ("MASK", "mask", ""),
     ("KEY_LENGTHS", "key_lengths", ""),
     ("WINDOW", "windowed, window_left, window_right", ""), ("CHUNK", "chunk", ""),
+    ("BLOCK_MASK", "bm_block, bm_bits, bm_bq, bm_bk, bm_bstride, bm_hstride, bm_npartial",
+     ""),
     ("SOFTCAP", "softcap", ""), ("ALIBI", "alibi", ""),
     ("ALIBI_BSTRIDE", "alibi_bstride", ""), ("DROPOUT", "dropout", ""),
     ("DROPOUT_SEED", "dropout_seed", ""), ("REL_TABLE", "rel_table", ""),

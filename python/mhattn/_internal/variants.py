@@ -28,6 +28,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from .arrays import _check_numeric, _to_array
+from .blockmask import BlockMask
 
 __all__ = ["RoPE", "RelativeBias", "Variants", "normalize_variants", "VARIANT_DEFAULTS", "norm_type_arg",
            "variant_kwargs",
@@ -38,7 +39,7 @@ VARIANT_DEFAULTS = dict(window=None, softcap=None, alibi_slopes=None, sinks=None
                         q_norm=None, k_norm=None, norm_eps=1e-6, norm_type="rms",
                         rope=None, positions=None, key_positions=None, key_mask=None,
                         cu_seqlens=None, key_cu_seqlens=None, dropout=0.0, seed=None,
-                        relative_bias=None, chunk=None)
+                        relative_bias=None, chunk=None, block_mask=None)
 
 
 def variant_kwargs(ns: dict) -> dict:
@@ -284,6 +285,21 @@ def _relative_bias(rb: Any, H: int, dtype) -> Optional[tuple]:
     return _frozen(t.astype(dtype)), rb.max_distance, rb.bidirectional
 
 
+def _block_mask(bm: Any, B: int, H: int, Tq: int, Tk: int):
+    """A BlockMask whose shape fits the call's (B or 1, H or 1, Tq, Tk), or
+    None; TypeError / ValueError naming block_mask otherwise."""
+    if bm is None:
+        return None
+    if not isinstance(bm, BlockMask):
+        raise TypeError(f"block_mask: expected mhattn.BlockMask or None, got "
+                        f"{type(bm).__name__}")
+    b, h, tq, tk = bm.shape
+    if b not in (1, B) or h not in (1, H) or (tq, tk) != (Tq, Tk):
+        raise ValueError(f"block_mask: expected shape (B or 1, H or 1, T_q, T_k) = "
+                         f"({B} or 1, {H} or 1, {Tq}, {Tk}), got {bm.shape}")
+    return bm
+
+
 @dataclass
 class Variants:
     """The checked variants of one call (all off by default).
@@ -310,6 +326,7 @@ class Variants:
     seed: int = 0                            # dropout's seed, in [0, 2**64)
     rel: Optional[tuple] = None              # T5: (table (nb, H), max_distance, bidir)
     chunk: int = 0                           # chunked attention's chunk; 0: off
+    block_mask: Optional[BlockMask] = None   # (B or 1, H or 1, Tq, Tk)
 
     @property
     def any(self) -> bool:
@@ -318,7 +335,7 @@ class Variants:
                 or self.alibi is not None or self.sinks is not None
                 or self.key_mask is not None or self.packed or self.transforms
                 or self.dropout != 0    # a bad one too (NaN, < 0): the core refuses it
-                or self.rel is not None or self.chunk != 0)
+                or self.rel is not None or self.chunk != 0 or self.block_mask is not None)
 
     @property
     def transforms(self) -> bool:
@@ -617,7 +634,8 @@ def normalize_variants(v: dict, *, batched: bool, B: int, Tq: int, Tk: int, H: i
         positions=pos, key_positions=kpos,
         key_mask=_key_mask(get("key_mask"), B, Tk, batched), cu_q=cu_q, cu_k=cu_k,
         dropout=p, seed=dropout_seed(get("seed"), p),
-        rel=_relative_bias(get("relative_bias"), H, dtype), chunk=_chunk(get("chunk")))
+        rel=_relative_bias(get("relative_bias"), H, dtype), chunk=_chunk(get("chunk")),
+        block_mask=_block_mask(get("block_mask"), B, H, Tq, Tk))
 
 
 def variants_tuple(call: Any, always: bool = False):
@@ -639,7 +657,8 @@ def variants_tuple_of(v: Variants, always: bool = False):
     return (window, 0.0 if v.softcap is None else v.softcap, v.alibi, v.sinks,
             v.key_mask, v.cu_q, v.cu_k, v.q_norm, v.k_norm, v.norm_eps, v.norm_type,
             v.rotary_dim, v.interleaved, v.inv_freq, v.positions, v.key_positions,
-            v.dropout, v.seed, v.rel, v.chunk)
+            v.dropout, v.seed, v.rel, v.chunk,
+            None if v.block_mask is None else v.block_mask._glue())
 
 
 def variant_floats(v: dict) -> list:

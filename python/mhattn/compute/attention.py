@@ -34,7 +34,7 @@ _LAYOUTS = ("bhtd", "bthd")
 # The variant keywords of attention on projected tensors: the score rules.
 # The q/k transforms (q_norm, k_norm, rope) belong to the projections.
 _ATTENTION_VARIANTS = ("window", "softcap", "alibi_slopes", "sinks", "key_mask",
-                       "cu_seqlens", "key_cu_seqlens", "relative_bias", "chunk")
+                       "cu_seqlens", "key_cu_seqlens", "relative_bias", "chunk", "block_mask")
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 # (H, dk, scale) -> the glue's read-only scales (H,): a decode step builds none.
 _SCALES: Dict[tuple, np.ndarray] = {}
@@ -156,7 +156,7 @@ def attention(q, k, v, *, layout="bhtd", scale=None, mask=None, causal=False,
               key_lengths=None, return_weights=False, return_lse=False, window=None,
               softcap=None, alibi_slopes=None, sinks=None, key_mask=None,
               cu_seqlens=None, key_cu_seqlens=None, dropout=0.0, seed=None,
-              relative_bias=None, chunk=None):
+              relative_bias=None, chunk=None, block_mask=None):
     """Scaled dot-product attention on tensors that are already projected.
 
     attention(q, k, v, *, layout="bhtd", scale=None, mask=None, causal=False,
@@ -203,7 +203,7 @@ def attention(q, k, v, *, layout="bhtd", scale=None, mask=None, causal=False,
         As :func:`mhattn.multi_head_attention`.
     relative_bias
         As :func:`mhattn.multi_head_attention`.
-    chunk
+    chunk, block_mask
         As :func:`mhattn.multi_head_attention`.
 
     Returns
@@ -229,7 +229,8 @@ def attention(q, k, v, *, layout="bhtd", scale=None, mask=None, causal=False,
     want_lse = bool_arg("return_lse", return_lse)
     variants = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
                     key_mask=key_mask, cu_seqlens=cu_seqlens, key_cu_seqlens=key_cu_seqlens,
-                    relative_bias=relative_bias, chunk=chunk, **dropout_kwargs(dropout, seed))
+                    relative_bias=relative_bias, chunk=chunk, block_mask=block_mask,
+                    **dropout_kwargs(dropout, seed))
     scales, m, c, kl, var, _ = _glue_args(p, scale, mask, causal, key_lengths, variants)
     n = p.dtype.itemsize
     check_memory([("out", "B*h*T_q*d_v", (p.B, p.H, p.Tq, p.dv), n),
@@ -250,7 +251,7 @@ def attention_grad(grad_out, q, k, v, *, layout="bhtd", scale=None, mask=None,
                    causal=False, key_lengths=None, window=None, softcap=None,
                    alibi_slopes=None, sinks=None, key_mask=None, cu_seqlens=None,
                    key_cu_seqlens=None, dropout=0.0, seed=None, relative_bias=None,
-                   chunk=None, lse=None, out=None,
+                   chunk=None, block_mask=None, lse=None, out=None,
                    mask_grad=False) -> Dict[str, np.ndarray]:
     """Gradients of :func:`attention` with respect to q, k, v (and sinks).
 
@@ -269,7 +270,7 @@ def attention_grad(grad_out, q, k, v, *, layout="bhtd", scale=None, mask=None,
         As :func:`attention`: the same seed gives the forward's mask.
     relative_bias
         As :func:`attention`; its table's gradient is 'relative_bias'.
-    chunk
+    chunk, block_mask
         As :func:`attention`.
     lse : (B, H, T_q), optional
         The forward's ``return_lse=True`` result, given with ``out``.
@@ -313,7 +314,8 @@ def attention_grad(grad_out, q, k, v, *, layout="bhtd", scale=None, mask=None,
     p = check_projected(q, k, v, layout)
     variants = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
                     key_mask=key_mask, cu_seqlens=cu_seqlens, key_cu_seqlens=key_cu_seqlens,
-                    relative_bias=relative_bias, chunk=chunk, **dropout_kwargs(dropout, seed))
+                    relative_bias=relative_bias, chunk=chunk, block_mask=block_mask,
+                    **dropout_kwargs(dropout, seed))
     scales, m, c, kl, var, (mshape, mdtype) = _glue_args(p, scale, mask, causal, key_lengths,
                                                          variants)
     want_dmask = mask_grad_arg(mask_grad, m)

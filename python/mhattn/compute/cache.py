@@ -520,7 +520,7 @@ class KVCache:
 
 # Keywords of multi_head_attention that a cached step cannot take.
 _NOT_WITH_CACHE = ("key", "value", "mask", "key_lengths", "key_mask", "cu_seqlens",
-                   "key_cu_seqlens", "positions", "key_positions")
+                   "key_cu_seqlens", "positions", "key_positions", "block_mask")
 
 
 def _check_cache(cache: Any, call) -> None:

@@ -71,7 +71,8 @@ def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None
                          sinks=None, q_norm=None, k_norm=None, norm_eps=1e-6, norm_type="rms",
                          rope=None, positions=None, key_positions=None, key_mask=None,
                          cu_seqlens=None, key_cu_seqlens=None, dropout=0.0, seed=None,
-                         relative_bias=None, chunk=None, cache=None, new_lengths=None):
+                         relative_bias=None, chunk=None, block_mask=None, cache=None,
+                         new_lengths=None):
     """Multi-head attention, computed by mhattn's C core.
 
     multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None,
@@ -220,6 +221,14 @@ def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None
         blocks outside a row's chunk are skipped, forward and backward.  None
         (the default) is off; a value that is not a positive int raises
         TypeError or ValueError naming chunk.
+    block_mask : mhattn.BlockMask, optional
+        A :class:`mhattn.BlockMask` of shape (B or 1, h or 1, T_q, T_k): query
+        i of head h in batch item b sees key j only where it is True, ANDed
+        with ``mask``, ``causal``, the window, ``chunk``, the key lengths,
+        ``key_mask`` and packed sequences.  Blocks it marks empty are skipped,
+        forward and backward, and full ones cost no per-element test, so a
+        document or prefix-LM mask costs what it keeps.  A BlockMask of another
+        shape raises ValueError naming block_mask; not with ``cache=``.
     cache : mhattn.KVCache, optional
         One step of a decoder through a key/value cache (prefill: many rows;
         decode: one): x holds only the new rows, (B, T_new, d_in) (or
@@ -281,7 +290,7 @@ def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None
     # (tests/test_fast_path.py holds this list to VARIANT_DEFAULTS.)
     off = (window is softcap is alibi_slopes is sinks is q_norm is k_norm is rope is
            positions is key_positions is key_mask is cu_seqlens is key_cu_seqlens is
-           relative_bias is chunk is None
+           relative_bias is chunk is block_mask is None
            and (norm_eps is _EPS or type(norm_eps) is float and norm_eps == _EPS)
            and (norm_type is _RMS or type(norm_type) is str and norm_type == _RMS)
            and (dropout is _NODROP or type(dropout) is float and dropout == 0) and seed is None

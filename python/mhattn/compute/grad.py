@@ -202,7 +202,7 @@ def multi_head_attention_grad(grad_out, x, w_q, w_k=None, w_v=None, w_o=None, *,
                               k_norm=None, norm_eps=1e-6, norm_type="rms", rope=None,
                               positions=None, key_positions=None, key_mask=None,
                               cu_seqlens=None, key_cu_seqlens=None, dropout=0.0,
-                              seed=None, relative_bias=None, chunk=None,
+                              seed=None, relative_bias=None, chunk=None, block_mask=None,
                               mask_grad=False) -> Dict[str, Any]:
     """Gradients of multi_head_attention with respect to each array argument.
 
@@ -234,7 +234,7 @@ def multi_head_attention_grad(grad_out, x, w_q, w_k=None, w_v=None, w_o=None, *,
         As :func:`mhattn.multi_head_attention`: the same seed gives the forward's mask.
     relative_bias
         As :func:`mhattn.multi_head_attention`; its table's gradient is 'relative_bias'.
-    chunk
+    chunk, block_mask
         As :func:`mhattn.multi_head_attention`.
     mask_grad : bool, default False
         Also return ``'mask'``, the gradient of the additive (float) ``mask``

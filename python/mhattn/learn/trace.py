@@ -116,7 +116,7 @@ def trace(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=None,
           q_norm=None, k_norm=None, norm_eps=1e-6, norm_type="rms", rope=None,
           positions=None, key_positions=None, key_mask=None, cu_seqlens=None,
           key_cu_seqlens=None, dropout=0.0, seed=None, relative_bias=None,
-          chunk=None) -> "Trace":
+          chunk=None, block_mask=None) -> "Trace":
     """Every intermediate step of multi-head attention, per head.
 
     trace(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=None,
@@ -154,7 +154,7 @@ def trace(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=None,
     relative_bias
         As :func:`mhattn.multi_head_attention`: ``relative`` then holds T5's
         bias of every (b, h, i, j), the shape of ``scores``.
-    chunk
+    chunk, block_mask
         As :func:`mhattn.multi_head_attention`.
 
     Returns

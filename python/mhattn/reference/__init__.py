@@ -463,7 +463,8 @@ def allowed_keys(call: Call, b: int, h: int) -> np.ndarray:
       attention and FlashAttention 3's ``attention_chunk``;
     - key_lengths: keys j >= length are padding;
     - key_mask (B, Tk): False = padding;
-    - a boolean mask: True = may attend.
+    - a boolean mask: True = may attend;
+    - a :class:`mhattn.BlockMask` (``block_mask``): True = may attend.
 
     Parameters
     ----------
@@ -502,6 +503,9 @@ def allowed_keys(call: Call, b: int, h: int) -> np.ndarray:
             ok &= j <= p + right
     if var.chunk:
         ok &= (p // var.chunk) == (j // var.chunk)
+    if var.block_mask is not None:
+        bm = var.block_mask.to_dense()
+        ok &= bm[b if bm.shape[0] > 1 else 0, h if bm.shape[1] > 1 else 0]
     if call.key_lengths is not None:
         ok &= (np.arange(Tk) < call.key_lengths[b])[None, :]
     if var.key_mask is not None:
@@ -826,7 +830,7 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None
                          sinks=None, q_norm=None, k_norm=None, norm_eps=1e-6, norm_type="rms",
                          rope=None, positions=None, key_positions=None, key_mask=None,
                          cu_seqlens=None, key_cu_seqlens=None, dropout=0.0, seed=None,
-                         relative_bias=None, chunk=None):
+                         relative_bias=None, chunk=None, block_mask=None):
     """Reference multi-head attention; same arguments and results as
     :func:`mhattn.multi_head_attention`.
 
@@ -873,6 +877,9 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None
     chunk : int, optional
         Chunked attention: query i sees key j only when p_i // chunk ==
         j // chunk (:func:`allowed_keys`).
+    block_mask : mhattn.BlockMask, optional
+        Query i of head h in batch item b sees key j only where its
+        :meth:`~mhattn.BlockMask.to_dense` is True (:func:`allowed_keys`).
 
     Returns
     -------
@@ -931,7 +938,7 @@ def lse(x, w_q, w_k, w_v, w_o=None, **keywords) -> np.ndarray:
 
 _ATTENTION_VARIANTS = ("window", "softcap", "alibi_slopes", "sinks", "key_mask",
                        "cu_seqlens", "key_cu_seqlens", "dropout", "seed", "relative_bias",
-                       "chunk")
+                       "chunk", "block_mask")
 
 
 def projected_attention(q, k, v, *, layout="bhtd", scale=None, mask=None, causal=False,
