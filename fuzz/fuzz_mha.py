@@ -45,6 +45,9 @@ ARGS = ("x", "w_q", "w_k", "w_v", "w_o", "num_heads", "key", "value", "scale", "
 VARIANTS = ("window", "softcap", "alibi_slopes", "sinks", "q_norm", "k_norm", "norm_eps",
             "rope", "positions", "key_positions", "key_mask", "cu_seqlens",
             "key_cu_seqlens", "norm_type", "dropout", "seed", "relative_bias")
+# Issue 39's, decoded after those; not in VARIANTS, whose picks older inputs
+# replay by its length.
+LATER_VARIANTS = ("chunk", "block_mask")
 
 
 class Data:
@@ -327,6 +330,24 @@ def variants(d, rng, kw, vals, batched, B, H, G, Tq, Tk, dk, cross):
         kw["relative_bias"] = mhattn_relative_bias(
             vals((nb, d.pick([H, H, H, H + 1]))), nb, d.pick([2, 8, 128, 1]),
             bool(d.int(0, 1)))
+    # Chunks and block masks (issue 39), decoded after them, likewise: a
+    # block mask of the call's shape (or of one more key), sparse to dense,
+    # in blocks that need not divide T.
+    if d.rarely(5):
+        kw["chunk"] = d.pick([1, 3, 16, 0, -2])
+    if d.rarely(5):
+        shape = d.pick([(Tq, Tk), (H, Tq, Tk), lead + (H, Tq, Tk), (Tq, Tk + 1)])
+        kw["block_mask"] = mhattn_block_mask(rng.random(shape) < d.pick([0.0, 0.1, 0.6, 1.0]),
+                                             (d.int(1, 9), d.int(1, 9)))
+
+
+def mhattn_block_mask(dense, block):
+    """mhattn.BlockMask.from_dense(...), or the garbage its checks refuse."""
+    import mhattn
+    try:
+        return mhattn.BlockMask.from_dense(dense, block=block)
+    except (TypeError, ValueError):
+        return "not a BlockMask"
 
 
 def mhattn_relative_bias(table, nb, md, bidirectional):
@@ -347,7 +368,7 @@ def mhattn_rope(**kw):
         return "not a RoPE"
 
 
-NAME_RE = re.compile(r"\b(" + "|".join(ARGS + VARIANTS) +
+NAME_RE = re.compile(r"\b(" + "|".join(ARGS + VARIANTS + LATER_VARIANTS) +
                      r"|d_model|d_k|d_v|rotary_dim|inv_freq|q|k|v|layout)\b")
 
 

@@ -113,9 +113,18 @@ def test_anded_with_every_rule(rng, kw, shared):
     bm = BM.from_dense(dense, block=(16, 12))
     if "mask" in kw:                                             # bool and additive: by hand
         add = kw.pop("mask")
+        both = np.where(dense, add, -np.inf)
         got = mhattn.attention(q, k, v, block_mask=bm, mask=add, **kw)
-        want = mhattn.attention(q, k, v, mask=np.where(dense, add, -np.inf), **kw)
+        want = mhattn.attention(q, k, v, mask=both, **kw)
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-13)
+        g = rng.standard_normal(got.shape)
+        gg = mhattn.attention_grad(g, q, k, v, block_mask=bm, mask=add, mask_grad=True, **kw)
+        gw = mhattn.attention_grad(g, q, k, v, mask=both, mask_grad=True, **kw)
+        # The additive mask's gradient too, summed as it broadcast.
+        gw["mask"] = gw["mask"].sum(axis=1, keepdims=True)
+        for name in gw:
+            np.testing.assert_allclose(gg[name], gw[name], rtol=1e-11, atol=1e-12,
+                                       err_msg=name)
         return
     out = same_as_dense(q, k, v, bm, rng, **kw)[0]
     ref = R.projected_attention(q, k, v, block_mask=bm, **kw)[0]

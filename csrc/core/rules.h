@@ -276,8 +276,8 @@ static inline int32_t mha_bm_entry(const mha_config *cfg, size_t b, size_t h, si
 
 /* What the blocks over queries [i0, i1) and keys [j0, j1) (both nonempty)
    of heads h0 .. h0 + nh - 1 in batch item b are: an OR of the MHA_BM_HAS_
-   flags; MHA_BM_HAS_FULL with no block mask. One look per block (heads
-   that share a pattern, once). */
+   flags; MHA_BM_HAS_FULL with no block mask, MHA_BM_HAS_EMPTY for an empty
+   range. One look per block (heads that share a pattern, once). */
 enum { MHA_BM_HAS_EMPTY = 1, MHA_BM_HAS_FULL = 2, MHA_BM_HAS_PARTIAL = 4 };
 
 static inline unsigned mha_bm_kinds(const mha_config *cfg, size_t b, size_t h0, size_t nh,
@@ -285,6 +285,8 @@ static inline unsigned mha_bm_kinds(const mha_config *cfg, size_t b, size_t h0, 
 {
     if (cfg->bm_block == NULL)
         return MHA_BM_HAS_FULL;
+    if (i0 >= i1 || j0 >= j1)   /* nothing to see */
+        return MHA_BM_HAS_EMPTY;
     unsigned k = 0;
     const size_t he = cfg->bm_hstride != 0 ? h0 + nh : h0 + 1;
     for (size_t h = h0; h < he; h++)
@@ -370,6 +372,8 @@ static inline int mha_bm_hull(const mha_config *cfg, size_t b, size_t h0, size_t
     *a = j0, *e = j1;
     if (cfg->bm_block == NULL)
         return 1;
+    if (i0 >= i1 || j0 >= j1)
+        return 0;
     const size_t bk = cfg->bm_bk, kb0 = j0 / bk, kb1 = (j1 - 1) / bk;
     size_t kb, c = SIZE_MAX;
     for (kb = kb0; kb <= kb1 && c == SIZE_MAX; kb++) {

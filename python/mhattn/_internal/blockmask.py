@@ -89,18 +89,23 @@ class BlockMask:
     on block edges, no bits at all: 1 KiB where the dense mask takes 16 MiB.
     A call also makes 4 bytes per block of int32 entries, once per mask.
 
-    Attributes
+    The constructor takes the parts as :attr:`kind`, :attr:`bits`,
+    :attr:`shape` and :attr:`block` give them back (pickling uses it), and
+    checks them against each other; most callers use :meth:`from_function`
+    or :meth:`from_dense`.
+
+    Parameters
     ----------
-    shape : tuple of int
-        (B, H, T_q, T_k), B and H possibly 1 (shared).
-    block : (int, int)
-        (bq, bk), the query and key block sizes.
-    kind : (B, H, ceil(T_q / bq), ceil(T_k / bk)) uint8 array
-        Each block's state: 0 empty, 1 full, 2 partial (read-only).
-    bits : (num_partial, bq, ceil(bk / 8)) uint8 array
+    kind : (B, H, ceil(T_q / bq), ceil(T_k / bk)) array_like of uint8
+        Each block's state: 0 empty, 1 full, 2 partial.
+    bits : (num_partial, bq, ceil(bk / 8)) array_like of uint8
         The partial blocks' bits in C order of ``kind``: bit c % 8 of byte
         c // 8 of row r is key c of the block for query r
-        (``numpy.packbits(..., bitorder="little")``); read-only.
+        (``numpy.packbits(..., bitorder="little")``).
+    shape : (int, int, int, int)
+        (B, H, T_q, T_k), B and H possibly 1 (shared).
+    block : int or (int, int)
+        (bq, bk), the query and key block sizes.
 
     Examples
     --------
@@ -119,10 +124,6 @@ class BlockMask:
     """
 
     def __init__(self, kind: Any, bits: Any, shape: Any, block: Any) -> None:
-        """The parts as :attr:`kind`, :attr:`bits`, :attr:`shape` and
-        :attr:`block` give them back (for pickling and for other tools'
-        masks); checked against each other. Most callers use
-        :meth:`from_function` or :meth:`from_dense`."""
         try:
             B, H, Tq, Tk = shape
         except (TypeError, ValueError):
@@ -302,31 +303,77 @@ class BlockMask:
     # ---- what it holds ----------------------------------------------------
     @property
     def shape(self) -> Tuple[int, int, int, int]:
-        """(B, H, T_q, T_k); B or H of 1 is shared."""
+        """(B, H, T_q, T_k); B or H of 1 is shared.
+
+        Examples
+        --------
+        >>> import numpy as np, mhattn
+        >>> bm = mhattn.BlockMask.from_dense(np.tril(np.ones((6, 6), bool)), block=(4, 2))
+        >>> bm.shape
+        (1, 1, 6, 6)
+        """
         return self._shape
 
     @property
     def block(self) -> Tuple[int, int]:
-        """(bq, bk), the block sizes."""
+        """(bq, bk), the block sizes.
+
+        Examples
+        --------
+        >>> import numpy as np, mhattn
+        >>> bm = mhattn.BlockMask.from_dense(np.tril(np.ones((6, 6), bool)), block=(4, 2))
+        >>> bm.block
+        (4, 2)
+        """
         return self._block
 
     @property
     def kind(self) -> np.ndarray:
-        """(B, H, nqb, nkb) uint8: 0 empty, 1 full, 2 partial (read-only)."""
+        """(B, H, nqb, nkb) uint8: 0 empty, 1 full, 2 partial (read-only).
+
+        Examples
+        --------
+        >>> import numpy as np, mhattn
+        >>> bm = mhattn.BlockMask.from_dense(np.tril(np.ones((6, 6), bool)), block=(4, 2))
+        >>> bm.kind[0, 0]
+        array([[2, 2, 0],
+               [1, 1, 2]], dtype=uint8)
+        """
         return self._kind
 
     @property
     def bits(self) -> np.ndarray:
-        """(num_partial, bq, ceil(bk / 8)) uint8: the partial blocks' bits."""
+        """(num_partial, bq, ceil(bk / 8)) uint8: the partial blocks' bits.
+
+        Examples
+        --------
+        >>> import numpy as np, mhattn
+        >>> bm = mhattn.BlockMask.from_dense(np.tril(np.ones((6, 6), bool)), block=(4, 2))
+        >>> bm.bits.shape
+        (3, 4, 1)
+        """
         return self._bits
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: the states and the partial blocks' bits."""
+        """Bytes held: the states and the partial blocks' bits.
+
+        Examples
+        --------
+        >>> import numpy as np, mhattn
+        >>> bm = mhattn.BlockMask.from_dense(np.tril(np.ones((6, 6), bool)), block=(4, 2))
+        >>> bm.nbytes
+        18
+        """
         return self._kind.nbytes + self._bits.nbytes
 
     def to_dense(self) -> np.ndarray:
-        """The mask as a (B, H, T_q, T_k) bool array (a new one).
+        """The mask as a dense array.
+
+        Returns
+        -------
+        (B, H, T_q, T_k) bool ndarray
+            A new array, True where the key is visible.
 
         Examples
         --------
