@@ -59,6 +59,8 @@ typedef struct {
     int causal, windowed;
     int64_t wl, wr;
     size_t chunk;
+    int has_q_offset;            /* query i at i + q_offset (issue 40)      */
+    int64_t q_offset;
     int bm;                      /* BM_*, in blocks of bq x bk               */
     size_t bq, bk;
     double softcap;
@@ -198,6 +200,7 @@ static void prob_init(prob *P, const spec *sp)
     c->windowed = sp->windowed;
     c->window_left = sp->wl, c->window_right = sp->wr;
     c->chunk = sp->chunk;
+    c->has_q_offset = sp->has_q_offset, c->q_offset = sp->q_offset;
     c->softcap = sp->softcap;
     c->alibi = sp->alibi ? P->slopes : NULL;
     c->alibi_bstride = sp->alibi == AL_BH ? H : 0;
@@ -707,6 +710,11 @@ static const spec k_cases[] = {
     {.name = "chunk 64 + window + packed + lengths", BASE, .B = 1, .Tq = 199, .Tk = 240,
      .nseq = 3, .cu_q = {0, 99, 99, 199}, .cu_k = {0, 120, 180, 240}, .chunk = 64,
      .windowed = 1, .wl = 40, .wr = 7, .key_lengths = 1},
+    {.name = "q_offset -40 (top rows see nothing) + causal + alibi + sinks", BASE,
+     .has_q_offset = 1, .q_offset = -40, .causal = 1, .alibi = AL_H, .sinks = 1},
+    {.name = "q_offset 100, Tq < Tk + window + chunk + lengths", BASE, .Tq = 150, .Tk = 230,
+     .has_q_offset = 1, .q_offset = 100, .windowed = 1, .wl = 70, .wr = 5, .chunk = 64,
+     .key_lengths = 1},
     {.name = "t5 encoder (Tk > max distance)", BASE, .Tq = 150, .Tk = 221, .rel = REL_BI},
     {.name = "t5 decoder+causal+lengths+softcap+add", BASE, .B = 3, .causal = 1,
      .rel = REL_DEC, .key_lengths = 1, .softcap = 2.0, .mask_kind = MHA_MASK_ADD},
