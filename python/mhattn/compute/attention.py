@@ -212,7 +212,9 @@ def attention(q, k, v, *, layout="bhtd", scale=None, mask=None, causal=False,
         None (the default) is the bottom-right placement ``q_offset = T_k -
         T_q``.  A block of a longer call, queries from q0 against keys from
         k0, passes ``q_offset = q0 + (T_k - T_q) - k0`` (of the whole call)
-        to see exactly the whole call's rules (:mod:`mhattn.dask` does).  Any
+        to see exactly the whole call's causal, window and ALiBi rules
+        (:mod:`mhattn.dask` does; ``chunk``'s boundaries too when k0 is a
+        multiple of chunk, since key j of the block sits at j).  Any
         sign; a row that sees no key has lse -inf and out 0.  A value that is
         not an int raises TypeError naming q_offset; not with packed
         sequences (cu_seqlens) or relative_bias (ValueError).
