@@ -219,6 +219,42 @@ def test_import_mhattn_does_not_import_dask_and_mhattn_dask_says_how():
     assert "pip install mhattn[dask]" in r.stdout
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("chunks", [(2, 70, 32), (2, 25, 16), (1, 33, 32)])
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(window=(20, 0), w_o=None),
+                                dict(causal=True, key_lengths=np.array([70, 30, 5]),
+                                     sinks=np.array([0.5, 0.0, -0.5, 1.0]))])
+def test_multi_head_attention_equals_one_call(rng, dtype, chunks, kw):
+    """Chunked along batch only: one mhattn.multi_head_attention per batch
+    chunk (map_blocks), no block of attention; along time too: projections,
+    mhattn.dask.attention, W^O."""
+    kw = dict(kw)
+    x = rng.standard_normal((3, 70, 32)).astype(dtype)
+    w_q, w_o = ((rng.standard_normal((32, 32)) * 0.2).astype(dtype) for _ in range(2))
+    w_k, w_v = ((rng.standard_normal((32, 16)) * 0.2).astype(dtype) for _ in range(2))
+    w_o = kw.pop("w_o", w_o)
+    if "sinks" in kw:
+        kw["sinks"] = kw["sinks"].astype(dtype)
+    out = md.multi_head_attention(da.from_array(x, chunks=chunks), w_q, w_k, w_v, w_o,
+                                  num_heads=4, num_kv_heads=2, **kw)
+    want = mhattn.multi_head_attention(x, w_q, w_k, w_v, w_o, num_heads=4, num_kv_heads=2,
+                                       **kw)
+    _close(_sync(out)[0], want, dtype)
+    assert out.chunks[:2] == da.from_array(x, chunks=chunks).chunks[:2]
+    blocks = _count(out)
+    assert (blocks == 0) == (chunks[1] == 70)
+
+
+def test_multi_head_attention_checks_first(rng):
+    x = da.from_array(np.ones((2, 40, 8)), chunks=(1, 10, 8))
+    with pytest.raises(ValueError, match="num_heads"):
+        md.multi_head_attention(x, np.ones((8, 8)), np.ones((8, 8)), np.ones((8, 8)),
+                                num_heads=3)
+    with pytest.raises(ValueError, match="key_lengths"):
+        md.multi_head_attention(x, np.ones((8, 8)), np.ones((8, 8)), np.ones((8, 8)),
+                                num_heads=2, key_lengths=np.array([41, 3]))
+
+
 # ---- a LocalCluster of two processes: few and small -------------------------
 
 @pytest.fixture(scope="module")

@@ -512,3 +512,78 @@ def _lse_proxy(lse, one_row: bool):
     if one_row and len(shape) in (2, 3):
         shape[-1] = 1
     return np.broadcast_to(np.zeros((), lse.dtype), tuple(shape))
+
+
+@_in_task
+def _mha_block(x, *, weights, opts, kl, bcut, block_id=None):
+    """mhattn.multi_head_attention on one batch chunk of whole sequences."""
+    if kl is not None:
+        bi = block_id[0]
+        opts = dict(opts, key_lengths=kl[bcut[bi]:bcut[bi + 1]])
+    return _multi_head_attention(x, *weights, **opts)
+
+
+def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads, num_kv_heads=None,
+                         scale=None, causal=False, key_lengths=None, window=None,
+                         softcap=None, alibi_slopes=None, sinks=None):
+    """:func:`mhattn.multi_head_attention` (self-attention) over a Dask x.
+
+    multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads,
+    num_kv_heads=None, scale=None, causal=False, key_lengths=None,
+    window=None, softcap=None, alibi_slopes=None, sinks=None) -> out
+
+    Parameters
+    ----------
+    x : dask.array.Array (B, T, d_model) (or (T, d_model)), chunked along
+        batch and time (its features are made one chunk)
+    w_q, w_k, w_v : fused NumPy weights (d_model, h*d_k), (d_model, g*d_k),
+        (d_model, g*d_v), head i owning columns [i*d_k, (i+1)*d_k)
+    w_o : (h*d_v, d_out), or None for the heads' concatenation
+    num_heads, num_kv_heads, scale, causal, key_lengths, window, softcap, alibi_slopes, sinks
+        As :func:`mhattn.multi_head_attention`.
+
+    Returns
+    -------
+    out : dask.array.Array (B, T, d_out), x's batch and time chunks.
+
+    With T in one chunk the sequences are independent: one
+    ``mhattn.multi_head_attention`` task per batch chunk (``map_blocks``), no
+    merge. Otherwise the projections are blockwise products (each x chunk
+    by a weight), attention is :func:`attention` (layout "bthd": the heads
+    are the projections' columns) and W^O a blockwise product again.
+    """
+    x = _arrays(("x",), (x,))[0]
+    weights = (w_q, w_k, w_v, w_o)
+    kw = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, scale=scale, causal=causal,
+              window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+    # mhattn checks the weights and keywords on one row (no memory), the
+    # key lengths against T on the projected stand-ins below.
+    one = _proxy(x, "bthd", False)[..., :1, :] if x.ndim in (2, 3) else _proxy(x, "bthd", False)
+    probe = _multi_head_attention(one, *weights, **kw)
+    batched = x.ndim == 3
+    xb = (x if batched else x[None]).rechunk({2: -1})
+    B, T = xb.shape[:2]
+    H = int(num_heads)
+    G = H if num_kv_heads is None else int(num_kv_heads)
+    wq, wk, wv = (np.asarray(w) for w in weights[:3])
+    dk, dv = wq.shape[1] // H, wv.shape[1] // G
+    dtype = probe.dtype
+    if len(xb.chunks[1]) == 1:
+        _attention(np.broadcast_to(np.zeros((), dtype), (B, H, 1, dk)),
+                   np.broadcast_to(np.zeros((), dtype), (B, G, T, dk)),
+                   np.broadcast_to(np.zeros((), dtype), (B, G, T, dv)), causal=causal,
+                   key_lengths=key_lengths, window=window)
+        kl = None if key_lengths is None else np.asarray(key_lengths, np.int64).reshape(B)
+        out = xb.map_blocks(_mha_block, weights=weights, opts=kw, kl=kl,
+                            bcut=_cuts(xb.chunks[0]), dtype=dtype,
+                            chunks=xb.chunks[:2] + ((probe.shape[-1],),))
+        return out if batched else out[0]
+    q = (xb @ wq).astype(dtype, copy=False).reshape(B, T, H, dk)
+    k = (xb @ wk).astype(dtype, copy=False).reshape(B, T, G, dk)
+    v = (xb @ wv).astype(dtype, copy=False).reshape(B, T, G, dv)
+    heads = attention(q, k, v, layout="bthd", scale=scale, causal=causal,
+                      key_lengths=key_lengths, window=window, softcap=softcap,
+                      alibi_slopes=alibi_slopes, sinks=sinks)
+    cat = heads.reshape(B, T, H * dv)
+    out = cat if w_o is None else (cat @ np.asarray(w_o)).astype(dtype, copy=False)
+    return out if batched else out[0]
