@@ -106,6 +106,20 @@ def test_gradients_equal_one_call(rng, case, dtype):
         _close(got[name], want[name], dtype)
 
 
+def test_float16_blocks_merge_in_float32(rng):
+    """Half inputs: each block's out is float16 and its lse float32, as
+    mhattn.attention's; the merge rounds each level's out to float16, so
+    the result is within a few float16 roundings of the one call's."""
+    q, k, v = _arrays(rng, 1, 2, 2, 90, 90, dtype=np.float16)
+    out, lse = md.attention(*(da.from_array(a, chunks=(1, 2, 25, 16)) for a in (q, k, v)),
+                            causal=True, return_lse=True)
+    want_out, want_lse = mhattn.attention(q, k, v, causal=True, return_lse=True)
+    got_out, got_lse = _sync(out, lse)
+    assert got_out.dtype == np.float16 and got_lse.dtype == want_lse.dtype
+    np.testing.assert_allclose(got_out, want_out, rtol=0, atol=4e-3)
+    np.testing.assert_allclose(got_lse, want_lse, rtol=1e-6)
+
+
 def test_bthd_and_unbatched_layouts(rng):
     q, k, v = _arrays(rng, 1, 4, 2, 50, 70)
     for layout, conv in (("bthd", lambda a: a.transpose(0, 2, 1, 3)), ("bhtd", lambda a: a[0])):
@@ -253,6 +267,19 @@ def test_multi_head_attention_checks_first(rng):
     with pytest.raises(ValueError, match="key_lengths"):
         md.multi_head_attention(x, np.ones((8, 8)), np.ones((8, 8)), np.ones((8, 8)),
                                 num_heads=2, key_lengths=np.array([41, 3]))
+
+
+@pytest.mark.parametrize("name", md.__all__)
+def test_docstring_examples_run(name):
+    """mhattn.dask is not in mhattn.__all__ (it imports Dask), so
+    tests/test_docstrings.py does not reach its examples: run them here."""
+    import doctest
+    fn = getattr(md, name)
+    assert ">>>" in (fn.__doc__ or "")
+    runner = doctest.DocTestRunner()
+    for t in doctest.DocTestFinder().find(fn, name, globs=dict(np=np, mhattn=mhattn)):
+        runner.run(t)
+    assert runner.failures == 0
 
 
 # ---- a LocalCluster of two processes: few and small -------------------------

@@ -53,6 +53,7 @@ except ImportError as e:   # the optional extra
 from .compute.attention import attention as _attention
 from .compute.attention import attention_grad as _attention_grad
 from .compute.attention import merge_attention as _merge_attention
+from .compute.attention import check_projected as _check_projected
 from .compute.forward import multi_head_attention as _multi_head_attention
 from ._internal.runtime import get_num_threads, set_num_threads
 
@@ -124,13 +125,13 @@ def _merge(a, b):
     return _merge_attention([a[0], b[0]], [a[1], b[1]])
 
 
-def _empty_rows(shape, dtype, sinks):
+def _empty_rows(shape, dtype, lse_dtype, sinks):
     """(out, lse) of query rows that see no key: out 0, lse -inf, or the
     sink's logit (the softmax over the sink alone) with sinks."""
     out = np.zeros(shape, dtype)
-    lse = np.full(shape[:-1], -np.inf, dtype)
+    lse = np.full(shape[:-1], -np.inf, lse_dtype)
     if sinks is not None:
-        lse[...] = np.asarray(sinks, dtype)[None, :, None]
+        lse[...] = np.asarray(sinks, lse_dtype)[None, :, None]
     return out, lse
 
 
@@ -154,6 +155,22 @@ def _proxy(a, layout: str, one_row: bool):
     if one_row and len(shape) in (3, 4):
         shape[-2 if layout == "bhtd" else -3] = 1
     return np.broadcast_to(np.zeros((), a.dtype), tuple(shape))
+
+
+@contextmanager
+def _real_shapes(q, k, v, layout):
+    """A rejection of the one-row stand-ins that is about q's, k's and v's
+    shapes is raised again from whole-length stand-ins (shapes alone,
+    nothing computed), so that its message names the shapes given."""
+    try:
+        yield
+    except (ValueError, TypeError):
+        full = [np.broadcast_to(np.zeros((), a.dtype), a.shape) for a in (q, k, v)]
+        try:
+            _check_projected(*full, layout)
+        except (ValueError, TypeError) as e:
+            raise e from None
+        raise
 
 
 def _arrays(names, arrays):
@@ -304,6 +321,14 @@ def attention(q, k, v, *, layout="bhtd", scale=None, causal=False, key_lengths=N
     key_lengths=None, window=None, softcap=None, alibi_slopes=None,
     sinks=None, return_lse=False) -> out or (out, lse)
 
+    Every argument is checked by mhattn, with its messages, before any task
+    exists: the arrays' shapes and dtypes through zero-strided stand-ins
+    (one query row, no memory). A task computes one (query chunk, key
+    chunk) block that some query may see with ``mhattn.attention(...,
+    q_offset=, return_lse=True)``; a query chunk's blocks are merged by a
+    fixed binary tree of :func:`mhattn.merge_attention` (the module's
+    docstring says why the bits are those of every run).
+
     Parameters
     ----------
     q, k, v : dask.array.Array (or array-likes)
@@ -325,14 +350,6 @@ def attention(q, k, v, *, layout="bhtd", scale=None, causal=False, key_lengths=N
     out : dask.array.Array, q's layout and chunks (its time chunks),
         ``(out, lse)`` with ``return_lse``.
 
-    Every argument is checked by mhattn, with its messages, before any task
-    exists: the arrays' shapes and dtypes through zero-strided stand-ins
-    (one query row, no memory). A task computes one (query chunk, key
-    chunk) block that some query may see with ``mhattn.attention(...,
-    q_offset=, return_lse=True)``; a query chunk's blocks are merged by a
-    fixed binary tree of :func:`mhattn.merge_attention` (the module's
-    docstring says why the bits are those of every run).
-
     Examples
     --------
     >>> import dask, dask.array as da
@@ -345,10 +362,12 @@ def attention(q, k, v, *, layout="bhtd", scale=None, causal=False, key_lengths=N
     """
     layout = _layout(layout)
     q, k, v = _arrays("qkv", (q, k, v))
-    proxy = _attention(_proxy(q, layout, True), _proxy(k, layout, False),
-                       _proxy(v, layout, False), layout=layout, scale=scale, causal=causal,
-                       key_lengths=key_lengths, window=window, softcap=softcap,
-                       alibi_slopes=alibi_slopes, sinks=sinks, return_lse=True)
+    with _real_shapes(q, k, v, layout):
+        proxy = _attention(_proxy(q, layout, True), _proxy(k, layout, False),
+                           _proxy(v, layout, False), layout=layout, scale=scale,
+                           causal=causal, key_lengths=key_lengths, window=window,
+                           softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                           return_lse=True)
     batched = q.ndim == 4
     plan = _Plan(_to_bhtd(q, layout), _to_bhtd(k, layout), _to_bhtd(v, layout), causal,
                  window, key_lengths, batched)
@@ -372,7 +391,7 @@ def attention(q, k, v, *, layout="bhtd", scale=None, causal=False, key_lengths=N
             root = (name + "-empty", bi, h, i)
             shape = (plan.q.chunks[0][bi], plan.q.chunks[1][h], plan.q.chunks[2][i], plan.dv)
             s = None if sinks is None else sinks[plan.hcut[h]:plan.hcut[h + 1]]
-            tasks[root] = (_empty_rows, shape, dtype, s)
+            tasks[root] = (_empty_rows, shape, dtype, proxy[1].dtype, s)
         outs[(out_name, bi, h, i, 0)] = (operator.getitem, root, 0)
         lses[(lse_name, bi, h, i)] = (operator.getitem, root, 1)
     g = _graph(tasks, name, [plan.q, plan.k, plan.v], {out_name: outs, lse_name: lses})
@@ -437,6 +456,12 @@ def attention_grad(grad_out, q, k, v, out, lse, *, layout="bhtd", scale=None, ca
     attention_grad(grad_out, q, k, v, out, lse, *, <attention's keywords>)
     -> {"q": dq, "k": dk, "v": dv[, "sinks": dsinks]}
 
+    Each task is one ``mhattn.attention_grad(..., q_offset=, out=, lse=)`` of
+    a block the forward computes; dq is summed over a query chunk's key
+    chunks, dk and dv over a key chunk's query chunks, in increasing order
+    by a fixed binary tree. Arguments are checked by mhattn first, as in
+    :func:`attention`.
+
     Parameters
     ----------
     grad_out : dask.array.Array, the shape of ``out``
@@ -452,11 +477,18 @@ def attention_grad(grad_out, q, k, v, out, lse, *, layout="bhtd", scale=None, ca
     (q's chunks for dq, k's time chunks for dk and dv), and 'sinks' (h,)
     when sinks are given.
 
-    Each task is one ``mhattn.attention_grad(..., q_offset=, out=, lse=)`` of
-    a block the forward computes; dq is summed over a query chunk's key
-    chunks, dk and dv over a key chunk's query chunks, in increasing order
-    by a fixed binary tree. Arguments are checked by mhattn first, as in
-    :func:`attention`.
+    Examples
+    --------
+    >>> import dask, dask.array as da
+    >>> rng = np.random.default_rng(0)
+    >>> q = da.from_array(rng.standard_normal((1, 2, 100, 8)), chunks=(1, 2, 30, 8))
+    >>> out, lse = mhattn.dask.attention(q, q, q, causal=True, return_lse=True)
+    >>> grads = mhattn.dask.attention_grad(da.ones_like(q), q, q, q, out, lse, causal=True)
+    >>> got = dask.compute(grads, scheduler="sync")[0]
+    >>> qn = q.compute()
+    >>> want = mhattn.attention_grad(np.ones_like(qn), qn, qn, qn, causal=True)
+    >>> all(np.allclose(got[n], want[n]) for n in ("q", "k", "v"))
+    True
     """
     layout = _layout(layout)
     grad_out, q, k, v, out, lse = _arrays(("grad_out", "q", "k", "v", "out", "lse"),
@@ -465,15 +497,17 @@ def attention_grad(grad_out, q, k, v, out, lse, *, layout="bhtd", scale=None, ca
     # not, the whole lengths (still no memory), whose mismatch mhattn names.
     rows = {_rows(a, layout) for a in (grad_out, q, out)} | {lse.shape[-1] if lse.ndim else -1}
     one = len(rows) == 1
-    _attention_grad(_proxy(grad_out, layout, one), _proxy(q, layout, one),
-                    _proxy(k, layout, False), _proxy(v, layout, False), layout=layout,
-                    scale=scale, causal=causal, key_lengths=key_lengths, window=window,
-                    softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                    out=_proxy(out, layout, one), lse=_lse_proxy(lse, one))
+    with _real_shapes(q, k, v, layout):
+        probe = _attention_grad(
+            _proxy(grad_out, layout, one), _proxy(q, layout, one), _proxy(k, layout, False),
+            _proxy(v, layout, False), layout=layout, scale=scale, causal=causal,
+            key_lengths=key_lengths, window=window, softcap=softcap,
+            alibi_slopes=alibi_slopes, sinks=sinks, out=_proxy(out, layout, one),
+            lse=_lse_proxy(lse, one))
     batched = q.ndim == 4
     plan = _Plan(_to_bhtd(q, layout), _to_bhtd(k, layout), _to_bhtd(v, layout), causal,
                  window, key_lengths, batched)
-    plan.dtype = np.result_type(np.float32, q.dtype, k.dtype, v.dtype)
+    plan.dtype = probe["q"].dtype   # the gradients' dtype, mhattn's choice
     qc = plan.q.chunks
     g_ = _to_bhtd(grad_out, layout).rechunk(qc[:3] + ((plan.dv,),))
     o = _to_bhtd(out, layout).rechunk(qc[:3] + ((plan.dv,),))
@@ -532,6 +566,12 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads, num_kv_heads=
     num_kv_heads=None, scale=None, causal=False, key_lengths=None,
     window=None, softcap=None, alibi_slopes=None, sinks=None) -> out
 
+    With T in one chunk the sequences are independent: one
+    ``mhattn.multi_head_attention`` task per batch chunk (``map_blocks``), no
+    merge. Otherwise the projections are blockwise products (each x chunk
+    by a weight), attention is :func:`attention` (layout "bthd": the heads
+    are the projections' columns) and W^O a blockwise product again.
+
     Parameters
     ----------
     x : dask.array.Array (B, T, d_model) (or (T, d_model)), chunked along
@@ -546,11 +586,17 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads, num_kv_heads=
     -------
     out : dask.array.Array (B, T, d_out), x's batch and time chunks.
 
-    With T in one chunk the sequences are independent: one
-    ``mhattn.multi_head_attention`` task per batch chunk (``map_blocks``), no
-    merge. Otherwise the projections are blockwise products (each x chunk
-    by a weight), attention is :func:`attention` (layout "bthd": the heads
-    are the projections' columns) and W^O a blockwise product again.
+    Examples
+    --------
+    >>> import dask.array as da
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.standard_normal((2, 50, 16))
+    >>> w = [0.3 * rng.standard_normal((16, 16)) for _ in range(4)]
+    >>> out = mhattn.dask.multi_head_attention(da.from_array(x, chunks=(1, 20, 16)), *w,
+    ...                                        num_heads=2, causal=True)
+    >>> np.allclose(out.compute(scheduler="sync"),
+    ...             mhattn.multi_head_attention(x, *w, num_heads=2, causal=True))
+    True
     """
     x = _arrays(("x",), (x,))[0]
     weights = (w_q, w_k, w_v, w_o)
