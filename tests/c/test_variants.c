@@ -1056,6 +1056,21 @@ static void test_config(void)
     BAD((c.nseq = 2, c.cu_q = cu_q, c.cu_k = cu_k, c.lengths_aligned = 1),
         "packed, lengths_aligned", A, MHA_FIELD_LENGTHS_ALIGNED, "lengths_aligned = 1",
         "nseq = 2");
+    // q_offset (issue 40): any sign within MHA_MAX_ELEMS, not with the
+    // placements of packed sequences or lengths_aligned, nor T5's bias.
+    GOOD((c.has_q_offset = 1, c.q_offset = -(int64_t)MHA_MAX_ELEMS), "q_offset -MAX");
+    GOOD((c.has_q_offset = 1, c.q_offset = 12, c.causal = 1), "q_offset 12, causal");
+    BAD((c.has_q_offset = 1, c.q_offset = (int64_t)MHA_MAX_ELEMS + 1), "q_offset past MAX", A,
+        MHA_FIELD_Q_OFFSET, "q_offset = ", "MHA_MAX_ELEMS");
+    BAD((c.has_q_offset = 1, c.q_offset = INT64_MIN), "q_offset INT64_MIN", A,
+        MHA_FIELD_Q_OFFSET, "MHA_MAX_ELEMS");
+    BAD((c.has_q_offset = 1, c.q_offset = 1, c.nseq = 2, c.cu_q = cu_q, c.cu_k = cu_k),
+        "q_offset, packed", A, MHA_FIELD_Q_OFFSET, "q_offset = 1", "nseq = 2");
+    BAD((c.has_q_offset = 1, c.lengths_aligned = 1, c.key_lengths = lens),
+        "q_offset, lengths_aligned", A, MHA_FIELD_Q_OFFSET, "q_offset = 0",
+        "lengths_aligned = 1");
+    BAD((c.q_offset = 3), "q_offset without has_q_offset", A, MHA_FIELD_Q_OFFSET,
+        "q_offset = 3", "has_q_offset");
     // The q/k transforms.
     GOOD((c.rotary_dim = 8, c.inv_freq = slopes), "rotary_dim 8");
     BAD((c.rotary_dim = 6), "rotary_dim without inv_freq", A, MHA_FIELD_INV_FREQ,
