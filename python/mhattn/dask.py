@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import sys
 import threading
 from contextlib import contextmanager
 from typing import Any, Dict, List, Optional
@@ -73,12 +74,16 @@ def _concurrent() -> bool:
     """True when other tasks may run in this process alongside this one: a
     Dask worker's thread or a pool thread (not the synchronous scheduler's
     calling thread)."""
-    try:
-        from distributed import get_worker
-        get_worker()
-        return True
-    except (ImportError, ValueError):
-        return threading.current_thread() is not threading.main_thread()
+    # A worker process has imported distributed; elsewhere no import is tried
+    # (a failed import is not cached, and this runs once per task).
+    dist = sys.modules.get("distributed")
+    if dist is not None:
+        try:
+            dist.get_worker()
+            return True
+        except ValueError:   # not in a worker's task
+            pass
+    return threading.current_thread() is not threading.main_thread()
 
 
 @contextmanager
