@@ -78,7 +78,7 @@ def main():
     print(f"ISA {mhattn.get_isa()}; T = {a.T}, {a.heads} heads of {a.dk}, causal, float32, "
           f"chunks of {a.chunk}; {a.workers} workers x 1 thread vs one call on {a.threads}")
     with LocalCluster(n_workers=a.workers, threads_per_worker=1, processes=True,
-                      dashboard_address=None, silence_logs=40) as cluster, \
+                      dashboard_address=":0", silence_logs=40) as cluster, \
             Client(cluster) as client:
         rs = da.random.RandomState(0)
         q, k, v = (rs.standard_normal(shape, chunks=chunks).astype(np.float32)

@@ -288,7 +288,7 @@ def test_docstring_examples_run(name):
 def client():
     distributed = pytest.importorskip("distributed")
     with distributed.LocalCluster(processes=True, n_workers=2, threads_per_worker=1,
-                                  dashboard_address=None, silence_logs=40) as cluster:
+                                  dashboard_address=":0", silence_logs=40) as cluster:
         with distributed.Client(cluster) as c:
             yield c
 
