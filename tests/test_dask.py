@@ -154,6 +154,37 @@ def test_the_graph_holds_only_the_blocks_seen(rng, n):
     assert _count(g["q"], "mhattn-attention-grad-") == n * (n + 1) // 2
 
 
+def test_the_blocks_in_the_graph_are_exactly_those_some_query_sees():
+    """The plan's key chunks per query chunk against the dense visibility of
+    causal, windows and key lengths, over random sizes and chunks."""
+    rng = np.random.default_rng(5)
+    for _ in range(80):
+        Tq, Tk = (int(t) for t in rng.integers(1, 120, 2))
+        cq, ck = (int(c) for c in rng.integers(1, 40, 2))
+        causal = bool(rng.integers(2))
+        window = None if rng.integers(2) else tuple(
+            None if rng.integers(3) == 0 else int(rng.integers(0, 50)) for _ in range(2))
+        kl = None if rng.integers(2) else rng.integers(0, Tk + 1, 2)
+        q = da.zeros((2, 1, Tq, 4), chunks=(1, 1, cq, 4))
+        k = da.zeros((2, 1, Tk, 4), chunks=(1, 1, ck, 4))
+        plan = md._Plan(q, k, k, causal, window, kl, True)
+        p, j = np.arange(Tq)[:, None] + (Tk - Tq), np.arange(Tk)[None, :]
+        for b in range(2):
+            ok = np.ones((Tq, Tk), bool)
+            if causal:
+                ok &= j <= p
+            if window is not None and window[0] is not None:
+                ok &= j >= p - window[0]
+            if window is not None and window[1] is not None:
+                ok &= j <= p + window[1]
+            if kl is not None:
+                ok &= j < kl[b]
+            qc, kc = plan.qcut, plan.kcut
+            want = [[c for c in range(len(kc) - 1) if ok[qc[i]:qc[i + 1], kc[c]:kc[c + 1]].any()]
+                    for i in range(len(qc) - 1)]
+            assert plan.seen[b] == want, (Tq, Tk, cq, ck, causal, window, kl)
+
+
 def test_a_chunk_that_sees_nothing(rng):
     """Rows that see no key (causal, more queries than keys): out 0, lse
     -inf, or the sink's logit with sinks; no block task for them."""

@@ -255,11 +255,18 @@ class _Plan:
                 lo = np.maximum(lo, p - int(left))
             if right is not None:
                 hi = np.minimum(hi, p + int(right) + 1)
+        # Among the rows that see something (lo < hi; lo and hi stay
+        # nondecreasing), key chunk [k0, k1) is seen iff the first row with
+        # hi > k0 comes no later than the last with lo < k1: two binary
+        # searches per (query chunk, key chunk).
+        k0, k1 = self.kcut[:-1], self.kcut[1:]
         seen = []
         for i in range(len(self.qcut) - 1):
             a, b = lo[self.qcut[i]:self.qcut[i + 1]], hi[self.qcut[i]:self.qcut[i + 1]]
-            seen.append([j for j in range(len(self.kcut) - 1)
-                         if np.any(np.maximum(a, self.kcut[j]) < np.minimum(b, self.kcut[j + 1]))])
+            a, b = a[a < b], b[a < b]
+            first = np.searchsorted(b, k0, side="right")
+            last = np.searchsorted(a, k1, side="left") - 1
+            seen.append(np.flatnonzero(first <= last).tolist())
         return seen
 
     def opts(self, bi, hi_, i, j, base: Dict[str, Any], sinks, alibi, first: bool):
