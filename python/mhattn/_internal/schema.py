@@ -777,6 +777,9 @@ C_ARGS = (
     Arg("v_scales", (_AT,), "array?", "float32", "(B, G, Tk)", "None",
         "None, or with int8 k and v the values' float32 scales.",
         c_kind="ARG_ARRAY_OPT", c_field="v_scale, svs"),
+    Arg("block_table", (_AT,), "array?", "int32", "(B, pages_per_seq)", "None",
+        "None, or a paged cache's pages: k, v pools (num_pages, G, page_size, d).",
+        c_kind="ARG_BLOCK_TABLE", c_field="block_table, pages_per_seq, page_size, num_pages"),
     Arg("dout", (_ABW,), "array", "T", "(B, H, Tq, dv)", REQUIRED, "dL/dout, any strides.",
         c_kind="ARG_ARRAY", c_field="dout"),
     Arg("out", (_ABW,), "array", "T", "(B, H, Tq, dv)", REQUIRED, "attention()'s out.",
@@ -844,7 +847,7 @@ C_ROLES = {
     "wk": ("wk",), "wv": ("wv",), "wo": ("wo",), "wgate": ("wgate",),
     "dk": ("dk",), "dv": ("dv",), "scales": ("scales",), "mask": ("mask",),
     "causal": ("causal",), "key_lengths": ("key_lengths",), "variants": ("variants",),
-    "lengths_aligned": ("lengths_aligned",),
+    "lengths_aligned": ("lengths_aligned",), "block_table": ("block_table",),
 }
 
 # The variants' tuple (C_ARGS's ``variants``), position by position, as
@@ -998,7 +1001,7 @@ _C_PARAMS = {
                 "scales, mask, causal, key_lengths, variants, want_bq, want_bk, want_bv, "
                 "want_bo, *, wgate, bgate, want_dmask",
     "attention": "q, k, v, scales, mask, causal, key_lengths, variants, lengths_aligned, "
-                 "out_bthd, want_weights, want_lse, k_scales, v_scales",
+                 "out_bthd, want_weights, want_lse, k_scales, v_scales, block_table",
     "attention_backward": "dout, q, k, v, out, lse, scales, mask, causal, key_lengths, "
                           "variants, lengths_aligned, *, want_dmask",
     "project": "x, key, value, wq, wk, wv, bq, bk, bv, dk, dv, scales, variants, packed",
@@ -1229,6 +1232,8 @@ MHA_FIELDS = (
     ("POSITIONS_BSTRIDE", "positions_bstride", ""),
     ("KEY_POSITIONS_BSTRIDE", "key_positions_bstride", ""),
     ("LENGTHS_ALIGNED", "lengths_aligned", ""),
+    ("BLOCK_TABLE", "block_table, pages_per_seq, num_pages", ""),
+    ("PAGE_SIZE", "page_size", ""),
 )
 
 
