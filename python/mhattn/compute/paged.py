@@ -548,13 +548,15 @@ class PagedKVCache:
     # -- attending ----------------------------------------------------------------
 
     def _attend(self, ids: List[int], q4: np.ndarray, scales, causal: bool, variants,
-                want_w: bool, want_lse: bool = False):
+                want_w: bool, want_lse: bool = False, out_bthd: bool = True):
         """The core's attention of q4 (n, H, T_new, d_k) over the listed
-        sequences' keys, through their block table (the lock is held)."""
+        sequences' keys, through their block table (the lock is held): out
+        (n, T_new, H, d_v) for the layer's step (out_bthd), else (n, H,
+        T_new, d_v)."""
         lens = np.array([self._len[s] for s in ids], np.int64)
         return core.attention_in_layer_words(
             q4, self.key_pages, self.value_pages, scales, None, causal, lens, variants,
-            True, True, want_w, want_lse, self.key_scales, self.value_scales,
+            True, out_bthd, want_w, want_lse, self.key_scales, self.value_scales,
             self._table(ids))
 
 
@@ -729,7 +731,7 @@ def paged_attention(q, k_new, v_new, *, cache, sequence_ids, scale=None, causal=
             cache._write(ids, k, v, np.full(n, Tq))
         try:
             out, weights, lse = cache._attend(ids, qa, scales, causal, var, want_w,
-                                              want_lse)
+                                              want_lse, out_bthd=False)
         except BaseException:
             cache._truncate(ids, before)
             raise
