@@ -21,6 +21,7 @@ import pytest
 import mhattn
 from mhattn._internal import core
 from mhattn._internal.args import head_scales
+from threadcounts import at_thread_counts
 
 PAGE_SIZES = (1, 7, 16, 128)          # 7: not a power of two
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int8")
@@ -208,6 +209,11 @@ def test_random_steps_match_kvcache_bitwise(dtype_name, page_size):
     assert all(counts[k] > 0 for k in ("add", "free", "append", "attend", "step")), counts
 
 
+@pytest.mark.parametrize("dtype_name", ("float32", "float16", "int8"))
+def test_random_steps_on_every_isa(dtype_name, isa):
+    run_random(21, dtype_name, 7, steps=200)
+
+
 def test_thousands_of_random_steps():
     counts = run_random(7, "float32", 16, steps=2500, num_pages=40, max_live=8)
     assert counts["full"] > 0 and min(counts.values()) > 0, counts
@@ -222,7 +228,7 @@ def test_thousands_of_random_steps_half_int8(dtype_name):
 
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize("dtype_name", ("float32", "bfloat16", "int8", "float64"))
-def test_long_mixed_lengths(dtype_name, page_size):
+def test_long_mixed_lengths(dtype_name, page_size, isa):
     rng = np.random.default_rng(3)
     dt, comp = storage_dtype(dtype_name), compute_dtype(dtype_name)
     G, H, dk, dv = 2, 8, 16, 24
@@ -244,9 +250,12 @@ def test_long_mixed_lengths(dtype_name, page_size):
     kv = oracle.batch(order)
     for T, causal in ((1, False), (1, True), (5, True), (70, True)):
         q = rng.standard_normal((len(ids), H, T, dk)).astype(comp)
-        got = mhattn.attention(q, cache=cache, sequence_ids=order, causal=causal)
+        # At each thread count: the same bits as the KVCache's, at any.
+        got = at_thread_counts(lambda: mhattn.attention(q, cache=cache, sequence_ids=order,
+                                                        causal=causal), (1, 2, 3))
         want = oracle_attention(kv, q, causal)[0]
-        np.testing.assert_array_equal(got, want)
+        for g in got:
+            np.testing.assert_array_equal(g, want)
     # One sequence alone, and a subset.
     for sub in (order[:1], order[2:5]):
         q = rng.standard_normal((len(sub), H, 1, dk)).astype(comp)
