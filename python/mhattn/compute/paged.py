@@ -367,10 +367,13 @@ class PagedKVCache:
             return self._table(self._ids(sequence_ids))
 
     def _table(self, ids: List[int]) -> np.ndarray:
-        most = max([len(self._pages[s]) for s in ids] + [1])
-        bt = np.zeros((len(ids), most), np.int32)
-        for i, s in enumerate(ids):
-            bt[i, :len(self._pages[s])] = self._pages[s]
+        # One pass over the pages (thousands for 64 long sequences of
+        # 16-key pages): a row per sequence, padded with page 0.
+        rows = [self._pages[s] for s in ids]
+        counts = np.fromiter(map(len, rows), np.intp, len(rows))
+        bt = np.zeros((len(ids), max(int(counts.max(initial=0)), 1)), np.int32)
+        bt[np.arange(bt.shape[1]) < counts[:, np.newaxis]] = np.fromiter(
+            itertools.chain.from_iterable(rows), np.int32, int(counts.sum()))
         return bt
 
     def __repr__(self) -> str:
