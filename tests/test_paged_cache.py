@@ -623,3 +623,90 @@ def test_core_checks_the_block_table():
     with pytest.raises(ValueError, match="^v: expected shape"):
         core.attention(q, pool, pool[:2], scales, None, False, lens, None, True, False, False,
                        False, None, None, np.zeros((1, 2), np.int32))
+
+
+def test_layer_call_with_a_paged_cache():
+    """layer(x_new, cache=paged, sequence_ids=ids), the layer's cached step:
+    the bits of the same layer through a KVCache."""
+    layer = mhattn.MultiHeadAttention(32, 4, num_kv_heads=2, seed=0)
+    rng = np.random.default_rng(9)
+    cache = mhattn.PagedKVCache(16, 4, 2, 8)
+    kv = mhattn.KVCache(2, 2, 32, 8)
+    ids = [cache.add_sequence(), cache.add_sequence()]
+    for T in (6, 1, 1):
+        x = rng.standard_normal((2, T, 32)).astype(np.float32)
+        got = layer(x, causal=True, rope=mhattn.RoPE(), cache=cache, sequence_ids=ids)
+        want = layer(x, causal=True, rope=mhattn.RoPE(), cache=kv)
+        np.testing.assert_array_equal(got, want)
+    assert cache.lengths(ids).tolist() == [8, 8]
+
+
+# -- a hypothesis state machine: the same contract, its sequences shrunk ------
+
+from hypothesis import HealthCheck, settings                     # noqa: E402
+from hypothesis import strategies as st                           # noqa: E402
+from hypothesis.stateful import (RuleBasedStateMachine, invariant,  # noqa: E402
+                                 precondition, rule)
+
+
+class PagedMachine(RuleBasedStateMachine):
+    """add / append / free / decode in any order hypothesis finds, each
+    decode compared bitwise with a batch KVCache of the same tokens; an
+    append past the free pages must raise MemoryError and change nothing."""
+
+    G, H, dk, ps = 2, 4, 8, 3
+
+    def __init__(self):
+        super().__init__()
+        self.cache = mhattn.PagedKVCache(12, self.ps, self.G, self.dk)
+        self.oracle = Oracle(self.G, self.dk, self.dk, np.float32, 12 * self.ps + 8)
+        self.rng = np.random.default_rng(0)
+
+    @rule()
+    def add(self):
+        self.oracle.add(self.cache.add_sequence())
+
+    @precondition(lambda self: self.cache.sequences)
+    @rule(data=st.data())
+    def free(self, data):
+        s = data.draw(st.sampled_from(self.cache.sequences))
+        self.cache.free(s)
+        self.oracle.free(s)
+
+    @precondition(lambda self: self.cache.sequences)
+    @rule(data=st.data(), T=st.integers(1, 7))
+    def append(self, data, T):
+        ids = data.draw(st.lists(st.sampled_from(self.cache.sequences), min_size=1,
+                                 unique=True))
+        k = self.rng.standard_normal((len(ids), self.G, T, self.dk)).astype(np.float32)
+        need = sum(-(-(self.cache.length(s) + T) // self.ps) - len(self.cache.pages(s))
+                   for s in ids)
+        if need > self.cache.pages_free:
+            snap = snapshot(self.cache)
+            with pytest.raises(MemoryError, match="^k_new: "):
+                self.cache.append(ids, k, k)
+            assert_same(self.cache, snap)
+            return
+        self.cache.append(ids, k, k)
+        for i, s in enumerate(ids):
+            self.oracle.seq[s].append(k[i:i + 1], k[i:i + 1])
+
+    @precondition(lambda self: self.cache.sequences)
+    @rule(data=st.data(), causal=st.booleans())
+    def decode(self, data, causal):
+        ids = data.draw(st.lists(st.sampled_from(self.cache.sequences), min_size=1,
+                                 unique=True))
+        q = self.rng.standard_normal((len(ids), self.H, 1, self.dk)).astype(np.float32)
+        got = mhattn.attention(q, cache=self.cache, sequence_ids=ids, causal=causal)
+        want = oracle_attention(self.oracle.batch(ids), q, causal)[0]
+        np.testing.assert_array_equal(got, want)
+
+    @invariant()
+    def pages_straight(self):
+        check_pages(self.cache)
+
+
+PagedMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40,
+                                          deadline=None,
+                                          suppress_health_check=[HealthCheck.too_slow])
+test_paged_state_machine = PagedMachine.TestCase
