@@ -710,3 +710,35 @@ PagedMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=4
                                           deadline=None,
                                           suppress_health_check=[HealthCheck.too_slow])
 test_paged_state_machine = PagedMachine.TestCase
+
+
+def test_threads_share_one_cache():
+    """Threads stepping their own sequences through one cache (pages taken
+    from one pool under its lock, in whatever order the threads come): each
+    thread's outputs are those of its sequence alone, and no page is held
+    twice."""
+    import threading
+    rng = np.random.default_rng(4)
+    d_in, H, G, dk = 16, 4, 2, 8
+    w = [a.astype(np.float32) for a in layer_weights(rng, d_in, H, G, dk, dk, np.float32)]
+    xs = [rng.standard_normal((30, 1, 1, d_in)).astype(np.float32) for _ in range(4)]
+    kw = dict(num_heads=H, num_kv_heads=G, causal=True, rope=mhattn.RoPE())
+    cache = mhattn.PagedKVCache(4 * 30, 1, G, dk)        # one key a page: most churn
+    got = [[] for _ in xs]
+
+    def run(t):
+        s = cache.add_sequence()
+        for x in xs[t]:
+            got[t].append(mhattn.multi_head_attention(x, *w, cache=cache, sequence_ids=[s],
+                                                      **kw))
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in range(len(xs))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    check_pages(cache)
+    for t, x in enumerate(xs):
+        kv = mhattn.KVCache(1, G, 32, dk)
+        want = [mhattn.multi_head_attention(xi, *w, cache=kv, **kw) for xi in x]
+        np.testing.assert_array_equal(np.stack(got[t]), np.stack(want))

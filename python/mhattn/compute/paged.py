@@ -254,13 +254,18 @@ class PagedKVCache:
             self._len[sid] = 0
             return sid
 
-    def _id(self, name: str, sid: Any) -> int:
-        """sid as a live id of this cache; ValueError / TypeError naming
-        ``name`` for a freed one, one never issued here, or a non-int."""
+    @staticmethod
+    def _int_id(name: str, sid: Any) -> int:
+        """sid as an int; TypeError naming ``name`` otherwise."""
         if isinstance(sid, (bool, np.bool_)) or not isinstance(sid, (int, np.integer)):
             raise TypeError(f"{name}: expected a sequence id (an int from add_sequence), got "
                             f"{type(sid).__name__}")
-        sid = int(sid)
+        return int(sid)
+
+    def _id(self, name: str, sid: Any) -> int:
+        """sid as a live id of this cache; ValueError / TypeError naming
+        ``name`` for a freed one, one never issued here, or a non-int."""
+        sid = self._int_id(name, sid)
         if sid in self._len:
             return sid
         if sid in self._freed:
@@ -269,9 +274,11 @@ class PagedKVCache:
         raise ValueError(f"{name}: {sid} is not a sequence of this cache (never issued by "
                          f"its add_sequence; another cache's id?)")
 
-    def _ids(self, ids: Any, name: str = "sequence_ids") -> List[int]:
-        """ids (an int or a 1-D sequence of ints) as a list of live, distinct
-        ids of this cache; errors name ``name``."""
+    @classmethod
+    def _id_list(cls, ids: Any, name: str = "sequence_ids") -> List[int]:
+        """ids (an int or a 1-D sequence of ints) as a list of distinct ints;
+        errors name ``name``.  No lock: it reads only the caller's object
+        (whose __index__ or __array__ may run any code)."""
         if isinstance(ids, (int, np.integer)) and not isinstance(ids, (bool, np.bool_)):
             ids = [ids]
         try:
@@ -282,11 +289,22 @@ class PagedKVCache:
         if a.ndim != 1 or (a.size and a.dtype.kind not in "iuO"):
             raise TypeError(f"{name}: expected a 1-D list of sequence ids (ints), got "
                             f"{a.dtype} of shape {a.shape}")
-        out = [self._id(name, s) for s in a.tolist()]
+        out = [cls._int_id(name, s) for s in a.tolist()]
         if len(set(out)) != len(out):
             dup = next(s for s in out if out.count(s) > 1)
             raise ValueError(f"{name}: sequence {dup} is listed more than once in one call")
         return out
+
+    def _live(self, ids: List[int], name: str = "sequence_ids") -> List[int]:
+        """ids (from _id_list), each a live id of this cache (the caller
+        holds the lock, or reads without writing)."""
+        for s in ids:
+            self._id(name, s)
+        return ids
+
+    def _ids(self, ids: Any, name: str = "sequence_ids") -> List[int]:
+        """_live(_id_list(ids))."""
+        return self._live(self._id_list(ids, name), name)
 
     def length(self, sequence_id) -> int:
         """How many keys the sequence holds.
@@ -537,24 +555,27 @@ class PagedKVCache:
         >>> cache.lengths([a, b])
         array([3, 1])
         """
+        # The caller's objects are converted and checked before the lock is
+        # taken (as KVCache.append): none of their code runs while others wait.
+        ids = self._id_list(sequence_ids)
+        n = len(ids)
+        k = self._check_new("k_new", k_new, n, self.d_k, "d_k")
+        v = self._check_new("v_new", v_new, n, self.d_v, "d_v")
+        T = k.shape[2]
+        if v.shape[2] != T:
+            raise ValueError(f"v_new: has {v.shape[2]} rows but k_new has {T}")
+        counts = np.full(n, T, np.int64)
+        if lengths is not None:
+            c = _to_array("lengths", lengths)
+            if c.dtype.kind not in "iu" or c.shape != (n,):
+                raise ValueError(f"lengths: expected ({n},) integers, got "
+                                 f"{c.dtype} {c.shape}")
+            if (c < 0).any() or (c > T).any():
+                raise ValueError(f"lengths: each must lie in [0, T_new={T}], got "
+                                 f"{c.tolist()}")
+            counts = c.astype(np.int64)
         with self._lock:
-            ids = self._ids(sequence_ids)
-            n = len(ids)
-            k = self._check_new("k_new", k_new, n, self.d_k, "d_k")
-            v = self._check_new("v_new", v_new, n, self.d_v, "d_v")
-            T = k.shape[2]
-            if v.shape[2] != T:
-                raise ValueError(f"v_new: has {v.shape[2]} rows but k_new has {T}")
-            counts = np.full(n, T, np.int64)
-            if lengths is not None:
-                c = _to_array("lengths", lengths)
-                if c.dtype.kind not in "iu" or c.shape != (n,):
-                    raise ValueError(f"lengths: expected ({n},) integers, got "
-                                     f"{c.dtype} {c.shape}")
-                if (c < 0).any() or (c > T).any():
-                    raise ValueError(f"lengths: each must lie in [0, T_new={T}], got "
-                                     f"{c.tolist()}")
-                counts = c.astype(np.int64)
+            self._live(ids)
             self._check_room(ids, counts, "k_new")
             self._write(ids, k, v, counts)
 
@@ -635,11 +656,12 @@ def paged_step(x, w_q, w_k, w_v, w_o, *, cache, sequence_ids, num_heads=None, sc
              _fused_bias(call.bk), _fused_bias(call.bv))
     capsules = None if packed is None else packed._core_packed(call.dtype)
     B, Tq, H, G = call.B, call.Tq, call.H, call.G
+    ids = PagedKVCache._id_list(sequence_ids)
+    if len(ids) != B:
+        raise ValueError(f"sequence_ids: {len(ids)} sequences listed but x holds {B} "
+                         f"(x {xa.shape}: row i of x is sequence_ids[i])")
     with cache._lock:
-        ids = cache._ids(sequence_ids)
-        if len(ids) != B:
-            raise ValueError(f"sequence_ids: {len(ids)} sequences listed but x holds {B} "
-                             f"(x {xa.shape}: row i of x is sequence_ids[i])")
+        cache._live(ids)
         before = np.array([cache._len[s] for s in ids], np.int64)
         longest = int(before.max(initial=0)) + Tq
         _check_step_memory(call, -(-longest // cache.page_size) * cache.page_size, want_w,
@@ -718,25 +740,26 @@ def paged_attention(q, k_new, v_new, *, cache, sequence_ids, scale=None, causal=
     n, H, Tq = qa.shape[:3]
     scales = np.asarray(head_scales(H, H, [cache.d_k] * H, _scale_arg(scale)), np.float64)
     causal = bool_arg("causal", causal)
+    ids = PagedKVCache._id_list(sequence_ids)
+    if len(ids) != n:
+        raise ValueError(f"sequence_ids: {len(ids)} sequences listed but q holds {n} "
+                         f"(q {qa.shape}: row i of q is sequence_ids[i])")
+    k = None if k_new is None else cache._check_new("k", k_new, len(ids), cache.d_k, "d_k")
+    v = None if v_new is None else cache._check_new("v", v_new, len(ids), cache.d_v, "d_v")
     var = None
     if variants and any(a is not None for a in variants.values()):
         # The score rules' checks as attention's (Tk: the longest sequence
         # after this call's rows; the core checks again with its own).
-        ids0 = cache._ids(sequence_ids)
+        ids0 = cache._live(ids)
         Tk = max([cache._len[s] for s in ids0] + [0]) + (0 if k_new is None else Tq)
         G = cache.num_kv_heads
         var = variant_args(SimpleNamespace(var=normalize_variants(
             variants, batched=True, B=n, Tq=Tq, Tk=max(Tk, 1), H=H, G=G,
             dk=[cache.d_k] * G, dtype=cache._compute, key_given=True, names=("q", "k"))))
     with cache._lock:
-        ids = cache._ids(sequence_ids)
-        if len(ids) != n:
-            raise ValueError(f"sequence_ids: {len(ids)} sequences listed but q holds {n} "
-                             f"(q {qa.shape}: row i of q is sequence_ids[i])")
+        cache._live(ids)
         before = np.array([cache._len[s] for s in ids], np.int64)
-        if k_new is not None:
-            k = cache._check_new("k", k_new, n, cache.d_k, "d_k")
-            v = cache._check_new("v", v_new, n, cache.d_v, "d_v")
+        if k is not None:
             if k.shape[2] != Tq or v.shape[2] != Tq:
                 raise ValueError(f"k, v: hold {k.shape[2]} and {v.shape[2]} new rows, but q "
                                  f"holds T_new = {Tq}")
