@@ -8,7 +8,10 @@ tokens in a :class:`mhattn.KVCache`, in one process.
 
 The lengths are spread log-uniformly from --min-len to --max-len (seeded),
 the pages of the sequences interleaved in the pool as a server's would be
-(each sequence appended in chunks of 256 tokens, round robin).  The timed
+(each sequence appended in chunks of --chunk tokens, round robin: with 256,
+runs of pages follow one another in the pool, which the kernels read as
+one run of memory; with 16 or less, no two pages of a sequence do, and
+every row is read through its own address).  The timed
 call is one decode step on projected queries, every sequence at once:
 ``mhattn.attention(q, cache=paged, sequence_ids=ids)`` (q (n, H, 1, d_k))
 against the core's attention on the KVCache's storage with the sequences'
@@ -43,6 +46,9 @@ def main():
     ap.add_argument("--min-len", type=int, default=64)
     ap.add_argument("--max-len", type=int, default=8192)
     ap.add_argument("--page-sizes", default="16,128")
+    ap.add_argument("--chunk", type=int, default=256,
+                    help="tokens appended to each sequence per round (round robin): 16 or "
+                         "less interleaves every page of a sequence with the others'")
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--dk", type=int, default=64)
@@ -62,7 +68,7 @@ def main():
     lens[0], lens[-1] = a.min_len, a.max_len
     dt = storage(a.dtype)
     kv = mhattn.KVCache(n, G, int(lens.max()), dk, dtype=dt)
-    chunk = 256
+    chunk = a.chunk
     for t0 in range(0, int(lens.max()), chunk):
         rows = rng.standard_normal((n, G, chunk, dk)).astype(np.float32)
         take = np.clip(lens - t0, 0, chunk)
@@ -117,7 +123,8 @@ def main():
     held = int(lens.sum())
     print(f"ISA {mhattn.get_isa()}, {mhattn.get_num_threads()} threads; decode step of {n} "
           f"sequences of {a.min_len} to {a.max_len} tokens ({held} held, mean "
-          f"{held / n:.0f}); H = {H}, G = {G}, d_k = {dk}, {a.dtype} storage, stat {a.stat}")
+          f"{held / n:.0f}); H = {H}, G = {G}, d_k = {dk}, {a.dtype} storage, appended "
+          f"{a.chunk} tokens a round, stat {a.stat}")
     rounds = {name: [] for name in variants}
     names = list(variants)
     for r in range(a.rounds):

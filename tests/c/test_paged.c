@@ -10,7 +10,8 @@
  *
  * What is checked, on every ISA this machine runs and at 1 and 3 threads:
  *   - a contiguous cache (B, G, C, d) and the same keys in a pool of pages
- *     (num_pages, G, page_size, d) in a shuffled order, the table's unused
+ *     (num_pages, G, page_size, d) in a shuffled order or in order (a
+ *     block then lies in one run of memory), the table's unused
  *     entries pointing at page 0, page sizes 1, 7, 16 and 128: out, lse
  *     and the weights equal bit for bit, for a decode step (Tq = 1, split-K
  *     past 1024 keys), a causal prefill chunk and weights wanted or not
@@ -42,8 +43,11 @@ typedef struct {
 } pcase;
 
 /* One case, one storage kind (es bytes per element; f64: double), one page
-   size: the contiguous call against the paged call, bit for bit. */
-static void check_paged(const pcase *K, mha_kv_storage kind, int f64, size_t ps)
+   size: the contiguous call against the paged call, bit for bit. shuffle:
+   the pages in a random order (each block's rows read through their
+   addresses, flash_page_ptrs), else in order (a block in pages that follow
+   one another is read as one run, flash_page_run). */
+static void check_paged(const pcase *K, mha_kv_storage kind, int f64, size_t ps, int shuffle)
 {
     const size_t B = K->B, H = K->H, G = K->G, Tq = K->Tq, Tk = K->Tk, d = K->d;
     const size_t es = f64 ? 8 : kind == MHA_KV_PLAIN ? 4 : kind == MHA_KV_I8 ? 1 : 2;
@@ -83,7 +87,7 @@ static void check_paged(const pcase *K, mha_kv_storage kind, int f64, size_t ps)
     int32_t *bt = xcalloc(B * pps, 4), *perm = xcalloc(P, 4);
     for (size_t p = 0; p < P; p++)
         perm[p] = (int32_t)p;
-    for (size_t p = P - 1; p > 1; p--) {
+    for (size_t p = P - 1; shuffle && p > 1; p--) {
         const size_t r = 1 + rng_below((int)p);
         const int32_t t = perm[p];
         perm[p] = perm[r], perm[r] = t;
@@ -232,8 +236,9 @@ int main(int argc, char **argv)
             continue;
         for (size_t s = 0; s < 4; s++) {
             for (size_t k = 0; k < 4; k++)
-                check_paged(&cases[i], kinds[k], 0, sizes[s]);
-            check_paged(&cases[i], MHA_KV_PLAIN, 1, sizes[s]);
+                for (int shuffle = 0; shuffle < 2; shuffle++)
+                    check_paged(&cases[i], kinds[k], 0, sizes[s], shuffle);
+            check_paged(&cases[i], MHA_KV_PLAIN, 1, sizes[s], 1);
         }
     }
     test_refusals();

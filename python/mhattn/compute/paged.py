@@ -71,7 +71,11 @@ class PagedKVCache:
     num_pages : int
         P, the pages of the pool (every sequence's keys together).
     page_size : int
-        The keys per page (any positive size; 16 and 128 are usual).
+        The keys per page (any positive size).  On a CPU, 64 or more:
+        the kernels read a page's rows as one run of memory, and runs of a
+        few KiB scattered in the pool cost memory time (a decode step of 64
+        sequences whose 16-key pages are all apart took 1.5 to 1.7 times a
+        KVCache's; with 128-key pages, 1.06 to 1.1; benchmarks/bench_paged.py).
     num_kv_heads : int
         G, the number of key/value heads (the layer's ``num_kv_heads``).
     d_k, d_v : int
