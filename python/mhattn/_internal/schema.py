@@ -435,9 +435,10 @@ the batch axis (unbatched 3-D inputs, all three alike).  Any strides
 are read in place when the last axis is contiguous; float32 stays
 float32, anything else follows NumPy promotion with a float32 floor;
 float16 or bfloat16 (all three alike) are computed in float32 and
-the results rounded once into that dtype.  Without ``cache`` k and v are required; with a
-:class:`mhattn.PagedKVCache` as ``cache`` they are the new rows
-(n, G, T_new, d) to append before attending, or None."""),
+the results rounded once into that dtype.  Without ``cache`` k and
+v are required; with a :class:`mhattn.PagedKVCache` as ``cache``
+they are the new rows (n, G, T_new, d) to append before attending,
+or None."""),
     Arg("layout", _ATT, "str", "", "", "'bhtd'", "The axis order of q, k, v and out.",
         type='"bhtd" (default) or "bthd"'),
     Arg("scale", _ATT, "float", "", "", "None", "Multiplier of q k^T; default 1/sqrt(dk).",

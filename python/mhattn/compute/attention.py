@@ -178,9 +178,10 @@ def attention(q, k=None, v=None, *, layout="bhtd", scale=None, mask=None, causal
         are read in place when the last axis is contiguous; float32 stays
         float32, anything else follows NumPy promotion with a float32 floor;
         float16 or bfloat16 (all three alike) are computed in float32 and
-        the results rounded once into that dtype.  Without ``cache`` k and v are required; with a
-        :class:`mhattn.PagedKVCache` as ``cache`` they are the new rows
-        (n, G, T_new, d) to append before attending, or None.
+        the results rounded once into that dtype.  Without ``cache`` k and
+        v are required; with a :class:`mhattn.PagedKVCache` as ``cache``
+        they are the new rows (n, G, T_new, d) to append before attending,
+        or None.
     layout : "bhtd" (default) or "bthd"
     scale : float, optional
         Multiplier of q k^T; default 1/sqrt(d_k). It must be finite and within the call's dtype's largest value.
@@ -264,8 +265,8 @@ def attention(q, k=None, v=None, *, layout="bhtd", scale=None, mask=None, causal
     if sequence_ids is not None:
         raise ValueError("sequence_ids: only with cache= (a PagedKVCache)")
     if k is None or v is None:
-        raise TypeError(f"attention: missing {'k' if k is None else 'v'} (required without "
-                        f"cache=)")
+        raise TypeError(f"{'k' if k is None else 'v'}: required without cache= (None only "
+                        f"with a PagedKVCache, whose new rows it is)")
     p = check_projected(q, k, v, layout)
     want_w = bool_arg("return_weights", return_weights)
     want_lse = bool_arg("return_lse", return_lse)
