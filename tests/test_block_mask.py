@@ -260,6 +260,17 @@ def test_bad_block_masks_name_block_mask(rng):
         mhattn.multi_head_attention(x, *w, num_heads=2, cache=cache,
                                     block_mask=BM.from_dense(np.ones((3, 3), bool)))
     assert int(cache.lengths[0]) == 0
+    paged = mhattn.PagedKVCache(4, 4, 2, 4, dtype=np.float64)
+    ids = [paged.add_sequence()]
+    qp = rng.standard_normal((1, 2, 3, 4))
+    with pytest.raises(ValueError, match="block_mask: not with cache="):
+        mhattn.attention(qp, qp, qp, cache=paged, sequence_ids=ids,
+                         block_mask=BM.from_dense(np.ones((3, 3), bool)))
+    assert paged.pages_in_use == 0
+    with pytest.raises(ValueError, match="block_mask: not with cache="):
+        mhattn.multi_head_attention(x, *w, num_heads=2, cache=paged, sequence_ids=ids,
+                                    block_mask=BM.from_dense(np.ones((3, 3), bool)))
+    assert paged.pages_in_use == 0
 
 
 def test_the_core_refuses_entries_past_the_bits(rng):
