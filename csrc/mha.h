@@ -318,6 +318,21 @@ typedef struct {
        default positions all use it. Not with packed sequences. */
     int lengths_aligned;
 
+    /* A paged KV cache (issue 39, vLLM's PagedAttention, FlashAttention's
+       block_table): block_table (B, pages_per_seq) int32, or NULL. With it,
+       mha_attend's k and v (and an int8 cache's k_scale, v_scale) are pools
+       of num_pages pages of page_size keys, read in place: the strides' sb
+       step from one page to the next, and key j of batch item b is row
+       j % page_size of page block_table[b * pages_per_seq + j / page_size].
+       Every entry lies in [0, num_pages) (even those past a sequence's
+       keys, which are never read: one rule, checked before any is used),
+       and Tk <= pages_per_seq * page_size. Only the addresses of the rows
+       change: the key blocks, their order and the sums are those of the
+       same keys held contiguously, so the bits are too. mha_attend only;
+       not with packed sequences. */
+    const int32_t *block_table;
+    size_t pages_per_seq, page_size, num_pages;
+
     /* Prepacked weights (mha_packed above), each NULL or the packed form of
        wq (Din, Sq), wk (Dkin, Sk), wv (Dvin, Sv), wo (Svq, Dout): the
        forward's and mha_project's projections multiply them instead of

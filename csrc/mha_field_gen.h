@@ -55,6 +55,8 @@ typedef enum {
     MHA_FIELD_POSITIONS_BSTRIDE,
     MHA_FIELD_KEY_POSITIONS_BSTRIDE,
     MHA_FIELD_LENGTHS_ALIGNED,
+    MHA_FIELD_BLOCK_TABLE,          /* block_table, pages_per_seq, num_pages */
+    MHA_FIELD_PAGE_SIZE,
     MHA_FIELD_COUNT                 /* the number of ids, not an id */
 } mha_field;
 

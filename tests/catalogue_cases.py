@@ -1255,6 +1255,66 @@ def stored_cache_step(dtype):
     assert (c.key_scales is not None) == (c.dtype == np.int8)
 
 
+# PagedKVCache (issue 39, item 4): the constructor's values, and each
+# method's bad ids and rows, each leaving the cache unchanged.
+table("paged", raises(VE, words=["num_pages", "positive integer"]), [
+    ("num_pages_zero", lambda: mhattn.PagedKVCache(0, 4, 2, 2))], "PagedKVCache")
+table("paged", raises(VE, words=["page_size", "positive integer"]), [
+    ("page_size_zero", lambda: mhattn.PagedKVCache(4, 0, 2, 2)),
+    ("page_size_negative", lambda: mhattn.PagedKVCache(4, -16, 2, 2))], "PagedKVCache")
+table("paged", raises(TE, VE, words=["dtype", "'int8'"]), [
+    ("dtype_int", lambda: mhattn.PagedKVCache(4, 4, 2, 2, dtype=np.int32))], "PagedKVCache")
+
+
+def paged_unchanged(method, *args, **kw):
+    """Calls method of a cache holding one sequence of 3 keys (and one freed
+    sequence), which must raise; the cache must be as it was."""
+    c = mhattn.PagedKVCache(4, 2, 2, 2)
+    s, gone = c.add_sequence(), c.add_sequence()
+    c.free(gone)
+    kv = np.ones((1, 2, 3, 2), np.float32)
+    c.append([s], kv, kv)
+    before = (c.key_pages.copy(), c.pages_in_use, c.length(s), c.pages(s).tolist())
+    ids = {"LIVE": s, "GONE": gone}
+    args = tuple([ids.get(i, i) for i in a] if isinstance(a, list) else ids.get(a, a)
+                 if isinstance(a, str) else a for a in args)
+    try:
+        getattr(c, method)(*args, **kw)
+    finally:
+        after = (c.key_pages, c.pages_in_use, c.length(s), c.pages(s).tolist())
+        assert np.array_equal(before[0], after[0]) and before[1:] == after[1:]
+
+
+_PKV = np.ones((1, 2, 1, 2), np.float32)
+table("paged_ids", raises(VE, words=["sequence_ids", "freed"]), [
+    ("append_stale", lambda: paged_unchanged("append", ["GONE"], _PKV, _PKV))],
+    "PagedKVCache.append")
+table("paged_ids", raises(VE, words=["sequence_ids", "more than once"]), [
+    ("append_duplicate", lambda: paged_unchanged("append", ["LIVE", "LIVE"],
+                                                 np.ones((2, 2, 1, 2), np.float32),
+                                                 np.ones((2, 2, 1, 2), np.float32)))],
+    "PagedKVCache.append")
+table("paged_ids", raises(VE, words=["k_new", "expected shape"]), [
+    ("append_wrong_width", lambda: paged_unchanged("append", ["LIVE"],
+                                                   np.ones((1, 2, 1, 3), np.float32), _PKV))],
+    "PagedKVCache.append")
+table("paged_ids", raises(MemoryError, words=["k_new", "pages", "free"]), [
+    ("append_out_of_pages", lambda: paged_unchanged("append", ["LIVE"],
+                                                    np.ones((1, 2, 9, 2), np.float32),
+                                                    np.ones((1, 2, 9, 2), np.float32)))],
+    "PagedKVCache.append")
+for _m in ("free", "length", "pages"):
+    table("paged_ids", raises(VE, words=["sequence_id", "not a sequence of this cache"]), [
+        (f"{_m}_foreign", lambda _m=_m: paged_unchanged(_m, 10**9))], f"PagedKVCache.{_m}")
+    table("paged_ids", raises(TE, words=["sequence_id", "expected a sequence id"]), [
+        (f"{_m}_not_int", lambda _m=_m: paged_unchanged(_m, 1.5))], f"PagedKVCache.{_m}")
+for _m in ("lengths", "block_table"):
+    table("paged_ids", raises(VE, words=["sequence_ids", "freed"]), [
+        (f"{_m}_stale", lambda _m=_m: paged_unchanged(_m, ["GONE"]))], f"PagedKVCache.{_m}")
+    table("paged_ids", raises(TE, words=["sequence_ids", "1-D"]), [
+        (f"{_m}_2d", lambda _m=_m: paged_unchanged(_m, np.array([[1, 2]])))], f"PagedKVCache.{_m}")
+
+
 table("kvcache_stored", OK, [
     ("float16", lambda: stored_cache_step(np.float16)),
     ("float16_string", lambda: stored_cache_step("float16")),

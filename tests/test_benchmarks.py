@@ -496,6 +496,11 @@ def test_half_precision_targets_and_decode_rows(capsys):
                              "--budget", "0.01", "--layer", "--heads", "2", "--dk", "8"],
      ["causal", "no mask", "3 documents as a BlockMask"]),
     ("bench_dropout.py", ["--T", "64", "--rounds", "1", "--budget", "0.01"], ["False", "True"]),
+    ("bench_paged.py", ["--seqs", "5", "--min-len", "3", "--max-len", "300", "--page-sizes",
+                        "1,7,128", "--rounds", "1", "--budget", "0.01"],
+     ["KVCache", "paged, page_size=1", "paged, page_size=7", "paged core call, page_size=128"]),
+    ("bench_paged.py", ["--seqs", "3", "--max-len", "100", "--dtype", "int8", "--rounds", "1",
+                        "--budget", "0.01"], ["KVCache", "paged, page_size=16"]),
     pytest.param("bench_dask.py", ["--T", "300", "--chunk", "128", "--heads", "2", "--dk", "16"],
                  ["one call", "dask", "worker 1", "worker 2"],
                  marks=pytest.mark.skipif(importlib.util.find_spec("distributed") is None,
@@ -521,5 +526,6 @@ def test_ratio_scripts_print_their_tables(script, args, rows):
         hits = [ln for ln in lines if ln.split(" | ")[0] == f"| {row}"]
         assert hits, (row, res.stdout)
         for ln in hits:
-            ratio = float(ln.strip("| ").split(" | ")[-1 if "structured" in script else 3])
+            last = "structured" in script or "paged" in script
+            ratio = float(ln.strip("| ").split(" | ")[-1 if last else 3])
             assert np.isfinite(ratio) and ratio > 0, ln

@@ -12,9 +12,12 @@ backward, with every other rule, per head and per batch item, through the
 decode kernels, on every ISA path and at any thread count.
 """
 import pickle
+import warnings
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import mhattn
 from mhattn import reference as R
@@ -257,6 +260,17 @@ def test_bad_block_masks_name_block_mask(rng):
         mhattn.multi_head_attention(x, *w, num_heads=2, cache=cache,
                                     block_mask=BM.from_dense(np.ones((3, 3), bool)))
     assert int(cache.lengths[0]) == 0
+    paged = mhattn.PagedKVCache(4, 4, 2, 4, dtype=np.float64)
+    ids = [paged.add_sequence()]
+    qp = rng.standard_normal((1, 2, 3, 4))
+    with pytest.raises(ValueError, match="block_mask: not with cache="):
+        mhattn.attention(qp, qp, qp, cache=paged, sequence_ids=ids,
+                         block_mask=BM.from_dense(np.ones((3, 3), bool)))
+    assert paged.pages_in_use == 0
+    with pytest.raises(ValueError, match="block_mask: not with cache="):
+        mhattn.multi_head_attention(x, *w, num_heads=2, cache=paged, sequence_ids=ids,
+                                    block_mask=BM.from_dense(np.ones((3, 3), bool)))
+    assert paged.pages_in_use == 0
 
 
 def test_the_core_refuses_entries_past_the_bits(rng):
@@ -270,3 +284,23 @@ def test_the_core_refuses_entries_past_the_bits(rng):
         bm._entries = bad.astype(np.int32)
         with pytest.raises(ValueError, match="block_mask.*bm_block"):
             mhattn.attention(q, k, v, block_mask=bm)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(B=st.integers(1, 2), H=st.sampled_from([1, 2, 4]), Tq=st.integers(1, 90),
+       Tk=st.integers(1, 90), bq=st.integers(1, 40), bk=st.integers(1, 40),
+       density=st.sampled_from([0.0, 0.05, 0.5, 0.95, 1.0]), per_item=st.booleans(),
+       per_head=st.booleans(), causal=st.booleans(), f32=st.booleans(),
+       seed=st.integers(0, 2 ** 32 - 1))
+def test_any_pattern_and_blocks_give_the_dense_masks_bits(B, H, Tq, Tk, bq, bk, density,
+                                                           per_item, per_head, causal, f32,
+                                                           seed):
+    rng = np.random.default_rng(seed)
+    q, k, v = _qkv(rng, B, H, 1 if H == 1 else 2, Tq, Tk,
+                   dtype=np.float32 if f32 else np.float64)
+    dense = rng.random((B if per_item else 1, H if per_head else 1, Tq, Tk)) < density
+    bm = BM.from_dense(dense, block=(bq, bk))
+    np.testing.assert_array_equal(bm.to_dense(), dense)
+    with warnings.catch_warnings():       # an all-False dense mask warns
+        warnings.simplefilter("ignore")
+        same_as_dense(q, k, v, bm, rng, causal=causal)

@@ -39,7 +39,8 @@ NOT_CALLABLE = {
 # Callables that take nothing from their caller (no parameter but self).
 TAKES_NOTHING = {
     "worked_example", "get_isa", "get_num_threads",
-    "PackedWeights.arguments", "KVCache.reset", "BlockMask.to_dense", "MultiHeadAttention.weights",
+    "PackedWeights.arguments", "KVCache.reset", "BlockMask.to_dense",
+    "PagedKVCache.add_sequence", "MultiHeadAttention.weights",
     "MultiHeadAttention.arguments", "MultiHeadAttention.state_dict",
     "MultiHeadAttention.to_torch", "Trace.to_dict", "Trace.keys", "MultiHeadAttention.eval",
 }

@@ -144,3 +144,12 @@ def test_refused_with_packed_sequences_and_relative_bias(rng):
         mhattn.attention(q, k, v, q_offset=1, relative_bias=rel)
     with pytest.raises(TypeError, match="q_offset"):
         mhattn.attention(q, k, v, q_offset=1.0)
+
+
+def test_refused_with_a_paged_cache(rng):
+    """A paged cache aligns each sequence's queries to its own length."""
+    cache = mhattn.PagedKVCache(4, 8, 2, 8)
+    ids = [cache.add_sequence()]
+    q = rng.standard_normal((1, 2, 1, 8)).astype(np.float32)
+    with pytest.raises(ValueError, match="q_offset: not with cache="):
+        mhattn.attention(q, None, None, cache=cache, sequence_ids=ids, q_offset=0)

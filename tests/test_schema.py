@@ -164,7 +164,8 @@ def test_public_entry_points_are_the_packages():
 def test_records():
     entries = set(schema.ENTRIES)
     kinds = {"ARG_ARRAY", "ARG_ARRAY_OPT", "ARG_ARRAY_ALIAS", "ARG_INT64", "ARG_FLOAT64",
-             "ARG_MASK", "ARG_LENGTHS", "ARG_BOOL", "ARG_VARIANTS", "ARG_PACKED"}
+             "ARG_MASK", "ARG_LENGTHS", "ARG_BOOL", "ARG_VARIANTS", "ARG_PACKED",
+             "ARG_BLOCK_TABLE"}
     taken = {(e, a.name) for e in entries for a, _ in schema.params(e)}
     for a in schema.ARGS:
         assert a.doc and len(a.doc) <= 80 and "\n" not in a.doc, a

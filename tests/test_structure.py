@@ -158,7 +158,8 @@ def test_the_top_of_the_package_is_small():
 
 # mhattn.__all__ before the package was split into subpackages.
 PUBLIC = ["multi_head_attention", "pack_weights", "PackedWeights", "attention",
-          "attention_grad", "merge_attention", "KVCache", "multi_head_attention_grad",
+          "attention_grad", "merge_attention", "KVCache", "PagedKVCache",
+          "multi_head_attention_grad",
           "backward", "Context", "RoPE", "RelativeBias", "BlockMask", "param_count", "reference",
           "worked_example",
           "MultiHeadAttention", "from_torch_masks", "to_torch_attn_mask", "get_isa",

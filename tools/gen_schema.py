@@ -448,6 +448,7 @@ STUB_TYPES = {
     "ARG_MASK": "Optional[npt.NDArray[np.generic]]",
     "ARG_LENGTHS": "Optional[npt.NDArray[np.int64]]", "ARG_BOOL": "bool",
     "ARG_VARIANTS": "Optional[tuple]", "ARG_PACKED": "Optional[tuple]",
+    "ARG_BLOCK_TABLE": "Optional[npt.NDArray[np.int32]]",
 }
 KIND_TYPES = {"capsule": "object", "str": "str", "int": "int", "array": "np.ndarray"}
 

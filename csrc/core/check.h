@@ -40,6 +40,10 @@ mha_status mha_call_typed(const mha_config *cfg, const mha_params *prm, mha_erro
 /* MHA_OK when the q/k transforms are off, as attention alone (mha_attend,
    mha_attend_backward) needs: they belong to the projections. */
 mha_status mha_check_no_qk(const mha_config *cfg, mha_error *err);
+/* MHA_ERR_ARG (field MHA_FIELD_BLOCK_TABLE) for a paged config (block_table
+   set) given to an operation other than mha_attend, which alone reads
+   pages; MHA_OK otherwise (a NULL cfg too: the call's own checks say so). */
+mha_status mha_check_no_pages(const mha_config *cfg, mha_error *err);
 
 /* A buffer a call needs: NULL only when it holds no element. */
 typedef struct {

@@ -130,6 +130,14 @@ mha_status mha_call_typed(const mha_config *cfg, const mha_params *prm, mha_erro
     return st;
 }
 
+mha_status mha_check_no_pages(const mha_config *cfg, mha_error *err)
+{
+    if (cfg == NULL || cfg->block_table == NULL)
+        return MHA_OK;
+    return REJECT(MHA_FIELD_BLOCK_TABLE, "a block_table (a paged cache) is read by "
+                  "mha_attend alone; this operation takes keys held contiguously");
+}
+
 mha_status mha_check_no_qk(const mha_config *cfg, mha_error *err)
 {
     if (cfg->q_norm == NULL && cfg->k_norm == NULL && cfg->rotary_dim == 0)
@@ -224,6 +232,50 @@ static mha_status block_mask_check(const mha_config *cfg, mha_error *err)
                           "bm_block[%zu] = %ld is neither MHA_BM_EMPTY (-1), MHA_BM_FULL "
                           "(-2) nor a partial block's index below bm_npartial = %zu",
                           e, (long)v, cfg->bm_npartial);
+    }
+    return MHA_OK;
+}
+
+/* A paged cache (mha.h, block_table): the page sizes, every entry of the
+   table a page of the pool (the kernels index the pools with them, so no
+   entry is trusted), and room in each sequence's pages for Tk keys. */
+static mha_status paged_check(const mha_config *cfg, mha_error *err)
+{
+    if (cfg->block_table == NULL) {
+        if (cfg->pages_per_seq != 0 || cfg->page_size != 0 || cfg->num_pages != 0)
+            return REJECT(MHA_FIELD_BLOCK_TABLE,
+                          "block_table is NULL with pages_per_seq = %zu, page_size = %zu, "
+                          "num_pages = %zu", cfg->pages_per_seq, cfg->page_size,
+                          cfg->num_pages);
+        return MHA_OK;
+    }
+    if (cfg->page_size == 0 || cfg->page_size > MHA_MAX_ELEMS)
+        return REJECT(MHA_FIELD_PAGE_SIZE, "page_size = %zu is not in [1, MHA_MAX_ELEMS]",
+                      cfg->page_size);
+    if (cfg->num_pages == 0 || cfg->num_pages > (size_t)INT32_MAX)
+        return REJECT(MHA_FIELD_BLOCK_TABLE, "num_pages = %zu is not in [1, %ld]",
+                      cfg->num_pages, (long)INT32_MAX);
+    size_t rows, entries;
+    if (!mul_ok(&rows, cfg->pages_per_seq, cfg->page_size) ||
+        !mul_ok(&entries, cfg->B, cfg->pages_per_seq))
+        return REJECT(MHA_FIELD_BLOCK_TABLE,
+                      "pages_per_seq = %zu (page_size = %zu, B = %zu) is past MHA_MAX_ELEMS",
+                      cfg->pages_per_seq, cfg->page_size, cfg->B);
+    if (rows < cfg->Tk)
+        return REJECT(MHA_FIELD_BLOCK_TABLE,
+                      "pages_per_seq = %zu pages of page_size = %zu hold %zu keys, fewer "
+                      "than Tk = %zu", cfg->pages_per_seq, cfg->page_size, rows, cfg->Tk);
+    if (cfg->nseq > 0)
+        return REJECT(MHA_FIELD_BLOCK_TABLE,
+                      "a block_table is not allowed with packed sequences (nseq = %zu)",
+                      cfg->nseq);
+    for (size_t e = 0; e < entries; e++) {
+        const int32_t p = cfg->block_table[e];
+        if (p < 0 || (size_t)p >= cfg->num_pages)
+            return REJECT(MHA_FIELD_BLOCK_TABLE,
+                          "block_table[%zu, %zu] = %ld is not a page in [0, num_pages = %zu)",
+                          e / cfg->pages_per_seq, e % cfg->pages_per_seq, (long)p,
+                          cfg->num_pages);
     }
     return MHA_OK;
 }
@@ -324,7 +376,7 @@ static mha_status variants_check(const mha_config *cfg, mha_error *err)
     } else if (cfg->q_offset != 0)
         return REJECT(MHA_FIELD_Q_OFFSET, "q_offset = %lld needs has_q_offset != 0",
                       (long long)cfg->q_offset);
-    return MHA_OK;
+    return paged_check(cfg, err);
 }
 
 /* The norm types (mha.h, mha_norm_type) by value: the name a caller may

@@ -91,8 +91,11 @@ static int attend_share(mha_flash_ctx *ctx, const mha_kernels *kern, size_t real
     *raw = NULL;
     const size_t readers = cfg->H / cfg->G * ctx->nqb;
     const int mode = atomic_load(&g_share);
-    // A half or int8 cache's blocks are widened by the tiles (flash.inc).
+    // A half or int8 cache's blocks are widened by the tiles (flash.inc);
+    // a paged cache's are copied from their pages by the tiles that read
+    // them (the same bits as shared blocks).
     if (mode == 0 || ctx->nparts > 1 || cfg->windowed || cfg->Tk == 0 || ctx->kv_storage ||
+        cfg->block_table != NULL ||
         (ctx->decode && cfg->Tq == 1) || (mode == 1 && readers < SHARE_READERS))
         return 0;
     const size_t nkb = (cfg->Tk + kern->flash_bk - 1) / kern->flash_bk;
@@ -319,6 +322,9 @@ static mha_status fwd_half_prepare(fwd_half_weights *h, const mha_config *cfg,
    then the driver of its element type. */
 mha_status mha_forward(const mha_config *cfg, const mha_params *prm, mha_error *err)
 {
+    const mha_status st = mha_check_no_pages(cfg, err);
+    if (st != MHA_OK)
+        return st;
     return mha_call_typed(cfg, prm, err, mha_forward_f32, mha_forward_f64, 1);
 }
 

@@ -374,9 +374,11 @@ static mha_status PICK(attend_check_kv_f32, attend_check_kv_f64)(const mha_param
                           "%s is NULL, but kv_storage = MHA_KV_I8 needs it (one scale per "
                           "key and kv head)", prm->k_scale == NULL ? "k_scale" : "v_scale");
     const mha_strides *st[2] = {&prm->sks, &prm->svs};
+    // Paged (block_table): the scales are pools of num_pages pages too.
+    const int paged = cfg->block_table != NULL;
+    const size_t nb = paged ? cfg->num_pages : cfg->B, nt = paged ? cfg->page_size : cfg->Tk;
     for (int i = 0; i < 2; i++)
-        if (!PICK(attend_extent_ok_f32, attend_extent_ok_f64)(st[i], cfg->B, cfg->G,
-                                                               cfg->Tk, 1))
+        if (!PICK(attend_extent_ok_f32, attend_extent_ok_f64)(st[i], nb, cfg->G, nt, 1))
             return mha_reject(err, MHA_ERR_SIZE, MHA_FIELD_PARAMS,
                               "%s at strides (sb, sh, st) = (%zu, %zu, %zu) reaches past "
                               "MHA_MAX_ELEMS", i ? "v_scale" : "k_scale", st[i]->sb,
@@ -417,15 +419,19 @@ static mha_status PICK(attend_check_f32, attend_check_f64)(mha_config *lc,
     };
     if ((st = mha_check_required(req, sizeof req / sizeof req[0], err)) != MHA_OK)
         return st;
+    // A paged cache's k and v are pools of num_pages pages of page_size
+    // keys (mha.h, block_table), whatever B and Tk.
+    const int paged = cfg->block_table != NULL;
+    const size_t kB = paged ? cfg->num_pages : B, kT = paged ? cfg->page_size : Tk;
     const struct {
         const mha_strides *st;
-        size_t n, T, d;
+        size_t B, n, T, d;
         const char *name;
-    } ext[] = {{&prm->sq, H, Tq, dk, "q"}, {&prm->so, H, Tq, dv, "out"},
-               {&prm->sk, G, Tk, dk, "k"}, {&prm->sv, G, Tk, dv, "v"}};
+    } ext[] = {{&prm->sq, B, H, Tq, dk, "q"}, {&prm->so, B, H, Tq, dv, "out"},
+               {&prm->sk, kB, G, kT, dk, "k"}, {&prm->sv, kB, G, kT, dv, "v"}};
     for (size_t i = 0; i < sizeof ext / sizeof ext[0]; i++)
-        if (!PICK(attend_extent_ok_f32, attend_extent_ok_f64)(ext[i].st, B, ext[i].n, ext[i].T,
-                                                               ext[i].d))
+        if (!PICK(attend_extent_ok_f32, attend_extent_ok_f64)(ext[i].st, ext[i].B, ext[i].n,
+                                                               ext[i].T, ext[i].d))
             return mha_reject(err, MHA_ERR_SIZE, MHA_FIELD_PARAMS,
                               "%s at strides (sb, sh, st) = (%zu, %zu, %zu) reaches past "
                               "MHA_MAX_ELEMS", ext[i].name, ext[i].st->sb, ext[i].st->sh,

@@ -52,6 +52,7 @@
 #define SPEC_WANT_LSE {.name = "want_lse", .kind = ARG_BOOL}
 #define SPEC_K_SCALES {"k_scales", ARG_ARRAY_OPT, SHAPE3(L_B, L_G, L_TK), 0, NULL}
 #define SPEC_V_SCALES {"v_scales", ARG_ARRAY_OPT, SHAPE3(L_B, L_G, L_TK), 0, NULL}
+#define SPEC_BLOCK_TABLE {.name = "block_table", .kind = ARG_BLOCK_TABLE}
 #define SPEC_DOUT_ABW {"dout", ARG_ARRAY, SHAPE4(L_B, L_H, L_TQ, L_DV), 0, NULL}
 #define SPEC_K_ABW {"k", ARG_ARRAY, SHAPE4(L_B, L_G, L_TK, L_DK), 0, NULL}
 #define SPEC_V_ABW {"v", ARG_ARRAY, SHAPE4(L_B, L_G, L_TK, L_DV), 0, NULL}
@@ -82,7 +83,8 @@ const char *const mha_field_names[MHA_FIELD_COUNT] = {[MHA_FIELD_NONE] = "",
     [MHA_FIELD_ROPE_INTERLEAVED] = "rope_interleaved", [MHA_FIELD_INV_FREQ] = "inv_freq",
     [MHA_FIELD_POSITIONS_BSTRIDE] = "positions_bstride",
     [MHA_FIELD_KEY_POSITIONS_BSTRIDE] = "key_positions_bstride",
-    [MHA_FIELD_LENGTHS_ALIGNED] = "lengths_aligned"};
+    [MHA_FIELD_LENGTHS_ALIGNED] = "lengths_aligned",
+    [MHA_FIELD_BLOCK_TABLE] = "block_table", [MHA_FIELD_PAGE_SIZE] = "page_size"};
 const arg_spec forward_args[FWD_NARGS] = {SPEC_X, SPEC_KEY_FWD, SPEC_VALUE_FWD, SPEC_WQ,
     SPEC_WK, SPEC_WV, SPEC_WO, SPEC_BQ, SPEC_BK, SPEC_BV, SPEC_BO, SPEC_DK, SPEC_DV,
     SPEC_SCALES_FWD, SPEC_MASK, SPEC_CAUSAL, SPEC_KEY_LENGTHS, SPEC_VARIANTS,
@@ -126,7 +128,7 @@ const shape backward_outs[BWD_NOUTS] = {SHAPE3(L_B, L_TQ, L_DIN), SHAPE3(L_B, L_
 const arg_spec attention_args[ATT_NARGS] = {SPEC_Q_ATT, SPEC_K_ATT, SPEC_V_ATT,
     SPEC_SCALES_ATT, SPEC_MASK, SPEC_CAUSAL, SPEC_KEY_LENGTHS, SPEC_VARIANTS,
     SPEC_LENGTHS_ALIGNED, SPEC_OUT_BTHD, SPEC_WANT_WEIGHTS, SPEC_WANT_LSE, SPEC_K_SCALES,
-    SPEC_V_SCALES};
+    SPEC_V_SCALES, SPEC_BLOCK_TABLE};
 const int attention_checks_x[] = {ATT_K, ATT_V, ATT_K_SCALES, ATT_V_SCALES, ATT_SCALES, -1};
 const param_slot attention_params[] = {OUT(ATT_OUT, out), OUT(ATT_WEIGHTS, weights),
     OUT(ATT_LSE, lse), IN(ATT_Q, q), IN(ATT_K, k), IN(ATT_V, v), IN(ATT_K_SCALES, k_scale),

@@ -19,7 +19,7 @@ enum { FWD_OUT, FWD_WEIGHTS, FWD_Q, FWD_K, FWD_V, FWD_CONCAT, FWD_LSE, FWD_NOUTS
     .value = FWD_VALUE, .wq = FWD_WQ, .wk = FWD_WK, .wv = FWD_WV, .wo = FWD_WO, \
     .wgate = FWD_WGATE, .dk = FWD_DK, .dv = FWD_DV, .scales = FWD_SCALES, \
     .mask = FWD_MASK, .causal = FWD_CAUSAL, .key_lengths = FWD_KEY_LENGTHS, \
-    .variants = FWD_VARIANTS, .lengths_aligned = ARG_NONE
+    .variants = FWD_VARIANTS, .lengths_aligned = ARG_NONE, .block_table = ARG_NONE
 
 /* backward() */
 enum { BWD_DOUT, BWD_X, BWD_KEY, BWD_VALUE, BWD_WQ, BWD_WK, BWD_WV, BWD_WO, BWD_Q, BWD_K,
@@ -35,20 +35,20 @@ enum { BWD_DX, BWD_DKEY, BWD_DVALUE, BWD_DWQ, BWD_DWK, BWD_DWV, BWD_DWO, BWD_DBQ
     .value = BWD_VALUE, .wq = BWD_WQ, .wk = BWD_WK, .wv = BWD_WV, .wo = BWD_WO, \
     .wgate = BWD_WGATE, .dk = BWD_DK, .dv = BWD_DV, .scales = BWD_SCALES, \
     .mask = BWD_MASK, .causal = BWD_CAUSAL, .key_lengths = BWD_KEY_LENGTHS, \
-    .variants = BWD_VARIANTS, .lengths_aligned = ARG_NONE
+    .variants = BWD_VARIANTS, .lengths_aligned = ARG_NONE, .block_table = ARG_NONE
 
 /* attention() */
 enum { ATT_Q, ATT_K, ATT_V, ATT_SCALES, ATT_MASK, ATT_CAUSAL, ATT_KEY_LENGTHS, ATT_VARIANTS,
     ATT_LENGTHS_ALIGNED, ATT_OUT_BTHD, ATT_WANT_WEIGHTS, ATT_WANT_LSE, ATT_K_SCALES,
-    ATT_V_SCALES, ATT_NARGS };
+    ATT_V_SCALES, ATT_BLOCK_TABLE, ATT_NARGS };
 enum { ATT_OUT, ATT_WEIGHTS, ATT_LSE, ATT_NOUTS };
 #define ATTENTION_SPEC_ARGS .name = "attention", .nargs = ATT_NARGS, \
-    .args = attention_args, .nopt = 2, .nkw = 0, .checks_x = attention_checks_x, \
+    .args = attention_args, .nopt = 3, .nkw = 0, .checks_x = attention_checks_x, \
     .checks_widths = NULL, .x = ATT_Q, .key = ATT_K, .value = ATT_V, .wq = ARG_NONE, \
     .wk = ARG_NONE, .wv = ARG_NONE, .wo = ARG_NONE, .wgate = ARG_NONE, .dk = ARG_NONE, \
     .dv = ARG_NONE, .scales = ATT_SCALES, .mask = ATT_MASK, .causal = ATT_CAUSAL, \
     .key_lengths = ATT_KEY_LENGTHS, .variants = ATT_VARIANTS, \
-    .lengths_aligned = ATT_LENGTHS_ALIGNED
+    .lengths_aligned = ATT_LENGTHS_ALIGNED, .block_table = ATT_BLOCK_TABLE
 
 /* attention_backward() */
 enum { ABW_DOUT, ABW_Q, ABW_K, ABW_V, ABW_OUT, ABW_LSE, ABW_SCALES, ABW_MASK, ABW_CAUSAL,
@@ -61,7 +61,8 @@ enum { ABW_DQ, ABW_DK, ABW_DV, ABW_DSINKS, ABW_DMASK, ABW_DREL_TABLE, ABW_NOUTS 
     .value = ABW_V, .wq = ARG_NONE, .wk = ARG_NONE, .wv = ARG_NONE, .wo = ARG_NONE, \
     .wgate = ARG_NONE, .dk = ARG_NONE, .dv = ARG_NONE, .scales = ABW_SCALES, \
     .mask = ABW_MASK, .causal = ABW_CAUSAL, .key_lengths = ABW_KEY_LENGTHS, \
-    .variants = ABW_VARIANTS, .lengths_aligned = ABW_LENGTHS_ALIGNED
+    .variants = ABW_VARIANTS, .lengths_aligned = ABW_LENGTHS_ALIGNED, \
+    .block_table = ARG_NONE
 
 /* project() */
 enum { PRJ_X, PRJ_KEY, PRJ_VALUE, PRJ_WQ, PRJ_WK, PRJ_WV, PRJ_BQ, PRJ_BK, PRJ_BV, PRJ_DK,
@@ -73,7 +74,7 @@ enum { PRJ_Q, PRJ_K, PRJ_V, PRJ_NOUTS };
     .value = PRJ_VALUE, .wq = PRJ_WQ, .wk = PRJ_WK, .wv = PRJ_WV, .wo = ARG_NONE, \
     .wgate = ARG_NONE, .dk = PRJ_DK, .dv = PRJ_DV, .scales = PRJ_SCALES, \
     .mask = ARG_NONE, .causal = ARG_NONE, .key_lengths = ARG_NONE, \
-    .variants = PRJ_VARIANTS, .lengths_aligned = ARG_NONE
+    .variants = PRJ_VARIANTS, .lengths_aligned = ARG_NONE, .block_table = ARG_NONE
 
 /* check_config() */
 enum { CHK_X, CHK_KEY, CHK_DK, CHK_DV, CHK_SCALES, CHK_KEY_LENGTHS, CHK_VARIANTS,
@@ -84,7 +85,7 @@ enum { CHK_X, CHK_KEY, CHK_DK, CHK_DV, CHK_SCALES, CHK_KEY_LENGTHS, CHK_VARIANTS
     .wq = ARG_NONE, .wk = ARG_NONE, .wv = ARG_NONE, .wo = ARG_NONE, .wgate = ARG_NONE, \
     .dk = CHK_DK, .dv = CHK_DV, .scales = CHK_SCALES, .mask = ARG_NONE, \
     .causal = ARG_NONE, .key_lengths = CHK_KEY_LENGTHS, .variants = CHK_VARIANTS, \
-    .lengths_aligned = CHK_LENGTHS_ALIGNED
+    .lengths_aligned = CHK_LENGTHS_ALIGNED, .block_table = ARG_NONE
 
 /* The tables, in args_gen.c; mha_field_names: each mha_field id's
    name, the ValueError's .field of a core rejection (call.c). */

@@ -19,6 +19,83 @@ static void attend_letters(call *c, PyArrayObject *q, PyArrayObject *k, PyArrayO
 
 /* ---- attention ---------------------------------------------------------- */
 
+/* block_table: None (c->table stays NULL) or int32 (B, P), P >= 1, copied
+   into c->table (B P, PyMem): the core indexes the page pools with its
+   entries, which it checks on this copy (mha_check_config: each in [0,
+   num_pages)) before any is used, and which no other thread can change once
+   the GIL is released. NumPy's safe casting: int64 entries are refused. */
+static int as_block_table(call *c, PyObject *obj, npy_intp B)
+{
+    c->table = NULL;
+    c->pages_per_seq = 0;
+    if (obj == Py_None)
+        return 0;
+    PyArrayObject *a;
+    a = (PyArrayObject *)PyArray_FROMANY(obj, NPY_INT32, 2, 2, NPY_ARRAY_IN_ARRAY);
+    if (a == NULL) {
+        prefix_error("block_table");
+        return -1;
+    }
+    const npy_intp P = PyArray_DIM(a, 1);
+    int res = 0;
+    if (PyArray_DIM(a, 0) != B || P < 1) {
+        PyErr_Format(PyExc_ValueError, "block_table: expected shape (B, pages_per_seq) = "
+                     "(%zd, >= 1) (q's B), got (%zd, %zd)", (Py_ssize_t)B,
+                     (Py_ssize_t)PyArray_DIM(a, 0), (Py_ssize_t)P);
+        res = -1;
+    }
+    const size_t n = (size_t)B * (size_t)P;
+    if (res == 0 && (c->table = PyMem_Malloc(n * sizeof *c->table + 1)) == NULL) {
+        PyErr_NoMemory();
+        res = -1;
+    }
+    if (res == 0) {
+        memcpy(c->table, PyArray_DATA(a), n * sizeof *c->table);
+        c->pages_per_seq = (size_t)P;
+    }
+    Py_DECREF(a);
+    return res;
+}
+
+/* A paged cache (block_table, c->table): k, v (num_pages, G, page_size,
+   dk | dv) and the int8 scales (num_pages, G, page_size) are page pools,
+   checked here instead of against (B, G, Tk); Tk is what the table's
+   pages hold, pages_per_seq page_size (the lengths say how many keys each
+   item has). q and the scales are checked as usual. */
+static int paged_sizes(call *c)
+{
+    npy_intp *n = c->size;
+    PyArrayObject *k = c->in[ATT_K];
+    const npy_intp P = PyArray_DIM(k, 0), ps = PyArray_DIM(k, 2);
+    const npy_intp G = PyArray_DIM(k, 1), dk = PyArray_DIM(k, 3);
+    const npy_intp dv = PyArray_DIM(c->in[ATT_V], 3);
+    if (P < 1 || ps < 1) {
+        PyErr_Format(PyExc_ValueError, "k: a paged cache's pool (num_pages, G, page_size, dk) "
+                     "needs num_pages >= 1 and page_size >= 1, got num_pages = %zd, "
+                     "page_size = %zd", (Py_ssize_t)P, (Py_ssize_t)ps);
+        return -1;
+    }
+    if ((size_t)ps > MHA_MAX_ELEMS / c->pages_per_seq) {
+        PyErr_Format(PyExc_ValueError, "block_table: %zu pages of page_size = %zd overflow",
+                     c->pages_per_seq, (Py_ssize_t)ps);
+        return -1;
+    }
+    c->page_size = (size_t)ps, c->num_pages = (size_t)P;
+    n[L_TK] = (npy_intp)(c->pages_per_seq * (size_t)ps);
+    const npy_intp wq[4] = {n[L_B], n[L_H], n[L_TQ], dk}, wv[4] = {P, G, ps, dv};
+    const npy_intp wsc[3] = {P, G, ps};
+    if (check_shape(c->in[ATT_Q], "q", 4, wq, "(B, H, Tq, dk), dk from k") < 0 ||
+        check_shape(c->in[ATT_V], "v", 4, wv, "(num_pages, G, page_size, dv) from k") < 0)
+        return -1;
+    for (int i = 0; i < 2; i++) {
+        PyArrayObject *a = c->in[ATT_K_SCALES + i];
+        if (a != NULL && check_shape(a, i ? "v_scales" : "k_scales", 3, wsc,
+                                     "(num_pages, G, page_size) from k") < 0)
+            return -1;
+    }
+    return 0;
+}
+
 /*
  * The scales converted; the sizes from q, k and v, whose shapes (and
  * scales') are checked against them: H a positive multiple of G, widths
@@ -32,8 +109,14 @@ static int attention_sizes(call *c, const call_spec *sp)
     attend_letters(c, c->in[ATT_Q], c->in[ATT_K], c->in[ATT_V]);
     npy_intp *n = c->size;
     const npy_intp H = n[L_H], G = n[L_G];
-    if (check_shapes(c, sp, sp->checks_x) < 0)
+    if (as_block_table(c, c->arg[ATT_BLOCK_TABLE].obj, n[L_B]) < 0)
         return -1;
+    if (c->table != NULL) {
+        if (paged_sizes(c) < 0)
+            return -1;
+    } else if (check_shapes(c, sp, sp->checks_x) < 0) {
+        return -1;
+    }
     if (check_heads(H, G) < 0)   // the widths (>= 1) are the core's, in mha_attend
         return -1;
     // No projections: the config's projection sizes stay 0.

@@ -168,6 +168,8 @@ static void call_init(call *c)
     c->widths = NULL;
     c->scales = NULL;
     c->lengths = NULL;
+    c->table = NULL;
+    c->pages_per_seq = c->page_size = c->num_pages = 0;
     c->kv = MHA_KV_PLAIN;
     c->w = MHA_KV_PLAIN;
     c->err.msg[0] = '\0';   /* read only after a status of MHA_ERR_ARG */
@@ -178,6 +180,7 @@ static void call_release(call *c)
     PyMem_Free(c->widths);
     PyMem_Free(c->scales);
     PyMem_Free(c->lengths);
+    PyMem_Free(c->table);
     for (int i = 0; i <= MAX_ARGS; i++)
         Py_XDECREF(c->in[i]);
     for (int i = 0; i < MAX_OUTS; i++)
@@ -206,6 +209,8 @@ static void fill_config(call *c, const call_spec *sp, mha_mask_kind mask_kind,
         .key_lengths = c->lengths,
         .has_wo = c->in[sp->wo] != NULL || sp->has_wo,
         .lengths_aligned = c->arg[sp->lengths_aligned].truth,
+        .block_table = c->table, .pages_per_seq = c->pages_per_seq,
+        .page_size = c->page_size, .num_pages = c->num_pages,
         .interrupt = NULL,
     };
 }

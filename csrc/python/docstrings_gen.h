@@ -131,7 +131,7 @@
 #define ATTENTION_DOC \
     "attention(q, k, v, scales, mask, causal, key_lengths, variants,\n" \
     "          lengths_aligned, out_bthd, want_weights, want_lse, k_scales=None,\n" \
-    "          v_scales=None)\n" \
+    "          v_scales=None, block_table=None)\n" \
     "--\n" \
     "\n" \
     "Attention on tensors already projected (low level; see mhattn.attention; the\n" \
@@ -150,6 +150,8 @@
     "k_scales (B, G, Tk): None, or with int8 k and v (a KV cache's) the keys'\n" \
     "    float32 scales.\n" \
     "v_scales (B, G, Tk): None, or with int8 k and v the values' float32 scales.\n" \
+    "block_table (B, pages_per_seq): None, or a paged cache's pages: k, v pools\n" \
+    "    (num_pages, G, page_size, d).\n" \
     "\n" \
     "Returns (out, weights or None, lse or None): out (B, H, Tq, dv), or with\n" \
     "out_bthd (B, Tq, H, dv), C-contiguous; weights (B, H, Tq, Tk); lse (B, H,\n" \

@@ -99,6 +99,7 @@ typedef enum {
     ARG_BOOL,        /* any object, read as its truth value */
     ARG_VARIANTS,    /* None or the variants' tuple (see read_variants) */
     ARG_PACKED,      /* None or a tuple of packed weights (read_packed) */
+    ARG_BLOCK_TABLE, /* None or a paged cache's int32 block table (as_block_table) */
 } arg_kind;
 
 typedef struct {
@@ -162,6 +163,10 @@ typedef struct {
     size_t *widths;               /* (2G,) PyMem: dk then dv, as size_t */
     double *scales;               /* (H,) PyMem */
     int64_t *lengths;             /* (B,) PyMem, or NULL for None */
+    int32_t *table;               /* (B, pages_per_seq) PyMem: a paged
+                                     cache's block table, or NULL */
+    size_t pages_per_seq;         /* its columns (0 without one) */
+    size_t page_size, num_pages;  /* the pools' (from k; 0 without one) */
     /* owned: the glue's copies of the variants' arrays (read_variants),
        NULL where absent */
     PyArrayObject *var[V_HELD];
@@ -194,7 +199,7 @@ struct call_spec {
     const int *checks_widths;  /* against the head widths too */
     int x;                  /* the array whose dtype is the call's */
     int key, value, wq, wk, wv, wo, wgate, dk, dv, scales, mask, causal, key_lengths;
-    int variants, lengths_aligned;
+    int variants, lengths_aligned, block_table;
     int broadcast_mask;     /* the mask may broadcast to (B, H, Tq, Tk) */
     int has_wo;             /* cfg.has_wo when there is no wo argument */
     int kv_storage;         /* key and value may be a KV cache's float16,

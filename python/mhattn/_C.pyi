@@ -166,6 +166,9 @@ def attention(
     k_scales: Optional[_Float] = None,
     # (B, G, Tk): None, or with int8 k and v the values' float32 scales.
     v_scales: Optional[_Float] = None,
+    # (B, pages_per_seq): None, or a paged cache's pages: k, v pools (num_pages, G, page_size,
+    #   d).
+    block_table: Optional[npt.NDArray[np.int32]] = None,
 ) -> Tuple[_Float, Optional[_Float], Optional[_Float]]:
     """Attention on tensors already projected (low level; see
     mhattn.attention; the core's mha_attend). q, k, v are 4-D of one

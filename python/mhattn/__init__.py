@@ -17,7 +17,7 @@ tests/test_structure.py checks):
 """
 from ._version import __version__
 from .compute import (multi_head_attention, pack_weights, PackedWeights, attention,
-                      attention_grad, merge_attention, KVCache, Context, backward,
+                      attention_grad, merge_attention, KVCache, PagedKVCache, Context, backward,
                       multi_head_attention_grad)
 from ._internal.variants import RelativeBias, RoPE
 from ._internal.blockmask import BlockMask
@@ -42,7 +42,8 @@ from .nn import layer, interop
 from .compute import cache, packed
 
 __all__ = ["multi_head_attention", "pack_weights", "PackedWeights", "attention", "attention_grad", "merge_attention",
-           "KVCache", "multi_head_attention_grad", "backward", "Context", "RoPE", "RelativeBias", "BlockMask",
+           "KVCache", "PagedKVCache", "multi_head_attention_grad", "backward", "Context", "RoPE",
+           "RelativeBias", "BlockMask",
            "param_count", "reference", "worked_example",
            "MultiHeadAttention", "from_torch_masks", "to_torch_attn_mask",
            "get_isa", "set_num_threads", "get_num_threads",

@@ -49,7 +49,7 @@ def schema_arguments() -> Dict[str, str]:
     """mha_field name -> the public argument it comes from, for the fields
     every family of entry points names alike, read off the schema: a field
     of the variants' tuple is the variant's (schema.VARIANTS: its mha_config
-    fields), one of the glue's mask and key-length arguments is that
+    fields), one of the glue's mask, key-length and block-table arguments is that
     argument's (schema.C_ARGS' ``c_field``). The sizes and head counts are
     each family's own (LAYER, ATTENTION)."""
     out = {}
@@ -62,7 +62,8 @@ def schema_arguments() -> Dict[str, str]:
                 break
         else:
             for a in schema.C_ARGS:
-                if a.c_kind in ("ARG_MASK", "ARG_LENGTHS", "ARG_BOOL") and cfg & _split(a.c_field):
+                if a.c_kind in ("ARG_MASK", "ARG_LENGTHS", "ARG_BOOL",
+                                "ARG_BLOCK_TABLE") and cfg & _split(a.c_field):
                     out[name] = a.name
                     break
     return out

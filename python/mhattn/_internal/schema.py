@@ -387,8 +387,8 @@ when asked for) and NumPy sums it, the same for any thread count.
 Keys a row does not see get 0.  A bool mask, or none, raises
 ValueError naming mask_grad."""),
     Arg("cache", ("multi_head_attention",), "object", "", "", "None",
-        "A KVCache: one decoder step, x holding only the new rows.",
-        type="mhattn.KVCache, optional",
+        "A KVCache or PagedKVCache: one decoder step, x holding only the new rows.",
+        type="mhattn.KVCache or mhattn.PagedKVCache, optional",
         text="""\
 One step of a decoder through a key/value cache (prefill: many rows;
 decode: one): x holds only the new rows, (B, T_new, d_in) (or
@@ -401,7 +401,22 @@ decoder).  Not with key, value, mask, key_lengths, key_mask,
 positions, key_positions or packed sequences; the weights, if
 returned, are (B, h, T_new, capacity).  No gradients flow through
 a cache (``return_context=True`` raises).  On an error the cache
-is unchanged."""),
+is unchanged.  A :class:`mhattn.PagedKVCache` takes
+``sequence_ids``: row i of x (n, T_new, d_in) is sequence
+sequence_ids[i], and the weights are (n, h, T_new, max length)."""),
+    Arg("cache", ("attention",), "object", "", "", "None",
+        "A PagedKVCache: attend over its sequences' cached keys.",
+        type="mhattn.PagedKVCache, optional",
+        text="""\
+Attention of q (n, H, T_new, d_k) over the cached keys of the
+sequences ``sequence_ids`` (row i of q is sequence_ids[i]), each
+query aligned bottom-right to its sequence's length (``causal=True``
+for a prefill's rows).  With k and v (n, G, T_new, d_k | d_v) given,
+they are appended first, under the cache's lock, as
+``cache.append(sequence_ids, k, v)``; without them nothing is
+written.  Not with mask, key_lengths, key_mask or packed sequences;
+the weights, if returned, are (n, H, T_new, max length).  The core
+reads the pages in place, through a block table."""),
     Arg("new_lengths", ("multi_head_attention",), "array?", "int64", "(B,)", "None",
         "With cache, the rows of x each sequence takes (a ragged step).",
         type="int (B,), optional",
@@ -409,13 +424,26 @@ is unchanged."""),
 With ``cache``, a ragged step (prompts of different lengths):
 sequence b takes only the first new_lengths[b] rows of x; needs
 ``causal=True``; the other rows' outputs are 0."""),
+    Arg("sequence_ids", ("multi_head_attention", "attention"), "object", "", "(n,)", "None",
+        "With a PagedKVCache, the sequences of the call's rows.",
+        type="list of n ints, with a PagedKVCache as ``cache``",
+        text="""\
+The sequences (ids from ``cache.add_sequence()``, each at most
+once) whose new rows the call holds: row i of the batch is sequence
+sequence_ids[i], at its own length (RoPE, causal alignment).  Any
+subset of the cache's sequences, of any lengths, decodes or
+prefills in one call; the core reads their pages in place through a
+block table."""),
     # attention and attention_grad
     Arg("q", _ATT, "array", "T", "(B, H, Tq, dk) or (B, Tq, H, dk)", REQUIRED,
         "The queries, projected.",
         type='(B, H, T_q, d_k), or (B, T_q, H, d_k) with ``layout="bthd"``'),
-    Arg("k", _ATT, "array", "T", "(B, G, Tk, dk) or (B, Tk, G, dk)", REQUIRED,
+    Arg("k", ("attention_grad",), "array", "T", "(B, G, Tk, dk) or (B, Tk, G, dk)", REQUIRED,
         "The keys, projected.", type="(B, G, T_k, d_k), or (B, T_k, G, d_k)"),
-    Arg("v", _ATT, "array", "T", "(B, G, Tk, dv) or (B, Tk, G, dv)", REQUIRED,
+    Arg("k", ("attention",), "array?", "T", "(B, G, Tk, dk) or (B, Tk, G, dk)", "None",
+        "The keys, projected (with cache=: new rows to append, or None).",
+        type="(B, G, T_k, d_k), or (B, T_k, G, d_k)"),
+    Arg("v", ("attention_grad",), "array", "T", "(B, G, Tk, dv) or (B, Tk, G, dv)", REQUIRED,
         "The values, projected.", type="(B, G, T_k, d_v), or (B, T_k, G, d_v)",
         text="""\
 G < H is grouped-query attention (G must divide H).  Each may drop
@@ -424,6 +452,19 @@ are read in place when the last axis is contiguous; float32 stays
 float32, anything else follows NumPy promotion with a float32 floor;
 float16 or bfloat16 (all three alike) are computed in float32 and
 the results rounded once into that dtype."""),
+    Arg("v", ("attention",), "array?", "T", "(B, G, Tk, dv) or (B, Tk, G, dv)", "None",
+        "The values, projected (with cache=: new rows to append, or None).",
+        type="(B, G, T_k, d_v), or (B, T_k, G, d_v)",
+        text="""\
+G < H is grouped-query attention (G must divide H).  Each may drop
+the batch axis (unbatched 3-D inputs, all three alike).  Any strides
+are read in place when the last axis is contiguous; float32 stays
+float32, anything else follows NumPy promotion with a float32 floor;
+float16 or bfloat16 (all three alike) are computed in float32 and
+the results rounded once into that dtype.  Without ``cache`` k and
+v are required; with a :class:`mhattn.PagedKVCache` as ``cache``
+they are the new rows (n, G, T_new, d) to append before attending,
+or None."""),
     Arg("layout", _ATT, "str", "", "", "'bhtd'", "The axis order of q, k, v and out.",
         type='"bhtd" (default) or "bthd"'),
     Arg("scale", _ATT, "float", "", "", "None", "Multiplier of q k^T; default 1/sqrt(dk).",
@@ -633,14 +674,14 @@ ENTRIES: Dict[str, Entry] = {
         "causal, key_lengths, num_kv_heads, b_q, b_k, b_v, b_o, w_gate, b_gate, return_context, "
         "window, softcap, alibi_slopes, sinks, q_norm, k_norm, norm_eps, norm_type, rope, "
         "positions, key_positions, key_mask, cu_seqlens, key_cu_seqlens, dropout, seed, "
-        "relative_bias, chunk, block_mask, cache, new_lengths",
+        "relative_bias, chunk, block_mask, cache, new_lengths, sequence_ids",
         ("x", "w_q, w_k, w_v", "w_o", "num_heads", "key, value", "scale",
          "return_weights", "mask", "causal", "key_lengths", "num_kv_heads",
          "b_q, b_k, b_v", "b_o", "w_gate, b_gate", "return_context", "window", "softcap",
          "alibi_slopes", "sinks", "q_norm, k_norm", "norm_eps", "norm_type", "rope",
          "positions, key_positions",
          "key_mask", "cu_seqlens, key_cu_seqlens", "dropout", "seed", "relative_bias",
-         "chunk", "block_mask", "cache", "new_lengths")),
+         "chunk", "block_mask", "cache", "new_lengths", "sequence_ids")),
     "multi_head_attention_grad": Entry(
         _F + "grad.py", "multi_head_attention_grad",
         "grad_out, x, w_q, w_k, w_v, w_o, *, num_heads, key, value, scale, mask, causal, "
@@ -669,7 +710,7 @@ ENTRIES: Dict[str, Entry] = {
         _F + "attention.py", "attention",
         "q, k, v, *, layout, scale, mask, causal, key_lengths, return_weights, return_lse, "
         "window, softcap, alibi_slopes, sinks, key_mask, cu_seqlens, key_cu_seqlens, dropout, "
-        "seed, relative_bias, chunk, block_mask, q_offset",
+        "seed, relative_bias, chunk, block_mask, q_offset, cache, sequence_ids",
         ("q", "k", "v", "layout", "scale", "mask, causal, key_lengths", "return_weights",
          "return_lse",
          ("window, softcap, alibi_slopes, sinks, key_mask, cu_seqlens, key_cu_seqlens",
@@ -681,7 +722,7 @@ RoPE) are not attention keywords: apply them before."""),
          ("dropout, seed", "As :func:`mhattn.multi_head_attention`."),
          ("relative_bias", "As :func:`mhattn.multi_head_attention`."),
          ("chunk, block_mask", "As :func:`mhattn.multi_head_attention`."),
-         "q_offset")),
+         "q_offset", "cache", "sequence_ids")),
     "attention_grad": Entry(
         _F + "attention.py", "attention_grad",
         "grad_out, q, k, v, *, layout, scale, mask, causal, key_lengths, window, softcap, "
@@ -805,6 +846,9 @@ C_ARGS = (
     Arg("v_scales", (_AT,), "array?", "float32", "(B, G, Tk)", "None",
         "None, or with int8 k and v the values' float32 scales.",
         c_kind="ARG_ARRAY_OPT", c_field="v_scale, svs"),
+    Arg("block_table", (_AT,), "array?", "int32", "(B, pages_per_seq)", "None",
+        "None, or a paged cache's pages: k, v pools (num_pages, G, page_size, d).",
+        c_kind="ARG_BLOCK_TABLE", c_field="block_table, pages_per_seq, page_size, num_pages"),
     Arg("dout", (_ABW,), "array", "T", "(B, H, Tq, dv)", REQUIRED, "dL/dout, any strides.",
         c_kind="ARG_ARRAY", c_field="dout"),
     Arg("out", (_ABW,), "array", "T", "(B, H, Tq, dv)", REQUIRED, "attention()'s out.",
@@ -872,7 +916,7 @@ C_ROLES = {
     "wk": ("wk",), "wv": ("wv",), "wo": ("wo",), "wgate": ("wgate",),
     "dk": ("dk",), "dv": ("dv",), "scales": ("scales",), "mask": ("mask",),
     "causal": ("causal",), "key_lengths": ("key_lengths",), "variants": ("variants",),
-    "lengths_aligned": ("lengths_aligned",),
+    "lengths_aligned": ("lengths_aligned",), "block_table": ("block_table",),
 }
 
 # The variants' tuple (C_ARGS's ``variants``), position by position, as
@@ -1031,7 +1075,7 @@ _C_PARAMS = {
                 "scales, mask, causal, key_lengths, variants, want_bq, want_bk, want_bv, "
                 "want_bo, *, wgate, bgate, want_dmask",
     "attention": "q, k, v, scales, mask, causal, key_lengths, variants, lengths_aligned, "
-                 "out_bthd, want_weights, want_lse, k_scales, v_scales",
+                 "out_bthd, want_weights, want_lse, k_scales, v_scales, block_table",
     "attention_backward": "dout, q, k, v, out, lse, scales, mask, causal, key_lengths, "
                           "variants, lengths_aligned, *, want_dmask",
     "project": "x, key, value, wq, wk, wv, bq, bk, bv, dk, dv, scales, variants, packed",
@@ -1265,6 +1309,8 @@ MHA_FIELDS = (
     ("POSITIONS_BSTRIDE", "positions_bstride", ""),
     ("KEY_POSITIONS_BSTRIDE", "key_positions_bstride", ""),
     ("LENGTHS_ALIGNED", "lengths_aligned", ""),
+    ("BLOCK_TABLE", "block_table, pages_per_seq, num_pages", ""),
+    ("PAGE_SIZE", "page_size", ""),
 )
 
 

@@ -26,6 +26,7 @@ from .._internal.arrays import _check_numeric, _to_array
 from .._internal.core import variant_args
 from .._internal.half import F32, half_of, is_half, narrow, narrow_like, shared_half
 from .._internal.variants import Variants, dropout_kwargs, normalize_variants
+from .paged import paged_attention
 
 __all__ = ["attention", "attention_grad", "merge_attention", "Projected",
            "check_projected", "projected_variants"]
@@ -153,11 +154,12 @@ def _bhtd(p: Projected, a: np.ndarray) -> np.ndarray:
     return _unbatch(p, a)
 
 
-def attention(q, k, v, *, layout="bhtd", scale=None, mask=None, causal=False,
+def attention(q, k=None, v=None, *, layout="bhtd", scale=None, mask=None, causal=False,
               key_lengths=None, return_weights=False, return_lse=False, window=None,
               softcap=None, alibi_slopes=None, sinks=None, key_mask=None,
               cu_seqlens=None, key_cu_seqlens=None, dropout=0.0, seed=None,
-              relative_bias=None, chunk=None, block_mask=None, q_offset=None):
+              relative_bias=None, chunk=None, block_mask=None, q_offset=None,
+              cache=None, sequence_ids=None):
     """Scaled dot-product attention on tensors that are already projected.
 
     attention(q, k, v, *, layout="bhtd", scale=None, mask=None, causal=False,
@@ -178,7 +180,10 @@ def attention(q, k, v, *, layout="bhtd", scale=None, mask=None, causal=False,
         are read in place when the last axis is contiguous; float32 stays
         float32, anything else follows NumPy promotion with a float32 floor;
         float16 or bfloat16 (all three alike) are computed in float32 and
-        the results rounded once into that dtype.
+        the results rounded once into that dtype.  Without ``cache`` k and
+        v are required; with a :class:`mhattn.PagedKVCache` as ``cache``
+        they are the new rows (n, G, T_new, d) to append before attending,
+        or None.
     layout : "bhtd" (default) or "bthd"
     scale : float, optional
         Multiplier of q k^T; default 1/sqrt(d_k). It must be finite and within the call's dtype's largest value.
@@ -218,6 +223,23 @@ def attention(q, k, v, *, layout="bhtd", scale=None, mask=None, causal=False,
         sign; a row that sees no key has lse -inf and out 0.  A value that is
         not an int raises TypeError naming q_offset; not with packed
         sequences (cu_seqlens) or relative_bias (ValueError).
+    cache : mhattn.PagedKVCache, optional
+        Attention of q (n, H, T_new, d_k) over the cached keys of the
+        sequences ``sequence_ids`` (row i of q is sequence_ids[i]), each
+        query aligned bottom-right to its sequence's length (``causal=True``
+        for a prefill's rows).  With k and v (n, G, T_new, d_k | d_v) given,
+        they are appended first, under the cache's lock, as
+        ``cache.append(sequence_ids, k, v)``; without them nothing is
+        written.  Not with mask, key_lengths, key_mask or packed sequences;
+        the weights, if returned, are (n, H, T_new, max length).  The core
+        reads the pages in place, through a block table.
+    sequence_ids : list of n ints, with a PagedKVCache as ``cache``
+        The sequences (ids from ``cache.add_sequence()``, each at most
+        once) whose new rows the call holds: row i of the batch is sequence
+        sequence_ids[i], at its own length (RoPE, causal alignment).  Any
+        subset of the cache's sequences, of any lengths, decodes or
+        prefills in one call; the core reads their pages in place through a
+        block table.
 
     Returns
     -------
@@ -237,6 +259,29 @@ def attention(q, k, v, *, layout="bhtd", scale=None, mask=None, causal=False,
     >>> out.shape, lse.shape
     ((2, 8, 5, 16), (2, 8, 5))
     """
+    if cache is not None:
+        # A paged cache (compute/paged.py): q's rows over each listed
+        # sequence's cached keys, k and v (if given) appended first.
+        for name, a in (("mask", mask), ("key_lengths", key_lengths), ("key_mask", key_mask),
+                        ("cu_seqlens", cu_seqlens), ("key_cu_seqlens", key_cu_seqlens),
+                        ("block_mask", block_mask), ("q_offset", q_offset)):
+            if a is not None:
+                raise ValueError(f"{name}: not with cache= (the keys are the cache's, each "
+                                 f"sequence's length its own)")
+        if sequence_ids is None:
+            raise ValueError("sequence_ids: required with cache= (row i of q is sequence "
+                             "sequence_ids[i] of the cache)")
+        variants = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                        sinks=sinks, relative_bias=relative_bias, chunk=chunk,
+                        **dropout_kwargs(dropout, seed))
+        return paged_attention(q, k, v, cache=cache, sequence_ids=sequence_ids, scale=scale,
+                               causal=causal, return_weights=return_weights,
+                               return_lse=return_lse, variants=variants, layout=layout)
+    if sequence_ids is not None:
+        raise ValueError("sequence_ids: only with cache= (a PagedKVCache)")
+    if k is None or v is None:
+        raise TypeError(f"{'k' if k is None else 'v'}: required without cache= (None only "
+                        f"with a PagedKVCache, whose new rows it is)")
     p = check_projected(q, k, v, layout)
     want_w = bool_arg("return_weights", return_weights)
     want_lse = bool_arg("return_lse", return_lse)

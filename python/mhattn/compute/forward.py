@@ -8,6 +8,7 @@ from .._internal.core import make_context, run_core
 from .._internal.half import is_bfloat16, narrow, narrow_like, widen
 from .._internal.variants import VARIANT_DEFAULTS, variant_kwargs
 from .cache import cached_step
+from .paged import PagedKVCache, paged_step
 from .packed import PackedWeights, call_weights
 
 __all__ = ["multi_head_attention", "run_core"]
@@ -72,7 +73,7 @@ def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None
                          rope=None, positions=None, key_positions=None, key_mask=None,
                          cu_seqlens=None, key_cu_seqlens=None, dropout=0.0, seed=None,
                          relative_bias=None, chunk=None, block_mask=None, cache=None,
-                         new_lengths=None):
+                         new_lengths=None, sequence_ids=None):
     """Multi-head attention, computed by mhattn's C core.
 
     multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads=None,
@@ -229,7 +230,7 @@ def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None
         forward and backward, and full ones cost no per-element test, so a
         document or prefix-LM mask costs what it keeps.  A BlockMask of another
         shape raises ValueError naming block_mask; not with ``cache=``.
-    cache : mhattn.KVCache, optional
+    cache : mhattn.KVCache or mhattn.PagedKVCache, optional
         One step of a decoder through a key/value cache (prefill: many rows;
         decode: one): x holds only the new rows, (B, T_new, d_in) (or
         (T_new, d_in) with a cache of batch 1).  Only they are projected
@@ -241,11 +242,20 @@ def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None
         positions, key_positions or packed sequences; the weights, if
         returned, are (B, h, T_new, capacity).  No gradients flow through
         a cache (``return_context=True`` raises).  On an error the cache
-        is unchanged.
+        is unchanged.  A :class:`mhattn.PagedKVCache` takes
+        ``sequence_ids``: row i of x (n, T_new, d_in) is sequence
+        sequence_ids[i], and the weights are (n, h, T_new, max length).
     new_lengths : int (B,), optional
         With ``cache``, a ragged step (prompts of different lengths):
         sequence b takes only the first new_lengths[b] rows of x; needs
         ``causal=True``; the other rows' outputs are 0.
+    sequence_ids : list of n ints, with a PagedKVCache as ``cache``
+        The sequences (ids from ``cache.add_sequence()``, each at most
+        once) whose new rows the call holds: row i of the batch is sequence
+        sequence_ids[i], at its own length (RoPE, causal alignment).  Any
+        subset of the cache's sequences, of any lengths, decodes or
+        prefills in one call; the core reads their pages in place through a
+        block table.
 
     Returns
     -------
@@ -299,6 +309,16 @@ def multi_head_attention(x, w_q, w_k=None, w_v=None, w_o=None, *, num_heads=None
     if type(w_q) is PackedWeights or w_k is None or w_v is None:
         packed, (w_q, w_k, w_v, w_o, num_heads, num_kv_heads, b_q, b_k, b_v, b_o) = \
             call_weights(w_q, w_k, w_v, w_o, num_heads, num_kv_heads, b_q, b_k, b_v, b_o)
+    if isinstance(cache, PagedKVCache):
+        return paged_step(x, w_q, w_k, w_v, w_o, cache=cache, sequence_ids=sequence_ids,
+                          num_heads=num_heads, scale=scale, return_weights=return_weights,
+                          causal=causal, num_kv_heads=num_kv_heads, b_q=b_q, b_k=b_k,
+                          b_v=b_v, b_o=b_o, return_context=return_context, key=key,
+                          value=value, mask=mask, key_lengths=key_lengths,
+                          new_lengths=new_lengths, packed=packed, w_gate=w_gate,
+                          b_gate=b_gate, **variant_kwargs(locals()))
+    if sequence_ids is not None:
+        raise ValueError("sequence_ids: only with a PagedKVCache as cache=")
     if cache is not None:
         return cached_step(x, w_q, w_k, w_v, w_o, cache=cache, num_heads=num_heads,
                            scale=scale, return_weights=return_weights, causal=causal,

@@ -521,7 +521,9 @@ class MultiHeadAttention:
             ``layer(x_new, causal=True, cache=cache)`` projects only the new
             rows, appends their keys and values, and attends over the cache
             (see :func:`mhattn.multi_head_attention`; no gradients through a
-            cache).  The layer's own arrays (sinks, the q/k norm and the
+            cache), or ``cache=mhattn.PagedKVCache(...)`` with
+            ``sequence_ids``, row i of x_new then being sequence
+            sequence_ids[i] of the cache.  The layer's own arrays (sinks, the q/k norm and the
             gate included) cannot be passed; anything else raises TypeError.
 
         Returns
