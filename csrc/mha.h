@@ -190,6 +190,17 @@ typedef struct {
        row's keys stay one interval, so blocks outside are skipped. At most
        MHA_MAX_ELEMS. */
     size_t chunk;
+    /* Query placement (issue 40; one block of a larger call, as
+       mhattn.dask computes it): has_q_offset != 0 places query i at
+       p_i = i + q_offset (key 0 at 0) instead of bottom-right at
+       i + (Tk - Tq), so that a block of queries q0.. against a block of
+       keys k0.. passes q_offset = (q0 + Tk_all - Tq_all) - k0 and causal,
+       the window, chunk and ALiBi see the whole call's positions. Any sign,
+       |q_offset| <= MHA_MAX_ELEMS. 0: bottom-right. Not with packed
+       sequences, lengths_aligned (each places queries its own way) or
+       rel_table (whose distances are laid out for bottom-right rows). */
+    int has_q_offset;
+    int64_t q_offset;
     /* A block mask (issue 39; mhattn.BlockMask, FlexAttention's
        BlockMask): the keys are cut into blocks of bm_bk, the queries into
        blocks of bm_bq (nqb = ceil(Tq / bm_bq), nkb = ceil(Tk / bm_bk); the

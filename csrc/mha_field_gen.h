@@ -29,6 +29,7 @@ typedef enum {
     MHA_FIELD_KEY_LENGTHS,
     MHA_FIELD_WINDOW,               /* windowed, window_left, window_right */
     MHA_FIELD_CHUNK,
+    MHA_FIELD_Q_OFFSET,             /* has_q_offset, q_offset */
     MHA_FIELD_BLOCK_MASK,           /* bm_block, bm_bits, bm_bq, bm_bk, bm_bstride,
                                        bm_hstride, bm_npartial */
     MHA_FIELD_SOFTCAP,

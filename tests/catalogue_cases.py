@@ -433,7 +433,7 @@ def variants(**change):
              cu_k=None, q_norm=None, k_norm=None, norm_eps=1e-6, norm_type="rms",
              rotary_dim=0, interleaved=False, inv_freq=None, positions=None,
              key_positions=None, dropout=0.0, seed=0, relative_bias=None, chunk=0,
-             block_mask=None)
+             block_mask=None, q_offset=None)
     v.update(change)
     return tuple(v.values())
 
@@ -946,7 +946,8 @@ NORMS = ("mha", "grad", "trace", "ref", "step")
 ROPE = ("mha", "grad", "trace", "ref", "layer", "step")
 POSITIONS = ("mha", "grad", "trace", "ref", "layer")
 DROPOUT = tuple(s for s in SCORE if s != "layer")     # a layer's dropout is its own
-BLOCKS = tuple(s for s in SCORE if s != "step")       # a block mask not with a cache
+BLOCKS = tuple(s for s in SCORE if s != "step")
+ATTENTION = ("attention", "attention_grad", "ref_attention")   # q_offset's entries       # a block mask not with a cache
 
 
 def _rope():
@@ -1075,6 +1076,13 @@ BAD_VARIANTS = [
     ("chunk", "float", 4.0, TE, ["chunk", "positive int"], {}, SCORE),
     ("chunk", "string", "4", TE, ["chunk", "positive int"], {}, SCORE),
     ("chunk", "bool", True, TE, ["chunk", "positive int"], {}, SCORE),
+    # q_offset (issue 40): attention's alone; an int of int64 within the
+    # core's bound (MHA_MAX_ELEMS).
+    ("q_offset", "float", 2.0, TE, ["q_offset", "an int"], {}, ATTENTION),
+    ("q_offset", "string", "2", TE, ["q_offset", "an int"], {}, ATTENTION),
+    ("q_offset", "bool", True, TE, ["q_offset", "an int"], {}, ATTENTION),
+    ("q_offset", "past_int64", 2 ** 63, VE, ["q_offset", "int64"], {}, ATTENTION),
+    ("q_offset", "past_max_elems", -2 ** 62, VE, ["q_offset", "MHA_MAX_ELEMS"], {}, ATTENTION),
     # block masks (issue 39): a BlockMask of the call's shape, not with a cache.
     ("block_mask", "shape", lambda d: mhattn.BlockMask.from_dense(
         np.ones((d["Tq"], d["Tk"] + 1), bool)), VE, ["block_mask", "got (1, 1, "], {}, BLOCKS),

@@ -25,11 +25,11 @@ def variants(window=None, softcap=0.0, alibi=None, sinks=None, key_mask=None, cu
              cu_k=None, q_norm=None, k_norm=None, norm_eps=1e-6, norm_type="rms",
              rotary_dim=0, interleaved=False, inv_freq=None, positions=None,
              key_positions=None, dropout=0.0, seed=0, relative_bias=None, chunk=0,
-             block_mask=None):
+             block_mask=None, q_offset=None):
     """The glue's variants tuple (csrc/python/variants.c, read_variants)."""
     return (window, softcap, alibi, sinks, key_mask, cu_q, cu_k, q_norm, k_norm, norm_eps,
             norm_type, rotary_dim, interleaved, inv_freq, positions, key_positions, dropout,
-            seed, relative_bias, chunk, block_mask)
+            seed, relative_bias, chunk, block_mask, q_offset)
 
 
 def fused(a):

@@ -16,7 +16,7 @@ NO_VARIANTS = None
 def variants(window=None, softcap=0.0, alibi=None, sinks=None, key_mask=None,
              cu_q=None, cu_k=None, q_norm=None, rotary_dim=0, inv_freq=None):
     return (window, softcap, alibi, sinks, key_mask, cu_q, cu_k, q_norm, None, 1e-6, "rms",
-            rotary_dim, False, inv_freq, None, None, 0.0, 0, None, 0, None)
+            rotary_dim, False, inv_freq, None, None, 0.0, 0, None, 0, None, None)
 
 
 def project(rng, dtype, B, Tq, Tk, H, G, dk, dv, Din=24, **fw):

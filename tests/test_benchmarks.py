@@ -3,6 +3,7 @@
 targets, tables, JSON) on tiny inputs.  Nothing here is timed: where a call
 runs, only the structure of what comes back is checked."""
 import argparse
+import importlib.util
 import io
 import json
 import os
@@ -500,6 +501,10 @@ def test_half_precision_targets_and_decode_rows(capsys):
      ["KVCache", "paged, page_size=1", "paged, page_size=7", "paged core call, page_size=128"]),
     ("bench_paged.py", ["--seqs", "3", "--max-len", "100", "--dtype", "int8", "--rounds", "1",
                         "--budget", "0.01"], ["KVCache", "paged, page_size=16"]),
+    pytest.param("bench_dask.py", ["--T", "300", "--chunk", "128", "--heads", "2", "--dk", "16"],
+                 ["one call", "dask", "worker 1", "worker 2"],
+                 marks=pytest.mark.skipif(importlib.util.find_spec("distributed") is None,
+                                          reason="mhattn.dask's extra is not installed")),
     ("bench_dropout.py", ["--T", "64", "--rounds", "1", "--budget", "0.01", "--t5"],
      ["False", "True"]),
 ])

@@ -73,7 +73,7 @@ KNOWN_GAPS: dict = {}   # issue 35 closed the last three (RoPE.frequencies,
 VARIANTS = ("window", "softcap", "alibi_slopes", "sinks", "key_mask", "cu_seqlens",
             "key_cu_seqlens", "q_norm", "k_norm", "norm_eps", "norm_type", "rope",
             "positions", "key_positions", "dropout", "seed", "relative_bias", "chunk",
-            "block_mask")
+            "block_mask", "q_offset")
 # The output gate's keywords (issue 38, item 4), held to the same rule.
 GATE = ("w_gate", "b_gate", "gate")
 # The glue's names of the gate: keyword-only arguments of these builtins.

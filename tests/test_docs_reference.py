@@ -5,6 +5,7 @@ mhattn, its submodules and mhattn.reference a generated page. A name added
 to an ``__all__`` without a page there fails here, before a reader finds
 it missing; so does a page for a name that is no longer public.
 """
+import importlib.util
 import os
 import re
 
@@ -38,6 +39,14 @@ def test_every_public_name_has_a_reference_page():
     pages = documented()
     public = {f"mhattn.{n}" for n in mhattn.__all__ if n != "reference"}   # a module
     public |= {f"mhattn.reference.{n}" for n in mhattn.reference.__all__}
+    # the optional mhattn.dask (pip install mhattn[dask]) when Dask is here
+    dask_pages = {p for p in pages if p.startswith("mhattn.dask.")}
+    assert dask_pages, "mhattn.dask has no reference pages"
+    if importlib.util.find_spec("dask") is not None:
+        md = importlib.import_module("mhattn.dask")
+        public |= {f"mhattn.dask.{n}" for n in md.__all__}
+    else:
+        pages = pages - dask_pages
     # the layer's and the learner's names are re-exported at the top level
     assert set(mhattn.nn.__all__) <= set(mhattn.__all__)
     assert set(mhattn.learn.__all__) <= set(mhattn.__all__)

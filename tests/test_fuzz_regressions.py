@@ -96,7 +96,7 @@ def test_empty_batch_reads_no_per_item_rows(dtype):
     slopes = np.full((1, 2), 1e308)[:0]
     assert slopes.shape == (0, 2)
     variants = (None, 0.0, slopes) + (None,) * 6 + (0.0, "rms", 0, False, None, None, None, 0.0, 0, None, 0,
-                                                     None)
+                                                     None, None)
     core.check_config(0, 3, 3, [2], [2], [1.0, 1.0], dtype, variants=variants)
     # and through the public functions, forward and backward
     got = mhattn.multi_head_attention(x, w, w, w, num_heads=2, alibi_slopes=slopes)

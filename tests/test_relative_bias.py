@@ -279,8 +279,8 @@ def test_glue_and_core_refuse_what_relative_bias_refuses(rng):
     v = (None, 0.0, None, None, None, None, None, None, None, 1e-6, "rms", 0, False, None,
          None, None, 0.0, 0)
     def call(rel):
-        return _C.attention(q, q, q, np.ones(2), None, False, None, v + (rel, 0, None), False, False,
-                            False, False)
+        return _C.attention(q, q, q, np.ones(2), None, False, None, v + (rel, 0, None, None),
+                            False, False, False, False)
     with pytest.raises(ValueError, match=r"relative_bias: expected shape \(8, 2\)"):
         call((np.ones((8, 3)), 8, True))
     with pytest.raises(ValueError, match="rel_max_distance = 3 is not in"):

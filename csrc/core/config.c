@@ -352,6 +352,30 @@ static mha_status variants_check(const mha_config *cfg, mha_error *err)
         return REJECT(MHA_FIELD_LENGTHS_ALIGNED,
                       "lengths_aligned = %d is not allowed with packed sequences (nseq = %zu)",
                       cfg->lengths_aligned, cfg->nseq);
+    // q_offset replaces the bottom-right placement, which packed sequences
+    // and lengths_aligned make per sequence or per item, and T5's bias is
+    // laid out by the distances bottom-right rows can have (relbias.h).
+    if (cfg->has_q_offset) {
+        const uint64_t mag = cfg->q_offset < 0 ? (uint64_t)0 - (uint64_t)cfg->q_offset
+                                               : (uint64_t)cfg->q_offset;
+        if (mag > (uint64_t)MHA_MAX_ELEMS)
+            return REJECT(MHA_FIELD_Q_OFFSET, "q_offset = %lld is past MHA_MAX_ELEMS",
+                          (long long)cfg->q_offset);
+        if (cfg->nseq > 0)
+            return REJECT(MHA_FIELD_Q_OFFSET,
+                          "q_offset = %lld is not allowed with packed sequences (nseq = %zu)",
+                          (long long)cfg->q_offset, cfg->nseq);
+        if (cfg->lengths_aligned)
+            return REJECT(MHA_FIELD_Q_OFFSET,
+                          "q_offset = %lld is not allowed with lengths_aligned = %d",
+                          (long long)cfg->q_offset, cfg->lengths_aligned);
+        if (cfg->rel_table != NULL)
+            return REJECT(MHA_FIELD_Q_OFFSET,
+                          "q_offset = %lld is not allowed with a relative bias (rel_table)",
+                          (long long)cfg->q_offset);
+    } else if (cfg->q_offset != 0)
+        return REJECT(MHA_FIELD_Q_OFFSET, "q_offset = %lld needs has_q_offset != 0",
+                      (long long)cfg->q_offset);
     return paged_check(cfg, err);
 }
 

@@ -130,7 +130,8 @@ static int qk_share_angles(const mha_config *cfg)
 {
     return cfg->rotary_dim > 0 && cfg->positions == NULL &&
            cfg->key_positions == NULL && cfg->nseq == 0 && cfg->Tq == cfg->Tk &&
-           !cfg->lengths_aligned; /* which moves query rows by key_len(b) */
+           !cfg->lengths_aligned && /* which moves query rows by key_len(b) */
+           !cfg->has_q_offset;      /* which moves them by q_offset */
 }
 
 /* cs (2 half,) = cos then sin of row r's angles pos inv_freq[c], c < half

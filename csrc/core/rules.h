@@ -9,7 +9,9 @@
  * bottom-right: query i sits at position p_i = i + (Tk - Tq), key j at j;
  * with cfg->lengths_aligned (a KV cache) at p_i = i + (len_b - Tq) instead,
  * len_b = mha_rules_key_len(cfg, b), so each batch item's queries end at its
- * own last key (causal, window, ALiBi and RoPE's default positions alike).
+ * own last key (causal, window, ALiBi and RoPE's default positions alike);
+ * with cfg->has_q_offset at p_i = i + cfg->q_offset (a block of a larger
+ * call placed at the whole call's positions).
  *
  * Part 1 (plain C, any compile unit): which keys a query sees.
  *   key j is visible from query i (at p_i; key j at pos(j), see below) iff
@@ -91,11 +93,13 @@ static inline size_t mha_rules_seq_of(const int64_t *cu, size_t nseq, size_t r)
 }
 
 /* The position of query i of batch item b, p_i = i + (Tk - Tq) (or
-   i + (len_b - Tq) with lengths_aligned), within its own sequence when
-   packed: query r of a sequence of nq queries and nk keys sits at
+   i + (len_b - Tq) with lengths_aligned, i + q_offset with has_q_offset),
+   within its own sequence when packed: query r of a sequence of nq queries and nk keys sits at
    r + nk - nq. May be negative (more queries than keys). */
 static inline int64_t mha_rules_query_pos(const mha_config *cfg, size_t b, size_t i)
 {
+    if (cfg->has_q_offset) /* never packed nor lengths_aligned: mha_check_config */
+        return (int64_t)i + cfg->q_offset;
     if (cfg->nseq == 0) {
         const size_t tk = cfg->lengths_aligned ? mha_rules_key_len(cfg, b) : cfg->Tk;
         return (int64_t)i + ((int64_t)tk - (int64_t)cfg->Tq);
@@ -138,6 +142,8 @@ static inline int64_t mha_rules_row_place(const mha_config *cfg, size_t i,
         const size_t tk = cfg->lengths_aligned ? len_b : cfg->Tk;
         *base = 0;
         *nk = (int64_t)cfg->Tk;
+        if (cfg->has_q_offset)
+            return (int64_t)i + cfg->q_offset;
         return (int64_t)i + ((int64_t)tk - (int64_t)cfg->Tq);
     }
     const size_t s = mha_rules_seq_of(cfg->cu_q, cfg->nseq, i);
@@ -169,7 +175,8 @@ static inline void mha_rules_key_range(const mha_config *cfg, size_t i,
     int64_t a = 0, e = nk; /* within the sequence: 0 <= a, e <= nk */
     if (cfg->causal && p + 1 < e)
         e = p + 1;
-    // -Tq <= p < nk, both within MHA_MAX_ELEMS: e - p - 1 and p - a fit
+    // -Tq <= p < nk (|p| <= MHA_MAX_ELEMS + Tq with has_q_offset), both
+    // within MHA_MAX_ELEMS: e - p - 1 and p - a fit
     // in int64_t, and comparing a side with them first keeps p + right
     // and p - left from overflowing.
     const int64_t right = cfg->window_right, left = cfg->window_left;
@@ -178,7 +185,7 @@ static inline void mha_rules_key_range(const mha_config *cfg, size_t i,
     if (cfg->windowed && left >= 0 && left < p - a)
         a = p - left;
     if (cfg->chunk > 0) {
-        // -Tq <= p < nk and chunk <= MHA_MAX_ELEMS: c + chunk fits.
+        // |p| <= 2 MHA_MAX_ELEMS and chunk <= MHA_MAX_ELEMS: c + chunk fits.
         const int64_t n = (int64_t)cfg->chunk, r = p % n;
         const int64_t c = p - (r < 0 ? r + n : r);
         a = c > a ? c : a;

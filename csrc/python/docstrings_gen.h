@@ -40,7 +40,7 @@
 #define ARG_DOC_KEY_LENGTHS \
     "key_lengths (B,): None, or each item's key count: keys j >= it are padding.\n"
 #define ARG_DOC_VARIANTS \
-    "variants (21,): None, or the tuple of mhattn._internal.core.variant_args\n" \
+    "variants (22,): None, or the tuple of mhattn._internal.core.variant_args\n" \
     "    (VARIANTS).\n"
 #define ARG_DOC_WANT_WEIGHTS \
     "want_weights: Also return the weights (B, H, Tq, Tk).\n"

@@ -40,7 +40,7 @@ enum {
     V_WINDOW, V_SOFTCAP, V_ALIBI, V_SINKS, V_KEY_MASK, V_CU_Q, V_CU_K,
     V_Q_NORM, V_K_NORM, V_NORM_EPS, V_NORM_TYPE, V_ROTARY_DIM, V_INTERLEAVED,
     V_INV_FREQ, V_POSITIONS, V_KEY_POSITIONS, V_DROPOUT, V_SEED, V_REL, V_CHUNK,
-    V_BLOCK_MASK, V_N,
+    V_BLOCK_MASK, V_Q_OFFSET, V_N,
     V_BM_BITS = V_N, /* c->var only: the block mask's bits (V_BLOCK_MASK: its entries) */
     V_HELD
 };

@@ -40,6 +40,8 @@
  *                  entries (1 or B, 1 or H, nqb, nkb) and uint8 bits
  *                  (npartial, bq, ceil(bk / 8)), bq and bk ints (the core
  *                  checks every entry: mha_check_config)
+ *   q_offset       None (bottom-right) or an int: query 0's position
+ *                  relative to key 0 (the core checks its bound)
  * Every array is copied into memory the call owns (they are small), so no
  * index, offset or size the core uses lives where another thread can write
  * during the call; mha_check_config then checks the copies.
@@ -48,7 +50,7 @@ static const char *const variant_name[V_N] = {
     "window", "softcap", "alibi_slopes", "sinks", "key_mask", "cu_seqlens",
     "key_cu_seqlens", "q_norm", "k_norm", "norm_eps", "norm_type", "rotary_dim",
     "interleaved", "inv_freq", "positions", "key_positions", "dropout", "seed",
-    "relative_bias", "chunk", "block_mask"};
+    "relative_bias", "chunk", "block_mask", "q_offset"};
 
 /* *res = a C-contiguous copy of obj (1 to nd_max dimensions) as typenum,
    owned by the call, or NULL for None. */
@@ -176,7 +178,7 @@ static int variant_size(PyObject *obj, const char *name, size_t *out)
 }
 
 /* The scalars of the tuple t into cfg: softcap, norm_eps, dropout, seed,
-   norm_type, rotary_dim, interleaved, chunk. */
+   norm_type, rotary_dim, interleaved, chunk, q_offset. */
 static int variant_scalars(mha_config *cfg, PyObject *t)
 {
     cfg->softcap = PyFloat_AsDouble(PyTuple_GET_ITEM(t, V_SOFTCAP));
@@ -208,6 +210,18 @@ static int variant_scalars(mha_config *cfg, PyObject *t)
         variant_size(PyTuple_GET_ITEM(t, V_CHUNK), "chunk", &cfg->chunk) < 0)
         return -1;
     cfg->rope_interleaved = inter;
+    // q_offset: None, or any int that fits int64_t (the core bounds it);
+    // past that an OverflowError naming it rather than a wrapped value.
+    PyObject *qo = PyTuple_GET_ITEM(t, V_Q_OFFSET);
+    if (qo != Py_None) {
+        const long long v = PyLong_AsLongLong(qo);
+        if (v == -1 && PyErr_Occurred()) {
+            prefix_error("q_offset");
+            return -1;
+        }
+        cfg->has_q_offset = 1;
+        cfg->q_offset = (int64_t)v;
+    }
     return 0;
 }
 

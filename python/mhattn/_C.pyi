@@ -42,6 +42,7 @@ _Float = npt.NDArray[np.floating]
 #   18  relative_bias: (num_buckets, H) T. None or (table, max_distance, bidirectional): T5's relative bias.
 #   19  chunk: int64. 0 for off: chunked attention's chunk.
 #   20  block_mask: (B or 1, H or 1, nqb, nkb) int32, uint8. None or (blocks, bits, bq, bk): a BlockMask's entries and partial bits.
+#   21  q_offset: int64. None (bottom-right) or query 0's position relative to key 0.
 
 EMULATED_AVX512: int
 """1 in the test build whose 'avx512' kernels are emulated in plain C
@@ -68,7 +69,7 @@ def forward(
     causal: bool,  # Query i sees keys j <= i + (Tk - Tq).
     # (B,): None, or each item's key count: keys j >= it are padding.
     key_lengths: Optional[npt.NDArray[np.int64]],
-    # (21,): None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).
+    # (22,): None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).
     variants: Optional[tuple],
     want_weights: bool,  # Also return the weights (B, H, Tq, Tk).
     keep: bool,  # Also return (q, k, v, concat, lse) for backward().
@@ -118,7 +119,7 @@ def backward(
     causal: bool,  # Query i sees keys j <= i + (Tk - Tq).
     # (B,): None, or each item's key count: keys j >= it are padding.
     key_lengths: Optional[npt.NDArray[np.int64]],
-    # (21,): None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).
+    # (22,): None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).
     variants: Optional[tuple],
     want_bq: bool,  # Return dbq.
     want_bk: bool,  # Return dbk.
@@ -155,7 +156,7 @@ def attention(
     causal: bool,  # Query i sees keys j <= i + (Tk - Tq).
     # (B,): None, or each item's key count: keys j >= it are padding.
     key_lengths: Optional[npt.NDArray[np.int64]],
-    # (21,): None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).
+    # (22,): None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).
     variants: Optional[tuple],
     lengths_aligned: bool,  # Align each item's queries to its own key length (a KV cache).
     out_bthd: bool,  # out (B, Tq, H, dv) instead of (B, H, Tq, dv).
@@ -197,7 +198,7 @@ def attention_backward(
     causal: bool,  # Query i sees keys j <= i + (Tk - Tq).
     # (B,): None, or each item's key count: keys j >= it are padding.
     key_lengths: Optional[npt.NDArray[np.int64]],
-    # (21,): None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).
+    # (22,): None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).
     variants: Optional[tuple],
     lengths_aligned: bool,  # Align each item's queries to its own key length (a KV cache).
     *,
@@ -226,7 +227,7 @@ def project(
     dk: npt.NDArray[np.int64],  # (G,): Each kv head's key width.
     dv: npt.NDArray[np.int64],  # (G,): Each kv head's value width.
     scales: npt.NDArray[np.float64],  # (H,): The multiplier of q.k of each query head.
-    # (21,): None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).
+    # (22,): None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).
     variants: Optional[tuple],
     # (4,): None, or pack_weight() capsules (or None) of wq, wk, wv, wo.
     packed: Optional[tuple] = None,
@@ -249,7 +250,7 @@ def check_config(
     scales: npt.NDArray[np.float64],  # (H,): The multiplier of q.k of each query head.
     # (B,): None, or each item's key count: keys j >= it are padding.
     key_lengths: Optional[npt.NDArray[np.int64]],
-    # (21,): None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).
+    # (22,): None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).
     variants: Optional[tuple],
     lengths_aligned: bool,  # Align each item's queries to its own key length (a KV cache).
 ) -> None:

@@ -206,7 +206,7 @@ static inline int ref_place(const mha_config *c, size_t b, size_t i, size_t j,
     int64_t tk = (int64_t)c->Tk;
     if (c->lengths_aligned && c->key_lengths)
         tk = c->key_lengths[b];
-    *pi = (int64_t)i + tk - (int64_t)c->Tq;
+    *pi = c->has_q_offset ? (int64_t)i + c->q_offset : (int64_t)i + tk - (int64_t)c->Tq;
     *pj = (int64_t)j;
     return 1;
 }

@@ -59,6 +59,8 @@ typedef struct {
     int causal, windowed;
     int64_t wl, wr;
     size_t chunk;
+    int has_q_offset;            /* query i at i + q_offset (issue 40)      */
+    int64_t q_offset;
     int bm;                      /* BM_*, in blocks of bq x bk               */
     size_t bq, bk;
     double softcap;
@@ -198,6 +200,7 @@ static void prob_init(prob *P, const spec *sp)
     c->windowed = sp->windowed;
     c->window_left = sp->wl, c->window_right = sp->wr;
     c->chunk = sp->chunk;
+    c->has_q_offset = sp->has_q_offset, c->q_offset = sp->q_offset;
     c->softcap = sp->softcap;
     c->alibi = sp->alibi ? P->slopes : NULL;
     c->alibi_bstride = sp->alibi == AL_BH ? H : 0;
@@ -707,6 +710,11 @@ static const spec k_cases[] = {
     {.name = "chunk 64 + window + packed + lengths", BASE, .B = 1, .Tq = 199, .Tk = 240,
      .nseq = 3, .cu_q = {0, 99, 99, 199}, .cu_k = {0, 120, 180, 240}, .chunk = 64,
      .windowed = 1, .wl = 40, .wr = 7, .key_lengths = 1},
+    {.name = "q_offset -40 (top rows see nothing) + causal + alibi + sinks", BASE,
+     .has_q_offset = 1, .q_offset = -40, .causal = 1, .alibi = AL_H, .sinks = 1},
+    {.name = "q_offset 100, Tq < Tk + window + chunk + lengths", BASE, .Tq = 150, .Tk = 230,
+     .has_q_offset = 1, .q_offset = 100, .windowed = 1, .wl = 70, .wr = 5, .chunk = 64,
+     .key_lengths = 1},
     {.name = "t5 encoder (Tk > max distance)", BASE, .Tq = 150, .Tk = 221, .rel = REL_BI},
     {.name = "t5 decoder+causal+lengths+softcap+add", BASE, .B = 3, .causal = 1,
      .rel = REL_DEC, .key_lengths = 1, .softcap = 2.0, .mask_kind = MHA_MASK_ADD},
@@ -1048,6 +1056,21 @@ static void test_config(void)
     BAD((c.nseq = 2, c.cu_q = cu_q, c.cu_k = cu_k, c.lengths_aligned = 1),
         "packed, lengths_aligned", A, MHA_FIELD_LENGTHS_ALIGNED, "lengths_aligned = 1",
         "nseq = 2");
+    // q_offset (issue 40): any sign within MHA_MAX_ELEMS, not with the
+    // placements of packed sequences or lengths_aligned, nor T5's bias.
+    GOOD((c.has_q_offset = 1, c.q_offset = -(int64_t)MHA_MAX_ELEMS), "q_offset -MAX");
+    GOOD((c.has_q_offset = 1, c.q_offset = 12, c.causal = 1), "q_offset 12, causal");
+    BAD((c.has_q_offset = 1, c.q_offset = (int64_t)MHA_MAX_ELEMS + 1), "q_offset past MAX", A,
+        MHA_FIELD_Q_OFFSET, "q_offset = ", "MHA_MAX_ELEMS");
+    BAD((c.has_q_offset = 1, c.q_offset = INT64_MIN), "q_offset INT64_MIN", A,
+        MHA_FIELD_Q_OFFSET, "MHA_MAX_ELEMS");
+    BAD((c.has_q_offset = 1, c.q_offset = 1, c.nseq = 2, c.cu_q = cu_q, c.cu_k = cu_k),
+        "q_offset, packed", A, MHA_FIELD_Q_OFFSET, "q_offset = 1", "nseq = 2");
+    BAD((c.has_q_offset = 1, c.lengths_aligned = 1, c.key_lengths = lens),
+        "q_offset, lengths_aligned", A, MHA_FIELD_Q_OFFSET, "q_offset = 0",
+        "lengths_aligned = 1");
+    BAD((c.q_offset = 3), "q_offset without has_q_offset", A, MHA_FIELD_Q_OFFSET,
+        "q_offset = 3", "has_q_offset");
     // The q/k transforms.
     GOOD((c.rotary_dim = 8, c.inv_freq = slopes), "rotary_dim 8");
     BAD((c.rotary_dim = 6), "rotary_dim without inv_freq", A, MHA_FIELD_INV_FREQ,

@@ -811,7 +811,9 @@ def normalize(x, w_q, w_k, w_v, w_o=None, *, num_heads=None, key=None, value=Non
     them as it packs its GEMM's panels (mha.h, ``w_storage``): no float32
     copy of them is made. The Call then holds half weights, which the
     reference, a context and a backward must not be given."""
-    unknown = sorted(set(variants) - set(VARIANT_DEFAULTS))
+    # q_offset places a block of a longer call's queries: attention's
+    # (and so projected_attention's) keyword alone, not the layer's.
+    unknown = sorted(set(variants) - set(VARIANT_DEFAULTS) - {"q_offset"})
     if unknown:
         raise TypeError(f"unexpected keyword argument {unknown[0]!r}")
     num_heads = _int_arg("num_heads", num_heads)

@@ -347,6 +347,21 @@ with a KV cache), ANDed with ``causal`` and every other rule.  Key
 blocks outside a row's chunk are skipped, forward and backward.  None
 (the default) is off; a value that is not a positive int raises
 TypeError or ValueError naming chunk."""),
+    Arg("q_offset", _ATT, "int?", "", "", "None",
+        "Query 0's position relative to key 0 (None: bottom-right, T_k - T_q).",
+        type="int, optional",
+        text="""\
+Where the queries sit: query i at position ``i + q_offset``, key j at
+j, for causal masking, the window, ``chunk`` and ALiBi's distances.
+None (the default) is the bottom-right placement ``q_offset = T_k -
+T_q``.  A block of a longer call, queries from q0 against keys from
+k0, passes ``q_offset = q0 + (T_k - T_q) - k0`` (of the whole call)
+to see exactly the whole call's causal, window and ALiBi rules
+(:mod:`mhattn.dask` does; ``chunk``'s boundaries too when k0 is a
+multiple of chunk, since key j of the block sits at j).  Any
+sign; a row that sees no key has lse -inf and out 0.  A value that is
+not an int raises TypeError naming q_offset; not with packed
+sequences (cu_seqlens) or relative_bias (ValueError)."""),
     Arg("block_mask", _MHA + _ATT, "object", "", "", "None",
         "A mhattn.BlockMask: which keys each query sees, block by block.",
         type="mhattn.BlockMask, optional",
@@ -695,7 +710,7 @@ ENTRIES: Dict[str, Entry] = {
         _F + "attention.py", "attention",
         "q, k, v, *, layout, scale, mask, causal, key_lengths, return_weights, return_lse, "
         "window, softcap, alibi_slopes, sinks, key_mask, cu_seqlens, key_cu_seqlens, dropout, "
-        "seed, relative_bias, chunk, block_mask, cache, sequence_ids",
+        "seed, relative_bias, chunk, block_mask, q_offset, cache, sequence_ids",
         ("q", "k", "v", "layout", "scale", "mask, causal, key_lengths", "return_weights",
          "return_lse",
          ("window, softcap, alibi_slopes, sinks, key_mask, cu_seqlens, key_cu_seqlens",
@@ -706,13 +721,13 @@ inputs, the tokens along T.  The q/k transforms (q_norm, k_norm,
 RoPE) are not attention keywords: apply them before."""),
          ("dropout, seed", "As :func:`mhattn.multi_head_attention`."),
          ("relative_bias", "As :func:`mhattn.multi_head_attention`."),
-         ("chunk, block_mask", "As :func:`mhattn.multi_head_attention`."), "cache",
-         "sequence_ids")),
+         ("chunk, block_mask", "As :func:`mhattn.multi_head_attention`."),
+         "q_offset", "cache", "sequence_ids")),
     "attention_grad": Entry(
         _F + "attention.py", "attention_grad",
         "grad_out, q, k, v, *, layout, scale, mask, causal, key_lengths, window, softcap, "
         "alibi_slopes, sinks, key_mask, cu_seqlens, key_cu_seqlens, dropout, seed, "
-        "relative_bias, chunk, block_mask, lse, out, mask_grad",
+        "relative_bias, chunk, block_mask, q_offset, lse, out, mask_grad",
         ("grad_out",
          ("q, k, v, layout, scale, mask, causal, key_lengths",
           "As :func:`attention` (not ``return_weights`` / ``return_lse``)."),
@@ -722,6 +737,7 @@ RoPE) are not attention keywords: apply them before."""),
          ("relative_bias", "As :func:`attention`; its table's gradient is "
           "'relative_bias'."),
          ("chunk, block_mask", "As :func:`attention`."),
+         ("q_offset", "As :func:`attention`."),
          "lse", "out", "mask_grad")),
     "merge_attention": Entry(_F + "attention.py", "merge_attention",
                              "outs, lses, *, layout", ("outs", "lses", "layout")),
@@ -847,7 +863,7 @@ C_ARGS = (
     Arg("key_lengths", _MASKED + (_CHK,), "vector?", "int64", "(B,)", REQUIRED,
         "None, or each item's key count: keys j >= it are padding.",
         c_kind="ARG_LENGTHS", c_field="key_lengths"),
-    Arg("variants", _ALL5, "tuple?", "", "(21,)", REQUIRED,
+    Arg("variants", _ALL5, "tuple?", "", "(22,)", REQUIRED,
         "None, or the tuple of mhattn._internal.core.variant_args (VARIANTS).",
         c_kind="ARG_VARIANTS", c_field=""),   # VARIANTS' fields
     Arg("lengths_aligned", (_AT, _ABW, _CHK), "bool", "", "", REQUIRED,
@@ -941,6 +957,8 @@ VARIANTS = (
     ("block_mask", "tuple?", "int32, uint8", "(B or 1, H or 1, nqb, nkb)",
      "bm_block, bm_bits, bm_bq, bm_bk, bm_bstride, bm_hstride, bm_npartial",
      "None or (blocks, bits, bq, bk): a BlockMask's entries and partial bits."),
+    ("q_offset", "int?", "int64", "", "has_q_offset, q_offset",
+     "None (bottom-right) or query 0's position relative to key 0."),
 )
 
 _OPT = "Optional[_Float]"
@@ -1275,6 +1293,7 @@ MHA_FIELDS = (
     ("MASK_KIND", "mask_kind", ""), ("MASK", "mask", ""),
     ("KEY_LENGTHS", "key_lengths", ""),
     ("WINDOW", "windowed, window_left, window_right", ""), ("CHUNK", "chunk", ""),
+    ("Q_OFFSET", "has_q_offset, q_offset", ""),
     ("BLOCK_MASK", "bm_block, bm_bits, bm_bq, bm_bk, bm_bstride, bm_hstride, bm_npartial",
      ""),
     ("SOFTCAP", "softcap", ""), ("ALIBI", "alibi", ""),

@@ -327,6 +327,7 @@ class Variants:
     rel: Optional[tuple] = None              # T5: (table (nb, H), max_distance, bidir)
     chunk: int = 0                           # chunked attention's chunk; 0: off
     block_mask: Optional[BlockMask] = None   # (B or 1, H or 1, Tq, Tk)
+    q_offset: Optional[int] = None           # query 0's position; None: Tk - Tq
 
     @property
     def any(self) -> bool:
@@ -335,7 +336,8 @@ class Variants:
                 or self.alibi is not None or self.sinks is not None
                 or self.key_mask is not None or self.packed or self.transforms
                 or self.dropout != 0    # a bad one too (NaN, < 0): the core refuses it
-                or self.rel is not None or self.chunk != 0 or self.block_mask is not None)
+                or self.rel is not None or self.chunk != 0 or self.block_mask is not None
+                or self.q_offset is not None)
 
     @property
     def transforms(self) -> bool:
@@ -414,6 +416,20 @@ def _chunk(chunk: Any) -> int:
     if chunk > 2 ** 62:
         raise ValueError(f"chunk: {int(chunk)} is too large; None means no chunks")
     return int(chunk)
+
+
+def _q_offset(q_offset: Any) -> Optional[int]:
+    """q_offset= (attention's alone, so not in VARIANT_DEFAULTS): None or an
+    int of either sign, else TypeError naming it. (Its bound and the rules
+    it cannot go with are the core's.)"""
+    if q_offset is None:
+        return None
+    if isinstance(q_offset, (bool, np.bool_)) or not isinstance(q_offset, (numbers.Integral,
+                                                                           np.integer)):
+        raise TypeError(f"q_offset: expected an int or None, got {q_offset!r:.80}")
+    if not -2 ** 63 <= q_offset < 2 ** 63:
+        raise ValueError(f"q_offset: {int(q_offset)} does not fit in int64")
+    return int(q_offset)
 
 
 def dropout_arg(dropout: Any) -> float:
@@ -635,7 +651,8 @@ def normalize_variants(v: dict, *, batched: bool, B: int, Tq: int, Tk: int, H: i
         key_mask=_key_mask(get("key_mask"), B, Tk, batched), cu_q=cu_q, cu_k=cu_k,
         dropout=p, seed=dropout_seed(get("seed"), p),
         rel=_relative_bias(get("relative_bias"), H, dtype), chunk=_chunk(get("chunk")),
-        block_mask=_block_mask(get("block_mask"), B, H, Tq, Tk))
+        block_mask=_block_mask(get("block_mask"), B, H, Tq, Tk),
+        q_offset=_q_offset(v.get("q_offset")))
 
 
 def variants_tuple(call: Any, always: bool = False):
@@ -658,7 +675,7 @@ def variants_tuple_of(v: Variants, always: bool = False):
             v.key_mask, v.cu_q, v.cu_k, v.q_norm, v.k_norm, v.norm_eps, v.norm_type,
             v.rotary_dim, v.interleaved, v.inv_freq, v.positions, v.key_positions,
             v.dropout, v.seed, v.rel, v.chunk,
-            None if v.block_mask is None else v.block_mask._glue())
+            None if v.block_mask is None else v.block_mask._glue(), v.q_offset)
 
 
 def variant_floats(v: dict) -> list:
@@ -683,8 +700,9 @@ def sequence_ids(cu: np.ndarray, total: int) -> np.ndarray:
 
 def query_positions(var: Variants, B: int, Tq: int, Tk: int, *,
                     for_rope: bool = True) -> np.ndarray:
-    """(B, Tq) int64: each query's position: p_i = i + (T_k - T_q), within
-    its own sequence when packed, or ``positions=`` for RoPE."""
+    """(B, Tq) int64: each query's position: p_i = i + (T_k - T_q) (i +
+    q_offset when given), within its own sequence when packed, or
+    ``positions=`` for RoPE."""
     if for_rope and var.positions is not None:
         return np.broadcast_to(var.positions, (B, Tq))
     i = np.arange(Tq, dtype=np.int64)
@@ -693,7 +711,7 @@ def query_positions(var: Variants, B: int, Tq: int, Tk: int, *,
         nq, nk = np.diff(var.cu_q), np.diff(var.cu_k)
         p = i - var.cu_q[s] + (nk[s] - nq[s])
     else:
-        p = i + (Tk - Tq)
+        p = i + (Tk - Tq if var.q_offset is None else var.q_offset)
     return np.broadcast_to(p, (B, Tq))
 
 

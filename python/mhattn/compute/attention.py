@@ -35,7 +35,8 @@ _LAYOUTS = ("bhtd", "bthd")
 # The variant keywords of attention on projected tensors: the score rules.
 # The q/k transforms (q_norm, k_norm, rope) belong to the projections.
 _ATTENTION_VARIANTS = ("window", "softcap", "alibi_slopes", "sinks", "key_mask",
-                       "cu_seqlens", "key_cu_seqlens", "relative_bias", "chunk", "block_mask")
+                       "cu_seqlens", "key_cu_seqlens", "relative_bias", "chunk", "block_mask",
+                       "q_offset")
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 # (H, dk, scale) -> the glue's read-only scales (H,): a decode step builds none.
 _SCALES: Dict[tuple, np.ndarray] = {}
@@ -157,8 +158,8 @@ def attention(q, k=None, v=None, *, layout="bhtd", scale=None, mask=None, causal
               key_lengths=None, return_weights=False, return_lse=False, window=None,
               softcap=None, alibi_slopes=None, sinks=None, key_mask=None,
               cu_seqlens=None, key_cu_seqlens=None, dropout=0.0, seed=None,
-              relative_bias=None, chunk=None, block_mask=None, cache=None,
-              sequence_ids=None):
+              relative_bias=None, chunk=None, block_mask=None, q_offset=None,
+              cache=None, sequence_ids=None):
     """Scaled dot-product attention on tensors that are already projected.
 
     attention(q, k, v, *, layout="bhtd", scale=None, mask=None, causal=False,
@@ -210,6 +211,18 @@ def attention(q, k=None, v=None, *, layout="bhtd", scale=None, mask=None, causal
         As :func:`mhattn.multi_head_attention`.
     chunk, block_mask
         As :func:`mhattn.multi_head_attention`.
+    q_offset : int, optional
+        Where the queries sit: query i at position ``i + q_offset``, key j at
+        j, for causal masking, the window, ``chunk`` and ALiBi's distances.
+        None (the default) is the bottom-right placement ``q_offset = T_k -
+        T_q``.  A block of a longer call, queries from q0 against keys from
+        k0, passes ``q_offset = q0 + (T_k - T_q) - k0`` (of the whole call)
+        to see exactly the whole call's causal, window and ALiBi rules
+        (:mod:`mhattn.dask` does; ``chunk``'s boundaries too when k0 is a
+        multiple of chunk, since key j of the block sits at j).  Any
+        sign; a row that sees no key has lse -inf and out 0.  A value that is
+        not an int raises TypeError naming q_offset; not with packed
+        sequences (cu_seqlens) or relative_bias (ValueError).
     cache : mhattn.PagedKVCache, optional
         Attention of q (n, H, T_new, d_k) over the cached keys of the
         sequences ``sequence_ids`` (row i of q is sequence_ids[i]), each
@@ -251,7 +264,7 @@ def attention(q, k=None, v=None, *, layout="bhtd", scale=None, mask=None, causal
         # sequence's cached keys, k and v (if given) appended first.
         for name, a in (("mask", mask), ("key_lengths", key_lengths), ("key_mask", key_mask),
                         ("cu_seqlens", cu_seqlens), ("key_cu_seqlens", key_cu_seqlens),
-                        ("block_mask", block_mask)):
+                        ("block_mask", block_mask), ("q_offset", q_offset)):
             if a is not None:
                 raise ValueError(f"{name}: not with cache= (the keys are the cache's, each "
                                  f"sequence's length its own)")
@@ -275,6 +288,7 @@ def attention(q, k=None, v=None, *, layout="bhtd", scale=None, mask=None, causal
     variants = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
                     key_mask=key_mask, cu_seqlens=cu_seqlens, key_cu_seqlens=key_cu_seqlens,
                     relative_bias=relative_bias, chunk=chunk, block_mask=block_mask,
+                    q_offset=q_offset,
                     **dropout_kwargs(dropout, seed))
     scales, m, c, kl, var, _ = _glue_args(p, scale, mask, causal, key_lengths, variants)
     n = p.dtype.itemsize
@@ -296,7 +310,7 @@ def attention_grad(grad_out, q, k, v, *, layout="bhtd", scale=None, mask=None,
                    causal=False, key_lengths=None, window=None, softcap=None,
                    alibi_slopes=None, sinks=None, key_mask=None, cu_seqlens=None,
                    key_cu_seqlens=None, dropout=0.0, seed=None, relative_bias=None,
-                   chunk=None, block_mask=None, lse=None, out=None,
+                   chunk=None, block_mask=None, q_offset=None, lse=None, out=None,
                    mask_grad=False) -> Dict[str, np.ndarray]:
     """Gradients of :func:`attention` with respect to q, k, v (and sinks).
 
@@ -316,6 +330,8 @@ def attention_grad(grad_out, q, k, v, *, layout="bhtd", scale=None, mask=None,
     relative_bias
         As :func:`attention`; its table's gradient is 'relative_bias'.
     chunk, block_mask
+        As :func:`attention`.
+    q_offset
         As :func:`attention`.
     lse : (B, H, T_q), optional
         The forward's ``return_lse=True`` result, given with ``out``.
@@ -360,6 +376,7 @@ def attention_grad(grad_out, q, k, v, *, layout="bhtd", scale=None, mask=None,
     variants = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
                     key_mask=key_mask, cu_seqlens=cu_seqlens, key_cu_seqlens=key_cu_seqlens,
                     relative_bias=relative_bias, chunk=chunk, block_mask=block_mask,
+                    q_offset=q_offset,
                     **dropout_kwargs(dropout, seed))
     scales, m, c, kl, var, (mshape, mdtype) = _glue_args(p, scale, mask, causal, key_lengths,
                                                          variants)

@@ -450,8 +450,9 @@ def relative_bias(table: np.ndarray, h: int, query_pos: np.ndarray, key_pos: np.
 def allowed_keys(call: Call, b: int, h: int) -> np.ndarray:
     """Step 8, (Tq, Tk) bool: which keys query row i of head h, batch item b may attend to.
 
-    With p_i = i + (Tk - Tq) and key position j (both within their own
-    sequence when packed), every rule below must allow a key (AND):
+    With p_i = i + (Tk - Tq) (i + q_offset when given: a block of a longer
+    call) and key position j (both within their own sequence when packed),
+    every rule below must allow a key (AND):
 
     - packed sequences (``cu_seqlens``): the query's and the key's sequences
       are the same one;
@@ -938,7 +939,7 @@ def lse(x, w_q, w_k, w_v, w_o=None, **keywords) -> np.ndarray:
 
 _ATTENTION_VARIANTS = ("window", "softcap", "alibi_slopes", "sinks", "key_mask",
                        "cu_seqlens", "key_cu_seqlens", "dropout", "seed", "relative_bias",
-                       "chunk", "block_mask")
+                       "chunk", "block_mask", "q_offset")
 
 
 def projected_attention(q, k, v, *, layout="bhtd", scale=None, mask=None, causal=False,
