@@ -68,6 +68,7 @@ numpydoc_validation_checks = {"GL08", "SS01", "PR01", "PR02", "RT01", "EX01"}
 numpydoc_validation_exclude = {
     # property(lambda ...): numpydoc 1.11's validate finds no def line, raises StopIteration
     r"^mhattn\.KVCache\.(batch|num_kv_heads|capacity|d_k|d_v|dtype)$",
+    r"^mhattn\.PagedKVCache\.(num_pages|page_size|num_kv_heads|d_k|d_v|dtype|pages_free)$",
     r"^mhattn\.MultiHeadAttention\.w_[qkvo]$",
     # an attribute's one-line #: comment has no room for Examples; CompareReport documents it
     r"^mhattn\.learn\.trace\.CompareReport\.unused$",

@@ -245,6 +245,12 @@ class PagedKVCache:
     def add_sequence(self) -> int:
         """A new, empty sequence: its id, an int this cache alone issues.
 
+        Returns
+        -------
+        int
+            The sequence's id, for :meth:`append`, the attention calls'
+            ``sequence_ids`` and :meth:`free`.
+
         Examples
         --------
         >>> cache = mhattn.PagedKVCache(4, 2, 1, 4)
@@ -313,6 +319,17 @@ class PagedKVCache:
     def length(self, sequence_id) -> int:
         """How many keys the sequence holds.
 
+        Parameters
+        ----------
+        sequence_id : int
+            A live id of this cache (from :meth:`add_sequence`); a freed or
+            foreign one raises ValueError naming sequence_id.
+
+        Returns
+        -------
+        int
+            Its keys, 0 for a new sequence.
+
         Examples
         --------
         >>> cache = mhattn.PagedKVCache(4, 2, 1, 4)
@@ -327,6 +344,17 @@ class PagedKVCache:
     def lengths(self, sequence_ids) -> np.ndarray:
         """(n,) int64: the lengths of the listed sequences, in order.
 
+        Parameters
+        ----------
+        sequence_ids : sequence of int
+            Live ids of this cache, each at most once; a freed, foreign or
+            repeated one raises ValueError naming sequence_ids.
+
+        Returns
+        -------
+        (n,) int64 ndarray
+            Each sequence's keys.
+
         Examples
         --------
         >>> cache = mhattn.PagedKVCache(4, 2, 1, 4)
@@ -339,6 +367,17 @@ class PagedKVCache:
     def pages(self, sequence_id) -> np.ndarray:
         """(ceil(length / page_size),) int32: the sequence's pages, in order
         (a copy).
+
+        Parameters
+        ----------
+        sequence_id : int
+            A live id of this cache (from :meth:`add_sequence`); a freed or
+            foreign one raises ValueError naming sequence_id.
+
+        Returns
+        -------
+        (ceil(length / page_size),) int32 ndarray
+            Its pages' numbers in the pools, in the order of its keys.
 
         Examples
         --------
@@ -353,6 +392,12 @@ class PagedKVCache:
 
     def free(self, sequence_id) -> None:
         """Give the sequence's pages back to the pool; its id becomes stale.
+
+        Parameters
+        ----------
+        sequence_id : int
+            A live id of this cache (from :meth:`add_sequence`); a freed or
+            foreign one raises ValueError naming sequence_id.
 
         Examples
         --------
@@ -374,6 +419,17 @@ class PagedKVCache:
         """(n, max pages) int32: row i the pages of sequence_ids[i], padded
         with page 0 (never read: past the sequence's length).  What the
         core is given (a copy).
+
+        Parameters
+        ----------
+        sequence_ids : sequence of int
+            Live ids of this cache, each at most once; a freed, foreign or
+            repeated one raises ValueError naming sequence_ids.
+
+        Returns
+        -------
+        (n, max pages) int32 ndarray
+            Row i holds sequence_ids[i]'s pages, then page 0.
 
         Examples
         --------
