@@ -105,7 +105,7 @@ setup(
     # The walkthrough notebook ships with the package: `python -m mhattn
     # --notebook` writes it out (importlib.resources finds it). At the top:
     # a folder without __init__.py would be an undeclared namespace package.
-    package_data={"mhattn": ["*.pyi", "py.typed", "walkthrough.ipynb"]},
+    package_data={"mhattn": ["*.pyi", "py.typed"], "mhattn.learn": ["walkthrough.ipynb"]},
     ext_modules=[ext],
     cmdclass={"build_ext": build_ext_flags},
 )

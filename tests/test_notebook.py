@@ -1,6 +1,6 @@
 """The walkthrough notebook ships with the package and runs from top to bottom.
 
-It lives in the package (python/mhattn/walkthrough.ipynb, package
+It lives in the package (python/mhattn/learn/walkthrough.ipynb, package
 data), so these tests read it through importlib.resources from the mhattn
 that is imported: the installed one when the suite runs against a wheel.
 """
@@ -47,12 +47,12 @@ def _check_notebook(raw: bytes):
 def test_the_notebook_is_package_data():
     """Reachable through importlib.resources from the imported package, next
     to its modules (so a wheel carries it)."""
-    found = resources.files("mhattn") / "walkthrough.ipynb"
+    found = resources.files("mhattn.learn") / "walkthrough.ipynb"
     assert found.is_file()
     assert notebook().read_bytes() == found.read_bytes()
     with resources.as_file(found) as path:
         package = pathlib.Path(mhattn.__file__).resolve().parent
-        assert pathlib.Path(path).resolve() == package / "walkthrough.ipynb"
+        assert pathlib.Path(path).resolve() == package / "learn" / "walkthrough.ipynb"
     _check_notebook(found.read_bytes())
 
 

@@ -69,7 +69,7 @@ def test_renders_with_the_imported_mhattn_not_the_unbuilt_tree(tmp_path):
     assert len(used) == 1, done.stderr[-3000:]
     notebook, package = used[0][len("render_notebook: "):].split(" with mhattn from ")
     assert os.path.samefile(package, PACKAGE)
-    assert os.path.samefile(notebook, tree / "python" / "mhattn" / "walkthrough.ipynb")
+    assert os.path.samefile(notebook, tree / "python" / "mhattn" / "learn" / "walkthrough.ipynb")
     # Both figures of the notebook, and the HTML of its traces and reports.
     pictures = sorted(p.name for p in (tmp_path / "pictures").iterdir())
     figures = [p for p in pictures if p.endswith(".png")

@@ -33,7 +33,7 @@ import sys
 import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-NOTEBOOK = "mhattn/walkthrough.ipynb"     # under python/, or installed
+NOTEBOOK = "mhattn/learn/walkthrough.ipynb"     # under python/, or installed
 PAGE = """<!DOCTYPE html>
 <html><head><meta charset="utf-8"><style>
 body {{ font-family: -apple-system, "Segoe UI", Roboto, "DejaVu Sans", sans-serif;

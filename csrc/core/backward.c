@@ -48,17 +48,11 @@ static int mha_bwd_plan_fused(size_t ntasks, int nth)
    then the driver of its element type. */
 mha_status mha_backward(const mha_config *cfg, const mha_params *prm, mha_error *err)
 {
-    const mha_status st = mha_check_no_pages(cfg, err);
-    if (st != MHA_OK)
-        return st;
     return mha_call_typed(cfg, prm, err, mha_backward_f32, mha_backward_f64, 0);
 }
 
 mha_status mha_attend_backward(const mha_config *cfg, const mha_params *prm,
                                mha_error *err)
 {
-    const mha_status st = mha_check_no_pages(cfg, err);
-    if (st != MHA_OK)
-        return st;
     return mha_call_typed(cfg, prm, err, mha_attend_backward_f32, mha_attend_backward_f64, 0);
 }

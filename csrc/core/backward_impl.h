@@ -108,6 +108,19 @@ static void PICK(bwd_plan_free_f32, bwd_plan_free_f64)(BWD_PLAN *p)
     mha_scratch_free(p->c.kvbad);
 }
 
+/* The gradients of variants the call lacks are not written (mha.h: dsinks
+   with sinks, dmask with an additive mask, drel_table with T5's table). */
+static void PICK(bwd_absent_grads_f32, bwd_absent_grads_f64)(BWD_ARGS *a,
+                                                             const mha_config *cfg)
+{
+    if (cfg->sinks == NULL)
+        a->dsinks = NULL;
+    if (cfg->mask_kind != MHA_MASK_ADD)
+        a->dmask = NULL;
+    if (cfg->rel_table == NULL)
+        a->drel_table = NULL;
+}
+
 /* The arguments a call must have: required buffers may only be NULL when
    they hold no element, and a shared gradient buffer means a shared input,
    whose shapes must then agree. Drops dwo when there is no W^O, dwgate
@@ -151,12 +164,7 @@ static mha_status PICK(bwd_check_args_f32, bwd_check_args_f64)(BWD_ARGS *a,
         a->dwo = NULL;
     if (a->wgate == NULL)
         a->dwgate = a->dbgate = NULL;
-    if (cfg->sinks == NULL)
-        a->dsinks = NULL;
-    if (cfg->mask_kind != MHA_MASK_ADD)
-        a->dmask = NULL;
-    if (cfg->rel_table == NULL)
-        a->drel_table = NULL;
+    PICK(bwd_absent_grads_f32, bwd_absent_grads_f64)(a, cfg);
     return MHA_OK;
 }
 
@@ -664,12 +672,7 @@ static mha_status PICK(bwd_attend_plan_f32, bwd_attend_plan_f64)(
     if ((st = mha_check_no_qk(cfg, err)) != MHA_OK)
         return st;
     const size_t nq = p->nq = cfg->B * cfg->Tq, nk = p->nk = cfg->B * cfg->Tk;
-    if (cfg->sinks == NULL)
-        a->dsinks = NULL;
-    if (cfg->mask_kind != MHA_MASK_ADD)
-        a->dmask = NULL;
-    if (cfg->rel_table == NULL)
-        a->drel_table = NULL;
+    PICK(bwd_absent_grads_f32, bwd_absent_grads_f64)(a, cfg);
     p->need_dq = dq != NULL;
     p->need_dkv = dk != NULL || dv != NULL || a->dmask != NULL ||
                   a->drel_table != NULL;   /* pass 4's */

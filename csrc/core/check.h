@@ -30,20 +30,21 @@ void mha_error_clear(mha_error *err);
 typedef mha_status (*mha_typed_fn)(const mha_config *cfg, const mha_params *prm,
                                    mha_error *err);
 
+/* What an operation reads beyond plain, contiguous operands (mha_call_typed's
+   `reads`): half weights (the forward), a paged cache's block table
+   (mha_attend alone). */
+enum { MHA_READS_HALF_WEIGHTS = 1, MHA_READS_PAGES = 2 };
+
 /* An entry point of mha.h: clears *err, checks that there are a config and
-   params of a known dtype, and plain weights (mha_params.w_storage) unless
-   half_weights (an operation that reads half weights: the forward), then
-   runs f32 or f64 as prm->dtype says. */
+   params of a known dtype, plain weights (mha_params.w_storage) unless reads
+   has MHA_READS_HALF_WEIGHTS, and no block table unless it has
+   MHA_READS_PAGES, then runs f32 or f64 as prm->dtype says. */
 mha_status mha_call_typed(const mha_config *cfg, const mha_params *prm, mha_error *err,
-                          mha_typed_fn f32, mha_typed_fn f64, int half_weights);
+                          mha_typed_fn f32, mha_typed_fn f64, unsigned reads);
 
 /* MHA_OK when the q/k transforms are off, as attention alone (mha_attend,
    mha_attend_backward) needs: they belong to the projections. */
 mha_status mha_check_no_qk(const mha_config *cfg, mha_error *err);
-/* MHA_ERR_ARG (field MHA_FIELD_BLOCK_TABLE) for a paged config (block_table
-   set) given to an operation other than mha_attend, which alone reads
-   pages; MHA_OK otherwise (a NULL cfg too: the call's own checks say so). */
-mha_status mha_check_no_pages(const mha_config *cfg, mha_error *err);
 
 /* A buffer a call needs: NULL only when it holds no element. */
 typedef struct {

@@ -117,25 +117,20 @@ static mha_status check_call(const mha_config *cfg, const mha_params *prm, int h
 }
 
 mha_status mha_call_typed(const mha_config *cfg, const mha_params *prm, mha_error *err,
-                           mha_typed_fn f32, mha_typed_fn f64, int half_weights)
+                           mha_typed_fn f32, mha_typed_fn f64, unsigned reads)
 {
-    mha_status st = check_call(cfg, prm, half_weights, err);
+    mha_status st = check_call(cfg, prm, (reads & MHA_READS_HALF_WEIGHTS) != 0, err);
     if (st != MHA_OK)
         return st;
+    if (cfg->block_table != NULL && !(reads & MHA_READS_PAGES))
+        return REJECT(MHA_FIELD_BLOCK_TABLE, "a block_table (a paged cache) is read by "
+                      "mha_attend alone; this operation takes keys held contiguously");
     // One ISA for the whole call (dispatch.h): a forward's half weights are
     // packed for it, and its GEMMs must not see another one.
     const int previous = mha_isa_pin();
     st = prm->dtype == MHA_DTYPE_F64 ? f64(cfg, prm, err) : f32(cfg, prm, err);
     mha_isa_unpin(previous);
     return st;
-}
-
-mha_status mha_check_no_pages(const mha_config *cfg, mha_error *err)
-{
-    if (cfg == NULL || cfg->block_table == NULL)
-        return MHA_OK;
-    return REJECT(MHA_FIELD_BLOCK_TABLE, "a block_table (a paged cache) is read by "
-                  "mha_attend alone; this operation takes keys held contiguously");
 }
 
 mha_status mha_check_no_qk(const mha_config *cfg, mha_error *err)

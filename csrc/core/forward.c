@@ -322,13 +322,11 @@ static mha_status fwd_half_prepare(fwd_half_weights *h, const mha_config *cfg,
    then the driver of its element type. */
 mha_status mha_forward(const mha_config *cfg, const mha_params *prm, mha_error *err)
 {
-    const mha_status st = mha_check_no_pages(cfg, err);
-    if (st != MHA_OK)
-        return st;
-    return mha_call_typed(cfg, prm, err, mha_forward_f32, mha_forward_f64, 1);
+    return mha_call_typed(cfg, prm, err, mha_forward_f32, mha_forward_f64,
+                          MHA_READS_HALF_WEIGHTS);
 }
 
 mha_status mha_attend(const mha_config *cfg, const mha_params *prm, mha_error *err)
 {
-    return mha_call_typed(cfg, prm, err, mha_attend_f32, mha_attend_f64, 0);
+    return mha_call_typed(cfg, prm, err, mha_attend_f32, mha_attend_f64, MHA_READS_PAGES);
 }

@@ -24,8 +24,5 @@
 /* The entry point (mha.h): the call's checks, then the element type's. */
 mha_status mha_project(const mha_config *cfg, const mha_params *prm, mha_error *err)
 {
-    const mha_status st = mha_check_no_pages(cfg, err);
-    if (st != MHA_OK)
-        return st;
     return mha_call_typed(cfg, prm, err, mha_project_f32, mha_project_f64, 0);
 }

@@ -15,7 +15,7 @@ tests/test_structure.py checks):
 - ``_internal``: argument checking, the variants and the one door to the C
   core (``_internal/core.py``, the only module that imports ``_C``).
 """
-from ._version import __version__
+from ._internal.version import __version__
 from .compute import (multi_head_attention, pack_weights, PackedWeights, attention,
                       attention_grad, merge_attention, KVCache, PagedKVCache, Context, backward,
                       multi_head_attention_grad)

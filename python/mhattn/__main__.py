@@ -30,7 +30,7 @@ def _fmt(v) -> str:
 def notebook():
     """The walkthrough notebook shipped in the package (package data), as an
     importlib.resources Traversable: ``notebook().read_bytes()``."""
-    return resources.files("mhattn") / NOTEBOOK
+    return resources.files("mhattn.learn") / NOTEBOOK
 
 
 def write_notebook(path, out=sys.stdout) -> int:

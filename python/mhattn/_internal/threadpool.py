@@ -44,7 +44,7 @@ def _register(tpc) -> None:
         return  # threadpoolctl < 3.0 has no third-party controllers
 
     from . import core, runtime
-    from .._version import __version__
+    from .version import __version__
 
     own = os.path.realpath(core.library_path())
 
