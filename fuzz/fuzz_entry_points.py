@@ -15,7 +15,8 @@ memory layout, a bad variant value:
   fuzz_mha's decoded calls (every variant), Trace's methods, RoPE, the
   layer (constructor, call, backward, load_state_dict), the checkers on a
   small generated prototype, plot_attention, the PyTorch mask converters,
-  param_count, set_num_threads.
+  param_count, set_num_threads; BlockMask (from a function or a dense mask)
+  in attention, and PagedKVCache (add, append, free, attention).
 
 The properties: no crash, no hang, and nothing escapes but TypeError,
 ValueError or MemoryError (IndexError too where it is documented: a head or
@@ -627,11 +628,105 @@ def fuzz_small(d: Data, rng):
             mhattn.set_num_threads(before)
 
 
+def fuzz_block_mask(d: Data, rng):
+    """BlockMask from a (sometimes hostile) function or a dense mask, then
+    attention with it against the same call with its dense mask, bit for
+    bit (issue 39)."""
+    import mhattn
+    kw, s = projected(d, rng)
+    Tq, Tk, H = s["Tq"], s["Tk"], s["H"]
+    block = hostile(d, (d.int(1, 6), d.int(1, 6)), 10)
+    bh = d.pick([1, H, H + 1])
+    dense = rng.random((d.pick([1, s["B"]]), bh, Tq, Tk)) < d.pick([0.0, 0.3, 0.8, 1.0])
+    how = d.int(0, 3)
+    if how == 0:
+        bm = attempt("BlockMask.from_dense",
+                     lambda: mhattn.BlockMask.from_dense(hostile(d, dense, 6), block=block))
+    else:
+        wrong = [lambda b, h, q, kv: dense[b % dense.shape[0], h % bh, q, kv],
+                 lambda b, h, q, kv: (q - kv).astype(d.pick([np.int64, np.float32])),
+                 lambda b, h, q, kv: dense[0, 0, :, :-1] if Tk else 1 / 0,
+                 lambda b, h, q, kv: d.pick(GARBAGE)]
+        fn = wrong[0] if d.chance(2) else d.pick(wrong)
+        bm = attempt("BlockMask.from_function", lambda: mhattn.BlockMask.from_function(
+            fn, dense.shape[0], bh, Tq, Tk, block=block))
+    if bm is RAISED:
+        return
+    if not np.array_equal(bm.to_dense(), np.broadcast_to(bm.to_dense(), bm.shape)):
+        raise Finding("BlockMask.to_dense: not of its shape")
+    got = attempt("attention", lambda: mhattn.attention(**kw, block_mask=bm))
+    if got is RAISED:
+        return
+    full = bm.to_dense()
+    want = mhattn.attention(**kw, mask=full if s["lead"] else full[0])
+    if not np.array_equal(got, want, equal_nan=True):
+        raise Finding("attention(block_mask=) differs from its dense mask's bits")
+
+
+def fuzz_paged(d: Data, rng):
+    """PagedKVCache: its constructor, add_sequence, append, free and
+    attention, the pool's pages counted after every step, each decode
+    against attention on the sequence's keys held contiguously (issue 39)."""
+    import mhattn
+    G, group, dk = d.int(1, 2), d.int(1, 2), d.int(1, 3)
+    ps, n = hostile(d, d.int(1, 5), 10), hostile(d, d.int(1, 12), 10)
+    cache = attempt("PagedKVCache", lambda: mhattn.PagedKVCache(n, ps, G, dk,
+                                                                dtype=np.float64))
+    if cache is RAISED:
+        return
+    held = {}                          # id -> (keys, values) appended
+    for _ in range(d.int(1, 6)):
+        op = d.int(0, 3)
+        if op == 0 or not held:
+            sid = cache.add_sequence()
+            held[sid] = (np.zeros((G, 0, dk)), np.zeros((G, 0, dk)))
+            continue
+        ids = list(held)[:d.int(1, len(held))]
+        if op == 1:
+            T = d.int(0, 3)
+            k, v = (hostile(d, vals(rng, (len(ids), G, T, dk)), 12) for _ in range(2))
+            before = cache.pages_in_use
+            if attempt("PagedKVCache.append", lambda: cache.append(
+                    hostile(d, ids, 12), k, v)) is RAISED:
+                if cache.pages_in_use != before:
+                    raise Finding("PagedKVCache.append raised but changed the pool")
+                continue
+            # What a float64 cache holds of rows it took (a half or integer
+            # dtype's values are exact in float64).
+            k, v = (np.asarray(a).astype(np.float64) for a in (k, v))
+            for i, sid in enumerate(ids):
+                held[sid] = tuple(np.concatenate([h, a[i]], axis=1)
+                                  for h, a in zip(held[sid], (k, v)))
+        elif op == 2:
+            sid = ids[0]
+            attempt("PagedKVCache.free", lambda: cache.free(hostile(d, sid, 12)))
+            if sid in cache.sequences:
+                continue
+            del held[sid]
+        else:
+            q = vals(rng, (len(ids), G * group, 1, dk))
+            out = attempt("attention", lambda: mhattn.attention(
+                q, cache=cache, sequence_ids=hostile(d, ids, 12)))
+            if out is RAISED:
+                continue
+            for i, sid in enumerate(ids):
+                k, v = held[sid]
+                if k.shape[1] == 0:
+                    continue
+                want = mhattn.attention(q[i:i + 1], k[None], v[None])
+                close(out[i:i + 1], want, "PagedKVCache attention")
+        used = sum(-(-held[s_][0].shape[1] // cache.page_size) for s_ in held)
+        if cache.pages_in_use != used:
+            raise Finding(f"PagedKVCache: {cache.pages_in_use} pages in use, its sequences "
+                          f"hold {used}")
+
+
 # The first byte's choice (fuzz_grad_and_trace twice: it serves three entry
-# points; fuzz_plot, the slowest, once).
+# points; fuzz_plot, the slowest, once; issue 39's BlockMask and PagedKVCache
+# last).
 ENTRIES = [fuzz_attention, fuzz_attention_grad, fuzz_merge, fuzz_cache, fuzz_cached_step,
            fuzz_packed, fuzz_grad_and_trace, fuzz_grad_and_trace, fuzz_rope, fuzz_layer,
-           fuzz_checker, fuzz_small, fuzz_plot]
+           fuzz_checker, fuzz_small, fuzz_plot, fuzz_block_mask, fuzz_paged]
 
 
 # --- the properties -------------------------------------------------------------
