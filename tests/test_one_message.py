@@ -210,6 +210,11 @@ VIOLATIONS = {
                    ["mask", "(5, 5)"]),
     "alibi_shape": ((2, 2), dict(alibi_slopes=np.ones(3)), EVERY_CALL,
                     ["alibi_slopes", "(3,)"]),
+    # the slopes' values are the core's (precision_check), NaN and inf too
+    "alibi_inf": ((2, 2), dict(alibi_slopes=np.array([np.inf, 0.5])), EVERY_CALL,
+                  ["alibi_slopes: ", "alibi[0] = inf: expected a finite slope"]),
+    "alibi_nan": ((2, 2), dict(alibi_slopes=np.array([0.5, np.nan])), EVERY_CALL,
+                  ["alibi_slopes: ", "alibi[1] = nan: expected a finite slope"]),
     "key_mask_shape": ((2, 2), dict(key_mask=np.ones((2, 7), bool)), NOT_CACHED,
                        ["key_mask", "(2, 7)"]),
     "norm_eps_negative": ((2, 2), dict(norm_eps=-1.0, q_norm=np.ones(2)),
@@ -289,6 +294,7 @@ VIOLATIONS = {
 # The rules the core checks (mha_check_config): their errors carry the
 # core's field, so no layer above re-checked them first.
 CORE_RULES = {"kv_heads_not_dividing", "kv_heads_more_than_heads", "softcap_negative",
+              "alibi_inf", "alibi_nan",
               "softcap_nan", "softcap_inf", "key_lengths_above", "key_lengths_negative",
               "norm_eps_negative", "norm_eps_nan", "norm_eps_of_the_layer", "norm_type_unknown",
               "rotary_dim_wider_than_heads", "rotary_dim_odd", "rotary_dim_odd_heads",

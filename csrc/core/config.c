@@ -693,6 +693,9 @@ static mha_status precision_check(const mha_config *cfg, mha_dtype dtype, mha_er
         const double dist = far > 1 ? (double)(far - 1) : 1.0;
         for (size_t i = 0; i < n; i++) {
             const double slope = cfg->alibi[i];
+            if (!isfinite(slope))   /* at any distance: no size in the message */
+                return REJECT(MHA_FIELD_ALIBI, "alibi[%zu] = %g: expected a finite slope",
+                              i, slope);
             if (!(fabs(slope) * dist <= M))
                 return REJECT(MHA_FIELD_ALIBI,
                               "alibi[%zu] = %g: its bias -slope |p_i - j| at the largest "

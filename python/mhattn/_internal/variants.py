@@ -465,8 +465,10 @@ def dropout_seed(seed: Any, dropout: float) -> int:
     return int(seed)
 
 
-def _per_head(name: str, obj: Any, H: int, B: int, batched: bool, dtype) -> np.ndarray:
-    """(H,) or, batched, (B, H) as (B or 1, H) of dtype."""
+def _per_head(name: str, obj: Any, H: int, B: int, batched: bool, dtype,
+              finite: bool = True) -> np.ndarray:
+    """(H,) or, batched, (B, H) as (B or 1, H) of dtype; each value finite
+    unless ``finite`` is False (a rule the core checks itself)."""
     a = _real_array(name, obj)
     forms = f"({H},) (one per query head)" + (f" or ({B}, {H})" if batched else "")
     if a.shape == (H,):
@@ -474,7 +476,7 @@ def _per_head(name: str, obj: Any, H: int, B: int, batched: bool, dtype) -> np.n
     elif not (batched and a.shape == (B, H)):
         raise ValueError(f"{name}: expected shape {forms}, got {a.shape}")
     a = a.astype(dtype)
-    if not np.isfinite(a).all():
+    if finite and not np.isfinite(a).all():
         raise ValueError(f"{name}: every value must be finite")
     return _frozen(a)
 
@@ -482,18 +484,17 @@ def _per_head(name: str, obj: Any, H: int, B: int, batched: bool, dtype) -> np.n
 def _alibi(obj: Any, H: int, B: int, batched: bool, cu_q: Optional[np.ndarray]) -> np.ndarray:
     """ALiBi's slopes as (rows, H) float64: (H,) shared, (B, H) per batch
     item, or with packed sequences (n, H), one row per sequence, as
-    FlashAttention's varlen calls take them."""
+    FlashAttention's varlen calls take them. Their values are the core's to
+    check (precision_check: a slope whose bias at the largest distance the
+    call's type cannot hold, inf and NaN among them)."""
     if cu_q is None:
-        return _per_head("alibi_slopes", obj, H, B, batched, np.float64)
+        return _per_head("alibi_slopes", obj, H, B, batched, np.float64, finite=False)
     n = cu_q.size - 1
     a = _real_array("alibi_slopes", obj)
     if a.shape not in ((H,), (n, H)):
         raise ValueError(f"alibi_slopes: expected shape ({H},) (one per query head) or "
                          f"({n}, {H}) (one row per packed sequence), got {a.shape}")
-    a = np.atleast_2d(a).astype(np.float64)
-    if not np.isfinite(a).all():
-        raise ValueError("alibi_slopes: every value must be finite")
-    return _frozen(a)
+    return _frozen(np.atleast_2d(a).astype(np.float64))
 
 
 def _norm_weight(name: str, obj: Any, heads: int, head_word: str, dk: Sequence[int],
