@@ -104,6 +104,28 @@ def _quantise(x: np.ndarray):
     return q, np.where(finite, scale, np.float32(np.nan)).astype(_F32)
 
 
+def _rows_of(name: str, a: np.ndarray, dtype: np.dtype, compute: np.dtype) -> np.ndarray:
+    """New rows ``a`` (of the right shape) as a cache stored in ``dtype``
+    and computing in ``compute`` takes them: its own dtype, or float32 rows
+    that a half or int8 cache rounds or quantises as it stores them
+    (_encode); ValueError naming ``name`` and what to pass otherwise.
+    KVCache's and PagedKVCache's rule."""
+    if a.dtype == dtype and dtype != _I8:
+        return a
+    if a.dtype == _F32 and compute == _F32 and dtype != _F32:
+        return a      # rounded or quantised as it is stored (_encode)
+    if dtype == _I8:
+        raise ValueError(f"{name}: dtype {a.dtype}, but an int8 cache takes float32 rows "
+                         f"and quantises them as they are appended; pass "
+                         f"{name}.astype(np.float32)")
+    if is_half(dtype):
+        raise ValueError(f"{name}: dtype {a.dtype}, but the cache holds {dtype}; "
+                         f"pass {dtype} or float32 rows (rounded once to "
+                         f"{dtype} as they are stored)")
+    raise ValueError(f"{name}: dtype {a.dtype}, but the cache holds {dtype}; "
+                     f"pass {name}.astype(np.{dtype.name})")
+
+
 class KVCache:
     """A preallocated key/value cache for decoding, B sequences at a time.
 
@@ -364,20 +386,7 @@ class KVCache:
         if a.ndim != 4 or a.shape[0] != self.batch or a.shape[1] != self.num_kv_heads \
                 or a.shape[3] != width:
             raise ValueError(f"{name}: expected shape {want} for {self!r}, got {a.shape}")
-        if a.dtype == self.dtype and self.dtype != _I8:
-            return a
-        if a.dtype == _F32 and self._compute == _F32 and self.dtype != _F32:
-            return a      # rounded or quantised as it is stored (_encode)
-        if self.dtype == _I8:
-            raise ValueError(f"{name}: dtype {a.dtype}, but an int8 cache takes float32 rows "
-                             f"and quantises them as they are appended; pass "
-                             f"{name}.astype(np.float32)")
-        if is_half(self.dtype):
-            raise ValueError(f"{name}: dtype {a.dtype}, but the cache holds {self.dtype}; "
-                             f"pass {self.dtype} or float32 rows (rounded once to "
-                             f"{self.dtype} as they are stored)")
-        raise ValueError(f"{name}: dtype {a.dtype}, but the cache holds {self.dtype}; "
-                         f"pass {name}.astype(np.{self.dtype.name})")
+        return _rows_of(name, a, self.dtype, self._compute)
 
     def _encode(self, a: np.ndarray):
         """Checked new rows (B, G, T, d) as the storage holds them, and their
@@ -528,9 +537,14 @@ def _check_cache(cache: Any, call) -> None:
     (Whether it has room is only known under its lock: check_room.)"""
     if not isinstance(cache, KVCache):
         raise TypeError(f"cache: expected a mhattn.KVCache, got {type(cache).__name__}")
-    problems = []
-    if cache.batch != call.B:
-        problems.append(f"batch {cache.batch} but x has {call.B} sequences")
+    _check_fits(cache, call, [] if cache.batch == call.B else
+                [f"batch {cache.batch} but x has {call.B} sequences"])
+
+
+def _check_fits(cache, call, problems: list) -> None:
+    """A cache (KVCache or PagedKVCache) fits the call's heads, widths and
+    dtype: ValueError naming ``cache`` with every problem (``problems``
+    first) otherwise."""
     if cache.num_kv_heads != call.G:
         problems.append(f"{cache.num_kv_heads} kv heads but the weights have {call.G}")
     if set(call.dk) != {cache.d_k} or set(call.dv) != {cache.d_v}:

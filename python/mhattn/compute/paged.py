@@ -38,7 +38,8 @@ from .._internal.core import _fused_bias, head_arrays, variant_args
 from .._internal.half import is_bfloat16, is_half, narrow, narrow_like
 from .._internal.variants import normalize_variants, variants_tuple_of
 from .cache import (_F32, _F64, _I8, _NOT_WITH_CACHE, _check_step_memory, _dtype,
-                    _new_lengths, _output_gate, _quantise, _scores_only, _size)
+                    _check_fits, _new_lengths, _output_gate, _quantise, _rows_of, _scores_only,
+                    _size)
 
 __all__ = ["PagedKVCache", "paged_step", "paged_attention"]
 
@@ -504,20 +505,7 @@ class PagedKVCache:
         if a.ndim != 4 or a.shape[0] != n or a.shape[1] != G or a.shape[3] != width:
             raise ValueError(f"{name}: expected shape {want} (n = the sequences listed) for "
                              f"{self!r}, got {a.shape}")
-        if a.dtype == self.dtype and self.dtype != _I8:
-            return a
-        if a.dtype == _F32 and self._compute == _F32 and self.dtype != _F32:
-            return a      # rounded or quantised as it is stored (_encode)
-        if self.dtype == _I8:
-            raise ValueError(f"{name}: dtype {a.dtype}, but an int8 cache takes float32 rows "
-                             f"and quantises them as they are appended; pass "
-                             f"{name}.astype(np.float32)")
-        if is_half(self.dtype):
-            raise ValueError(f"{name}: dtype {a.dtype}, but the cache holds {self.dtype}; "
-                             f"pass {self.dtype} or float32 rows (rounded once to "
-                             f"{self.dtype} as they are stored)")
-        raise ValueError(f"{name}: dtype {a.dtype}, but the cache holds {self.dtype}; "
-                         f"pass {name}.astype(np.{self.dtype.name})")
+        return _rows_of(name, a, self.dtype, self._compute)
 
     def _encode(self, a: np.ndarray):
         """As KVCache._encode: rows as the pages hold them, and int8 scales."""
@@ -656,20 +644,7 @@ class PagedKVCache:
 
 def _check_paged(cache: PagedKVCache, call) -> None:
     """The cache must fit the call: ValueError naming ``cache`` otherwise."""
-    problems = []
-    if cache.num_kv_heads != call.G:
-        problems.append(f"{cache.num_kv_heads} kv heads but the weights have {call.G}")
-    if set(call.dk) != {cache.d_k} or set(call.dv) != {cache.d_v}:
-        problems.append(f"widths d_k={cache.d_k}, d_v={cache.d_v} but the heads have "
-                        f"d_k={sorted(set(call.dk))}, d_v={sorted(set(call.dv))}")
-    if cache._compute != call.dtype:
-        problems.append(f"dtype {cache.dtype} (computing in {cache._compute}) but the call "
-                        f"computes in {call.dtype}")
-    elif is_half(cache.dtype) and is_half(call.out_dtype) and cache.dtype != call.out_dtype:
-        problems.append(f"dtype {cache.dtype} but x is {call.out_dtype} (pass x as "
-                        f"{cache.dtype} or float32)")
-    if problems:
-        raise ValueError(f"cache: {'; '.join(problems)} ({cache!r})")
+    _check_fits(cache, call, [])
 
 
 def paged_step(x, w_q, w_k, w_v, w_o, *, cache, sequence_ids, num_heads=None, scale=None,
