@@ -30,10 +30,11 @@ def figures(block, block_vars, gallery_conf):
 
 
 # The gallery's reading order: the document's example, then what one call
-# shows, the patterns of masks, the learner's tools, decoding, benchmarks.
+# shows, the patterns of masks, the learner's tools, decoding, a cluster,
+# benchmarks.
 ORDER = ["plot_worked_example_heads.py", "plot_several_heads.py", "plot_masks.py",
          "plot_window_chunk.py", "plot_rope_alibi.py", "plot_sinks.py", "plot_trace.py",
-         "plot_checker.py", "plot_kv_cache.py", "plot_benchmarks.py"]
+         "plot_checker.py", "plot_kv_cache.py", "plot_dask.py", "plot_benchmarks.py"]
 
 
 class Order:

@@ -345,6 +345,39 @@ def _threads_in_a_task():
         return mhattn.get_num_threads()
 
 
+def _held_threads(pause):
+    """In a task: mhattn's thread count inside the module's context, and when
+    the task held it (monotonic clock), for the overlap check below."""
+    import time
+    with md._task_threads():
+        t0 = time.monotonic()
+        n = mhattn.get_num_threads()
+        time.sleep(pause)
+        return n, t0, time.monotonic()
+
+
+@pytest.mark.cluster
+def test_a_lone_task_takes_the_workers_threads_and_never_oversubscribes():
+    distributed = pytest.importorskip("distributed")
+    before = mhattn.get_num_threads()
+    with distributed.LocalCluster(processes=False, n_workers=1, threads_per_worker=2,
+                                  dashboard_address=":0", silence_logs=40) as cluster, \
+            distributed.Client(cluster) as c:
+        lone = c.submit(_held_threads, 0.0, pure=False).result()
+        assert lone[0] == 2   # alone on a worker of 2 threads: both
+        import time
+        first = c.submit(_held_threads, 0.5, pure=False)   # alone: wide
+        time.sleep(0.15)
+        runs = c.gather([first] + [c.submit(_held_threads, 0.2, pure=False)
+                                   for _ in range(5)])
+    assert runs[0][0] == 2
+    # the five that came while it ran waited for it: the threads of the
+    # tasks holding the context at any moment add up to at most the two
+    for _, t0, _ in runs:
+        assert sum(n for n, a, b in runs if a <= t0 < b) <= 2, runs
+    assert mhattn.get_num_threads() == before
+
+
 def _slow(block):
     import time
     time.sleep(0.3)

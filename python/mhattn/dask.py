@@ -25,12 +25,14 @@ No task holds more than one query chunk by one key chunk of scores: the
 core's tiles hold less. Blocks that causal, a window or ``key_lengths``
 leave empty are not in the graph.
 
-Threads: a task that runs while others may run in the same process (a
-Dask worker's threads, the threaded scheduler's pool) runs mhattn on one
-thread, so a worker of n threads runs n single-threaded tasks on its n
-cores; with the synchronous scheduler (one task at a time, in the calling
-thread) mhattn keeps its own count. The count is set for the tasks running
-and restored when the last one ends; results do not depend on it.
+Threads: on a Dask worker, a task alone there (nothing else executing or
+ready) runs mhattn on the worker's ``nthreads``, and the worker's next
+mhattn task waits for it; tasks side by side run one thread each, so a
+worker of n threads never runs more than n. Other pool threads (the
+threaded scheduler's) run one thread; the synchronous scheduler (one task
+at a time, in the calling thread) keeps mhattn's own count. The count is
+set for the tasks running and restored when the last one ends; results do
+not depend on it.
 """
 from __future__ import annotations
 
@@ -65,45 +67,80 @@ _LAYOUTS = ("bhtd", "bthd")
 
 # ---- threads --------------------------------------------------------------
 
-_lock = threading.Lock()
+_cond = threading.Condition()
 _running = 0            # tasks of this module running in this process
+_wide = False           # one of them runs on more than one thread
 _saved: Optional[int] = None
+
+
+def _worker_state():
+    """The Dask worker's state (``WorkerState``) when this thread runs one
+    of its tasks, else None."""
+    # A worker process has imported distributed; elsewhere no import is tried
+    # (a failed import is not cached, and this runs once per task).
+    dist = sys.modules.get("distributed")
+    if dist is not None:
+        try:
+            return dist.get_worker().state
+        except ValueError:   # not in a worker's task
+            pass
+    return None
 
 
 def _concurrent() -> bool:
     """True when other tasks may run in this process alongside this one: a
     Dask worker's thread or a pool thread (not the synchronous scheduler's
     calling thread)."""
-    # A worker process has imported distributed; elsewhere no import is tried
-    # (a failed import is not cached, and this runs once per task).
-    dist = sys.modules.get("distributed")
-    if dist is not None:
-        try:
-            dist.get_worker()
-            return True
-        except ValueError:   # not in a worker's task
-            pass
+    if _worker_state() is not None:
+        return True
     return threading.current_thread() is not threading.main_thread()
+
+
+def _alone(ws) -> int:
+    """The worker's thread count when the task calling this is the only one
+    it runs or has ready to run, else 1."""
+    n = int(getattr(ws, "nthreads", 1) or 1)
+    try:
+        busy = ws.executing_count + len(ws.ready) + len(getattr(ws, "constrained", ()))
+    except (AttributeError, TypeError):   # another distributed's state: be modest
+        return 1
+    return n if busy <= 1 else 1
 
 
 @contextmanager
 def _task_threads():
-    """mhattn on one thread while concurrent tasks run (restored after the
-    last); the synchronous scheduler's tasks keep the caller's count."""
-    global _running, _saved
+    """mhattn's thread count for one task (restored after the last).
+
+    On a Dask worker a task that is alone there (nothing else executing or
+    ready) takes the worker's ``nthreads``, and until it ends the worker's
+    next mhattn task waits for it rather than add a thread the cores do not
+    have; tasks that run together take one thread each. Other pool threads
+    (the threaded scheduler's) take one thread; the synchronous scheduler's
+    tasks keep the caller's count. Results do not depend on the count.
+    """
+    global _running, _wide, _saved
     if not _concurrent():
         yield
         return
-    with _lock:
+    ws = _worker_state()
+    with _cond:
+        while _wide:   # a lone task has every core: wait for it
+            _cond.wait()
         if _running == 0:
             _saved = get_num_threads()
-            set_num_threads(1)
+        n = 1 if ws is None or _running else _alone(ws)
+        _wide = n > 1
+        set_num_threads(n)
         _running += 1
     try:
         yield
     finally:
-        with _lock:
+        with _cond:
             _running -= 1
+            if n > 1:
+                _wide = False
+                set_num_threads(1)
+                _cond.notify_all()
             if _running == 0:
                 set_num_threads(_saved)
 
