@@ -59,6 +59,17 @@ def _count(arr, what="mhattn-attention-"):
                and key[0].endswith("-block") and len(key) == 5)
 
 
+def _key_mask(B, Tk, seed):
+    """A padding pattern with holes, a row with no real key, and (for B > 1)
+    a row whose real keys all sit in its last quarter."""
+    m = np.random.default_rng(seed).random((B, Tk)) < 0.6
+    m[0, : Tk // 3] = False
+    if B > 1:
+        m[1] = False
+        m[-1, : 3 * Tk // 4] = False
+    return m
+
+
 CASES = [  # (B, H, G, Tq, Tk, q chunks, k chunks, keywords)
     (2, 4, 4, 100, 100, (1, 2, 30, 16), (2, 4, 30, 16), dict(causal=True)),   # on the diagonal
     (2, 4, 4, 100, 100, (1, 2, 30, 16), (2, 4, 40, 16), dict(causal=True)),   # off it
@@ -73,6 +84,11 @@ CASES = [  # (B, H, G, Tq, Tk, q chunks, k chunks, keywords)
      dict(causal=True, sinks=np.linspace(-1, 1, 4), alibi_slopes=np.array([.5, .25, .1, .05]),
           softcap=4.0, scale=0.3)),
     (1, 2, 2, 50, 50, (1, 2, 50, 16), (1, 2, 50, 16), {}),                      # one block
+    (3, 2, 2, 60, 80, (1, 2, 25, 16), (3, 2, 30, 16), dict(key_mask=_key_mask(3, 80, 1))),
+    (3, 4, 2, 70, 70, (2, 2, 20, 16), (3, 2, 24, 16),
+     dict(causal=True, key_mask=_key_mask(3, 70, 2), sinks=np.array([0.5, -1.0, 0., 2.]))),
+    (1, 2, 2, 60, 60, (1, 2, 25, 16), (1, 2, 25, 16),
+     dict(window=(20, 3), key_mask=_key_mask(1, 60, 3)[0])),                  # (T_k,)
 ]
 
 
@@ -149,6 +165,10 @@ def test_the_graph_holds_only_the_blocks_seen(rng, n):
     # key_lengths of 30 keep the first two key chunks only
     kl = md.attention(q, k, v, key_lengths=np.array([min(30, T)]))
     assert _count(kl) == n * min(n, 2)
+    # a key_mask whose real keys lie in the first and last key chunks only
+    km = np.zeros(T, bool)
+    km[[3, T - 1]] = True
+    assert _count(md.attention(q, k, v, key_mask=km)) == n * min(n, 2)
     g = md.attention_grad(q, q, k, v, *md.attention(q, k, v, causal=True, return_lse=True),
                           causal=True)
     assert _count(g["q"], "mhattn-attention-grad-") == n * (n + 1) // 2
@@ -156,7 +176,8 @@ def test_the_graph_holds_only_the_blocks_seen(rng, n):
 
 def test_the_blocks_in_the_graph_are_exactly_those_some_query_sees():
     """The plan's key chunks per query chunk against the dense visibility of
-    causal, windows and key lengths, over random sizes and chunks."""
+    causal, windows, key lengths and key masks, over random sizes and
+    chunks."""
     rng = np.random.default_rng(5)
     for _ in range(80):
         Tq, Tk = (int(t) for t in rng.integers(1, 120, 2))
@@ -165,9 +186,10 @@ def test_the_blocks_in_the_graph_are_exactly_those_some_query_sees():
         window = None if rng.integers(2) else tuple(
             None if rng.integers(3) == 0 else int(rng.integers(0, 50)) for _ in range(2))
         kl = None if rng.integers(2) else rng.integers(0, Tk + 1, 2)
+        km = None if rng.integers(2) else rng.random((2, Tk)) < rng.choice([0.02, 0.2, 0.8])
         q = da.zeros((2, 1, Tq, 4), chunks=(1, 1, cq, 4))
         k = da.zeros((2, 1, Tk, 4), chunks=(1, 1, ck, 4))
-        plan = md._Plan(q, k, k, causal, window, kl, True)
+        plan = md._Plan(q, k, k, causal, window, kl, km, True)
         p, j = np.arange(Tq)[:, None] + (Tk - Tq), np.arange(Tk)[None, :]
         for b in range(2):
             ok = np.ones((Tq, Tk), bool)
@@ -179,10 +201,12 @@ def test_the_blocks_in_the_graph_are_exactly_those_some_query_sees():
                 ok &= j <= p + window[1]
             if kl is not None:
                 ok &= j < kl[b]
+            if km is not None:
+                ok &= km[b][None, :]
             qc, kc = plan.qcut, plan.kcut
             want = [[c for c in range(len(kc) - 1) if ok[qc[i]:qc[i + 1], kc[c]:kc[c + 1]].any()]
                     for i in range(len(qc) - 1)]
-            assert plan.seen[b] == want, (Tq, Tk, cq, ck, causal, window, kl)
+            assert plan.seen[b] == want, (Tq, Tk, cq, ck, causal, window, kl, km)
 
 
 def test_a_chunk_that_sees_nothing(rng):
@@ -268,7 +292,8 @@ def test_import_mhattn_does_not_import_dask_and_mhattn_dask_says_how():
 @pytest.mark.parametrize("chunks", [(2, 70, 32), (2, 25, 16), (1, 33, 32)])
 @pytest.mark.parametrize("kw", [dict(causal=True), dict(window=(20, 0), w_o=None),
                                 dict(causal=True, key_lengths=np.array([70, 30, 5]),
-                                     sinks=np.array([0.5, 0.0, -0.5, 1.0]))])
+                                     sinks=np.array([0.5, 0.0, -0.5, 1.0])),
+                                dict(causal=True, key_mask=_key_mask(3, 70, 4))])
 def test_multi_head_attention_equals_one_call(rng, dtype, chunks, kw):
     """Chunked along batch only: one mhattn.multi_head_attention per batch
     chunk (map_blocks), no block of attention; along time too: projections,

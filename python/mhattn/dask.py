@@ -9,7 +9,8 @@ How a block sees the whole call's rules: the whole call places query i at
 ``p_i = i + (T_k - T_q)`` (bottom-right), so the block of queries from q0
 against keys from k0 passes ``q_offset = q0 + (T_k - T_q) - k0``, and
 causal, the window and ALiBi line up with the global positions;
-``key_lengths`` becomes each item's count of the block's keys.
+``key_lengths`` becomes each item's count of the block's keys, and
+``key_mask`` its columns of the block's keys.
 
 The partials of one query chunk (its out and lse over the block's keys) are
 merged by :func:`mhattn.merge_attention` in a binary tree over the visible
@@ -22,8 +23,8 @@ query row: only the first visible block of a query chunk is given
 only that block's gradient holds the sinks' part.
 
 No task holds more than one query chunk by one key chunk of scores: the
-core's tiles hold less. Blocks that causal, a window or ``key_lengths``
-leave empty are not in the graph.
+core's tiles hold less. Blocks that causal, a window, ``key_lengths`` or
+``key_mask`` leave empty are not in the graph.
 
 Threads: on a Dask worker, a task alone there (nothing else executing or
 ready) runs mhattn on the worker's ``nthreads``, and the worker's next
@@ -254,7 +255,7 @@ class _Plan:
     line up (batch; heads, by groups under GQA; whole head widths), and per
     (batch chunk, query chunk) the key chunks some query of it may see."""
 
-    def __init__(self, q, k, v, causal, window, key_lengths, batched):
+    def __init__(self, q, k, v, causal, window, key_lengths, key_mask, batched):
         B, H, Tq, dk = q.shape
         G, Tk, dv = k.shape[1], k.shape[2], v.shape[3]
         r = H // G   # mhattn has checked H % G == 0
@@ -271,6 +272,9 @@ class _Plan:
         self.kl = None
         if key_lengths is not None:
             self.kl = np.asarray(key_lengths, np.int64).reshape(B)
+        self.km = None   # (B, T_k), as given (mhattn has checked it)
+        if key_mask is not None:
+            self.km = np.broadcast_to(np.asarray(key_mask), (B, Tk))
         self.seen = [self._seen(bi, causal, window)
                      for bi in range(len(self.bcut) - 1)]
 
@@ -280,9 +284,15 @@ class _Plan:
         (core/rules.h, mha_rules_key_range), here for every row at once."""
         p = np.arange(self.Tq, dtype=np.int64) + (self.Tk - self.Tq)
         lo = np.zeros_like(p)
-        n = self.Tk
-        if self.kl is not None:
-            n = int(self.kl[self.bcut[bi]:self.bcut[bi + 1]].max(initial=0))
+        n, real = self.Tk, None
+        b0, b1 = self.bcut[bi], self.bcut[bi + 1]
+        if self.km is not None:   # the keys real for some item of the chunk
+            real = self.km[b0:b1].astype(bool)
+            if self.kl is not None:
+                real = real & (np.arange(self.Tk) < self.kl[b0:b1, None])
+            real = real.any(axis=0)
+        elif self.kl is not None:
+            n = int(self.kl[b0:b1].max(initial=0))
         hi = np.full_like(p, n)
         if causal:
             hi = np.minimum(hi, p + 1)
@@ -301,9 +311,12 @@ class _Plan:
         for i in range(len(self.qcut) - 1):
             a, b = lo[self.qcut[i]:self.qcut[i + 1]], hi[self.qcut[i]:self.qcut[i + 1]]
             a, b = a[a < b], b[a < b]
-            first = np.searchsorted(b, k0, side="right")
-            last = np.searchsorted(a, k1, side="left") - 1
-            seen.append(np.flatnonzero(first <= last).tolist())
+            if real is None:
+                first = np.searchsorted(b, k0, side="right")
+                last = np.searchsorted(a, k1, side="left") - 1
+                seen.append(np.flatnonzero(first <= last).tolist())
+            else:
+                seen.append(np.flatnonzero(_sees_real(a, b, k0, k1, real)).tolist())
         return seen
 
     def opts(self, bi, hi_, i, j, base: Dict[str, Any], sinks, alibi, first: bool):
@@ -314,6 +327,8 @@ class _Plan:
         o = dict(base, q_offset=int(self.qcut[i] + (self.Tk - self.Tq) - k0))
         if self.kl is not None:
             o["key_lengths"] = np.clip(self.kl[b0:b1] - k0, 0, k1 - k0)
+        if self.km is not None:
+            o["key_mask"] = self.km[b0:b1, k0:k1]
         if alibi is not None:
             o["alibi_slopes"] = alibi[h0:h1] if alibi.ndim == 1 else alibi[b0:b1, h0:h1]
         if sinks is not None and first:
@@ -326,6 +341,22 @@ class _Plan:
             for hi_ in range(len(self.hcut) - 1):
                 for i, js in enumerate(seen):
                     yield bi, hi_, i, js
+
+
+def _sees_real(lo, hi, k0, k1, real) -> np.ndarray:
+    """Per key chunk [k0, k1): whether some row's keys [lo, hi) hold a key
+    with ``real`` True there: the first real key at or after max(lo, k0),
+    ``nxt``, lies before min(hi, k1). Rows in slabs, about 2^20 pairs each."""
+    T = len(real)
+    idx = np.where(real, np.arange(T), T)
+    nxt = np.append(np.minimum.accumulate(idx[::-1])[::-1], T)
+    seen = np.zeros(len(k0), bool)
+    step = max(1, (1 << 20) // max(len(k0), 1))
+    for r in range(0, len(lo), step):
+        a = np.maximum(lo[r:r + step, None], k0[None, :])
+        b = np.minimum(hi[r:r + step, None], k1[None, :])
+        seen |= (nxt[np.minimum(a, T)] < b).any(axis=0)
+    return seen
 
 
 def _tree(tasks: dict, keys: list, name: str, fn) -> Any:
@@ -363,12 +394,13 @@ def _options(scale, causal, window, softcap, alibi_slopes, sinks):
 # ---- the entry points -----------------------------------------------------
 
 def attention(q, k, v, *, layout="bhtd", scale=None, causal=False, key_lengths=None,
-              window=None, softcap=None, alibi_slopes=None, sinks=None, return_lse=False):
+              window=None, softcap=None, alibi_slopes=None, sinks=None, key_mask=None,
+              return_lse=False):
     """:func:`mhattn.attention` over Dask arrays, exact, as a graph of blocks.
 
     attention(q, k, v, *, layout="bhtd", scale=None, causal=False,
     key_lengths=None, window=None, softcap=None, alibi_slopes=None,
-    sinks=None, return_lse=False) -> out or (out, lse)
+    sinks=None, key_mask=None, return_lse=False) -> out or (out, lse)
 
     Every argument is checked by mhattn, with its messages, before any task
     exists: the arrays' shapes and dtypes through zero-strided stand-ins
@@ -388,9 +420,11 @@ def attention(q, k, v, *, layout="bhtd", scale=None, causal=False, key_lengths=N
         to q's batch chunks and to q's head chunks (by groups of h // g
         query heads), v to k's time chunks; the head widths are made one
         chunk.
-    layout, scale, causal, key_lengths, window, softcap, alibi_slopes, sinks
-        As :func:`mhattn.attention`; ``key_lengths`` (B,), ``alibi_slopes``
-        and ``sinks`` are small NumPy arrays.
+    layout, scale, causal, key_lengths, window, softcap, alibi_slopes, sinks, key_mask
+        As :func:`mhattn.attention`; ``key_lengths`` (B,), ``alibi_slopes``,
+        ``sinks`` and ``key_mask`` ((T_k,) or (B, T_k) bool) are NumPy
+        arrays, cut for each block. Key chunks that ``key_mask`` leaves
+        without a real key in a batch chunk are not in its graph.
     return_lse : bool, default False
         Also return the log-sum-exp (B, h, T_q), the whole call's.
 
@@ -416,13 +450,14 @@ def attention(q, k, v, *, layout="bhtd", scale=None, causal=False, key_lengths=N
                            _proxy(v, layout, False), layout=layout, scale=scale,
                            causal=causal, key_lengths=key_lengths, window=window,
                            softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                           return_lse=True)
+                           key_mask=key_mask, return_lse=True)
     batched = q.ndim == 4
     plan = _Plan(_to_bhtd(q, layout), _to_bhtd(k, layout), _to_bhtd(v, layout), causal,
-                 window, key_lengths, batched)
+                 window, key_lengths, key_mask, batched)
     base, alibi, sinks = _options(scale, causal, window, softcap, alibi_slopes, sinks)
     dtype = proxy[0].dtype
-    tok = tokenize(plan.q.name, plan.k.name, plan.v.name, base, alibi, sinks, plan.kl)
+    tok = tokenize(plan.q.name, plan.k.name, plan.v.name, base, alibi, sinks, plan.kl,
+                   plan.km)
     name = "mhattn-attention-" + tok
     out_name, lse_name = "mhattn-attention-out-" + tok, "mhattn-attention-lse-" + tok
     tasks, outs, lses = {}, {}, {}
@@ -499,7 +534,7 @@ def _bwd_graph(plan, arrs, base, alibi, sinks, name):
 
 def attention_grad(grad_out, q, k, v, out, lse, *, layout="bhtd", scale=None, causal=False,
                    key_lengths=None, window=None, softcap=None, alibi_slopes=None,
-                   sinks=None) -> Dict[str, Any]:
+                   sinks=None, key_mask=None) -> Dict[str, Any]:
     """:func:`mhattn.attention_grad` over Dask arrays, as a graph of blocks.
 
     attention_grad(grad_out, q, k, v, out, lse, *, <attention's keywords>)
@@ -514,7 +549,7 @@ def attention_grad(grad_out, q, k, v, out, lse, *, layout="bhtd", scale=None, ca
     Parameters
     ----------
     grad_out : dask.array.Array, the shape of ``out``
-    q, k, v, layout, scale, causal, key_lengths, window, softcap, alibi_slopes, sinks
+    q, k, v, layout, scale, causal, key_lengths, window, softcap, alibi_slopes, sinks, key_mask
         As :func:`attention`, the forward's.
     out, lse : the forward's results, :func:`attention` with
         ``return_lse=True`` (Dask or NumPy arrays): each block reads its
@@ -551,11 +586,12 @@ def attention_grad(grad_out, q, k, v, out, lse, *, layout="bhtd", scale=None, ca
             _proxy(grad_out, layout, one), _proxy(q, layout, one), _proxy(k, layout, False),
             _proxy(v, layout, False), layout=layout, scale=scale, causal=causal,
             key_lengths=key_lengths, window=window, softcap=softcap,
-            alibi_slopes=alibi_slopes, sinks=sinks, out=_proxy(out, layout, one),
+            alibi_slopes=alibi_slopes, sinks=sinks, key_mask=key_mask,
+            out=_proxy(out, layout, one),
             lse=_lse_proxy(lse, one))
     batched = q.ndim == 4
     plan = _Plan(_to_bhtd(q, layout), _to_bhtd(k, layout), _to_bhtd(v, layout), causal,
-                 window, key_lengths, batched)
+                 window, key_lengths, key_mask, batched)
     plan.dtype = probe["q"].dtype   # the gradients' dtype, mhattn's choice
     qc = plan.q.chunks
     g_ = _to_bhtd(grad_out, layout).rechunk(qc[:3] + ((plan.dv,),))
@@ -563,7 +599,7 @@ def attention_grad(grad_out, q, k, v, out, lse, *, layout="bhtd", scale=None, ca
     lse = (lse if batched else lse[None]).rechunk(qc[:3])
     base, alibi, sinks = _options(scale, causal, window, softcap, alibi_slopes, sinks)
     tok = tokenize(g_.name, plan.q.name, plan.k.name, plan.v.name, o.name, lse.name, base,
-                   alibi, sinks, plan.kl)
+                   alibi, sinks, plan.kl, plan.km)
     name = "mhattn-attention-grad-" + tok
     names = {p: f"mhattn-attention-grad-d{p}-{tok}" for p in ("q", "k", "v", "sinks")}
     layers: Dict[str, dict] = {}
@@ -598,22 +634,25 @@ def _lse_proxy(lse, one_row: bool):
 
 
 @_in_task
-def _mha_block(x, *, weights, opts, kl, bcut, block_id=None):
+def _mha_block(x, *, weights, opts, kl, km, bcut, block_id=None):
     """mhattn.multi_head_attention on one batch chunk of whole sequences."""
+    b0, b1 = bcut[block_id[0]], bcut[block_id[0] + 1]
     if kl is not None:
-        bi = block_id[0]
-        opts = dict(opts, key_lengths=kl[bcut[bi]:bcut[bi + 1]])
+        opts = dict(opts, key_lengths=kl[b0:b1])
+    if km is not None:
+        opts = dict(opts, key_mask=km[b0:b1])
     return _multi_head_attention(x, *weights, **opts)
 
 
 def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads, num_kv_heads=None,
                          scale=None, causal=False, key_lengths=None, window=None,
-                         softcap=None, alibi_slopes=None, sinks=None):
+                         softcap=None, alibi_slopes=None, sinks=None, key_mask=None):
     """:func:`mhattn.multi_head_attention` (self-attention) over a Dask x.
 
     multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads,
     num_kv_heads=None, scale=None, causal=False, key_lengths=None,
-    window=None, softcap=None, alibi_slopes=None, sinks=None) -> out
+    window=None, softcap=None, alibi_slopes=None, sinks=None,
+    key_mask=None) -> out
 
     With T in one chunk the sequences are independent: one
     ``mhattn.multi_head_attention`` task per batch chunk (``map_blocks``), no
@@ -628,8 +667,9 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads, num_kv_heads=
     w_q, w_k, w_v : fused NumPy weights (d_model, h*d_k), (d_model, g*d_k),
         (d_model, g*d_v), head i owning columns [i*d_k, (i+1)*d_k)
     w_o : (h*d_v, d_out), or None for the heads' concatenation
-    num_heads, num_kv_heads, scale, causal, key_lengths, window, softcap, alibi_slopes, sinks
-        As :func:`mhattn.multi_head_attention`.
+    num_heads, num_kv_heads, scale, causal, key_lengths, window, softcap, alibi_slopes, sinks, key_mask
+        As :func:`mhattn.multi_head_attention`; ``key_mask`` (T,) or
+        (B, T) bool, a NumPy array.
 
     Returns
     -------
@@ -667,9 +707,10 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads, num_kv_heads=
         _attention(np.broadcast_to(np.zeros((), dtype), (B, H, 1, dk)),
                    np.broadcast_to(np.zeros((), dtype), (B, G, T, dk)),
                    np.broadcast_to(np.zeros((), dtype), (B, G, T, dv)), causal=causal,
-                   key_lengths=key_lengths, window=window)
+                   key_lengths=key_lengths, window=window, key_mask=key_mask)
         kl = None if key_lengths is None else np.asarray(key_lengths, np.int64).reshape(B)
-        out = xb.map_blocks(_mha_block, weights=weights, opts=kw, kl=kl,
+        km = None if key_mask is None else np.broadcast_to(np.asarray(key_mask), (B, T))
+        out = xb.map_blocks(_mha_block, weights=weights, opts=kw, kl=kl, km=km,
                             bcut=_cuts(xb.chunks[0]), dtype=dtype,
                             chunks=xb.chunks[:2] + ((probe.shape[-1],),))
         return out if batched else out[0]
@@ -678,7 +719,7 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads, num_kv_heads=
     v = (xb @ wv).astype(dtype, copy=False).reshape(B, T, G, dv)
     heads = attention(q, k, v, layout="bthd", scale=scale, causal=causal,
                       key_lengths=key_lengths, window=window, softcap=softcap,
-                      alibi_slopes=alibi_slopes, sinks=sinks)
+                      alibi_slopes=alibi_slopes, sinks=sinks, key_mask=key_mask)
     cat = heads.reshape(B, T, H * dv)
     out = cat if w_o is None else (cat @ np.asarray(w_o)).astype(dtype, copy=False)
     return out if batched else out[0]
