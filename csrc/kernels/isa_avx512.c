@@ -54,8 +54,24 @@ MHA_TARGET_BEGIN("avx512f,avx2,fma")
 #define FLASH_BK PICK(128, 64)
 #define FLASH_PREFETCH PICK(0, 1)
 /* The decode kernels' GQA groups: 4 heads x 4 keys (or 4 column vectors)
-   of sums in 16 of the 32 registers (AVX2's 16 take flash.inc's 2). */
+   of sums in 16 of the 32 registers (AVX2's 16 take flash.inc's 2), each
+   key's row read start to end. Their key blocks are 32 keys: K and V are
+   then read 8 KiB at a time each (float, d = 64), not 32, and on a Zen 4
+   the prefetchers kept both streams going. One step on (1, 8, 32768, 64)
+   float caches, 1 thread, medians of 3 interleaved runs: 11.8 ms before
+   this and the in-order rows, 8.3 ms in order with 64-key blocks, 5.5 ms
+   with 32; 2 threads: 6.2, 4.7, 4.0 ms; with 4096 keys 0.52 -> 0.37 ms on
+   1 thread. GQA, 32 heads over 8 of d = 64 beyond the LLC: 13.5 -> 8.8 ms
+   (1 thread); of d = 128 (bench_decode.py's row) and in the LLC: the same
+   within the noise. Double: 32768 keys, 1 thread, 29-40 -> 20-24 ms. On
+   AVX2 (its own file) the in-order GQA kernel was 8 to 10% slower in the
+   LLC on this Zen 4, so it keeps the columns' order and 64-key blocks
+   (Zen 3's measure). Outputs of steps over more than 32 keys moved by at
+   most 4.3e-7 (float) and 6.1e-16 (double) relative: the online softmax
+   rescales at other keys. */
 #define FLASH_HG 4
+#define FLASH_BK1 32
+#define FLASH_ROWS_IN_ORDER 1
 #define BWD_MR 8
 
 #include "kernels.inc"
