@@ -92,32 +92,40 @@ def test_derive_and_targets():
     assert row["packed_vs_best_peer"] == pytest.approx(95 / 80)
     assert tables.vs_best_cell("vs_best_peer")(row) == "0.95x ORT"
     assert tables.peer_ms("ORT")(row) == "95 Attn" and tables.peer_ms("JAX")(row) == "130"
+    # issue 41's targets: the packed call against every peer, the unpacked
+    # one against the peers that take weights per call (torch, JAX)
+    assert (row["weights_peer"], row["vs_weights_peer"]) == ("torch", pytest.approx(1.2))
+    assert row["unpacked_over_packed"] == pytest.approx(1.25)
     by_what = {t.what: t.status for t in row["targets"]}
-    assert by_what == {"vs best peer (ORT)": "MISS", "% peak": "MISS"}
-    assert tables.target_cell(row) == "MISS vs best peer (ORT),% peak"
+    assert by_what == {"packed vs best peer": "PASS", "packed % peak": "MISS",
+                       "vs torch/JAX (torch)": "PASS", "unpacked / packed": "MISS"}
+    assert tables.target_cell(row) == "MISS packed % peak,unpacked / packed"
     # T = 128: the packed call's targets; without pack_weights they are n/a.
     short = _row(T=128, mhattn=2.0, torch_mha=2.5, jax=3.0)
     short["results"]["mhattn_packed"] = {"skipped": "this build has no mhattn.pack_weights"}
     figures.derive(short, peak)
     assert short["best_peer"] == "torch" and "packed_vs_best_peer" not in short
     assert [(t.what, t.goal, t.status) for t in short["targets"]] == [
-        ("packed vs best peer", 1.25, "n/a"), ("packed % peak", 73, "n/a"),
-        ("vs best peer (torch)", 0.9, "PASS")]
+        ("packed vs best peer", 1.0, "n/a"), ("vs torch/JAX (torch)", 1.0, "PASS")]
     assert tables.result_ms("mhattn_packed")(short) == "-"
     assert tables.vs_best_cell("packed_vs_best_peer")(short) == "-"
-    causal = _row(T=4096, causal=True, mhattn=100.0, ort_attn23=120.0)
+    causal = _row(T=4096, causal=True, mhattn=100.0, mhattn_packed=99.0, ort_attn23=120.0,
+                  jax=90.0)
     figures.derive(causal, peak)
     assert [(t.what, t.goal, t.status) for t in causal["targets"]] == [
-        ("vs best peer (ORT)", 1.25, "MISS")]
+        ("packed vs best peer", 1.25, "MISS"), ("vs torch/JAX (JAX)", 1.0, "MISS"),
+        ("unpacked / packed", 1.1, "PASS")]
+    # "at most": equal to the goal passes
+    assert figures.Target("x", 1.1, 1.1, "x", less_eq=True).status == "PASS"
+    assert figures.Target("x", 1.1000001, 1.1, "x", less_eq=True).status == "MISS"
     small = _row(T=3, d=4, h=2, mhattn=0.005)
     figures.derive(small, None)
     assert small["pct_peak"] is None and "best_peer" not in small
-    assert [(t.what, t.status) for t in small["targets"]] == [("vs best peer", "n/a"),
-                                                               ("call", "PASS")]
-    assert tables.target_cell(small) == "n/a"
+    assert [(t.what, t.status) for t in small["targets"]] == [("call", "PASS")]
+    assert tables.target_cell(small) == "PASS"
     assert tables.peer_ms("ORT")(small) == "n/a"
     assert figures.count_statuses([row, small], [{"target": "MISS"}]) == {
-        "PASS": 1, "MISS": 3, "n/a": 1}
+        "PASS": 3, "MISS": 3, "n/a": 0}
 
 
 def test_forward_table_structure():
@@ -140,7 +148,7 @@ def test_forward_table_structure():
     assert lines[2].split()[:2] == ["T", "d_model"]
     assert set(lines[3]) == {"-"} and len(lines[3]) == len(lines[2])
     assert len(lines) == 4 + len(rows)
-    assert "skipped" in lines[5] and lines[5].endswith("n/a")
+    assert "skipped" in lines[5] and lines[5].endswith("PASS")   # the 5 us call
     assert tables.fmt_ms(None) == "n/a" and tables.fmt_ms(1234.5) == "1234"
     assert tables.fmt_ratio(2.5) == "2.50x" and tables.fmt_ratio(123.0) == "123x"
     assert tables.row_summary(rows[1]).startswith("      -> mhattn 0.005 ms, numpy skipped")
@@ -260,7 +268,8 @@ def test_write_json(tmp_path):
     got = json.load(open(path))
     assert list(got) == ["argv", "partial", "peak", "rows", "memory", "notes"]
     assert got["peak"] is None and got["notes"] == ["a note"]
-    assert [t["what"] for t in got["rows"][0]["targets"]] == ["vs best peer", "% peak"]
+    assert [t["what"] for t in got["rows"][0]["targets"]] == [
+        "packed vs best peer", "packed % peak", "vs torch/JAX", "unpacked / packed"]
     assert got["rows"][0]["targets"][0]["status"] == "n/a"
 
 

@@ -317,6 +317,42 @@ static inline double ref_row(const mha_config *c, double scale, const uint8_t *m
     return Z == 0 ? -INFINITY : m + log(Z);
 }
 
+/* A decode test's config over a cache (test_kv_storage.c, test_paged.c):
+   B sequences of Tk keys, item b of length Tk - b (Tk / (2B)) (lengths
+   aligned, so each query sits at its item's end), H query heads over G kv
+   heads of width d, scale 1/sqrt(d). The arrays it points at are the
+   struct's own: free them with decode_config_free. */
+typedef struct {
+    mha_config cfg;
+    int64_t *len;
+    size_t *dk;
+    double *scale;
+} decode_config;
+
+static inline decode_config decode_config_make(size_t B, size_t Tq, size_t Tk, size_t H,
+                                               size_t G, size_t d, int causal)
+{
+    decode_config D;
+    D.len = xcalloc(B, sizeof *D.len);
+    for (size_t b = 0; b < B; b++)
+        D.len[b] = (int64_t)(Tk - b * (Tk / (2 * B)));
+    D.dk = xcalloc(G, sizeof *D.dk);
+    for (size_t g = 0; g < G; g++)
+        D.dk[g] = d;
+    D.scale = xcalloc(H, sizeof *D.scale);
+    for (size_t h = 0; h < H; h++)
+        D.scale[h] = 1 / sqrt((double)d);
+    D.cfg = (mha_config){.B = B, .Tq = Tq, .Tk = Tk, .H = H, .G = G, .dk = D.dk,
+                         .dv = D.dk, .scale = D.scale, .causal = causal,
+                         .key_lengths = D.len, .lengths_aligned = 1};
+    return D;
+}
+
+static inline void decode_config_free(decode_config *D)
+{
+    free(D->len), free(D->dk), free(D->scale);
+}
+
 /* The best ISA mha_set_isa selects here, which the tests' loops over ISAs
    run up to: the CPU's (mha_isa_detect), or, in a build with the emulated
    AVX-512 (-DMHA_EMULATE_AVX512=1, csrc/kernels/simd_emu512.h), avx512 on

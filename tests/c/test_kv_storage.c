@@ -82,18 +82,8 @@ static void check_kind(const kcase *K, mha_kv_storage kind, int bad)
             kf[i] = mha_bf16_to_f32(kh[i]), vf[i] = mha_bf16_to_f32(vh[i]);
         }
     }
-    int64_t *len = xcalloc(B, 8);
-    for (size_t b = 0; b < B; b++)
-        len[b] = (int64_t)(Tk - b * (Tk / (2 * B)));
-    size_t *dk = xcalloc(G, sizeof *dk);
-    double *scale = xcalloc(H, 8);
-    for (size_t g = 0; g < G; g++)
-        dk[g] = d;
-    for (size_t h = 0; h < H; h++)
-        scale[h] = 1 / sqrt((double)d);
-    const mha_config cfg = {.B = B, .Tq = Tq, .Tk = Tk, .H = H, .G = G, .dk = dk, .dv = dk,
-                            .scale = scale, .causal = K->causal, .key_lengths = len,
-                            .lengths_aligned = 1};
+    decode_config D = decode_config_make(B, Tq, Tk, H, G, d, K->causal);
+    const mha_config cfg = D.cfg;
     const mha_strides sq = {H * Tq * d, Tq * d, d}, skv = {G * C * d, C * d, d};
     const mha_strides ssc = {G * C, C, 1};
     float *o[2] = {xcalloc(no, 4), xcalloc(no, 4)}, *w[2] = {xcalloc(nw, 4), xcalloc(nw, 4)};
@@ -146,7 +136,7 @@ static void check_kind(const kcase *K, mha_kv_storage kind, int bad)
     mha_set_num_threads(0);
     mha_set_isa(MHA_ISA_AVX512);
     free(q), free(kf), free(vf), free(ksc), free(vsc), free(kh), free(vh), free(ki), free(vi);
-    free(len), free(dk), free(scale);
+    decode_config_free(&D);
     for (int i = 0; i < 2; i++)
         free(o[i]), free(w[i]), free(l[i]);
 }

@@ -105,18 +105,8 @@ static void check_paged(const pcase *K, mha_kv_storage kind, int f64, size_t ps,
                 memcpy(vp + dst * d * es, v + src * d * es, d * es);
                 kpsc[dst] = ksc[src], vpsc[dst] = vsc[src];
             }
-    int64_t *len = xcalloc(B, 8);
-    for (size_t b = 0; b < B; b++)
-        len[b] = (int64_t)(Tk - b * (Tk / (2 * B)));
-    size_t *dk = xcalloc(G, sizeof *dk);
-    double *scale = xcalloc(H, 8);
-    for (size_t g = 0; g < G; g++)
-        dk[g] = d;
-    for (size_t h = 0; h < H; h++)
-        scale[h] = 1 / sqrt((double)d);
-    const mha_config cc = {.B = B, .Tq = Tq, .Tk = Tk, .H = H, .G = G, .dk = dk, .dv = dk,
-                           .scale = scale, .causal = K->causal, .key_lengths = len,
-                           .lengths_aligned = 1};
+    decode_config D = decode_config_make(B, Tq, Tk, H, G, d, K->causal);
+    const mha_config cc = D.cfg;
     mha_config cp = cc;
     cp.Tk = pps * ps;
     cp.block_table = bt, cp.pages_per_seq = pps, cp.page_size = ps, cp.num_pages = P;
@@ -166,7 +156,7 @@ static void check_paged(const pcase *K, mha_kv_storage kind, int f64, size_t ps,
     }
     mha_set_isa(MHA_ISA_AVX512);
     free(q), free(k), free(v), free(kp), free(vp), free(ksc), free(vsc), free(kpsc);
-    free(vpsc), free(bt), free(perm), free(len), free(dk), free(scale);
+    free(vpsc), free(bt), free(perm), decode_config_free(&D);
     for (int i = 0; i < 2; i++)
         free(o[i]), free(w[i]), free(l[i]);
 }
