@@ -134,7 +134,7 @@ static mha_status attend_run(mha_flash_ctx *ctx, const mha_kernels *kern,
         return st;
     ctx->scratch = raw;
     ctx->scratch_stride = per;
-    if (P > 1) {
+    if (P > 1 || ctx->group) {
         // Partials (mha_flash_ctx): slots x Tq x (dv_max + 2) reals, Tq
         // <= MHA_SPLIT_ROWS: small, so not on fresh huge pages either.
         const size_t rows = ctx->cfg->Tq;
@@ -195,9 +195,14 @@ static mha_status attend(mha_flash_ctx *ctx, const mha_kernels *kern,
     const size_t ntasks = cfg->B * cfg->H * ctx->nqb; /* <= B * H * Tq */
     if (merge != NULL)
         attend_split_plan(ctx);
-    // The query heads of a kv head in one task's rows: see flash.inc.
-    ctx->group = ctx->decode && ctx->nparts > 1 && cfg->Tq == 1 &&
-                 cfg->H / cfg->G <= kern->flash_bq;
+    // The query heads of a kv head in one task's rows (flash.inc,
+    // flash_part_group): K and V read once for the H / G heads. Grouped
+    // tasks leave partials for the merge, even as one part: a GQA step
+    // whose keys are not split (fewer than 2 MHA_SPLIT_KEYS) ran one head
+    // per tile, and each head read the kv head's rows again. Depends on the
+    // shapes alone, so the bits do not depend on the thread count.
+    ctx->group = ctx->decode && cfg->Tq == 1 && cfg->H / cfg->G <= kern->flash_bq &&
+                 (ctx->nparts > 1 || (merge != NULL && cfg->H > cfg->G));
 
     // Widest kv head. Without keys no tile touches the K / V scratch, so
     // absurd head widths need not be allocated for.
