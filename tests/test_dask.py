@@ -258,6 +258,10 @@ def test_bad_input_fails_before_any_task_with_mhattns_message(rng):
         md.attention(q4, q4, q4, layout="thd")
     with pytest.raises(ValueError, match="lse"):
         md.attention_grad(q4, q4, q4, q4, q4, da.ones((1, 2, 39)))
+    with pytest.raises(ValueError, match=r"key_mask: expected shape \(40,\) or \(1, 40\)"):
+        md.attention(q4, q4, q4, key_mask=np.ones(39, bool))
+    with pytest.raises(TypeError, match="key_mask"):
+        md.attention_grad(q4, q4, q4, q4, q4, da.ones((1, 2, 40)), key_mask="x")
     assert not ran
 
 

@@ -284,13 +284,13 @@ class _Plan:
         (core/rules.h, mha_rules_key_range), here for every row at once."""
         p = np.arange(self.Tq, dtype=np.int64) + (self.Tk - self.Tq)
         lo = np.zeros_like(p)
-        n, real = self.Tk, None
+        n, nxt = self.Tk, None
         b0, b1 = self.bcut[bi], self.bcut[bi + 1]
         if self.km is not None:   # the keys real for some item of the chunk
             real = self.km[b0:b1].astype(bool)
             if self.kl is not None:
                 real = real & (np.arange(self.Tk) < self.kl[b0:b1, None])
-            real = real.any(axis=0)
+            nxt = _next_real(real.any(axis=0))
         elif self.kl is not None:
             n = int(self.kl[b0:b1].max(initial=0))
         hi = np.full_like(p, n)
@@ -311,12 +311,12 @@ class _Plan:
         for i in range(len(self.qcut) - 1):
             a, b = lo[self.qcut[i]:self.qcut[i + 1]], hi[self.qcut[i]:self.qcut[i + 1]]
             a, b = a[a < b], b[a < b]
-            if real is None:
+            if nxt is None:
                 first = np.searchsorted(b, k0, side="right")
                 last = np.searchsorted(a, k1, side="left") - 1
                 seen.append(np.flatnonzero(first <= last).tolist())
             else:
-                seen.append(np.flatnonzero(_sees_real(a, b, k0, k1, real)).tolist())
+                seen.append(np.flatnonzero(_sees_real(a, b, k0, k1, nxt)).tolist())
         return seen
 
     def opts(self, bi, hi_, i, j, base: Dict[str, Any], sinks, alibi, first: bool):
@@ -343,13 +343,19 @@ class _Plan:
                     yield bi, hi_, i, js
 
 
-def _sees_real(lo, hi, k0, k1, real) -> np.ndarray:
-    """Per key chunk [k0, k1): whether some row's keys [lo, hi) hold a key
-    with ``real`` True there: the first real key at or after max(lo, k0),
-    ``nxt``, lies before min(hi, k1). Rows in slabs, about 2^20 pairs each."""
+def _next_real(real) -> np.ndarray:
+    """(T + 1,): entry t the first key >= t with ``real`` True, T if none."""
     T = len(real)
     idx = np.where(real, np.arange(T), T)
-    nxt = np.append(np.minimum.accumulate(idx[::-1])[::-1], T)
+    return np.append(np.minimum.accumulate(idx[::-1])[::-1], T)
+
+
+def _sees_real(lo, hi, k0, k1, nxt) -> np.ndarray:
+    """Per key chunk [k0, k1): whether some row's keys [lo, hi) hold a real
+    key there: the first real key at or after max(lo, k0) (``nxt``, from
+    _next_real) lies before min(hi, k1). Rows in slabs, about 2^20 pairs
+    each."""
+    T = len(nxt) - 1
     seen = np.zeros(len(k0), bool)
     step = max(1, (1 << 20) // max(len(k0), 1))
     for r in range(0, len(lo), step):
