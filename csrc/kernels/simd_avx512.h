@@ -60,14 +60,55 @@ static inline v_f32 v_min_f32(v_f32 a, v_f32 b) { return _mm512_min_ps(a, b); }
 static inline v_f64 v_min_f64(v_f64 a, v_f64 b) { return _mm512_min_pd(a, b); }
 static inline float v_hmax_f32(v_f32 v) { return _mm512_reduce_max_ps(v); }
 static inline double v_hmax_f64(v_f64 v) { return _mm512_reduce_max_pd(v); }
-static inline float v_hsum_f32(v_f32 v) { return _mm512_reduce_add_ps(v); }
+/* The sum of the 16 lanes as a tree of lanes 8, 4, 2 and 1 apart: lane i
+   + lane i + 8 (i < 8), then i + 4, i + 2, i + 1. GCC's
+   _mm512_reduce_add_ps adds in this order and LLVM's lowering of it too,
+   but neither promises it; written out, the order is this file's, and
+   v_hsum16_f32 below gives its bits 16 sums at a time. */
+static inline float v_hsum_f32(v_f32 v)
+{
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v),
+                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(
+                                       _mm512_castps_pd(v), 1)));
+    const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    const __m128 p = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    return _mm_cvtss_f32(_mm_add_ss(p, _mm_movehdup_ps(p)));
+}
 static inline double v_hsum_f64(v_f64 v) { return _mm512_reduce_add_pd(v); }
-/* out[u] = v_hsum(a[u]) for u < 4 (the reduction's own order, four times). */
+/* out[u] = v_hsum(a[u]) for u < 4 (v_hsum's order, four times). */
 static inline void v_hsum4_f32(const v_f32 *a, float *out)
 {
     for (int u = 0; u < 4; u++)
-        out[u] = _mm512_reduce_add_ps(a[u]);
+        out[u] = v_hsum_f32(a[u]);
 }
+
+/* Lane i = v_hsum_f32(a[i]) for i < 16, bit for bit: the same tree, run
+   across the 16 vectors at once (15 adds and 30 shuffles, where 16 v_hsum
+   take 64 and 64). Each level adds the two halves of every partial sum
+   that the level before left, two vectors' partials packed into one:
+   lanes 8 apart (whole 256-bit halves), 4 apart (128-bit lanes), then 2
+   and 1 apart inside each 128-bit lane. The level-1 pairs are taken in
+   the order P below, so that the result's lanes come out in a's order. */
+static inline v_f32 v_hsum16_f32(const v_f32 *a)
+{
+    static const int P[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+    v_f32 b[8], e[4], g[2];
+    for (int m = 0; m < 8; m++) {
+        const v_f32 x = a[P[2 * m]], y = a[P[2 * m + 1]];
+        // [x.lo256 | y.lo256] + [x.hi256 | y.hi256]
+        b[m] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 2, 3, 2)));
+    }
+    for (int m = 0; m < 4; m++)   // 128-bit lane k: the 4 partials of one vector
+        e[m] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * m], b[2 * m + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(b[2 * m], b[2 * m + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int m = 0; m < 2; m++)
+        g[m] = _mm512_add_ps(_mm512_shuffle_ps(e[2 * m], e[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(e[2 * m], e[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm512_add_ps(_mm512_shuffle_ps(g[0], g[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_ps(g[0], g[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#define V_HAVE_HSUM16_F32 1
 static inline void v_hsum4_f64(const v_f64 *a, double *out)
 {
     for (int u = 0; u < 4; u++)

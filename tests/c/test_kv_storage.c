@@ -184,7 +184,8 @@ static void check_group_bits(mha_kv_storage kind, size_t hg, size_t d)
             memcpy(vr + dst * d * es, v + src * d * es, C * d * es);
             memcpy(ksr + dst, ksc + src, C * 4), memcpy(vsr + dst, vsc + src, C * 4);
         }
-    int64_t len[2] = {(int64_t)Tk, (int64_t)Tk - 300};
+    // 1199 keys: a last block of 15 (a group of 3 keys, not 4)
+    int64_t len[2] = {(int64_t)Tk, (int64_t)Tk - 301};
     size_t dk[24];
     double scale[24], slopes[24];
     for (size_t h = 0; h < H; h++)
