@@ -192,12 +192,14 @@ def variants(H, G, Tk, d, threads):
 ALONE = ("jax",)
 
 
-# Before each call of the rotation the script sleeps SETTLE seconds: the
-# pool of the call before (torch's OpenMP workers, ONNX Runtime's, which
-# spins by default) keeps spinning after it returns, and on 2 cores it took
-# the next call's second core. Measured with the Zen 4 of 2026-12-07, 32
-# heads over 8 of d = 64, 32768 keys, 2 threads: mhattn's step took 8.8 ms
-# in the rotation without the pause, its 1-thread time, and 4.9 ms alone.
+# Before each call of the rotation the script sleeps SETTLE seconds, as
+# bench.py does: the pool of the call before (torch's OpenMP workers, ONNX
+# Runtime's, which spins by default) keeps spinning for a while after it
+# returns, and on 2 cores it can take the next call's second core. On the
+# Zen 4 of 2026-12-07 (32 heads over 8 of d = 64, 32768 keys, 9 rounds,
+# two runs each way) mhattn's median was 7.4 and 8.2 ms without the pause
+# and 10.6 and 6.3 ms with it: the load of the shared machine moved it more
+# than the pause did, so this is a precaution, not a measured gain.
 SETTLE = 0.05
 
 
