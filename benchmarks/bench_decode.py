@@ -199,7 +199,10 @@ ALONE = ("jax",)
 # Zen 4 of 2026-12-07 (32 heads over 8 of d = 64, 32768 keys, 9 rounds,
 # two runs each way) mhattn's median was 7.4 and 8.2 ms without the pause
 # and 10.6 and 6.3 ms with it: the load of the shared machine moved it more
-# than the pause did, so this is a precaution, not a measured gain.
+# than the pause did, so this is a precaution, not a measured gain. After
+# the pause one untimed call of the same variant comes first: in 50 ms the
+# shared machine's neighbours evicted the LLC, and the 4096-key rows, which
+# fit in it, measured a cold cache (512/h8: 1.34 ms, not 0.2).
 SETTLE = 0.05
 
 
@@ -211,7 +214,9 @@ def time_row(fns, args, rounds):
     inter = [n for n in names if n not in ALONE]
     for r in range(rounds):
         for n in inter[r % len(inter):] + inter[:r % len(inter)]:
-            time.sleep(SETTLE)
+            if SETTLE > 0:
+                time.sleep(SETTLE)
+                fns[n](*args)    # untimed: the caches and the pool warm again
             t0 = time.perf_counter()
             fns[n](*args)
             ts[n].append(time.perf_counter() - t0)
