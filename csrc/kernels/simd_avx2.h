@@ -62,6 +62,9 @@ static inline double v_hmax_f64(v_f64 v) { return x86_hmax4_f64(v); }
 static inline float v_hsum_f32(v_f32 v) { return x86_hsum8_f32(v); }
 static inline double v_hsum_f64(v_f64 v) { return x86_hsum4_f64(v); }
 static inline void v_hsum4_f32(const v_f32 *a, float *out) { x86_hsum8x4_f32(a, out); }
+/* Lane i = v_hsum_f32(a[i]) for the VLEN vectors a[i], bit for bit. */
+static inline v_f32 v_hsumv_f32(const v_f32 *a) { return x86_hsum8x8_f32(a); }
+#define V_HAVE_HSUMV_F32 1
 static inline void v_hsum4_f64(const v_f64 *a, double *out) { x86_hsum4x4_f64(a, out); }
 
 /* |v|, the magnitude of m with the sign of s (bit operations), and the

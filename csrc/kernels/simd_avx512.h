@@ -64,7 +64,7 @@ static inline double v_hmax_f64(v_f64 v) { return _mm512_reduce_max_pd(v); }
    + lane i + 8 (i < 8), then i + 4, i + 2, i + 1. GCC's
    _mm512_reduce_add_ps adds in this order and LLVM's lowering of it too,
    but neither promises it; written out, the order is this file's, and
-   v_hsum16_f32 below gives its bits 16 sums at a time. */
+   v_hsumv_f32 below gives its bits 16 sums at a time. */
 static inline float v_hsum_f32(v_f32 v)
 {
     const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v),
@@ -89,7 +89,7 @@ static inline void v_hsum4_f32(const v_f32 *a, float *out)
    lanes 8 apart (whole 256-bit halves), 4 apart (128-bit lanes), then 2
    and 1 apart inside each 128-bit lane. The level-1 pairs are taken in
    the order P below, so that the result's lanes come out in a's order. */
-static inline v_f32 v_hsum16_f32(const v_f32 *a)
+static inline v_f32 v_hsumv_f32(const v_f32 *a)
 {
     static const int P[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
     v_f32 b[8], e[4], g[2];
@@ -108,7 +108,7 @@ static inline v_f32 v_hsum16_f32(const v_f32 *a)
     return _mm512_add_ps(_mm512_shuffle_ps(g[0], g[1], _MM_SHUFFLE(2, 0, 2, 0)),
                          _mm512_shuffle_ps(g[0], g[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
-#define V_HAVE_HSUM16_F32 1
+#define V_HAVE_HSUMV_F32 1
 static inline void v_hsum4_f64(const v_f64 *a, double *out)
 {
     for (int u = 0; u < 4; u++)

@@ -34,7 +34,7 @@
 #undef VHMAX
 #undef VHSUM
 #undef VHSUM4
-#undef VHSUM16
+#undef VHSUMV
 #undef VSELBOOL
 #undef VPOW2
 #undef VTPACK
@@ -101,8 +101,8 @@
 #define VHMAX v_hmax_f32
 #define VHSUM v_hsum_f32
 #define VHSUM4 v_hsum4_f32
-#ifdef V_HAVE_HSUM16_F32
-#define VHSUM16 v_hsum16_f32
+#ifdef V_HAVE_HSUMV_F32
+#define VHSUMV v_hsumv_f32
 #endif
 #define VSELBOOL v_selbool_f32
 #define VPOW2 v_pow2_f32

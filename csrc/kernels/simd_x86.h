@@ -159,6 +159,28 @@ static inline void x86_hsum8x4_f32(const __m256 *a, float *out)
     _mm_storeu_ps(out, _mm_movelh_ps(lo, hi));
 }
 
+/* Lane i = x86_hsum8_f32(a[i]) for i < 8, bit for bit: the same tree run
+   across the 8 vectors at once (7 adds and 14 shuffles for 8 sums, where
+   two x86_hsum8x4_f32 take 8 and 18 and leave them in memory). Level 1
+   adds the 128-bit halves of two vectors into one register (a[0] in the
+   low half, a[4] in the high, and so on: the order P), level 2 lanes two
+   apart and level 3 neighbours, inside each half. */
+static inline __m256 x86_hsum8x8_f32(const __m256 *a)
+{
+    static const int P[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+    __m256 b[4], e[2];
+    for (int m = 0; m < 4; m++) {
+        const __m256 x = a[P[2 * m]], y = a[P[2 * m + 1]];
+        b[m] = _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20),
+                             _mm256_permute2f128_ps(x, y, 0x31));
+    }
+    for (int m = 0; m < 2; m++)
+        e[m] = _mm256_add_ps(_mm256_shuffle_ps(b[2 * m], b[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm256_shuffle_ps(b[2 * m], b[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm256_add_ps(_mm256_shuffle_ps(e[0], e[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm256_shuffle_ps(e[0], e[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
 /* The four sums x86_hsum4_f64(a[u]) at once, bit for bit (halves, then
    neighbours). */
 static inline void x86_hsum4x4_f64(const __m256d *a, double *out)
