@@ -331,21 +331,27 @@ def test_variants_table_structure():
     assert "causal + window=(255, 0)" in buf.getvalue()
 
 
-def test_bench_decode_rotation_and_stream_step():
+@pytest.mark.parametrize("settle", [0.0, 1e-3])
+def test_bench_decode_rotation_and_stream_step(monkeypatch, settle):
     """bench_decode.time_row rotates the libraries round by round and times
-    the ALONE ones (JAX) in a block after them; stream_step reads its own
-    buffer on every thread and says how many times."""
+    the ALONE ones (JAX) in a block after them; after a pause (SETTLE > 0)
+    a variant is called once untimed before its timed call; stream_step
+    reads its own buffer on every thread and says how many times."""
     import concurrent.futures
     import bench_decode
 
+    monkeypatch.setattr(bench_decode, "SETTLE", settle)
     order = []
     fns = {n: (lambda n=n: order.append(n)) for n in ("mhattn", "torch", "jax", "ort")}
     med = bench_decode.time_row(fns, (), rounds=3)
     assert set(med) == set(fns) and all(t >= 0 for t in med.values())
-    timed = order[len(fns):]                       # after one warm-up each
+    calls_each = 2 if settle > 0 else 1
+    timed = order[len(fns):][::calls_each]         # after one warm-up each
+    assert order[len(fns):len(fns) + 9 * calls_each] == [
+        n for n in timed[:9] for _ in range(calls_each)]
     assert timed[:9] == ["mhattn", "torch", "ort", "torch", "ort", "mhattn",
                          "ort", "mhattn", "torch"]
-    assert timed[9:] == ["jax"] * 3
+    assert order[len(fns) + 9 * calls_each:] == ["jax"] * 3
 
     calls = []
 
