@@ -5,6 +5,10 @@
  * MHA_F64 1, the _f64 names. REAL, PICK and NINF come from core/dtype.h.
  * A compile unit includes a template once per type, each time after this
  * file. No include guard on purpose: each inclusion rebinds the names.
+ * One name is optional: VHSUMV (lane i = VHSUM(a[i]) for the VLEN vectors
+ * a, the same bits), bound only where the vocabulary defines
+ * V_HAVE_HSUMV_F32 (AVX2 and AVX-512, float); a template tests it with
+ * #ifdef and keeps its VHSUM path for the rest.
  */
 #if !defined(MHA_F64)
 #error "simd_dtype.h: define MHA_F64 to 0 or 1 first"

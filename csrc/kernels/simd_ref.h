@@ -75,7 +75,8 @@ static inline float v_hmax_f32(v_f32 v) { return v; }
 static inline double v_hmax_f64(v_f64 v) { return v; }
 static inline float v_hsum_f32(v_f32 v) { return v; }
 static inline double v_hsum_f64(v_f64 v) { return v; }
-/* v_hsum4, four v_hsum: simd_plain.h. */
+/* v_hsum4, four v_hsum: simd_plain.h. (v_hsumv, VLEN sums at once, is
+   optional: simd_dtype.h; none here.) */
 
 /* |v|, the magnitude of m with the sign of s, and the lane indices
    (0, 1, ..., VLEN - 1): bit operations and exact values, the same bits on
