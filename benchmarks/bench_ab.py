@@ -28,6 +28,9 @@ Cases:
                   at the first call (each call appends its token, so the
                   cache holds T to T + the calls made; every build makes
                   the same calls)
+    decode:TKxHxGxDK  the attention-only decode step: mhattn.attention of
+                  q (B, H, 1, DK) on k, v (B, G, TK, DK), G kv heads
+                  (G < H: grouped-query)
 with --batch B, --causal, --dtype f32|f64, --packed (layer: pack_weights,
 packed once outside the timing), --backward (layer:
 multi_head_attention_grad; attn: attention_grad) and --threads N
@@ -40,7 +43,7 @@ import statistics
 import subprocess
 import sys
 
-KINDS = ("layer", "attn", "step")
+KINDS = ("layer", "attn", "step", "decode")
 MAX_CALLS = 5000   # time_call's cap: a step case's cache has room for them
 
 
@@ -48,20 +51,29 @@ def parse_case(text):
     """``"layer:128x512x8"`` -> ``("layer", (128, 512, 8))``."""
     kind, _, dims = text.partition(":")
     parts = dims.lower().split("x")
-    if kind not in KINDS or len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+    n = 4 if kind == "decode" else 3
+    if (kind not in KINDS or len(parts) != n
+            or not all(p.isdigit() and int(p) > 0 for p in parts)
+            or (kind == "decode" and int(parts[1]) % int(parts[2]) != 0)):
         raise argparse.ArgumentTypeError(
-            f"--case {text!r}: expected layer:TxDxH, attn:TxHxDK or step:TxDxH with positive "
-            "integers")
+            f"--case {text!r}: expected layer:TxDxH, attn:TxHxDK, step:TxDxH or "
+            "decode:TKxHxGxDK (H a multiple of G) with positive integers")
     return kind, tuple(int(p) for p in parts)
 
 
 def make_call(mhattn, np, args):
     """The timed call of the case, and its FLOP count: the forward's, times 3
     for a layer's backward and 2.5 for attention's (its GEMMs' share)."""
-    kind, (a, b, c) = args.case
+    kind = args.case[0]
     dtype = np.float32 if args.dtype == "f32" else np.float64
     rng = np.random.default_rng(args.seed)
     B, causal = args.batch, args.causal
+    if kind == "decode":
+        Tk, H, G, dk = args.case[1]
+        q = rng.standard_normal((B, H, 1, dk)).astype(dtype)
+        k, v = (rng.standard_normal((B, G, Tk, dk)).astype(dtype) for _ in range(2))
+        return (lambda: mhattn.attention(q, k, v)), 4 * B * H * Tk * dk
+    a, b, c = args.case[1]
     if kind == "layer":
         T, d, h = a, b, c
         x = rng.standard_normal((B, T, d) if B > 1 else (T, d)).astype(dtype)
@@ -190,10 +202,10 @@ def main(argv=None):
         return child(args)
     if len(args.builds) < 1 or args.rounds < 1 or args.batch < 1 or args.threads < 0:
         p.error("give at least one build, --rounds >= 1, --batch >= 1 and --threads >= 0")
-    if args.packed and args.case[0] == "attn":
+    if args.packed and args.case[0] in ("attn", "decode"):
         p.error("--packed is for layer and step cases")
-    if args.case[0] == "step" and (args.backward or args.causal):
-        p.error("a step case has no --backward or --causal (a decode step is causal)")
+    if args.case[0] in ("step", "decode") and (args.backward or args.causal):
+        p.error(f"a {args.case[0]} case has no --backward or --causal (a decode step is causal)")
     order = list(range(len(args.builds)))
     results = [[] for _ in order]
     for r in range(args.rounds):

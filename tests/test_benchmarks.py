@@ -372,7 +372,9 @@ def test_bench_ab_parsing_and_summary():
     assert bench_ab.parse_case("layer:128x512x8") == ("layer", (128, 512, 8))
     assert bench_ab.parse_case("attn:4096X8x64") == ("attn", (4096, 8, 64))
     assert bench_ab.parse_case("step:4096x512x8") == ("step", (4096, 512, 8))
-    for bad in ("layer:128x512", "conv:1x2x3", "attn:0x8x64", "128x512x8"):
+    assert bench_ab.parse_case("decode:4096x32x8x64") == ("decode", (4096, 32, 8, 64))
+    for bad in ("layer:128x512", "conv:1x2x3", "attn:0x8x64", "128x512x8",
+                "decode:4096x32x8", "decode:4096x32x6x64", "attn:1x2x3x4"):
         with pytest.raises(argparse.ArgumentTypeError):
             bench_ab.parse_case(bad)
     # the timed processes get the case's options back, and nothing else
@@ -420,6 +422,12 @@ def test_bench_ab_runs_a_build(capsys):
     assert out[0].startswith("step 32x8x2 B=2 f32 packed; ISA ") and len(out) == 3
     with pytest.raises(SystemExit):   # a decode step is causal and has no backward here
         bench_ab.main(["--case", "step:32x8x2", "--backward", build])
+    # the attention-only decode step, 4 query heads over 2 kv heads
+    bench_ab.main(["--case", "decode:64x4x2x8", "--rounds", "1", "--budget", "0.02", build])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("decode 64x4x2x8 B=1 f32; ISA ") and len(out) == 3
+    with pytest.raises(SystemExit):
+        bench_ab.main(["--case", "decode:64x4x2x8", "--packed", build])
     with pytest.raises(SystemExit, match=r"no mhattn in|No module named 'mhattn'"):
         bench_ab.main(["--rounds", "1", "--budget", "0.02", BENCH])
 
