@@ -332,19 +332,19 @@ def test_variants_table_structure():
 
 
 @pytest.mark.parametrize("settle", [0.0, 1e-3])
-def test_bench_decode_rotation_and_stream_step(monkeypatch, settle):
+def test_bench_decode_rotation_and_stream_step(settle):
     """bench_decode.time_row rotates the libraries round by round and times
-    the ALONE ones (JAX) in a block after them; after a pause (SETTLE > 0)
+    the ALONE ones (JAX) in a block after them; after a pause (settle > 0)
     a variant is called once untimed before its timed call; stream_step
     reads its own buffer on every thread and says how many times."""
     import concurrent.futures
     import bench_decode
 
-    monkeypatch.setattr(bench_decode, "SETTLE", settle)
     order = []
     fns = {n: (lambda n=n: order.append(n)) for n in ("mhattn", "torch", "jax", "ort")}
-    med = bench_decode.time_row(fns, (), rounds=3)
-    assert set(med) == set(fns) and all(t >= 0 for t in med.values())
+    times = bench_decode.time_row(fns, (), rounds=3, settle=settle)
+    assert set(times) == set(fns) and all(len(v) == 3 and min(v) >= 0
+                                          for v in times.values())
     calls_each = 2 if settle > 0 else 1
     timed = order[len(fns):][::calls_each]         # after one warm-up each
     assert order[len(fns):len(fns) + 9 * calls_each] == [
@@ -365,6 +365,20 @@ def test_bench_decode_rotation_and_stream_step(monkeypatch, settle):
     ptrs = sorted(c[0] for c in calls)
     assert len(calls) == 2 and ptrs[1] - ptrs[0] == (1 << 20) // 2
     assert all(c[1] == (1 << 20) // 8 and c[2] == 64 for c in calls)
+
+
+def test_bench_decode_paired_share():
+    """% bw is the median of the rounds' own ratios: a round in which the
+    machine is slow for both calls does not count against mhattn, as it
+    would in a ratio of the medians."""
+    import bench_decode
+    times = {"mhattn": [1.0, 2.0, 4.0, 1.0, 1.0], "stream": [0.9, 1.8, 3.6, 0.9, 0.9]}
+    assert bench_decode.paired_share(times, "mhattn", "stream") == pytest.approx(0.9)
+    # each stream call read its buffer 2 times: half the share
+    assert bench_decode.paired_share(times, "mhattn", "stream", 0.5) == pytest.approx(0.45)
+    times["stream"][1:3] = [0.5, 0.5]         # two rounds of a fast stream
+    assert bench_decode.paired_share(times, "mhattn", "stream") == pytest.approx(0.9)
+    assert bench_decode.medians(times) == {"mhattn": 1.0, "stream": 0.9}
 
 
 def test_bench_ab_parsing_and_summary():
