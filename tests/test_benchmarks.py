@@ -64,8 +64,11 @@ def test_timed_start_and_median():
     t.samples = [3.0, 1.0, 2.0, 100.0, 4.0]
     assert t.median_s == 3.0
     assert len(timing.sample_times(lambda: None, 4)) == 4
-    wall, cpu = timing.median_wall_cpu(lambda: None, 3)
-    assert wall >= 0 and cpu >= 0
+    t.run(3)                                         # wall and CPU time of each call
+    assert len(t.samples) == 8 and len(t.cpu_samples) == 3
+    burn = timing.Timed(lambda: sum(range(200_000)), min_repeats=3)
+    burn.run(3)
+    assert burn.median_cpu_s > 0 and burn.median_s > 0
 
 
 def _row(T=1024, dtype="float32", causal=False, B=1, d=512, h=8, **ms):
@@ -379,6 +382,28 @@ def test_bench_decode_paired_share():
     times["stream"][1:3] = [0.5, 0.5]         # two rounds of a fast stream
     assert bench_decode.paired_share(times, "mhattn", "stream") == pytest.approx(0.9)
     assert bench_decode.medians(times) == {"mhattn": 1.0, "stream": 0.9}
+
+
+def test_backward_measure_interleaves_and_checks(monkeypatch):
+    """backward.measure takes every call's samples in interleaved slices
+    (fwd, bwd, then torch's two), `repeats` of each after one warm-up, and
+    checks mhattn's gradients against torch's."""
+    from mhbench import backward
+    order = []
+    real = backward.time_interleaved
+
+    def spy(timed, **kw):
+        for t in timed:
+            fn = t.fn
+            t.fn = lambda fn=fn, t=t: order.append(t) or fn()
+        real(timed, rounds=3, settle_s=0.0)
+    monkeypatch.setattr(backward, "time_interleaved", spy)
+    torch = pytest.importorskip("torch")
+    row = backward.measure(16, np.float32, 3, True, torch, d_model=16, heads=2)
+    assert set(row) == {"fwd", "bwd", "mha", "sdpa"}
+    assert all(w > 0 and c >= 0 for w, c in row.values())
+    # 3 rounds of one call each, in the same order every round
+    assert len(order) == 12 and order[:4] == order[4:8] == order[8:]
 
 
 def test_bench_ab_parsing_and_summary():

@@ -2,7 +2,14 @@
 
 Printed by benchmarks/bench_backward.py, and by benchmarks/bench.py for its
 float32 configurations with T >= 1024.  Each row (B = 1,
-``MultiHeadAttention`` with biases) times, as medians after a warm-up:
+``MultiHeadAttention`` with biases) times, as medians after a warm-up, the
+four calls below interleaved (``timing.time_interleaved``: each takes its
+samples in 5 slices, one per round, with a pause at each switch), so that
+the load of a shared machine falls on all of them alike and bwd/fwd
+compares calls made over the same minutes. (Timed in blocks, one call's
+samples all before the next's, the ratio at T = 1024 read 2.65-2.69x in
+bench.py's runs of 2026-12-07 and 2.44x interleaved minutes later on the
+same Zen 4.)
 
 - fwd: ``out, ctx = layer(x, return_context=True)`` (the forward a training
   loop runs: it keeps q, k, v, concat and lse for the backward);
@@ -16,7 +23,7 @@ import numpy as np
 
 import mhattn
 
-from .timing import median_wall_cpu
+from .timing import Timed, time_interleaved
 
 D_MODEL, HEADS = 512, 8
 BWD_OVER_FWD_MAX = 2.5     # target: backward <= 2.5 x forward
@@ -93,16 +100,18 @@ def measure(T, dtype, repeats, causal, torch, d_model=D_MODEL, heads=HEADS):
     def bwd():
         state["grads"] = layer.backward(grad_out, state["ctx"])
 
-    row = {"fwd": median_wall_cpu(fwd, repeats)}
-    fwd()
-    row["bwd"] = median_wall_cpu(bwd, repeats)
+    steps = {"fwd": fwd, "bwd": bwd}    # bwd after fwd: its warm-up needs a context
+    if torch is not None:
+        module, xt, steps["mha"], steps["sdpa"] = torch_steps(torch, layer, x, grad_out,
+                                                              causal)
+    timed = {n: Timed(f, min_repeats=repeats) for n, f in steps.items()}
+    for t in timed.values():
+        t.start(budget=0.0)     # the warm-up; then exactly `repeats` samples each
+    time_interleaved(list(timed.values()))
+    row = {n: (t.median_s, t.median_cpu_s) for n, t in timed.items()}
     if torch is None:
         return row
-
-    module, xt, mha, sdpa = torch_steps(torch, layer, x, grad_out, causal)
-    row["mha"] = median_wall_cpu(mha, repeats)
-    row["sdpa"] = median_wall_cpu(sdpa, repeats)
-    best = sdpa if row["sdpa"][0] <= row["mha"][0] else mha
+    best = steps["sdpa"] if row["sdpa"][0] <= row["mha"][0] else steps["mha"]
 
     # One check that both sides computed the same gradients.
     best()

@@ -1,8 +1,7 @@
 """Timing: medians of single calls, interleaved between the variants of a row.
 
-``Timed`` and ``time_interleaved`` time bench.py's rows; ``sample_times``
-and ``median_wall_cpu`` are the plain loops of the calibration and of the
-backward table.
+``Timed`` and ``time_interleaved`` time bench.py's rows and the backward
+table's; ``sample_times`` is the plain loop of the calibration.
 """
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ import statistics
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Tuple
+from typing import Any, Callable, List
 
 # A call this long (seconds) needs no separate warm-up: its first run is
 # its first sample (what a warm-up hides, lazy set-up, is lost in it).
@@ -26,6 +25,7 @@ class Timed:
     context: Callable[[], Any] = nullcontext       # entered around its calls
     repeats: int = 0                               # samples wanted, set by start()
     samples: List[float] = field(default_factory=list)
+    cpu_samples: List[float] = field(default_factory=list)   # process CPU time, all threads
     spent_s: float = 0.0
 
     def start(self, budget: float, max_repeats: int = 100_000):
@@ -52,17 +52,24 @@ class Timed:
 
     def run(self, calls: int) -> None:
         t_start = time.perf_counter()
-        clock, fn, samples = time.perf_counter, self.fn, self.samples
+        clock, cpu, fn = time.perf_counter, time.process_time, self.fn
+        samples, cpu_samples = self.samples, self.cpu_samples
         with self.context():
             for _ in range(calls):
-                t0 = clock()
+                c0, t0 = cpu(), clock()
                 fn()
                 samples.append(clock() - t0)
+                cpu_samples.append(cpu() - c0)
         self.spent_s += time.perf_counter() - t_start
 
     @property
     def median_s(self) -> float:
         return statistics.median(self.samples)
+
+    @property
+    def median_cpu_s(self) -> float:
+        """The median CPU time of the process over the calls run() timed."""
+        return statistics.median(self.cpu_samples)
 
 
 def time_interleaved(timed: List[Timed], rounds: int = 5, settle_s: float = 0.1) -> None:
@@ -102,16 +109,3 @@ def sample_times(fn: Callable[[], Any], n: int) -> List[float]:
         fn()
         out.append(time.perf_counter() - t0)
     return out
-
-
-def median_wall_cpu(fn: Callable[[], Any], repeats: int) -> Tuple[float, float]:
-    """(wall, cpu): medians over repeats of the wall time and of the CPU
-    time of the whole process (every thread), after one warm-up."""
-    fn()  # warm-up (and first-touch of every buffer)
-    wall, cpu = [], []
-    for _ in range(repeats):
-        c0, t0 = time.process_time(), time.perf_counter()
-        fn()
-        wall.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - c0)
-    return statistics.median(wall), statistics.median(cpu)
