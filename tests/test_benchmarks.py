@@ -119,8 +119,13 @@ def test_derive_and_targets():
         ("packed vs best peer", 1.25, "MISS"), ("vs torch/JAX (JAX)", 1.0, "MISS"),
         ("unpacked / packed", 1.1, "PASS")]
     # "at most": equal to the goal passes
-    assert figures.Target("x", 1.1, 1.1, "x", less_eq=True).status == "PASS"
-    assert figures.Target("x", 1.1000001, 1.1, "x", less_eq=True).status == "MISS"
+    assert figures.Target("x", 1.1, 1.1, "x", op="<=").status == "PASS"
+    assert figures.Target("x", 1.1000001, 1.1, "x", op="<=").status == "MISS"
+    assert figures.Target("x", 10.0, 10, "x", op="<").status == "MISS"
+    assert figures.Target("x", 1.0, 1.0, "x").status == "PASS"            # ">=" by default
+    assert "(target <= 1.1x)" in figures.Target("x", 1.0, 1.1, "x", op="<=").text()
+    with pytest.raises(ValueError, match="op must be one of"):
+        figures.Target("x", 1.0, 1.0, "x", op="=>")
     small = _row(T=3, d=4, h=2, mhattn=0.005)
     figures.derive(small, None)
     assert small["pct_peak"] is None and "best_peer" not in small

@@ -2,6 +2,7 @@
 issue's targets with their PASS / MISS."""
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
@@ -78,23 +79,24 @@ class Target:
     value: Optional[float]
     goal: float
     unit: str
-    less: bool = False            # the value must stay below the goal
-    less_eq: bool = False         # ... at most the goal
+    op: str = ">="                # how the value must compare with the goal: OPS's keys
+
+    OPS = {">=": operator.ge, "<": operator.lt, "<=": operator.le}
+
+    def __post_init__(self):
+        if self.op not in self.OPS:
+            raise ValueError(f"Target {self.what!r}: op must be one of {list(self.OPS)}, "
+                             f"got {self.op!r}")
 
     @property
     def status(self) -> str:
         if self.value is None:
             return "n/a"
-        if self.less or self.less_eq:
-            ok = self.value < self.goal or (self.less_eq and self.value == self.goal)
-        else:
-            ok = self.value >= self.goal
-        return "PASS" if ok else "MISS"
+        return "PASS" if self.OPS[self.op](self.value, self.goal) else "MISS"
 
     def text(self) -> str:
-        op = "<" if self.less else "<=" if self.less_eq else ">="
         val = "n/a" if self.value is None else f"{self.value:.3g}{self.unit}"
-        return f"{self.what} {val} (target {op} {self.goal:g}{self.unit}) {self.status}"
+        return f"{self.what} {val} (target {self.op} {self.goal:g}{self.unit}) {self.status}"
 
 
 def targets_for(row: Dict[str, Any]) -> List[Target]:
@@ -129,10 +131,10 @@ def targets_for(row: Dict[str, Any]) -> List[Target]:
                           row.get("vs_weights_peer"), 1.0, "x"))
     if f32 and large:
         out.append(Target("unpacked / packed", row.get("unpacked_over_packed"), 1.1, "x",
-                          less_eq=True))
+                          op="<="))
     if (row["T"], row["d_model"], row["h"], row["B"]) == (3, 4, 2, 1):
         us = row["results"]["mhattn"]["ms"] * 1e3
-        out.append(Target("call", us, 10, " us", less=True))
+        out.append(Target("call", us, 10, " us", op="<"))
     return out
 
 
@@ -150,14 +152,14 @@ def memory_status(m: Dict[str, Any]) -> str:
     """The memory target's status for mhattn's memory result m (which has
     "mib"): a call stopped below the goal is n/a, not PASS (its peak so far
     is only a lower bound)."""
-    t = Target("memory", m["mib"], MEMORY_GOAL_MIB, " MiB", less=True)
+    t = Target("memory", m["mib"], MEMORY_GOAL_MIB, " MiB", op="<")
     timed_out = "timed_out_after_s" in m
     return "n/a" if timed_out and t.status == "PASS" else t.status
 
 
 def target_json(t: Target) -> Dict[str, Any]:
-    return dict(what=t.what, value=t.value, goal=t.goal, unit=t.unit.strip(), less=t.less,
-                less_eq=t.less_eq, status=t.status)
+    return dict(what=t.what, value=t.value, goal=t.goal, unit=t.unit.strip(), op=t.op,
+                status=t.status)
 
 
 def count_statuses(rows: List[Dict[str, Any]], memory: List[Dict[str, Any]]) -> Dict[str, int]:
