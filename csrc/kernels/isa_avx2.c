@@ -18,7 +18,13 @@
  * (FLASH_BK1): with 128-key blocks and a 128-row prefetch up front, a step
  * on a (1, 8, 4096, 64) cache was 8-20% slower; the prefetch was most of
  * it (flash_tile_init's share of the step doubled), and 128-key decode
- * blocks with a 64-row prefetch were not measured.
+ * blocks with a 64-row prefetch were not measured. Tried on a Zen 4 under
+ * MHATTN_ISA=avx2 (bench_ab.py decode cases, 32 heads over 8, min of 7
+ * rounds, 2 threads) and not kept: 32-key blocks, with or without a
+ * prefetch of a GQA group's V block into L2 before its scores. One run
+ * read 1.10-1.23x at d = 64 beyond the LLC and d = 128 at 4096 keys; the
+ * same builds minutes later read 0.69-1.00x at d = 128 (2048, 4096 and
+ * 16384 keys), and the V prefetch took one-head decode to 0.71-0.81x.
  */
 #include "kernels.h"
 
