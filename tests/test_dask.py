@@ -319,6 +319,35 @@ def test_multi_head_attention_equals_one_call(rng, dtype, chunks, kw):
     assert (blocks == 0) == (chunks[1] == 70)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("chunks", [(2, 70, 32), (2, 25, 16)])
+@pytest.mark.parametrize("with_wo", [True, False])
+def test_multi_head_attention_biases_and_gate(rng, dtype, chunks, with_wo):
+    """b_q, b_k, b_v, b_o and the output gate: one call per batch chunk
+    (T whole) and the blockwise projections (T chunked) both give the one
+    call's output; b_o without W^O is added to the concatenation."""
+    x = rng.standard_normal((3, 70, 32)).astype(dtype)
+    w = lambda *shape: (rng.standard_normal(shape) * 0.2).astype(dtype)  # noqa: E731
+    w_q, w_k, w_v = w(32, 32), w(32, 16), w(32, 16)
+    w_o = w(32, 24) if with_wo else None
+    kw = dict(b_q=w(32), b_k=w(16), b_v=w(16), b_o=w(24 if with_wo else 32),
+              w_gate=w(32, 32), b_gate=w(32))
+    out = md.multi_head_attention(da.from_array(x, chunks=chunks), w_q, w_k, w_v, w_o,
+                                  num_heads=4, num_kv_heads=2, causal=True, **kw)
+    want = mhattn.multi_head_attention(x, w_q, w_k, w_v, w_o, num_heads=4, num_kv_heads=2,
+                                       causal=True, **kw)
+    got = _sync(out)[0]
+    _close(got, want, dtype)
+    # each addition counts: without the gate the output differs
+    kw.pop("w_gate"), kw.pop("b_gate")
+    plain = mhattn.multi_head_attention(x, w_q, w_k, w_v, w_o, num_heads=4, num_kv_heads=2,
+                                        causal=True, **kw)
+    assert np.abs(plain - want).max() > 1e-2
+    with pytest.raises(ValueError, match="b_q"):
+        md.multi_head_attention(da.from_array(x, chunks=chunks), w_q, w_k, w_v, w_o,
+                                num_heads=4, num_kv_heads=2, b_q=w(31))
+
+
 def test_multi_head_attention_checks_first(rng):
     x = da.from_array(np.ones((2, 40, 8)), chunks=(1, 10, 8))
     with pytest.raises(ValueError, match="num_heads"):

@@ -652,13 +652,15 @@ def _mha_block(x, *, weights, opts, kl, km, bcut, block_id=None):
 
 def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads, num_kv_heads=None,
                          scale=None, causal=False, key_lengths=None, window=None,
-                         softcap=None, alibi_slopes=None, sinks=None, key_mask=None):
+                         softcap=None, alibi_slopes=None, sinks=None, key_mask=None,
+                         b_q=None, b_k=None, b_v=None, b_o=None, w_gate=None, b_gate=None):
     """:func:`mhattn.multi_head_attention` (self-attention) over a Dask x.
 
     multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads,
     num_kv_heads=None, scale=None, causal=False, key_lengths=None,
     window=None, softcap=None, alibi_slopes=None, sinks=None,
-    key_mask=None) -> out
+    key_mask=None, b_q=None, b_k=None, b_v=None, b_o=None, w_gate=None,
+    b_gate=None) -> out
 
     With T in one chunk the sequences are independent: one
     ``mhattn.multi_head_attention`` task per batch chunk (``map_blocks``), no
@@ -676,6 +678,12 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads, num_kv_heads=
     num_heads, num_kv_heads, scale, causal, key_lengths, window, softcap, alibi_slopes, sinks, key_mask
         As :func:`mhattn.multi_head_attention`; ``key_mask`` (T,) or
         (B, T) bool, a NumPy array.
+    b_q, b_k, b_v, b_o : NumPy biases (h*d_k,), (g*d_k,), (g*d_v,), (d_out,)
+        or None (default): added to the projections and to the output, as
+        :func:`mhattn.multi_head_attention` adds them; ``b_o`` without
+        ``w_o`` is added to the concatenation.
+    w_gate, b_gate : NumPy (d_model, h*d_v) and (h*d_v,), or None (default):
+        the output gate, concat * sigmoid(x @ w_gate + b_gate), before W^O.
 
     Returns
     -------
@@ -696,7 +704,8 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads, num_kv_heads=
     x = _arrays(("x",), (x,))[0]
     weights = (w_q, w_k, w_v, w_o)
     kw = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, scale=scale, causal=causal,
-              window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+              window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+              b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o, w_gate=w_gate, b_gate=b_gate)
     # mhattn checks the weights and keywords on one row (no memory), the
     # key lengths against T on the projected stand-ins below.
     one = _proxy(x, "bthd", False)[..., :1, :] if x.ndim in (2, 3) else _proxy(x, "bthd", False)
@@ -720,12 +729,33 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads, num_kv_heads=
                             bcut=_cuts(xb.chunks[0]), dtype=dtype,
                             chunks=xb.chunks[:2] + ((probe.shape[-1],),))
         return out if batched else out[0]
-    q = (xb @ wq).astype(dtype, copy=False).reshape(B, T, H, dk)
-    k = (xb @ wk).astype(dtype, copy=False).reshape(B, T, G, dk)
-    v = (xb @ wv).astype(dtype, copy=False).reshape(B, T, G, dv)
+    q = _affine(xb, wq, b_q, dtype).reshape(B, T, H, dk)
+    k = _affine(xb, wk, b_k, dtype).reshape(B, T, G, dk)
+    v = _affine(xb, wv, b_v, dtype).reshape(B, T, G, dv)
     heads = attention(q, k, v, layout="bthd", scale=scale, causal=causal,
                       key_lengths=key_lengths, window=window, softcap=softcap,
                       alibi_slopes=alibi_slopes, sinks=sinks, key_mask=key_mask)
     cat = heads.reshape(B, T, H * dv)
-    out = cat if w_o is None else (cat @ np.asarray(w_o)).astype(dtype, copy=False)
+    if w_gate is not None:
+        z = _affine(xb, np.asarray(w_gate), b_gate, dtype)
+        cat = cat * z.map_blocks(_sigmoid, dtype=dtype)
+    if w_o is not None:
+        out = _affine(cat, np.asarray(w_o), b_o, dtype)
+    else:
+        out = cat if b_o is None else (cat + np.asarray(b_o)).astype(dtype, copy=False)
     return out if batched else out[0]
+
+
+def _affine(a, w, b, dtype):
+    """a @ w (+ b), blockwise, in dtype."""
+    out = a @ w
+    if b is not None:
+        out = out + np.asarray(b)
+    return out.astype(dtype, copy=False)
+
+
+def _sigmoid(z):
+    """1 / (1 + exp(-z)) of one block, in its dtype: exp(-z) = inf for z << 0
+    makes the gate 0, as mhattn's does."""
+    with np.errstate(over="ignore"):
+        return (1 / (1 + np.exp(-z))).astype(z.dtype, copy=False)
