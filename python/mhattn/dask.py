@@ -737,18 +737,14 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads, num_kv_heads=
                       alibi_slopes=alibi_slopes, sinks=sinks, key_mask=key_mask)
     cat = heads.reshape(B, T, H * dv)
     if w_gate is not None:
-        z = _affine(xb, np.asarray(w_gate), b_gate, dtype)
-        cat = cat * z.map_blocks(_sigmoid, dtype=dtype)
-    if w_o is not None:
-        out = _affine(cat, np.asarray(w_o), b_o, dtype)
-    else:
-        out = cat if b_o is None else (cat + np.asarray(b_o)).astype(dtype, copy=False)
+        cat = cat * _affine(xb, w_gate, b_gate, dtype).map_blocks(_sigmoid, dtype=dtype)
+    out = _affine(cat, w_o, b_o, dtype)
     return out if batched else out[0]
 
 
 def _affine(a, w, b, dtype):
-    """a @ w (+ b), blockwise, in dtype."""
-    out = a @ w
+    """a @ w + b, blockwise, in dtype; w or b None: that step left out."""
+    out = a if w is None else a @ np.asarray(w)
     if b is not None:
         out = out + np.asarray(b)
     return out.astype(dtype, copy=False)
