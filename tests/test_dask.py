@@ -348,6 +348,40 @@ def test_multi_head_attention_biases_and_gate(rng, dtype, chunks, with_wo):
                                 num_heads=4, num_kv_heads=2, b_q=w(31))
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("chunks", [(2, 70, 32), (2, 25, 16), (3, 7, 32)])
+@pytest.mark.parametrize("norm", [None, "rms", "layer"])
+def test_multi_head_attention_qk_norm_and_rope(rng, dtype, chunks, norm):
+    """The q/k norm (per head or shared) and RoPE (full and partial, both
+    pairings) give the one call's output whether T is whole or chunked: the
+    time chunks turn q and k at their global positions."""
+    x = rng.standard_normal((3, 70, 32)).astype(dtype)
+    w = lambda *shape: (rng.standard_normal(shape) * 0.3).astype(dtype)  # noqa: E731
+    w_q, w_k, w_v, w_o = w(32, 32), w(32, 16), w(32, 16), w(32, 24)
+    kw = dict(num_heads=4, num_kv_heads=2, causal=True, b_k=w(16))
+    if norm is not None:
+        kw.update(q_norm=1 + w(4, 8), k_norm=1 + w(8), norm_type=norm, norm_eps=1e-5)
+    for rope in (None, mhattn.RoPE(theta=100.0), mhattn.RoPE(rotary_dim=4, interleaved=True)):
+        if norm is None and rope is None:
+            continue
+        out = md.multi_head_attention(da.from_array(x, chunks=chunks), w_q, w_k, w_v, w_o,
+                                      rope=rope, **kw)
+        want = mhattn.multi_head_attention(x, w_q, w_k, w_v, w_o, rope=rope, **kw)
+        _close(_sync(out)[0], want, dtype)
+    # RoPE moves the output, so positions counted from 0 in each time chunk
+    # (a query at 30 turned as 5) would fail the comparison above.
+    turned = mhattn.multi_head_attention(x, w_q, w_k, w_v, w_o, rope=mhattn.RoPE(theta=100.0),
+                                         **kw)
+    plain = mhattn.multi_head_attention(x, w_q, w_k, w_v, w_o, **kw)
+    assert np.abs(turned - plain).max() > 1e-2
+    with pytest.raises(ValueError, match="norm_type"):
+        md.multi_head_attention(da.from_array(x, chunks=chunks), w_q, w_k, w_v, w_o,
+                                **dict(kw, norm_type="batch"))
+    with pytest.raises(ValueError, match="q_norm"):
+        md.multi_head_attention(da.from_array(x, chunks=chunks), w_q, w_k, w_v, w_o,
+                                **dict(kw, q_norm=w(5)))
+
+
 def test_multi_head_attention_checks_first(rng):
     x = da.from_array(np.ones((2, 40, 8)), chunks=(1, 10, 8))
     with pytest.raises(ValueError, match="num_heads"):

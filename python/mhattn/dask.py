@@ -37,6 +37,7 @@ not depend on it.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
 import sys
@@ -59,6 +60,10 @@ from .compute.attention import attention_grad as _attention_grad
 from .compute.attention import merge_attention as _merge_attention
 from .compute.attention import check_projected as _check_projected
 from .compute.forward import multi_head_attention as _multi_head_attention
+from ._internal import core as _core
+from ._internal.args import normalize as _normalize
+from ._internal.core import _fused_bias, head_arrays as _head_arrays
+from ._internal.variants import variants_tuple_of as _variants_tuple_of
 from ._internal.runtime import get_num_threads, set_num_threads
 
 __all__ = ["attention", "attention_grad", "multi_head_attention"]
@@ -650,23 +655,51 @@ def _mha_block(x, *, weights, opts, kl, km, bcut, block_id=None):
     return _multi_head_attention(x, *weights, **opts)
 
 
+@_in_task
+def _project_block(x, *, weights, opts, tcut, out_dtype, block_id=None):
+    """The q, k and v of one (batch chunk, time chunk) of x, side by side
+    along the last axis: mhattn's projections, with the biases, the q/k
+    norm and RoPE at the chunk's global positions t0 + i (those of the
+    whole call, whose queries and keys share them)."""
+    t0 = int(tcut[block_id[1]])
+    call = _normalize(x, *weights, core_checks_next=True, **opts)
+    dk, dv, scales = _head_arrays(call)
+    var = call.var
+    if var.rotary_dim > 0:
+        pos = np.broadcast_to(t0 + np.arange(call.Tq, dtype=np.int64), (call.B, call.Tq))
+        var = dataclasses.replace(var, positions=pos, key_positions=pos)
+    fused = (call.wq.fused(), call.wk.fused(), call.wv.fused(), _fused_bias(call.bq),
+             _fused_bias(call.bk), _fused_bias(call.bv))
+    q, k, v = _core.project(call.x, call.key, call.value, *fused, dk, dv, scales,
+                            _variants_tuple_of(var))
+    return np.concatenate([q, k, v], axis=-1).astype(out_dtype, copy=False)
+
+
+_PROJECTION_KW = ("num_heads", "num_kv_heads", "b_q", "b_k", "b_v", "q_norm", "k_norm",
+                  "norm_eps", "norm_type", "rope")
+
+
 def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads, num_kv_heads=None,
                          scale=None, causal=False, key_lengths=None, window=None,
                          softcap=None, alibi_slopes=None, sinks=None, key_mask=None,
-                         b_q=None, b_k=None, b_v=None, b_o=None, w_gate=None, b_gate=None):
+                         b_q=None, b_k=None, b_v=None, b_o=None, w_gate=None, b_gate=None,
+                         q_norm=None, k_norm=None, norm_eps=1e-6, norm_type="rms",
+                         rope=None):
     """:func:`mhattn.multi_head_attention` (self-attention) over a Dask x.
 
     multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads,
     num_kv_heads=None, scale=None, causal=False, key_lengths=None,
     window=None, softcap=None, alibi_slopes=None, sinks=None,
     key_mask=None, b_q=None, b_k=None, b_v=None, b_o=None, w_gate=None,
-    b_gate=None) -> out
+    b_gate=None, q_norm=None, k_norm=None, norm_eps=1e-6, norm_type="rms",
+    rope=None) -> out
 
     With T in one chunk the sequences are independent: one
     ``mhattn.multi_head_attention`` task per batch chunk (``map_blocks``), no
-    merge. Otherwise the projections are blockwise products (each x chunk
-    by a weight), attention is :func:`attention` (layout "bthd": the heads
-    are the projections' columns) and W^O a blockwise product again.
+    merge. Otherwise the projections are one mhattn task per x chunk (q, k
+    and v with the biases, the q/k norm and RoPE at the chunk's global
+    positions), attention is :func:`attention` (layout "bthd": the heads
+    are the projections' columns) and W^O a blockwise product.
 
     Parameters
     ----------
@@ -684,6 +717,12 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads, num_kv_heads=
         ``w_o`` is added to the concatenation.
     w_gate, b_gate : NumPy (d_model, h*d_v) and (h*d_v,), or None (default):
         the output gate, concat * sigmoid(x @ w_gate + b_gate), before W^O.
+    q_norm, k_norm : NumPy (d_k,), (h, d_k) / (num_kv_heads, d_k), or None
+        (default); norm_eps : float, default 1e-6; norm_type : "rms"
+        (default) or "layer"
+        The q/k norm, as :func:`mhattn.multi_head_attention` applies it.
+    rope : mhattn.RoPE or None (default)
+        RoPE after the q/k norm, at positions 0 .. T-1 of each sequence.
 
     Returns
     -------
@@ -705,7 +744,9 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads, num_kv_heads=
     weights = (w_q, w_k, w_v, w_o)
     kw = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, scale=scale, causal=causal,
               window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-              b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o, w_gate=w_gate, b_gate=b_gate)
+              b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o, w_gate=w_gate, b_gate=b_gate,
+              q_norm=q_norm, k_norm=k_norm, norm_eps=norm_eps, norm_type=norm_type,
+              rope=rope)
     # mhattn checks the weights and keywords on one row (no memory), the
     # key lengths against T on the projected stand-ins below.
     one = _proxy(x, "bthd", False)[..., :1, :] if x.ndim in (2, 3) else _proxy(x, "bthd", False)
@@ -729,9 +770,14 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads, num_kv_heads=
                             bcut=_cuts(xb.chunks[0]), dtype=dtype,
                             chunks=xb.chunks[:2] + ((probe.shape[-1],),))
         return out if batched else out[0]
-    q = _affine(xb, wq, b_q, dtype).reshape(B, T, H, dk)
-    k = _affine(xb, wk, b_k, dtype).reshape(B, T, G, dk)
-    v = _affine(xb, wv, b_v, dtype).reshape(B, T, G, dv)
+    Sq, Sk = H * dk, G * dk
+    qkv = xb.map_blocks(_project_block, weights=weights[:3],
+                        opts={n: kw[n] for n in _PROJECTION_KW},
+                        tcut=_cuts(xb.chunks[1]), out_dtype=dtype, dtype=dtype,
+                        chunks=xb.chunks[:2] + ((Sq + Sk + G * dv,),))
+    q = qkv[..., :Sq].reshape(B, T, H, dk)
+    k = qkv[..., Sq:Sq + Sk].reshape(B, T, G, dk)
+    v = qkv[..., Sq + Sk:].reshape(B, T, G, dv)
     heads = attention(q, k, v, layout="bthd", scale=scale, causal=causal,
                       key_lengths=key_lengths, window=window, softcap=softcap,
                       alibi_slopes=alibi_slopes, sinks=sinks, key_mask=key_mask)
