@@ -382,6 +382,23 @@ def test_multi_head_attention_qk_norm_and_rope(rng, dtype, chunks, norm):
                                 **dict(kw, q_norm=w(5)))
 
 
+@pytest.mark.parametrize("name, bad", [
+    ("b_k", np.zeros(15)), ("b_v", np.zeros((2, 8))), ("b_o", np.zeros(7)),
+    ("w_gate", np.zeros((8, 7))), ("b_gate", np.zeros(9)), ("k_norm", np.zeros((3, 4))),
+    ("norm_eps", -1.0), ("rope", "rope"), ("sinks", np.zeros(3))])
+@pytest.mark.parametrize("t_chunk", [40, 10])
+def test_multi_head_attention_bad_keywords_named(name, bad, t_chunk):
+    """Each layer keyword mhattn.dask forwards is checked before a graph is
+    built, T whole or chunked, and the error names it."""
+    x = da.from_array(np.ones((2, 40, 8)), chunks=(1, t_chunk, 8))
+    kw = {name: bad}
+    if name == "b_gate":
+        kw["w_gate"] = np.zeros((8, 8))
+    with pytest.raises((ValueError, TypeError), match=name):
+        md.multi_head_attention(x, np.ones((8, 8)), np.ones((8, 8)), np.ones((8, 8)),
+                                num_heads=2, **kw)
+
+
 def test_multi_head_attention_checks_first(rng):
     x = da.from_array(np.ones((2, 40, 8)), chunks=(1, 10, 8))
     with pytest.raises(ValueError, match="num_heads"):
