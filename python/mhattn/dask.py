@@ -718,9 +718,12 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads, num_kv_heads=
     w_gate, b_gate : NumPy (d_model, h*d_v) and (h*d_v,), or None (default):
         the output gate, concat * sigmoid(x @ w_gate + b_gate), before W^O.
     q_norm, k_norm : NumPy (d_k,), (h, d_k) / (num_kv_heads, d_k), or None
-        (default); norm_eps : float, default 1e-6; norm_type : "rms"
-        (default) or "layer"
-        The q/k norm, as :func:`mhattn.multi_head_attention` applies it.
+        (default): the q/k norm's weights, as :func:`mhattn.multi_head_attention`
+        applies them.
+    norm_eps : float, default 1e-6
+        The q/k norm's epsilon.
+    norm_type : "rms" (default) or "layer"
+        The q/k norm's kind: RMSNorm or LayerNorm.
     rope : mhattn.RoPE or None (default)
         RoPE after the q/k norm, at positions 0 .. T-1 of each sequence.
 
