@@ -382,6 +382,49 @@ def test_multi_head_attention_qk_norm_and_rope(rng, dtype, chunks, norm):
                                 **dict(kw, q_norm=w(5)))
 
 
+@pytest.mark.parametrize("chunks", [(2, 70, 32), (1, 20, 32), (3, 33, 32)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_multi_head_attention_positions(rng, dtype, chunks):
+    """positions and key_positions, (T,) or (B, T), alone or together, turn
+    q and k as the one call does, T whole or chunked: each time chunk takes
+    its columns, each batch chunk its rows."""
+    x = rng.standard_normal((3, 70, 16)).astype(dtype)
+    w = lambda *shape: (rng.standard_normal(shape) * 0.3).astype(dtype)  # noqa: E731
+    w_q, w_k, w_v, w_o = w(16, 16), w(16, 8), w(16, 8), w(16, 12)
+    kw = dict(num_heads=4, num_kv_heads=2, causal=True, k_norm=1 + w(4),
+              rope=mhattn.RoPE(theta=50.0))
+    left_padded = np.maximum(np.arange(70) - rng.integers(0, 20, (3, 1)), 0)
+    cases = [dict(positions=np.arange(70) + 5), dict(positions=left_padded),
+             dict(key_positions=left_padded[1]),
+             dict(positions=left_padded, key_positions=left_padded.astype(np.int32) * 2)]
+    default = mhattn.multi_head_attention(x, w_q, w_k, w_v, w_o, **kw)
+    for case in cases:
+        want = mhattn.multi_head_attention(x, w_q, w_k, w_v, w_o, **kw, **case)
+        assert np.abs(want - default).max() > 1e-3     # the positions matter
+        got = md.multi_head_attention(da.from_array(x, chunks=chunks), w_q, w_k, w_v, w_o,
+                                      **kw, **case)
+        _close(_sync(got)[0], want, dtype)
+    one = md.multi_head_attention(da.from_array(x[1], chunks=(chunks[1], 16)), w_q, w_k, w_v,
+                                  w_o, **kw, positions=left_padded[1])
+    _close(_sync(one)[0], mhattn.multi_head_attention(x[1], w_q, w_k, w_v, w_o, **kw,
+                                                      positions=left_padded[1]), dtype)
+
+
+@pytest.mark.parametrize("t_chunk", [40, 10])
+def test_multi_head_attention_bad_positions_named(t_chunk):
+    """Positions of the wrong shape or kind, or without RoPE, are refused
+    before a graph is built, naming the argument."""
+    x = da.from_array(np.ones((2, 40, 8)), chunks=(1, t_chunk, 8))
+    ws = (np.ones((8, 8)),) * 3
+    rope = mhattn.RoPE()
+    for name, bad, extra in (("positions", np.arange(41), rope),
+                             ("key_positions", np.zeros((3, 40), int), rope),
+                             ("positions", np.zeros(40), rope),
+                             ("key_positions", np.arange(40), None)):
+        with pytest.raises((ValueError, TypeError), match=name):
+            md.multi_head_attention(x, *ws, num_heads=2, rope=extra, **{name: bad})
+
+
 @pytest.mark.parametrize("name, bad", [
     ("b_k", np.zeros(15)), ("b_v", np.zeros((2, 8))), ("b_o", np.zeros(7)),
     ("w_gate", np.zeros((8, 7))), ("b_gate", np.zeros(9)), ("k_norm", np.zeros((3, 4))),

@@ -63,6 +63,7 @@ from .compute.forward import multi_head_attention as _multi_head_attention
 from ._internal import core as _core
 from ._internal.args import normalize as _normalize
 from ._internal.core import _fused_bias, head_arrays as _head_arrays
+from ._internal.variants import _positions
 from ._internal.variants import variants_tuple_of as _variants_tuple_of
 from ._internal.runtime import get_num_threads, set_num_threads
 
@@ -644,30 +645,51 @@ def _lse_proxy(lse, one_row: bool):
     return np.broadcast_to(np.zeros((), lse.dtype), tuple(shape))
 
 
+def _batch_rows(a, b0, b1):
+    """Rows b0 .. b1-1 of a checked (1, T) or (B, T) array (its one row,
+    (T,), when it is shared by the batch); None stays None."""
+    if a is None:
+        return None
+    return a[0] if a.shape[0] == 1 else a[b0:b1]
+
+
+def _first_column(a, checked: bool):
+    """The positions of the probe's one row: column 0 of a checked (1, T)
+    or (B, T) array (shape (1,) or (B, 1)); a when not checked."""
+    if a is None or not checked:
+        return a
+    return a[0, :1] if a.shape[0] == 1 else a[:, :1]
+
+
 @_in_task
-def _mha_block(x, *, weights, opts, kl, km, bcut, block_id=None):
+def _mha_block(x, *, weights, opts, kl, km, pos, kpos, bcut, block_id=None):
     """mhattn.multi_head_attention on one batch chunk of whole sequences."""
     b0, b1 = bcut[block_id[0]], bcut[block_id[0] + 1]
-    if kl is not None:
-        opts = dict(opts, key_lengths=kl[b0:b1])
-    if km is not None:
-        opts = dict(opts, key_mask=km[b0:b1])
+    rows = dict(key_lengths=None if kl is None else kl[b0:b1],
+                key_mask=None if km is None else km[b0:b1],
+                positions=_batch_rows(pos, b0, b1), key_positions=_batch_rows(kpos, b0, b1))
+    opts = dict(opts, **{n: a for n, a in rows.items() if a is not None})
     return _multi_head_attention(x, *weights, **opts)
 
 
 @_in_task
-def _project_block(x, *, weights, opts, tcut, out_dtype, block_id=None):
+def _project_block(x, *, weights, opts, pos, kpos, bcut, tcut, out_dtype, block_id=None):
     """The q, k and v of one (batch chunk, time chunk) of x, side by side
     along the last axis: mhattn's projections, with the biases, the q/k
-    norm and RoPE at the chunk's global positions t0 + i (those of the
-    whole call, whose queries and keys share them)."""
-    t0 = int(tcut[block_id[1]])
+    norm and RoPE at the chunk's columns t0 .. t1-1 of ``pos`` and ``kpos``
+    (the whole call's checked (1, T) or (B, T) positions, or None: then the
+    global positions t0 + i, as the whole call's queries and keys have)."""
+    b0, b1 = bcut[block_id[0]], bcut[block_id[0] + 1]
+    t0, t1 = int(tcut[block_id[1]]), int(tcut[block_id[1] + 1])
     call = _normalize(x, *weights, core_checks_next=True, **opts)
     dk, dv, scales = _head_arrays(call)
     var = call.var
     if var.rotary_dim > 0:
-        pos = np.broadcast_to(t0 + np.arange(call.Tq, dtype=np.int64), (call.B, call.Tq))
-        var = dataclasses.replace(var, positions=pos, key_positions=pos)
+        own = t0 + np.arange(t1 - t0, dtype=np.int64)
+        at = [own if a is None else _batch_rows(a, b0, b1)[..., t0:t1] for a in (pos, kpos)]
+        var = dataclasses.replace(var, **{
+            n: np.broadcast_to(a, (call.B, call.Tq))
+            for n, a in zip(("positions", "key_positions"), at)})
     fused = (call.wq.fused(), call.wk.fused(), call.wv.fused(), _fused_bias(call.bq),
              _fused_bias(call.bk), _fused_bias(call.bv))
     q, k, v = _core.project(call.x, call.key, call.value, *fused, dk, dv, scales,
@@ -684,7 +706,7 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads, num_kv_heads=
                          softcap=None, alibi_slopes=None, sinks=None, key_mask=None,
                          b_q=None, b_k=None, b_v=None, b_o=None, w_gate=None, b_gate=None,
                          q_norm=None, k_norm=None, norm_eps=1e-6, norm_type="rms",
-                         rope=None):
+                         rope=None, positions=None, key_positions=None):
     """:func:`mhattn.multi_head_attention` (self-attention) over a Dask x.
 
     multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads,
@@ -692,7 +714,7 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads, num_kv_heads=
     window=None, softcap=None, alibi_slopes=None, sinks=None,
     key_mask=None, b_q=None, b_k=None, b_v=None, b_o=None, w_gate=None,
     b_gate=None, q_norm=None, k_norm=None, norm_eps=1e-6, norm_type="rms",
-    rope=None) -> out
+    rope=None, positions=None, key_positions=None) -> out
 
     With T in one chunk the sequences are independent: one
     ``mhattn.multi_head_attention`` task per batch chunk (``map_blocks``), no
@@ -725,7 +747,13 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads, num_kv_heads=
     norm_type : "rms" (default) or "layer"
         The q/k norm's kind: RMSNorm or LayerNorm.
     rope : mhattn.RoPE or None (default)
-        RoPE after the q/k norm, at positions 0 .. T-1 of each sequence.
+        RoPE after the q/k norm, at positions 0 .. T-1 of each sequence
+        unless ``positions`` / ``key_positions`` say otherwise.
+    positions, key_positions : NumPy int (T,) or (B, T), or None (default)
+        The positions RoPE turns the queries and the keys to (e.g. HF's
+        ``position_ids`` for a left-padded batch), as
+        :func:`mhattn.multi_head_attention` takes them; each time chunk
+        uses its columns.
 
     Returns
     -------
@@ -751,10 +779,18 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads, num_kv_heads=
               q_norm=q_norm, k_norm=k_norm, norm_eps=norm_eps, norm_type=norm_type,
               rope=rope)
     # mhattn checks the weights and keywords on one row (no memory), the
-    # key lengths against T on the projected stand-ins below.
-    one = _proxy(x, "bthd", False)[..., :1, :] if x.ndim in (2, 3) else _proxy(x, "bthd", False)
-    probe = _multi_head_attention(one, *weights, **kw)
+    # positions against (B, T) here and the key lengths against T on the
+    # projected stand-ins below.
     batched = x.ndim == 3
+    pos, kpos, one = positions, key_positions, _proxy(x, "bthd", False)
+    if x.ndim in (2, 3):
+        B0, T0 = (x.shape[0] if batched else 1), x.shape[-2]
+        pos = _positions("positions", positions, B0, T0, batched, "query row")
+        kpos = _positions("key_positions", key_positions, B0, T0, batched, "key row")
+        one = one[..., :1, :]
+    probe = _multi_head_attention(one, *weights, **kw,
+                                  positions=_first_column(pos, x.ndim in (2, 3)),
+                                  key_positions=_first_column(kpos, x.ndim in (2, 3)))
     xb = (x if batched else x[None]).rechunk({2: -1})
     B, T = xb.shape[:2]
     H = int(num_heads)
@@ -769,14 +805,14 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads, num_kv_heads=
                    key_lengths=key_lengths, window=window, key_mask=key_mask)
         kl = None if key_lengths is None else np.asarray(key_lengths, np.int64).reshape(B)
         km = None if key_mask is None else np.broadcast_to(np.asarray(key_mask), (B, T))
-        out = xb.map_blocks(_mha_block, weights=weights, opts=kw, kl=kl, km=km,
-                            bcut=_cuts(xb.chunks[0]), dtype=dtype,
+        out = xb.map_blocks(_mha_block, weights=weights, opts=kw, kl=kl, km=km, pos=pos,
+                            kpos=kpos, bcut=_cuts(xb.chunks[0]), dtype=dtype,
                             chunks=xb.chunks[:2] + ((probe.shape[-1],),))
         return out if batched else out[0]
     Sq, Sk = H * dk, G * dk
     qkv = xb.map_blocks(_project_block, weights=weights[:3],
-                        opts={n: kw[n] for n in _PROJECTION_KW},
-                        tcut=_cuts(xb.chunks[1]), out_dtype=dtype, dtype=dtype,
+                        opts={n: kw[n] for n in _PROJECTION_KW}, pos=pos, kpos=kpos,
+                        bcut=_cuts(xb.chunks[0]), tcut=_cuts(xb.chunks[1]), out_dtype=dtype, dtype=dtype,
                         chunks=xb.chunks[:2] + ((Sq + Sk + G * dv,),))
     q = qkv[..., :Sq].reshape(B, T, H, dk)
     k = qkv[..., Sq:Sq + Sk].reshape(B, T, G, dk)
