@@ -812,7 +812,8 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o=None, *, num_heads, num_kv_heads=
     Sq, Sk = H * dk, G * dk
     qkv = xb.map_blocks(_project_block, weights=weights[:3],
                         opts={n: kw[n] for n in _PROJECTION_KW}, pos=pos, kpos=kpos,
-                        bcut=_cuts(xb.chunks[0]), tcut=_cuts(xb.chunks[1]), out_dtype=dtype, dtype=dtype,
+                        bcut=_cuts(xb.chunks[0]), tcut=_cuts(xb.chunks[1]), out_dtype=dtype,
+                        dtype=dtype,
                         chunks=xb.chunks[:2] + ((Sq + Sk + G * dv,),))
     q = qkv[..., :Sq].reshape(B, T, H, dk)
     k = qkv[..., Sq:Sq + Sk].reshape(B, T, G, dk)
